@@ -1,0 +1,54 @@
+//! Settings of the fs core (the CLI fills them from flags and the config file).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct FsConfig {
+    /// Key prefix the mount shows as its root: empty or ending with `/`.
+    pub prefix: String,
+    /// Owner shown for objects without `uid`/`gid` metadata.
+    pub uid: u32,
+    pub gid: u32,
+    /// When set, every entry shows this owner regardless of metadata (like s3fs `-o uid=`).
+    pub force_uid: Option<u32>,
+    pub force_gid: Option<u32>,
+    /// Permission bits for objects without `mode` metadata.
+    pub file_mode: u16,
+    pub dir_mode: u16,
+    pub read_only: bool,
+    /// How long attributes learned from the store are trusted.
+    pub stat_ttl: Duration,
+    /// Size of a multipart part and of a prefetch request.
+    pub part_size: u64,
+    /// Parts of one file uploading at once.
+    pub upload_concurrency: usize,
+    /// Most bytes a single read handle prefetches ahead of the reader.
+    pub max_prefetch: u64,
+    /// Where staging files for rewrites go.
+    pub cache_dir: PathBuf,
+    /// Most objects a directory rename may copy; bigger directories get EXDEV (mv then copies).
+    pub max_dir_rename_objects: usize,
+}
+
+impl Default for FsConfig {
+    fn default() -> Self {
+        Self {
+            prefix: String::new(),
+            // SAFETY: getuid/getgid cannot fail.
+            uid: unsafe { libc::getuid() },
+            gid: unsafe { libc::getgid() },
+            force_uid: None,
+            force_gid: None,
+            file_mode: 0o644,
+            dir_mode: 0o755,
+            read_only: false,
+            stat_ttl: Duration::from_secs(5),
+            part_size: 8 * 1024 * 1024,
+            upload_concurrency: 4,
+            max_prefetch: 64 * 1024 * 1024,
+            cache_dir: std::env::temp_dir(),
+            max_dir_rename_objects: 10_000,
+        }
+    }
+}

@@ -1,0 +1,55 @@
+//! Errors of the fs core are errnos: that is all the kernel can carry.
+
+use bucketfs_store::StoreError;
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsError(pub i32);
+
+pub type FsResult<T> = Result<T, FsError>;
+
+impl FsError {
+    pub const ENOENT: FsError = FsError(libc::ENOENT);
+    pub const EIO: FsError = FsError(libc::EIO);
+    pub const EEXIST: FsError = FsError(libc::EEXIST);
+    pub const ENOTDIR: FsError = FsError(libc::ENOTDIR);
+    pub const EISDIR: FsError = FsError(libc::EISDIR);
+    pub const ENOTEMPTY: FsError = FsError(libc::ENOTEMPTY);
+    pub const EINVAL: FsError = FsError(libc::EINVAL);
+    pub const EROFS: FsError = FsError(libc::EROFS);
+    pub const EBADF: FsError = FsError(libc::EBADF);
+    pub const ENAMETOOLONG: FsError = FsError(libc::ENAMETOOLONG);
+    pub const EXDEV: FsError = FsError(libc::EXDEV);
+    pub const EPERM: FsError = FsError(libc::EPERM);
+    pub const EFBIG: FsError = FsError(libc::EFBIG);
+    pub const ENOTSUP: FsError = FsError(libc::ENOTSUP);
+}
+
+impl fmt::Display for FsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", std::io::Error::from_raw_os_error(self.0))
+    }
+}
+
+impl std::error::Error for FsError {}
+
+impl From<StoreError> for FsError {
+    fn from(e: StoreError) -> Self {
+        FsError(e.errno())
+    }
+}
+
+impl From<std::io::Error> for FsError {
+    fn from(e: std::io::Error) -> Self {
+        FsError(e.raw_os_error().unwrap_or(libc::EIO))
+    }
+}
+
+/// Logs a store error once with its context and converts it to an errno.
+pub(crate) fn log_store_err(op: &str, e: StoreError) -> FsError {
+    match &e {
+        StoreError::NotFound(_) => tracing::debug!("{op}: {e}"),
+        _ => tracing::warn!("{op}: {e}"),
+    }
+    e.into()
+}

@@ -1,0 +1,21 @@
+//! File-system core of bucketfs: turns file operations into object operations.
+//!
+//! Owns the inode table and lookup counts, the POSIX metadata encoding (s3fs-compatible
+//! `x-amz-meta-mode/uid/gid/mtime`), directory listing, the read path (ranged GETs with
+//! sequential prefetch) and the write path (streaming multipart uploads, local staging for
+//! rewrites). It has no FUSE types in its API, so tests drive it in-process against the memory
+//! and fault stores; the `bucketfs-fuse` crate adapts it to the kernel.
+
+mod config;
+mod error;
+mod fs;
+mod inode;
+mod meta;
+mod names;
+
+pub use config::FsConfig;
+pub use error::{FsError, FsResult};
+pub use fs::{Caller, DirEntry, Fs, OpenReply, SetAttr, StatFs};
+pub use inode::{Ino, ROOT_INO};
+pub use meta::{Attr, FileKind};
+pub use names::{normalize_prefix, NAME_MAX};

@@ -1,0 +1,241 @@
+//! File attributes and their encoding in object user metadata.
+//!
+//! Compatible with s3fs-fuse, ossfs 1.x and rclone: `x-amz-meta-mode` is the decimal `st_mode`
+//! including the type bits, `-uid`/`-gid` decimal ids, `-mtime`/`-atime` seconds since the epoch
+//! (a fraction is allowed and kept). Objects without metadata get the mount's defaults.
+
+use bucketfs_store::{ObjectMeta, UserMeta};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub const META_MODE: &str = "mode";
+pub const META_UID: &str = "uid";
+pub const META_GID: &str = "gid";
+pub const META_MTIME: &str = "mtime";
+pub const META_ATIME: &str = "atime";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+}
+
+impl FileKind {
+    /// The `S_IFMT` bits of this kind.
+    pub fn mode_bits(self) -> u32 {
+        match self {
+            FileKind::File => libc::S_IFREG,
+            FileKind::Dir => libc::S_IFDIR,
+            FileKind::Symlink => libc::S_IFLNK,
+        }
+    }
+}
+
+/// What `stat` shows for one inode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attr {
+    pub ino: u64,
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits only (no type bits).
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub mtime: SystemTime,
+    pub atime: SystemTime,
+    pub ctime: SystemTime,
+}
+
+impl Attr {
+    pub fn nlink(&self) -> u32 {
+        if self.kind == FileKind::Dir {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// 512-byte blocks, as `du` expects.
+    pub fn blocks(&self) -> u64 {
+        self.size.div_ceil(512)
+    }
+}
+
+/// The POSIX metadata an object carries (each part optional: foreign objects have none).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PosixMeta {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub mtime: Option<SystemTime>,
+    pub atime: Option<SystemTime>,
+}
+
+fn parse_time(s: &str) -> Option<SystemTime> {
+    let f: f64 = s.trim().parse().ok()?;
+    if !f.is_finite() || f < 0.0 {
+        return None;
+    }
+    Some(UNIX_EPOCH + Duration::from_secs_f64(f))
+}
+
+fn format_time(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    if d.subsec_nanos() == 0 {
+        d.as_secs().to_string()
+    } else {
+        format!("{}.{:09}", d.as_secs(), d.subsec_nanos())
+    }
+}
+
+impl PosixMeta {
+    pub fn from_user(user: &UserMeta) -> Self {
+        let num = |k: &str| user.get(k).and_then(|v| v.trim().parse::<u32>().ok());
+        PosixMeta {
+            mode: num(META_MODE),
+            uid: num(META_UID),
+            gid: num(META_GID),
+            mtime: user.get(META_MTIME).and_then(|v| parse_time(v)),
+            atime: user.get(META_ATIME).and_then(|v| parse_time(v)),
+        }
+    }
+
+    /// Writes the known fields into `user`, keeping any other metadata it holds.
+    pub fn write_into(&self, user: &mut UserMeta) {
+        if let Some(m) = self.mode {
+            user.insert(META_MODE.into(), m.to_string());
+        }
+        if let Some(u) = self.uid {
+            user.insert(META_UID.into(), u.to_string());
+        }
+        if let Some(g) = self.gid {
+            user.insert(META_GID.into(), g.to_string());
+        }
+        if let Some(t) = self.mtime {
+            user.insert(META_MTIME.into(), format_time(t));
+        }
+        if let Some(t) = self.atime {
+            user.insert(META_ATIME.into(), format_time(t));
+        }
+    }
+
+    pub fn to_user(&self) -> UserMeta {
+        let mut u = UserMeta::new();
+        self.write_into(&mut u);
+        u
+    }
+
+    /// The kind the mode bits claim, if any.
+    pub fn kind(&self) -> Option<FileKind> {
+        match self.mode? & libc::S_IFMT {
+            libc::S_IFDIR => Some(FileKind::Dir),
+            libc::S_IFLNK => Some(FileKind::Symlink),
+            libc::S_IFREG => Some(FileKind::File),
+            _ => None,
+        }
+    }
+}
+
+/// Defaults and overrides that turn stored metadata into attributes.
+#[derive(Debug, Clone)]
+pub struct AttrPolicy {
+    pub uid: u32,
+    pub gid: u32,
+    pub force_uid: Option<u32>,
+    pub force_gid: Option<u32>,
+    pub file_mode: u16,
+    pub dir_mode: u16,
+}
+
+impl AttrPolicy {
+    /// Attributes of an object (or marker) with this stored state.
+    pub fn attr(
+        &self,
+        ino: u64,
+        kind: FileKind,
+        size: u64,
+        meta: &PosixMeta,
+        last_modified: Option<SystemTime>,
+    ) -> Attr {
+        let default_perm = match kind {
+            FileKind::Dir => self.dir_mode,
+            FileKind::File => self.file_mode,
+            FileKind::Symlink => 0o777,
+        };
+        let perm = meta
+            .mode
+            .map(|m| (m & 0o7777) as u16)
+            .unwrap_or(default_perm);
+        let mtime = meta.mtime.or(last_modified).unwrap_or(UNIX_EPOCH);
+        Attr {
+            ino,
+            kind,
+            size,
+            perm,
+            uid: self.force_uid.or(meta.uid).unwrap_or(self.uid),
+            gid: self.force_gid.or(meta.gid).unwrap_or(self.gid),
+            mtime,
+            atime: meta.atime.unwrap_or(mtime),
+            ctime: last_modified.unwrap_or(mtime),
+        }
+    }
+
+    pub fn attr_of_object(&self, ino: u64, kind: FileKind, obj: &ObjectMeta) -> Attr {
+        let meta = PosixMeta::from_user(&obj.user);
+        let size = if kind == FileKind::Dir { 0 } else { obj.size };
+        self.attr(ino, kind, size, &meta, obj.last_modified)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn s3fs_metadata_round_trips() {
+        let mut user = UserMeta::new();
+        user.insert("mode".into(), "33188".into()); // s3fs writes S_IFREG|0644 in decimal
+        user.insert("uid".into(), "1000".into());
+        user.insert("gid".into(), "100".into());
+        user.insert("mtime".into(), "1700000000".into());
+        user.insert("other".into(), "kept".into());
+        let m = PosixMeta::from_user(&user);
+        assert_eq!(m.mode, Some(libc::S_IFREG | 0o644));
+        assert_eq!(m.kind(), Some(FileKind::File));
+        assert_eq!(m.mtime, Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000)));
+        let mut out = UserMeta::new();
+        out.insert("other".into(), "kept".into());
+        m.write_into(&mut out);
+        assert_eq!(out, user);
+    }
+
+    #[test]
+    fn fractional_mtime_and_garbage() {
+        let mut user = UserMeta::new();
+        user.insert("mtime".into(), "1700000000.5".into());
+        user.insert("mode".into(), "rw-r--r--".into());
+        let m = PosixMeta::from_user(&user);
+        assert_eq!(
+            m.mtime,
+            Some(UNIX_EPOCH + Duration::from_millis(1_700_000_000_500))
+        );
+        assert_eq!(m.mode, None);
+        assert_eq!(format_time(m.mtime.unwrap()), "1700000000.500000000");
+    }
+
+    #[test]
+    fn defaults_and_forced_owner() {
+        let p = AttrPolicy {
+            uid: 1,
+            gid: 2,
+            force_uid: Some(7),
+            force_gid: None,
+            file_mode: 0o640,
+            dir_mode: 0o750,
+        };
+        let a = p.attr(5, FileKind::File, 10, &PosixMeta::default(), None);
+        assert_eq!((a.perm, a.uid, a.gid), (0o640, 7, 2));
+        let d = p.attr(6, FileKind::Dir, 0, &PosixMeta::default(), None);
+        assert_eq!(d.perm, 0o750);
+    }
+}

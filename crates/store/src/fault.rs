@@ -1,0 +1,185 @@
+//! A store wrapper that injects failures and latency on chosen calls, for unit tests of the
+//! fs core's error handling (cases a real server cannot be made to produce on demand).
+
+use crate::metrics::Op;
+use crate::*;
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What to do to a matching call.
+#[derive(Debug, Clone)]
+pub enum Fault {
+    /// Fail with this error instead of calling the inner store.
+    Error(StoreError),
+    /// Sleep, then call the inner store.
+    Delay(Duration),
+    /// Call the inner store (the request happens), then report a dropped connection.
+    DropAfter,
+}
+
+#[derive(Debug, Clone)]
+struct Rule {
+    op: Op,
+    /// Skip this many matching calls before the rule fires.
+    skip: u64,
+    /// Fire this many times; `None` = forever.
+    times: Option<u64>,
+    fault: Fault,
+}
+
+pub struct FaultStore {
+    inner: Arc<dyn ObjectStore>,
+    rules: Mutex<Vec<Rule>>,
+}
+
+impl FaultStore {
+    pub fn new(inner: Arc<dyn ObjectStore>) -> Self {
+        Self {
+            inner,
+            rules: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Injects `fault` on calls of `op`, after `skip` clean calls, `times` times (None: always).
+    pub fn inject(&self, op: Op, skip: u64, times: Option<u64>, fault: Fault) {
+        self.rules.lock().push(Rule {
+            op,
+            skip,
+            times,
+            fault,
+        });
+    }
+
+    pub fn clear(&self) {
+        self.rules.lock().clear();
+    }
+
+    fn take(&self, op: Op) -> Option<Fault> {
+        let mut rules = self.rules.lock();
+        for r in rules.iter_mut().filter(|r| r.op == op) {
+            if r.skip > 0 {
+                r.skip -= 1;
+                continue;
+            }
+            match &mut r.times {
+                Some(0) => continue,
+                Some(n) => *n -= 1,
+                None => {}
+            }
+            return Some(r.fault.clone());
+        }
+        None
+    }
+
+    async fn wrap<T, F>(&self, op: Op, call: F) -> StoreResult<T>
+    where
+        F: std::future::Future<Output = StoreResult<T>> + Send,
+    {
+        match self.take(op) {
+            None => call.await,
+            Some(Fault::Error(e)) => Err(e),
+            Some(Fault::Delay(d)) => {
+                tokio::time::sleep(d).await;
+                call.await
+            }
+            Some(Fault::DropAfter) => {
+                let _ = call.await;
+                Err(StoreError::Transient("connection reset (injected)".into()))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl ObjectStore for FaultStore {
+    fn describe(&self) -> String {
+        format!("faulty {}", self.inner.describe())
+    }
+    async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
+        self.wrap(Op::Head, self.inner.head(key)).await
+    }
+    async fn get_range(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> StoreResult<Bytes> {
+        self.wrap(Op::Get, self.inner.get_range(key, range, if_match)).await
+    }
+    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        self.wrap(Op::Put, self.inner.put(key, body, meta)).await
+    }
+    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        self.wrap(Op::CreateMultipart, self.inner.create_multipart(key, meta)).await
+    }
+    async fn upload_part(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        body: Bytes,
+    ) -> StoreResult<String> {
+        self.wrap(
+            Op::UploadPart,
+            self.inner.upload_part(key, upload_id, part_number, body),
+        )
+        .await
+    }
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        src_key: &str,
+        range: Range<u64>,
+    ) -> StoreResult<String> {
+        self.wrap(
+            Op::UploadPartCopy,
+            self.inner
+                .upload_part_copy(key, upload_id, part_number, src_key, range),
+        )
+        .await
+    }
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: &[CompletedPart],
+    ) -> StoreResult<String> {
+        self.wrap(
+            Op::CompleteMultipart,
+            self.inner.complete_multipart(key, upload_id, parts),
+        )
+        .await
+    }
+    async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
+        self.wrap(Op::AbortMultipart, self.inner.abort_multipart(key, upload_id))
+            .await
+    }
+    async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
+        self.wrap(Op::ListMultipart, self.inner.list_multipart_uploads(prefix))
+            .await
+    }
+    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+        self.wrap(Op::Copy, self.inner.copy(src_key, dst_key, meta)).await
+    }
+    async fn delete(&self, key: &str) -> StoreResult<()> {
+        self.wrap(Op::Delete, self.inner.delete(key)).await
+    }
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        continuation: Option<String>,
+        max_keys: usize,
+    ) -> StoreResult<ListPage> {
+        self.wrap(
+            Op::List,
+            self.inner.list(prefix, delimiter, continuation, max_keys),
+        )
+        .await
+    }
+}

@@ -1,0 +1,99 @@
+//! Store layer: the object operations bucketfs needs, behind one trait.
+//!
+//! This crate owns talking to a bucket. It knows nothing about inodes or FUSE. Backends:
+//! [`s3::S3Store`] (any S3-compatible service), [`local::LocalStore`] (a local directory used as a
+//! bucket, the embedded default), [`memory::MemoryStore`] and [`fault::FaultStore`] (tests).
+
+pub mod error;
+pub mod fault;
+pub mod listing;
+pub mod local;
+pub mod memory;
+pub mod metrics;
+pub mod s3;
+pub mod types;
+
+pub use error::{StoreError, StoreResult};
+pub use types::*;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::ops::Range;
+
+/// The object operations the file system needs. Keys are full object keys (no leading `/`).
+#[async_trait]
+pub trait ObjectStore: Send + Sync + 'static {
+    /// A short name for logs and errors, such as `s3://bucket` or `/srv/data`.
+    fn describe(&self) -> String;
+
+    /// HEAD: size, ETag, mtime and user metadata of one object.
+    async fn head(&self, key: &str) -> StoreResult<ObjectMeta>;
+
+    /// Ranged GET. The range may run past the end of the object; the result is then shorter.
+    /// With `if_match`, fails with [`StoreError::PreconditionFailed`] when the ETag differs.
+    async fn get_range(&self, key: &str, range: Range<u64>, if_match: Option<&str>)
+        -> StoreResult<Bytes>;
+
+    /// PUT of a whole object with user metadata. Returns the new ETag.
+    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String>;
+
+    /// Starts a multipart upload whose object will carry `meta`. Returns the upload id.
+    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String>;
+
+    /// Uploads part `part_number` (1-based). Returns the part's ETag.
+    async fn upload_part(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        body: Bytes,
+    ) -> StoreResult<String>;
+
+    /// Uploads part `part_number` by copying `range` of `src_key` server-side.
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        src_key: &str,
+        range: Range<u64>,
+    ) -> StoreResult<String>;
+
+    /// Completes a multipart upload from its parts, in order. Returns the new ETag.
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: &[CompletedPart],
+    ) -> StoreResult<String>;
+
+    /// Aborts a multipart upload and frees its parts.
+    async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()>;
+
+    /// Multipart uploads in progress under `prefix`.
+    async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>>;
+
+    /// Server-side copy (objects up to 5 GiB). `meta: None` keeps the source's user metadata,
+    /// `Some` replaces it (this is how chmod/utimens change an object in place).
+    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()>;
+
+    /// DELETE. Deleting a missing key succeeds, as in S3.
+    async fn delete(&self, key: &str) -> StoreResult<()>;
+
+    /// One page of a LIST of keys starting with `prefix`. With `delimiter` (always `/` here),
+    /// keys below the next delimiter are rolled up into `common_prefixes`.
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        continuation: Option<String>,
+        max_keys: usize,
+    ) -> StoreResult<ListPage>;
+}
+
+/// Largest object a single CopyObject may copy.
+pub const MAX_COPY_OBJECT_SIZE: u64 = 5 * 1024 * 1024 * 1024;
+/// Smallest part a multipart upload accepts (except the last one).
+pub const MIN_PART_SIZE: u64 = 5 * 1024 * 1024;
+/// Most parts one multipart upload may have.
+pub const MAX_PARTS: u32 = 10_000;

@@ -1,0 +1,621 @@
+//! A local directory used as a bucket: the embedded default, so `bucketfs mount ./data ./mnt`
+//! works with no account and no server.
+//!
+//! Key `a/b/c` is the file `<root>/a/b/c`; key `a/b/` (a directory marker) is the directory
+//! `<root>/a/b`. Every directory therefore has a marker. User metadata lives in `user.bucketfs.*`
+//! extended attributes. Keys that cannot be file paths (`a//b`, `.`/`..` segments) are refused
+//! with [`StoreError::Invalid`]. In-progress uploads and temp files live under
+//! `<root>/.bucketfs-store/`, which is hidden from listings.
+
+use crate::listing::page_from_sorted;
+use crate::*;
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::ffi::CString;
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Name of the hidden directory holding uploads in progress and temp files.
+pub const INTERNAL_DIR: &str = ".bucketfs-store";
+const XATTR_PREFIX: &str = "user.bucketfs.";
+
+pub struct LocalStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    root: PathBuf,
+    seq: AtomicU64,
+}
+
+impl LocalStore {
+    /// Opens `root` as a bucket. The directory must exist.
+    pub fn open(root: impl AsRef<Path>) -> StoreResult<Self> {
+        let root = root.as_ref();
+        let md = fs::metadata(root).map_err(|e| {
+            StoreError::NoSuchBucket(format!("{}: {}", root.display(), e))
+        })?;
+        if !md.is_dir() {
+            return Err(StoreError::NoSuchBucket(format!(
+                "{} is not a directory",
+                root.display()
+            )));
+        }
+        let root = root.canonicalize()?;
+        fs::create_dir_all(root.join(INTERNAL_DIR).join("tmp"))?;
+        fs::create_dir_all(root.join(INTERNAL_DIR).join("uploads"))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                root,
+                seq: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    async fn run<T, F>(&self, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Inner) -> StoreResult<T> + Send + 'static,
+    {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || f(&inner))
+            .await
+            .map_err(|e| StoreError::Other(format!("local store task failed: {e}")))?
+    }
+}
+
+/// Checks that every segment of `key` is a usable file name.
+fn validate_key(key: &str) -> StoreResult<()> {
+    let body = key.strip_suffix('/').unwrap_or(key);
+    if body.is_empty() {
+        return Ok(());
+    }
+    for seg in body.split('/') {
+        if seg.is_empty() || seg == "." || seg == ".." || seg.contains('\0') {
+            return Err(StoreError::Invalid(format!(
+                "key {key:?} cannot be stored in a local directory"
+            )));
+        }
+    }
+    if body.split('/').next() == Some(INTERNAL_DIR) {
+        return Err(StoreError::Invalid(format!("key {key:?} is reserved")));
+    }
+    Ok(())
+}
+
+fn etag_of(md: &fs::Metadata) -> String {
+    format!(
+        "\"{:x}-{:x}-{:x}-{:x}\"",
+        md.mtime(),
+        md.mtime_nsec(),
+        md.size(),
+        md.ino()
+    )
+}
+
+fn cpath(p: &Path) -> StoreResult<CString> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| StoreError::Invalid("NUL in path".into()))
+}
+
+fn read_xattrs(path: &Path) -> StoreResult<UserMeta> {
+    let c = cpath(path)?;
+    let mut meta = UserMeta::new();
+    let mut names = vec![0u8; 4096];
+    // SAFETY: buffer pointer and length describe a valid writable allocation.
+    let n = unsafe { libc::listxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    if n < 0 {
+        return Ok(meta);
+    }
+    names.truncate(n as usize);
+    for name in names.split(|b| *b == 0).filter(|s| !s.is_empty()) {
+        let Ok(name) = std::str::from_utf8(name) else { continue };
+        let Some(short) = name.strip_prefix(XATTR_PREFIX) else { continue };
+        let cname = CString::new(name).expect("no NUL in xattr name");
+        let mut val = vec![0u8; 4096];
+        // SAFETY: as above.
+        let len = unsafe {
+            libc::getxattr(c.as_ptr(), cname.as_ptr(), val.as_mut_ptr().cast(), val.len())
+        };
+        if len >= 0 {
+            val.truncate(len as usize);
+            meta.insert(short.to_string(), String::from_utf8_lossy(&val).into_owned());
+        }
+    }
+    Ok(meta)
+}
+
+fn write_xattrs(path: &Path, meta: &UserMeta) -> StoreResult<()> {
+    let c = cpath(path)?;
+    for (k, _) in read_xattrs(path)? {
+        if !meta.contains_key(&k) {
+            let cname = CString::new(format!("{XATTR_PREFIX}{k}")).expect("no NUL");
+            // SAFETY: valid C strings.
+            unsafe { libc::removexattr(c.as_ptr(), cname.as_ptr()) };
+        }
+    }
+    for (k, v) in meta {
+        let cname = CString::new(format!("{XATTR_PREFIX}{k}"))
+            .map_err(|_| StoreError::Invalid("NUL in metadata key".into()))?;
+        // SAFETY: valid C strings and a readable value buffer.
+        let rc = unsafe {
+            libc::setxattr(c.as_ptr(), cname.as_ptr(), v.as_ptr().cast(), v.len(), 0)
+        };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            return Err(StoreError::Other(format!(
+                "cannot store metadata on {} (does the file system support user xattrs?): {err}",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Inner {
+    fn path(&self, key: &str) -> StoreResult<PathBuf> {
+        validate_key(key)?;
+        let body = key.strip_suffix('/').unwrap_or(key);
+        Ok(if body.is_empty() {
+            self.root.clone()
+        } else {
+            self.root.join(body)
+        })
+    }
+
+    fn tmp_path(&self) -> PathBuf {
+        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.root
+            .join(INTERNAL_DIR)
+            .join("tmp")
+            .join(format!("{}-{}", std::process::id(), n))
+    }
+
+    fn upload_dir(&self, upload_id: &str) -> StoreResult<PathBuf> {
+        if upload_id.is_empty() || !upload_id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+            return Err(StoreError::NotFound(format!("upload {upload_id}")));
+        }
+        let p = self.root.join(INTERNAL_DIR).join("uploads").join(upload_id);
+        if !p.is_dir() {
+            return Err(StoreError::NotFound(format!("upload {upload_id}")));
+        }
+        Ok(p)
+    }
+
+    fn object_md(&self, key: &str) -> StoreResult<(PathBuf, fs::Metadata)> {
+        let p = self.path(key)?;
+        let md = fs::metadata(&p).map_err(|_| StoreError::NotFound(key.to_string()))?;
+        let is_marker = key.ends_with('/') || key.is_empty();
+        if md.is_dir() != is_marker {
+            return Err(StoreError::NotFound(key.to_string()));
+        }
+        Ok((p, md))
+    }
+
+    fn make_parents(&self, key: &str) -> StoreResult<()> {
+        let p = self.path(key)?;
+        if let Some(parent) = p.parent() {
+            fs::create_dir_all(parent).map_err(|e| {
+                StoreError::Invalid(format!("cannot create parents of {key:?}: {e}"))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Moves a finished temp file into place as `key` with `meta`.
+    fn publish(&self, tmp: &Path, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        let dst = self.path(key)?;
+        if key.ends_with('/') {
+            fs::create_dir_all(&dst)?;
+            let _ = fs::remove_file(tmp);
+            write_xattrs(&dst, meta)?;
+            return Ok(etag_of(&fs::metadata(&dst)?));
+        }
+        if dst.is_dir() {
+            let _ = fs::remove_file(tmp);
+            return Err(StoreError::Invalid(format!(
+                "key {key:?} names a directory in the local store"
+            )));
+        }
+        write_xattrs(tmp, meta)?;
+        self.make_parents(key)?;
+        fs::rename(tmp, &dst)?;
+        Ok(etag_of(&fs::metadata(&dst)?))
+    }
+
+    fn write_tmp(&self, data: &[u8]) -> StoreResult<PathBuf> {
+        let tmp = self.tmp_path();
+        let mut f = File::create(&tmp)?;
+        f.write_all(data)?;
+        Ok(tmp)
+    }
+
+    fn read_range(&self, path: &Path, range: Range<u64>) -> StoreResult<Bytes> {
+        let mut f = File::open(path)?;
+        let len = f.metadata()?.len();
+        let start = range.start.min(len);
+        let end = range.end.min(len).max(start);
+        let mut buf = vec![0u8; (end - start) as usize];
+        f.seek(SeekFrom::Start(start))?;
+        f.read_exact(&mut buf)?;
+        Ok(Bytes::from(buf))
+    }
+
+    /// Every key under the directory part of `prefix` that starts with `prefix`, sorted.
+    /// Directories appear as marker keys (`name/`); with `recursive` their contents follow.
+    fn collect(&self, prefix: &str, recursive: bool) -> StoreResult<Vec<ObjectMeta>> {
+        let (dir_key, _) = match prefix.rfind('/') {
+            Some(i) => prefix.split_at(i + 1),
+            None => ("", prefix),
+        };
+        let dir = match self.path(dir_key) {
+            Ok(p) => p,
+            Err(_) => return Ok(Vec::new()),
+        };
+        let mut out = Vec::new();
+        if !dir.is_dir() {
+            return Ok(out);
+        }
+        if !dir_key.is_empty() && prefix == dir_key {
+            let md = fs::metadata(&dir)?;
+            out.push(meta_of(dir_key, &md));
+        }
+        self.walk(&dir, dir_key, prefix, recursive, &mut out)?;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    fn walk(
+        &self,
+        dir: &Path,
+        dir_key: &str,
+        prefix: &str,
+        recursive: bool,
+        out: &mut Vec<ObjectMeta>,
+    ) -> StoreResult<()> {
+        let rd = match fs::read_dir(dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        for ent in rd {
+            let ent = ent?;
+            let Ok(name) = ent.file_name().into_string() else { continue };
+            if dir_key.is_empty() && name == INTERNAL_DIR {
+                continue;
+            }
+            let Ok(md) = fs::symlink_metadata(ent.path()) else { continue };
+            let key = if md.is_dir() {
+                format!("{dir_key}{name}/")
+            } else {
+                format!("{dir_key}{name}")
+            };
+            if !key.starts_with(prefix) && !prefix.starts_with(&key) {
+                continue;
+            }
+            if md.is_dir() {
+                if key.starts_with(prefix) {
+                    out.push(meta_of(&key, &md));
+                }
+                if recursive || prefix.len() > key.len() {
+                    self.walk(&ent.path(), &key, prefix, recursive, out)?;
+                }
+            } else if md.is_file() && key.starts_with(prefix) {
+                out.push(meta_of(&key, &md));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn meta_of(key: &str, md: &fs::Metadata) -> ObjectMeta {
+    ObjectMeta {
+        key: key.to_string(),
+        size: if md.is_dir() { 0 } else { md.len() },
+        etag: Some(etag_of(md)),
+        last_modified: md.modified().ok(),
+        user: UserMeta::new(),
+    }
+}
+
+#[async_trait]
+impl ObjectStore for LocalStore {
+    fn describe(&self) -> String {
+        self.inner.root.display().to_string()
+    }
+
+    async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
+        let key = key.to_string();
+        self.run(move |s| {
+            let (p, md) = s.object_md(&key)?;
+            let mut m = meta_of(&key, &md);
+            m.user = read_xattrs(&p)?;
+            Ok(m)
+        })
+        .await
+    }
+
+    async fn get_range(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> StoreResult<Bytes> {
+        let key = key.to_string();
+        let if_match = if_match.map(str::to_string);
+        self.run(move |s| {
+            let (p, md) = s.object_md(&key)?;
+            if let Some(tag) = if_match {
+                if tag != etag_of(&md) {
+                    return Err(StoreError::PreconditionFailed(key));
+                }
+            }
+            if md.is_dir() {
+                return Ok(Bytes::new());
+            }
+            s.read_range(&p, range)
+        })
+        .await
+    }
+
+    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        let key = key.to_string();
+        let meta = meta.clone();
+        self.run(move |s| {
+            s.path(&key)?;
+            let tmp = s.write_tmp(&body)?;
+            s.publish(&tmp, &key, &meta)
+        })
+        .await
+    }
+
+    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        let key = key.to_string();
+        let meta = meta.clone();
+        self.run(move |s| {
+            s.path(&key)?;
+            let id = format!(
+                "{}-{}-{}",
+                std::process::id(),
+                s.seq.fetch_add(1, Ordering::Relaxed),
+                rand::random::<u32>()
+            );
+            let dir = s.root.join(INTERNAL_DIR).join("uploads").join(&id);
+            fs::create_dir_all(&dir)?;
+            let mut f = File::create(dir.join("key"))?;
+            f.write_all(key.as_bytes())?;
+            write_xattrs(&dir.join("key"), &meta)?;
+            Ok(id)
+        })
+        .await
+    }
+
+    async fn upload_part(
+        &self,
+        _key: &str,
+        upload_id: &str,
+        part_number: u32,
+        body: Bytes,
+    ) -> StoreResult<String> {
+        let upload_id = upload_id.to_string();
+        self.run(move |s| {
+            let dir = s.upload_dir(&upload_id)?;
+            let p = dir.join(format!("part-{part_number:05}"));
+            fs::write(&p, &body)?;
+            Ok(etag_of(&fs::metadata(&p)?))
+        })
+        .await
+    }
+
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        src_key: &str,
+        range: Range<u64>,
+    ) -> StoreResult<String> {
+        let src_key = src_key.to_string();
+        let data = self
+            .run(move |s| {
+                let (p, md) = s.object_md(&src_key)?;
+                if range.end > md.len() || range.start >= range.end {
+                    return Err(StoreError::Invalid(format!("bad copy range {range:?}")));
+                }
+                s.read_range(&p, range)
+            })
+            .await?;
+        self.upload_part(key, upload_id, part_number, data).await
+    }
+
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: &[CompletedPart],
+    ) -> StoreResult<String> {
+        let key = key.to_string();
+        let upload_id = upload_id.to_string();
+        let parts = parts.to_vec();
+        self.run(move |s| {
+            let dir = s.upload_dir(&upload_id)?;
+            let meta = read_xattrs(&dir.join("key"))?;
+            let tmp = s.tmp_path();
+            let mut out = File::create(&tmp)?;
+            for (i, part) in parts.iter().enumerate() {
+                let p = dir.join(format!("part-{:05}", part.part_number));
+                let md = fs::metadata(&p).map_err(|_| {
+                    StoreError::Invalid(format!("missing part {}", part.part_number))
+                })?;
+                if etag_of(&md) != part.etag {
+                    return Err(StoreError::Invalid(format!("part {} etag", part.part_number)));
+                }
+                if i + 1 < parts.len() && md.len() < MIN_PART_SIZE {
+                    return Err(StoreError::Invalid(format!(
+                        "part {} smaller than 5 MiB",
+                        part.part_number
+                    )));
+                }
+                std::io::copy(&mut File::open(&p)?, &mut out)?;
+            }
+            drop(out);
+            let etag = s.publish(&tmp, &key, &meta)?;
+            fs::remove_dir_all(&dir)?;
+            Ok(etag)
+        })
+        .await
+    }
+
+    async fn abort_multipart(&self, _key: &str, upload_id: &str) -> StoreResult<()> {
+        let upload_id = upload_id.to_string();
+        self.run(move |s| match s.upload_dir(&upload_id) {
+            Ok(dir) => Ok(fs::remove_dir_all(dir)?),
+            Err(_) => Ok(()),
+        })
+        .await
+    }
+
+    async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
+        let prefix = prefix.to_string();
+        self.run(move |s| {
+            let mut out = Vec::new();
+            for ent in fs::read_dir(s.root.join(INTERNAL_DIR).join("uploads"))? {
+                let ent = ent?;
+                let Ok(key) = fs::read_to_string(ent.path().join("key")) else { continue };
+                if key.starts_with(&prefix) {
+                    out.push(MultipartUpload {
+                        key,
+                        upload_id: ent.file_name().to_string_lossy().into_owned(),
+                        initiated: ent.metadata().ok().and_then(|m| m.modified().ok()),
+                    });
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+        let src_key = src_key.to_string();
+        let dst_key = dst_key.to_string();
+        let meta = meta.cloned();
+        self.run(move |s| {
+            let (p, md) = s.object_md(&src_key)?;
+            let meta = match meta {
+                Some(m) => m,
+                None => read_xattrs(&p)?,
+            };
+            s.path(&dst_key)?;
+            let tmp = s.tmp_path();
+            if md.is_dir() {
+                File::create(&tmp)?;
+            } else {
+                fs::copy(&p, &tmp)?;
+            }
+            s.publish(&tmp, &dst_key, &meta)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &str) -> StoreResult<()> {
+        let key = key.to_string();
+        self.run(move |s| {
+            let p = s.path(&key)?;
+            let Ok(md) = fs::symlink_metadata(&p) else { return Ok(()) };
+            if key.ends_with('/') {
+                if md.is_dir() && fs::remove_dir(&p).is_err() {
+                    // Not empty: like S3, deleting the marker leaves the children.
+                    write_xattrs(&p, &UserMeta::new())?;
+                }
+            } else if !md.is_dir() {
+                fs::remove_file(&p)?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        continuation: Option<String>,
+        max_keys: usize,
+    ) -> StoreResult<ListPage> {
+        let prefix = prefix.to_string();
+        let delimiter = delimiter.map(str::to_string);
+        self.run(move |s| {
+            let recursive = delimiter.is_none();
+            let all = s.collect(&prefix, recursive)?;
+            Ok(page_from_sorted(
+                all,
+                &prefix,
+                delimiter.as_deref(),
+                continuation.as_deref(),
+                max_keys,
+            ))
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn put_head_list_roundtrip() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        let mut meta = UserMeta::new();
+        meta.insert("mode".into(), "33188".into());
+        s.put("a/b/c.txt", Bytes::from_static(b"hello"), &meta).await.unwrap();
+        s.put("a/d/", Bytes::new(), &UserMeta::new()).await.unwrap();
+        let h = s.head("a/b/c.txt").await.unwrap();
+        assert_eq!(h.size, 5);
+        assert_eq!(h.user.get("mode").unwrap(), "33188");
+        assert!(s.head("a/b").await.unwrap_err().is_not_found());
+        assert!(s.head("a/b/").await.is_ok());
+        let page = s.list("a/", Some("/"), None, 1000).await.unwrap();
+        assert_eq!(page.objects[0].key, "a/");
+        assert_eq!(page.common_prefixes, ["a/b/", "a/d/"]);
+        let all = s.list("", None, None, 1000).await.unwrap();
+        let keys: Vec<_> = all.objects.iter().map(|o| o.key.as_str()).collect();
+        assert_eq!(keys, ["a/", "a/b/", "a/b/c.txt", "a/d/"]);
+        let got = s.get_range("a/b/c.txt", 1..100, h.etag.as_deref()).await.unwrap();
+        assert_eq!(&got[..], b"ello");
+        assert!(matches!(
+            s.get_range("a/b/c.txt", 0..1, Some("\"nope\"")).await,
+            Err(StoreError::PreconditionFailed(_))
+        ));
+        assert!(matches!(s.head("a//b").await, Err(StoreError::Invalid(_))));
+    }
+
+    #[tokio::test]
+    async fn multipart_assembles_parts() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        let id = s.create_multipart("big", &UserMeta::new()).await.unwrap();
+        let p1 = vec![1u8; MIN_PART_SIZE as usize];
+        let e1 = s.upload_part("big", &id, 1, Bytes::from(p1)).await.unwrap();
+        let e2 = s.upload_part("big", &id, 2, Bytes::from_static(b"tail")).await.unwrap();
+        assert_eq!(s.list_multipart_uploads("").await.unwrap().len(), 1);
+        s.complete_multipart(
+            "big",
+            &id,
+            &[
+                CompletedPart { part_number: 1, etag: e1 },
+                CompletedPart { part_number: 2, etag: e2 },
+            ],
+        )
+        .await
+        .unwrap();
+        assert_eq!(s.head("big").await.unwrap().size, MIN_PART_SIZE + 4);
+        assert!(s.list_multipart_uploads("").await.unwrap().is_empty());
+    }
+}

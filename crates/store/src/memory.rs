@@ -1,0 +1,263 @@
+//! In-memory bucket for fast unit tests of the fs core.
+
+use crate::listing::page_from_sorted;
+use crate::*;
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use md5::{Digest, Md5};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::time::SystemTime;
+
+#[derive(Clone)]
+struct Object {
+    data: Bytes,
+    meta: UserMeta,
+    etag: String,
+    modified: SystemTime,
+}
+
+struct Upload {
+    key: String,
+    meta: UserMeta,
+    parts: BTreeMap<u32, (String, Bytes)>,
+    initiated: SystemTime,
+}
+
+#[derive(Default)]
+struct Inner {
+    objects: BTreeMap<String, Object>,
+    uploads: HashMap<String, Upload>,
+    next_upload: u64,
+}
+
+/// A bucket held in a `BTreeMap`, with S3's LIST, multipart and ETag behaviour.
+#[derive(Default)]
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+}
+
+fn etag_of(data: &[u8]) -> String {
+    format!("\"{}\"", hex::encode(Md5::digest(data)))
+}
+
+impl MemoryStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of multipart uploads not yet completed or aborted.
+    pub fn pending_uploads(&self) -> usize {
+        self.inner.lock().uploads.len()
+    }
+
+    /// All keys, for test assertions.
+    pub fn keys(&self) -> Vec<String> {
+        self.inner.lock().objects.keys().cloned().collect()
+    }
+
+    fn insert(&self, key: &str, data: Bytes, meta: UserMeta) -> String {
+        let etag = etag_of(&data);
+        self.inner.lock().objects.insert(
+            key.to_string(),
+            Object {
+                data,
+                meta,
+                etag: etag.clone(),
+                modified: SystemTime::now(),
+            },
+        );
+        etag
+    }
+
+    fn get(&self, key: &str) -> StoreResult<Object> {
+        self.inner
+            .lock()
+            .objects
+            .get(key)
+            .cloned()
+            .ok_or_else(|| StoreError::NotFound(key.to_string()))
+    }
+}
+
+#[async_trait]
+impl ObjectStore for MemoryStore {
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+
+    async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
+        let o = self.get(key)?;
+        Ok(ObjectMeta {
+            key: key.to_string(),
+            size: o.data.len() as u64,
+            etag: Some(o.etag),
+            last_modified: Some(o.modified),
+            user: o.meta,
+        })
+    }
+
+    async fn get_range(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> StoreResult<Bytes> {
+        let o = self.get(key)?;
+        if let Some(tag) = if_match {
+            if tag != o.etag {
+                return Err(StoreError::PreconditionFailed(key.to_string()));
+            }
+        }
+        let len = o.data.len() as u64;
+        let start = range.start.min(len) as usize;
+        let end = range.end.min(len) as usize;
+        Ok(o.data.slice(start..end.max(start)))
+    }
+
+    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        Ok(self.insert(key, body, meta.clone()))
+    }
+
+    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        let mut inner = self.inner.lock();
+        inner.next_upload += 1;
+        let id = format!("upload-{}", inner.next_upload);
+        inner.uploads.insert(
+            id.clone(),
+            Upload {
+                key: key.to_string(),
+                meta: meta.clone(),
+                parts: BTreeMap::new(),
+                initiated: SystemTime::now(),
+            },
+        );
+        Ok(id)
+    }
+
+    async fn upload_part(
+        &self,
+        _key: &str,
+        upload_id: &str,
+        part_number: u32,
+        body: Bytes,
+    ) -> StoreResult<String> {
+        let etag = etag_of(&body);
+        let mut inner = self.inner.lock();
+        let up = inner
+            .uploads
+            .get_mut(upload_id)
+            .ok_or_else(|| StoreError::NotFound(format!("upload {upload_id}")))?;
+        up.parts.insert(part_number, (etag.clone(), body));
+        Ok(etag)
+    }
+
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        src_key: &str,
+        range: Range<u64>,
+    ) -> StoreResult<String> {
+        let src = self.get(src_key)?;
+        if range.end > src.data.len() as u64 || range.start >= range.end {
+            return Err(StoreError::Invalid(format!("bad copy range {range:?}")));
+        }
+        let body = src.data.slice(range.start as usize..range.end as usize);
+        self.upload_part(key, upload_id, part_number, body).await
+    }
+
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: &[CompletedPart],
+    ) -> StoreResult<String> {
+        let up = {
+            let mut inner = self.inner.lock();
+            inner
+                .uploads
+                .remove(upload_id)
+                .ok_or_else(|| StoreError::NotFound(format!("upload {upload_id}")))?
+        };
+        let mut buf = BytesMut::new();
+        for (i, p) in parts.iter().enumerate() {
+            let (etag, data) = up
+                .parts
+                .get(&p.part_number)
+                .ok_or_else(|| StoreError::Invalid(format!("missing part {}", p.part_number)))?;
+            if *etag != p.etag {
+                return Err(StoreError::Invalid(format!("part {} etag", p.part_number)));
+            }
+            if i + 1 < parts.len() && (data.len() as u64) < MIN_PART_SIZE {
+                return Err(StoreError::Invalid(format!(
+                    "part {} smaller than 5 MiB",
+                    p.part_number
+                )));
+            }
+            buf.extend_from_slice(data);
+        }
+        Ok(self.insert(key, buf.freeze(), up.meta))
+    }
+
+    async fn abort_multipart(&self, _key: &str, upload_id: &str) -> StoreResult<()> {
+        self.inner.lock().uploads.remove(upload_id);
+        Ok(())
+    }
+
+    async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
+        Ok(self
+            .inner
+            .lock()
+            .uploads
+            .iter()
+            .filter(|(_, u)| u.key.starts_with(prefix))
+            .map(|(id, u)| MultipartUpload {
+                key: u.key.clone(),
+                upload_id: id.clone(),
+                initiated: Some(u.initiated),
+            })
+            .collect())
+    }
+
+    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+        let src = self.get(src_key)?;
+        let meta = meta.cloned().unwrap_or(src.meta);
+        self.insert(dst_key, src.data, meta);
+        Ok(())
+    }
+
+    async fn delete(&self, key: &str) -> StoreResult<()> {
+        self.inner.lock().objects.remove(key);
+        Ok(())
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        continuation: Option<String>,
+        max_keys: usize,
+    ) -> StoreResult<ListPage> {
+        let inner = self.inner.lock();
+        let entries = inner
+            .objects
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, o)| ObjectMeta {
+                key: k.clone(),
+                size: o.data.len() as u64,
+                etag: Some(o.etag.clone()),
+                last_modified: Some(o.modified),
+                user: UserMeta::new(),
+            });
+        Ok(page_from_sorted(
+            entries,
+            prefix,
+            delimiter,
+            continuation.as_deref(),
+            max_keys,
+        ))
+    }
+}

@@ -1,0 +1,492 @@
+//! The S3 backend on `aws-sdk-s3`: Amazon S3, Alibaba OSS, MinIO, Ceph RGW and any other
+//! S3-compatible store.
+
+use crate::*;
+use async_trait::async_trait;
+use aws_sdk_s3::config::{Credentials, Region};
+use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::primitives::ByteStream;
+use aws_sdk_s3::types::{CompletedMultipartUpload, MetadataDirective};
+use aws_sdk_s3::Client;
+use aws_smithy_types::date_time::DateTime as SmithyTime;
+use bytes::Bytes;
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+/// How to reach and authenticate to an S3-compatible service.
+#[derive(Debug, Clone, Default)]
+pub struct S3Config {
+    pub bucket: String,
+    /// e.g. `http://127.0.0.1:9000` or `https://oss-cn-hangzhou.aliyuncs.com`; `None` = AWS.
+    pub endpoint_url: Option<String>,
+    pub region: Option<String>,
+    /// Path-style addressing (MinIO, Ceph); off = virtual-hosted (AWS, OSS).
+    pub force_path_style: bool,
+    /// A named profile from `~/.aws/config` and `~/.aws/credentials`.
+    pub profile: Option<String>,
+    /// Static credentials (from the config file); otherwise the SDK's default chain.
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    pub session_token: Option<String>,
+    /// Attempts per request, including the first.
+    pub max_attempts: u32,
+}
+
+pub struct S3Store {
+    client: Client,
+    bucket: String,
+}
+
+fn system_time(t: Option<&SmithyTime>) -> Option<SystemTime> {
+    t.and_then(|t| SystemTime::try_from(*t).ok())
+}
+
+/// Removes the quotes some callers leave on ETags, then adds them back consistently.
+fn norm_etag(e: Option<&str>) -> Option<String> {
+    e.map(|s| format!("\"{}\"", s.trim_matches('"')))
+}
+
+/// Maps an SDK error to a [`StoreError`] that says what happened to `what`.
+fn map_err<E>(what: &str, e: SdkError<E, aws_smithy_runtime_api::http::Response>) -> StoreError
+where
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+{
+    match &e {
+        SdkError::ServiceError(se) => {
+            let status = se.raw().status().as_u16();
+            let code = se.err().code().unwrap_or("");
+            let msg = se.err().message().unwrap_or("");
+            let req = se
+                .raw()
+                .headers()
+                .get("x-amz-request-id")
+                .unwrap_or("-")
+                .to_string();
+            let detail = format!("{what}: {status} {code} {msg} (request id {req})");
+            match code {
+                "NoSuchKey" | "NotFound" | "NoSuchUpload" => StoreError::NotFound(detail),
+                "NoSuchBucket" => StoreError::NoSuchBucket(detail),
+                "PreconditionFailed" => StoreError::PreconditionFailed(detail),
+                "InvalidAccessKeyId" | "SignatureDoesNotMatch" | "AccessDenied"
+                | "InvalidToken" | "ExpiredToken" => StoreError::AccessDenied(detail),
+                "XMinioStorageFull" | "QuotaExceeded" | "InsufficientStorage" => {
+                    StoreError::NoSpace(detail)
+                }
+                "SlowDown" | "RequestTimeout" | "InternalError" | "ServiceUnavailable"
+                | "XMinioServerNotInitialized" => StoreError::Transient(detail),
+                _ => match status {
+                    404 => StoreError::NotFound(detail),
+                    412 => StoreError::PreconditionFailed(detail),
+                    401 | 403 => StoreError::AccessDenied(detail),
+                    507 => StoreError::NoSpace(detail),
+                    408 | 429 | 500..=599 => StoreError::Transient(detail),
+                    400 => StoreError::Invalid(detail),
+                    _ => StoreError::Other(detail),
+                },
+            }
+        }
+        SdkError::ConstructionFailure(_) => {
+            StoreError::Other(format!("{what}: {}", DisplayErrorContext(&e)))
+        }
+        _ => StoreError::Transient(format!("{what}: {}", DisplayErrorContext(&e))),
+    }
+}
+
+fn to_hashmap(meta: &UserMeta) -> HashMap<String, String> {
+    meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+/// `bucket/key` for x-amz-copy-source, with the key percent-encoded.
+fn copy_source(bucket: &str, key: &str) -> String {
+    let mut s = String::with_capacity(bucket.len() + key.len() + 1);
+    s.push_str(bucket);
+    s.push('/');
+    for b in key.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                s.push(b as char)
+            }
+            _ => s.push_str(&format!("%{b:02X}")),
+        }
+    }
+    s
+}
+
+impl S3Store {
+    /// Builds a client. Does not contact the service; call [`S3Store::check_access`] for that.
+    pub async fn new(cfg: &S3Config) -> StoreResult<Self> {
+        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
+        if let Some(p) = &cfg.profile {
+            loader = loader.profile_name(p);
+        }
+        if let (Some(ak), Some(sk)) = (&cfg.access_key_id, &cfg.secret_access_key) {
+            loader = loader.credentials_provider(Credentials::new(
+                ak,
+                sk,
+                cfg.session_token.clone(),
+                None,
+                "bucketfs-config",
+            ));
+        }
+        if let Some(r) = &cfg.region {
+            loader = loader.region(Region::new(r.clone()));
+        }
+        let sdk = loader.load().await;
+        let mut b = aws_sdk_s3::config::Builder::from(&sdk)
+            .force_path_style(cfg.force_path_style)
+            .request_checksum_calculation(
+                aws_sdk_s3::config::RequestChecksumCalculation::WhenRequired,
+            )
+            .response_checksum_validation(
+                aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired,
+            )
+            .retry_config(
+                aws_sdk_s3::config::retry::RetryConfig::standard()
+                    .with_max_attempts(cfg.max_attempts.max(1))
+                    .with_initial_backoff(Duration::from_millis(200))
+                    .with_max_backoff(Duration::from_secs(5)),
+            )
+            .timeout_config(
+                aws_sdk_s3::config::timeout::TimeoutConfig::builder()
+                    .connect_timeout(Duration::from_secs(10))
+                    .read_timeout(Duration::from_secs(60))
+                    .build(),
+            );
+        if sdk.region().is_none() {
+            b = b.region(Region::new("us-east-1"));
+        }
+        if let Some(ep) = &cfg.endpoint_url {
+            b = b.endpoint_url(ep);
+        }
+        Ok(Self {
+            client: Client::from_conf(b.build()),
+            bucket: cfg.bucket.clone(),
+        })
+    }
+
+    /// One cheap LIST to prove that the bucket exists and the credentials work, so that a
+    /// mount fails at startup with a clear message instead of at first use.
+    pub async fn check_access(&self, prefix: &str) -> StoreResult<()> {
+        self.client
+            .list_objects_v2()
+            .bucket(&self.bucket)
+            .prefix(prefix)
+            .max_keys(1)
+            .send()
+            .await
+            .map(|_| ())
+            .map_err(|e| map_err(&format!("bucket {}", self.bucket), e))
+    }
+}
+
+#[async_trait]
+impl ObjectStore for S3Store {
+    fn describe(&self) -> String {
+        format!("s3://{}", self.bucket)
+    }
+
+    async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
+        let out = self
+            .client
+            .head_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+            .map_err(|e| map_err(key, e))?;
+        Ok(ObjectMeta {
+            key: key.to_string(),
+            size: out.content_length().unwrap_or(0).max(0) as u64,
+            etag: norm_etag(out.e_tag()),
+            last_modified: system_time(out.last_modified()),
+            user: out
+                .metadata()
+                .map(|m| m.iter().map(|(k, v)| (k.to_lowercase(), v.clone())).collect())
+                .unwrap_or_default(),
+        })
+    }
+
+    async fn get_range(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> StoreResult<Bytes> {
+        if range.start >= range.end {
+            return Ok(Bytes::new());
+        }
+        let out = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .range(format!("bytes={}-{}", range.start, range.end - 1))
+            .set_if_match(if_match.map(str::to_string))
+            .send()
+            .await;
+        let out = match out {
+            Ok(o) => o,
+            // Asking for bytes past the end of an object is not an error for a file read.
+            Err(SdkError::ServiceError(se)) if se.raw().status().as_u16() == 416 => {
+                return Ok(Bytes::new())
+            }
+            Err(e) => return Err(map_err(key, e)),
+        };
+        let body = out
+            .body
+            .collect()
+            .await
+            .map_err(|e| StoreError::Transient(format!("{key}: reading body: {e}")))?;
+        Ok(body.into_bytes())
+    }
+
+    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        let out = self
+            .client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .body(ByteStream::from(body))
+            .set_metadata(Some(to_hashmap(meta)))
+            .send()
+            .await
+            .map_err(|e| map_err(key, e))?;
+        Ok(norm_etag(out.e_tag()).unwrap_or_default())
+    }
+
+    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        let out = self
+            .client
+            .create_multipart_upload()
+            .bucket(&self.bucket)
+            .key(key)
+            .set_metadata(Some(to_hashmap(meta)))
+            .send()
+            .await
+            .map_err(|e| map_err(key, e))?;
+        out.upload_id()
+            .map(str::to_string)
+            .ok_or_else(|| StoreError::Other(format!("{key}: no upload id returned")))
+    }
+
+    async fn upload_part(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        body: Bytes,
+    ) -> StoreResult<String> {
+        let out = self
+            .client
+            .upload_part()
+            .bucket(&self.bucket)
+            .key(key)
+            .upload_id(upload_id)
+            .part_number(part_number as i32)
+            .body(ByteStream::from(body))
+            .send()
+            .await
+            .map_err(|e| map_err(&format!("{key} part {part_number}"), e))?;
+        norm_etag(out.e_tag())
+            .ok_or_else(|| StoreError::Other(format!("{key}: part without ETag")))
+    }
+
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        src_key: &str,
+        range: Range<u64>,
+    ) -> StoreResult<String> {
+        let out = self
+            .client
+            .upload_part_copy()
+            .bucket(&self.bucket)
+            .key(key)
+            .upload_id(upload_id)
+            .part_number(part_number as i32)
+            .copy_source(copy_source(&self.bucket, src_key))
+            .copy_source_range(format!("bytes={}-{}", range.start, range.end - 1))
+            .send()
+            .await
+            .map_err(|e| map_err(&format!("{key} part {part_number} copy"), e))?;
+        norm_etag(out.copy_part_result().and_then(|r| r.e_tag()))
+            .ok_or_else(|| StoreError::Other(format!("{key}: copied part without ETag")))
+    }
+
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: &[CompletedPart],
+    ) -> StoreResult<String> {
+        let parts = parts
+            .iter()
+            .map(|p| {
+                aws_sdk_s3::types::CompletedPart::builder()
+                    .part_number(p.part_number as i32)
+                    .e_tag(&p.etag)
+                    .build()
+            })
+            .collect();
+        let out = self
+            .client
+            .complete_multipart_upload()
+            .bucket(&self.bucket)
+            .key(key)
+            .upload_id(upload_id)
+            .multipart_upload(
+                CompletedMultipartUpload::builder()
+                    .set_parts(Some(parts))
+                    .build(),
+            )
+            .send()
+            .await
+            .map_err(|e| map_err(key, e))?;
+        Ok(norm_etag(out.e_tag()).unwrap_or_default())
+    }
+
+    async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
+        match self
+            .client
+            .abort_multipart_upload()
+            .bucket(&self.bucket)
+            .key(key)
+            .upload_id(upload_id)
+            .send()
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) => match map_err(key, e) {
+                StoreError::NotFound(_) => Ok(()),
+                other => Err(other),
+            },
+        }
+    }
+
+    async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
+        let mut out = Vec::new();
+        let (mut key_marker, mut id_marker) = (None::<String>, None::<String>);
+        loop {
+            let page = self
+                .client
+                .list_multipart_uploads()
+                .bucket(&self.bucket)
+                .prefix(prefix)
+                .set_key_marker(key_marker.take())
+                .set_upload_id_marker(id_marker.take())
+                .send()
+                .await
+                .map_err(|e| map_err(&format!("uploads under {prefix:?}"), e))?;
+            for u in page.uploads() {
+                if let (Some(k), Some(id)) = (u.key(), u.upload_id()) {
+                    out.push(MultipartUpload {
+                        key: k.to_string(),
+                        upload_id: id.to_string(),
+                        initiated: system_time(u.initiated()),
+                    });
+                }
+            }
+            if page.is_truncated() != Some(true) {
+                return Ok(out);
+            }
+            key_marker = page.next_key_marker().map(str::to_string);
+            id_marker = page.next_upload_id_marker().map(str::to_string);
+            if key_marker.is_none() {
+                return Ok(out);
+            }
+        }
+    }
+
+    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+        let mut req = self
+            .client
+            .copy_object()
+            .bucket(&self.bucket)
+            .key(dst_key)
+            .copy_source(copy_source(&self.bucket, src_key));
+        if let Some(m) = meta {
+            req = req
+                .metadata_directive(MetadataDirective::Replace)
+                .set_metadata(Some(to_hashmap(m)));
+        }
+        req.send()
+            .await
+            .map_err(|e| map_err(&format!("copy {src_key} -> {dst_key}"), e))?;
+        Ok(())
+    }
+
+    async fn delete(&self, key: &str) -> StoreResult<()> {
+        match self
+            .client
+            .delete_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) => match map_err(key, e) {
+                StoreError::NotFound(_) => Ok(()),
+                other => Err(other),
+            },
+        }
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        continuation: Option<String>,
+        max_keys: usize,
+    ) -> StoreResult<ListPage> {
+        let out = self
+            .client
+            .list_objects_v2()
+            .bucket(&self.bucket)
+            .prefix(prefix)
+            .set_delimiter(delimiter.map(str::to_string))
+            .set_continuation_token(continuation)
+            .max_keys(max_keys.min(1000) as i32)
+            .send()
+            .await
+            .map_err(|e| map_err(&format!("list {prefix:?}"), e))?;
+        Ok(ListPage {
+            objects: out
+                .contents()
+                .iter()
+                .filter_map(|o| {
+                    Some(ObjectMeta {
+                        key: o.key()?.to_string(),
+                        size: o.size().unwrap_or(0).max(0) as u64,
+                        etag: norm_etag(o.e_tag()),
+                        last_modified: system_time(o.last_modified()),
+                        user: UserMeta::new(),
+                    })
+                })
+                .collect(),
+            common_prefixes: out
+                .common_prefixes()
+                .iter()
+                .filter_map(|p| p.prefix().map(str::to_string))
+                .collect(),
+            next_continuation: if out.is_truncated() == Some(true) {
+                out.next_continuation_token().map(str::to_string)
+            } else {
+                None
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_source_encodes_specials() {
+        assert_eq!(copy_source("b", "a b/c%+?#"), "b/a%20b/c%25%2B%3F%23");
+        assert_eq!(copy_source("b", "é"), "b/%C3%A9");
+    }
+}

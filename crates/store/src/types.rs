@@ -1,0 +1,41 @@
+//! Plain data passed across the store trait.
+
+use std::collections::BTreeMap;
+use std::time::SystemTime;
+
+/// User metadata (`x-amz-meta-*`), keys lower-case and without the prefix.
+pub type UserMeta = BTreeMap<String, String>;
+
+/// What HEAD (or a LIST entry) says about one object.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ObjectMeta {
+    pub key: String,
+    pub size: u64,
+    pub etag: Option<String>,
+    pub last_modified: Option<SystemTime>,
+    /// Only filled by HEAD; LIST does not return user metadata.
+    pub user: UserMeta,
+}
+
+/// One page of a LIST.
+#[derive(Debug, Clone, Default)]
+pub struct ListPage {
+    pub objects: Vec<ObjectMeta>,
+    /// Rolled-up prefixes, each ending with the delimiter.
+    pub common_prefixes: Vec<String>,
+    /// Pass back to get the next page; `None` on the last page.
+    pub next_continuation: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompletedPart {
+    pub part_number: u32,
+    pub etag: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct MultipartUpload {
+    pub key: String,
+    pub upload_id: String,
+    pub initiated: Option<SystemTime>,
+}
