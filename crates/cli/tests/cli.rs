@@ -1,0 +1,176 @@
+//! The `bucketfs` command line: bad input gets a clear one-line error and leaves no mount or
+//! daemon behind; the local-directory source works.
+
+mod common;
+
+use common::*;
+use std::ffi::OsString;
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+/// A fresh mount point (empty directory) inside a temp dir.
+fn mountpoint() -> (tempfile::TempDir, std::path::PathBuf) {
+    let d = tempfile::Builder::new().prefix("bucketfs-cli-").tempdir().unwrap();
+    let mp = d.path().join("mnt");
+    fs::create_dir(&mp).unwrap();
+    (d, mp)
+}
+
+fn mount_args(source: &str, mp: &Path, extra: &[String]) -> Vec<OsString> {
+    let mut a = os(&["mount", source]);
+    a.push(mp.as_os_str().to_owned());
+    a.extend(extra.iter().map(OsString::from));
+    a
+}
+
+/// The failed run left nothing behind: no mount, no process still naming the mount point.
+fn assert_nothing_left(mp: &Path, run: &CliRun) {
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!is_mounted(mp), "{} is mounted after a failed mount: {run:?}", mp.display());
+    let pids = processes_mentioning(mp.to_str().unwrap());
+    assert!(pids.is_empty(), "processes left running for {}: {pids:?}", mp.display());
+}
+
+/// Non-zero exit, no timeout, and stderr is one non-empty line.
+fn assert_one_line_failure(run: &CliRun, what: &str) -> String {
+    assert!(!run.timed_out, "{what}: bucketfs did not exit within the limit: {run:?}");
+    let st = run.status.unwrap();
+    assert!(!st.success(), "{what}: bucketfs exited successfully: {run:?}");
+    let err = run.stderr.trim();
+    assert!(!err.is_empty(), "{what}: nothing on stderr: {run:?}");
+    assert_eq!(err.lines().count(), 1, "{what}: stderr is not one line:\n{err}");
+    err.to_string()
+}
+
+#[test]
+fn wrong_credentials_fail_fast_with_a_clear_message() {
+    let b = s3().new_bucket("badcreds");
+    let (_d, mp) = mountpoint();
+    // Daemon mode (no -f): the parent must report the startup error and exit non-zero.
+    let run = run_cli(
+        &mount_args(&format!("s3://{b}"), &mp, &s3_args()),
+        &[
+            ("AWS_ACCESS_KEY_ID", "wrongkey"),
+            ("AWS_SECRET_ACCESS_KEY", "wrongsecret123"),
+        ],
+        Some(&mp),
+        Duration::from_secs(60),
+    );
+    let err = assert_one_line_failure(&run, "wrong credentials");
+    assert!(
+        run.elapsed < Duration::from_secs(20),
+        "took {:?} to report wrong credentials",
+        run.elapsed
+    );
+    let l = err.to_lowercase();
+    assert!(
+        l.contains("access") || l.contains("credential"),
+        "message does not mention access or credentials: {err}"
+    );
+    assert_nothing_left(&mp, &run);
+}
+
+#[test]
+fn missing_bucket_is_named() {
+    let e = env();
+    let b = unique_bucket_name("missing");
+    let (_d, mp) = mountpoint();
+    let run = run_cli(
+        &mount_args(&format!("s3://{b}"), &mp, &s3_args()),
+        &[
+            ("AWS_ACCESS_KEY_ID", &e.access_key),
+            ("AWS_SECRET_ACCESS_KEY", &e.secret_key),
+        ],
+        Some(&mp),
+        Duration::from_secs(60),
+    );
+    let err = assert_one_line_failure(&run, "missing bucket");
+    let l = err.to_lowercase();
+    assert!(l.contains(&b), "message does not name the bucket {b}: {err}");
+    assert!(
+        l.contains("does not exist") || l.contains("no such bucket"),
+        "message does not say the bucket does not exist: {err}"
+    );
+    assert!(run.elapsed < Duration::from_secs(20), "took {:?}", run.elapsed);
+    assert_nothing_left(&mp, &run);
+}
+
+#[test]
+fn config_file_with_unknown_key_is_rejected() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let (_m, mp) = mountpoint();
+    let cfg = d.path().join("bucketfs.toml");
+    fs::write(&cfg, "stat_ttl_bogus_key = 5\n").unwrap();
+    let mut args = mount_args(data.to_str().unwrap(), &mp, &[]);
+    args.push("--config".into());
+    args.push(cfg.clone().into_os_string());
+    let run = run_cli(&args, &[], Some(&mp), Duration::from_secs(30));
+    let err = assert_one_line_failure(&run, "unknown config key");
+    assert!(
+        err.contains("stat_ttl_bogus_key"),
+        "message does not name the unknown key: {err}"
+    );
+    assert_nothing_left(&mp, &run);
+}
+
+#[test]
+fn non_empty_mount_point_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let (_m, mp) = mountpoint();
+    fs::write(mp.join("precious"), "do not hide me").unwrap();
+    let run = run_cli(
+        &mount_args(data.to_str().unwrap(), &mp, &["-f".into()]),
+        &[],
+        Some(&mp),
+        Duration::from_secs(30),
+    );
+    let err = assert_one_line_failure(&run, "non-empty mount point");
+    assert!(err.to_lowercase().contains("not empty"), "message: {err}");
+    assert_nothing_left(&mp, &run);
+    assert_eq!(fs::read_to_string(mp.join("precious")).unwrap(), "do not hide me");
+}
+
+#[test]
+fn missing_mount_point_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let mp = d.path().join("no-such-dir");
+    let run = run_cli(
+        &mount_args(data.to_str().unwrap(), &mp, &["-f".into()]),
+        &[],
+        Some(&mp),
+        Duration::from_secs(30),
+    );
+    let err = assert_one_line_failure(&run, "missing mount point");
+    assert!(
+        err.contains(mp.to_str().unwrap()),
+        "message does not name the mount point: {err}"
+    );
+    assert!(!mp.exists(), "bucketfs created the missing mount point");
+}
+
+#[test]
+fn local_directory_source_works() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    fs::create_dir(&data).unwrap();
+    fs::write(data.join("existing.txt"), "was here before").unwrap();
+    let m = MountSpec::local(&data).mount();
+    assert_eq!(list_dir(m.path()), set(["existing.txt"]));
+    assert_eq!(read_file(&m.join("existing.txt")), b"was here before");
+    write_file(&m.join("hello.txt"), b"hello local");
+    fs::create_dir(m.join("sub")).unwrap();
+    write_file(&m.join("sub/inner.bin"), &pattern::bytes(1, 3 * MIB + 1));
+    assert_eq!(fs::read(data.join("hello.txt")).unwrap(), b"hello local");
+    pattern::check_slice(&fs::read(data.join("sub/inner.bin")).unwrap(), 1, 3 * MIB as u64 + 1)
+        .unwrap();
+    let m = m.remount();
+    assert_eq!(list_dir(m.path()), set(["existing.txt", "hello.txt", "sub"]));
+    assert_eq!(read_file(&m.join("hello.txt")), b"hello local");
+}

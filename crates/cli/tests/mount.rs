@@ -1,0 +1,510 @@
+//! POSIX behaviour through a real FUSE mount of a MinIO bucket, checked both through the mount
+//! and directly in the bucket with the S3 API. Needs `scripts/test.sh` (MinIO + fuse3).
+
+mod common;
+
+use common::*;
+use std::fs::{self, File, Permissions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+const S_IFMT: u32 = libc::S_IFMT;
+const S_IFREG: u32 = libc::S_IFREG;
+const S_IFDIR: u32 = libc::S_IFDIR;
+const S_IFLNK: u32 = libc::S_IFLNK;
+
+fn meta_u32(h: &Head, k: &str) -> u32 {
+    h.meta
+        .get(k)
+        .unwrap_or_else(|| panic!("object has no x-amz-meta-{k}: {:?}", h.meta))
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("x-amz-meta-{k} is not a decimal number: {:?}", h.meta))
+}
+
+fn meta_secs(h: &Head, k: &str) -> f64 {
+    h.meta
+        .get(k)
+        .unwrap_or_else(|| panic!("object has no x-amz-meta-{k}: {:?}", h.meta))
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("x-amz-meta-{k} is not seconds: {:?}", h.meta))
+}
+
+fn head(bucket: &str, key: &str) -> Head {
+    s3().head(bucket, key)
+        .unwrap_or_else(|| panic!("object {bucket}/{key} does not exist"))
+}
+
+fn process_umask() -> u32 {
+    let st = fs::read_to_string("/proc/self/status").unwrap();
+    let line = st.lines().find(|l| l.starts_with("Umask:")).unwrap();
+    u32::from_str_radix(line.split_whitespace().nth(1).unwrap(), 8).unwrap()
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+/// `ls -lnd --time-style=+%s PATH` split into fields: mode, links, uid, gid, size, mtime, name.
+fn ls_ld(path: &Path) -> Vec<String> {
+    let out = run("ls", &["-lnd", "--time-style=+%s", path.to_str().unwrap()]);
+    out.split_whitespace().map(str::to_string).collect()
+}
+
+fn mode_string(path: &Path) -> String {
+    ls_ld(path)[0].chars().take(10).collect()
+}
+
+#[test]
+fn s3_harness_roundtrip() {
+    // The harness itself: bucket creation, PUT with metadata, HEAD, GET, LIST.
+    let s3 = s3();
+    let b = s3.new_bucket("harness");
+    s3.put_with_meta(&b, "x/y.txt", "hello", &[("mode", "33188")]);
+    let h = head(&b, "x/y.txt");
+    assert_eq!(h.size, 5);
+    assert_eq!(h.meta.get("mode").map(String::as_str), Some("33188"));
+    assert_eq!(s3.get(&b, "x/y.txt").unwrap(), b"hello");
+    assert!(s3.get(&b, "missing").is_none());
+    assert!(s3.head(&b, "missing").is_none());
+    assert_eq!(s3.list_keys(&b, ""), set(["x/y.txt"]));
+    assert!(s3.list_multipart_uploads(&b).is_empty());
+}
+
+#[test]
+fn files_of_many_sizes_round_trip() {
+    let s3 = s3();
+    let b = s3.new_bucket("sizes");
+    let sizes: [(&str, u64); 4] = [
+        ("empty", 0),
+        ("one", 1),
+        ("five-mib-plus-one", 5 * MIB as u64 + 1),
+        ("two-hundred-mib", 200 * MIB as u64),
+    ];
+    let mut m = Mount::s3(&b);
+    for (i, (name, len)) in sizes.iter().enumerate() {
+        let p = m.join(name);
+        let mut f = File::create(&p).unwrap_or_else(|e| panic!("create {name}: {e}"));
+        pattern::write(&mut f, i as u64, *len).unwrap_or_else(|e| panic!("write {name}: {e}"));
+        close_checked(f).unwrap_or_else(|e| panic!("close {name}: {e}"));
+        assert_eq!(fs::metadata(&p).unwrap().len(), *len, "size of {name} after close");
+    }
+    // Read back through the same mount.
+    for (i, (name, len)) in sizes.iter().enumerate() {
+        let mut f = File::open(m.join(name)).unwrap();
+        pattern::check_reader(&mut f, i as u64, *len)
+            .unwrap_or_else(|e| panic!("{name} read back through the mount: {e}"));
+    }
+    // In the bucket: one plain object per file, same bytes.
+    for (i, (name, len)) in sizes.iter().enumerate() {
+        let h = head(&b, name);
+        assert_eq!(h.size, *len, "object size of {name}");
+        let body = s3.get(&b, name).unwrap();
+        pattern::check_slice(&body, i as u64, *len)
+            .unwrap_or_else(|e| panic!("object {name} in the bucket: {e}"));
+    }
+    assert!(
+        s3.list_multipart_uploads(&b).is_empty(),
+        "multipart uploads left behind: {:?}",
+        s3.list_multipart_uploads(&b)
+    );
+    // After a remount (cold caches, new daemon).
+    m = m.remount();
+    assert_eq!(
+        list_dir(m.path()),
+        sizes.iter().map(|(n, _)| n.to_string()).collect()
+    );
+    for (i, (name, len)) in sizes.iter().enumerate() {
+        let p = m.join(name);
+        assert_eq!(fs::metadata(&p).unwrap().len(), *len, "size of {name} after remount");
+        let mut f = File::open(&p).unwrap();
+        pattern::check_reader(&mut f, i as u64, *len)
+            .unwrap_or_else(|e| panic!("{name} read back after remount: {e}"));
+    }
+    // A random read in the middle of the big file.
+    let mut f = File::open(m.join("two-hundred-mib")).unwrap();
+    let off = 123 * MIB as u64 + 4567;
+    f.seek(SeekFrom::Start(off)).unwrap();
+    let mut buf = vec![0u8; 100_000];
+    f.read_exact(&mut buf).unwrap();
+    let blk = off / MIB as u64;
+    let mut want = pattern::block(3, blk);
+    want.extend(pattern::block(3, blk + 1));
+    let s = (off % MIB as u64) as usize;
+    assert!(buf == want[s..s + buf.len()], "random read at {off} differs");
+}
+
+#[test]
+fn nested_mkdir_and_rmdir() {
+    let s3 = s3();
+    let b = s3.new_bucket("mkdir");
+    let m = Mount::s3(&b);
+    run("mkdir", &["-p", m.join("a/b/c").to_str().unwrap()]);
+    for d in ["a", "a/b", "a/b/c"] {
+        assert!(fs::metadata(m.join(d)).unwrap().is_dir(), "{d} is a directory");
+    }
+    assert_eq!(list_dir(&m.join("a")), set(["b"]));
+    assert!(list_dir(&m.join("a/b/c")).is_empty());
+    // Empty directories must survive in the bucket: they need marker objects.
+    let keys = s3.list_keys(&b, "");
+    assert!(keys.contains("a/b/c/"), "no marker for a/b/c: {keys:?}");
+
+    assert_eq!(errno(fs::remove_dir(m.join("a"))), libc::ENOTEMPTY, "rmdir a");
+    assert_eq!(errno(fs::remove_dir(m.join("a/b"))), libc::ENOTEMPTY, "rmdir a/b");
+    write_file(&m.join("a/b/c/f"), b"x");
+    assert_eq!(errno(fs::remove_dir(m.join("a/b/c"))), libc::ENOTEMPTY, "rmdir a/b/c with a file");
+    assert_eq!(errno(fs::remove_dir(m.join("a/b/c/f"))), libc::ENOTDIR, "rmdir of a file");
+    fs::remove_file(m.join("a/b/c/f")).unwrap();
+
+    fs::remove_dir(m.join("a/b/c")).unwrap();
+    fs::remove_dir(m.join("a/b")).unwrap();
+    fs::remove_dir(m.join("a")).unwrap();
+    assert!(list_dir(m.path()).is_empty());
+    assert_eq!(errno(fs::metadata(m.join("a"))), libc::ENOENT);
+    let keys = s3.list_keys(&b, "");
+    assert!(keys.is_empty(), "objects left after rmdir: {keys:?}");
+
+    // And the directory stays gone after a remount.
+    let m = m.remount();
+    assert!(list_dir(m.path()).is_empty());
+}
+
+#[test]
+fn directory_with_2500_entries_lists_completely() {
+    let s3 = s3();
+    let b = s3.new_bucket("bigdir");
+    let mut want = std::collections::BTreeSet::new();
+    let mut objects = Vec::new();
+    for i in 0..2500 {
+        let name = format!("f-{i:05}");
+        objects.push((format!("big/{name}"), format!("{i}").into_bytes()));
+        want.insert(name);
+    }
+    // Subdirectories that exist only as key prefixes.
+    for d in ["sub-a", "sub-b", "sub-c"] {
+        objects.push((format!("big/{d}/inner"), b"i".to_vec()));
+        want.insert(d.to_string());
+    }
+    s3.put_many(&b, objects, 32);
+    let m = Mount::s3(&b);
+    for i in 0..5 {
+        let name = format!("m-{i}");
+        write_file(&m.join("big").join(&name), name.as_bytes());
+        want.insert(name);
+    }
+    let got = list_dir(&m.join("big"));
+    assert_eq!(got.len(), want.len(), "number of entries of big/");
+    assert_eq!(got, want);
+    // Types from the listing.
+    let mut dirs = 0;
+    for e in fs::read_dir(m.join("big")).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            dirs += 1;
+            assert!(e.file_name().to_str().unwrap().starts_with("sub-"));
+        }
+    }
+    assert_eq!(dirs, 3);
+    assert_eq!(fs::read(m.join("big/f-01234")).unwrap(), b"1234");
+    // Cold, after a remount.
+    let m = m.remount();
+    assert_eq!(list_dir(&m.join("big")), want);
+}
+
+#[test]
+fn rename_file() {
+    let s3 = s3();
+    let b = s3.new_bucket("renfile");
+    let m = Mount::s3(&b);
+    let data = pattern::bytes(11, 3 * MIB + 17);
+    write_file(&m.join("old.bin"), &data);
+    fs::create_dir(m.join("dir")).unwrap();
+    fs::rename(m.join("old.bin"), m.join("dir/new.bin")).unwrap();
+    assert_eq!(errno(fs::metadata(m.join("old.bin"))), libc::ENOENT);
+    assert!(read_file(&m.join("dir/new.bin")) == data, "content after rename");
+    assert!(s3.head(&b, "old.bin").is_none(), "old key still in the bucket");
+    assert!(s3.get(&b, "dir/new.bin").unwrap() == data, "new object content");
+    assert_eq!(list_dir(m.path()), set(["dir"]));
+    assert_eq!(list_dir(&m.join("dir")), set(["new.bin"]));
+}
+
+#[test]
+fn rename_over_existing_file_replaces_it() {
+    let s3 = s3();
+    let b = s3.new_bucket("renover");
+    let m = Mount::s3(&b);
+    write_file(&m.join("src"), b"new content");
+    write_file(&m.join("dst"), b"old content that is longer");
+    fs::rename(m.join("src"), m.join("dst")).unwrap();
+    assert_eq!(read_file(&m.join("dst")), b"new content");
+    assert_eq!(fs::metadata(m.join("dst")).unwrap().len(), 11);
+    assert_eq!(errno(fs::metadata(m.join("src"))), libc::ENOENT);
+    assert_eq!(list_dir(m.path()), set(["dst"]));
+    assert_eq!(s3.get(&b, "dst").unwrap(), b"new content");
+    assert!(s3.head(&b, "src").is_none());
+    let m = m.remount();
+    assert_eq!(read_file(&m.join("dst")), b"new content");
+}
+
+#[test]
+fn rename_directory_with_contents() {
+    let s3 = s3();
+    let b = s3.new_bucket("rendir");
+    let m = Mount::s3(&b);
+    run("mkdir", &["-p", m.join("d1/sub/empty").to_str().unwrap()]);
+    write_file(&m.join("d1/f1"), b"one");
+    write_file(&m.join("d1/sub/f2"), b"two");
+    let big = pattern::bytes(5, 6 * MIB);
+    write_file(&m.join("d1/sub/big"), &big);
+    // A key that shares the string prefix but is not inside d1/.
+    write_file(&m.join("d1x"), b"sibling");
+
+    fs::rename(m.join("d1"), m.join("d2")).unwrap();
+    assert_eq!(errno(fs::metadata(m.join("d1"))), libc::ENOENT);
+    assert_eq!(list_dir(m.path()), set(["d1x", "d2"]));
+    assert_eq!(list_dir(&m.join("d2")), set(["f1", "sub"]));
+    assert_eq!(list_dir(&m.join("d2/sub")), set(["big", "empty", "f2"]));
+    assert_eq!(read_file(&m.join("d2/f1")), b"one");
+    assert_eq!(read_file(&m.join("d2/sub/f2")), b"two");
+    assert!(read_file(&m.join("d2/sub/big")) == big);
+    assert_eq!(read_file(&m.join("d1x")), b"sibling");
+
+    let keys = s3.list_keys(&b, "");
+    assert!(!keys.iter().any(|k| k.starts_with("d1/")), "keys left under d1/: {keys:?}");
+    for k in ["d2/f1", "d2/sub/f2", "d2/sub/big", "d2/sub/empty/", "d1x"] {
+        assert!(keys.contains(k), "{k} missing in the bucket: {keys:?}");
+    }
+    assert_eq!(s3.get(&b, "d2/sub/f2").unwrap(), b"two");
+
+    let m = m.remount();
+    assert_eq!(list_dir(&m.join("d2/sub")), set(["big", "empty", "f2"]));
+    assert_eq!(read_file(&m.join("d2/f1")), b"one");
+}
+
+#[test]
+fn unlink_removes_file_and_object() {
+    let s3 = s3();
+    let b = s3.new_bucket("unlink");
+    let m = Mount::s3(&b);
+    write_file(&m.join("keep"), b"k");
+    write_file(&m.join("gone"), b"g");
+    assert!(s3.head(&b, "gone").is_some());
+    fs::remove_file(m.join("gone")).unwrap();
+    assert_eq!(list_dir(m.path()), set(["keep"]));
+    assert_eq!(errno(File::open(m.join("gone"))), libc::ENOENT);
+    assert!(s3.head(&b, "gone").is_none(), "object still in the bucket after unlink");
+    assert_eq!(errno(fs::remove_file(m.join("gone"))), libc::ENOENT);
+    fs::create_dir(m.join("d")).unwrap();
+    let e = errno(fs::remove_file(m.join("d")));
+    assert!(e == libc::EISDIR || e == libc::EPERM, "unlink of a directory: errno {e}");
+    let m = m.remount();
+    assert_eq!(list_dir(m.path()), set(["d", "keep"]));
+}
+
+#[test]
+fn symlink_and_readlink() {
+    let s3 = s3();
+    let b = s3.new_bucket("symlink");
+    let m = Mount::s3(&b);
+    write_file(&m.join("real.txt"), b"real content");
+    std::os::unix::fs::symlink("real.txt", m.join("link")).unwrap();
+    std::os::unix::fs::symlink("../some/where else", m.join("dangling")).unwrap();
+
+    let check = |m: &Mount| {
+        assert_eq!(fs::read_link(m.join("link")).unwrap(), Path::new("real.txt"));
+        assert_eq!(
+            fs::read_link(m.join("dangling")).unwrap(),
+            Path::new("../some/where else")
+        );
+        let md = fs::symlink_metadata(m.join("link")).unwrap();
+        assert!(md.file_type().is_symlink(), "lstat type of link");
+        assert_eq!(md.len(), "real.txt".len() as u64, "size of a symlink is its target length");
+        assert_eq!(read_file(&m.join("link")), b"real content", "reading through the link");
+        assert_eq!(errno(fs::metadata(m.join("dangling"))), libc::ENOENT);
+        assert_eq!(list_dir(m.path()), set(["dangling", "link", "real.txt"]));
+    };
+    check(&m);
+    // s3fs format: the body is the target, the mode says S_IFLNK.
+    assert_eq!(s3.get(&b, "link").unwrap(), b"real.txt");
+    assert_eq!(s3.get(&b, "dangling").unwrap(), b"../some/where else");
+    let h = head(&b, "link");
+    assert_eq!(meta_u32(&h, "mode") & S_IFMT, S_IFLNK, "mode of the link object");
+    let m = m.remount();
+    check(&m);
+    // A symlink created by another tool in the s3fs format.
+    s3.put_with_meta(&b, "foreign-link", "real.txt", &[("mode", &(S_IFLNK | 0o777).to_string())]);
+    assert_eq!(fs::read_link(m.join("foreign-link")).unwrap(), Path::new("real.txt"));
+}
+
+#[test]
+fn chmod_chown_touch_persist_across_remount() {
+    let s3 = s3();
+    let b = s3.new_bucket("attrs");
+    let m = Mount::s3(&b);
+    write_file(&m.join("f"), b"data");
+    write_file(&m.join("g"), b"data2");
+    fs::create_dir(m.join("d")).unwrap();
+
+    fs::set_permissions(m.join("f"), Permissions::from_mode(0o750)).unwrap();
+    std::os::unix::fs::chown(m.join("f"), Some(1234), Some(5678)).unwrap();
+    run("touch", &["-m", "-d", "@1600000000", m.join("f").to_str().unwrap()]);
+    fs::set_permissions(m.join("d"), Permissions::from_mode(0o700)).unwrap();
+    // futimens on an open descriptor.
+    let g = fs::OpenOptions::new().write(true).open(m.join("g")).unwrap();
+    g.set_modified(UNIX_EPOCH + Duration::from_secs(1_500_000_000)).unwrap();
+    close_checked(g).unwrap();
+
+    let check = |m: &Mount, when: &str| {
+        let md = fs::metadata(m.join("f")).unwrap();
+        assert_eq!(md.mode(), S_IFREG | 0o750, "{when}: mode of f");
+        assert_eq!((md.uid(), md.gid()), (1234, 5678), "{when}: owner of f");
+        assert_eq!(md.mtime(), 1_600_000_000, "{when}: mtime of f");
+        assert_eq!(md.len(), 4, "{when}: size of f");
+        assert_eq!(mode_string(&m.join("f")), "-rwxr-x---", "{when}: ls -l of f");
+        let ls = ls_ld(&m.join("f"));
+        assert_eq!((ls[2].as_str(), ls[3].as_str()), ("1234", "5678"), "{when}: ls -ln owner");
+        assert_eq!(ls[5], "1600000000", "{when}: ls mtime");
+        assert_eq!(mode_string(&m.join("d")), "drwx------", "{when}: ls -ld of d");
+        assert_eq!(fs::metadata(m.join("g")).unwrap().mtime(), 1_500_000_000, "{when}: g");
+        assert_eq!(read_file(&m.join("f")), b"data", "{when}: content kept");
+    };
+    check(&m, "same mount");
+
+    let h = head(&b, "f");
+    assert_eq!(meta_u32(&h, "mode"), S_IFREG | 0o750, "x-amz-meta-mode (decimal st_mode)");
+    assert_eq!(meta_u32(&h, "uid"), 1234);
+    assert_eq!(meta_u32(&h, "gid"), 5678);
+    assert_eq!(meta_secs(&h, "mtime"), 1_600_000_000.0);
+    assert_eq!(meta_secs(&head(&b, "g"), "mtime"), 1_500_000_000.0);
+    assert_eq!(meta_u32(&head(&b, "d/"), "mode"), S_IFDIR | 0o700, "mode of the d/ marker");
+    assert_eq!(s3.get(&b, "f").unwrap(), b"data", "chmod kept the object's content");
+
+    let m = m.remount();
+    check(&m, "after remount");
+
+    // A 0755 file is stored as 33261, like s3fs does.
+    fs::set_permissions(m.join("f"), Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(head(&b, "f").meta.get("mode").map(String::as_str), Some("33261"));
+}
+
+#[test]
+fn objects_put_directly_appear_as_files_and_directories() {
+    let s3 = s3();
+    let b = s3.new_bucket("foreign");
+    s3.put(&b, "a.txt", "hello");
+    s3.put(&b, "dir1/b.txt", "bee content");
+    let c = pattern::bytes(21, 2 * MIB + 3);
+    s3.put(&b, "deep/er/c.txt", c.clone());
+    let m = Mount::s3(&b);
+
+    assert_eq!(list_dir(m.path()), set(["a.txt", "deep", "dir1"]));
+    assert_eq!(list_dir(&m.join("dir1")), set(["b.txt"]));
+    assert_eq!(list_dir(&m.join("deep")), set(["er"]));
+    assert_eq!(list_dir(&m.join("deep/er")), set(["c.txt"]));
+    for d in ["dir1", "deep", "deep/er"] {
+        let md = fs::metadata(m.join(d)).unwrap();
+        assert!(md.is_dir(), "{d} is a directory");
+        assert_eq!(md.mode() & 0o7777, 0o755, "default mode of implied directory {d}");
+    }
+    let md = fs::metadata(m.join("a.txt")).unwrap();
+    assert!(md.is_file());
+    assert_eq!(md.len(), 5);
+    assert_eq!(md.mode() & 0o7777, 0o644, "default mode of a file without metadata");
+    assert_eq!(fs::metadata(m.join("dir1/b.txt")).unwrap().len(), 11);
+    assert_eq!(fs::metadata(m.join("deep/er/c.txt")).unwrap().len(), c.len() as u64);
+    assert_eq!(read_file(&m.join("a.txt")), b"hello");
+    assert_eq!(read_file(&m.join("dir1/b.txt")), b"bee content");
+    assert!(read_file(&m.join("deep/er/c.txt")) == c);
+    // mtime of an object without metadata is its Last-Modified.
+    let mt = fs::metadata(m.join("a.txt")).unwrap().mtime();
+    assert!((mt - unix_now()).abs() < 600, "mtime {mt} is not the upload time");
+    // Stat of a name that exists neither as object nor as prefix.
+    assert_eq!(errno(fs::metadata(m.join("nope"))), libc::ENOENT);
+    assert_eq!(errno(fs::metadata(m.join("dir1/nope"))), libc::ENOENT);
+    // Writing into an implied directory.
+    write_file(&m.join("deep/er/new"), b"n");
+    assert_eq!(s3.get(&b, "deep/er/new").unwrap(), b"n");
+}
+
+#[test]
+fn prefix_mount_shows_only_the_prefix() {
+    let s3 = s3();
+    let b = s3.new_bucket("prefix");
+    s3.put(&b, "some/prefix/x.txt", "inside");
+    s3.put(&b, "some/prefix/sub/y.txt", "deeper");
+    s3.put(&b, "some/prefixed.txt", "sibling with the same string prefix");
+    s3.put(&b, "some/other.txt", "outside");
+    s3.put(&b, "top.txt", "outside");
+    let m = Mount::s3_prefix(&b, "some/prefix");
+    assert_eq!(list_dir(m.path()), set(["sub", "x.txt"]));
+    assert_eq!(read_file(&m.join("x.txt")), b"inside");
+    assert_eq!(read_file(&m.join("sub/y.txt")), b"deeper");
+    assert_eq!(errno(fs::metadata(m.join("top.txt"))), libc::ENOENT);
+    write_file(&m.join("w.txt"), b"written");
+    fs::create_dir(m.join("newdir")).unwrap();
+    assert_eq!(s3.get(&b, "some/prefix/w.txt").unwrap(), b"written");
+    assert!(s3.head(&b, "some/prefix/newdir/").is_some(), "marker of newdir");
+    assert!(s3.head(&b, "w.txt").is_none());
+}
+
+#[test]
+fn prefix_mount_of_a_missing_prefix() {
+    let s3 = s3();
+    let b = s3.new_bucket("noprefix");
+    s3.put(&b, "elsewhere.txt", "x");
+    let m = Mount::s3_prefix(&b, "some/prefix");
+    assert!(list_dir(m.path()).is_empty(), "a mount of a missing prefix starts empty");
+    write_file(&m.join("file"), b"through the prefix");
+    run("mkdir", &["-p", m.join("a/b").to_str().unwrap()]);
+    write_file(&m.join("a/b/c"), b"nested");
+    assert_eq!(s3.get(&b, "some/prefix/file").unwrap(), b"through the prefix");
+    assert_eq!(s3.get(&b, "some/prefix/a/b/c").unwrap(), b"nested");
+    let keys = s3.list_keys(&b, "");
+    assert!(
+        keys.iter().all(|k| k == "elsewhere.txt" || k.starts_with("some/prefix/")),
+        "keys written outside the prefix: {keys:?}"
+    );
+    let m = m.remount();
+    assert_eq!(list_dir(m.path()), set(["a", "file"]));
+}
+
+#[test]
+fn written_files_are_plain_objects_with_metadata() {
+    let s3 = s3();
+    let b = s3.new_bucket("plain");
+    let m = Mount::s3(&b);
+    let before = unix_now();
+    write_file(&m.join("doc.txt"), b"plain bytes\n");
+    let data = pattern::bytes(31, 20 * MIB + 5);
+    write_file(&m.join("multi.bin"), &data);
+    let after = unix_now();
+    let perm = 0o666 & !process_umask();
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+
+    assert_eq!(s3.get(&b, "doc.txt").unwrap(), b"plain bytes\n");
+    assert!(s3.get(&b, "multi.bin").unwrap() == data, "multipart object content");
+    for key in ["doc.txt", "multi.bin"] {
+        let h = head(&b, key);
+        assert_eq!(meta_u32(&h, "mode"), S_IFREG | perm, "{key}: x-amz-meta-mode");
+        assert_eq!(meta_u32(&h, "uid"), uid, "{key}: x-amz-meta-uid");
+        assert_eq!(meta_u32(&h, "gid"), gid, "{key}: x-amz-meta-gid");
+        let mt = meta_secs(&h, "mtime");
+        assert!(
+            mt >= before as f64 - 2.0 && mt <= after as f64 + 2.0,
+            "{key}: x-amz-meta-mtime {mt} not within [{before}, {after}]"
+        );
+    }
+    // Nothing else: no temp objects, no markers for the root.
+    assert_eq!(s3.list_keys(&b, ""), set(["doc.txt", "multi.bin"]));
+    assert!(s3.list_multipart_uploads(&b).is_empty());
+    // An overwrite of part of a file is published as a new whole object.
+    let mut f = fs::OpenOptions::new().write(true).open(m.join("doc.txt")).unwrap();
+    f.seek(SeekFrom::Start(6)).unwrap();
+    f.write_all(b"BYTES").unwrap();
+    close_checked(f).unwrap();
+    assert_eq!(s3.get(&b, "doc.txt").unwrap(), b"plain BYTES\n");
+}
