@@ -23,6 +23,7 @@ impl FsError {
     pub const EPERM: FsError = FsError(libc::EPERM);
     pub const EFBIG: FsError = FsError(libc::EFBIG);
     pub const ENOTSUP: FsError = FsError(libc::ENOTSUP);
+    pub const ELOOP: FsError = FsError(libc::ELOOP);
 }
 
 impl fmt::Display for FsError {

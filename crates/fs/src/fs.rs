@@ -1,15 +1,30 @@
 //! The file system: every operation the kernel can ask for, as an async call on [`Fs`].
+//!
+//! Paths map to keys by [`crate::names`]; attributes by [`crate::meta`]; reads go through
+//! [`crate::read::Reader`], writes through [`crate::write::WriteState`]. Locks on the inode
+//! and handle tables are never held across a store request.
 
 use crate::config::FsConfig;
-use crate::error::{FsError, FsResult};
-use crate::inode::Ino;
-use crate::meta::{Attr, FileKind};
-use bucketfs_store::ObjectStore;
+use crate::error::{log_store_err, FsError, FsResult};
+use crate::inode::{join, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
+use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
+use crate::names::{check_name, listable};
+use crate::read::Reader;
+use crate::write::{Base, PartLayout, WriteConfig, WriteState};
+use bucketfs_store::{
+    CompletedPart, ObjectMeta, ObjectStore, StoreError, UserMeta, MAX_COPY_OBJECT_SIZE,
+};
 use bytes::Bytes;
+use futures::stream::{self, StreamExt, TryStreamExt};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsStr;
+use std::hash::{Hash, Hasher};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// Who is making a call (from the FUSE request header); owns what it creates.
 #[derive(Debug, Clone, Copy)]
@@ -61,14 +76,107 @@ pub struct StatFs {
     pub frsize: u32,
 }
 
+/// Requests in flight at once for directory renames (copy, then delete).
+const RENAME_CONCURRENCY: usize = 16;
+/// Part size of server-side copies of objects too big for one CopyObject.
+const COPY_PART_SIZE: u64 = 512 * 1024 * 1024;
+/// Listing hints kept at most (they only save a request; losing them is harmless).
+const MAX_HINTS: usize = 200_000;
+
+/// An open file: its read state and, when opened for writing, the inode's shared write state.
+#[derive(Clone)]
+struct FileHandle {
+    ino: Ino,
+    flags: i32,
+    reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
+    write: Option<Arc<OpenWrite>>,
+}
+
+enum Handle {
+    File(FileHandle),
+    Dir { entries: Arc<Vec<DirEntry>> },
+}
+
+/// What the store says exists at a path.
+struct Found {
+    kind: FileKind,
+    obj: ObjectMeta,
+    has_marker: bool,
+}
+
 pub struct Fs {
     store: Arc<dyn ObjectStore>,
     cfg: FsConfig,
+    policy: AttrPolicy,
+    wcfg: Arc<WriteConfig>,
+    table: Mutex<InodeTable>,
+    handles: Mutex<HashMap<u64, Handle>>,
+    next_fh: AtomicU64,
+    /// Paths a recent listing showed as plain objects: their lookup needs only a HEAD.
+    file_hints: Mutex<HashMap<String, Instant>>,
+}
+
+fn now() -> SystemTime {
+    SystemTime::now()
+}
+
+fn synthetic_ino(path: &str) -> Ino {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    path.hash(&mut h);
+    h.finish() | (1 << 63)
 }
 
 impl Fs {
     pub fn new(store: Arc<dyn ObjectStore>, cfg: FsConfig) -> Arc<Self> {
-        Arc::new(Self { store, cfg })
+        let policy = AttrPolicy {
+            uid: cfg.uid,
+            gid: cfg.gid,
+            force_uid: cfg.force_uid,
+            force_gid: cfg.force_gid,
+            file_mode: cfg.file_mode,
+            dir_mode: cfg.dir_mode,
+        };
+        let root_attr = policy.attr(
+            ROOT_INO,
+            FileKind::Dir,
+            0,
+            &PosixMeta::default(),
+            Some(now()),
+        );
+        let root = Inode {
+            ino: ROOT_INO,
+            parent: ROOT_INO,
+            name: String::new(),
+            path: String::new(),
+            kind: FileKind::Dir,
+            attr: root_attr,
+            fetched: Some(Instant::now()),
+            etag: None,
+            user: UserMeta::new(),
+            has_marker: false,
+            symlink_target: None,
+            lookups: 1,
+            open_handles: 0,
+            writers: 0,
+            write: None,
+            unlinked: false,
+        };
+        let wcfg = Arc::new(WriteConfig {
+            layout: PartLayout {
+                part_size: cfg.part_size.max(bucketfs_store::MIN_PART_SIZE),
+            },
+            upload_concurrency: cfg.upload_concurrency.max(1),
+        });
+        Arc::new(Self {
+            store,
+            policy,
+            wcfg,
+            cfg,
+            table: Mutex::new(InodeTable::new(root)),
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            file_hints: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn config(&self) -> &FsConfig {
@@ -80,27 +188,509 @@ impl Fs {
         self.cfg.stat_ttl
     }
 
+    /// Number of inodes the table holds (for tests of forget).
+    pub fn inode_count(&self) -> usize {
+        self.table.lock().len()
+    }
+
+    // ---- keys ----
+
+    fn key(&self, path: &str) -> String {
+        format!("{}{path}", self.cfg.prefix)
+    }
+
+    /// Key prefix of a directory's children (and its marker's key).
+    fn dir_key(&self, path: &str) -> String {
+        if path.is_empty() {
+            self.cfg.prefix.clone()
+        } else {
+            format!("{}{path}/", self.cfg.prefix)
+        }
+    }
+
+    fn check_writable(&self) -> FsResult<()> {
+        if self.cfg.read_only {
+            Err(FsError::EROFS)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn fresh(&self, fetched: Option<Instant>) -> bool {
+        fetched.is_none_or(|t| t.elapsed() < self.cfg.stat_ttl)
+    }
+
+    /// Path and kind of a directory inode.
+    fn dir_path(&self, ino: Ino) -> FsResult<String> {
+        let t = self.table.lock();
+        let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        if i.kind != FileKind::Dir {
+            return Err(FsError::ENOTDIR);
+        }
+        Ok(i.path.clone())
+    }
+
+    /// The attributes to report for an inode now (a file being written shows its live size).
+    fn current_attr(i: &Inode) -> Attr {
+        let mut a = i.attr.clone();
+        if let Some(w) = &i.write {
+            a.size = w.size.load(Ordering::Relaxed);
+        }
+        a
+    }
+
+    fn new_meta(&self, kind: FileKind, mode: u32, umask: u32, caller: Caller) -> PosixMeta {
+        let t = now();
+        PosixMeta {
+            mode: Some(kind.mode_bits() | (mode & !umask & 0o7777)),
+            uid: Some(caller.uid),
+            gid: Some(caller.gid),
+            mtime: Some(t),
+            atime: None,
+        }
+    }
+
+    // ---- asking the store what a path is ----
+
+    /// HEAD `key` and LIST `key/` together; a directory wins over a file of the same name.
+    async fn stat_path(&self, path: &str) -> FsResult<Found> {
+        let key = self.key(path);
+        let hinted = {
+            let hints = self.file_hints.lock();
+            hints
+                .get(path)
+                .is_some_and(|t| t.elapsed() < self.cfg.stat_ttl)
+        };
+        if hinted {
+            match self.store.head(&key).await {
+                Ok(obj) => return Ok(self.found_object(obj)),
+                Err(StoreError::NotFound(_)) => {}
+                Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
+            }
+        }
+        let dir_key = self.dir_key(path);
+        let (head, list) = tokio::join!(
+            self.store.head(&key),
+            self.store.list(&dir_key, Some("/"), None, 1)
+        );
+        let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+        if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
+            let has_marker = page.objects.first().is_some_and(|o| o.key == dir_key);
+            let obj = if has_marker {
+                match self.store.head(&dir_key).await {
+                    Ok(o) => o,
+                    Err(StoreError::NotFound(_)) => ObjectMeta::default(),
+                    Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
+                }
+            } else {
+                ObjectMeta::default()
+            };
+            return Ok(Found {
+                kind: FileKind::Dir,
+                obj,
+                has_marker,
+            });
+        }
+        match head {
+            Ok(obj) => Ok(self.found_object(obj)),
+            Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
+        }
+    }
+
+    fn found_object(&self, obj: ObjectMeta) -> Found {
+        let kind = match PosixMeta::from_user(&obj.user).kind() {
+            Some(FileKind::Symlink) => FileKind::Symlink,
+            _ => FileKind::File,
+        };
+        Found {
+            kind,
+            obj,
+            has_marker: false,
+        }
+    }
+
+    /// Records what the store said about `name` in `parent`; returns the inode.
+    fn remember(&self, parent: Ino, name: &str, path: String, f: Found, lookups: u64) -> Attr {
+        let mut t = self.table.lock();
+        if let Some(ino) = t.child(parent, name) {
+            let i = t.get_mut(ino).expect("child in table");
+            if i.kind == f.kind {
+                i.attr = self.policy.attr_of_object(ino, f.kind, &f.obj);
+                i.etag = f.obj.etag.clone();
+                i.user = f.obj.user;
+                i.has_marker = f.has_marker;
+                i.fetched = Some(Instant::now());
+                i.lookups += lookups;
+                return Self::current_attr(i);
+            }
+        }
+        let ino = t.alloc();
+        let attr = self.policy.attr_of_object(ino, f.kind, &f.obj);
+        t.insert(Inode {
+            ino,
+            parent,
+            name: name.to_string(),
+            path,
+            kind: f.kind,
+            attr: attr.clone(),
+            fetched: Some(Instant::now()),
+            etag: f.obj.etag,
+            user: f.obj.user,
+            has_marker: f.has_marker,
+            symlink_target: None,
+            lookups,
+            open_handles: 0,
+            writers: 0,
+            write: None,
+            unlinked: false,
+        });
+        attr
+    }
+
+    /// Finds `name` in `parent`, from the table while fresh, else from the store.
+    async fn resolve(&self, parent: Ino, name: &OsStr, lookups: u64) -> FsResult<Attr> {
+        let name = check_name(name)?;
+        let parent_path = self.dir_path(parent)?;
+        {
+            let mut t = self.table.lock();
+            if let Some(ino) = t.child(parent, name) {
+                let i = t.get_mut(ino).expect("child in table");
+                if self.fresh(i.fetched) || i.write.is_some() {
+                    i.lookups += lookups;
+                    return Ok(Self::current_attr(i));
+                }
+            }
+        }
+        let path = join(&parent_path, name);
+        match self.stat_path(&path).await {
+            Ok(f) => Ok(self.remember(parent, name, path, f, lookups)),
+            Err(e) => {
+                if e == FsError::ENOENT {
+                    self.table.lock().remove_child(parent, name);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    // ---- the operations ----
+
     /// Looks `name` up in directory `parent`; on success the inode's lookup count goes up by one.
     pub async fn lookup(&self, parent: Ino, name: &OsStr) -> FsResult<Attr> {
-        todo!("{parent} {name:?} {:?}", self.store.describe())
+        self.resolve(parent, name, 1).await
     }
 
     /// The kernel dropped `nlookup` references to `ino`.
     pub fn forget(&self, ino: Ino, nlookup: u64) {
-        todo!("{ino} {nlookup}")
+        self.table.lock().forget(ino, nlookup);
+    }
+
+    /// Adds one lookup reference (for entries returned by readdirplus).
+    pub fn add_lookup(&self, ino: Ino) {
+        if let Some(i) = self.table.lock().get_mut(ino) {
+            i.lookups += 1;
+        }
     }
 
     pub async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
-        todo!("{ino}")
+        let (parent, name) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            if ino == ROOT_INO
+                || i.kind == FileKind::Dir
+                || i.unlinked
+                || i.write.is_some()
+                || self.fresh(i.fetched)
+            {
+                return Ok(Self::current_attr(i));
+            }
+            (i.parent, i.name.clone())
+        };
+        self.resolve(parent, OsStr::new(&name), 0).await?;
+        let t = self.table.lock();
+        t.get(ino).map(Self::current_attr).ok_or(FsError::ENOENT)
     }
 
     /// chmod/chown/utimens/truncate. `fh` is set for ftruncate/futimens on an open file.
-    pub async fn setattr(&self, ino: Ino, fh: Option<u64>, set: SetAttr) -> FsResult<Attr> {
-        todo!("{ino} {fh:?} {set:?}")
+    pub async fn setattr(&self, ino: Ino, _fh: Option<u64>, set: SetAttr) -> FsResult<Attr> {
+        self.check_writable()?;
+        let (kind, path, write, open_handles, etag, size, user) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (
+                i.kind,
+                i.path.clone(),
+                i.write.clone(),
+                i.open_handles,
+                i.etag.clone(),
+                i.attr.size,
+                i.user.clone(),
+            )
+        };
+        let meta_change = set.mode.is_some()
+            || set.uid.is_some()
+            || set.gid.is_some()
+            || set.atime.is_some()
+            || set.mtime.is_some();
+        let mut pm = PosixMeta::from_user(&user);
+        {
+            let t = self.table.lock();
+            if let Some(i) = t.get(ino) {
+                // Fill in what the object lacks from what stat shows, so it is stored whole.
+                pm.mode.get_or_insert(kind.mode_bits() | i.attr.perm as u32);
+                pm.uid.get_or_insert(i.attr.uid);
+                pm.gid.get_or_insert(i.attr.gid);
+                pm.mtime.get_or_insert(i.attr.mtime);
+            }
+        }
+        if let Some(m) = set.mode {
+            pm.mode = Some(kind.mode_bits() | (m & 0o7777));
+        }
+        if set.uid.is_some() {
+            pm.uid = set.uid;
+        }
+        if set.gid.is_some() {
+            pm.gid = set.gid;
+        }
+        if set.mtime.is_some() {
+            pm.mtime = set.mtime;
+        }
+        if set.atime.is_some() {
+            pm.atime = set.atime;
+        }
+        let mut new_user = user.clone();
+        pm.write_into(&mut new_user);
+
+        if let Some(new_size) = set.size {
+            match kind {
+                FileKind::Dir => return Err(FsError::EISDIR),
+                FileKind::Symlink => return Err(FsError::EINVAL),
+                FileKind::File => {}
+            }
+            let (w, temporary) = match write {
+                Some(w) => (w, false),
+                None => {
+                    let base = etag.clone().map(|etag| Base { etag, size });
+                    (self.new_write(&path, base, user.clone())?, true)
+                }
+            };
+            let mut st = w.state.lock().await;
+            st.truncate(new_size).await?;
+            if meta_change {
+                st.meta = new_user.clone();
+                if let Some(t) = set.mtime {
+                    st.mtime = t;
+                }
+            }
+            if temporary || open_handles == 0 {
+                // truncate(2) on a path: nobody will close it, publish now.
+                st.publish().await?;
+                let (etag, size, meta) = (
+                    st.base_etag().map(str::to_string),
+                    st.size(),
+                    st.meta.clone(),
+                );
+                drop(st);
+                self.published(ino, etag, size, meta);
+            }
+        } else if meta_change {
+            if let Some(w) = write {
+                // Being written: the metadata goes up with the content at close.
+                let mut st = w.state.lock().await;
+                st.meta = new_user.clone();
+                if let Some(t) = set.mtime {
+                    st.mtime = t;
+                }
+                st.changed = true;
+            } else {
+                self.store_meta(ino, kind, &path, size, &new_user).await?;
+            }
+        }
+        let mut t = self.table.lock();
+        let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+        if meta_change {
+            i.user = new_user;
+            let fetched = i.fetched;
+            let mut a = self.policy.attr(ino, kind, i.attr.size, &pm, Some(now()));
+            a.size = i.attr.size;
+            i.attr = a;
+            i.fetched = fetched;
+        }
+        Ok(Self::current_attr(i))
+    }
+
+    /// Replaces the user metadata of a stored object (CopyObject onto itself).
+    async fn store_meta(
+        &self,
+        ino: Ino,
+        kind: FileKind,
+        path: &str,
+        size: u64,
+        user: &UserMeta,
+    ) -> FsResult<()> {
+        if kind == FileKind::Dir {
+            if path.is_empty() && self.cfg.prefix.is_empty() {
+                return Ok(()); // the bucket root has no object to carry metadata
+            }
+            let key = self.dir_key(path);
+            self.store
+                .put(&key, Bytes::new(), user)
+                .await
+                .map_err(|e| log_store_err(&format!("set metadata of {key}"), e))?;
+            if let Some(i) = self.table.lock().get_mut(ino) {
+                i.has_marker = true;
+            }
+            return Ok(());
+        }
+        let key = self.key(path);
+        self.copy_object(&key, &key, size, Some(user)).await?;
+        let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+        if let Some(i) = self.table.lock().get_mut(ino) {
+            i.etag = etag;
+        }
+        Ok(())
+    }
+
+    /// Server-side copy of any size; `meta` replaces the user metadata when given.
+    async fn copy_object(
+        &self,
+        src: &str,
+        dst: &str,
+        size: u64,
+        meta: Option<&UserMeta>,
+    ) -> FsResult<()> {
+        let what = format!("copy {src} to {dst}");
+        if size <= MAX_COPY_OBJECT_SIZE {
+            return self
+                .store
+                .copy(src, dst, meta)
+                .await
+                .map_err(|e| log_store_err(&what, e));
+        }
+        let meta = match meta {
+            Some(m) => m.clone(),
+            None => {
+                self.store
+                    .head(src)
+                    .await
+                    .map_err(|e| log_store_err(&what, e))?
+                    .user
+            }
+        };
+        let id = self
+            .store
+            .create_multipart(dst, &meta)
+            .await
+            .map_err(|e| log_store_err(&what, e))?;
+        let ranges: Vec<_> = (0..size.div_ceil(COPY_PART_SIZE))
+            .map(|i| i * COPY_PART_SIZE..((i + 1) * COPY_PART_SIZE).min(size))
+            .collect();
+        let parts: Result<Vec<CompletedPart>, StoreError> =
+            stream::iter(ranges.into_iter().enumerate())
+                .map(|(i, r)| {
+                    let id = id.clone();
+                    async move {
+                        let n = i as u32 + 1;
+                        let etag = self.store.upload_part_copy(dst, &id, n, src, r).await?;
+                        Ok(CompletedPart {
+                            part_number: n,
+                            etag,
+                        })
+                    }
+                })
+                .buffered(self.wcfg.upload_concurrency)
+                .try_collect()
+                .await;
+        let done = match parts {
+            Ok(p) => self
+                .store
+                .complete_multipart(dst, &id, &p)
+                .await
+                .map(|_| ()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = done {
+            let _ = self.store.abort_multipart(dst, &id).await;
+            return Err(log_store_err(&what, e));
+        }
+        Ok(())
     }
 
     pub async fn readlink(&self, ino: Ino) -> FsResult<Bytes> {
-        todo!("{ino}")
+        let (path, size, cached) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            if i.kind != FileKind::Symlink {
+                return Err(FsError::EINVAL);
+            }
+            (i.path.clone(), i.attr.size, i.symlink_target.clone())
+        };
+        if let Some(c) = cached {
+            return Ok(c);
+        }
+        let key = self.key(&path);
+        let target = self
+            .store
+            .get_range(&key, 0..size.max(1), None)
+            .await
+            .map_err(|e| log_store_err(&format!("readlink {key}"), e))?;
+        if let Some(i) = self.table.lock().get_mut(ino) {
+            i.symlink_target = Some(target.clone());
+        }
+        Ok(target)
+    }
+
+    /// Adds a new inode that was just created in the store (or locally, `fetched: None`).
+    #[allow(clippy::too_many_arguments)]
+    fn add_new(
+        &self,
+        parent: Ino,
+        name: &str,
+        path: String,
+        kind: FileKind,
+        pm: &PosixMeta,
+        size: u64,
+        etag: Option<String>,
+        local_only: bool,
+    ) -> (Ino, Attr) {
+        let mut t = self.table.lock();
+        let ino = t.alloc();
+        let attr = self.policy.attr(ino, kind, size, pm, Some(now()));
+        t.insert(Inode {
+            ino,
+            parent,
+            name: name.to_string(),
+            path,
+            kind,
+            attr: attr.clone(),
+            fetched: if local_only {
+                None
+            } else {
+                Some(Instant::now())
+            },
+            etag,
+            user: pm.to_user(),
+            has_marker: kind == FileKind::Dir,
+            symlink_target: None,
+            lookups: 1,
+            open_handles: 0,
+            writers: 0,
+            write: None,
+            unlinked: false,
+        });
+        (ino, attr)
+    }
+
+    /// Name check, read-only check, and the parent's path, for calls that add an entry.
+    fn prepare_new(&self, parent: Ino, name: &OsStr) -> FsResult<(String, String)> {
+        self.check_writable()?;
+        let name = check_name(name)?.to_string();
+        let parent_path = self.dir_path(parent)?;
+        if let Some(ino) = self.table.lock().child(parent, &name) {
+            let _ = ino;
+            return Err(FsError::EEXIST);
+        }
+        Ok((name, parent_path))
     }
 
     pub async fn mkdir(
@@ -111,7 +701,17 @@ impl Fs {
         umask: u32,
         caller: Caller,
     ) -> FsResult<Attr> {
-        todo!("{parent} {name:?} {mode} {umask} {caller:?}")
+        let (name, parent_path) = self.prepare_new(parent, name)?;
+        let path = join(&parent_path, &name);
+        let pm = self.new_meta(FileKind::Dir, mode, umask, caller);
+        let key = self.dir_key(&path);
+        self.store
+            .put(&key, Bytes::new(), &pm.to_user())
+            .await
+            .map_err(|e| log_store_err(&format!("mkdir {key}"), e))?;
+        Ok(self
+            .add_new(parent, &name, path, FileKind::Dir, &pm, 0, None, false)
+            .1)
     }
 
     /// Only regular files can be made (FIFOs, sockets and devices cannot live in a bucket).
@@ -123,15 +723,30 @@ impl Fs {
         umask: u32,
         caller: Caller,
     ) -> FsResult<Attr> {
-        todo!("{parent} {name:?} {mode} {umask} {caller:?}")
-    }
-
-    pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
-        todo!("{parent} {name:?}")
-    }
-
-    pub async fn rmdir(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
-        todo!("{parent} {name:?}")
+        if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
+            return Err(FsError::EPERM);
+        }
+        let (name, parent_path) = self.prepare_new(parent, name)?;
+        let path = join(&parent_path, &name);
+        let pm = self.new_meta(FileKind::File, mode, umask, caller);
+        let key = self.key(&path);
+        let etag = self
+            .store
+            .put(&key, Bytes::new(), &pm.to_user())
+            .await
+            .map_err(|e| log_store_err(&format!("create {key}"), e))?;
+        Ok(self
+            .add_new(
+                parent,
+                &name,
+                path,
+                FileKind::File,
+                &pm,
+                0,
+                Some(etag),
+                false,
+            )
+            .1)
     }
 
     pub async fn symlink(
@@ -141,7 +756,108 @@ impl Fs {
         target: &Path,
         caller: Caller,
     ) -> FsResult<Attr> {
-        todo!("{parent} {name:?} {target:?} {caller:?}")
+        let (name, parent_path) = self.prepare_new(parent, name)?;
+        let path = join(&parent_path, &name);
+        let pm = self.new_meta(FileKind::Symlink, 0o777, 0, caller);
+        let key = self.key(&path);
+        let body = Bytes::copy_from_slice(target.as_os_str().as_bytes());
+        let etag = self
+            .store
+            .put(&key, body.clone(), &pm.to_user())
+            .await
+            .map_err(|e| log_store_err(&format!("symlink {key}"), e))?;
+        let (ino, attr) = self.add_new(
+            parent,
+            &name,
+            path,
+            FileKind::Symlink,
+            &pm,
+            body.len() as u64,
+            Some(etag),
+            false,
+        );
+        if let Some(i) = self.table.lock().get_mut(ino) {
+            i.symlink_target = Some(body);
+        }
+        Ok(attr)
+    }
+
+    /// Resolves an existing entry for a call that changes it; returns its inode number.
+    async fn existing(&self, parent: Ino, name: &OsStr) -> FsResult<Ino> {
+        self.resolve(parent, name, 0).await?;
+        let name = check_name(name)?;
+        self.table.lock().child(parent, name).ok_or(FsError::ENOENT)
+    }
+
+    pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
+        self.check_writable()?;
+        let ino = self.existing(parent, name).await?;
+        let (kind, path, write, in_store) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (i.kind, i.path.clone(), i.write.clone(), i.fetched.is_some())
+        };
+        if kind == FileKind::Dir {
+            return Err(FsError::EISDIR);
+        }
+        if let Some(w) = write {
+            let mut st = w.state.lock().await;
+            st.unlinked = true;
+            st.abort_stream().await;
+        }
+        if in_store {
+            let key = self.key(&path);
+            self.store
+                .delete(&key)
+                .await
+                .map_err(|e| log_store_err(&format!("unlink {key}"), e))?;
+        }
+        self.file_hints.lock().remove(&path);
+        self.table.lock().detach(ino);
+        Ok(())
+    }
+
+    /// Whether a directory holds anything (in the store or created here and not yet uploaded).
+    async fn dir_is_empty(&self, ino: Ino, path: &str) -> FsResult<bool> {
+        if !self
+            .table
+            .lock()
+            .children_of(ino)
+            .iter()
+            .all(|c| c.fetched.is_some())
+        {
+            return Ok(false);
+        }
+        let dir_key = self.dir_key(path);
+        let page = self
+            .store
+            .list(&dir_key, None, None, 2)
+            .await
+            .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+        Ok(page.objects.iter().all(|o| o.key == dir_key) && page.common_prefixes.is_empty())
+    }
+
+    pub async fn rmdir(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
+        self.check_writable()?;
+        let ino = self.existing(parent, name).await?;
+        let (kind, path) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (i.kind, i.path.clone())
+        };
+        if kind != FileKind::Dir {
+            return Err(FsError::ENOTDIR);
+        }
+        if !self.dir_is_empty(ino, &path).await? {
+            return Err(FsError::ENOTEMPTY);
+        }
+        let key = self.dir_key(&path);
+        self.store
+            .delete(&key)
+            .await
+            .map_err(|e| log_store_err(&format!("rmdir {key}"), e))?;
+        self.table.lock().detach(ino);
+        Ok(())
     }
 
     /// `flags` are renameat2 flags (`RENAME_NOREPLACE` is honoured, `RENAME_EXCHANGE` is not
@@ -154,12 +870,282 @@ impl Fs {
         new_name: &OsStr,
         flags: u32,
     ) -> FsResult<()> {
-        todo!("{parent} {name:?} {new_parent} {new_name:?} {flags}")
+        self.check_writable()?;
+        if flags & libc::RENAME_EXCHANGE != 0 {
+            return Err(FsError::EINVAL);
+        }
+        let new_name_s = check_name(new_name)?.to_string();
+        let new_parent_path = self.dir_path(new_parent)?;
+        let src = self.existing(parent, name).await?;
+        let target = match self.existing(new_parent, new_name).await {
+            Ok(t) => Some(t),
+            Err(e) if e == FsError::ENOENT => None,
+            Err(e) => return Err(e),
+        };
+        if target == Some(src) {
+            return Ok(());
+        }
+        if target.is_some() && flags & libc::RENAME_NOREPLACE != 0 {
+            return Err(FsError::EEXIST);
+        }
+        let (kind, path, size, write) = {
+            let t = self.table.lock();
+            let i = t.get(src).ok_or(FsError::ENOENT)?;
+            (i.kind, i.path.clone(), i.attr.size, i.write.clone())
+        };
+        let new_path = join(&new_parent_path, &new_name_s);
+        if let Some(t) = target {
+            let (tkind, tpath) = {
+                let tb = self.table.lock();
+                let i = tb.get(t).ok_or(FsError::ENOENT)?;
+                (i.kind, i.path.clone())
+            };
+            match (kind == FileKind::Dir, tkind == FileKind::Dir) {
+                (true, false) => return Err(FsError::ENOTDIR),
+                (false, true) => return Err(FsError::EISDIR),
+                (true, true) => {
+                    if !self.dir_is_empty(t, &tpath).await? {
+                        return Err(FsError::ENOTEMPTY);
+                    }
+                }
+                (false, false) => {}
+            }
+        }
+        if kind == FileKind::Dir {
+            self.rename_dir(src, &path, &new_path, target.is_some())
+                .await?;
+        } else {
+            self.rename_file(&path, &new_path, size, write).await?;
+        }
+        {
+            let mut hints = self.file_hints.lock();
+            hints.remove(&path);
+            hints.remove(&new_path);
+        }
+        let mut t = self.table.lock();
+        t.rename(src, new_parent, &new_name_s, &new_parent_path);
+        if let Some(i) = t.get_mut(src) {
+            i.attr.ctime = now();
+        }
+        t.maybe_drop(src);
+        Ok(())
+    }
+
+    async fn rename_file(
+        &self,
+        path: &str,
+        new_path: &str,
+        size: u64,
+        write: Option<Arc<OpenWrite>>,
+    ) -> FsResult<()> {
+        let (src, dst) = (self.key(path), self.key(new_path));
+        let mut guard = match &write {
+            Some(w) => Some(w.state.lock().await),
+            None => None,
+        };
+        let size = match guard.as_mut() {
+            Some(st) => {
+                // Publish what is written so far, then move the object.
+                st.publish().await?;
+                st.size()
+            }
+            None => size,
+        };
+        self.copy_object(&src, &dst, size, None).await?;
+        self.store
+            .delete(&src)
+            .await
+            .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
+        if let Some(st) = guard.as_mut() {
+            let base = self
+                .store
+                .head(&dst)
+                .await
+                .ok()
+                .and_then(|o| o.etag.map(|etag| Base { etag, size: o.size }));
+            st.rebase(dst, base);
+        }
+        Ok(())
+    }
+
+    /// Moves every object under the directory: copies all, then deletes the sources.
+    async fn rename_dir(
+        &self,
+        ino: Ino,
+        path: &str,
+        new_path: &str,
+        replace: bool,
+    ) -> FsResult<()> {
+        // Files being written below go up first so that their objects move with the rest.
+        let writes: Vec<Arc<OpenWrite>> = {
+            let t = self.table.lock();
+            t.descendants(path)
+                .into_iter()
+                .filter_map(|d| t.get(d).and_then(|i| i.write.clone()))
+                .collect()
+        };
+        for w in &writes {
+            w.state.lock().await.publish().await?;
+        }
+        let _ = ino;
+        let (src, dst) = (self.dir_key(path), self.dir_key(new_path));
+        let mut objects = Vec::new();
+        let mut token = None;
+        loop {
+            let page = self
+                .store
+                .list(&src, None, token, 1000)
+                .await
+                .map_err(|e| log_store_err(&format!("list {src}"), e))?;
+            objects.extend(page.objects);
+            if objects.len() > self.cfg.max_dir_rename_objects {
+                tracing::info!(
+                    "rename of {src}: more than {} objects, returning EXDEV",
+                    self.cfg.max_dir_rename_objects
+                );
+                return Err(FsError::EXDEV);
+            }
+            token = page.next_continuation;
+            if token.is_none() {
+                break;
+            }
+        }
+        if replace {
+            self.store
+                .delete(&dst)
+                .await
+                .map_err(|e| log_store_err(&format!("delete {dst}"), e))?;
+        }
+        if !objects.iter().any(|o| o.key == src) {
+            // An implied directory: give the new one a marker so it exists even if empty.
+            self.store
+                .put(&dst, Bytes::new(), &UserMeta::new())
+                .await
+                .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
+        }
+        stream::iter(objects.iter())
+            .map(|o| {
+                let to = format!("{dst}{}", &o.key[src.len()..]);
+                async move { self.copy_object(&o.key, &to, o.size, None).await }
+            })
+            .buffer_unordered(RENAME_CONCURRENCY)
+            .try_collect::<Vec<()>>()
+            .await?;
+        stream::iter(objects.iter())
+            .map(|o| async move {
+                self.store
+                    .delete(&o.key)
+                    .await
+                    .map_err(|e| log_store_err(&format!("delete {}", o.key), e))
+            })
+            .buffer_unordered(RENAME_CONCURRENCY)
+            .try_collect::<Vec<()>>()
+            .await?;
+        // Re-point files still open for writing at their new keys.
+        let below: Vec<(String, Arc<OpenWrite>)> = {
+            let t = self.table.lock();
+            t.descendants(path)
+                .into_iter()
+                .filter_map(|d| {
+                    t.get(d).and_then(|i| {
+                        i.write
+                            .clone()
+                            .map(|w| (format!("{new_path}{}", &i.path[path.len()..]), w))
+                    })
+                })
+                .collect()
+        };
+        for (p, w) in below {
+            let key = self.key(&p);
+            let base = self
+                .store
+                .head(&key)
+                .await
+                .ok()
+                .and_then(|o| o.etag.map(|etag| Base { etag, size: o.size }));
+            w.state.lock().await.rebase(key, base);
+        }
+        Ok(())
+    }
+
+    fn new_write(
+        &self,
+        path: &str,
+        base: Option<Base>,
+        user: UserMeta,
+    ) -> FsResult<Arc<OpenWrite>> {
+        let size = Arc::new(AtomicU64::new(0));
+        let st = WriteState::new(
+            self.store.clone(),
+            self.wcfg.clone(),
+            self.key(path),
+            base,
+            user,
+            &self.cfg.cache_dir,
+            size.clone(),
+        )?;
+        Ok(Arc::new(OpenWrite {
+            state: tokio::sync::Mutex::new(st),
+            size,
+        }))
+    }
+
+    fn add_handle(&self, h: Handle) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.handles.lock().insert(fh, h);
+        fh
     }
 
     /// `flags` are the open(2) flags.
     pub async fn open(&self, ino: Ino, flags: i32) -> FsResult<OpenReply> {
-        todo!("{ino} {flags}")
+        let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        if writable || flags & libc::O_TRUNC != 0 {
+            self.check_writable()?;
+        }
+        // Close-to-open: attributes older than the TTL are checked again.
+        self.getattr(ino).await?;
+        let write = {
+            let mut t = self.table.lock();
+            let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+            match i.kind {
+                FileKind::Dir => return Err(FsError::EISDIR),
+                FileKind::Symlink => return Err(FsError::ELOOP),
+                FileKind::File => {}
+            }
+            let write = if writable {
+                let w = match &i.write {
+                    Some(w) => w.clone(),
+                    None => {
+                        let base = i.etag.clone().map(|etag| Base {
+                            etag,
+                            size: i.attr.size,
+                        });
+                        let w = self.new_write(&i.path, base, i.user.clone())?;
+                        i.write = Some(w.clone());
+                        w
+                    }
+                };
+                i.writers += 1;
+                Some(w)
+            } else {
+                None
+            };
+            i.open_handles += 1;
+            write
+        };
+        if let (Some(w), true) = (&write, flags & libc::O_TRUNC != 0) {
+            w.state.lock().await.truncate(0).await?;
+        }
+        let fh = self.add_handle(Handle::File(FileHandle {
+            ino,
+            flags,
+            reader: Arc::new(tokio::sync::Mutex::new(None)),
+            write,
+        }));
+        Ok(OpenReply {
+            fh,
+            keep_cache: false,
+        })
     }
 
     /// Creates and opens a regular file; the lookup count of the new inode goes up by one.
@@ -172,57 +1158,332 @@ impl Fs {
         flags: i32,
         caller: Caller,
     ) -> FsResult<(Attr, OpenReply)> {
-        todo!("{parent} {name:?} {mode} {umask} {flags} {caller:?}")
+        let (name, parent_path) = match self.prepare_new(parent, name) {
+            Err(e) if e == FsError::EEXIST && flags & libc::O_EXCL == 0 => {
+                let ino = self.existing(parent, name).await?;
+                let reply = self.open(ino, flags | libc::O_TRUNC).await?;
+                self.add_lookup(ino);
+                return Ok((self.getattr(ino).await?, reply));
+            }
+            other => other?,
+        };
+        let path = join(&parent_path, &name);
+        let pm = self.new_meta(FileKind::File, mode, umask, caller);
+        let w = self.new_write(&path, None, pm.to_user())?;
+        w.state.lock().await.changed = true; // an empty file is still a file
+        let (ino, attr) = self.add_new(parent, &name, path, FileKind::File, &pm, 0, None, true);
+        {
+            let mut t = self.table.lock();
+            if let Some(i) = t.get_mut(ino) {
+                i.write = Some(w.clone());
+                i.writers = 1;
+                i.open_handles = 1;
+            }
+        }
+        let fh = self.add_handle(Handle::File(FileHandle {
+            ino,
+            flags,
+            reader: Arc::new(tokio::sync::Mutex::new(None)),
+            write: Some(w),
+        }));
+        Ok((
+            attr,
+            OpenReply {
+                fh,
+                keep_cache: false,
+            },
+        ))
+    }
+
+    /// The open file `fh`, which must be a handle of `ino`.
+    fn file_handle(&self, ino: Ino, fh: u64) -> FsResult<FileHandle> {
+        match self.handles.lock().get(&fh) {
+            Some(Handle::File(h)) if h.ino == ino => Ok(h.clone()),
+            _ => Err(FsError::EBADF),
+        }
     }
 
     /// Reads up to `size` bytes at `offset`; shorter only at end of file.
     pub async fn read(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
-        todo!("{ino} {fh} {offset} {size}")
+        let reader = self.file_handle(ino, fh)?.reader;
+        let (write, path, etag, file_size) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (i.write.clone(), i.path.clone(), i.etag.clone(), i.attr.size)
+        };
+        if let Some(w) = write {
+            // Someone is writing this file: read its current content, staged bytes included.
+            let st = w.state.lock().await;
+            return st.read(offset..offset.saturating_add(size as u64)).await;
+        }
+        let mut r = reader.lock().await;
+        let r = r.get_or_insert_with(|| {
+            Reader::new(
+                self.store.clone(),
+                self.key(&path),
+                etag,
+                file_size,
+                self.cfg.part_size,
+            )
+        });
+        r.read(offset, size).await
     }
 
     /// Writes all of `data` at `offset` and returns its length.
     pub async fn write(&self, ino: Ino, fh: u64, offset: u64, data: Bytes) -> FsResult<u32> {
-        todo!("{ino} {fh} {offset} {}", data.len())
+        let FileHandle { flags, write, .. } = self.file_handle(ino, fh)?;
+        let w = write.ok_or(FsError::EBADF)?;
+        let len = data.len() as u32;
+        let mut st = w.state.lock().await;
+        let at = if flags & libc::O_APPEND != 0 {
+            st.size()
+        } else {
+            offset
+        };
+        st.write(at, data).await?;
+        drop(st);
+        if let Some(i) = self.table.lock().get_mut(ino) {
+            i.attr.mtime = now();
+        }
+        Ok(len)
+    }
+
+    /// Uploads what this handle's file holds and records the new object.
+    async fn publish_handle(&self, ino: Ino, fh: u64) -> FsResult<()> {
+        let write = self.file_handle(ino, fh)?.write;
+        let Some(w) = write else {
+            return Ok(());
+        };
+        let mut st = w.state.lock().await;
+        if !st.changed || st.unlinked {
+            return Ok(());
+        }
+        st.publish().await?;
+        let (etag, size, meta) = (
+            st.base_etag().map(str::to_string),
+            st.size(),
+            st.meta.clone(),
+        );
+        drop(st);
+        self.published(ino, etag, size, meta);
+        Ok(())
+    }
+
+    /// The object of `ino` is now in the store with this ETag, size and metadata.
+    fn published(&self, ino: Ino, etag: Option<String>, size: u64, user: UserMeta) {
+        let mut t = self.table.lock();
+        if let Some(i) = t.get_mut(ino) {
+            let pm = PosixMeta::from_user(&user);
+            i.attr = self.policy.attr(ino, i.kind, size, &pm, Some(now()));
+            i.etag = etag;
+            i.user = user;
+            i.fetched = Some(Instant::now());
+        }
     }
 
     /// close(2) of one descriptor: publishes what was written and reports a failed upload.
     pub async fn flush(&self, ino: Ino, fh: u64) -> FsResult<()> {
-        todo!("{ino} {fh}")
+        self.publish_handle(ino, fh).await
     }
 
     /// Makes everything written so far durable in the bucket.
     pub async fn fsync(&self, ino: Ino, fh: u64) -> FsResult<()> {
-        todo!("{ino} {fh}")
+        self.publish_handle(ino, fh).await
     }
 
     /// The last reference to an open file went away.
     pub async fn release(&self, ino: Ino, fh: u64) -> FsResult<()> {
-        todo!("{ino} {fh}")
+        let handle = self.handles.lock().remove(&fh);
+        let Some(Handle::File(FileHandle { write, .. })) = handle else {
+            return Err(FsError::EBADF);
+        };
+        let last_writer = {
+            let mut t = self.table.lock();
+            let Some(i) = t.get_mut(ino) else {
+                return Ok(());
+            };
+            i.open_handles = i.open_handles.saturating_sub(1);
+            if write.is_some() {
+                i.writers = i.writers.saturating_sub(1);
+            }
+            write.is_some() && i.writers == 0
+        };
+        if !last_writer {
+            return Ok(());
+        }
+        let w = write.expect("writer handle");
+        let result = {
+            let mut st = w.state.lock().await;
+            let r = if st.changed && !st.unlinked {
+                // Normally flush already published; this catches a flush that never came.
+                let r = st.publish().await;
+                if let Err(e) = &r {
+                    tracing::error!("{}: data not uploaded and now lost: {e}", st.key);
+                }
+                r.map(|_| {
+                    (
+                        st.base_etag().map(str::to_string),
+                        st.size(),
+                        st.meta.clone(),
+                    )
+                })
+            } else {
+                Err(FsError::EBADF)
+            };
+            st.abort_stream().await;
+            r
+        };
+        if let Ok((etag, size, meta)) = result {
+            self.published(ino, etag, size, meta);
+        }
+        let mut t = self.table.lock();
+        if let Some(i) = t.get_mut(ino) {
+            if i.writers == 0 {
+                i.write = None;
+            }
+        }
+        t.maybe_drop(ino);
+        Ok(())
     }
 
     /// Opens a directory for listing and returns its handle.
     pub async fn opendir(&self, ino: Ino) -> FsResult<u64> {
-        todo!("{ino}")
+        let (path, parent) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            if i.kind != FileKind::Dir {
+                return Err(FsError::ENOTDIR);
+            }
+            (i.path.clone(), i.parent)
+        };
+        let listed = self.list_dir(&path).await?;
+        let mut names: BTreeMap<String, FileKind> = listed;
+        {
+            let t = self.table.lock();
+            for c in t.children_of(ino) {
+                // Created here and not uploaded yet, or just made: show it anyway.
+                if c.fetched.is_none() || c.write.is_some() {
+                    names.entry(c.name.clone()).or_insert(c.kind);
+                }
+            }
+        }
+        let mut entries = Vec::with_capacity(names.len() + 2);
+        entries.push((ino, FileKind::Dir, ".".to_string()));
+        entries.push((parent, FileKind::Dir, "..".to_string()));
+        {
+            let t = self.table.lock();
+            for (name, kind) in names {
+                let ino = t
+                    .child(ino, &name)
+                    .unwrap_or_else(|| synthetic_ino(&join(&path, &name)));
+                entries.push((ino, kind, name));
+            }
+        }
+        let entries: Vec<DirEntry> = entries
+            .into_iter()
+            .enumerate()
+            .map(|(n, (ino, kind, name))| DirEntry {
+                ino,
+                next_offset: n as i64 + 1,
+                kind,
+                name,
+            })
+            .collect();
+        Ok(self.add_handle(Handle::Dir {
+            entries: Arc::new(entries),
+        }))
+    }
+
+    /// All names in a directory, from LIST pages (a directory wins over a same-named file).
+    async fn list_dir(&self, path: &str) -> FsResult<BTreeMap<String, FileKind>> {
+        let prefix = self.dir_key(path);
+        let mut names = BTreeMap::new();
+        let mut files = Vec::new();
+        let mut token = None;
+        loop {
+            let page = self
+                .store
+                .list(&prefix, Some("/"), token, 1000)
+                .await
+                .map_err(|e| log_store_err(&format!("list {prefix}"), e))?;
+            for cp in page.common_prefixes {
+                let name = cp[prefix.len()..].trim_end_matches('/');
+                if listable(name) && cp.len() == prefix.len() + name.len() + 1 {
+                    names.insert(name.to_string(), FileKind::Dir);
+                }
+            }
+            for o in page.objects {
+                let name = &o.key[prefix.len()..];
+                if listable(name) && !names.contains_key(name) {
+                    names.insert(name.to_string(), FileKind::File);
+                    files.push(join(path, name));
+                }
+            }
+            token = page.next_continuation;
+            if token.is_none() {
+                break;
+            }
+        }
+        let mut hints = self.file_hints.lock();
+        if hints.len() + files.len() > MAX_HINTS {
+            hints.clear();
+        }
+        let t = Instant::now();
+        for f in files {
+            if names.get(f.rsplit('/').next().unwrap_or("")) == Some(&FileKind::File) {
+                hints.insert(f, t);
+            }
+        }
+        Ok(names)
     }
 
     /// Entries after cookie `offset` (0 = from the start, including `.` and `..`).
-    pub async fn readdir(&self, ino: Ino, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
-        todo!("{ino} {fh} {offset}")
+    pub async fn readdir(&self, _ino: Ino, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
+        match self.handles.lock().get(&fh) {
+            Some(Handle::Dir { entries }) => Ok(entries
+                .iter()
+                .skip(offset.max(0) as usize)
+                .cloned()
+                .collect()),
+            _ => Err(FsError::EBADF),
+        }
     }
 
-    pub fn releasedir(&self, ino: Ino, fh: u64) {
-        todo!("{ino} {fh}")
+    pub fn releasedir(&self, _ino: Ino, fh: u64) {
+        self.handles.lock().remove(&fh);
     }
 
     pub fn statfs(&self) -> StatFs {
-        todo!()
+        // 1 PiB free, 2^32 inodes free: a bucket's capacity is not ours to know.
+        StatFs {
+            blocks: 1 << 38,
+            bfree: 1 << 38,
+            bavail: 1 << 38,
+            files: 1 << 32,
+            ffree: 1 << 32,
+            bsize: 4096,
+            namelen: crate::names::NAME_MAX as u32,
+            frsize: 4096,
+        }
     }
 
     /// Publishes every file still being written (unmount, SIGTERM). Returns how many failed.
     pub async fn shutdown(&self) -> usize {
-        todo!()
+        let writes = self.table.lock().all_writes();
+        let mut failed = 0;
+        for w in writes {
+            let mut st = w.state.lock().await;
+            if st.changed && !st.unlinked {
+                match st.publish().await {
+                    Ok(()) => tracing::info!("{}: uploaded at shutdown", st.key),
+                    Err(e) => {
+                        tracing::error!("{}: upload at shutdown failed: {e}", st.key);
+                        failed += 1;
+                    }
+                }
+            }
+            st.abort_stream().await;
+        }
+        failed
     }
 }
-
-#[allow(dead_code)]
-fn _unused(_: FsError) {}

@@ -8,10 +8,13 @@
 
 mod config;
 mod error;
+mod extents;
 mod fs;
 mod inode;
 mod meta;
 mod names;
+mod read;
+mod write;
 
 pub use config::FsConfig;
 pub use error::{FsError, FsResult};

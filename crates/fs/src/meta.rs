@@ -202,7 +202,10 @@ mod tests {
         let m = PosixMeta::from_user(&user);
         assert_eq!(m.mode, Some(libc::S_IFREG | 0o644));
         assert_eq!(m.kind(), Some(FileKind::File));
-        assert_eq!(m.mtime, Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000)));
+        assert_eq!(
+            m.mtime,
+            Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000))
+        );
         let mut out = UserMeta::new();
         out.insert("other".into(), "kept".into());
         m.write_into(&mut out);

@@ -26,7 +26,11 @@ pub fn check_name(name: &OsStr) -> FsResult<&str> {
 
 /// Whether a name found in a listing can be shown as a directory entry.
 pub fn listable(name: &str) -> bool {
-    !name.is_empty() && name != "." && name != ".." && name.len() <= NAME_MAX && !name.contains('\0')
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && name.len() <= NAME_MAX
+        && !name.contains('\0')
 }
 
 /// Turns a user-supplied prefix (`some/prefix`, `/x/`, ``) into the key prefix of the mount

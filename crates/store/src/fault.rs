@@ -107,13 +107,15 @@ impl ObjectStore for FaultStore {
         range: Range<u64>,
         if_match: Option<&str>,
     ) -> StoreResult<Bytes> {
-        self.wrap(Op::Get, self.inner.get_range(key, range, if_match)).await
+        self.wrap(Op::Get, self.inner.get_range(key, range, if_match))
+            .await
     }
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
         self.wrap(Op::Put, self.inner.put(key, body, meta)).await
     }
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
-        self.wrap(Op::CreateMultipart, self.inner.create_multipart(key, meta)).await
+        self.wrap(Op::CreateMultipart, self.inner.create_multipart(key, meta))
+            .await
     }
     async fn upload_part(
         &self,
@@ -156,15 +158,19 @@ impl ObjectStore for FaultStore {
         .await
     }
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
-        self.wrap(Op::AbortMultipart, self.inner.abort_multipart(key, upload_id))
-            .await
+        self.wrap(
+            Op::AbortMultipart,
+            self.inner.abort_multipart(key, upload_id),
+        )
+        .await
     }
     async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
         self.wrap(Op::ListMultipart, self.inner.list_multipart_uploads(prefix))
             .await
     }
     async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
-        self.wrap(Op::Copy, self.inner.copy(src_key, dst_key, meta)).await
+        self.wrap(Op::Copy, self.inner.copy(src_key, dst_key, meta))
+            .await
     }
     async fn delete(&self, key: &str) -> StoreResult<()> {
         self.wrap(Op::Delete, self.inner.delete(key)).await

@@ -31,8 +31,12 @@ pub trait ObjectStore: Send + Sync + 'static {
 
     /// Ranged GET. The range may run past the end of the object; the result is then shorter.
     /// With `if_match`, fails with [`StoreError::PreconditionFailed`] when the ETag differs.
-    async fn get_range(&self, key: &str, range: Range<u64>, if_match: Option<&str>)
-        -> StoreResult<Bytes>;
+    async fn get_range(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> StoreResult<Bytes>;
 
     /// PUT of a whole object with user metadata. Returns the new ETag.
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String>;

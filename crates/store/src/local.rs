@@ -37,9 +37,8 @@ impl LocalStore {
     /// Opens `root` as a bucket. The directory must exist.
     pub fn open(root: impl AsRef<Path>) -> StoreResult<Self> {
         let root = root.as_ref();
-        let md = fs::metadata(root).map_err(|e| {
-            StoreError::NoSuchBucket(format!("{}: {}", root.display(), e))
-        })?;
+        let md = fs::metadata(root)
+            .map_err(|e| StoreError::NoSuchBucket(format!("{}: {}", root.display(), e)))?;
         if !md.is_dir() {
             return Err(StoreError::NoSuchBucket(format!(
                 "{} is not a directory",
@@ -113,17 +112,29 @@ fn read_xattrs(path: &Path) -> StoreResult<UserMeta> {
     }
     names.truncate(n as usize);
     for name in names.split(|b| *b == 0).filter(|s| !s.is_empty()) {
-        let Ok(name) = std::str::from_utf8(name) else { continue };
-        let Some(short) = name.strip_prefix(XATTR_PREFIX) else { continue };
+        let Ok(name) = std::str::from_utf8(name) else {
+            continue;
+        };
+        let Some(short) = name.strip_prefix(XATTR_PREFIX) else {
+            continue;
+        };
         let cname = CString::new(name).expect("no NUL in xattr name");
         let mut val = vec![0u8; 4096];
         // SAFETY: as above.
         let len = unsafe {
-            libc::getxattr(c.as_ptr(), cname.as_ptr(), val.as_mut_ptr().cast(), val.len())
+            libc::getxattr(
+                c.as_ptr(),
+                cname.as_ptr(),
+                val.as_mut_ptr().cast(),
+                val.len(),
+            )
         };
         if len >= 0 {
             val.truncate(len as usize);
-            meta.insert(short.to_string(), String::from_utf8_lossy(&val).into_owned());
+            meta.insert(
+                short.to_string(),
+                String::from_utf8_lossy(&val).into_owned(),
+            );
         }
     }
     Ok(meta)
@@ -142,9 +153,8 @@ fn write_xattrs(path: &Path, meta: &UserMeta) -> StoreResult<()> {
         let cname = CString::new(format!("{XATTR_PREFIX}{k}"))
             .map_err(|_| StoreError::Invalid("NUL in metadata key".into()))?;
         // SAFETY: valid C strings and a readable value buffer.
-        let rc = unsafe {
-            libc::setxattr(c.as_ptr(), cname.as_ptr(), v.as_ptr().cast(), v.len(), 0)
-        };
+        let rc =
+            unsafe { libc::setxattr(c.as_ptr(), cname.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
         if rc != 0 {
             let err = std::io::Error::last_os_error();
             return Err(StoreError::Other(format!(
@@ -176,7 +186,11 @@ impl Inner {
     }
 
     fn upload_dir(&self, upload_id: &str) -> StoreResult<PathBuf> {
-        if upload_id.is_empty() || !upload_id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        if upload_id.is_empty()
+            || !upload_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        {
             return Err(StoreError::NotFound(format!("upload {upload_id}")));
         }
         let p = self.root.join(INTERNAL_DIR).join("uploads").join(upload_id);
@@ -284,11 +298,15 @@ impl Inner {
         };
         for ent in rd {
             let ent = ent?;
-            let Ok(name) = ent.file_name().into_string() else { continue };
+            let Ok(name) = ent.file_name().into_string() else {
+                continue;
+            };
             if dir_key.is_empty() && name == INTERNAL_DIR {
                 continue;
             }
-            let Ok(md) = fs::symlink_metadata(ent.path()) else { continue };
+            let Ok(md) = fs::symlink_metadata(ent.path()) else {
+                continue;
+            };
             let key = if md.is_dir() {
                 format!("{dir_key}{name}/")
             } else {
@@ -452,7 +470,10 @@ impl ObjectStore for LocalStore {
                     StoreError::Invalid(format!("missing part {}", part.part_number))
                 })?;
                 if etag_of(&md) != part.etag {
-                    return Err(StoreError::Invalid(format!("part {} etag", part.part_number)));
+                    return Err(StoreError::Invalid(format!(
+                        "part {} etag",
+                        part.part_number
+                    )));
                 }
                 if i + 1 < parts.len() && md.len() < MIN_PART_SIZE {
                     return Err(StoreError::Invalid(format!(
@@ -485,7 +506,9 @@ impl ObjectStore for LocalStore {
             let mut out = Vec::new();
             for ent in fs::read_dir(s.root.join(INTERNAL_DIR).join("uploads"))? {
                 let ent = ent?;
-                let Ok(key) = fs::read_to_string(ent.path().join("key")) else { continue };
+                let Ok(key) = fs::read_to_string(ent.path().join("key")) else {
+                    continue;
+                };
                 if key.starts_with(&prefix) {
                     out.push(MultipartUpload {
                         key,
@@ -526,7 +549,9 @@ impl ObjectStore for LocalStore {
         let key = key.to_string();
         self.run(move |s| {
             let p = s.path(&key)?;
-            let Ok(md) = fs::symlink_metadata(&p) else { return Ok(()) };
+            let Ok(md) = fs::symlink_metadata(&p) else {
+                return Ok(());
+            };
             if key.ends_with('/') {
                 if md.is_dir() && fs::remove_dir(&p).is_err() {
                     // Not empty: like S3, deleting the marker leaves the children.
@@ -574,7 +599,9 @@ mod tests {
         let s = LocalStore::open(dir.path()).unwrap();
         let mut meta = UserMeta::new();
         meta.insert("mode".into(), "33188".into());
-        s.put("a/b/c.txt", Bytes::from_static(b"hello"), &meta).await.unwrap();
+        s.put("a/b/c.txt", Bytes::from_static(b"hello"), &meta)
+            .await
+            .unwrap();
         s.put("a/d/", Bytes::new(), &UserMeta::new()).await.unwrap();
         let h = s.head("a/b/c.txt").await.unwrap();
         assert_eq!(h.size, 5);
@@ -587,7 +614,10 @@ mod tests {
         let all = s.list("", None, None, 1000).await.unwrap();
         let keys: Vec<_> = all.objects.iter().map(|o| o.key.as_str()).collect();
         assert_eq!(keys, ["a/", "a/b/", "a/b/c.txt", "a/d/"]);
-        let got = s.get_range("a/b/c.txt", 1..100, h.etag.as_deref()).await.unwrap();
+        let got = s
+            .get_range("a/b/c.txt", 1..100, h.etag.as_deref())
+            .await
+            .unwrap();
         assert_eq!(&got[..], b"ello");
         assert!(matches!(
             s.get_range("a/b/c.txt", 0..1, Some("\"nope\"")).await,
@@ -603,14 +633,23 @@ mod tests {
         let id = s.create_multipart("big", &UserMeta::new()).await.unwrap();
         let p1 = vec![1u8; MIN_PART_SIZE as usize];
         let e1 = s.upload_part("big", &id, 1, Bytes::from(p1)).await.unwrap();
-        let e2 = s.upload_part("big", &id, 2, Bytes::from_static(b"tail")).await.unwrap();
+        let e2 = s
+            .upload_part("big", &id, 2, Bytes::from_static(b"tail"))
+            .await
+            .unwrap();
         assert_eq!(s.list_multipart_uploads("").await.unwrap().len(), 1);
         s.complete_multipart(
             "big",
             &id,
             &[
-                CompletedPart { part_number: 1, etag: e1 },
-                CompletedPart { part_number: 2, etag: e2 },
+                CompletedPart {
+                    part_number: 1,
+                    etag: e1,
+                },
+                CompletedPart {
+                    part_number: 2,
+                    etag: e2,
+                },
             ],
         )
         .await

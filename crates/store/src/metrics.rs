@@ -159,7 +159,9 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         let r = self.inner.get_range(key, range, if_match).await;
         self.metrics.count(Op::Get, &r);
         if let Ok(b) = &r {
-            self.metrics.bytes_down.fetch_add(b.len() as u64, Ordering::Relaxed);
+            self.metrics
+                .bytes_down
+                .fetch_add(b.len() as u64, Ordering::Relaxed);
         }
         r
     }
@@ -186,7 +188,10 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         body: Bytes,
     ) -> StoreResult<String> {
         let n = body.len() as u64;
-        let r = self.inner.upload_part(key, upload_id, part_number, body).await;
+        let r = self
+            .inner
+            .upload_part(key, upload_id, part_number, body)
+            .await;
         self.metrics.count(Op::UploadPart, &r);
         self.metrics.bytes_up.fetch_add(n, Ordering::Relaxed);
         r
@@ -250,7 +255,10 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         continuation: Option<String>,
         max_keys: usize,
     ) -> StoreResult<ListPage> {
-        let r = self.inner.list(prefix, delimiter, continuation, max_keys).await;
+        let r = self
+            .inner
+            .list(prefix, delimiter, continuation, max_keys)
+            .await;
         self.metrics.count(Op::List, &r);
         r
     }

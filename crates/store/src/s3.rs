@@ -67,12 +67,18 @@ where
                 "NoSuchKey" | "NotFound" | "NoSuchUpload" => StoreError::NotFound(detail),
                 "NoSuchBucket" => StoreError::NoSuchBucket(detail),
                 "PreconditionFailed" => StoreError::PreconditionFailed(detail),
-                "InvalidAccessKeyId" | "SignatureDoesNotMatch" | "AccessDenied"
-                | "InvalidToken" | "ExpiredToken" => StoreError::AccessDenied(detail),
+                "InvalidAccessKeyId"
+                | "SignatureDoesNotMatch"
+                | "AccessDenied"
+                | "InvalidToken"
+                | "ExpiredToken" => StoreError::AccessDenied(detail),
                 "XMinioStorageFull" | "QuotaExceeded" | "InsufficientStorage" => {
                     StoreError::NoSpace(detail)
                 }
-                "SlowDown" | "RequestTimeout" | "InternalError" | "ServiceUnavailable"
+                "SlowDown"
+                | "RequestTimeout"
+                | "InternalError"
+                | "ServiceUnavailable"
                 | "XMinioServerNotInitialized" => StoreError::Transient(detail),
                 _ => match status {
                     404 => StoreError::NotFound(detail),
@@ -201,7 +207,11 @@ impl ObjectStore for S3Store {
             last_modified: system_time(out.last_modified()),
             user: out
                 .metadata()
-                .map(|m| m.iter().map(|(k, v)| (k.to_lowercase(), v.clone())).collect())
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| (k.to_lowercase(), v.clone()))
+                        .collect()
+                })
                 .unwrap_or_default(),
         })
     }
@@ -287,8 +297,7 @@ impl ObjectStore for S3Store {
             .send()
             .await
             .map_err(|e| map_err(&format!("{key} part {part_number}"), e))?;
-        norm_etag(out.e_tag())
-            .ok_or_else(|| StoreError::Other(format!("{key}: part without ETag")))
+        norm_etag(out.e_tag()).ok_or_else(|| StoreError::Other(format!("{key}: part without ETag")))
     }
 
     async fn upload_part_copy(

@@ -1,0 +1,587 @@
+//! The write path: one [`WriteState`] per inode open for writing, shared by all its handles.
+//!
+//! Written bytes go to a sparse local staging file under `cache_dir` and are tracked as dirty
+//! extents over a *base* (the object as it was when the file was opened, if any). A file written
+//! from scratch streams: each part that is completely written uploads in the background as part
+//! of a multipart upload while the application keeps writing, so close only sends the tail.
+//! A rewrite of an existing object (overwrite in the middle, append, truncate) uploads at
+//! publish: unchanged part-sized ranges are copied server-side (UploadPartCopy), only parts
+//! holding dirty bytes are sent. Small results go up as one PUT. Nothing is visible in the bucket
+//! until a publish completes; a failed publish aborts its multipart upload and returns the error.
+
+use crate::error::{log_store_err, FsError, FsResult};
+use crate::extents::Extents;
+use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
+use bytes::Bytes;
+use futures::stream::{self, StreamExt, TryStreamExt};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::SystemTime;
+use tokio::task::JoinHandle;
+
+/// Largest object S3 allows (5 TiB).
+pub const MAX_OBJECT_SIZE: u64 = 5 * 1024 * 1024 * 1024 * 1024;
+
+/// Where each part of a multipart object starts and ends. Parts are `part_size` bytes for the
+/// first 1,000, then double every 1,000 parts, so 10,000 parts reach the 5 TiB object limit
+/// with an 8 MiB base while small files keep small parts.
+#[derive(Debug, Clone, Copy)]
+pub struct PartLayout {
+    pub part_size: u64,
+}
+
+const PARTS_PER_STEP: u64 = 1000;
+
+impl PartLayout {
+    /// Byte range of part `index` (0-based; part number `index + 1`).
+    pub fn bounds(&self, index: u64) -> Range<u64> {
+        let step = index / PARTS_PER_STEP;
+        let within = index % PARTS_PER_STEP;
+        // Steps before this one hold 1000 parts of part_size << s each.
+        let start_of_step = self.part_size * PARTS_PER_STEP * ((1u64 << step) - 1);
+        let size = self.part_size << step;
+        let start = start_of_step + within * size;
+        start..start + size
+    }
+
+    /// Index of the part holding byte `offset`.
+    pub fn index_of(&self, offset: u64) -> u64 {
+        let mut step = 0;
+        let mut step_start = 0u64;
+        loop {
+            let step_len = (self.part_size << step) * PARTS_PER_STEP;
+            if offset < step_start + step_len {
+                return step * PARTS_PER_STEP + (offset - step_start) / (self.part_size << step);
+            }
+            step_start += step_len;
+            step += 1;
+        }
+    }
+
+    /// Ranges of all parts of an object of `size` bytes (the last one cut at `size`).
+    pub fn parts(&self, size: u64) -> Vec<Range<u64>> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        loop {
+            let b = self.bounds(i);
+            if b.start >= size {
+                break;
+            }
+            out.push(b.start..b.end.min(size));
+            i += 1;
+        }
+        out
+    }
+}
+
+/// The object a rewrite starts from.
+#[derive(Debug, Clone)]
+pub struct Base {
+    pub etag: String,
+    pub size: u64,
+}
+
+/// A part uploaded (or uploading) ahead of publish.
+enum PartSlot {
+    Uploading {
+        generation: u64,
+        task: JoinHandle<Result<String, StoreError>>,
+    },
+    Done {
+        generation: u64,
+        etag: String,
+    },
+    /// The upload failed; publish sends it again.
+    Failed,
+}
+
+/// An open multipart upload fed while the file is being written.
+struct Stream {
+    upload_id: String,
+    slots: BTreeMap<u64, PartSlot>,
+}
+
+pub struct WriteConfig {
+    pub layout: PartLayout,
+    pub upload_concurrency: usize,
+}
+
+/// Everything written to one inode and not yet published.
+pub struct WriteState {
+    store: Arc<dyn ObjectStore>,
+    cfg: Arc<WriteConfig>,
+    pub key: String,
+    /// The object being rewritten; bytes below `base_len` that are not dirty come from it.
+    base: Option<Base>,
+    base_len: u64,
+    /// Current file size, shared with getattr without taking the lock.
+    size: Arc<AtomicU64>,
+    staging: Arc<File>,
+    dirty: Extents,
+    /// Times each part was touched, so a part uploaded early is resent if rewritten.
+    generations: BTreeMap<u64, u64>,
+    stream: Option<Stream>,
+    /// User metadata the published object carries.
+    pub meta: UserMeta,
+    /// Something (content or metadata) differs from the bucket.
+    pub changed: bool,
+    /// The file was unlinked: never publish it.
+    pub unlinked: bool,
+    pub mtime: SystemTime,
+}
+
+fn io_err(e: std::io::Error) -> FsError {
+    tracing::warn!("staging file: {e}");
+    FsError::from(e)
+}
+
+impl WriteState {
+    /// A state over `base` (None for a new or empty object), staging in `cache_dir`.
+    pub fn new(
+        store: Arc<dyn ObjectStore>,
+        cfg: Arc<WriteConfig>,
+        key: String,
+        base: Option<Base>,
+        meta: UserMeta,
+        cache_dir: &Path,
+        size: Arc<AtomicU64>,
+    ) -> FsResult<Self> {
+        let staging = tempfile::tempfile_in(cache_dir).map_err(io_err)?;
+        let base_len = base.as_ref().map_or(0, |b| b.size);
+        size.store(base_len, Ordering::Relaxed);
+        Ok(Self {
+            store,
+            cfg,
+            key,
+            base,
+            base_len,
+            size,
+            staging: Arc::new(staging),
+            dirty: Extents::default(),
+            generations: BTreeMap::new(),
+            stream: None,
+            meta,
+            changed: false,
+            unlinked: false,
+            mtime: SystemTime::now(),
+        })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size.load(Ordering::Relaxed)
+    }
+
+    pub fn base_etag(&self) -> Option<&str> {
+        self.base.as_ref().map(|b| b.etag.as_str())
+    }
+
+    fn touch_parts(&mut self, r: Range<u64>) {
+        if r.start >= r.end {
+            return;
+        }
+        let layout = self.cfg.layout;
+        for i in layout.index_of(r.start)..=layout.index_of(r.end - 1) {
+            *self.generations.entry(i).or_default() += 1;
+        }
+    }
+
+    /// Writes `data` at `offset`.
+    pub async fn write(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= MAX_OBJECT_SIZE)
+            .ok_or(FsError::EFBIG)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let staging = self.staging.clone();
+        tokio::task::spawn_blocking(move || staging.write_all_at(&data, offset))
+            .await
+            .map_err(|_| FsError::EIO)?
+            .map_err(io_err)?;
+        self.dirty.insert(offset..end);
+        self.touch_parts(offset..end);
+        if end > self.size() {
+            self.size.store(end, Ordering::Relaxed);
+        }
+        self.changed = true;
+        self.mtime = SystemTime::now();
+        self.stream_full_parts(offset..end).await
+    }
+
+    /// Sets the size (truncate/extend).
+    pub async fn truncate(&mut self, size: u64) -> FsResult<()> {
+        if size > MAX_OBJECT_SIZE {
+            return Err(FsError::EFBIG);
+        }
+        let old = self.size();
+        if size < old {
+            self.dirty.truncate(size);
+            self.base_len = self.base_len.min(size);
+            // Parts from the cut on no longer hold what they held.
+            self.touch_parts(size..old);
+            let staging = self.staging.clone();
+            tokio::task::spawn_blocking(move || staging.set_len(size))
+                .await
+                .map_err(|_| FsError::EIO)?
+                .map_err(io_err)?;
+        } else if size > old {
+            // The new bytes are zeros: mark them dirty so they are not taken from the base.
+            self.touch_parts(old..size);
+            self.dirty.insert(old..size);
+        }
+        self.size.store(size, Ordering::Relaxed);
+        self.changed = true;
+        self.mtime = SystemTime::now();
+        Ok(())
+    }
+
+    /// Starts uploads of parts in `touched` that are now completely written. Only a file with
+    /// no base streams (a rewrite's part boundaries depend on what is copied).
+    async fn stream_full_parts(&mut self, touched: Range<u64>) -> FsResult<()> {
+        if self.base_len != 0 || self.unlinked {
+            return Ok(());
+        }
+        let layout = self.cfg.layout;
+        let first = layout.index_of(touched.start);
+        let last = layout.index_of(touched.end - 1);
+        for i in first..=last {
+            let r = layout.bounds(i);
+            if i + 1 >= MAX_PARTS as u64 || !self.dirty.covers(&r) {
+                continue;
+            }
+            let generation = self.generations.get(&i).copied().unwrap_or(0);
+            if self.stream.is_none() {
+                let id = self
+                    .store
+                    .create_multipart(&self.key, &self.meta)
+                    .await
+                    .map_err(|e| log_store_err(&format!("start upload of {}", self.key), e))?;
+                self.stream = Some(Stream {
+                    upload_id: id,
+                    slots: BTreeMap::new(),
+                });
+            }
+            self.wait_for_upload_slot().await;
+            let body = read_staging(&self.staging, r).await?;
+            let store = self.store.clone();
+            let key = self.key.clone();
+            let stream = self.stream.as_mut().expect("stream started above");
+            let id = stream.upload_id.clone();
+            let task =
+                tokio::spawn(async move { store.upload_part(&key, &id, i as u32 + 1, body).await });
+            if let Some(PartSlot::Uploading { task, .. }) = stream
+                .slots
+                .insert(i, PartSlot::Uploading { generation, task })
+            {
+                task.abort();
+            }
+        }
+        Ok(())
+    }
+
+    /// Back-pressure: at most `upload_concurrency` parts of this file in flight.
+    async fn wait_for_upload_slot(&mut self) {
+        let limit = self.cfg.upload_concurrency.max(1);
+        loop {
+            let Some(stream) = self.stream.as_mut() else {
+                return;
+            };
+            let inflight: Vec<u64> = stream
+                .slots
+                .iter()
+                .filter(|(_, s)| matches!(s, PartSlot::Uploading { .. }))
+                .map(|(&i, _)| i)
+                .collect();
+            if inflight.len() < limit {
+                return;
+            }
+            settle(stream, inflight[0]).await;
+        }
+    }
+
+    /// Bytes `range` of the current content (dirty from staging, clean from the base, zeros
+    /// past the base).
+    pub async fn read(&self, range: Range<u64>) -> FsResult<Bytes> {
+        let end = range.end.min(self.size());
+        if range.start >= end {
+            return Ok(Bytes::new());
+        }
+        self.assemble(range.start..end).await
+    }
+
+    async fn assemble(&self, range: Range<u64>) -> FsResult<Bytes> {
+        let mut buf = vec![0u8; (range.end - range.start) as usize];
+        for (seg, dirty) in self.dirty.segments(range.clone()) {
+            let at = (seg.start - range.start) as usize;
+            let dst = &mut buf[at..at + (seg.end - seg.start) as usize];
+            if dirty {
+                let data = read_staging(&self.staging, seg.clone()).await?;
+                dst.copy_from_slice(&data);
+            } else if seg.start < self.base_len {
+                let clean = seg.start..seg.end.min(self.base_len);
+                let data = self
+                    .store
+                    .get_range(&self.key, clean.clone(), self.base_etag())
+                    .await
+                    .map_err(|e| log_store_err(&format!("read {}", self.key), e))?;
+                if data.len() as u64 != clean.end - clean.start {
+                    tracing::warn!("{}: object shorter than expected", self.key);
+                    return Err(FsError::EIO);
+                }
+                dst[..data.len()].copy_from_slice(&data);
+            }
+        }
+        Ok(Bytes::from(buf))
+    }
+
+    /// Uploads the current content as the object, if anything changed. On success the file is
+    /// clean and the new object is the base; on failure the content stays staged (a later
+    /// flush tries again) and any multipart upload is aborted.
+    pub async fn publish(&mut self) -> FsResult<()> {
+        if !self.changed || self.unlinked {
+            return Ok(());
+        }
+        let size = self.size();
+        mtime_into(&mut self.meta, self.mtime);
+        let result = if size <= self.cfg.layout.part_size {
+            self.abort_stream().await;
+            let body = self.assemble(0..size).await?;
+            self.store
+                .put(&self.key, body, &self.meta)
+                .await
+                .map_err(|e| log_store_err(&format!("upload {}", self.key), e))
+        } else {
+            self.publish_multipart(size).await
+        };
+        match result {
+            Ok(etag) => {
+                self.base = Some(Base { etag, size });
+                self.base_len = size;
+                self.dirty.clear();
+                self.generations.clear();
+                self.changed = false;
+                let staging = self.staging.clone();
+                // Free the staging space; the bucket holds the bytes now.
+                let _ = tokio::task::spawn_blocking(move || staging.set_len(0)).await;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn publish_multipart(&mut self, size: u64) -> FsResult<String> {
+        let key = self.key.clone();
+        let parts = self.cfg.layout.parts(size);
+        if parts.len() > MAX_PARTS as usize {
+            return Err(FsError::EFBIG);
+        }
+        if self.stream.is_none() {
+            let id = self
+                .store
+                .create_multipart(&key, &self.meta)
+                .await
+                .map_err(|e| log_store_err(&format!("start upload of {key}"), e))?;
+            self.stream = Some(Stream {
+                upload_id: id,
+                slots: BTreeMap::new(),
+            });
+        }
+        match self.send_parts(&parts).await {
+            Ok(completed) => {
+                let id = self.stream.as_ref().expect("stream").upload_id.clone();
+                match self.store.complete_multipart(&key, &id, &completed).await {
+                    Ok(etag) => {
+                        self.stream = None;
+                        Ok(etag)
+                    }
+                    Err(e) => {
+                        self.abort_stream().await;
+                        Err(log_store_err(&format!("complete upload of {key}"), e))
+                    }
+                }
+            }
+            Err(e) => {
+                self.abort_stream().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes sure every part of the object is uploaded; returns them in order.
+    async fn send_parts(&mut self, parts: &[Range<u64>]) -> FsResult<Vec<CompletedPart>> {
+        let stream = self.stream.as_mut().expect("stream");
+        let indexes: Vec<u64> = stream.slots.keys().copied().collect();
+        for i in indexes {
+            settle(stream, i).await;
+        }
+        let upload_id = stream.upload_id.clone();
+        let mut reuse: BTreeMap<u64, String> = BTreeMap::new();
+        for (i, slot) in &stream.slots {
+            if let PartSlot::Done { generation, etag } = slot {
+                let current = self.generations.get(i).copied().unwrap_or(0);
+                let full = parts
+                    .get(*i as usize)
+                    .is_some_and(|r| *r == self.cfg.layout.bounds(*i));
+                if *generation == current && full {
+                    reuse.insert(*i, etag.clone());
+                }
+            }
+        }
+        let this = &*self;
+        let jobs = parts.iter().enumerate().map(|(i, r)| {
+            let reused = reuse.get(&(i as u64)).cloned();
+            let upload_id = upload_id.clone();
+            async move {
+                let number = i as u32 + 1;
+                let etag = match reused {
+                    Some(etag) => etag,
+                    None => this.send_part(&upload_id, number, r.clone()).await?,
+                };
+                Ok::<_, FsError>(CompletedPart {
+                    part_number: number,
+                    etag,
+                })
+            }
+        });
+        stream::iter(jobs)
+            .buffered(self.cfg.upload_concurrency.max(1))
+            .try_collect()
+            .await
+    }
+
+    /// One part at publish: copied from the base when untouched, else sent.
+    async fn send_part(&self, upload_id: &str, number: u32, r: Range<u64>) -> FsResult<String> {
+        let what = format!("upload part {number} of {}", self.key);
+        if r.end <= self.base_len && !self.dirty.intersects(&r) {
+            return self
+                .store
+                .upload_part_copy(&self.key, upload_id, number, &self.key, r)
+                .await
+                .map_err(|e| log_store_err(&what, e));
+        }
+        let body = self.assemble(r).await?;
+        self.store
+            .upload_part(&self.key, upload_id, number, body)
+            .await
+            .map_err(|e| log_store_err(&what, e))
+    }
+
+    /// Aborts the multipart upload in progress, if any.
+    pub async fn abort_stream(&mut self) {
+        if let Some(stream) = self.stream.take() {
+            for slot in stream.slots.into_values() {
+                if let PartSlot::Uploading { task, .. } = slot {
+                    task.abort();
+                }
+            }
+            if let Err(e) = self
+                .store
+                .abort_multipart(&self.key, &stream.upload_id)
+                .await
+            {
+                tracing::warn!("abort upload of {}: {e}", self.key);
+            }
+        }
+    }
+
+    /// The object now lives under `key` (rename) with this ETag and size, all published.
+    pub fn rebase(&mut self, key: String, base: Option<Base>) {
+        self.key = key;
+        self.base_len = base.as_ref().map_or(0, |b| b.size);
+        self.base = base;
+    }
+}
+
+/// Waits for part `i`'s upload to finish and records the outcome.
+async fn settle(stream: &mut Stream, i: u64) {
+    let Some(PartSlot::Uploading { .. }) = stream.slots.get(&i) else {
+        return;
+    };
+    let Some(PartSlot::Uploading { generation, task }) = stream.slots.remove(&i) else {
+        return;
+    };
+    let slot = match task.await {
+        Ok(Ok(etag)) => PartSlot::Done { generation, etag },
+        Ok(Err(e)) => {
+            tracing::warn!("part {} upload failed, will resend at publish: {e}", i + 1);
+            PartSlot::Failed
+        }
+        Err(_) => PartSlot::Failed,
+    };
+    stream.slots.insert(i, slot);
+}
+
+async fn read_staging(staging: &Arc<File>, r: Range<u64>) -> FsResult<Bytes> {
+    let staging = staging.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut buf = vec![0u8; (r.end - r.start) as usize];
+        let mut done = 0;
+        while done < buf.len() {
+            let n = staging.read_at(&mut buf[done..], r.start + done as u64)?;
+            if n == 0 {
+                break; // a hole at the end of a sparse file reads as zeros
+            }
+            done += n;
+        }
+        Ok::<_, std::io::Error>(Bytes::from(buf))
+    })
+    .await
+    .map_err(|_| FsError::EIO)?
+    .map_err(io_err)
+}
+
+fn mtime_into(meta: &mut UserMeta, t: SystemTime) {
+    let pm = crate::meta::PosixMeta {
+        mtime: Some(t),
+        ..Default::default()
+    };
+    pm.write_into(meta);
+}
+
+impl Drop for WriteState {
+    fn drop(&mut self) {
+        // A state dropped with an upload open (its handles are gone and publish failed or was
+        // never reached): abort it in the background so no parts are left behind.
+        if let Some(stream) = self.stream.take() {
+            let store = self.store.clone();
+            let key = self.key.clone();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = store.abort_multipart(&key, &stream.upload_id).await;
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_grows_in_steps() {
+        let l = PartLayout { part_size: 8 };
+        assert_eq!(l.bounds(0), 0..8);
+        assert_eq!(l.bounds(999), 7992..8000);
+        assert_eq!(l.bounds(1000), 8000..8016);
+        assert_eq!(l.index_of(7999), 999);
+        assert_eq!(l.index_of(8000), 1000);
+        assert_eq!(l.index_of(8015), 1000);
+        assert_eq!(l.index_of(8016), 1001);
+        for i in [0u64, 5, 999, 1000, 2500, 9999] {
+            let b = l.bounds(i);
+            assert_eq!(l.index_of(b.start), i);
+            assert_eq!(l.index_of(b.end - 1), i);
+        }
+        assert_eq!(l.parts(20), vec![0..8, 8..16, 16..20]);
+        // With 8 MiB parts, 10,000 parts cover the 5 TiB maximum object.
+        let big = PartLayout { part_size: 8 << 20 };
+        assert!(big.bounds(9999).end >= MAX_OBJECT_SIZE);
+    }
+}

@@ -1,0 +1,569 @@
+//! The fs core driven in-process against the memory store (and the fault store for errors).
+
+use bucketfs_fs::{Caller, FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
+use bucketfs_store::fault::{Fault, FaultStore};
+use bucketfs_store::memory::MemoryStore;
+use bucketfs_store::metrics::{MeteredStore, Op, StoreMetrics};
+use bucketfs_store::{ObjectStore, StoreError, UserMeta};
+use bytes::Bytes;
+use rand::{Rng, SeedableRng};
+use std::ffi::OsStr;
+use std::sync::Arc;
+
+const MIB: u64 = 1024 * 1024;
+const ME: Caller = Caller {
+    uid: 1000,
+    gid: 100,
+};
+
+struct Env {
+    fs: Arc<Fs>,
+    mem: Arc<MemoryStore>,
+    metrics: Arc<StoreMetrics>,
+    _cache: tempfile::TempDir,
+}
+
+fn config(cache: &tempfile::TempDir) -> FsConfig {
+    FsConfig {
+        part_size: 5 * MIB,
+        cache_dir: cache.path().to_path_buf(),
+        ..FsConfig::default()
+    }
+}
+
+fn env() -> Env {
+    let mem = Arc::new(MemoryStore::new());
+    let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
+    let metrics = metered.metrics();
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(Arc::new(metered), config(&cache));
+    Env {
+        fs,
+        mem,
+        metrics,
+        _cache: cache,
+    }
+}
+
+fn random(n: usize, seed: u64) -> Vec<u8> {
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n).map(|_| r.gen()).collect()
+}
+
+async fn object(mem: &MemoryStore, key: &str) -> Vec<u8> {
+    let m = mem.head(key).await.unwrap();
+    mem.get_range(key, 0..m.size, None).await.unwrap().to_vec()
+}
+
+async fn put(mem: &MemoryStore, key: &str, data: &[u8]) {
+    mem.put(key, Bytes::copy_from_slice(data), &UserMeta::new())
+        .await
+        .unwrap();
+}
+
+/// Writes `data` as a new file `name` in the root in 1 MiB writes and closes it.
+async fn write_file(fs: &Fs, name: &str, data: &[u8]) -> u64 {
+    let (attr, open) = fs
+        .create(ROOT_INO, OsStr::new(name), 0o644, 0o022, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    for (i, chunk) in data.chunks(MIB as usize).enumerate() {
+        fs.write(
+            attr.ino,
+            open.fh,
+            i as u64 * MIB,
+            Bytes::copy_from_slice(chunk),
+        )
+        .await
+        .unwrap();
+    }
+    fs.flush(attr.ino, open.fh).await.unwrap();
+    fs.release(attr.ino, open.fh).await.unwrap();
+    attr.ino
+}
+
+async fn read_all(fs: &Fs, name: &str) -> Vec<u8> {
+    let attr = fs.lookup(ROOT_INO, OsStr::new(name)).await.unwrap();
+    let h = fs.open(attr.ino, libc::O_RDONLY).await.unwrap();
+    let mut out = Vec::new();
+    loop {
+        let b = fs
+            .read(attr.ino, h.fh, out.len() as u64, 128 * 1024)
+            .await
+            .unwrap();
+        if b.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&b);
+    }
+    fs.release(attr.ino, h.fh).await.unwrap();
+    fs.forget(attr.ino, 1);
+    out
+}
+
+#[tokio::test]
+async fn small_file_is_one_put_with_s3fs_metadata() {
+    let e = env();
+    let data = random(128 * 1024, 1);
+    write_file(&e.fs, "a.bin", &data).await;
+    assert_eq!(e.metrics.requests(Op::Put), 1);
+    assert_eq!(e.metrics.requests(Op::CreateMultipart), 0);
+    assert_eq!(object(&e.mem, "a.bin").await, data);
+    let m = e.mem.head("a.bin").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o644).to_string());
+    assert_eq!(m.user["uid"], "1000");
+    assert_eq!(m.user["gid"], "100");
+    assert!(m.user["mtime"].parse::<f64>().unwrap() > 1.6e9);
+    assert_eq!(read_all(&e.fs, "a.bin").await, data);
+}
+
+#[tokio::test]
+async fn empty_file_is_published() {
+    let e = env();
+    write_file(&e.fs, "empty", &[]).await;
+    assert_eq!(object(&e.mem, "empty").await, Vec::<u8>::new());
+}
+
+#[tokio::test]
+async fn sequential_write_streams_parts_before_close() {
+    let e = env();
+    let data = random(23 * MIB as usize + 7, 2);
+    let (attr, open) =
+        e.fs.create(ROOT_INO, OsStr::new("big"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    for (i, chunk) in data.chunks(MIB as usize).enumerate() {
+        e.fs.write(
+            attr.ino,
+            open.fh,
+            i as u64 * MIB,
+            Bytes::copy_from_slice(chunk),
+        )
+        .await
+        .unwrap();
+    }
+    // Four full 5 MiB parts went up while writing; nothing is visible yet.
+    assert_eq!(e.mem.pending_uploads(), 1);
+    assert!(e.mem.head("big").await.is_err());
+    e.fs.flush(attr.ino, open.fh).await.unwrap();
+    e.fs.release(attr.ino, open.fh).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::UploadPart), 5);
+    assert_eq!(e.mem.pending_uploads(), 0);
+    assert_eq!(object(&e.mem, "big").await, data);
+    assert_eq!(read_all(&e.fs, "big").await, data);
+    // Every byte was sent exactly once.
+    assert_eq!(e.metrics.bytes_up(), data.len() as u64);
+}
+
+#[tokio::test]
+async fn append_to_large_object_copies_unchanged_parts() {
+    let e = env();
+    let mut data = random(21 * MIB as usize, 3);
+    put(&e.mem, "log", &data).await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("log")).await.unwrap();
+    let h =
+        e.fs.open(attr.ino, libc::O_WRONLY | libc::O_APPEND)
+            .await
+            .unwrap();
+    let tail = random(1024, 4);
+    e.fs.write(attr.ino, h.fh, 0, Bytes::copy_from_slice(&tail))
+        .await
+        .unwrap();
+    let up_before = e.metrics.bytes_up();
+    e.fs.flush(attr.ino, h.fh).await.unwrap();
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    data.extend_from_slice(&tail);
+    assert_eq!(object(&e.mem, "log").await, data);
+    // Parts 1-4 copied server-side; only the last 1 MiB + 1 KiB part was sent.
+    assert_eq!(e.metrics.requests(Op::UploadPartCopy), 4);
+    assert!(e.metrics.bytes_up() - up_before < 2 * MIB);
+}
+
+#[tokio::test]
+async fn random_writes_and_truncates_match_a_model() {
+    let e = env();
+    let mut model = random(12 * MIB as usize, 5);
+    put(&e.mem, "f", &model).await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = e.fs.open(attr.ino, libc::O_RDWR).await.unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+    for step in 0..40 {
+        if step % 7 == 3 {
+            let n = rng.gen_range(0..16 * MIB as usize);
+            model.resize(n, 0);
+            e.fs.setattr(
+                attr.ino,
+                Some(h.fh),
+                SetAttr {
+                    size: Some(n as u64),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        } else {
+            let off = rng.gen_range(0..14 * MIB as usize);
+            let len = rng.gen_range(1..300_000);
+            let buf = random(len, step);
+            if model.len() < off + len {
+                model.resize(off + len, 0);
+            }
+            model[off..off + len].copy_from_slice(&buf);
+            e.fs.write(attr.ino, h.fh, off as u64, Bytes::from(buf))
+                .await
+                .unwrap();
+        }
+        if step % 10 == 9 {
+            // Reads through the handle see staged and clean bytes together.
+            let off = rng.gen_range(0..model.len().max(1));
+            let got =
+                e.fs.read(attr.ino, h.fh, off as u64, 200_000)
+                    .await
+                    .unwrap();
+            let end = (off + 200_000).min(model.len());
+            assert_eq!(&got[..], &model[off.min(end)..end]);
+            e.fs.fsync(attr.ino, h.fh).await.unwrap();
+            assert_eq!(object(&e.mem, "f").await, model);
+        }
+    }
+    e.fs.flush(attr.ino, h.fh).await.unwrap();
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "f").await, model);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+#[tokio::test]
+async fn truncate_by_path_publishes_at_once() {
+    let e = env();
+    put(&e.mem, "t", b"hello world").await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("t")).await.unwrap();
+    let a =
+        e.fs.setattr(
+            attr.ino,
+            None,
+            SetAttr {
+                size: Some(5),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.size, 5);
+    assert_eq!(object(&e.mem, "t").await, b"hello");
+}
+
+#[tokio::test]
+async fn directories_markers_and_implied_prefixes() {
+    let e = env();
+    put(&e.mem, "implied/x/y.txt", b"y").await;
+    put(&e.mem, "top.txt", b"top").await;
+    let d =
+        e.fs.mkdir(ROOT_INO, OsStr::new("made"), 0o750, 0, ME)
+            .await
+            .unwrap();
+    assert_eq!(d.kind, FileKind::Dir);
+    let m = e.mem.head("made/").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o750).to_string());
+    let (f, h) =
+        e.fs.create(d.ino, OsStr::new("new"), 0o600, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    // Not uploaded yet, but listed.
+    let names = list(&e.fs, d.ino).await;
+    assert_eq!(names, [".", "..", "new"]);
+    assert_eq!(
+        e.fs.rmdir(ROOT_INO, OsStr::new("made")).await,
+        Err(FsError::ENOTEMPTY)
+    );
+    e.fs.flush(f.ino, h.fh).await.unwrap();
+    e.fs.release(f.ino, h.fh).await.unwrap();
+    assert!(e.mem.head("made/new").await.is_ok());
+
+    let root = list(&e.fs, ROOT_INO).await;
+    assert_eq!(root, [".", "..", "implied", "made", "top.txt"]);
+    let i = e.fs.lookup(ROOT_INO, OsStr::new("implied")).await.unwrap();
+    assert_eq!(i.kind, FileKind::Dir);
+    let x = e.fs.lookup(i.ino, OsStr::new("x")).await.unwrap();
+    let y = e.fs.lookup(x.ino, OsStr::new("y.txt")).await.unwrap();
+    assert_eq!((y.kind, y.size), (FileKind::File, 1));
+
+    e.fs.unlink(d.ino, OsStr::new("new")).await.unwrap();
+    e.fs.rmdir(ROOT_INO, OsStr::new("made")).await.unwrap();
+    assert!(e.mem.keys().iter().all(|k| !k.starts_with("made")));
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new("made")).await,
+        Err(FsError::ENOENT)
+    );
+}
+
+async fn list(fs: &Fs, ino: u64) -> Vec<String> {
+    let fh = fs.opendir(ino).await.unwrap();
+    let mut names = Vec::new();
+    let mut off = 0;
+    loop {
+        let batch = fs.readdir(ino, fh, off).await.unwrap();
+        let Some(last) = batch.last() else { break };
+        off = last.next_offset;
+        names.extend(batch.into_iter().map(|e| e.name));
+    }
+    fs.releasedir(ino, fh);
+    names
+}
+
+#[tokio::test]
+async fn rename_file_and_directory() {
+    let e = env();
+    put(&e.mem, "d/a", b"a").await;
+    put(&e.mem, "d/sub/b", b"b").await;
+    put(&e.mem, "f", b"file").await;
+    put(&e.mem, "g", b"old").await;
+    e.fs.rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("g"), 0)
+        .await
+        .unwrap();
+    assert_eq!(object(&e.mem, "g").await, b"file");
+    assert!(e.mem.head("f").await.is_err());
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("e"), 0)
+        .await
+        .unwrap();
+    let keys = e.mem.keys();
+    assert!(keys.contains(&"e/a".to_string()) && keys.contains(&"e/sub/b".to_string()));
+    assert!(keys.iter().all(|k| !k.starts_with("d/")));
+    // The inode the kernel holds now names the new path.
+    let sub = e.fs.lookup(d.ino, OsStr::new("sub")).await.unwrap();
+    let b = e.fs.lookup(sub.ino, OsStr::new("b")).await.unwrap();
+    assert_eq!(b.size, 1);
+    assert_eq!(
+        e.fs.rename(ROOT_INO, OsStr::new("g"), ROOT_INO, OsStr::new("e"), 0)
+            .await,
+        Err(FsError::EISDIR)
+    );
+    assert_eq!(
+        e.fs.rename(
+            ROOT_INO,
+            OsStr::new("e"),
+            ROOT_INO,
+            OsStr::new("g"),
+            libc::RENAME_NOREPLACE
+        )
+        .await,
+        Err(FsError::EEXIST)
+    );
+}
+
+#[tokio::test]
+async fn directory_rename_limit_gives_exdev() {
+    let mem = Arc::new(MemoryStore::new());
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            max_dir_rename_objects: 3,
+            ..config(&cache)
+        },
+    );
+    for i in 0..5 {
+        put(&mem, &format!("big/{i}"), b"x").await;
+    }
+    assert_eq!(
+        fs.rename(ROOT_INO, OsStr::new("big"), ROOT_INO, OsStr::new("b2"), 0)
+            .await,
+        Err(FsError::EXDEV)
+    );
+    assert_eq!(mem.keys().len(), 5);
+}
+
+#[tokio::test]
+async fn symlink_is_stored_like_s3fs() {
+    let e = env();
+    let a =
+        e.fs.symlink(
+            ROOT_INO,
+            OsStr::new("ln"),
+            std::path::Path::new("../target"),
+            ME,
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.kind, FileKind::Symlink);
+    assert_eq!(object(&e.mem, "ln").await, b"../target");
+    let m = e.mem.head("ln").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFLNK | 0o777).to_string());
+    // A fresh mount reads it back from the store.
+    let cache = tempfile::tempdir().unwrap();
+    let fs2 = Fs::new(e.mem.clone(), config(&cache));
+    let l = fs2.lookup(ROOT_INO, OsStr::new("ln")).await.unwrap();
+    assert_eq!(l.kind, FileKind::Symlink);
+    assert_eq!(&fs2.readlink(l.ino).await.unwrap()[..], b"../target");
+}
+
+#[tokio::test]
+async fn chmod_chown_utimens_persist_in_metadata() {
+    let e = env();
+    put(&e.mem, "m", b"data").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("m")).await.unwrap();
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000);
+    let a =
+        e.fs.setattr(
+            a.ino,
+            None,
+            SetAttr {
+                mode: Some(0o751),
+                uid: Some(42),
+                gid: Some(43),
+                mtime: Some(t),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((a.perm, a.uid, a.gid, a.mtime), (0o751, 42, 43, t));
+    let m = e.mem.head("m").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o751).to_string());
+    assert_eq!(m.user["mtime"], "1000000000");
+    assert_eq!(object(&e.mem, "m").await, b"data");
+    let cache = tempfile::tempdir().unwrap();
+    let fs2 = Fs::new(e.mem.clone(), config(&cache));
+    let b = fs2.lookup(ROOT_INO, OsStr::new("m")).await.unwrap();
+    assert_eq!((b.perm, b.uid, b.gid, b.mtime), (0o751, 42, 43, t));
+}
+
+#[tokio::test]
+async fn failed_upload_is_reported_and_leaves_nothing() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    faulty.inject(
+        Op::UploadPart,
+        2,
+        None,
+        Fault::Error(StoreError::Transient("connection reset".into())),
+    );
+    let data = random(20 * MIB as usize, 9);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("doomed"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    for (i, c) in data.chunks(MIB as usize).enumerate() {
+        fs.write(attr.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
+            .await
+            .unwrap();
+    }
+    assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert!(mem.head("doomed").await.is_err());
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert_eq!(mem.pending_uploads(), 0);
+}
+
+#[tokio::test]
+async fn transient_part_failure_is_resent_at_close() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    // The first streamed part fails once; close sends it again.
+    faulty.inject(
+        Op::UploadPart,
+        0,
+        Some(1),
+        Fault::Error(StoreError::Transient("503".into())),
+    );
+    let data = random(12 * MIB as usize, 10);
+    write_file(&fs, "ok", &data).await;
+    assert_eq!(object(&mem, "ok").await, data);
+}
+
+#[tokio::test]
+async fn unlinked_open_file_is_not_resurrected_at_close() {
+    let e = env();
+    let (attr, h) =
+        e.fs.create(ROOT_INO, OsStr::new("tmp"), 0o644, 0, libc::O_RDWR, ME)
+            .await
+            .unwrap();
+    e.fs.write(attr.ino, h.fh, 0, Bytes::from_static(b"scratch"))
+        .await
+        .unwrap();
+    e.fs.unlink(ROOT_INO, OsStr::new("tmp")).await.unwrap();
+    // Still readable through the open descriptor.
+    assert_eq!(
+        &e.fs.read(attr.ino, h.fh, 0, 100).await.unwrap()[..],
+        b"scratch"
+    );
+    e.fs.flush(attr.ino, h.fh).await.unwrap();
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    assert!(e.mem.keys().is_empty());
+}
+
+#[tokio::test]
+async fn forget_drops_inodes() {
+    let e = env();
+    put(&e.mem, "a", b"1").await;
+    let base = e.fs.inode_count();
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    assert_eq!(e.fs.inode_count(), base + 1);
+    e.fs.forget(a.ino, 1);
+    assert_eq!(e.fs.inode_count(), base + 1);
+    e.fs.forget(a.ino, 1);
+    assert_eq!(e.fs.inode_count(), base);
+}
+
+#[tokio::test]
+async fn prefix_mount_sees_only_its_prefix() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "outside", b"o").await;
+    put(&mem, "p/q/inside", b"i").await;
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            prefix: "p/q/".into(),
+            ..config(&cache)
+        },
+    );
+    assert_eq!(list(&fs, ROOT_INO).await, [".", "..", "inside"]);
+    write_file(&fs, "new", b"n").await;
+    assert!(mem.head("p/q/new").await.is_ok());
+}
+
+#[tokio::test]
+async fn read_only_refuses_changes() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "a", b"1").await;
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            read_only: true,
+            ..config(&cache)
+        },
+    );
+    let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    assert_eq!(
+        fs.open(a.ino, libc::O_WRONLY).await.err(),
+        Some(FsError::EROFS)
+    );
+    assert_eq!(
+        fs.mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME).await,
+        Err(FsError::EROFS)
+    );
+    assert_eq!(
+        fs.unlink(ROOT_INO, OsStr::new("a")).await,
+        Err(FsError::EROFS)
+    );
+}
+
+#[tokio::test]
+async fn names_over_255_bytes_are_refused() {
+    let e = env();
+    let long = "n".repeat(256);
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new(&long)).await,
+        Err(FsError::ENAMETOOLONG)
+    );
+    let ok = "n".repeat(255);
+    write_file(&e.fs, &ok, b"x").await;
+    assert_eq!(read_all(&e.fs, &ok).await, b"x");
+}
