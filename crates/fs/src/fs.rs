@@ -1337,10 +1337,16 @@ impl Fs {
             self.published(ino, etag, size, meta);
         }
         let mut t = self.table.lock();
+        let mut never_stored = false;
         if let Some(i) = t.get_mut(ino) {
             if i.writers == 0 {
                 i.write = None;
+                never_stored = i.fetched.is_none();
             }
+        }
+        if never_stored {
+            // Created here and never uploaded: the file does not exist.
+            t.detach(ino);
         }
         t.maybe_drop(ino);
         Ok(())

@@ -156,14 +156,26 @@ impl Drop for Reader {
     }
 }
 
+/// Attempts of one ranged GET. The SDK retries failed requests, but not a body that breaks
+/// off mid-transfer; those are retried here, from the same offset.
+const FETCH_ATTEMPTS: u32 = 4;
+
 async fn fetch(
     store: &dyn ObjectStore,
     key: &str,
     range: Range<u64>,
     etag: Option<&str>,
 ) -> FsResult<Bytes> {
-    store
-        .get_range(key, range, etag)
-        .await
-        .map_err(|e| log_store_err(&format!("read {key}"), e))
+    let mut attempt = 1;
+    loop {
+        match store.get_range(key, range.clone(), etag).await {
+            Ok(b) => return Ok(b),
+            Err(e) if e.is_transient() && attempt < FETCH_ATTEMPTS => {
+                tracing::debug!("read {key} attempt {attempt}: {e}; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(100 << attempt)).await;
+                attempt += 1;
+            }
+            Err(e) => return Err(log_store_err(&format!("read {key}"), e)),
+        }
+    }
 }

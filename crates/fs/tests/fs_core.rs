@@ -453,6 +453,12 @@ async fn failed_upload_is_reported_and_leaves_nothing() {
     assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
     fs.release(attr.ino, h.fh).await.unwrap();
     assert!(mem.head("doomed").await.is_err());
+    // The file never reached the bucket, so it does not exist.
+    faulty.clear();
+    assert_eq!(
+        fs.lookup(ROOT_INO, OsStr::new("doomed")).await,
+        Err(FsError::ENOENT)
+    );
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     assert_eq!(mem.pending_uploads(), 0);
 }
@@ -566,4 +572,16 @@ async fn names_over_255_bytes_are_refused() {
     let ok = "n".repeat(255);
     write_file(&e.fs, &ok, b"x").await;
     assert_eq!(read_all(&e.fs, &ok).await, b"x");
+}
+
+#[tokio::test]
+async fn broken_read_is_retried_from_the_same_offset() {
+    let mem = Arc::new(MemoryStore::new());
+    let data = random(3 * MIB as usize, 11);
+    put(&mem, "r", &data).await;
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    faulty.inject(Op::Get, 1, Some(2), Fault::DropAfter);
+    assert_eq!(read_all(&fs, "r").await, data);
 }
