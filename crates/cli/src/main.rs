@@ -1,1 +1,99 @@
-fn main(){}
+//! `bucketfs`: the command-line front end (`bucketfs mount`, `bucketfs umount`, and the
+//! `mount.bucketfs` helper form when the binary is invoked under that name).
+//!
+//! Modules: [`args`] (command-line syntax), [`config`] (settings from the config file, `-o`
+//! and flags), [`daemon`] (fork + readiness pipe), [`logging`], [`run`] (checks, store, mount,
+//! run loop). Every failure is one line `bucketfs: <message>` on stderr and exit code 1.
+
+mod args;
+mod config;
+mod daemon;
+mod logging;
+mod run;
+
+use args::{Cli, Command, HelperCall, UmountArgs};
+use clap::Parser;
+use std::ffi::OsString;
+use std::path::Path;
+use std::process::Command as Process;
+
+fn main() {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let invoked_as = argv
+        .first()
+        .and_then(|a| Path::new(a).file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let argv = if invoked_as.ends_with("mount.bucketfs") {
+        match args::mount_helper_args(&argv) {
+            Ok(HelperCall::Run(a)) => a,
+            Ok(HelperCall::Fake) => std::process::exit(0),
+            Err(msg) => {
+                eprintln!("{msg}");
+                std::process::exit(1);
+            }
+        }
+    } else {
+        argv
+    };
+    let cli = Cli::parse_from(argv);
+    let code = match cli.command {
+        Command::Mount(m) => run::run(&m),
+        Command::Umount(u) => umount(&u),
+    };
+    std::process::exit(code);
+}
+
+/// `bucketfs umount`: `fusermount3 -u` (then `umount`) on a FUSE mount point.
+fn umount(args: &UmountArgs) -> i32 {
+    let mp = bucketfs_fuse::absolute(&args.mountpoint);
+    match bucketfs_fuse::mount_info(&mp) {
+        None => {
+            eprintln!("bucketfs: {} is not mounted", mp.display());
+            return 1;
+        }
+        Some(m) if !m.is_fuse() => {
+            eprintln!(
+                "bucketfs: {} is not a bucketfs mount (it is {})",
+                mp.display(),
+                m.fstype
+            );
+            return 1;
+        }
+        Some(_) => {}
+    }
+    let lazy = args.lazy;
+    let attempts: [(&str, Vec<&str>); 2] = [
+        (
+            "fusermount3",
+            if lazy { vec!["-u", "-z"] } else { vec!["-u"] },
+        ),
+        ("umount", if lazy { vec!["-l"] } else { vec![] }),
+    ];
+    let mut last_err = String::new();
+    for (bin, flags) in attempts {
+        match Process::new(bin).args(&flags).arg(&mp).output() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => last_err = format!("{bin}: {e}"),
+            Ok(out) if out.status.success() => return 0,
+            Ok(out) => {
+                let msg = String::from_utf8_lossy(&out.stderr);
+                last_err = msg.split_whitespace().collect::<Vec<_>>().join(" ");
+                if last_err.contains("busy") {
+                    eprintln!(
+                        "bucketfs: cannot unmount {}: it is busy (a process has a file or its \
+                         working directory in it; see `fuser -vm {}`, or use --lazy)",
+                        mp.display(),
+                        mp.display()
+                    );
+                    return 1;
+                }
+            }
+        }
+    }
+    if last_err.is_empty() {
+        last_err = "neither fusermount3 nor umount found".into();
+    }
+    eprintln!("bucketfs: cannot unmount {}: {last_err}", mp.display());
+    1
+}

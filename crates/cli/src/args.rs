@@ -1,0 +1,398 @@
+//! Command-line syntax: `bucketfs mount|umount` (clap derive) and the `mount.bucketfs` helper
+//! form that mount(8) and /etc/fstab use.
+//!
+//! Flags are kept as strings here and parsed by [`crate::config::Settings::apply`], so a flag,
+//! its `-o` spelling and its config-file key accept exactly the same values.
+
+use crate::config::{Origin, Settings};
+use clap::builder::FalseyValueParser;
+use clap::{Args, Parser, Subcommand};
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+const ABOUT: &str = "Mount an S3 bucket (or a local directory used as a bucket) as a POSIX \
+                     directory";
+
+const MOUNT_AFTER_HELP: &str = "\
+SOURCE:
+  s3://BUCKET[/PREFIX]   a bucket on Amazon S3 or any S3-compatible service (MinIO, Alibaba OSS,
+                         Ceph RGW, ...); with PREFIX the mount shows only keys under PREFIX/.
+                         s3:// without a bucket takes `bucket` (and `prefix`) from the config file.
+  /path/to/dir           a local directory used as the bucket (it must exist)
+
+SETTINGS come from, lowest precedence first: defaults, the config file (-c), -o options, flags
+and their BUCKETFS_* environment variables. Every flag --some-flag has the config key some_flag
+(some-flag also works) and the -o option some_flag=VALUE (booleans: -o some_flag).
+
+CONFIG FILE (-c FILE or -o config=FILE), either format:
+  TOML:        endpoint_url = \"http://127.0.0.1:9000\"
+               force_path_style = true
+               part_size = \"16M\"
+               access_key_id = \"...\"          # credentials: file must be chmod 600
+               secret_access_key = \"...\"
+  ossfs 2.0:   --oss_endpoint=oss-cn-hangzhou.aliyuncs.com
+               --oss_bucket=BUCKET   --oss_bucket_prefix=PREFIX
+               --oss_access_key_id=...   --oss_access_key_secret=...
+               --ro   --allow_other   --log_dir=DIR   --log_level=info
+  Keys only the file may hold: bucket, prefix, access_key_id, secret_access_key, session_token.
+  Unknown keys are errors. A file holding credentials must not be readable by group or others.
+
+CREDENTIALS (S3): the config file keys above, else the AWS SDK chain: AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, --profile or AWS_PROFILE in ~/.aws/config and
+~/.aws/credentials, SSO, web identity, ECS and EC2 instance roles. There are deliberately no
+credential flags: command lines are visible to every user through ps.
+
+-o OPTIONS: comma-separated, as in /etc/fstab. Besides the keys above: ro, config=FILE,
+url=URL (= endpoint_url), use_path_request_style (= force_path_style). Generic mount options
+(rw, defaults, auto, noauto, user, users, _netdev, nofail, nosuid, nodev, noatime, x-systemd.*,
+...) are accepted and ignored.
+
+LOGGING: to --log-file if given; else to syslog with --syslog; else to stderr with
+--foreground; else (in the background) to syslog through /dev/log, or to
+/tmp/bucketfs-<PID>.log when there is no /dev/log. RUST_LOG overrides --log-level with a
+tracing filter. Credentials are never logged.
+
+STARTUP: without -f, bucketfs returns only once the mount is ready (exit 0) or has failed
+(a one-line message on stderr, exit 1). It checks the mount point (exists, is a directory, is
+empty; a dead FUSE mount left by a crash is unmounted) and, for S3, that the bucket exists and
+the credentials can list it. On SIGTERM/SIGINT it publishes files still being written, unmounts
+and exits; it also exits when the mount point is unmounted externally (bucketfs umount, umount).
+
+FSTAB:
+  s3://bucket/prefix  /mnt/data  bucketfs  _netdev,allow_other,config=/etc/bucketfs.toml  0 0
+  (needs the helper link: ln -s $(command -v bucketfs) /sbin/mount.bucketfs)
+
+EXAMPLES:
+  bucketfs mount --endpoint-url http://127.0.0.1:9000 --force-path-style s3://data /mnt/data
+  bucketfs mount -c /etc/bucketfs.toml -o allow_other,ro s3://logs/2024 /mnt/logs
+  bucketfs mount /srv/bucket-dir /mnt/local
+  bucketfs umount /mnt/data";
+
+#[derive(Debug, Parser)]
+#[command(name = "bucketfs", version, about = ABOUT, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Mount SOURCE (s3://BUCKET[/PREFIX] or a local directory) at MOUNTPOINT.
+    #[command(after_long_help = MOUNT_AFTER_HELP)]
+    Mount(Box<MountArgs>),
+    /// Unmount a bucketfs mount (the daemon then exits).
+    Umount(UmountArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct UmountArgs {
+    /// The mount point to unmount.
+    pub mountpoint: PathBuf,
+    /// Detach now even if the mount is busy; it goes away when its last user does.
+    #[arg(short = 'z', long)]
+    pub lazy: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct MountArgs {
+    /// What to mount: s3://BUCKET[/PREFIX] or a local directory.
+    pub source: String,
+
+    /// Where to mount it: an existing, empty directory.
+    pub mountpoint: PathBuf,
+
+    /// Stay in the foreground (log to stderr unless --log-file/--syslog). Default: run in the
+    /// background once the mount is ready.
+    #[arg(short, long)]
+    pub foreground: bool,
+
+    /// Config file: TOML (key = value) or ossfs 2.0 style (--key=value lines). Flags override it.
+    #[arg(short, long, value_name = "FILE", env = "BUCKETFS_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// S3 endpoint, e.g. http://127.0.0.1:9000 or https://oss-cn-hangzhou.aliyuncs.com (a
+    /// bare host gets https://). Default: AWS S3.
+    #[arg(long, value_name = "URL", env = "BUCKETFS_ENDPOINT_URL")]
+    pub endpoint_url: Option<String>,
+
+    /// S3 region used for signing. Default: from the AWS profile/environment, else us-east-1.
+    #[arg(long, value_name = "REGION", env = "BUCKETFS_REGION")]
+    pub region: Option<String>,
+
+    /// Address buckets as ENDPOINT/BUCKET (MinIO, Ceph) instead of BUCKET.ENDPOINT (AWS, OSS).
+    #[arg(long, env = "BUCKETFS_FORCE_PATH_STYLE", value_parser = FalseyValueParser::new())]
+    pub force_path_style: bool,
+
+    /// Named AWS profile from ~/.aws/config and ~/.aws/credentials (like AWS_PROFILE).
+    #[arg(long, value_name = "NAME", env = "BUCKETFS_PROFILE")]
+    pub profile: Option<String>,
+
+    /// Mount read-only: writes fail with EROFS.
+    #[arg(long, env = "BUCKETFS_READ_ONLY", value_parser = FalseyValueParser::new())]
+    pub read_only: bool,
+
+    /// Owner uid of every file and directory (overrides stored metadata). Default: objects
+    /// without uid metadata belong to the user who mounts.
+    #[arg(long, value_name = "UID", env = "BUCKETFS_UID")]
+    pub uid: Option<String>,
+
+    /// Group gid of every file and directory (overrides stored metadata). Default: objects
+    /// without gid metadata get the group of the user who mounts.
+    #[arg(long, value_name = "GID", env = "BUCKETFS_GID")]
+    pub gid: Option<String>,
+
+    /// Permission bits (octal) of files that have no mode metadata. [default: 0644]
+    #[arg(long, value_name = "OCTAL", env = "BUCKETFS_FILE_MODE")]
+    pub file_mode: Option<String>,
+
+    /// Permission bits (octal) of directories that have no mode metadata. [default: 0755]
+    #[arg(long, value_name = "OCTAL", env = "BUCKETFS_DIR_MODE")]
+    pub dir_mode: Option<String>,
+
+    /// Let other users use the mount (non-root needs user_allow_other in /etc/fuse.conf).
+    /// Permissions are checked by the kernel against each entry's mode and owner.
+    #[arg(long, env = "BUCKETFS_ALLOW_OTHER", value_parser = FalseyValueParser::new())]
+    pub allow_other: bool,
+
+    /// Mount even if the mount point is not empty (its contents are hidden while mounted).
+    #[arg(long)]
+    pub nonempty: bool,
+
+    /// Multipart part size for uploads and for each prefetch request, in bytes or with a
+    /// K/M/G suffix (powers of 1024): 8M, 16MiB, 8388608. 5M to 5G. [default: 8M]
+    #[arg(long, value_name = "SIZE", env = "BUCKETFS_PART_SIZE")]
+    pub part_size: Option<String>,
+
+    /// How long file attributes and directory entries are cached, in seconds (0.5, 5) or
+    /// with a unit (500ms, 2m). Changes made by other clients show up after this. [default: 5]
+    #[arg(long, value_name = "SECONDS", env = "BUCKETFS_STAT_TTL")]
+    pub stat_ttl: Option<String>,
+
+    /// Directory for staging files of random writes and rewrites. [default: $TMPDIR or /tmp]
+    #[arg(long, value_name = "DIR", env = "BUCKETFS_CACHE_DIR")]
+    pub cache_dir: Option<String>,
+
+    /// Most objects a directory rename may copy; renaming a bigger directory fails with EXDEV
+    /// (mv then falls back to copying). [default: 10000]
+    #[arg(long, value_name = "OBJECTS", env = "BUCKETFS_MAX_DIR_RENAME")]
+    pub max_dir_rename: Option<String>,
+
+    /// Parts of one file uploaded at the same time (1-256). [default: 4]
+    #[arg(long, value_name = "N", env = "BUCKETFS_UPLOAD_CONCURRENCY")]
+    pub upload_concurrency: Option<String>,
+
+    /// FUSE request threads (1-64). [default: 4]
+    #[arg(long, value_name = "N", env = "BUCKETFS_FUSE_THREADS")]
+    pub fuse_threads: Option<String>,
+
+    /// Append the log to this file (see LOGGING below for the default).
+    #[arg(long, value_name = "PATH", env = "BUCKETFS_LOG_FILE")]
+    pub log_file: Option<String>,
+
+    /// Log level: error, warn, info, debug or trace. [default: info]
+    #[arg(long, value_name = "LEVEL", env = "BUCKETFS_LOG_LEVEL")]
+    pub log_level: Option<String>,
+
+    /// Log to syslog (/dev/log, facility daemon) instead of stderr or a file.
+    #[arg(long)]
+    pub syslog: bool,
+
+    /// Mount options, comma-separated, as in /etc/fstab: any config key as key=value or a bare
+    /// boolean key, plus ro and config=FILE (e.g. -o allow_other,ro,part_size=16M). Repeatable.
+    #[arg(short = 'o', value_name = "OPT[=VAL],...")]
+    pub options: Vec<String>,
+}
+
+impl MountArgs {
+    /// Merges the config file, `-o` options and flags into one set of settings.
+    pub fn settings(&self) -> Result<Settings, String> {
+        let mut s = Settings::default();
+        let config = self
+            .config
+            .clone()
+            .or_else(|| crate::config::config_from_mount_options(&self.options));
+        if let Some(path) = &config {
+            s.apply_file(path)?;
+        }
+        s.apply_mount_options(&self.options)?;
+        let values: [(&str, &Option<String>); 15] = [
+            ("endpoint_url", &self.endpoint_url),
+            ("region", &self.region),
+            ("profile", &self.profile),
+            ("uid", &self.uid),
+            ("gid", &self.gid),
+            ("file_mode", &self.file_mode),
+            ("dir_mode", &self.dir_mode),
+            ("part_size", &self.part_size),
+            ("stat_ttl", &self.stat_ttl),
+            ("cache_dir", &self.cache_dir),
+            ("max_dir_rename", &self.max_dir_rename),
+            ("upload_concurrency", &self.upload_concurrency),
+            ("fuse_threads", &self.fuse_threads),
+            ("log_file", &self.log_file),
+            ("log_level", &self.log_level),
+        ];
+        for (key, v) in values {
+            if let Some(v) = v {
+                s.apply(key, Some(v), Origin::Flag)?;
+            }
+        }
+        let flags = [
+            ("foreground", self.foreground),
+            ("force_path_style", self.force_path_style),
+            ("read_only", self.read_only),
+            ("allow_other", self.allow_other),
+            ("nonempty", self.nonempty),
+            ("syslog", self.syslog),
+        ];
+        for (key, on) in flags {
+            if on {
+                s.apply(key, None, Origin::Flag)?;
+            }
+        }
+        Ok(s)
+    }
+}
+
+/// What a `mount.bucketfs` invocation asks for.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HelperCall {
+    /// Run `bucketfs` with these arguments.
+    Run(Vec<OsString>),
+    /// `-f` (fake): do everything but mount, i.e. nothing.
+    Fake,
+}
+
+/// Turns `mount.bucketfs SOURCE MOUNTPOINT [-sfnv] [-o OPTS] [-t TYPE] [-N NS]` (the mount(8)
+/// helper calling convention) into `bucketfs mount SOURCE MOUNTPOINT -o OPTS`.
+pub fn mount_helper_args(args: &[OsString]) -> Result<HelperCall, String> {
+    let mut out: Vec<OsString> = vec!["bucketfs".into(), "mount".into()];
+    let mut positional = Vec::new();
+    let mut fake = false;
+    let mut it = args.iter().skip(1);
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        match s.as_ref() {
+            "-o" => {
+                let v = it.next().ok_or("-o needs a value")?;
+                out.push("-o".into());
+                out.push(v.clone());
+            }
+            "-t" | "-N" => {
+                it.next();
+            }
+            "-h" | "--help" => {
+                return Ok(HelperCall::Run(vec![
+                    "bucketfs".into(),
+                    "mount".into(),
+                    "--help".into(),
+                ]))
+            }
+            _ if s.starts_with("-o") && s.len() > 2 => {
+                out.push("-o".into());
+                out.push(s[2..].to_string().into());
+            }
+            _ if s.starts_with('-')
+                && s.len() > 1
+                && s[1..].chars().all(|c| "sfnvw".contains(c)) =>
+            {
+                // -s sloppy, -n no mtab, -v verbose, -w read-write: nothing to do; -f fake.
+                fake |= s.contains('f');
+            }
+            _ if s.starts_with('-') && s.len() > 1 => {
+                return Err(format!("mount.bucketfs: unknown option {s}"));
+            }
+            _ => positional.push(a.clone()),
+        }
+    }
+    if positional.len() != 2 {
+        return Err("usage: mount.bucketfs SOURCE MOUNTPOINT [-o OPTION[,OPTION...]]".into());
+    }
+    if fake {
+        return Ok(HelperCall::Fake);
+    }
+    out.splice(2..2, positional);
+    Ok(HelperCall::Run(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn os(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn clap_definition_is_valid() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn helper_translation() {
+        let r = mount_helper_args(&os(&[
+            "/sbin/mount.bucketfs",
+            "s3://b/p",
+            "/mnt/x",
+            "-n",
+            "-o",
+            "rw,_netdev,allow_other",
+            "-t",
+            "bucketfs",
+        ]))
+        .unwrap();
+        assert_eq!(
+            r,
+            HelperCall::Run(os(&[
+                "bucketfs",
+                "mount",
+                "s3://b/p",
+                "/mnt/x",
+                "-o",
+                "rw,_netdev,allow_other"
+            ]))
+        );
+        assert_eq!(
+            mount_helper_args(&os(&["mount.bucketfs", "a", "b", "-fv"])).unwrap(),
+            HelperCall::Fake
+        );
+        assert!(mount_helper_args(&os(&["mount.bucketfs", "a"])).is_err());
+        assert!(mount_helper_args(&os(&["mount.bucketfs", "a", "b", "--bogus"])).is_err());
+    }
+
+    #[test]
+    fn flags_override_options_and_file() {
+        let cli = Cli::try_parse_from([
+            "bucketfs",
+            "mount",
+            "s3://b",
+            "/mnt",
+            "-o",
+            "part_size=16M,ro",
+            "--part-size",
+            "32M",
+            "--allow-other",
+        ])
+        .unwrap();
+        let Command::Mount(m) = cli.command else {
+            panic!()
+        };
+        let s = m.settings().unwrap();
+        assert_eq!(s.part_size, 32 << 20);
+        assert!(s.read_only && s.allow_other);
+    }
+
+    #[test]
+    fn no_credential_flags() {
+        let r = Cli::try_parse_from([
+            "bucketfs",
+            "mount",
+            "s3://b",
+            "/mnt",
+            "--secret-access-key",
+            "x",
+        ]);
+        assert!(r.is_err());
+    }
+}

@@ -1,0 +1,895 @@
+//! Mount settings: one set of keys fed from the config file, `-o` options and flags.
+//!
+//! Every source goes through [`Settings::apply`] with a key and a string value, so a value is
+//! parsed and validated the same way wherever it comes from, and an error names its origin
+//! (`config /etc/bucketfs.toml: part_size: ...`, `--part-size: ...`, `-o part_size: ...`).
+//! Precedence, lowest first: built-in defaults, the config file, `-o` options, flags and their
+//! `BUCKETFS_*` environment variables.
+//!
+//! Config files are TOML (`key = value`, keys as the long flags with `-` or `_`) or the ossfs 2.0
+//! format (`--key=value` lines, detected by the first non-comment line starting with `--`).
+//! Unknown keys are errors. A file that holds credentials must not be readable by group or
+//! others. Credentials are accepted only from the config file (and the AWS SDK's own chain),
+//! never from flags or `-o`, which show up in `ps` and `/etc/fstab`.
+
+use bucketfs_fs::FsConfig;
+use std::fmt;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Smallest and largest multipart part S3 accepts.
+const MIN_PART: u64 = 5 * 1024 * 1024;
+const MAX_PART: u64 = 5 * 1024 * 1024 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogLevel::Error => "error",
+            LogLevel::Warn => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+            LogLevel::Trace => "trace",
+        }
+    }
+}
+
+/// Everything `bucketfs mount` can be told, merged from all sources.
+#[derive(Clone)]
+pub struct Settings {
+    pub foreground: bool,
+    pub endpoint_url: Option<String>,
+    pub region: Option<String>,
+    pub force_path_style: bool,
+    pub profile: Option<String>,
+    pub read_only: bool,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub file_mode: u16,
+    pub dir_mode: u16,
+    pub allow_other: bool,
+    pub nonempty: bool,
+    pub part_size: u64,
+    pub stat_ttl: Duration,
+    pub cache_dir: PathBuf,
+    pub max_dir_rename: usize,
+    pub upload_concurrency: usize,
+    pub fuse_threads: usize,
+    pub log_file: Option<PathBuf>,
+    pub log_level: LogLevel,
+    pub syslog: bool,
+    /// From the config file only: used when SOURCE is `s3://` without a bucket.
+    pub bucket: Option<String>,
+    /// From the config file only: used when SOURCE has no prefix.
+    pub prefix: Option<String>,
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    pub session_token: Option<String>,
+}
+
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let hidden = |o: &Option<String>| o.as_ref().map(|_| "<hidden>");
+        f.debug_struct("Settings")
+            .field("foreground", &self.foreground)
+            .field("endpoint_url", &self.endpoint_url)
+            .field("region", &self.region)
+            .field("force_path_style", &self.force_path_style)
+            .field("profile", &self.profile)
+            .field("read_only", &self.read_only)
+            .field("uid", &self.uid)
+            .field("gid", &self.gid)
+            .field("file_mode", &format_args!("{:o}", self.file_mode))
+            .field("dir_mode", &format_args!("{:o}", self.dir_mode))
+            .field("allow_other", &self.allow_other)
+            .field("nonempty", &self.nonempty)
+            .field("part_size", &self.part_size)
+            .field("stat_ttl", &self.stat_ttl)
+            .field("cache_dir", &self.cache_dir)
+            .field("max_dir_rename", &self.max_dir_rename)
+            .field("upload_concurrency", &self.upload_concurrency)
+            .field("fuse_threads", &self.fuse_threads)
+            .field("log_file", &self.log_file)
+            .field("log_level", &self.log_level)
+            .field("syslog", &self.syslog)
+            .field("bucket", &self.bucket)
+            .field("prefix", &self.prefix)
+            .field("access_key_id", &hidden(&self.access_key_id))
+            .field("secret_access_key", &hidden(&self.secret_access_key))
+            .field("session_token", &hidden(&self.session_token))
+            .finish()
+    }
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        let fs = FsConfig::default();
+        Self {
+            foreground: false,
+            endpoint_url: None,
+            region: None,
+            force_path_style: false,
+            profile: None,
+            read_only: false,
+            uid: None,
+            gid: None,
+            file_mode: fs.file_mode,
+            dir_mode: fs.dir_mode,
+            allow_other: false,
+            nonempty: false,
+            part_size: fs.part_size,
+            stat_ttl: fs.stat_ttl,
+            cache_dir: fs.cache_dir,
+            max_dir_rename: fs.max_dir_rename_objects,
+            upload_concurrency: fs.upload_concurrency,
+            fuse_threads: 4,
+            log_file: None,
+            log_level: LogLevel::Info,
+            syslog: false,
+            bucket: None,
+            prefix: None,
+            access_key_id: None,
+            secret_access_key: None,
+            session_token: None,
+        }
+    }
+}
+
+/// Where a setting came from, for error messages.
+#[derive(Debug, Clone, Copy)]
+pub enum Origin<'a> {
+    File(&'a Path),
+    /// A command-line flag (or its environment variable).
+    Flag,
+    /// A `-o` option.
+    Opt,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Bool,
+    Value,
+}
+
+/// Who may set a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// Flags, `-o` and the config file.
+    All,
+    /// The config file only (credentials; bucket and prefix).
+    FileOnly,
+}
+
+/// The known keys: canonical name, kind, scope.
+const KEYS: &[(&str, Kind, Scope)] = &[
+    ("foreground", Kind::Bool, Scope::All),
+    ("endpoint_url", Kind::Value, Scope::All),
+    ("region", Kind::Value, Scope::All),
+    ("force_path_style", Kind::Bool, Scope::All),
+    ("profile", Kind::Value, Scope::All),
+    ("read_only", Kind::Bool, Scope::All),
+    ("uid", Kind::Value, Scope::All),
+    ("gid", Kind::Value, Scope::All),
+    ("file_mode", Kind::Value, Scope::All),
+    ("dir_mode", Kind::Value, Scope::All),
+    ("allow_other", Kind::Bool, Scope::All),
+    ("nonempty", Kind::Bool, Scope::All),
+    ("part_size", Kind::Value, Scope::All),
+    ("stat_ttl", Kind::Value, Scope::All),
+    ("cache_dir", Kind::Value, Scope::All),
+    ("max_dir_rename", Kind::Value, Scope::All),
+    ("upload_concurrency", Kind::Value, Scope::All),
+    ("fuse_threads", Kind::Value, Scope::All),
+    ("log_file", Kind::Value, Scope::All),
+    ("log_level", Kind::Value, Scope::All),
+    ("syslog", Kind::Bool, Scope::All),
+    ("bucket", Kind::Value, Scope::FileOnly),
+    ("prefix", Kind::Value, Scope::FileOnly),
+    ("access_key_id", Kind::Value, Scope::FileOnly),
+    ("secret_access_key", Kind::Value, Scope::FileOnly),
+    ("session_token", Kind::Value, Scope::FileOnly),
+];
+
+const CREDENTIAL_KEYS: &[&str] = &["access_key_id", "secret_access_key", "session_token"];
+
+/// Generic mount(8)/fstab options that mean nothing to bucketfs and are accepted silently.
+fn ignored_mount_option(key: &str) -> bool {
+    matches!(
+        key,
+        "rw" | "defaults"
+            | "auto"
+            | "noauto"
+            | "user"
+            | "nouser"
+            | "users"
+            | "owner"
+            | "group"
+            | "_netdev"
+            | "nofail"
+            | "suid"
+            | "nosuid"
+            | "dev"
+            | "nodev"
+            | "exec"
+            | "noexec"
+            | "async"
+            | "atime"
+            | "noatime"
+            | "relatime"
+            | "norelatime"
+            | "strictatime"
+            | "diratime"
+            | "nodiratime"
+            | "comment"
+    ) || key.starts_with("x-")
+}
+
+fn canonical(key: &str) -> String {
+    key.trim().replace('-', "_").to_ascii_lowercase()
+}
+
+fn lookup_key(key: &str) -> Option<(&'static str, Kind, Scope)> {
+    KEYS.iter().find(|(k, _, _)| *k == key).copied()
+}
+
+pub fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "" | "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!("invalid boolean \"{s}\" (use true or false)")),
+    }
+}
+
+/// Parses `8388608`, `8M`, `8MB`, `16MiB`, `1.5G`, `512k`: suffixes are powers of 1024.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let err = || format!("invalid size \"{s}\" (use bytes or a K/M/G/T suffix, e.g. 16M)");
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return Err(err());
+    }
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return Err(err()),
+    };
+    if let Ok(n) = num.parse::<u64>() {
+        return n.checked_mul(mult).ok_or_else(err);
+    }
+    let f: f64 = num.parse().map_err(|_| err())?;
+    let v = f * mult as f64;
+    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 || v.fract() != 0.0 {
+        return Err(err());
+    }
+    Ok(v as u64)
+}
+
+/// Parses an octal permission string: `0644`, `644`, `0o644`.
+pub fn parse_mode(s: &str) -> Result<u16, String> {
+    let t = s.trim();
+    let digits = t.strip_prefix("0o").unwrap_or(t);
+    match u16::from_str_radix(digits, 8) {
+        Ok(m) if m <= 0o7777 && !digits.is_empty() => Ok(m),
+        _ => Err(format!("invalid mode \"{s}\" (use octal, e.g. 0644)")),
+    }
+}
+
+/// Parses seconds (`5`, `0.5`) or a number with `ms`, `s`, `m` or `h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let err = || format!("invalid duration \"{s}\" (use seconds, e.g. 5 or 0.5, or 500ms, 2m)");
+    let t = s.trim().to_ascii_lowercase();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (t.as_str(), 1.0)
+    };
+    let f: f64 = num.trim().parse().map_err(|_| err())?;
+    let secs = f * scale;
+    if !secs.is_finite() || !(0.0..=86_400.0 * 365.0).contains(&secs) {
+        return Err(err());
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn parse_count(s: &str, min: usize, max: usize) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (min..=max).contains(&n) => Ok(n),
+        _ => Err(format!("invalid number \"{s}\" (expected {min} to {max})")),
+    }
+}
+
+fn parse_id(s: &str) -> Result<u32, String> {
+    s.trim()
+        .parse::<u32>()
+        .map_err(|_| format!("invalid id \"{s}\" (expected a number)"))
+}
+
+pub fn parse_log_level(s: &str) -> Result<LogLevel, String> {
+    Ok(match s.trim().to_ascii_lowercase().as_str() {
+        "error" | "err" | "fatal" | "critical" => LogLevel::Error,
+        "warn" | "warning" => LogLevel::Warn,
+        "info" => LogLevel::Info,
+        "debug" => LogLevel::Debug,
+        "trace" => LogLevel::Trace,
+        _ => {
+            return Err(format!(
+                "invalid log level \"{s}\" (use error, warn, info, debug or trace)"
+            ))
+        }
+    })
+}
+
+/// `host[:port]` gets `https://`; URLs with a scheme are kept.
+fn normalize_endpoint(s: &str) -> Result<String, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err("empty endpoint URL".into());
+    }
+    if t.contains(char::is_whitespace) {
+        return Err(format!("invalid endpoint URL \"{t}\""));
+    }
+    if t.contains("://") {
+        if !(t.starts_with("http://") || t.starts_with("https://")) {
+            return Err(format!(
+                "invalid endpoint URL \"{t}\" (use http:// or https://)"
+            ));
+        }
+        Ok(t.trim_end_matches('/').to_string())
+    } else {
+        Ok(format!("https://{}", t.trim_end_matches('/')))
+    }
+}
+
+fn non_empty(s: &str, what: &str) -> Result<String, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        Err(format!("empty {what}"))
+    } else {
+        Ok(t.to_string())
+    }
+}
+
+impl Settings {
+    /// Sets `key` (any spelling: `part-size`, `part_size`) to `value` (`None`: a bare boolean
+    /// key such as `-o allow_other`).
+    pub fn apply(&mut self, key: &str, value: Option<&str>, origin: Origin) -> Result<(), String> {
+        let ckey = canonical(key);
+        let unknown = || match origin {
+            Origin::File(p) => format!("config {}: unknown key \"{key}\"", p.display()),
+            Origin::Flag => format!("unknown option \"{key}\""),
+            Origin::Opt => format!("-o: unknown option \"{key}\""),
+        };
+        let ctx = |msg: String| match origin {
+            Origin::File(p) => format!("config {}: {ckey}: {msg}", p.display()),
+            Origin::Flag => format!("--{}: {msg}", ckey.replace('_', "-")),
+            Origin::Opt => format!("-o {ckey}: {msg}"),
+        };
+        let Some((name, kind, scope)) = lookup_key(&ckey) else {
+            return Err(unknown());
+        };
+        if scope == Scope::FileOnly && !matches!(origin, Origin::File(_)) {
+            return Err(if CREDENTIAL_KEYS.contains(&name) {
+                ctx(
+                    "credentials are not accepted on the command line or in mount options \
+                     (they show in ps and /etc/fstab): put them in a config file (chmod 600) \
+                     or use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile"
+                        .into(),
+                )
+            } else {
+                ctx("give the bucket and prefix in SOURCE (s3://BUCKET/PREFIX)".into())
+            });
+        }
+        let v = match (kind, value) {
+            (Kind::Bool, None) => "true",
+            (Kind::Value, None) => return Err(ctx("needs a value".into())),
+            (_, Some(v)) => v,
+        };
+        self.set(name, v).map_err(ctx)
+    }
+
+    fn set(&mut self, name: &str, v: &str) -> Result<(), String> {
+        match name {
+            "foreground" => self.foreground = parse_bool(v)?,
+            "endpoint_url" => self.endpoint_url = Some(normalize_endpoint(v)?),
+            "region" => self.region = Some(non_empty(v, "region")?),
+            "force_path_style" => self.force_path_style = parse_bool(v)?,
+            "profile" => self.profile = Some(non_empty(v, "profile name")?),
+            "read_only" => self.read_only = parse_bool(v)?,
+            "uid" => self.uid = Some(parse_id(v)?),
+            "gid" => self.gid = Some(parse_id(v)?),
+            "file_mode" => self.file_mode = parse_mode(v)?,
+            "dir_mode" => self.dir_mode = parse_mode(v)?,
+            "allow_other" => self.allow_other = parse_bool(v)?,
+            "nonempty" => self.nonempty = parse_bool(v)?,
+            "part_size" => {
+                let n = parse_size(v)?;
+                if !(MIN_PART..=MAX_PART).contains(&n) {
+                    return Err(format!(
+                        "part size {v} is out of range (5 MiB to 5 GiB, the S3 limits)"
+                    ));
+                }
+                self.part_size = n;
+            }
+            "stat_ttl" => self.stat_ttl = parse_duration(v)?,
+            "cache_dir" => self.cache_dir = PathBuf::from(non_empty(v, "path")?),
+            "max_dir_rename" => self.max_dir_rename = parse_count(v, 0, usize::MAX)?,
+            "upload_concurrency" => self.upload_concurrency = parse_count(v, 1, 256)?,
+            "fuse_threads" => self.fuse_threads = parse_count(v, 1, 64)?,
+            "log_file" => self.log_file = Some(PathBuf::from(non_empty(v, "path")?)),
+            "log_level" => self.log_level = parse_log_level(v)?,
+            "syslog" => self.syslog = parse_bool(v)?,
+            "bucket" => self.bucket = Some(non_empty(v, "bucket name")?),
+            "prefix" => self.prefix = Some(v.trim().to_string()),
+            "access_key_id" => self.access_key_id = Some(non_empty(v, "access key id")?),
+            "secret_access_key" => {
+                self.secret_access_key = Some(non_empty(v, "secret access key")?)
+            }
+            "session_token" => self.session_token = Some(non_empty(v, "session token")?),
+            _ => unreachable!("key table and setter disagree on {name}"),
+        }
+        Ok(())
+    }
+
+    /// Applies a comma-separated `-o` list (`ro,allow_other,part_size=16M`). `config=FILE` is
+    /// not a setting: it is returned so the caller can load that file first.
+    pub fn apply_mount_options(&mut self, opts: &[String]) -> Result<(), String> {
+        for (key, value) in split_mount_options(opts) {
+            if ignored_mount_option(&key.trim().to_ascii_lowercase()) {
+                continue;
+            }
+            match canonical(&key).as_str() {
+                "config" => {}
+                "ro" => self.read_only = true,
+                "url" => self.apply("endpoint_url", value.as_deref(), Origin::Opt)?,
+                "use_path_request_style" => {
+                    self.apply("force_path_style", value.as_deref(), Origin::Opt)?
+                }
+                _ => self.apply(&key, value.as_deref(), Origin::Opt)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads a config file (TOML or ossfs 2.0 format) into these settings.
+    pub fn apply_file(&mut self, path: &Path) -> Result<(), String> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("config {}: {e}", path.display()))?;
+        let pairs = parse_config_text(&text, path)?;
+        if pairs
+            .iter()
+            .any(|(k, _)| CREDENTIAL_KEYS.contains(&k.as_str()))
+        {
+            let mode = std::fs::metadata(path)
+                .map_err(|e| format!("config {}: {e}", path.display()))?
+                .permissions()
+                .mode();
+            if mode & 0o044 != 0 {
+                return Err(format!(
+                    "config {} holds credentials but is readable by group or others \
+                     (mode {:04o}): run chmod 600 {}",
+                    path.display(),
+                    mode & 0o7777,
+                    path.display()
+                ));
+            }
+        }
+        for (k, v) in pairs {
+            self.apply(&k, v.as_deref(), Origin::File(path))?;
+        }
+        Ok(())
+    }
+
+    /// The fs-core settings for a mount of `prefix` (already normalized).
+    pub fn fs_config(&self, prefix: String) -> FsConfig {
+        let mut c = FsConfig {
+            prefix,
+            file_mode: self.file_mode,
+            dir_mode: self.dir_mode,
+            read_only: self.read_only,
+            stat_ttl: self.stat_ttl,
+            part_size: self.part_size,
+            upload_concurrency: self.upload_concurrency,
+            cache_dir: self.cache_dir.clone(),
+            max_dir_rename_objects: self.max_dir_rename,
+            ..FsConfig::default()
+        };
+        if let Some(u) = self.uid {
+            c.uid = u;
+            c.force_uid = Some(u);
+        }
+        if let Some(g) = self.gid {
+            c.gid = g;
+            c.force_gid = Some(g);
+        }
+        c
+    }
+}
+
+/// Splits `-o` arguments into `(key, value)` pairs.
+pub fn split_mount_options(opts: &[String]) -> Vec<(String, Option<String>)> {
+    opts.iter()
+        .flat_map(|o| o.split(','))
+        .map(str::trim)
+        .filter(|o| !o.is_empty())
+        .map(|o| match o.split_once('=') {
+            Some((k, v)) => (k.trim().to_string(), Some(v.to_string())),
+            None => (o.to_string(), None),
+        })
+        .collect()
+}
+
+/// The `config=FILE` given among `-o` options, if any.
+pub fn config_from_mount_options(opts: &[String]) -> Option<PathBuf> {
+    split_mount_options(opts)
+        .into_iter()
+        .rev()
+        .filter(|(k, _)| canonical(k) == "config")
+        .find_map(|(_, v)| v.map(PathBuf::from))
+}
+
+/// Whether a config file is in the ossfs 2.0 `--key=value` format.
+fn is_ossfs_format(text: &str) -> bool {
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
+        .is_some_and(|l| l.starts_with("--"))
+}
+
+/// Parses a config file into canonical `(key, value)` pairs; keys are checked by the caller.
+pub fn parse_config_text(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, String> {
+    if is_ossfs_format(text) {
+        parse_ossfs(text, path)
+    } else {
+        parse_toml(text, path)
+    }
+}
+
+fn parse_toml(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, String> {
+    let table: toml::Table = toml::from_str(text).map_err(|e| {
+        let line = e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+        let msg = e.message().replace('\n', " ");
+        match line {
+            Some(l) => format!("config {}: invalid TOML at line {l}: {msg}", path.display()),
+            None => format!("config {}: invalid TOML: {msg}", path.display()),
+        }
+    })?;
+    let mut out = Vec::new();
+    for (k, v) in table {
+        let ck = canonical(&k);
+        let s = match v {
+            toml::Value::String(s) => s,
+            toml::Value::Boolean(b) => b.to_string(),
+            // `file_mode = 644` means 0644: modes are parsed from these digits as octal.
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Float(f) => f.to_string(),
+            _ => {
+                return Err(format!(
+                    "config {}: {k}: expected a string, number or boolean",
+                    path.display()
+                ))
+            }
+        };
+        out.push((ck, Some(s)));
+    }
+    Ok(out)
+}
+
+/// ossfs 2.0 key names and the bucketfs keys they mean.
+const OSSFS_KEYS: &[(&str, &str)] = &[
+    ("oss_endpoint", "endpoint_url"),
+    ("oss_bucket", "bucket"),
+    ("oss_bucket_prefix", "prefix"),
+    ("oss_access_key_id", "access_key_id"),
+    ("oss_access_key_secret", "secret_access_key"),
+    ("oss_region", "region"),
+    ("ro", "read_only"),
+    ("allow_other", "allow_other"),
+    ("log_level", "log_level"),
+    ("attr_timeout", "stat_ttl"),
+];
+
+fn parse_ossfs(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, String> {
+    let mut out = Vec::new();
+    for (n, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some(body) = line.strip_prefix("--") else {
+            return Err(format!(
+                "config {}: line {}: expected --key=value",
+                path.display(),
+                n + 1
+            ));
+        };
+        let (key, value) = match body.split_once('=') {
+            Some((k, v)) => (k.trim(), Some(v.trim().to_string())),
+            None => (body.trim(), None),
+        };
+        let ck = canonical(key);
+        if ck == "log_dir" {
+            let Some(dir) = value else {
+                return Err(format!("config {}: log_dir: needs a value", path.display()));
+            };
+            let file = Path::new(&dir).join("bucketfs.log");
+            out.push(("log_file".into(), Some(file.to_string_lossy().into_owned())));
+            continue;
+        }
+        let mapped = OSSFS_KEYS
+            .iter()
+            .find(|(o, _)| *o == ck)
+            .map(|(_, b)| b.to_string());
+        match mapped {
+            Some(b) => out.push((b, value)),
+            // bucketfs's own keys are accepted too; unknown ones fail in `apply`.
+            None if lookup_key(&ck).is_some() => out.push((ck, value)),
+            None => return Err(format!("config {}: unknown key \"{key}\"", path.display())),
+        }
+    }
+    Ok(out)
+}
+
+/// What to mount.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// `s3://bucket/prefix`; an empty bucket means "from the config file".
+    S3 { bucket: String, prefix: String },
+    /// A local directory used as a bucket.
+    Local(PathBuf),
+}
+
+pub fn parse_source(s: &str) -> Result<Source, String> {
+    if let Some(rest) = s.strip_prefix("s3://") {
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.contains(char::is_whitespace) {
+            return Err(format!("invalid bucket name \"{bucket}\""));
+        }
+        return Ok(Source::S3 {
+            bucket: bucket.to_string(),
+            prefix: prefix.to_string(),
+        });
+    }
+    if s.contains("://") {
+        return Err(format!(
+            "unsupported source \"{s}\": use s3://BUCKET[/PREFIX] or a local directory"
+        ));
+    }
+    if s.is_empty() {
+        return Err("empty source".into());
+    }
+    Ok(Source::Local(PathBuf::from(s)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn file(text: &str, mode: u32) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+        f
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("8388608"), Ok(8 << 20));
+        assert_eq!(parse_size("8M"), Ok(8 << 20));
+        assert_eq!(parse_size("16MiB"), Ok(16 << 20));
+        assert_eq!(parse_size("16mb"), Ok(16 << 20));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("512k"), Ok(512 << 10));
+        assert_eq!(parse_size("1T"), Ok(1 << 40));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("8X").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999999999999T").is_err());
+    }
+
+    #[test]
+    fn modes_durations_bools() {
+        assert_eq!(parse_mode("0644"), Ok(0o644));
+        assert_eq!(parse_mode("755"), Ok(0o755));
+        assert_eq!(parse_mode("0o1777"), Ok(0o1777));
+        assert!(parse_mode("0899").is_err());
+        assert!(parse_mode("17777").is_err());
+        assert!(parse_mode("").is_err());
+        assert_eq!(parse_duration("5"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("0.5"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("-1").is_err());
+        assert!(parse_duration("soon").is_err());
+        assert_eq!(parse_bool("Yes"), Ok(true));
+        assert_eq!(parse_bool("off"), Ok(false));
+        assert!(parse_bool("maybe").is_err());
+        assert_eq!(parse_log_level("WARNING"), Ok(LogLevel::Warn));
+        assert!(parse_log_level("loud").is_err());
+    }
+
+    #[test]
+    fn toml_file() {
+        let f = file(
+            "# comment\nendpoint-url = \"http://127.0.0.1:9000\"\nforce_path_style = true\n\
+             part_size = \"16MiB\"\nstat_ttl = 1.5\nfile_mode = 640\ndir_mode = \"0750\"\n\
+             uid = 1000\nupload-concurrency = 8\nbucket = \"b\"\nprefix = \"p/q\"\n",
+            0o644,
+        );
+        let mut s = Settings::default();
+        s.apply_file(f.path()).unwrap();
+        assert_eq!(s.endpoint_url.as_deref(), Some("http://127.0.0.1:9000"));
+        assert!(s.force_path_style);
+        assert_eq!(s.part_size, 16 << 20);
+        assert_eq!(s.stat_ttl, Duration::from_millis(1500));
+        assert_eq!((s.file_mode, s.dir_mode), (0o640, 0o750));
+        assert_eq!(s.uid, Some(1000));
+        assert_eq!(s.upload_concurrency, 8);
+        assert_eq!(s.bucket.as_deref(), Some("b"));
+        assert_eq!(s.prefix.as_deref(), Some("p/q"));
+        let c = s.fs_config("p/q/".into());
+        assert_eq!((c.uid, c.force_uid, c.force_gid), (1000, Some(1000), None));
+        assert_eq!(c.part_size, 16 << 20);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_file() {
+        let f = file("foo = 1\n", 0o600);
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert_eq!(
+            e,
+            format!("config {}: unknown key \"foo\"", f.path().display())
+        );
+        let f = file("part_size = \"1M\"\n", 0o600);
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert!(
+            e.starts_with(&format!("config {}: part_size: ", f.path().display())),
+            "{e}"
+        );
+        let f = file("region = [1, 2]\n", 0o600);
+        assert!(Settings::default().apply_file(f.path()).is_err());
+        let f = file("region = \n", 0o600);
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert!(e.contains("invalid TOML at line 1"), "{e}");
+        assert!(!e.contains('\n'));
+        let f = file("--oss_bucket=b\n--bogus=1\n", 0o600);
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert_eq!(
+            e,
+            format!("config {}: unknown key \"bogus\"", f.path().display())
+        );
+    }
+
+    #[test]
+    fn ossfs_file() {
+        let f = file(
+            "# ossfs 2.0\n\n--oss_endpoint=oss-cn-hangzhou.aliyuncs.com\n--oss_bucket=bkt\n\
+             --oss_bucket_prefix=data/\n--oss_access_key_id=AK\n--oss_access_key_secret=SK\n\
+             --ro\n--allow_other=false\n--log_dir=/var/log/ossfs\n--log_level=warning\n\
+             --part_size=32M\n",
+            0o600,
+        );
+        let mut s = Settings::default();
+        s.apply_file(f.path()).unwrap();
+        assert_eq!(
+            s.endpoint_url.as_deref(),
+            Some("https://oss-cn-hangzhou.aliyuncs.com")
+        );
+        assert_eq!(s.bucket.as_deref(), Some("bkt"));
+        assert_eq!(s.prefix.as_deref(), Some("data/"));
+        assert_eq!(s.access_key_id.as_deref(), Some("AK"));
+        assert_eq!(s.secret_access_key.as_deref(), Some("SK"));
+        assert!(s.read_only);
+        assert!(!s.allow_other);
+        assert_eq!(
+            s.log_file.as_deref(),
+            Some(Path::new("/var/log/ossfs/bucketfs.log"))
+        );
+        assert_eq!(s.log_level, LogLevel::Warn);
+        assert_eq!(s.part_size, 32 << 20);
+        assert!(!format!("{s:?}").contains("SK"));
+    }
+
+    #[test]
+    fn credentials_need_a_private_file() {
+        let f = file(
+            "access_key_id = \"AK\"\nsecret_access_key = \"SK\"\n",
+            0o644,
+        );
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert!(e.contains("readable by group or others (mode 0644)"), "{e}");
+        assert!(!e.contains("SK"));
+        let f = file(
+            "access_key_id = \"AK\"\nsecret_access_key = \"SK\"\n",
+            0o600,
+        );
+        Settings::default().apply_file(f.path()).unwrap();
+        // Without credentials any mode is fine.
+        let f = file("region = \"x\"\n", 0o644);
+        Settings::default().apply_file(f.path()).unwrap();
+    }
+
+    #[test]
+    fn mount_options() {
+        let mut s = Settings::default();
+        let opts = vec![
+            "rw,_netdev,nofail,noauto,user,defaults,x-systemd.automount".to_string(),
+            "allow_other,ro,part-size=16M,uid=1000,url=http://h:9000,use_path_request_style"
+                .to_string(),
+            "config=/etc/bucketfs.toml".to_string(),
+        ];
+        s.apply_mount_options(&opts).unwrap();
+        assert!(s.allow_other && s.read_only && s.force_path_style);
+        assert_eq!(s.part_size, 16 << 20);
+        assert_eq!(s.uid, Some(1000));
+        assert_eq!(s.endpoint_url.as_deref(), Some("http://h:9000"));
+        assert_eq!(
+            config_from_mount_options(&opts),
+            Some(PathBuf::from("/etc/bucketfs.toml"))
+        );
+        let e = s.apply_mount_options(&["bogus=1".to_string()]).unwrap_err();
+        assert_eq!(e, "-o: unknown option \"bogus\"");
+        let e = s
+            .apply_mount_options(&["secret_access_key=xyz".to_string()])
+            .unwrap_err();
+        assert!(e.contains("not accepted"), "{e}");
+        assert!(!e.contains("xyz"));
+        assert!(s.apply_mount_options(&["region".to_string()]).is_err());
+    }
+
+    #[test]
+    fn flags_name_themselves() {
+        let mut s = Settings::default();
+        let e = s
+            .apply("part_size", Some("lots"), Origin::Flag)
+            .unwrap_err();
+        assert!(e.starts_with("--part-size: invalid size"), "{e}");
+    }
+
+    #[test]
+    fn sources() {
+        assert_eq!(
+            parse_source("s3://b/p/q"),
+            Ok(Source::S3 {
+                bucket: "b".into(),
+                prefix: "p/q".into()
+            })
+        );
+        assert_eq!(
+            parse_source("s3://b"),
+            Ok(Source::S3 {
+                bucket: "b".into(),
+                prefix: "".into()
+            })
+        );
+        assert_eq!(
+            parse_source("/srv/data"),
+            Ok(Source::Local("/srv/data".into()))
+        );
+        assert!(parse_source("gs://x").is_err());
+    }
+}

@@ -1,0 +1,446 @@
+//! `bucketfs mount`: startup checks, building the store and fs, mounting, and the run loop.
+//!
+//! Order matters: settings and every check that needs no runtime run first, in the calling
+//! process, so plain mistakes fail before forking. Then (unless `-f`) the process forks while it
+//! is still single-threaded; the child sets up logging and the tokio runtime, builds the store,
+//! checks bucket access, mounts, and reports readiness. It then waits for SIGTERM/SIGINT/SIGHUP
+//! or for the mount to disappear (external `umount`), publishes files still being written
+//! (`Fs::shutdown`), unmounts and exits.
+
+use crate::args::MountArgs;
+use crate::config::{parse_source, Settings, Source};
+use crate::daemon::{self, Readiness};
+use crate::logging::{self, LogTarget};
+use bucketfs_fs::{normalize_prefix, Fs};
+use bucketfs_fuse::{absolute, MountHandle, MountOptions};
+use bucketfs_store::local::LocalStore;
+use bucketfs_store::metrics::{MeteredStore, StoreMetrics};
+use bucketfs_store::s3::{S3Config, S3Store};
+use bucketfs_store::{ObjectStore, StoreError};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::signal::unix::{signal, SignalKind};
+use tracing::{error, info, warn};
+
+/// Attempts per S3 request (the first plus retries).
+const S3_MAX_ATTEMPTS: u32 = 5;
+/// Longest the startup access check may take before the endpoint counts as unreachable.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A mount request after parsing and the checks that need no network.
+struct Plan {
+    settings: Settings,
+    target: Target,
+    /// Absolute mount point.
+    mountpoint: PathBuf,
+    /// What `df`/`mount` show as the source.
+    fsname: String,
+}
+
+enum Target {
+    S3 { bucket: String, prefix: String },
+    Local { dir: PathBuf },
+}
+
+/// Runs `bucketfs mount`; returns the exit code.
+pub fn run(args: &MountArgs) -> i32 {
+    let plan = match plan(args) {
+        Ok(p) => p,
+        Err(msg) => {
+            eprintln!("bucketfs: {msg}");
+            return 1;
+        }
+    };
+    let readiness = if plan.settings.foreground {
+        None
+    } else {
+        match daemon::daemonize() {
+            Ok(r) => Some(r),
+            Err(msg) => {
+                eprintln!("bucketfs: {msg}");
+                return 1;
+            }
+        }
+    };
+    serve(plan, readiness)
+}
+
+fn plan(args: &MountArgs) -> Result<Plan, String> {
+    let mut settings = args.settings()?;
+    let source = parse_source(&args.source)?;
+    let target = match source {
+        Source::S3 { bucket, prefix } => {
+            let bucket = if bucket.is_empty() {
+                settings.bucket.clone().ok_or(
+                    "no bucket: give SOURCE as s3://BUCKET[/PREFIX] or set bucket in the \
+                     config file",
+                )?
+            } else {
+                bucket
+            };
+            let prefix = if prefix.is_empty() {
+                settings.prefix.clone().unwrap_or_default()
+            } else {
+                prefix
+            };
+            Target::S3 {
+                bucket,
+                prefix: normalize_prefix(&prefix),
+            }
+        }
+        Source::Local(dir) => Target::Local {
+            dir: check_local_source(&dir)?,
+        },
+    };
+    let mountpoint = absolute(&args.mountpoint);
+    check_mountpoint(&mountpoint, settings.nonempty)?;
+    if let Target::Local { dir } = &target {
+        if mountpoint.starts_with(dir) {
+            return Err(format!(
+                "mount point {} is inside the source directory {}",
+                mountpoint.display(),
+                dir.display()
+            ));
+        }
+    }
+    // Paths are made absolute before the daemon moves to `/`.
+    settings.cache_dir = absolute(&settings.cache_dir);
+    std::fs::create_dir_all(&settings.cache_dir)
+        .map_err(|e| format!("cache dir {}: {e}", settings.cache_dir.display()))?;
+    if let Some(f) = &settings.log_file {
+        settings.log_file = Some(absolute(f));
+    }
+    let fsname = match &target {
+        Target::S3 { bucket, prefix } => format!("s3://{bucket}/{prefix}")
+            .trim_end_matches('/')
+            .to_string(),
+        Target::Local { dir } => dir.display().to_string(),
+    };
+    Ok(Plan {
+        settings,
+        target,
+        mountpoint,
+        fsname,
+    })
+}
+
+fn check_local_source(dir: &Path) -> Result<PathBuf, String> {
+    match std::fs::metadata(dir) {
+        Ok(md) if md.is_dir() => dir
+            .canonicalize()
+            .map_err(|e| format!("source directory {}: {e}", dir.display())),
+        Ok(_) => Err(format!("source {} is not a directory", dir.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(format!(
+            "source directory {} does not exist (use s3://BUCKET for a bucket)",
+            dir.display()
+        )),
+        Err(e) => Err(format!("source directory {}: {e}", dir.display())),
+    }
+}
+
+fn check_mountpoint(mp: &Path, nonempty: bool) -> Result<(), String> {
+    let md = match std::fs::metadata(mp) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            // A FUSE daemon died without unmounting: clear the corpse and go on.
+            bucketfs_fuse::unmount_path(mp, true).map_err(|ue| {
+                format!(
+                    "mount point {} is a dead FUSE mount (transport endpoint is not \
+                     connected) and unmounting it failed: {ue}",
+                    mp.display()
+                )
+            })?;
+            eprintln!(
+                "bucketfs: mount point {} was a dead FUSE mount (transport endpoint is not \
+                 connected); unmounted it",
+                mp.display()
+            );
+            std::fs::metadata(mp)
+        }
+        r => r,
+    };
+    let md = match md {
+        Ok(md) => md,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(format!("mount point {} does not exist", mp.display()))
+        }
+        Err(e) => return Err(format!("cannot access mount point {}: {e}", mp.display())),
+    };
+    if !md.is_dir() {
+        return Err(format!("mount point {} is not a directory", mp.display()));
+    }
+    if !nonempty {
+        let mut entries = std::fs::read_dir(mp)
+            .map_err(|e| format!("cannot read mount point {}: {e}", mp.display()))?;
+        if entries.next().is_some() {
+            return Err(format!(
+                "mount point {} is not empty (use --nonempty to mount over its contents)",
+                mp.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Everything after the fork: returns the exit code.
+fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
+    let report_failure = |readiness: Option<Readiness>, msg: String| {
+        error!("{msg}");
+        match readiness {
+            Some(r) => r.failed(&msg),
+            None => eprintln!("bucketfs: {msg}"),
+        }
+        1
+    };
+    let s = &plan.settings;
+    let target = LogTarget::choose(s.log_file.as_deref(), s.syslog, s.foreground);
+    if let Err(msg) = logging::init(s.log_level, &target) {
+        return report_failure(readiness, msg);
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("bucketfs-worker")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return report_failure(readiness, format!("cannot start runtime: {e}")),
+    };
+    let (store, metrics) = match rt.block_on(open_store(&plan)) {
+        Ok(x) => x,
+        Err(msg) => return report_failure(readiness, msg),
+    };
+    let prefix = match &plan.target {
+        Target::S3 { prefix, .. } => prefix.clone(),
+        Target::Local { .. } => String::new(),
+    };
+    let fs = Fs::new(store, s.fs_config(prefix));
+    let opts = MountOptions {
+        fsname: plan.fsname.clone(),
+        allow_other: s.allow_other,
+        read_only: s.read_only,
+        n_threads: s.fuse_threads,
+    };
+    let handle =
+        match bucketfs_fuse::mount(fs.clone(), rt.handle().clone(), &plan.mountpoint, &opts) {
+            Ok(h) => h,
+            Err(e) => {
+                let hint = if e.raw_os_error() == Some(libc::EPERM)
+                    || e.to_string().contains("allow_other")
+                {
+                    " (non-root users need user_allow_other in /etc/fuse.conf for --allow-other)"
+                } else {
+                    ""
+                };
+                return report_failure(
+                    readiness,
+                    format!(
+                        "cannot mount at {}: {}{hint}",
+                        plan.mountpoint.display(),
+                        one_line(&e.to_string())
+                    ),
+                );
+            }
+        };
+    info!(
+        "bucketfs {} ready: {} at {} (log: {target:?})",
+        env!("CARGO_PKG_VERSION"),
+        plan.fsname,
+        plan.mountpoint.display()
+    );
+    if let Some(r) = readiness {
+        r.ready();
+    }
+    let code = rt.block_on(wait_and_shutdown(&fs, &handle));
+    let code = match handle.unmount() {
+        Ok(()) => code,
+        Err(e) => {
+            error!("unmount {}: {e}", plan.mountpoint.display());
+            1
+        }
+    };
+    log_metrics(&metrics);
+    rt.shutdown_timeout(Duration::from_secs(5));
+    code
+}
+
+/// Waits for a signal or an external unmount, then publishes open files. Returns the exit code.
+async fn wait_and_shutdown(fs: &Fs, handle: &MountHandle) -> i32 {
+    let (mut term, mut int, mut hup) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) {
+        (Ok(a), Ok(b), Ok(c)) => (a, b, c),
+        _ => {
+            error!("cannot install signal handlers; waiting for an external unmount");
+            handle.unmounted().await;
+            return publish(fs).await;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM: unmounting"),
+        _ = int.recv() => info!("SIGINT: unmounting"),
+        _ = hup.recv() => info!("SIGHUP: unmounting"),
+        _ = handle.unmounted() => info!("{} was unmounted", handle.mountpoint().display()),
+    }
+    tokio::select! {
+        code = publish(fs) => code,
+        _ = term.recv() => { warn!("second signal: not waiting for uploads"); 1 }
+        _ = int.recv() => { warn!("second signal: not waiting for uploads"); 1 }
+    }
+}
+
+/// Publishes files still being written; returns the exit code.
+async fn publish(fs: &Fs) -> i32 {
+    let failed = fs.shutdown().await;
+    if failed > 0 {
+        error!("{failed} file(s) still being written could not be uploaded");
+        1
+    } else {
+        0
+    }
+}
+
+fn log_metrics(m: &StoreMetrics) {
+    info!(
+        "store requests: {}, bytes up: {}, bytes down: {}",
+        m.total_requests(),
+        m.bytes_up(),
+        m.bytes_down()
+    );
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+async fn open_store(plan: &Plan) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>), String> {
+    match &plan.target {
+        Target::Local { dir } => {
+            let store = LocalStore::open(dir).map_err(|e| match e {
+                StoreError::NoSuchBucket(_) => {
+                    format!("source directory {} does not exist", dir.display())
+                }
+                e => format!("source directory {}: {e}", dir.display()),
+            })?;
+            let metered = MeteredStore::new(Arc::new(store));
+            let metrics = metered.metrics();
+            Ok((Arc::new(metered), metrics))
+        }
+        Target::S3 { bucket, prefix } => {
+            let s = &plan.settings;
+            let cfg = S3Config {
+                bucket: bucket.clone(),
+                endpoint_url: s.endpoint_url.clone(),
+                region: s.region.clone(),
+                force_path_style: s.force_path_style,
+                profile: s.profile.clone(),
+                access_key_id: s.access_key_id.clone(),
+                secret_access_key: s.secret_access_key.clone(),
+                session_token: s.session_token.clone(),
+                max_attempts: S3_MAX_ATTEMPTS,
+            };
+            let endpoint = s.endpoint_url.as_deref().unwrap_or("AWS S3").to_string();
+            let store = S3Store::new(&cfg).await.map_err(|e| {
+                format!("cannot set up the S3 client: {}", one_line(&e.to_string()))
+            })?;
+            match tokio::time::timeout(CHECK_TIMEOUT, store.check_access(prefix)).await {
+                Err(_) => {
+                    return Err(format!(
+                        "cannot reach endpoint {endpoint}: no answer within {} s",
+                        CHECK_TIMEOUT.as_secs()
+                    ))
+                }
+                Ok(Err(e)) => return Err(access_error(e, bucket, &endpoint)),
+                Ok(Ok(())) => {}
+            }
+            info!("bucket {bucket} at {endpoint}: access checked");
+            let metered = MeteredStore::new(Arc::new(store));
+            let metrics = metered.metrics();
+            Ok((Arc::new(metered), metrics))
+        }
+    }
+}
+
+/// A one-line message for a failed startup access check. Store error details carry the
+/// service's error code and message, never the credentials.
+fn access_error(e: StoreError, bucket: &str, endpoint: &str) -> String {
+    let detail = |d: &str| {
+        let d = d
+            .strip_prefix(&format!("bucket {bucket}: "))
+            .unwrap_or(d)
+            .to_string();
+        one_line(&d)
+    };
+    match e {
+        StoreError::AccessDenied(d) => format!(
+            "access denied to bucket {bucket}: check credentials ({})",
+            detail(&d)
+        ),
+        StoreError::NoSuchBucket(_) => {
+            format!("bucket {bucket} does not exist (endpoint {endpoint})")
+        }
+        StoreError::NotFound(_) => {
+            format!("bucket {bucket} does not exist (endpoint {endpoint})")
+        }
+        StoreError::Transient(d) | StoreError::Other(d)
+            if d.to_ascii_lowercase().contains("credential") =>
+        {
+            format!(
+                "no usable credentials for bucket {bucket}: set AWS_ACCESS_KEY_ID and \
+                 AWS_SECRET_ACCESS_KEY, use --profile, or put access_key_id and \
+                 secret_access_key in the config file ({})",
+                detail(&d)
+            )
+        }
+        StoreError::Transient(d) => {
+            format!("cannot reach endpoint {endpoint}: {}", detail(&d))
+        }
+        e => format!(
+            "cannot access bucket {bucket} at {endpoint}: {}",
+            one_line(&e.to_string())
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_errors_are_one_line() {
+        let m = access_error(
+            StoreError::AccessDenied("bucket b: 403 InvalidAccessKeyId The key\nis bad".into()),
+            "b",
+            "http://h",
+        );
+        assert_eq!(
+            m,
+            "access denied to bucket b: check credentials (403 InvalidAccessKeyId The key is bad)"
+        );
+        assert_eq!(
+            access_error(StoreError::NoSuchBucket("x".into()), "b", "http://h"),
+            "bucket b does not exist (endpoint http://h)"
+        );
+        assert!(access_error(
+            StoreError::Transient("bucket b: dispatch failure: Connection refused".into()),
+            "b",
+            "http://h"
+        )
+        .starts_with("cannot reach endpoint http://h: dispatch failure"));
+    }
+
+    #[test]
+    fn mountpoint_checks() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(check_mountpoint(d.path(), false).is_ok());
+        std::fs::write(d.path().join("f"), b"x").unwrap();
+        let e = check_mountpoint(d.path(), false).unwrap_err();
+        assert!(e.contains("is not empty"), "{e}");
+        assert!(check_mountpoint(d.path(), true).is_ok());
+        let e = check_mountpoint(&d.path().join("f"), false).unwrap_err();
+        assert!(e.contains("is not a directory"), "{e}");
+        let e = check_mountpoint(&d.path().join("nope"), false).unwrap_err();
+        assert!(e.contains("does not exist"), "{e}");
+    }
+}

@@ -1,0 +1,539 @@
+//! The `fuser::Filesystem` implementation: one kernel request → one async `Fs` call.
+//!
+//! Each request handler copies what it needs out of the request (names, the caller's uid/gid,
+//! write data), spawns a task on the tokio runtime and returns at once, so a FUSE thread never
+//! waits for the network. The task awaits the fs call and answers the kernel (fuser 0.18 replies
+//! are `Send`). Errors are errnos (`FsError(e)` → `reply.error(Errno::from_i32(e))`); a panic in
+//! a task drops its reply, which fuser answers with `EIO`.
+
+use bucketfs_fs::{Attr, Caller, FileKind, Fs, FsError, SetAttr};
+use bytes::Bytes;
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
+    WriteFlags,
+};
+use std::ffi::OsStr;
+use std::future::Future;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::SystemTime;
+use tokio::runtime::Handle;
+use tokio::sync::watch;
+use tracing::{debug, info, trace};
+
+/// Largest write the kernel may send in one request.
+pub(crate) const MAX_WRITE: u32 = 1024 * 1024;
+/// Readahead we ask for at `init`; the kernel caps it (usually at 128 KiB), which is why the
+/// mount's bdi `read_ahead_kb` is raised afterwards.
+pub(crate) const MAX_READAHEAD: u32 = 1024 * 1024;
+/// Background requests (readahead, async reads) the kernel keeps in flight.
+const MAX_BACKGROUND: u16 = 64;
+const CONGESTION_THRESHOLD: u16 = 48;
+
+/// The kernel's view of an fs-core attribute.
+pub fn file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.blocks(),
+        atime: a.atime,
+        mtime: a.mtime,
+        ctime: a.ctime,
+        crtime: a.ctime,
+        kind: file_type(a.kind),
+        perm: a.perm,
+        nlink: a.nlink(),
+        uid: a.uid,
+        gid: a.gid,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+fn file_type(k: FileKind) -> FileType {
+    match k {
+        FileKind::File => FileType::RegularFile,
+        FileKind::Dir => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+    }
+}
+
+fn time(t: TimeOrNow) -> SystemTime {
+    match t {
+        TimeOrNow::SpecificTime(t) => t,
+        TimeOrNow::Now => SystemTime::now(),
+    }
+}
+
+/// Logs a failed call (quietly for the expected ones) and turns it into the reply errno.
+fn errno(op: &'static str, e: FsError) -> Errno {
+    if e.0 == libc::ENOENT || e.0 == libc::EEXIST || e.0 == libc::ENOTEMPTY {
+        trace!("{op}: {e}");
+    } else {
+        debug!("{op}: {e}");
+    }
+    Errno::from_i32(e.0)
+}
+
+fn caller(req: &Request) -> Caller {
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
+}
+
+/// The adapter the FUSE session drives.
+pub(crate) struct FuseFs {
+    fs: Arc<Fs>,
+    rt: Handle,
+    /// Set to `true` when the session ends (the kernel dropped the mount).
+    done: watch::Sender<bool>,
+}
+
+impl FuseFs {
+    pub(crate) fn new(fs: Arc<Fs>, rt: Handle, done: watch::Sender<bool>) -> Self {
+        Self { fs, rt, done }
+    }
+
+    fn spawn<F>(&self, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.rt.spawn(fut);
+    }
+
+    fn reply_entry(fs: &Fs, op: &'static str, r: Result<Attr, FsError>, reply: ReplyEntry) {
+        match r {
+            Ok(a) => reply.entry(&fs.attr_ttl(), &file_attr(&a), Generation(0)),
+            Err(e) => reply.error(errno(op, e)),
+        }
+    }
+
+    fn reply_empty(op: &'static str, r: Result<(), FsError>, reply: ReplyEmpty) {
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(op, e)),
+        }
+    }
+}
+
+impl Filesystem for FuseFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+        if let Err(max) = config.set_max_write(MAX_WRITE) {
+            let _ = config.set_max_write(max);
+        }
+        if let Err(max) = config.set_max_readahead(MAX_READAHEAD) {
+            let _ = config.set_max_readahead(max);
+        }
+        let _ = config.set_max_background(MAX_BACKGROUND);
+        let _ = config.set_congestion_threshold(CONGESTION_THRESHOLD);
+        // Asynchronous reads let the kernel keep several reads of one file in flight.
+        // Parallel directory operations let lookups in one directory run concurrently.
+        // Writeback cache stays off: close() must see upload errors and sizes must be exact.
+        for flag in [InitFlags::FUSE_ASYNC_READ, InitFlags::FUSE_PARALLEL_DIROPS] {
+            if config.capabilities().contains(flag) {
+                let _ = config.add_capabilities(flag);
+            }
+        }
+        info!(
+            "FUSE session started (kernel ABI {}, max_write {} KiB)",
+            config.kernel_abi(),
+            MAX_WRITE / 1024
+        );
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        debug!("FUSE session ended");
+        self.done.send_replace(true);
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        self.spawn(async move {
+            let r = fs.lookup(parent.0, &name).await;
+            Self::reply_entry(&fs, "lookup", r, reply);
+        });
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.forget(ino.0, nlookup);
+    }
+
+    // `batch_forget` keeps fuser's default (one `forget` per node): fuser 0.18 does not export
+    // the `ForgetOne` type its signature names.
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            match fs.getattr(ino.0).await {
+                Ok(a) => reply.attr(&fs.attr_ttl(), &file_attr(&a)),
+                Err(e) => reply.error(errno("getattr", e)),
+            }
+        });
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let fs = self.fs.clone();
+        let set = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: atime.map(time),
+            mtime: mtime.map(time),
+        };
+        self.spawn(async move {
+            match fs.setattr(ino.0, fh.map(|f| f.0), set).await {
+                Ok(a) => reply.attr(&fs.attr_ttl(), &file_attr(&a)),
+                Err(e) => reply.error(errno("setattr", e)),
+            }
+        });
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            match fs.readlink(ino.0).await {
+                Ok(target) => reply.data(&target),
+                Err(e) => reply.error(errno("readlink", e)),
+            }
+        });
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        let who = caller(req);
+        self.spawn(async move {
+            let r = fs.mknod(parent.0, &name, mode, umask, who).await;
+            Self::reply_entry(&fs, "mknod", r, reply);
+        });
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        let who = caller(req);
+        self.spawn(async move {
+            let r = fs.mkdir(parent.0, &name, mode, umask, who).await;
+            Self::reply_entry(&fs, "mkdir", r, reply);
+        });
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        self.spawn(async move {
+            Self::reply_empty("unlink", fs.unlink(parent.0, &name).await, reply);
+        });
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        self.spawn(async move {
+            Self::reply_empty("rmdir", fs.rmdir(parent.0, &name).await, reply);
+        });
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let fs = self.fs.clone();
+        let name = link_name.to_owned();
+        let target = target.to_owned();
+        let who = caller(req);
+        self.spawn(async move {
+            let r = fs.symlink(parent.0, &name, &target, who).await;
+            Self::reply_entry(&fs, "symlink", r, reply);
+        });
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        let newname = newname.to_owned();
+        self.spawn(async move {
+            let r = fs
+                .rename(parent.0, &name, newparent.0, &newname, flags.bits())
+                .await;
+            Self::reply_empty("rename", r, reply);
+        });
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            match fs.open(ino.0, flags.0).await {
+                Ok(o) => {
+                    let mut f = FopenFlags::empty();
+                    if o.keep_cache {
+                        f |= FopenFlags::FOPEN_KEEP_CACHE;
+                    }
+                    reply.opened(FileHandle(o.fh), f);
+                }
+                Err(e) => reply.error(errno("open", e)),
+            }
+        });
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            match fs.read(ino.0, fh.0, offset, size).await {
+                Ok(data) => reply.data(&data),
+                Err(e) => reply.error(errno("read", e)),
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let fs = self.fs.clone();
+        let data = Bytes::copy_from_slice(data);
+        self.spawn(async move {
+            match fs.write(ino.0, fh.0, offset, data).await {
+                Ok(n) => reply.written(n),
+                Err(e) => reply.error(errno("write", e)),
+            }
+        });
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            Self::reply_empty("flush", fs.flush(ino.0, fh.0).await, reply);
+        });
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            Self::reply_empty("release", fs.release(ino.0, fh.0).await, reply);
+        });
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            Self::reply_empty("fsync", fs.fsync(ino.0, fh.0).await, reply);
+        });
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            match fs.opendir(ino.0).await {
+                Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+                Err(e) => reply.error(errno("opendir", e)),
+            }
+        });
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            match fs.readdir(ino.0, fh.0, offset as i64).await {
+                Ok(entries) => {
+                    for e in &entries {
+                        let full = reply.add(
+                            INodeNo(e.ino),
+                            e.next_offset as u64,
+                            file_type(e.kind),
+                            &e.name,
+                        );
+                        if full {
+                            break;
+                        }
+                    }
+                    reply.ok();
+                }
+                Err(e) => reply.error(errno("readdir", e)),
+            }
+        });
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.releasedir(ino.0, fh.0);
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let s = self.fs.statfs();
+        reply.statfs(
+            s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
+        );
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        let who = caller(req);
+        self.spawn(async move {
+            match fs.create(parent.0, &name, mode, umask, flags, who).await {
+                Ok((a, o)) => {
+                    let mut f = FopenFlags::empty();
+                    if o.keep_cache {
+                        f |= FopenFlags::FOPEN_KEEP_CACHE;
+                    }
+                    reply.created(
+                        &fs.attr_ttl(),
+                        &file_attr(&a),
+                        Generation(0),
+                        FileHandle(o.fh),
+                        f,
+                    );
+                }
+                Err(e) => reply.error(errno("create", e)),
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn attr_conversion() {
+        let t = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let a = Attr {
+            ino: 42,
+            kind: FileKind::Dir,
+            size: 1000,
+            perm: 0o750,
+            uid: 7,
+            gid: 8,
+            mtime: t,
+            atime: t,
+            ctime: t,
+        };
+        let f = file_attr(&a);
+        assert_eq!(f.ino, INodeNo(42));
+        assert_eq!(f.kind, FileType::Directory);
+        assert_eq!((f.perm, f.uid, f.gid, f.nlink), (0o750, 7, 8, 2));
+        assert_eq!((f.blksize, f.rdev, f.flags, f.blocks), (4096, 0, 0, 2));
+        assert_eq!(Errno::from_i32(FsError::ENOENT.0), Errno::ENOENT);
+    }
+}
