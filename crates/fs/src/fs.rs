@@ -10,7 +10,7 @@ use crate::inode::{join, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::names::{check_name, listable};
 use crate::read::Reader;
-use crate::write::{Base, PartLayout, WriteConfig, WriteState};
+use crate::write::{Base, Orphans, PartLayout, WriteConfig, WriteState};
 use bucketfs_store::{
     CompletedPart, ObjectMeta, ObjectStore, StoreError, UserMeta, MAX_COPY_OBJECT_SIZE,
 };
@@ -80,6 +80,8 @@ pub struct StatFs {
 const RENAME_CONCURRENCY: usize = 16;
 /// Part size of server-side copies of objects too big for one CopyObject.
 const COPY_PART_SIZE: u64 = 512 * 1024 * 1024;
+/// How often aborts that failed are tried again.
+const ORPHAN_RETRY: Duration = Duration::from_secs(5);
 /// Listing hints kept at most (they only save a request; losing them is harmless).
 const MAX_HINTS: usize = 200_000;
 
@@ -166,8 +168,9 @@ impl Fs {
                 part_size: cfg.part_size.max(bucketfs_store::MIN_PART_SIZE),
             },
             upload_concurrency: cfg.upload_concurrency.max(1),
+            orphans: Arc::new(Orphans::default()),
         });
-        Arc::new(Self {
+        let fs = Arc::new(Self {
             store,
             policy,
             wcfg,
@@ -176,7 +179,27 @@ impl Fs {
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             file_hints: Mutex::new(HashMap::new()),
-        })
+        });
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(Self::retry_orphans_forever(Arc::downgrade(&fs)));
+        }
+        fs
+    }
+
+    /// Every few seconds, aborts uploads whose abort failed earlier (the store was down).
+    async fn retry_orphans_forever(fs: std::sync::Weak<Self>) {
+        loop {
+            tokio::time::sleep(ORPHAN_RETRY).await;
+            let Some(fs) = fs.upgrade() else { return };
+            if fs.wcfg.orphans.len() > 0 {
+                fs.wcfg.orphans.retry(&*fs.store).await;
+            }
+        }
+    }
+
+    /// Multipart uploads this mount could not abort yet.
+    pub fn pending_aborts(&self) -> usize {
+        self.wcfg.orphans.len()
     }
 
     pub fn config(&self) -> &FsConfig {
@@ -1489,6 +1512,11 @@ impl Fs {
                 }
             }
             st.abort_stream().await;
+        }
+        self.wcfg.orphans.retry(&*self.store).await;
+        let left = self.wcfg.orphans.len();
+        if left > 0 {
+            tracing::error!("{left} multipart uploads could not be aborted");
         }
         failed
     }

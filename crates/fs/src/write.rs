@@ -109,6 +109,36 @@ struct Stream {
 pub struct WriteConfig {
     pub layout: PartLayout,
     pub upload_concurrency: usize,
+    /// Multipart uploads whose abort failed (the store was down); retried until it works.
+    pub orphans: Arc<Orphans>,
+}
+
+/// Uploads to abort later: `(key, upload id)`.
+#[derive(Default)]
+pub struct Orphans(parking_lot::Mutex<Vec<(String, String)>>);
+
+impl Orphans {
+    pub fn add(&self, key: String, upload_id: String) {
+        self.0.lock().push((key, upload_id));
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.lock().len()
+    }
+
+    /// Tries to abort every orphan once; keeps those that still fail.
+    pub async fn retry(&self, store: &dyn ObjectStore) {
+        let todo = std::mem::take(&mut *self.0.lock());
+        for (key, id) in todo {
+            match store.abort_multipart(&key, &id).await {
+                Ok(()) => tracing::info!("aborted leftover upload of {key}"),
+                Err(e) => {
+                    tracing::debug!("abort of leftover upload of {key} failed again: {e}");
+                    self.add(key, id);
+                }
+            }
+        }
+    }
 }
 
 /// Everything written to one inode and not yet published.
@@ -485,7 +515,8 @@ impl WriteState {
                 .abort_multipart(&self.key, &stream.upload_id)
                 .await
             {
-                tracing::warn!("abort upload of {}: {e}", self.key);
+                tracing::warn!("abort upload of {}: {e}; will retry", self.key);
+                self.cfg.orphans.add(self.key.clone(), stream.upload_id);
             }
         }
     }
@@ -551,10 +582,20 @@ impl Drop for WriteState {
         if let Some(stream) = self.stream.take() {
             let store = self.store.clone();
             let key = self.key.clone();
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move {
-                    let _ = store.abort_multipart(&key, &stream.upload_id).await;
-                });
+            let orphans = self.cfg.orphans.clone();
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn(async move {
+                        if store
+                            .abort_multipart(&key, &stream.upload_id)
+                            .await
+                            .is_err()
+                        {
+                            orphans.add(key, stream.upload_id);
+                        }
+                    });
+                }
+                Err(_) => orphans.add(key, stream.upload_id),
             }
         }
     }

@@ -585,3 +585,33 @@ async fn broken_read_is_retried_from_the_same_offset() {
     faulty.inject(Op::Get, 1, Some(2), Fault::DropAfter);
     assert_eq!(read_all(&fs, "r").await, data);
 }
+
+#[tokio::test]
+async fn abort_that_fails_is_retried_at_shutdown() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    let down = || Fault::Error(StoreError::Transient("connection refused".into()));
+    faulty.inject(Op::UploadPart, 1, None, down());
+    faulty.inject(Op::AbortMultipart, 0, None, down());
+    let data = random(12 * MIB as usize, 12);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("x"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    for (i, c) in data.chunks(MIB as usize).enumerate() {
+        fs.write(attr.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
+            .await
+            .unwrap();
+    }
+    assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(mem.pending_uploads(), 1);
+    assert_eq!(fs.pending_aborts(), 1);
+    // The store comes back; shutdown cleans up.
+    faulty.clear();
+    fs.shutdown().await;
+    assert_eq!(mem.pending_uploads(), 0);
+    assert!(mem.head("x").await.is_err());
+}
