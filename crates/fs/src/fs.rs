@@ -1337,7 +1337,7 @@ impl Fs {
         let w = write.expect("writer handle");
         let result = {
             let mut st = w.state.lock().await;
-            let r = if st.changed && !st.unlinked {
+            let r = if st.changed && !st.unlinked && !st.failed {
                 // Normally flush already published; this catches a flush that never came.
                 let r = st.publish().await;
                 if let Err(e) = &r {
@@ -1351,6 +1351,9 @@ impl Fs {
                     )
                 })
             } else {
+                if st.failed {
+                    tracing::error!("{}: closed after a failed upload; data not stored", st.key);
+                }
                 Err(FsError::EBADF)
             };
             st.abort_stream().await;

@@ -162,6 +162,8 @@ pub struct WriteState {
     pub changed: bool,
     /// The file was unlinked: never publish it.
     pub unlinked: bool,
+    /// The last publish failed (and its caller was told) and nothing changed since.
+    pub failed: bool,
     pub mtime: SystemTime,
 }
 
@@ -198,6 +200,7 @@ impl WriteState {
             meta,
             changed: false,
             unlinked: false,
+            failed: false,
             mtime: SystemTime::now(),
         })
     }
@@ -240,6 +243,7 @@ impl WriteState {
             self.size.store(end, Ordering::Relaxed);
         }
         self.changed = true;
+        self.failed = false;
         self.mtime = SystemTime::now();
         self.stream_full_parts(offset..end).await
     }
@@ -267,6 +271,7 @@ impl WriteState {
         }
         self.size.store(size, Ordering::Relaxed);
         self.changed = true;
+        self.failed = false;
         self.mtime = SystemTime::now();
         Ok(())
     }
@@ -381,14 +386,18 @@ impl WriteState {
         mtime_into(&mut self.meta, self.mtime);
         let result = if size <= self.cfg.layout.part_size {
             self.abort_stream().await;
-            let body = self.assemble(0..size).await?;
-            self.store
-                .put(&self.key, body, &self.meta)
-                .await
-                .map_err(|e| log_store_err(&format!("upload {}", self.key), e))
+            match self.assemble(0..size).await {
+                Ok(body) => self
+                    .store
+                    .put(&self.key, body, &self.meta)
+                    .await
+                    .map_err(|e| log_store_err(&format!("upload {}", self.key), e)),
+                Err(e) => Err(e),
+            }
         } else {
             self.publish_multipart(size).await
         };
+        self.failed = result.is_err();
         match result {
             Ok(etag) => {
                 self.base = Some(Base { etag, size });
