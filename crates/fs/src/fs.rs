@@ -1054,7 +1054,11 @@ impl Fs {
             .buffer_unordered(RENAME_CONCURRENCY)
             .try_collect::<Vec<()>>()
             .await?;
-        stream::iter(objects.iter())
+        // Objects first, then directory markers deepest first, so that a store where a
+        // marker is a real directory (the local one) can remove it once it is empty.
+        let (mut markers, files): (Vec<&ObjectMeta>, Vec<&ObjectMeta>) =
+            objects.iter().partition(|o| o.key.ends_with('/'));
+        stream::iter(files)
             .map(|o| async move {
                 self.store
                     .delete(&o.key)
@@ -1064,6 +1068,13 @@ impl Fs {
             .buffer_unordered(RENAME_CONCURRENCY)
             .try_collect::<Vec<()>>()
             .await?;
+        markers.sort_by(|a, b| b.key.cmp(&a.key));
+        for m in markers {
+            self.store
+                .delete(&m.key)
+                .await
+                .map_err(|e| log_store_err(&format!("delete {}", m.key), e))?;
+        }
         // Re-point files still open for writing at their new keys.
         let below: Vec<(String, Arc<OpenWrite>)> = {
             let t = self.table.lock();

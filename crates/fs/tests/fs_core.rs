@@ -615,3 +615,37 @@ async fn abort_that_fails_is_retried_at_shutdown() {
     assert_eq!(mem.pending_uploads(), 0);
     assert!(mem.head("x").await.is_err());
 }
+
+#[tokio::test]
+async fn directory_rename_on_the_local_store_leaves_no_old_directory() {
+    let root = tempfile::tempdir().unwrap();
+    let local = Arc::new(bucketfs_store::local::LocalStore::open(root.path()).unwrap());
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(local, config(&cache));
+    let d = fs
+        .mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    let e = fs
+        .mkdir(d.ino, OsStr::new("e"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    let (f, h) = fs
+        .create(e.ino, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.write(f.ino, h.fh, 0, Bytes::from_static(b"content"))
+        .await
+        .unwrap();
+    fs.flush(f.ino, h.fh).await.unwrap();
+    fs.release(f.ino, h.fh).await.unwrap();
+    fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+        .await
+        .unwrap();
+    assert!(!root.path().join("d").exists());
+    assert_eq!(
+        std::fs::read(root.path().join("d2/e/f")).unwrap(),
+        b"content"
+    );
+    assert_eq!(list(&fs, ROOT_INO).await, [".", "..", "d2"]);
+}
