@@ -70,10 +70,19 @@ pub fn unique_bucket_name(tag: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     let tag: String = tag
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
         .take(30)
         .collect();
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos();
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
     format!(
         "bfs-{}-{}-{}-{:x}",
         tag.trim_matches('-'),
@@ -197,7 +206,13 @@ impl S3 {
     /// The object's bytes, or `None` when the key does not exist.
     pub fn get(&self, bucket: &str, key: &str) -> Option<Vec<u8>> {
         let res = self.block_on(async {
-            let out = self.client.get_object().bucket(bucket).key(key).send().await?;
+            let out = self
+                .client
+                .get_object()
+                .bucket(bucket)
+                .key(key)
+                .send()
+                .await?;
             Ok::<_, aws_sdk_s3::Error>(Some(out.body.collect().await.unwrap().into_bytes()))
         });
         match res {
@@ -359,7 +374,11 @@ pub mod pattern {
             }
             let b = block(seed, i);
             if buf[..got] != b[..got] {
-                let at = buf[..got].iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
+                let at = buf[..got]
+                    .iter()
+                    .zip(&b)
+                    .position(|(x, y)| x != y)
+                    .unwrap_or(0);
                 return Err(format!("content differs at byte {}", off + at as u64));
             }
             off += got as u64;
@@ -406,11 +425,14 @@ pub fn read_file(path: &Path) -> Vec<u8> {
 /// Names in a directory (panics on a duplicate name: a listing must not repeat entries).
 pub fn list_dir(path: &Path) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
-    for e in std::fs::read_dir(path).unwrap_or_else(|e| panic!("readdir {}: {e}", path.display()))
-    {
+    for e in std::fs::read_dir(path).unwrap_or_else(|e| panic!("readdir {}: {e}", path.display())) {
         let e = e.unwrap_or_else(|e| panic!("readdir {}: {e}", path.display()));
         let n = e.file_name().into_string().expect("UTF-8 name");
-        assert!(names.insert(n.clone()), "readdir {} returned {n:?} twice", path.display());
+        assert!(
+            names.insert(n.clone()),
+            "readdir {} returned {n:?} twice",
+            path.display()
+        );
     }
     names
 }
@@ -464,7 +486,8 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut i = 0;
     while i < b.len() {
         if b[i] == b'\\' && i + 3 < b.len() {
-            if let Ok(v) = u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 4]).unwrap_or("x"), 8)
+            if let Ok(v) =
+                u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 4]).unwrap_or("x"), 8)
             {
                 out.push(v);
                 i += 4;
@@ -600,7 +623,8 @@ pub fn s3_args() -> Vec<String> {
 pub fn isolate_env(cmd: &mut Command, home: &Path) {
     for (k, _) in std::env::vars_os() {
         let k = k.to_string_lossy().into_owned();
-        if k.starts_with("AWS_") || (k.starts_with("BUCKETFS_") && !k.starts_with("BUCKETFS_TEST")) {
+        if k.starts_with("AWS_") || (k.starts_with("BUCKETFS_") && !k.starts_with("BUCKETFS_TEST"))
+        {
             cmd.env_remove(&k);
         }
     }
@@ -667,9 +691,7 @@ impl Mount {
         for (k, v) in &spec.envs {
             cmd.env(k, v);
         }
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("spawn {}: {e}", bin()))?;
+        let child = cmd.spawn().map_err(|e| format!("spawn {}: {e}", bin()))?;
         let mut m = Mount {
             spec,
             dir: Some(dir),
@@ -816,7 +838,10 @@ impl Mount {
         };
         self.exit = status;
         if !unmounted && !force_unmount(&self.path) {
-            eprintln!("could not unmount {}: leaving its temp dir", self.path.display());
+            eprintln!(
+                "could not unmount {}: leaving its temp dir",
+                self.path.display()
+            );
             if let Some(d) = self.dir.take() {
                 let _ = d.keep();
             }
@@ -977,8 +1002,11 @@ impl Minio {
     }
 
     fn accepts_connections(&self) -> bool {
-        std::net::TcpStream::connect_timeout(&self.addr.parse().unwrap(), Duration::from_millis(500))
-            .is_ok()
+        std::net::TcpStream::connect_timeout(
+            &self.addr.parse().unwrap(),
+            Duration::from_millis(500),
+        )
+        .is_ok()
     }
 
     /// SIGKILLs the server (a crash, not a clean shutdown) and waits until its port is closed.
@@ -986,10 +1014,18 @@ impl Minio {
         let pid = self.pid();
         // SAFETY: kill(2) of the MinIO server scripts/test.sh (or an earlier restart) started.
         let r = unsafe { libc::kill(pid, libc::SIGKILL) };
-        assert_eq!(r, 0, "kill MinIO pid {pid}: {}", std::io::Error::last_os_error());
+        assert_eq!(
+            r,
+            0,
+            "kill MinIO pid {pid}: {}",
+            std::io::Error::last_os_error()
+        );
         let deadline = Instant::now() + Duration::from_secs(20);
         while self.accepts_connections() {
-            assert!(Instant::now() < deadline, "MinIO still accepts connections after SIGKILL");
+            assert!(
+                Instant::now() < deadline,
+                "MinIO still accepts connections after SIGKILL"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -999,7 +1035,11 @@ impl Minio {
     pub fn start(&self) {
         let e = env();
         let log = match &self.log {
-            Some(p) => std::fs::OpenOptions::new().create(true).append(true).open(p).unwrap(),
+            Some(p) => std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .unwrap(),
             None => File::create("/dev/null").unwrap(),
         };
         let child = Command::new(&self.bin)
@@ -1063,9 +1103,9 @@ impl Drop for MinioOutage {
             self.restarted = true;
             if std::thread::panicking() {
                 // Must not panic again: report instead.
-                if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    self.minio.start()
-                })) {
+                if let Err(e) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.minio.start()))
+                {
                     eprintln!("could not restart MinIO after a failed test: {e:?}");
                 }
             } else {
