@@ -11,7 +11,10 @@ use std::time::Duration;
 
 /// A fresh mount point (empty directory) inside a temp dir.
 fn mountpoint() -> (tempfile::TempDir, std::path::PathBuf) {
-    let d = tempfile::Builder::new().prefix("bucketfs-cli-").tempdir().unwrap();
+    let d = tempfile::Builder::new()
+        .prefix("bucketfs-cli-")
+        .tempdir()
+        .unwrap();
     let mp = d.path().join("mnt");
     fs::create_dir(&mp).unwrap();
     (d, mp)
@@ -27,19 +30,37 @@ fn mount_args(source: &str, mp: &Path, extra: &[String]) -> Vec<OsString> {
 /// The failed run left nothing behind: no mount, no process still naming the mount point.
 fn assert_nothing_left(mp: &Path, run: &CliRun) {
     std::thread::sleep(Duration::from_millis(500));
-    assert!(!is_mounted(mp), "{} is mounted after a failed mount: {run:?}", mp.display());
+    assert!(
+        !is_mounted(mp),
+        "{} is mounted after a failed mount: {run:?}",
+        mp.display()
+    );
     let pids = processes_mentioning(mp.to_str().unwrap());
-    assert!(pids.is_empty(), "processes left running for {}: {pids:?}", mp.display());
+    assert!(
+        pids.is_empty(),
+        "processes left running for {}: {pids:?}",
+        mp.display()
+    );
 }
 
 /// Non-zero exit, no timeout, and stderr is one non-empty line.
 fn assert_one_line_failure(run: &CliRun, what: &str) -> String {
-    assert!(!run.timed_out, "{what}: bucketfs did not exit within the limit: {run:?}");
+    assert!(
+        !run.timed_out,
+        "{what}: bucketfs did not exit within the limit: {run:?}"
+    );
     let st = run.status.unwrap();
-    assert!(!st.success(), "{what}: bucketfs exited successfully: {run:?}");
+    assert!(
+        !st.success(),
+        "{what}: bucketfs exited successfully: {run:?}"
+    );
     let err = run.stderr.trim();
     assert!(!err.is_empty(), "{what}: nothing on stderr: {run:?}");
-    assert_eq!(err.lines().count(), 1, "{what}: stderr is not one line:\n{err}");
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "{what}: stderr is not one line:\n{err}"
+    );
     err.to_string()
 }
 
@@ -87,12 +108,19 @@ fn missing_bucket_is_named() {
     );
     let err = assert_one_line_failure(&run, "missing bucket");
     let l = err.to_lowercase();
-    assert!(l.contains(&b), "message does not name the bucket {b}: {err}");
+    assert!(
+        l.contains(&b),
+        "message does not name the bucket {b}: {err}"
+    );
     assert!(
         l.contains("does not exist") || l.contains("no such bucket"),
         "message does not say the bucket does not exist: {err}"
     );
-    assert!(run.elapsed < Duration::from_secs(20), "took {:?}", run.elapsed);
+    assert!(
+        run.elapsed < Duration::from_secs(20),
+        "took {:?}",
+        run.elapsed
+    );
     assert_nothing_left(&mp, &run);
 }
 
@@ -132,7 +160,10 @@ fn non_empty_mount_point_is_refused() {
     let err = assert_one_line_failure(&run, "non-empty mount point");
     assert!(err.to_lowercase().contains("not empty"), "message: {err}");
     assert_nothing_left(&mp, &run);
-    assert_eq!(fs::read_to_string(mp.join("precious")).unwrap(), "do not hide me");
+    assert_eq!(
+        fs::read_to_string(mp.join("precious")).unwrap(),
+        "do not hide me"
+    );
 }
 
 #[test]
@@ -168,9 +199,16 @@ fn local_directory_source_works() {
     fs::create_dir(m.join("sub")).unwrap();
     write_file(&m.join("sub/inner.bin"), &pattern::bytes(1, 3 * MIB + 1));
     assert_eq!(fs::read(data.join("hello.txt")).unwrap(), b"hello local");
-    pattern::check_slice(&fs::read(data.join("sub/inner.bin")).unwrap(), 1, 3 * MIB as u64 + 1)
-        .unwrap();
+    pattern::check_slice(
+        &fs::read(data.join("sub/inner.bin")).unwrap(),
+        1,
+        3 * MIB as u64 + 1,
+    )
+    .unwrap();
     let m = m.remount();
-    assert_eq!(list_dir(m.path()), set(["existing.txt", "hello.txt", "sub"]));
+    assert_eq!(
+        list_dir(m.path()),
+        set(["existing.txt", "hello.txt", "sub"])
+    );
     assert_eq!(read_file(&m.join("hello.txt")), b"hello local");
 }

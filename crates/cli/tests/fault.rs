@@ -35,18 +35,30 @@ mod minio_outage {
         let mut written_mib = 0;
         for i in 0..TOTAL_MIB {
             if i == STOP_AT_MIB {
-                eprintln!("{STOP_AT_MIB} MiB written in {:?}: killing MinIO", started.elapsed());
+                eprintln!(
+                    "{STOP_AT_MIB} MiB written in {:?}: killing MinIO",
+                    started.elapsed()
+                );
                 outage = Some(MinioOutage::begin());
             }
             let block = pattern::block(7, i);
             if let Err(e) = f.write_all(&block) {
-                errors.push(format!("write(2) of MiB {i}: {e} (errno {:?})", e.raw_os_error()));
+                errors.push(format!(
+                    "write(2) of MiB {i}: {e} (errno {:?})",
+                    e.raw_os_error()
+                ));
                 break;
             }
             written_mib += 1;
         }
-        assert!(outage.is_some(), "MinIO was never stopped (only {written_mib} MiB written)");
-        eprintln!("{written_mib} MiB accepted by write(2) in {:?}", started.elapsed());
+        assert!(
+            outage.is_some(),
+            "MinIO was never stopped (only {written_mib} MiB written)"
+        );
+        eprintln!(
+            "{written_mib} MiB accepted by write(2) in {:?}",
+            started.elapsed()
+        );
         if let Err(e) = f.sync_all() {
             errors.push(format!("fsync(2): {e} (errno {:?})", e.raw_os_error()));
         }

@@ -45,7 +45,10 @@ fn process_umask() -> u32 {
 }
 
 fn unix_now() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
 }
 
 /// `ls -lnd --time-style=+%s PATH` split into fields: mode, links, uid, gid, size, mtime, name.
@@ -90,7 +93,11 @@ fn files_of_many_sizes_round_trip() {
         let mut f = File::create(&p).unwrap_or_else(|e| panic!("create {name}: {e}"));
         pattern::write(&mut f, i as u64, *len).unwrap_or_else(|e| panic!("write {name}: {e}"));
         close_checked(f).unwrap_or_else(|e| panic!("close {name}: {e}"));
-        assert_eq!(fs::metadata(&p).unwrap().len(), *len, "size of {name} after close");
+        assert_eq!(
+            fs::metadata(&p).unwrap().len(),
+            *len,
+            "size of {name} after close"
+        );
     }
     // Read back through the same mount.
     for (i, (name, len)) in sizes.iter().enumerate() {
@@ -119,7 +126,11 @@ fn files_of_many_sizes_round_trip() {
     );
     for (i, (name, len)) in sizes.iter().enumerate() {
         let p = m.join(name);
-        assert_eq!(fs::metadata(&p).unwrap().len(), *len, "size of {name} after remount");
+        assert_eq!(
+            fs::metadata(&p).unwrap().len(),
+            *len,
+            "size of {name} after remount"
+        );
         let mut f = File::open(&p).unwrap();
         pattern::check_reader(&mut f, i as u64, *len)
             .unwrap_or_else(|e| panic!("{name} read back after remount: {e}"));
@@ -134,7 +145,10 @@ fn files_of_many_sizes_round_trip() {
     let mut want = pattern::block(3, blk);
     want.extend(pattern::block(3, blk + 1));
     let s = (off % MIB as u64) as usize;
-    assert!(buf == want[s..s + buf.len()], "random read at {off} differs");
+    assert!(
+        buf == want[s..s + buf.len()],
+        "random read at {off} differs"
+    );
 }
 
 #[test]
@@ -144,7 +158,10 @@ fn nested_mkdir_and_rmdir() {
     let m = Mount::s3(&b);
     run("mkdir", &["-p", m.join("a/b/c").to_str().unwrap()]);
     for d in ["a", "a/b", "a/b/c"] {
-        assert!(fs::metadata(m.join(d)).unwrap().is_dir(), "{d} is a directory");
+        assert!(
+            fs::metadata(m.join(d)).unwrap().is_dir(),
+            "{d} is a directory"
+        );
     }
     assert_eq!(list_dir(&m.join("a")), set(["b"]));
     assert!(list_dir(&m.join("a/b/c")).is_empty());
@@ -152,11 +169,27 @@ fn nested_mkdir_and_rmdir() {
     let keys = s3.list_keys(&b, "");
     assert!(keys.contains("a/b/c/"), "no marker for a/b/c: {keys:?}");
 
-    assert_eq!(errno(fs::remove_dir(m.join("a"))), libc::ENOTEMPTY, "rmdir a");
-    assert_eq!(errno(fs::remove_dir(m.join("a/b"))), libc::ENOTEMPTY, "rmdir a/b");
+    assert_eq!(
+        errno(fs::remove_dir(m.join("a"))),
+        libc::ENOTEMPTY,
+        "rmdir a"
+    );
+    assert_eq!(
+        errno(fs::remove_dir(m.join("a/b"))),
+        libc::ENOTEMPTY,
+        "rmdir a/b"
+    );
     write_file(&m.join("a/b/c/f"), b"x");
-    assert_eq!(errno(fs::remove_dir(m.join("a/b/c"))), libc::ENOTEMPTY, "rmdir a/b/c with a file");
-    assert_eq!(errno(fs::remove_dir(m.join("a/b/c/f"))), libc::ENOTDIR, "rmdir of a file");
+    assert_eq!(
+        errno(fs::remove_dir(m.join("a/b/c"))),
+        libc::ENOTEMPTY,
+        "rmdir a/b/c with a file"
+    );
+    assert_eq!(
+        errno(fs::remove_dir(m.join("a/b/c/f"))),
+        libc::ENOTDIR,
+        "rmdir of a file"
+    );
     fs::remove_file(m.join("a/b/c/f")).unwrap();
 
     fs::remove_dir(m.join("a/b/c")).unwrap();
@@ -224,9 +257,18 @@ fn rename_file() {
     fs::create_dir(m.join("dir")).unwrap();
     fs::rename(m.join("old.bin"), m.join("dir/new.bin")).unwrap();
     assert_eq!(errno(fs::metadata(m.join("old.bin"))), libc::ENOENT);
-    assert!(read_file(&m.join("dir/new.bin")) == data, "content after rename");
-    assert!(s3.head(&b, "old.bin").is_none(), "old key still in the bucket");
-    assert!(s3.get(&b, "dir/new.bin").unwrap() == data, "new object content");
+    assert!(
+        read_file(&m.join("dir/new.bin")) == data,
+        "content after rename"
+    );
+    assert!(
+        s3.head(&b, "old.bin").is_none(),
+        "old key still in the bucket"
+    );
+    assert!(
+        s3.get(&b, "dir/new.bin").unwrap() == data,
+        "new object content"
+    );
     assert_eq!(list_dir(m.path()), set(["dir"]));
     assert_eq!(list_dir(&m.join("dir")), set(["new.bin"]));
 }
@@ -273,7 +315,10 @@ fn rename_directory_with_contents() {
     assert_eq!(read_file(&m.join("d1x")), b"sibling");
 
     let keys = s3.list_keys(&b, "");
-    assert!(!keys.iter().any(|k| k.starts_with("d1/")), "keys left under d1/: {keys:?}");
+    assert!(
+        !keys.iter().any(|k| k.starts_with("d1/")),
+        "keys left under d1/: {keys:?}"
+    );
     for k in ["d2/f1", "d2/sub/f2", "d2/sub/big", "d2/sub/empty/", "d1x"] {
         assert!(keys.contains(k), "{k} missing in the bucket: {keys:?}");
     }
@@ -295,11 +340,17 @@ fn unlink_removes_file_and_object() {
     fs::remove_file(m.join("gone")).unwrap();
     assert_eq!(list_dir(m.path()), set(["keep"]));
     assert_eq!(errno(File::open(m.join("gone"))), libc::ENOENT);
-    assert!(s3.head(&b, "gone").is_none(), "object still in the bucket after unlink");
+    assert!(
+        s3.head(&b, "gone").is_none(),
+        "object still in the bucket after unlink"
+    );
     assert_eq!(errno(fs::remove_file(m.join("gone"))), libc::ENOENT);
     fs::create_dir(m.join("d")).unwrap();
     let e = errno(fs::remove_file(m.join("d")));
-    assert!(e == libc::EISDIR || e == libc::EPERM, "unlink of a directory: errno {e}");
+    assert!(
+        e == libc::EISDIR || e == libc::EPERM,
+        "unlink of a directory: errno {e}"
+    );
     let m = m.remount();
     assert_eq!(list_dir(m.path()), set(["d", "keep"]));
 }
@@ -314,15 +365,26 @@ fn symlink_and_readlink() {
     std::os::unix::fs::symlink("../some/where else", m.join("dangling")).unwrap();
 
     let check = |m: &Mount| {
-        assert_eq!(fs::read_link(m.join("link")).unwrap(), Path::new("real.txt"));
+        assert_eq!(
+            fs::read_link(m.join("link")).unwrap(),
+            Path::new("real.txt")
+        );
         assert_eq!(
             fs::read_link(m.join("dangling")).unwrap(),
             Path::new("../some/where else")
         );
         let md = fs::symlink_metadata(m.join("link")).unwrap();
         assert!(md.file_type().is_symlink(), "lstat type of link");
-        assert_eq!(md.len(), "real.txt".len() as u64, "size of a symlink is its target length");
-        assert_eq!(read_file(&m.join("link")), b"real content", "reading through the link");
+        assert_eq!(
+            md.len(),
+            "real.txt".len() as u64,
+            "size of a symlink is its target length"
+        );
+        assert_eq!(
+            read_file(&m.join("link")),
+            b"real content",
+            "reading through the link"
+        );
         assert_eq!(errno(fs::metadata(m.join("dangling"))), libc::ENOENT);
         assert_eq!(list_dir(m.path()), set(["dangling", "link", "real.txt"]));
     };
@@ -331,12 +393,24 @@ fn symlink_and_readlink() {
     assert_eq!(s3.get(&b, "link").unwrap(), b"real.txt");
     assert_eq!(s3.get(&b, "dangling").unwrap(), b"../some/where else");
     let h = head(&b, "link");
-    assert_eq!(meta_u32(&h, "mode") & S_IFMT, S_IFLNK, "mode of the link object");
+    assert_eq!(
+        meta_u32(&h, "mode") & S_IFMT,
+        S_IFLNK,
+        "mode of the link object"
+    );
     let m = m.remount();
     check(&m);
     // A symlink created by another tool in the s3fs format.
-    s3.put_with_meta(&b, "foreign-link", "real.txt", &[("mode", &(S_IFLNK | 0o777).to_string())]);
-    assert_eq!(fs::read_link(m.join("foreign-link")).unwrap(), Path::new("real.txt"));
+    s3.put_with_meta(
+        &b,
+        "foreign-link",
+        "real.txt",
+        &[("mode", &(S_IFLNK | 0o777).to_string())],
+    );
+    assert_eq!(
+        fs::read_link(m.join("foreign-link")).unwrap(),
+        Path::new("real.txt")
+    );
 }
 
 #[test]
@@ -350,11 +424,18 @@ fn chmod_chown_touch_persist_across_remount() {
 
     fs::set_permissions(m.join("f"), Permissions::from_mode(0o750)).unwrap();
     std::os::unix::fs::chown(m.join("f"), Some(1234), Some(5678)).unwrap();
-    run("touch", &["-m", "-d", "@1600000000", m.join("f").to_str().unwrap()]);
+    run(
+        "touch",
+        &["-m", "-d", "@1600000000", m.join("f").to_str().unwrap()],
+    );
     fs::set_permissions(m.join("d"), Permissions::from_mode(0o700)).unwrap();
     // futimens on an open descriptor.
-    let g = fs::OpenOptions::new().write(true).open(m.join("g")).unwrap();
-    g.set_modified(UNIX_EPOCH + Duration::from_secs(1_500_000_000)).unwrap();
+    let g = fs::OpenOptions::new()
+        .write(true)
+        .open(m.join("g"))
+        .unwrap();
+    g.set_modified(UNIX_EPOCH + Duration::from_secs(1_500_000_000))
+        .unwrap();
     close_checked(g).unwrap();
 
     let check = |m: &Mount, when: &str| {
@@ -363,31 +444,62 @@ fn chmod_chown_touch_persist_across_remount() {
         assert_eq!((md.uid(), md.gid()), (1234, 5678), "{when}: owner of f");
         assert_eq!(md.mtime(), 1_600_000_000, "{when}: mtime of f");
         assert_eq!(md.len(), 4, "{when}: size of f");
-        assert_eq!(mode_string(&m.join("f")), "-rwxr-x---", "{when}: ls -l of f");
+        assert_eq!(
+            mode_string(&m.join("f")),
+            "-rwxr-x---",
+            "{when}: ls -l of f"
+        );
         let ls = ls_ld(&m.join("f"));
-        assert_eq!((ls[2].as_str(), ls[3].as_str()), ("1234", "5678"), "{when}: ls -ln owner");
+        assert_eq!(
+            (ls[2].as_str(), ls[3].as_str()),
+            ("1234", "5678"),
+            "{when}: ls -ln owner"
+        );
         assert_eq!(ls[5], "1600000000", "{when}: ls mtime");
-        assert_eq!(mode_string(&m.join("d")), "drwx------", "{when}: ls -ld of d");
-        assert_eq!(fs::metadata(m.join("g")).unwrap().mtime(), 1_500_000_000, "{when}: g");
+        assert_eq!(
+            mode_string(&m.join("d")),
+            "drwx------",
+            "{when}: ls -ld of d"
+        );
+        assert_eq!(
+            fs::metadata(m.join("g")).unwrap().mtime(),
+            1_500_000_000,
+            "{when}: g"
+        );
         assert_eq!(read_file(&m.join("f")), b"data", "{when}: content kept");
     };
     check(&m, "same mount");
 
     let h = head(&b, "f");
-    assert_eq!(meta_u32(&h, "mode"), S_IFREG | 0o750, "x-amz-meta-mode (decimal st_mode)");
+    assert_eq!(
+        meta_u32(&h, "mode"),
+        S_IFREG | 0o750,
+        "x-amz-meta-mode (decimal st_mode)"
+    );
     assert_eq!(meta_u32(&h, "uid"), 1234);
     assert_eq!(meta_u32(&h, "gid"), 5678);
     assert_eq!(meta_secs(&h, "mtime"), 1_600_000_000.0);
     assert_eq!(meta_secs(&head(&b, "g"), "mtime"), 1_500_000_000.0);
-    assert_eq!(meta_u32(&head(&b, "d/"), "mode"), S_IFDIR | 0o700, "mode of the d/ marker");
-    assert_eq!(s3.get(&b, "f").unwrap(), b"data", "chmod kept the object's content");
+    assert_eq!(
+        meta_u32(&head(&b, "d/"), "mode"),
+        S_IFDIR | 0o700,
+        "mode of the d/ marker"
+    );
+    assert_eq!(
+        s3.get(&b, "f").unwrap(),
+        b"data",
+        "chmod kept the object's content"
+    );
 
     let m = m.remount();
     check(&m, "after remount");
 
     // A 0755 file is stored as 33261, like s3fs does.
     fs::set_permissions(m.join("f"), Permissions::from_mode(0o755)).unwrap();
-    assert_eq!(head(&b, "f").meta.get("mode").map(String::as_str), Some("33261"));
+    assert_eq!(
+        head(&b, "f").meta.get("mode").map(String::as_str),
+        Some("33261")
+    );
 }
 
 #[test]
@@ -407,20 +519,34 @@ fn objects_put_directly_appear_as_files_and_directories() {
     for d in ["dir1", "deep", "deep/er"] {
         let md = fs::metadata(m.join(d)).unwrap();
         assert!(md.is_dir(), "{d} is a directory");
-        assert_eq!(md.mode() & 0o7777, 0o755, "default mode of implied directory {d}");
+        assert_eq!(
+            md.mode() & 0o7777,
+            0o755,
+            "default mode of implied directory {d}"
+        );
     }
     let md = fs::metadata(m.join("a.txt")).unwrap();
     assert!(md.is_file());
     assert_eq!(md.len(), 5);
-    assert_eq!(md.mode() & 0o7777, 0o644, "default mode of a file without metadata");
+    assert_eq!(
+        md.mode() & 0o7777,
+        0o644,
+        "default mode of a file without metadata"
+    );
     assert_eq!(fs::metadata(m.join("dir1/b.txt")).unwrap().len(), 11);
-    assert_eq!(fs::metadata(m.join("deep/er/c.txt")).unwrap().len(), c.len() as u64);
+    assert_eq!(
+        fs::metadata(m.join("deep/er/c.txt")).unwrap().len(),
+        c.len() as u64
+    );
     assert_eq!(read_file(&m.join("a.txt")), b"hello");
     assert_eq!(read_file(&m.join("dir1/b.txt")), b"bee content");
     assert!(read_file(&m.join("deep/er/c.txt")) == c);
     // mtime of an object without metadata is its Last-Modified.
     let mt = fs::metadata(m.join("a.txt")).unwrap().mtime();
-    assert!((mt - unix_now()).abs() < 600, "mtime {mt} is not the upload time");
+    assert!(
+        (mt - unix_now()).abs() < 600,
+        "mtime {mt} is not the upload time"
+    );
     // Stat of a name that exists neither as object nor as prefix.
     assert_eq!(errno(fs::metadata(m.join("nope"))), libc::ENOENT);
     assert_eq!(errno(fs::metadata(m.join("dir1/nope"))), libc::ENOENT);
@@ -435,7 +561,11 @@ fn prefix_mount_shows_only_the_prefix() {
     let b = s3.new_bucket("prefix");
     s3.put(&b, "some/prefix/x.txt", "inside");
     s3.put(&b, "some/prefix/sub/y.txt", "deeper");
-    s3.put(&b, "some/prefixed.txt", "sibling with the same string prefix");
+    s3.put(
+        &b,
+        "some/prefixed.txt",
+        "sibling with the same string prefix",
+    );
     s3.put(&b, "some/other.txt", "outside");
     s3.put(&b, "top.txt", "outside");
     let m = Mount::s3_prefix(&b, "some/prefix");
@@ -446,7 +576,10 @@ fn prefix_mount_shows_only_the_prefix() {
     write_file(&m.join("w.txt"), b"written");
     fs::create_dir(m.join("newdir")).unwrap();
     assert_eq!(s3.get(&b, "some/prefix/w.txt").unwrap(), b"written");
-    assert!(s3.head(&b, "some/prefix/newdir/").is_some(), "marker of newdir");
+    assert!(
+        s3.head(&b, "some/prefix/newdir/").is_some(),
+        "marker of newdir"
+    );
     assert!(s3.head(&b, "w.txt").is_none());
 }
 
@@ -456,15 +589,22 @@ fn prefix_mount_of_a_missing_prefix() {
     let b = s3.new_bucket("noprefix");
     s3.put(&b, "elsewhere.txt", "x");
     let m = Mount::s3_prefix(&b, "some/prefix");
-    assert!(list_dir(m.path()).is_empty(), "a mount of a missing prefix starts empty");
+    assert!(
+        list_dir(m.path()).is_empty(),
+        "a mount of a missing prefix starts empty"
+    );
     write_file(&m.join("file"), b"through the prefix");
     run("mkdir", &["-p", m.join("a/b").to_str().unwrap()]);
     write_file(&m.join("a/b/c"), b"nested");
-    assert_eq!(s3.get(&b, "some/prefix/file").unwrap(), b"through the prefix");
+    assert_eq!(
+        s3.get(&b, "some/prefix/file").unwrap(),
+        b"through the prefix"
+    );
     assert_eq!(s3.get(&b, "some/prefix/a/b/c").unwrap(), b"nested");
     let keys = s3.list_keys(&b, "");
     assert!(
-        keys.iter().all(|k| k == "elsewhere.txt" || k.starts_with("some/prefix/")),
+        keys.iter()
+            .all(|k| k == "elsewhere.txt" || k.starts_with("some/prefix/")),
         "keys written outside the prefix: {keys:?}"
     );
     let m = m.remount();
@@ -486,10 +626,17 @@ fn written_files_are_plain_objects_with_metadata() {
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
 
     assert_eq!(s3.get(&b, "doc.txt").unwrap(), b"plain bytes\n");
-    assert!(s3.get(&b, "multi.bin").unwrap() == data, "multipart object content");
+    assert!(
+        s3.get(&b, "multi.bin").unwrap() == data,
+        "multipart object content"
+    );
     for key in ["doc.txt", "multi.bin"] {
         let h = head(&b, key);
-        assert_eq!(meta_u32(&h, "mode"), S_IFREG | perm, "{key}: x-amz-meta-mode");
+        assert_eq!(
+            meta_u32(&h, "mode"),
+            S_IFREG | perm,
+            "{key}: x-amz-meta-mode"
+        );
         assert_eq!(meta_u32(&h, "uid"), uid, "{key}: x-amz-meta-uid");
         assert_eq!(meta_u32(&h, "gid"), gid, "{key}: x-amz-meta-gid");
         let mt = meta_secs(&h, "mtime");
@@ -502,7 +649,10 @@ fn written_files_are_plain_objects_with_metadata() {
     assert_eq!(s3.list_keys(&b, ""), set(["doc.txt", "multi.bin"]));
     assert!(s3.list_multipart_uploads(&b).is_empty());
     // An overwrite of part of a file is published as a new whole object.
-    let mut f = fs::OpenOptions::new().write(true).open(m.join("doc.txt")).unwrap();
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.join("doc.txt"))
+        .unwrap();
     f.seek(SeekFrom::Start(6)).unwrap();
     f.write_all(b"BYTES").unwrap();
     close_checked(f).unwrap();
