@@ -3,7 +3,8 @@
 //! Where logs go: `--log-file` if given; else syslog with `--syslog`; else stderr in the
 //! foreground; else (background) syslog through `/dev/log`, or `/tmp/bucketfs-<pid>.log` when
 //! there is no syslog socket. `RUST_LOG` overrides the level with a full tracing filter. Chatty
-//! dependencies (AWS SDK, HTTP stack, fuser) are held at `warn` unless the level is `trace`.
+//! dependencies (AWS SDK, HTTP stack, fuser) are held at `error` (`info` at debug level) unless
+//! the level is `trace`.
 //! The `log` records of fuser are bridged into tracing.
 //!
 //! The syslog writer is a small RFC 3164 client over a Unix datagram socket (facility daemon),

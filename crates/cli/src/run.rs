@@ -314,6 +314,34 @@ fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
+/// An SDK error made short: one line, without the `(DispatchFailure(DispatchFailure { .. }))`
+/// debug dump the SDK appends, at most 300 characters.
+fn short_detail(s: &str) -> String {
+    let mut s = one_line(s);
+    let b = s.as_bytes();
+    let cut = (0..b.len().saturating_sub(2)).find(|&i| {
+        b[i] == b' ' && b[i + 1] == b'(' && b[i + 2].is_ascii_uppercase() && {
+            let rest = &s[i + 2..];
+            let ident_end = rest
+                .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+                .unwrap_or(rest.len());
+            matches!(rest[ident_end..].chars().next(), Some('(') | Some('{'))
+        }
+    });
+    if let Some(i) = cut {
+        s.truncate(i);
+    }
+    if s.len() > 300 {
+        let mut end = 300;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push_str("...");
+    }
+    s
+}
+
 async fn open_store(plan: &Plan) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>), String> {
     match &plan.target {
         Target::Local { dir } => {
@@ -342,7 +370,10 @@ async fn open_store(plan: &Plan) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetri
             };
             let endpoint = s.endpoint_url.as_deref().unwrap_or("AWS S3").to_string();
             let store = S3Store::new(&cfg).await.map_err(|e| {
-                format!("cannot set up the S3 client: {}", one_line(&e.to_string()))
+                format!(
+                    "cannot set up the S3 client: {}",
+                    short_detail(&e.to_string())
+                )
             })?;
             match tokio::time::timeout(CHECK_TIMEOUT, store.check_access(prefix)).await {
                 Err(_) => {
@@ -366,11 +397,8 @@ async fn open_store(plan: &Plan) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetri
 /// service's error code and message, never the credentials.
 fn access_error(e: StoreError, bucket: &str, endpoint: &str) -> String {
     let detail = |d: &str| {
-        let d = d
-            .strip_prefix(&format!("bucket {bucket}: "))
-            .unwrap_or(d)
-            .to_string();
-        one_line(&d)
+        let d = d.strip_prefix(&format!("bucket {bucket}: ")).unwrap_or(d);
+        short_detail(d)
     };
     match e {
         StoreError::AccessDenied(d) => format!(
@@ -380,9 +408,10 @@ fn access_error(e: StoreError, bucket: &str, endpoint: &str) -> String {
         StoreError::NoSuchBucket(_) => {
             format!("bucket {bucket} does not exist (endpoint {endpoint})")
         }
-        StoreError::NotFound(_) => {
-            format!("bucket {bucket} does not exist (endpoint {endpoint})")
-        }
+        StoreError::NotFound(d) => format!(
+            "bucket {bucket} does not exist (endpoint {endpoint}: {})",
+            detail(&d)
+        ),
         StoreError::Transient(d) | StoreError::Other(d)
             if d.to_ascii_lowercase().contains("credential") =>
         {
@@ -428,6 +457,13 @@ mod tests {
             "http://h"
         )
         .starts_with("cannot reach endpoint http://h: dispatch failure"));
+        assert_eq!(
+            short_detail(
+                "dispatch failure: io error: Connection refused (os error 111) \
+                 (DispatchFailure(DispatchFailure { source: x }))"
+            ),
+            "dispatch failure: io error: Connection refused (os error 111)"
+        );
     }
 
     #[test]
