@@ -34,6 +34,8 @@ CONFIG FILE (-c FILE or -o config=FILE), either format:
                --oss_bucket=BUCKET   --oss_bucket_prefix=PREFIX
                --oss_access_key_id=...   --oss_access_key_secret=...
                --ro   --allow_other   --log_dir=DIR   --log_level=info
+               --oss_region=R   --attr_timeout=SECONDS (= stat_ttl); bucketfs's own keys
+               also work as --key=value (e.g. --force_path_style, --part_size=16M)
   Keys only the file may hold: bucket, prefix, access_key_id, secret_access_key, session_token.
   Unknown keys are errors. A file holding credentials must not be readable by group or others.
 
@@ -55,8 +57,9 @@ tracing filter. Credentials are never logged.
 STARTUP: without -f, bucketfs returns only once the mount is ready (exit 0) or has failed
 (a one-line message on stderr, exit 1). It checks the mount point (exists, is a directory, is
 empty; a dead FUSE mount left by a crash is unmounted) and, for S3, that the bucket exists and
-the credentials can list it. On SIGTERM/SIGINT it publishes files still being written, unmounts
-and exits; it also exits when the mount point is unmounted externally (bucketfs umount, umount).
+the credentials can list it. On SIGTERM/SIGINT/SIGHUP it publishes files still being written,
+unmounts and exits (a busy mount point is detached lazily and served until its last user
+leaves); it also exits when the mount point is unmounted externally (bucketfs umount, umount).
 
 FSTAB:
   s3://bucket/prefix  /mnt/data  bucketfs  _netdev,allow_other,config=/etc/bucketfs.toml  0 0
@@ -107,51 +110,82 @@ pub struct MountArgs {
     pub foreground: bool,
 
     /// Config file: TOML (key = value) or ossfs 2.0 style (--key=value lines). Flags override it.
-    #[arg(short, long, value_name = "FILE", env = "BUCKETFS_CONFIG")]
+    #[arg(
+        short,
+        long,
+        value_name = "FILE",
+        hide_env_values = true,
+        env = "BUCKETFS_CONFIG"
+    )]
     pub config: Option<PathBuf>,
 
     /// S3 endpoint, e.g. http://127.0.0.1:9000 or https://oss-cn-hangzhou.aliyuncs.com (a
     /// bare host gets https://). Default: AWS S3.
-    #[arg(long, value_name = "URL", env = "BUCKETFS_ENDPOINT_URL")]
+    #[arg(
+        long,
+        value_name = "URL",
+        hide_env_values = true,
+        env = "BUCKETFS_ENDPOINT_URL"
+    )]
     pub endpoint_url: Option<String>,
 
     /// S3 region used for signing. Default: from the AWS profile/environment, else us-east-1.
-    #[arg(long, value_name = "REGION", env = "BUCKETFS_REGION")]
+    #[arg(
+        long,
+        value_name = "REGION",
+        hide_env_values = true,
+        env = "BUCKETFS_REGION"
+    )]
     pub region: Option<String>,
 
     /// Address buckets as ENDPOINT/BUCKET (MinIO, Ceph) instead of BUCKET.ENDPOINT (AWS, OSS).
-    #[arg(long, env = "BUCKETFS_FORCE_PATH_STYLE", value_parser = FalseyValueParser::new())]
+    #[arg(long, hide_env_values = true, env = "BUCKETFS_FORCE_PATH_STYLE", value_parser = FalseyValueParser::new())]
     pub force_path_style: bool,
 
     /// Named AWS profile from ~/.aws/config and ~/.aws/credentials (like AWS_PROFILE).
-    #[arg(long, value_name = "NAME", env = "BUCKETFS_PROFILE")]
+    #[arg(
+        long,
+        value_name = "NAME",
+        hide_env_values = true,
+        env = "BUCKETFS_PROFILE"
+    )]
     pub profile: Option<String>,
 
     /// Mount read-only: writes fail with EROFS.
-    #[arg(long, env = "BUCKETFS_READ_ONLY", value_parser = FalseyValueParser::new())]
+    #[arg(long, hide_env_values = true, env = "BUCKETFS_READ_ONLY", value_parser = FalseyValueParser::new())]
     pub read_only: bool,
 
     /// Owner uid of every file and directory (overrides stored metadata). Default: objects
     /// without uid metadata belong to the user who mounts.
-    #[arg(long, value_name = "UID", env = "BUCKETFS_UID")]
+    #[arg(long, value_name = "UID", hide_env_values = true, env = "BUCKETFS_UID")]
     pub uid: Option<String>,
 
     /// Group gid of every file and directory (overrides stored metadata). Default: objects
     /// without gid metadata get the group of the user who mounts.
-    #[arg(long, value_name = "GID", env = "BUCKETFS_GID")]
+    #[arg(long, value_name = "GID", hide_env_values = true, env = "BUCKETFS_GID")]
     pub gid: Option<String>,
 
     /// Permission bits (octal) of files that have no mode metadata. [default: 0644]
-    #[arg(long, value_name = "OCTAL", env = "BUCKETFS_FILE_MODE")]
+    #[arg(
+        long,
+        value_name = "OCTAL",
+        hide_env_values = true,
+        env = "BUCKETFS_FILE_MODE"
+    )]
     pub file_mode: Option<String>,
 
     /// Permission bits (octal) of directories that have no mode metadata. [default: 0755]
-    #[arg(long, value_name = "OCTAL", env = "BUCKETFS_DIR_MODE")]
+    #[arg(
+        long,
+        value_name = "OCTAL",
+        hide_env_values = true,
+        env = "BUCKETFS_DIR_MODE"
+    )]
     pub dir_mode: Option<String>,
 
     /// Let other users use the mount (non-root needs user_allow_other in /etc/fuse.conf).
     /// Permissions are checked by the kernel against each entry's mode and owner.
-    #[arg(long, env = "BUCKETFS_ALLOW_OTHER", value_parser = FalseyValueParser::new())]
+    #[arg(long, hide_env_values = true, env = "BUCKETFS_ALLOW_OTHER", value_parser = FalseyValueParser::new())]
     pub allow_other: bool,
 
     /// Mount even if the mount point is not empty (its contents are hidden while mounted).
@@ -160,37 +194,77 @@ pub struct MountArgs {
 
     /// Multipart part size for uploads and for each prefetch request, in bytes or with a
     /// K/M/G suffix (powers of 1024): 8M, 16MiB, 8388608. 5M to 5G. [default: 8M]
-    #[arg(long, value_name = "SIZE", env = "BUCKETFS_PART_SIZE")]
+    #[arg(
+        long,
+        value_name = "SIZE",
+        hide_env_values = true,
+        env = "BUCKETFS_PART_SIZE"
+    )]
     pub part_size: Option<String>,
 
     /// How long file attributes and directory entries are cached, in seconds (0.5, 5) or
     /// with a unit (500ms, 2m). Changes made by other clients show up after this. [default: 5]
-    #[arg(long, value_name = "SECONDS", env = "BUCKETFS_STAT_TTL")]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        hide_env_values = true,
+        env = "BUCKETFS_STAT_TTL"
+    )]
     pub stat_ttl: Option<String>,
 
     /// Directory for staging files of random writes and rewrites. [default: $TMPDIR or /tmp]
-    #[arg(long, value_name = "DIR", env = "BUCKETFS_CACHE_DIR")]
+    #[arg(
+        long,
+        value_name = "DIR",
+        hide_env_values = true,
+        env = "BUCKETFS_CACHE_DIR"
+    )]
     pub cache_dir: Option<String>,
 
     /// Most objects a directory rename may copy; renaming a bigger directory fails with EXDEV
     /// (mv then falls back to copying). [default: 10000]
-    #[arg(long, value_name = "OBJECTS", env = "BUCKETFS_MAX_DIR_RENAME")]
+    #[arg(
+        long,
+        value_name = "OBJECTS",
+        hide_env_values = true,
+        env = "BUCKETFS_MAX_DIR_RENAME"
+    )]
     pub max_dir_rename: Option<String>,
 
     /// Parts of one file uploaded at the same time (1-256). [default: 4]
-    #[arg(long, value_name = "N", env = "BUCKETFS_UPLOAD_CONCURRENCY")]
+    #[arg(
+        long,
+        value_name = "N",
+        hide_env_values = true,
+        env = "BUCKETFS_UPLOAD_CONCURRENCY"
+    )]
     pub upload_concurrency: Option<String>,
 
     /// FUSE request threads (1-64). [default: 4]
-    #[arg(long, value_name = "N", env = "BUCKETFS_FUSE_THREADS")]
+    #[arg(
+        long,
+        value_name = "N",
+        hide_env_values = true,
+        env = "BUCKETFS_FUSE_THREADS"
+    )]
     pub fuse_threads: Option<String>,
 
-    /// Append the log to this file (see LOGGING below for the default).
-    #[arg(long, value_name = "PATH", env = "BUCKETFS_LOG_FILE")]
+    /// Append the log to this file (default: see LOGGING in --help).
+    #[arg(
+        long,
+        value_name = "PATH",
+        hide_env_values = true,
+        env = "BUCKETFS_LOG_FILE"
+    )]
     pub log_file: Option<String>,
 
     /// Log level: error, warn, info, debug or trace. [default: info]
-    #[arg(long, value_name = "LEVEL", env = "BUCKETFS_LOG_LEVEL")]
+    #[arg(
+        long,
+        value_name = "LEVEL",
+        hide_env_values = true,
+        env = "BUCKETFS_LOG_LEVEL"
+    )]
     pub log_level: Option<String>,
 
     /// Log to syslog (/dev/log, facility daemon) instead of stderr or a file.
