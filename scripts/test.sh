@@ -194,6 +194,8 @@ MINIO_ROOT_USER="$BUCKETFS_TEST_ACCESS_KEY" MINIO_ROOT_PASSWORD="$BUCKETFS_TEST_
     "$MINIO_BIN" server --quiet --address "127.0.0.1:$MINIO_PORT" "$MINIO_DATA" \
     >>"$MINIO_LOG" 2>&1 &
 echo $! >"$MINIO_PIDFILE"
+# The fault test SIGKILLs and restarts the server: keep bash from reporting the killed job.
+disown
 export BUCKETFS_TEST_MINIO_PID="$(cat "$MINIO_PIDFILE")"
 for i in $(seq 150); do
     health && break

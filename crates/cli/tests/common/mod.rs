@@ -628,6 +628,13 @@ pub fn isolate_env(cmd: &mut Command, home: &Path) {
             cmd.env_remove(&k);
         }
     }
+    // Empty AWS config files: nothing from the machine, and no SDK warning about missing ones.
+    for f in ["aws-config", "aws-credentials"] {
+        let p = home.join(f);
+        if !p.exists() {
+            let _ = File::create(&p);
+        }
+    }
     cmd.env("HOME", home)
         .env("XDG_CONFIG_HOME", home.join(".config"))
         .env("AWS_CONFIG_FILE", home.join("aws-config"))
