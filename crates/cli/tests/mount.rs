@@ -658,3 +658,164 @@ fn written_files_are_plain_objects_with_metadata() {
     close_checked(f).unwrap();
     assert_eq!(s3.get(&b, "doc.txt").unwrap(), b"plain BYTES\n");
 }
+
+#[test]
+fn append_overwrite_and_truncate_existing_files() {
+    let s3 = s3();
+    let b = s3.new_bucket("rewrite");
+    let m = Mount::s3(&b);
+    let p = m.join("f");
+    let mut want = pattern::bytes(41, 9 * MIB + 5);
+    write_file(&p, &want);
+
+    // Append (O_APPEND) to a multipart-sized object.
+    let mut f = fs::OpenOptions::new().append(true).open(&p).unwrap();
+    f.write_all(&[b'A'; 100]).unwrap();
+    close_checked(f).unwrap();
+    want.extend_from_slice(&[b'A'; 100]);
+    assert!(read_file(&p) == want, "content after append");
+    assert!(s3.get(&b, "f").unwrap() == want, "object after append");
+
+    // Overwrite 10 bytes in the middle.
+    let mut f = fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.seek(SeekFrom::Start(4 * MIB as u64 + 3)).unwrap();
+    f.write_all(&[b'B'; 10]).unwrap();
+    close_checked(f).unwrap();
+    want[4 * MIB + 3..4 * MIB + 13].copy_from_slice(&[b'B'; 10]);
+    assert_eq!(fs::metadata(&p).unwrap().len(), want.len() as u64);
+    assert!(read_file(&p) == want, "content after overwrite");
+    assert!(s3.get(&b, "f").unwrap() == want, "object after overwrite");
+
+    // truncate(2) on the path: shrink, then extend with zeros.
+    let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_len(3 * MIB as u64).unwrap();
+    close_checked(f).unwrap();
+    want.truncate(3 * MIB);
+    assert_eq!(fs::metadata(&p).unwrap().len(), 3 * MIB as u64);
+    assert!(s3.get(&b, "f").unwrap() == want, "object after shrinking");
+    run(
+        "truncate",
+        &["-s", &(3 * MIB + 1000).to_string(), p.to_str().unwrap()],
+    );
+    want.resize(3 * MIB + 1000, 0);
+    assert!(read_file(&p) == want, "content after extending");
+    assert!(s3.get(&b, "f").unwrap() == want, "object after extending");
+
+    // O_TRUNC of an existing file.
+    write_file(&p, b"short");
+    assert_eq!(s3.get(&b, "f").unwrap(), b"short");
+    assert!(s3.list_multipart_uploads(&b).is_empty());
+
+    let m = m.remount();
+    assert_eq!(read_file(&m.join("f")), b"short");
+}
+
+#[test]
+fn mmap_read_and_shared_write() {
+    use std::os::unix::io::AsRawFd;
+    let s3 = s3();
+    let b = s3.new_bucket("mmap");
+    let m = Mount::s3(&b);
+    let p = m.join("mapped");
+    let mut want = pattern::bytes(51, 100_000);
+    write_file(&p, &want);
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    let len = want.len();
+    // SAFETY: a fresh shared mapping of `len` bytes of an open file, unmapped below; the
+    // slices made from it stay within `len`.
+    unsafe {
+        let ptr = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        );
+        assert_ne!(
+            ptr,
+            libc::MAP_FAILED,
+            "mmap: {}",
+            std::io::Error::last_os_error()
+        );
+        let map = std::slice::from_raw_parts_mut(ptr as *mut u8, len);
+        assert!(map[..] == want[..], "content read through mmap");
+        map[5000..5008].copy_from_slice(b"MMAPPED!");
+        assert_eq!(
+            libc::msync(ptr, len, libc::MS_SYNC),
+            0,
+            "msync: {}",
+            std::io::Error::last_os_error()
+        );
+        assert_eq!(libc::munmap(ptr, len), 0);
+    }
+    close_checked(f).unwrap();
+    want[5000..5008].copy_from_slice(b"MMAPPED!");
+    assert!(
+        s3.get(&b, "mapped").unwrap() == want,
+        "object after a shared mmap write"
+    );
+    let m = m.remount();
+    assert!(read_file(&m.join("mapped")) == want);
+}
+
+#[test]
+fn unsupported_operations_fail_cleanly_and_locks_are_local() {
+    use std::os::unix::io::AsRawFd;
+    let s3 = s3();
+    let b = s3.new_bucket("unsupported");
+    let m = Mount::s3(&b);
+    write_file(&m.join("f"), b"x");
+    // Hard links cannot exist in a bucket.
+    assert_eq!(
+        errno(fs::hard_link(m.join("f"), m.join("hard"))),
+        libc::EPERM,
+        "link(2)"
+    );
+    assert!(s3.head(&b, "hard").is_none());
+    // Neither can FIFOs.
+    let fifo = std::ffi::CString::new(m.join("fifo").to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    let r = unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) };
+    assert_eq!(r, -1, "mkfifo succeeded");
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EPERM),
+        "mkfifo"
+    );
+    // Extended attributes are not supported.
+    let path = std::ffi::CString::new(m.join("f").to_str().unwrap()).unwrap();
+    let name = std::ffi::CString::new("user.test").unwrap();
+    // SAFETY: setxattr/getxattr with valid C strings and buffers of the given sizes.
+    let (set, set_err, get, get_err) = unsafe {
+        let set = libc::setxattr(path.as_ptr(), name.as_ptr(), b"v".as_ptr().cast(), 1, 0);
+        let set_err = std::io::Error::last_os_error().raw_os_error();
+        let mut buf = [0u8; 16];
+        let get = libc::getxattr(path.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), 16);
+        let get_err = std::io::Error::last_os_error().raw_os_error();
+        (set, set_err, get, get_err)
+    };
+    assert_eq!((set, set_err), (-1, Some(libc::EOPNOTSUPP)), "setxattr");
+    assert_eq!((get, get_err), (-1, Some(libc::EOPNOTSUPP)), "getxattr");
+    // flock works between descriptors of this machine.
+    let a = File::open(m.join("f")).unwrap();
+    let c = File::open(m.join("f")).unwrap();
+    // SAFETY: flock on open descriptors.
+    unsafe {
+        assert_eq!(libc::flock(a.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB), 0);
+        assert_eq!(
+            libc::flock(c.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB),
+            -1
+        );
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EWOULDBLOCK)
+        );
+        assert_eq!(libc::flock(a.as_raw_fd(), libc::LOCK_UN), 0);
+        assert_eq!(libc::flock(c.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB), 0);
+    }
+}
