@@ -184,16 +184,25 @@ fn check_mountpoint(mp: &Path, nonempty: bool) -> Result<(), String> {
 
 /// Everything after the fork: returns the exit code.
 fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
+    let s = &plan.settings;
+    let target = LogTarget::choose(s.log_file.as_deref(), s.syslog, s.foreground);
+    // The automatic log file of a daemon that never started only repeats the error the user
+    // was shown: remove it so failed mounts leave nothing behind.
+    let auto_log = match (&target, &s.log_file) {
+        (LogTarget::File(f), None) => Some(f.clone()),
+        _ => None,
+    };
     let report_failure = |readiness: Option<Readiness>, msg: String| {
         error!("{msg}");
+        if let Some(f) = &auto_log {
+            let _ = std::fs::remove_file(f);
+        }
         match readiness {
             Some(r) => r.failed(&msg),
             None => eprintln!("bucketfs: {msg}"),
         }
         1
     };
-    let s = &plan.settings;
-    let target = LogTarget::choose(s.log_file.as_deref(), s.syslog, s.foreground);
     if let Err(msg) = logging::init(s.log_level, &target) {
         return report_failure(readiness, msg);
     }
