@@ -54,16 +54,20 @@ impl LogTarget {
 
 fn filter(level: LogLevel) -> EnvFilter {
     if let Ok(f) = std::env::var("RUST_LOG") {
-        if let Ok(f) = EnvFilter::try_new(f) {
+        if f.trim().is_empty() {
+            // An empty RUST_LOG is "not set", not "log nothing".
+        } else if let Ok(f) = EnvFilter::try_new(f) {
             return f;
         }
     }
     let mut spec = level.as_str().to_string();
     if level != LogLevel::Trace {
+        // The SDK warns about every credential/region provider it tries (IMDS, profiles) on
+        // machines where they do not apply: that is noise below debug.
         let cap = if level == LogLevel::Debug {
             "info"
         } else {
-            "warn"
+            "error"
         };
         for dep in [
             "aws_config",
