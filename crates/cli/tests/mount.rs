@@ -819,3 +819,59 @@ fn unsupported_operations_fail_cleanly_and_locks_are_local() {
         assert_eq!(libc::flock(c.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB), 0);
     }
 }
+
+#[test]
+fn rename_noreplace_and_directory_rename_limit() {
+    let s3 = s3();
+    let b = s3.new_bucket("renlimit");
+    let m = MountSpec::s3(&b, "")
+        .arg("--max-dir-rename")
+        .arg("3")
+        .mount();
+    write_file(&m.join("a"), b"a");
+    write_file(&m.join("b"), b"b");
+    let c = |p: &Path| std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+    let (pa, pb) = (c(&m.join("a")), c(&m.join("b")));
+    // SAFETY: renameat2 with valid NUL-terminated paths.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            pa.as_ptr(),
+            libc::AT_FDCWD,
+            pb.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    assert_eq!(r, -1, "RENAME_NOREPLACE over an existing file succeeded");
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EEXIST)
+    );
+    assert_eq!(read_file(&m.join("b")), b"b");
+    assert_eq!(s3.get(&b, "a").unwrap(), b"a");
+
+    // A directory with more objects than --max-dir-rename: EXDEV, nothing moved.
+    fs::create_dir(m.join("big")).unwrap();
+    for i in 0..5 {
+        write_file(&m.join(format!("big/f{i}")), b"x");
+    }
+    assert_eq!(
+        errno(fs::rename(m.join("big"), m.join("moved"))),
+        libc::EXDEV
+    );
+    assert_eq!(list_dir(&m.join("big")).len(), 5);
+    assert_eq!(errno(fs::metadata(m.join("moved"))), libc::ENOENT);
+    assert!(s3.list_keys(&b, "moved").is_empty());
+    // mv falls back to copy + delete.
+    run(
+        "mv",
+        &[
+            m.join("big").to_str().unwrap(),
+            m.join("moved").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(list_dir(&m.join("moved")).len(), 5);
+    assert_eq!(errno(fs::metadata(m.join("big"))), libc::ENOENT);
+    assert_eq!(s3.get(&b, "moved/f4").unwrap(), b"x");
+    assert!(s3.list_keys(&b, "big/").is_empty());
+}
