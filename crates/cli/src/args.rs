@@ -85,6 +85,66 @@ pub enum Command {
     Mount(Box<MountArgs>),
     /// Unmount a bucketfs mount (the daemon then exits).
     Umount(UmountArgs),
+    /// Measure the store with no file system in between (the limit for benchmarks): one
+    /// parallel multipart PUT, then parallel ranged GETs of it; the object is deleted after.
+    Bench(Box<BenchArgs>),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// s3://BUCKET[/PREFIX] or a local directory; the test object goes under PREFIX.
+    pub source: String,
+    /// Bytes to write and read back (K/M/G suffixes). [default: 1G]
+    #[arg(long, value_name = "SIZE", default_value = "1G")]
+    pub size: String,
+    /// Requests in flight at once. [default: 16]
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub concurrency: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Config file, as for mount (connection and credential keys are used).
+    #[arg(short, long, value_name = "FILE", env = "BUCKETFS_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// S3 endpoint, as for mount.
+    #[arg(long, value_name = "URL", env = "BUCKETFS_ENDPOINT_URL")]
+    pub endpoint_url: Option<String>,
+    /// S3 region, as for mount.
+    #[arg(long, value_name = "REGION", env = "BUCKETFS_REGION")]
+    pub region: Option<String>,
+    /// Path-style addressing, as for mount.
+    #[arg(long)]
+    pub force_path_style: bool,
+    /// Named AWS profile, as for mount.
+    #[arg(long, value_name = "NAME", env = "BUCKETFS_PROFILE")]
+    pub profile: Option<String>,
+    /// Part size of the upload and of each GET. [default: 8M]
+    #[arg(long, value_name = "SIZE")]
+    pub part_size: Option<String>,
+}
+
+impl BenchArgs {
+    pub fn settings(&self) -> Result<Settings, String> {
+        let mut s = Settings::default();
+        if let Some(path) = &self.config {
+            s.apply_file(path)?;
+        }
+        let values = [
+            ("endpoint_url", &self.endpoint_url),
+            ("region", &self.region),
+            ("profile", &self.profile),
+            ("part_size", &self.part_size),
+        ];
+        for (key, v) in values {
+            if let Some(v) = v {
+                s.apply(key, Some(v), Origin::Flag)?;
+            }
+        }
+        if self.force_path_style {
+            s.apply("force_path_style", None, Origin::Flag)?;
+        }
+        Ok(s)
+    }
 }
 
 #[derive(Debug, Args)]
@@ -249,6 +309,16 @@ pub struct MountArgs {
     )]
     pub fuse_threads: Option<String>,
 
+    /// Serve request/byte counters in the Prometheus text format at http://ADDR/metrics
+    /// (e.g. 127.0.0.1:9100). Default: off.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        hide_env_values = true,
+        env = "BUCKETFS_METRICS_ADDR"
+    )]
+    pub metrics_addr: Option<String>,
+
     /// Append the log to this file (default: see LOGGING in --help).
     #[arg(
         long,
@@ -289,7 +359,7 @@ impl MountArgs {
             s.apply_file(path)?;
         }
         s.apply_mount_options(&self.options)?;
-        let values: [(&str, &Option<String>); 15] = [
+        let values: [(&str, &Option<String>); 16] = [
             ("endpoint_url", &self.endpoint_url),
             ("region", &self.region),
             ("profile", &self.profile),
@@ -303,6 +373,7 @@ impl MountArgs {
             ("max_dir_rename", &self.max_dir_rename),
             ("upload_concurrency", &self.upload_concurrency),
             ("fuse_threads", &self.fuse_threads),
+            ("metrics_addr", &self.metrics_addr),
             ("log_file", &self.log_file),
             ("log_level", &self.log_level),
         ];

@@ -64,6 +64,8 @@ pub struct Settings {
     pub max_dir_rename: usize,
     pub upload_concurrency: usize,
     pub fuse_threads: usize,
+    /// Where to serve Prometheus metrics (`/metrics`), if anywhere.
+    pub metrics_addr: Option<std::net::SocketAddr>,
     pub log_file: Option<PathBuf>,
     pub log_level: LogLevel,
     pub syslog: bool,
@@ -98,6 +100,7 @@ impl fmt::Debug for Settings {
             .field("max_dir_rename", &self.max_dir_rename)
             .field("upload_concurrency", &self.upload_concurrency)
             .field("fuse_threads", &self.fuse_threads)
+            .field("metrics_addr", &self.metrics_addr)
             .field("log_file", &self.log_file)
             .field("log_level", &self.log_level)
             .field("syslog", &self.syslog)
@@ -132,6 +135,7 @@ impl Default for Settings {
             max_dir_rename: fs.max_dir_rename_objects,
             upload_concurrency: fs.upload_concurrency,
             fuse_threads: 4,
+            metrics_addr: None,
             log_file: None,
             log_level: LogLevel::Info,
             syslog: false,
@@ -189,6 +193,7 @@ const KEYS: &[(&str, Kind, Scope)] = &[
     ("max_dir_rename", Kind::Value, Scope::All),
     ("upload_concurrency", Kind::Value, Scope::All),
     ("fuse_threads", Kind::Value, Scope::All),
+    ("metrics_addr", Kind::Value, Scope::All),
     ("log_file", Kind::Value, Scope::All),
     ("log_level", Kind::Value, Scope::All),
     ("syslog", Kind::Bool, Scope::All),
@@ -436,6 +441,13 @@ impl Settings {
             "max_dir_rename" => self.max_dir_rename = parse_count(v, 0, usize::MAX)?,
             "upload_concurrency" => self.upload_concurrency = parse_count(v, 1, 256)?,
             "fuse_threads" => self.fuse_threads = parse_count(v, 1, 64)?,
+            "metrics_addr" => {
+                self.metrics_addr = Some(
+                    v.trim()
+                        .parse()
+                        .map_err(|_| format!("{v:?} is not an address like 127.0.0.1:9100"))?,
+                )
+            }
             "log_file" => self.log_file = Some(PathBuf::from(non_empty(v, "path")?)),
             "log_level" => self.log_level = parse_log_level(v)?,
             "syslog" => self.syslog = parse_bool(v)?,

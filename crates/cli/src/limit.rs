@@ -5,6 +5,9 @@
 //! GETs, through the same store layer (and so the same HTTP client and settings) the mount
 //! uses, and deletes it afterwards.
 
+use crate::args::BenchArgs;
+use crate::config::parse_size;
+use crate::run::{open_store, target_of, Target};
 use bucketfs_store::metrics::{Op, StoreMetrics};
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError};
 use bytes::Bytes;
@@ -114,6 +117,49 @@ pub async fn measure(
         get_mb_s: mb_s(total, get_secs),
         put_requests: metrics.requests(Op::UploadPart) - before.0,
         get_requests: metrics.requests(Op::Get) - before.1,
+    })
+}
+
+/// `bucketfs bench`: returns the exit code.
+pub fn run(args: &BenchArgs) -> i32 {
+    match run_inner(args) {
+        Ok(r) => {
+            if args.json {
+                println!("{}", r.json());
+            } else {
+                println!(
+                    "PUT {:.1} MB/s ({} parts), GET {:.1} MB/s ({} requests)",
+                    r.put_mb_s, r.put_requests, r.get_mb_s, r.get_requests
+                );
+            }
+            0
+        }
+        Err(msg) => {
+            eprintln!("bucketfs: bench: {msg}");
+            1
+        }
+    }
+}
+
+fn run_inner(args: &BenchArgs) -> Result<LimitResult, String> {
+    let settings = args.settings()?;
+    let target = target_of(&args.source, &settings)?;
+    let prefix = match &target {
+        Target::S3 { prefix, .. } => prefix.clone(),
+        Target::Local { .. } => String::new(),
+    };
+    let opts = LimitOptions {
+        size: parse_size(&args.size)?,
+        concurrency: args.concurrency,
+        part_size: settings.part_size,
+    };
+    let rt = tokio::runtime::Runtime::new().map_err(|e| format!("runtime: {e}"))?;
+    rt.block_on(async {
+        let (store, metrics) = open_store(&settings, &target).await?;
+        let key = format!("{prefix}.bucketfs-bench-{}", std::process::id());
+        measure(store, &metrics, &key, &opts)
+            .await
+            .map_err(|e| e.to_string())
     })
 }
 

@@ -8,7 +8,9 @@
 mod args;
 mod config;
 mod daemon;
+mod limit;
 mod logging;
+mod metrics_http;
 mod run;
 
 use args::{Cli, Command, HelperCall, UmountArgs};
@@ -40,6 +42,7 @@ fn main() {
     let code = match cli.command {
         Command::Mount(m) => run::run(&m),
         Command::Umount(u) => umount(&u),
+        Command::Bench(b) => limit::run(&b),
     };
     std::process::exit(code);
 }

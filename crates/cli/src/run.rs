@@ -38,7 +38,7 @@ struct Plan {
     fsname: String,
 }
 
-enum Target {
+pub(crate) enum Target {
     S3 { bucket: String, prefix: String },
     Local { dir: PathBuf },
 }
@@ -68,31 +68,7 @@ pub fn run(args: &MountArgs) -> i32 {
 
 fn plan(args: &MountArgs) -> Result<Plan, String> {
     let mut settings = args.settings()?;
-    let source = parse_source(&args.source)?;
-    let target = match source {
-        Source::S3 { bucket, prefix } => {
-            let bucket = if bucket.is_empty() {
-                settings.bucket.clone().ok_or(
-                    "no bucket: give SOURCE as s3://BUCKET[/PREFIX] or set bucket in the \
-                     config file",
-                )?
-            } else {
-                bucket
-            };
-            let prefix = if prefix.is_empty() {
-                settings.prefix.clone().unwrap_or_default()
-            } else {
-                prefix
-            };
-            Target::S3 {
-                bucket,
-                prefix: normalize_prefix(&prefix),
-            }
-        }
-        Source::Local(dir) => Target::Local {
-            dir: check_local_source(&dir)?,
-        },
-    };
+    let target = target_of(&args.source, &settings)?;
     let mountpoint = absolute(&args.mountpoint);
     check_mountpoint(&mountpoint, settings.nonempty)?;
     if let Target::Local { dir } = &target {
@@ -122,6 +98,34 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
         target,
         mountpoint,
         fsname,
+    })
+}
+
+/// What SOURCE names, with the bucket and prefix filled in from the config file if needed.
+pub(crate) fn target_of(source: &str, settings: &Settings) -> Result<Target, String> {
+    Ok(match parse_source(source)? {
+        Source::S3 { bucket, prefix } => {
+            let bucket = if bucket.is_empty() {
+                settings.bucket.clone().ok_or(
+                    "no bucket: give SOURCE as s3://BUCKET[/PREFIX] or set bucket in the \
+                     config file",
+                )?
+            } else {
+                bucket
+            };
+            let prefix = if prefix.is_empty() {
+                settings.prefix.clone().unwrap_or_default()
+            } else {
+                prefix
+            };
+            Target::S3 {
+                bucket,
+                prefix: normalize_prefix(&prefix),
+            }
+        }
+        Source::Local(dir) => Target::Local {
+            dir: check_local_source(&dir)?,
+        },
     })
 }
 
@@ -214,10 +218,16 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         Ok(rt) => rt,
         Err(e) => return report_failure(readiness, format!("cannot start runtime: {e}")),
     };
-    let (store, metrics) = match rt.block_on(open_store(&plan)) {
+    let (store, metrics) = match rt.block_on(open_store(&plan.settings, &plan.target)) {
         Ok(x) => x,
         Err(msg) => return report_failure(readiness, msg),
     };
+    if let Some(addr) = s.metrics_addr {
+        if let Err(e) = rt.block_on(crate::metrics_http::serve(addr, metrics.clone())) {
+            return report_failure(readiness, format!("metrics address {addr}: {e}"));
+        }
+        info!("serving metrics at http://{addr}/metrics");
+    }
     let prefix = match &plan.target {
         Target::S3 { prefix, .. } => prefix.clone(),
         Target::Local { .. } => String::new(),
@@ -351,8 +361,12 @@ fn short_detail(s: &str) -> String {
     s
 }
 
-async fn open_store(plan: &Plan) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>), String> {
-    match &plan.target {
+/// Builds the store of `target` and checks that it can be used.
+pub(crate) async fn open_store(
+    settings: &Settings,
+    target: &Target,
+) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>), String> {
+    match target {
         Target::Local { dir } => {
             let store = LocalStore::open(dir).map_err(|e| match e {
                 StoreError::NoSuchBucket(_) => {
@@ -365,7 +379,7 @@ async fn open_store(plan: &Plan) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetri
             Ok((Arc::new(metered), metrics))
         }
         Target::S3 { bucket, prefix } => {
-            let s = &plan.settings;
+            let s = settings;
             let cfg = S3Config {
                 bucket: bucket.clone(),
                 endpoint_url: s.endpoint_url.clone(),

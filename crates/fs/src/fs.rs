@@ -15,7 +15,9 @@ use bucketfs_store::{
     CompletedPart, ObjectMeta, ObjectStore, StoreError, UserMeta, MAX_COPY_OBJECT_SIZE,
 };
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use futures::stream::{self, StreamExt, TryStreamExt};
+use futures::FutureExt;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsStr;
@@ -608,22 +610,28 @@ impl Fs {
         let ranges: Vec<_> = (0..size.div_ceil(COPY_PART_SIZE))
             .map(|i| i * COPY_PART_SIZE..((i + 1) * COPY_PART_SIZE).min(size))
             .collect();
-        let parts: Result<Vec<CompletedPart>, StoreError> =
-            stream::iter(ranges.into_iter().enumerate())
-                .map(|(i, r)| {
-                    let id = id.clone();
-                    async move {
-                        let n = i as u32 + 1;
-                        let etag = self.store.upload_part_copy(dst, &id, n, src, r).await?;
-                        Ok(CompletedPart {
-                            part_number: n,
-                            etag,
-                        })
-                    }
-                })
-                .buffered(self.wcfg.upload_concurrency)
-                .try_collect()
-                .await;
+        // Futures are collected first (not mapped lazily in the stream) and boxed, so that the
+        // callers' futures stay provably Send (rust-lang/rust#102211).
+        let jobs: Vec<BoxFuture<'_, Result<CompletedPart, StoreError>>> = ranges
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let id = id.clone();
+                async move {
+                    let n = i as u32 + 1;
+                    let etag = self.store.upload_part_copy(dst, &id, n, src, r).await?;
+                    Ok(CompletedPart {
+                        part_number: n,
+                        etag,
+                    })
+                }
+                .boxed()
+            })
+            .collect();
+        let parts: Result<Vec<CompletedPart>, StoreError> = stream::iter(jobs)
+            .buffered(self.wcfg.upload_concurrency)
+            .try_collect()
+            .await;
         let done = match parts {
             Ok(p) => self
                 .store
@@ -1046,11 +1054,14 @@ impl Fs {
                 .await
                 .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
         }
-        stream::iter(objects.iter())
+        let copies: Vec<BoxFuture<'_, FsResult<()>>> = objects
+            .iter()
             .map(|o| {
                 let to = format!("{dst}{}", &o.key[src.len()..]);
-                async move { self.copy_object(&o.key, &to, o.size, None).await }
+                async move { self.copy_object(&o.key, &to, o.size, None).await }.boxed()
             })
+            .collect();
+        stream::iter(copies)
             .buffer_unordered(RENAME_CONCURRENCY)
             .try_collect::<Vec<()>>()
             .await?;
@@ -1058,13 +1069,19 @@ impl Fs {
         // marker is a real directory (the local one) can remove it once it is empty.
         let (mut markers, files): (Vec<&ObjectMeta>, Vec<&ObjectMeta>) =
             objects.iter().partition(|o| o.key.ends_with('/'));
-        stream::iter(files)
-            .map(|o| async move {
-                self.store
-                    .delete(&o.key)
-                    .await
-                    .map_err(|e| log_store_err(&format!("delete {}", o.key), e))
+        let deletes: Vec<BoxFuture<'_, FsResult<()>>> = files
+            .into_iter()
+            .map(|o| {
+                async move {
+                    self.store
+                        .delete(&o.key)
+                        .await
+                        .map_err(|e| log_store_err(&format!("delete {}", o.key), e))
+                }
+                .boxed()
             })
+            .collect();
+        stream::iter(deletes)
             .buffer_unordered(RENAME_CONCURRENCY)
             .try_collect::<Vec<()>>()
             .await?;

@@ -13,7 +13,9 @@ use crate::error::{log_store_err, FsError, FsResult};
 use crate::extents::Extents;
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use futures::stream::{self, StreamExt, TryStreamExt};
+use futures::FutureExt;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::ops::Range;
@@ -473,21 +475,28 @@ impl WriteState {
             }
         }
         let this = &*self;
-        let jobs = parts.iter().enumerate().map(|(i, r)| {
-            let reused = reuse.get(&(i as u64)).cloned();
-            let upload_id = upload_id.clone();
-            async move {
-                let number = i as u32 + 1;
-                let etag = match reused {
-                    Some(etag) => etag,
-                    None => this.send_part(&upload_id, number, r.clone()).await?,
-                };
-                Ok::<_, FsError>(CompletedPart {
-                    part_number: number,
-                    etag,
-                })
-            }
-        });
+        // Collected and boxed so the caller's future stays provably Send
+        // (rust-lang/rust#102211).
+        let jobs: Vec<BoxFuture<'_, FsResult<CompletedPart>>> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let reused = reuse.get(&(i as u64)).cloned();
+                let upload_id = upload_id.clone();
+                async move {
+                    let number = i as u32 + 1;
+                    let etag = match reused {
+                        Some(etag) => etag,
+                        None => this.send_part(&upload_id, number, r.clone()).await?,
+                    };
+                    Ok::<_, FsError>(CompletedPart {
+                        part_number: number,
+                        etag,
+                    })
+                }
+                .boxed()
+            })
+            .collect();
         stream::iter(jobs)
             .buffered(self.cfg.upload_concurrency.max(1))
             .try_collect()

@@ -106,21 +106,6 @@ impl FuseFs {
         self.rt.spawn(fut);
     }
 
-    /// Runs a request whose future the compiler cannot prove `Send` (rustc's higher-ranked
-    /// lifetime limitation, rust-lang/rust#102211: fs-core methods that drive
-    /// `stream::iter(..).map(|..| async move { .. }).buffered(..)` borrowing `self`) on a
-    /// blocking-pool thread with `Handle::block_on`, so the future never leaves that thread.
-    /// Used only for setattr, rename, flush, release and fsync; once the fs core boxes those
-    /// inner futures (`FutureExt::boxed`), these can go back to [`FuseFs::spawn`].
-    fn spawn_blocking_on<M, F>(&self, make: M)
-    where
-        M: FnOnce() -> F + Send + 'static,
-        F: Future<Output = ()>,
-    {
-        let rt = self.rt.clone();
-        self.rt.spawn_blocking(move || rt.block_on(make()));
-    }
-
     fn reply_entry(fs: &Fs, op: &'static str, r: Result<Attr, FsError>, reply: ReplyEntry) {
         match r {
             Ok(a) => reply.entry(&fs.attr_ttl(), &file_attr(&a), Generation(0)),
@@ -220,7 +205,7 @@ impl Filesystem for FuseFs {
             atime: atime.map(time),
             mtime: mtime.map(time),
         };
-        self.spawn_blocking_on(move || async move {
+        self.spawn(async move {
             match fs.setattr(ino.0, fh.map(|f| f.0), set).await {
                 Ok(a) => reply.attr(&fs.attr_ttl(), &file_attr(&a)),
                 Err(e) => reply.error(errno("setattr", e)),
@@ -322,7 +307,7 @@ impl Filesystem for FuseFs {
         let fs = self.fs.clone();
         let name = name.to_owned();
         let newname = newname.to_owned();
-        self.spawn_blocking_on(move || async move {
+        self.spawn(async move {
             let r = fs
                 .rename(parent.0, &name, newparent.0, &newname, flags.bits())
                 .await;
@@ -397,7 +382,7 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.spawn_blocking_on(move || async move {
+        self.spawn(async move {
             Self::reply_empty("flush", fs.flush(ino.0, fh.0).await, reply);
         });
     }
@@ -413,7 +398,7 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.spawn_blocking_on(move || async move {
+        self.spawn(async move {
             Self::reply_empty("release", fs.release(ino.0, fh.0).await, reply);
         });
     }
@@ -427,7 +412,7 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.spawn_blocking_on(move || async move {
+        self.spawn(async move {
             Self::reply_empty("fsync", fs.fsync(ino.0, fh.0).await, reply);
         });
     }
