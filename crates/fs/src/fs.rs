@@ -78,6 +78,8 @@ pub struct StatFs {
     pub frsize: u32,
 }
 
+/// Longest object key S3 accepts, in bytes.
+const MAX_KEY_LEN: usize = 1024;
 /// Requests in flight at once for directory renames (copy, then delete).
 const RENAME_CONCURRENCY: usize = 16;
 /// Part size of server-side copies of objects too big for one CopyObject.
@@ -230,6 +232,16 @@ impl Fs {
             self.cfg.prefix.clone()
         } else {
             format!("{}{path}/", self.cfg.prefix)
+        }
+    }
+
+    /// S3 keys are at most 1,024 bytes; a path whose key (or directory marker) would be longer
+    /// cannot be stored.
+    fn check_key_len(&self, path: &str) -> FsResult<()> {
+        if self.dir_key(path).len() > MAX_KEY_LEN {
+            Err(FsError::ENAMETOOLONG)
+        } else {
+            Ok(())
         }
     }
 
@@ -717,10 +729,10 @@ impl Fs {
         self.check_writable()?;
         let name = check_name(name)?.to_string();
         let parent_path = self.dir_path(parent)?;
-        if let Some(ino) = self.table.lock().child(parent, &name) {
-            let _ = ino;
+        if self.table.lock().child(parent, &name).is_some() {
             return Err(FsError::EEXIST);
         }
+        self.check_key_len(&join(&parent_path, &name))?;
         Ok((name, parent_path))
     }
 
@@ -925,6 +937,7 @@ impl Fs {
             (i.kind, i.path.clone(), i.attr.size, i.write.clone())
         };
         let new_path = join(&new_parent_path, &new_name_s);
+        self.check_key_len(&new_path)?;
         if let Some(t) = target {
             let (tkind, tpath) = {
                 let tb = self.table.lock();

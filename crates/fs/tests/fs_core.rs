@@ -649,3 +649,36 @@ async fn directory_rename_on_the_local_store_leaves_no_old_directory() {
     );
     assert_eq!(list(&fs, ROOT_INO).await, [".", "..", "d2"]);
 }
+
+#[tokio::test]
+async fn paths_whose_key_exceeds_1024_bytes_are_refused() {
+    let e = env();
+    let mut dir = ROOT_INO;
+    // Four levels of 250-byte names: the fifth name pushes the key past 1,024 bytes.
+    for i in 0..4 {
+        let name = format!("{i}").repeat(250);
+        dir =
+            e.fs.mkdir(dir, OsStr::new(&name), 0o755, 0, ME)
+                .await
+                .unwrap()
+                .ino;
+    }
+    assert_eq!(
+        e.fs.create(
+            dir,
+            OsStr::new(&"x".repeat(30)),
+            0o644,
+            0,
+            libc::O_WRONLY,
+            ME
+        )
+        .await
+        .err(),
+        Some(FsError::ENAMETOOLONG)
+    );
+    assert!(e
+        .fs
+        .create(dir, OsStr::new("ok"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .is_ok());
+}
