@@ -1,0 +1,293 @@
+"""results.json → Markdown tables and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .rows import BY_ID, ROWS
+
+PEER_BASELINE = "bucketfs"
+
+
+def fmt(v, digits=None) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and v.is_integer() and digits is None and abs(v) >= 1:
+        v = int(v)
+    if isinstance(v, int) and digits is None:
+        return f"{v:,}"
+    if digits is not None:
+        return f"{v:.{digits}f}"
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3f}"
+
+
+def limit_of(doc: dict, row_id: str) -> float | None:
+    r = BY_ID[row_id]
+    lim = doc["summary"]["limit"]
+    if r.limit == "put":
+        return lim.get("put_mb_s")
+    if r.limit == "get":
+        return lim.get("get_mb_s")
+    return None
+
+
+def best_peer(doc: dict, row_id: str) -> tuple[str | None, float | None]:
+    r = BY_ID[row_id]
+    best = None
+    name = None
+    for sysname, res in doc["summary"]["rows"].get(row_id, {}).items():
+        if sysname == PEER_BASELINE or res["status"] not in ("ok", "partial"):
+            continue
+        v = res["median"].get("value")
+        if v is None:
+            continue
+        if best is None or (v > best if r.better == "higher" else v < best):
+            best, name = v, sysname
+    return name, best
+
+
+def ratio_limit(doc, row_id, v):
+    lim = limit_of(doc, row_id)
+    if v is None or not lim:
+        return None
+    return v / lim
+
+
+def ratio_peer(doc, row_id, v):
+    _, b = best_peer(doc, row_id)
+    if v is None or not b:
+        return None
+    return v / b if BY_ID[row_id].better == "higher" else b / v
+
+
+def cell(res: dict | None) -> tuple[str, float | None]:
+    if res is None:
+        return "—", None
+    st = res["status"]
+    if st == "unsupported":
+        return "unsupported", None
+    if st == "error":
+        return "error", None
+    v = res["median"].get("value")
+    s = fmt(v)
+    if st == "partial":
+        s += f" ({res['ok_runs']}/{res['runs']} ok)"
+    return s, v
+
+
+def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
+    meta = doc["meta"]
+    systems = meta["systems_order"]
+    rows = doc["summary"]["rows"]
+    lim = doc["summary"]["limit"]
+    L: list[str] = []
+    L.append(f"# bucketfs benchmark results ({meta['size']} size)\n")
+    L.append(f"Command: `{meta['command']}`\n")
+    L.append(f"- Date: {meta['date']}, {meta['repeat']} repeat(s) of every measurement, medians shown.")
+    h = meta["host"]
+    L.append(f"- Machine: {h['cpu']}, {h['cores']} cores, {h['mem_gb']:.0f} GB RAM, Linux {h['kernel']}. "
+             f"The store ({meta['store']}) runs on the same machine, so every figure shares the CPU with it.")
+    L.append(f"- Page cache dropped and file system remounted before every read phase: "
+             f"{'yes' if meta.get('dropped_caches') else 'NO (not root?)'}.")
+    L.append("- Systems:")
+    for s in systems:
+        si = meta["systems"][s]
+        L.append(f"  - **{s}** {si['version']}; options: {si['options']}")
+    L.append("- MB = 10^6 bytes, GB = 10^9 bytes.\n")
+
+    L.append("## The limit: the store with no file system in between\n")
+    if lim["status"] == "ok":
+        L.append("`bucketfs bench` (one parallel multipart PUT, then parallel ranged GETs of it, through "
+                 f"bucketfs's store layer; {meta['sizes_human']['limit']}):\n")
+        L.append("| | MB/s | requests | client CPU core-s/GB | client peak RSS MB |")
+        L.append("|---|---|---|---|---|")
+        L.append(f"| PUT | {fmt(lim['put_mb_s'])} | {fmt(lim['put_requests'])} | {fmt(lim.get('cpu_s_per_gb'))} (PUT+GET) | {fmt(lim.get('peak_rss_mb'))} |")
+        L.append(f"| GET | {fmt(lim['get_mb_s'])} | {fmt(lim['get_requests'])} | | |")
+        L.append("")
+    else:
+        L.append(f"Not measured: {'; '.join(lim.get('errors') or [lim['status']])}. Ratios to the limit are n/a.\n")
+
+    L.append("## Summary\n")
+    L.append("Main figure of each scenario (median). **÷ limit**: bucketfs's figure divided by the limit "
+             "(PUT for writes, GET for reads). **÷ best peer**: bucketfs against the best other system, as a "
+             "speed ratio (> 1: bucketfs is faster; for times it is best peer time ÷ bucketfs time).\n")
+    head = ["scenario", "unit"] + systems + ["bucketfs ÷ limit", "bucketfs ÷ best peer"]
+    L.append("| " + " | ".join(head) + " |")
+    L.append("|" + "---|" * len(head))
+    for r in ROWS:
+        if r.id not in rows:
+            continue
+        cells = []
+        bv = None
+        for s in systems:
+            txt, v = cell(rows[r.id].get(s))
+            cells.append(txt)
+            if s == PEER_BASELINE:
+                bv = v
+        arrow = "↑" if r.better == "higher" else "↓"
+        bp_name, _ = best_peer(doc, r.id)
+        rp = ratio_peer(doc, r.id, bv)
+        L.append(f"| {r.id} | {r.unit} {arrow} | " + " | ".join(cells) +
+                 f" | {fmt(ratio_limit(doc, r.id, bv), 2)} | {fmt(rp, 2)}{f' ({bp_name})' if rp is not None else ''} |")
+    L.append("")
+
+    L.append("## Details\n")
+    L.append("Per scenario and system: the figure; ÷ limit; ÷ best peer (speed ratio, see above); wall time of the "
+             "measured phase; the FUSE daemon's CPU (core-seconds per GB moved, and mean cores busy over the phase); "
+             "its peak RSS (VmHWM, reset before the phase); the most local disk it held (cache dir + open temp files); "
+             "S3 requests the store saw during the phase (MinIO audit log, every system), and the requests bucketfs "
+             "itself counted (its /metrics).\n")
+    for r in ROWS:
+        if r.id not in rows:
+            continue
+        L.append(f"### {r.id}: {meta['row_descriptions'].get(r.id, '')}\n")
+        L.append("| system | " + f"{r.unit} {'↑' if r.better == 'higher' else '↓'}" +
+                 " | ÷ limit | ÷ best peer | wall s | CPU core-s/GB | mean cores | peak RSS MB | local disk MB | store requests | bucketfs requests |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for s in systems:
+            res = rows[r.id].get(s)
+            txt, v = cell(res)
+            if res is None or res["status"] in ("error", "unsupported"):
+                why = "; ".join(res["errors"])[:160] if res else ""
+                L.append(f"| {s} | {txt}: {why} | | | | | | | | | |")
+                continue
+            m = res["median"]
+            L.append("| " + " | ".join([
+                s, txt, fmt(ratio_limit(doc, r.id, v), 2), fmt(ratio_peer(doc, r.id, v), 2), fmt(m.get("wall_s")),
+                fmt(m.get("cpu_s_per_gb")), fmt(m.get("mean_cores"), 2), fmt(m.get("peak_rss_mb")),
+                fmt(m.get("disk_peak_mb")), fmt(m.get("store_requests")), fmt(m.get("self_requests")),
+            ]) + " |")
+        L.append("")
+
+    L.append("## Requests by S3 API (store side, median run)\n")
+    L.append("| scenario | system | requests |")
+    L.append("|---|---|---|")
+    for r in ROWS:
+        for s in systems:
+            res = rows.get(r.id, {}).get(s)
+            if not res or res["status"] not in ("ok", "partial"):
+                continue
+            by = res["median"].get("store_by_api") or {}
+            if by:
+                txt = ", ".join(f"{k} {v}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+                L.append(f"| {r.id} | {s} | {txt} |")
+    L.append("")
+
+    errs = []
+    for r in ROWS:
+        for s in systems:
+            res = rows.get(r.id, {}).get(s)
+            if res and res["errors"]:
+                errs.append(f"- {r.id} / {s} ({res['status']}): " + "; ".join(e[:300] for e in res["errors"]))
+    if errs:
+        L.append("## Errors and unsupported scenarios\n")
+        L.extend(errs)
+        L.append("")
+    if plots_rel and doc.get("plots"):
+        L.append("## Plots\n")
+        for name in doc["plots"]:
+            L.append(f"![{name}]({plots_rel}/{name})\n")
+    return "\n".join(L) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def plots(doc: dict, outdir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    outdir.mkdir(parents=True, exist_ok=True)
+    systems = doc["meta"]["systems_order"]
+    rows = doc["summary"]["rows"]
+    colors = {s: c for s, c in zip(systems, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"])}
+    made = []
+    title_sfx = f" — {doc['meta']['size']} size, {doc['meta']['host']['cores']} cores"
+
+    def grouped(ids, key, ylabel, title, fname, limit_key=None, log=False):
+        ids = [i for i in ids if i in rows]
+        if not ids:
+            return
+        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(ids) + 3), 5))
+        n = len(systems)
+        w = 0.8 / n
+        for k, s in enumerate(systems):
+            xs, ys, marks = [], [], []
+            for i, rid in enumerate(ids):
+                res = rows[rid].get(s)
+                x = i - 0.4 + w * (k + 0.5)
+                v = None
+                if res and res["status"] in ("ok", "partial"):
+                    v = res["median"].get(key) if key != "value" else res["median"].get("value")
+                if v is None:
+                    tag = "n/s" if res and res["status"] == "unsupported" else ("err" if res and res["status"] == "error" else "n/a")
+                    marks.append((x, tag))
+                else:
+                    xs.append(x)
+                    ys.append(v)
+            ax.bar(xs, ys, w, label=s, color=colors[s])
+            for x, tag in marks:
+                ax.text(x, 0, tag, rotation=90, ha="center", va="bottom", fontsize=7, color=colors[s])
+        if limit_key:
+            first = True
+            for i, rid in enumerate(ids):
+                lv = limit_of(doc, rid)
+                if lv:
+                    ax.hlines(lv, i - 0.45, i + 0.45, colors="black", linestyles="--", label="limit (bucketfs bench)" if first else None)
+                    first = False
+        ax.set_xticks(range(len(ids)))
+        ax.set_xticklabels(ids, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title + title_sfx)
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(outdir / fname, dpi=110)
+        plt.close(fig)
+        made.append(fname)
+
+    mb_rows = [r.id for r in ROWS if r.unit == "MB/s"]
+    grouped(mb_rows, "value", "MB/s (higher is better)", "Bandwidth", "bandwidth.png", limit_key=True)
+    data_rows = [r.id for r in ROWS if r.unit == "MB/s" or r.id == "large-cp"]
+    grouped(data_rows, "cpu_s_per_gb", "daemon CPU, core-seconds per GB (lower is better)", "CPU per GB", "cpu_per_gb.png")
+    grouped([r.id for r in ROWS], "peak_rss_mb", "daemon peak RSS, MB (lower is better)", "Peak memory", "peak_rss.png", log=True)
+
+    other = [r for r in ROWS if r.unit != "MB/s" and r.id in rows]
+    if other:
+        fig, axes = plt.subplots(1, len(other), figsize=(3.2 * len(other) + 1, 4.2))
+        if len(other) == 1:
+            axes = [axes]
+        for ax, r in zip(axes, other):
+            for k, s in enumerate(systems):
+                res = rows[r.id].get(s)
+                v = res["median"].get("value") if res and res["status"] in ("ok", "partial") else None
+                ax.bar([k], [v or 0], color=colors[s], label=s)
+                if v is None:
+                    ax.text(k, 0, "n/s" if res and res["status"] == "unsupported" else "err", rotation=90, ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(range(len(systems)))
+            ax.set_xticklabels(systems, rotation=30, ha="right", fontsize=8)
+            ax.set_title(f"{r.id}\n{r.unit} ({'higher' if r.better == 'higher' else 'lower'} is better)", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+        fig.suptitle("Metadata and application scenarios" + title_sfx, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(outdir / "metadata.png", dpi=110)
+        plt.close(fig)
+        made.append("metadata.png")
+    return made

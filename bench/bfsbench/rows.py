@@ -1,0 +1,62 @@
+"""The result rows: what each measures, its unit, which way is better, and which limit it is
+quoted against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sizes import human
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    group: str
+    unit: str  # "MB/s", "s", "files/s"
+    better: str  # "higher" | "lower"
+    limit: str | None  # "put" | "get" | None
+    describe: object  # callable(sizes) -> str
+
+
+ROWS: list[Row] = [
+    Row("seq-write", "seq", "MB/s", "higher", "put",
+        lambda s: f"fio write, 1 job, bs 1M, direct, {human(s['seq'])}"),
+    Row("seq-read", "seq", "MB/s", "higher", "get",
+        lambda s: f"fio read of that file after drop caches + remount"),
+    Row("read-4jobs", "read4", "MB/s", "higher", "get",
+        lambda s: f"fio read, 4 jobs × {human(s['r4_size'])}, time based {s['r4_runtime']} s, direct"),
+    Row("small-files-write", "small", "MB/s", "higher", "put",
+        lambda s: f"create {s['sf_count']} × {s['sf_kb']} KiB in {s['sf_dirs']} dirs, {s['sf_threads']} threads"),
+    Row("small-files-read-cold", "small", "MB/s", "higher", "get",
+        lambda s: f"read them all, {s['sf_threads']} threads, after remount"),
+    Row("small-files-read-warm", "small", "MB/s", "higher", "get",
+        lambda s: "second read pass on the same mount"),
+    Row("sysbench-seqwr", "sysbench", "MB/s", "higher", "put",
+        lambda s: f"sysbench fileio {s['sb_files']} files, {human(s['sb_total'])}, 16 KiB, {s['sb_time']} s"),
+    Row("sysbench-seqrd", "sysbench", "MB/s", "higher", "get", lambda s: "sysbench seqrd"),
+    Row("sysbench-rndrd", "sysbench", "MB/s", "higher", "get", lambda s: "sysbench rndrd"),
+    Row("sysbench-rndwr", "sysbench", "MB/s", "higher", "put", lambda s: "sysbench rndwr"),
+    Row("sysbench-rndrw", "sysbench", "MB/s", "higher", None, lambda s: "sysbench rndrw (read+written)"),
+    Row("ls-dir", "lsfind", "s", "lower", None,
+        lambda s: f"ls -l of a directory of {s['ls_n']} files, cold mount"),
+    Row("find-tree", "lsfind", "s", "lower", None,
+        lambda s: f"find -type f over a tree of {s['tree_n']} files, cold mount"),
+    Row("large-cp", "cp", "MB/s", "higher", "put",
+        lambda s: f"cp of one {human(s['cp'])} local file into the mount"),
+    Row("many-create", "create", "files/s", "higher", None,
+        lambda s: f"create {s['mc_n']} × {s['mc_kb']} KiB files in nested dirs, 1 thread"),
+    Row("concurrent-reads", "concurrent", "MB/s", "higher", "get",
+        lambda s: f"{s['cr_n']} files × {human(s['cr_size'])} read at once"),
+    Row("pandas-overwrite", "pandas", "s", "lower", None,
+        lambda s: f"DataFrame.to_csv overwrite, {s['pd_rows']} rows (median of {s['pd_iter'] - 1})"),
+]
+
+BY_ID = {r.id: r for r in ROWS}
+GROUPS: list[str] = []
+for _r in ROWS:
+    if _r.group not in GROUPS:
+        GROUPS.append(_r.group)
+
+
+def rows_of(group: str) -> list[Row]:
+    return [r for r in ROWS if r.group == group]

@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""bucketfs benchmark runner: the scenarios of ../shared/BENCHMARKS.md against bucketfs and every
+peer FUSE-over-S3 tool found, on one MinIO, plus the store limit (`bucketfs bench`).
+
+  python3 bench/run.py --size smoke --systems bucketfs          # CI smoke test (< 2 min)
+  python3 bench/run.py --size ci --out bench/out/ci             # all systems found, 3 repeats
+  python3 bench/run.py --size ci --publish                      # also write bench/RESULTS.md
+
+See bench/README.md. Needs root (FUSE mounts, drop_caches), fio and sysbench (installed with
+apt-get when missing), and MinIO unless --endpoint is given. Exits 1 when any bucketfs scenario
+or verification failed, or the limit could not be measured although `bucketfs bench` exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+VENV = BENCH / ".venv"
+REQS = BENCH / "requirements.txt"
+
+
+# ------------------------------------------------------------------------------------------------
+# the venv: matplotlib (plots) and pandas (pandas scenario)
+
+
+def _in_venv() -> bool:
+    return Path(sys.prefix).resolve() == VENV.resolve()
+
+
+def ensure_venv(argv: list[str]) -> None:
+    """Re-executes this script inside bench/.venv, creating it (pip install -r requirements.txt)
+    when missing or out of date. On failure, goes on with the current interpreter (plots and
+    the pandas scenario are then reported as unavailable)."""
+    if _in_venv() or os.environ.get("BUCKETFS_BENCH_NO_VENV"):
+        return
+    stamp = VENV / ".requirements.sha256"
+    want = hashlib.sha256(REQS.read_bytes()).hexdigest()
+    py = VENV / "bin" / "python"
+    if not (py.exists() and stamp.exists() and stamp.read_text().strip() == want):
+        print("bench: preparing bench/.venv (pip install -r bench/requirements.txt)", flush=True)
+        try:
+            if not py.exists():
+                subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+            subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(REQS)],
+                           check=True, timeout=900)
+            stamp.write_text(want)
+        except (subprocess.SubprocessError, OSError) as e:
+            print(f"bench: could not prepare the venv ({e}); plots and pandas may be unavailable", flush=True)
+            return
+    os.environ["BUCKETFS_BENCH_NO_VENV"] = "1"
+    os.execv(str(py), [str(py), str(Path(__file__).resolve()), *argv])
+
+
+def ensure_tools(need_sysbench: bool) -> None:
+    missing = [t for t in (["fio"] + (["sysbench"] if need_sysbench else [])) if not shutil.which(t)]
+    if missing and os.geteuid() == 0 and shutil.which("apt-get"):
+        print(f"bench: installing {' '.join(missing)} (apt-get)", flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-q", *missing], env=env, stdout=subprocess.DEVNULL)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def host_info() -> dict:
+    cpu = "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gb": mem / 1e9, "kernel": platform.release()}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=["smoke", "ci", "published"], default="ci")
+    ap.add_argument("--systems", default="", help="comma-separated: bucketfs,s3fs,rclone,goofys,geesefs,mount-s3 "
+                    "(default: every one found)")
+    ap.add_argument("--scenarios", default="", help="comma-separated groups: seq,read4,small,sysbench,lsfind,cp,"
+                    "create,concurrent,pandas (default: all)")
+    ap.add_argument("--out", default="", help="output dir (default bench/out/SIZE-TIMESTAMP)")
+    ap.add_argument("--repeat", type=int, default=0, help="runs of every measurement (default: 1 smoke, 3 ci/published)")
+    ap.add_argument("--endpoint", default="", help="use this S3 endpoint instead of starting MinIO")
+    ap.add_argument("--access-key", default=os.environ.get("BENCH_ACCESS_KEY", ""))
+    ap.add_argument("--secret-key", default=os.environ.get("BENCH_SECRET_KEY", ""))
+    ap.add_argument("--region", default="us-east-1")
+    ap.add_argument("--bucket", default="", help="bucket to use (default: a new one per run)")
+    ap.add_argument("--bucketfs", default="", help="bucketfs binary (default: $BUCKETFS_BIN, "
+                    "$CARGO_TARGET_DIR/{release,debug}/bucketfs, target/…, PATH)")
+    ap.add_argument("--minio", default="", help="MinIO binary (default: PATH, then $(go env GOPATH)/bin)")
+    ap.add_argument("--verify", choices=["basic", "full"], default="", help="full: also md5 every byte of the "
+                    "concurrent reads inside the timed phase (default: full for smoke, basic otherwise)")
+    ap.add_argument("--publish", action="store_true", help="also write bench/RESULTS.md and bench/results/")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (MinIO data, logs)")
+    ap.add_argument("--workdir", default="", help="parent of the temp work dir (default $TMPDIR or /tmp)")
+    a = ap.parse_args(argv)
+
+    sys.path.insert(0, str(BENCH))
+    from bfsbench import minio as minio_mod
+    from bfsbench import report, runner
+    from bfsbench.rows import GROUPS, ROWS
+    from bfsbench.s3 import S3
+    from bfsbench.sizes import SIZES, human
+    from bfsbench.systems import ALL, StoreConfig, clean_env, force_unmount, is_mounted
+
+    if os.geteuid() != 0:
+        print("bench: must run as root (FUSE mounts, /proc/sys/vm/drop_caches, clear_refs)", file=sys.stderr)
+        return 2
+    sizes = dict(SIZES[a.size])
+    repeat = a.repeat or sizes["repeat"]
+    groups = [g for g in GROUPS if not a.scenarios or g in a.scenarios.split(",")]
+    unknown = set(filter(None, a.scenarios.split(","))) - set(GROUPS)
+    if unknown:
+        print(f"bench: unknown scenario group(s) {sorted(unknown)}; known: {GROUPS}", file=sys.stderr)
+        return 2
+    ensure_tools("sysbench" in groups)
+
+    try:
+        import pandas  # noqa: F401
+
+        have_pandas = True
+    except ImportError:
+        have_pandas = False
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(a.out) if a.out else BENCH / "out" / f"{a.size}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    parent = a.workdir or os.environ.get("TMPDIR") or "/tmp"
+    workdir = Path(tempfile.mkdtemp(prefix="bucketfs-bench-", dir=parent))
+    (workdir / "logs").mkdir()
+    runner.log(f"work dir {workdir}, results to {out}")
+
+    # --- the store
+    minio = None
+    cleanup_bucket = False
+
+    def stop_everything(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_everything)
+    rc = 0
+    systems = []
+    try:
+        if a.endpoint:
+            if not (a.access_key and a.secret_key):
+                print("bench: --endpoint needs --access-key and --secret-key (or BENCH_ACCESS_KEY/BENCH_SECRET_KEY)",
+                      file=sys.stderr)
+                return 2
+            store = StoreConfig(a.endpoint, a.access_key, a.secret_key, a.region)
+            store_desc = f"S3 endpoint {a.endpoint}"
+            counter_src = None
+        else:
+            binary = a.minio or minio_mod.find_minio()
+            if not binary:
+                print("bench: no MinIO binary (PATH or $(go env GOPATH)/bin/minio); install it or pass --endpoint",
+                      file=sys.stderr)
+                return 2
+            ak, sk = "bench" + secrets.token_hex(4), secrets.token_hex(16)
+            minio = minio_mod.MinioServer(binary, workdir / "minio", ak, sk, workdir / "logs" / "minio.log")
+            store = StoreConfig(minio.endpoint, ak, sk, a.region)
+            ver = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.splitlines()
+            store_desc = f"MinIO ({ver[0] if ver else '?'}) on 127.0.0.1, one drive in a temp dir"
+            counter_src = minio.collector
+            runner.log(f"MinIO at {minio.endpoint}")
+        s3 = S3(store.endpoint, store.access_key, store.secret_key, store.region)
+        bucket = a.bucket or f"bench-{stamp}-{secrets.token_hex(2)}".lower()
+        if not s3.bucket_exists(bucket):
+            s3.create_bucket(bucket)
+            cleanup_bucket = True
+        counter = minio_mod.StoreCounter(counter_src, s3, bucket) if counter_src else None
+
+        # --- the systems
+        wanted = [x for x in a.systems.split(",") if x] or list(ALL)
+        bad = [w for w in wanted if w not in ALL]
+        if bad:
+            print(f"bench: unknown system(s) {bad}; known: {list(ALL)}", file=sys.stderr)
+            return 2
+        bucketfs_bin = ALL["bucketfs"].find(a.bucketfs or None)
+        for name in wanted:
+            cls = ALL[name]
+            binary = bucketfs_bin if name == "bucketfs" else cls.find()
+            if not binary:
+                if a.systems:
+                    print(f"bench: {name} requested but not found", file=sys.stderr)
+                    if name == "bucketfs":
+                        return 2
+                continue
+            systems.append(cls(store, binary))
+        if not systems:
+            print("bench: no system to test", file=sys.stderr)
+            return 2
+        runner.log("systems: " + ", ".join(f"{s.name} ({s.version()})" for s in systems))
+
+        ctx = runner.Ctx(
+            sizes=sizes, size_name=a.size, repeat=repeat, workdir=workdir, s3=s3, bucket=bucket, counter=counter,
+            minio_pid=minio.pid if minio else None, systems=systems, python=sys.executable, have_pandas=have_pandas,
+            verify_full=(a.verify or ("full" if a.size == "smoke" else "basic")) == "full", groups=groups,
+            bucketfs_bin=bucketfs_bin,
+        )
+        ctx.store_env = {"endpoint": store.endpoint, "region": store.region, "env": clean_env(store)}
+        t0 = time.monotonic()
+        try:
+            runner.run_all(ctx)
+        except KeyboardInterrupt:
+            runner.log("interrupted: writing what was measured")
+            rc = 130
+        elapsed = time.monotonic() - t0
+
+        # --- results
+        cmd = "python3 bench/run.py " + " ".join(argv)
+        doc = {
+            "meta": {
+                "command": cmd.strip(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "size": a.size,
+                "repeat": repeat, "host": host_info(), "store": store_desc, "elapsed_s": elapsed,
+                "dropped_caches": ctx.dropped_caches, "groups": groups,
+                "systems_order": [s.name for s in systems],
+                "systems": {s.name: {"version": s.version(), "options": s.options(), "binary": s.binary,
+                                     "async_upload": s.async_upload} for s in systems},
+                "sizes": sizes,
+                "sizes_human": {"limit": f"{human(sizes['limit_size'])}, {sizes['limit_conc']} requests in flight, 8 MiB parts"},
+                "row_descriptions": {r.id: r.describe(sizes) for r in ROWS},
+                "shared_data": {k: v for k, v in ctx.shared.items() if k != "large_md5"},
+            },
+            "summary": runner.summarize(ctx),
+            "runs": {"rows": ctx.results, "limit": ctx.limit_runs},
+        }
+        (out / "plots").mkdir(exist_ok=True)
+        doc["plots"] = report.plots(doc, out / "plots")
+        (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+        md = report.markdown(doc, "plots")
+        (out / "report.md").write_text(md)
+        for f in (workdir / "logs").glob("*.log"):
+            shutil.copy(f, out / f.name)
+        if a.publish:
+            res = BENCH / "results"
+            res.mkdir(exist_ok=True)
+            for p in doc["plots"]:
+                shutil.copy(out / "plots" / p, res / p)
+            (res / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+            (BENCH / "RESULTS.md").write_text(report.markdown(doc, "results"))
+        print()
+        print(md.split("## Details")[0])
+        runner.log(f"done in {elapsed / 60:.1f} min; {out / 'report.md'}, {out / 'results.json'}")
+
+        # --- exit status: bucketfs must pass every scenario it ran, and the limit must work
+        failed = []
+        for rid, per in doc["summary"]["rows"].items():
+            res = per.get("bucketfs")
+            if res and res["status"] != "ok":
+                failed.append(f"{rid}: {res['status']}: {'; '.join(res['errors'])[:300]}")
+        lim = doc["summary"]["limit"]
+        if any(s.name == "bucketfs" for s in systems) and lim["status"] == "error":
+            failed.append(f"limit: {'; '.join(lim['errors'])}")
+        if failed:
+            print("bench: FAILED for bucketfs:\n  " + "\n  ".join(failed), file=sys.stderr)
+            rc = rc or 1
+        return rc
+    finally:
+        for s in systems:
+            mnt = workdir / "mnt" / s.name
+            if is_mounted(mnt):
+                force_unmount(mnt)
+        if cleanup_bucket and not a.keep and not a.endpoint:
+            pass  # the MinIO data dir goes with the work dir
+        elif cleanup_bucket and not a.keep:
+            try:
+                s3.delete_prefix(bucket, "")
+                s3.request("DELETE", bucket)
+            except Exception:  # noqa: BLE001
+                pass
+        if minio:
+            minio.stop()
+        if not a.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            runner.log(f"kept {workdir}")
+
+
+if __name__ == "__main__":
+    ensure_venv(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
