@@ -95,6 +95,33 @@ def host_info() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gb": mem / 1e9, "kernel": platform.release()}
 
 
+def publish(doc: dict, out: Path) -> None:
+    from bfsbench import report
+
+    res = BENCH / "results"
+    res.mkdir(exist_ok=True)
+    for p in doc["plots"]:
+        shutil.copy(out / "plots" / p, res / p)
+    (res / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    (BENCH / "RESULTS.md").write_text(report.markdown(doc, "results"))
+
+
+def rerender(src: Path, out: Path | None, do_publish: bool) -> int:
+    sys.path.insert(0, str(BENCH))
+    from bfsbench import report
+
+    doc = json.loads(src.read_text())
+    out = out or src.parent
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    doc["plots"] = report.plots(doc, out / "plots")
+    (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "report.md").write_text(report.markdown(doc, "plots"))
+    if do_publish:
+        publish(doc, out)
+    print(f"wrote {out / 'report.md'}" + (" and bench/RESULTS.md" if do_publish else ""))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=["smoke", "ci", "published"], default="ci")
@@ -117,7 +144,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--publish", action="store_true", help="also write bench/RESULTS.md and bench/results/")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (MinIO data, logs)")
     ap.add_argument("--workdir", default="", help="parent of the temp work dir (default $TMPDIR or /tmp)")
+    ap.add_argument("--from-json", default="", metavar="RESULTS_JSON", help="measure nothing: redraw the report "
+                    "and plots of an earlier run (into --out, default the JSON's dir; with --publish, bench/)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        return rerender(Path(a.from_json), Path(a.out) if a.out else None, a.publish)
 
     sys.path.insert(0, str(BENCH))
     from bfsbench import minio as minio_mod
@@ -256,12 +287,7 @@ def main(argv: list[str]) -> int:
         for f in (workdir / "logs").glob("*.log"):
             shutil.copy(f, out / f.name)
         if a.publish:
-            res = BENCH / "results"
-            res.mkdir(exist_ok=True)
-            for p in doc["plots"]:
-                shutil.copy(out / "plots" / p, res / p)
-            (res / "results.json").write_text(json.dumps(doc, indent=1, default=str))
-            (BENCH / "RESULTS.md").write_text(report.markdown(doc, "results"))
+            publish(doc, out)
         print()
         print(md.split("## Details")[0])
         runner.log(f"done in {elapsed / 60:.1f} min; {out / 'report.md'}, {out / 'results.json'}")

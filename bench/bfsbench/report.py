@@ -242,7 +242,8 @@ def plots(doc: dict, outdir: Path) -> list[str]:
                     ys.append(v)
             ax.bar(xs, ys, w, label=s, color=colors[s])
             for x, tag in marks:
-                ax.text(x, 0, tag, rotation=90, ha="center", va="bottom", fontsize=7, color=colors[s])
+                ax.text(x, 0.02, tag, rotation=90, ha="center", va="bottom", fontsize=7, color=colors[s],
+                        transform=ax.get_xaxis_transform())
         if limit_key:
             first = True
             for i, rid in enumerate(ids):
@@ -264,10 +265,10 @@ def plots(doc: dict, outdir: Path) -> list[str]:
         made.append(fname)
 
     mb_rows = [r.id for r in ROWS if r.unit == "MB/s"]
-    grouped(mb_rows, "value", "MB/s (higher is better)", "Bandwidth", "bandwidth.png", limit_key=True)
+    grouped(mb_rows, "value", "MB/s (higher is better, log scale)", "Bandwidth", "bandwidth.png", limit_key=True, log=True)
     data_rows = [r.id for r in ROWS if r.unit == "MB/s" or r.id == "large-cp"]
-    grouped(data_rows, "cpu_s_per_gb", "daemon CPU, core-seconds per GB (lower is better)", "CPU per GB", "cpu_per_gb.png")
-    grouped([r.id for r in ROWS], "peak_rss_mb", "daemon peak RSS, MB (lower is better)", "Peak memory", "peak_rss.png", log=True)
+    grouped(data_rows, "cpu_s_per_gb", "daemon CPU, core-seconds per GB (lower is better)", "CPU per GB", "cpu_per_gb.png", log=True)
+    grouped([r.id for r in ROWS], "peak_rss_mb", "daemon peak RSS, MB (lower is better)", "Peak memory", "peak_rss.png")
 
     other = [r for r in ROWS if r.unit != "MB/s" and r.id in rows]
     if other:
@@ -280,7 +281,8 @@ def plots(doc: dict, outdir: Path) -> list[str]:
                 v = res["median"].get("value") if res and res["status"] in ("ok", "partial") else None
                 ax.bar([k], [v or 0], color=colors[s], label=s)
                 if v is None:
-                    ax.text(k, 0, "n/s" if res and res["status"] == "unsupported" else "err", rotation=90, ha="center", va="bottom", fontsize=7)
+                    ax.text(k, 0.02, "n/s" if res and res["status"] == "unsupported" else "err", rotation=90, ha="center",
+                            va="bottom", fontsize=7, transform=ax.get_xaxis_transform())
             ax.set_xticks(range(len(systems)))
             ax.set_xticklabels(systems, rotation=30, ha="right", fontsize=8)
             ax.set_title(f"{r.id}\n{r.unit} ({'higher' if r.better == 'higher' else 'lower'} is better)", fontsize=9)
