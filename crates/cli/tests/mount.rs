@@ -423,7 +423,13 @@ fn chmod_chown_touch_persist_across_remount() {
     fs::create_dir(m.join("d")).unwrap();
 
     fs::set_permissions(m.join("f"), Permissions::from_mode(0o750)).unwrap();
-    std::os::unix::fs::chown(m.join("f"), Some(1234), Some(5678)).unwrap();
+    // Root (as in CI) can give files away; other users can only chown to themselves.
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = match unsafe { (libc::getuid(), libc::getgid()) } {
+        (0, _) => (1234, 5678),
+        ids => ids,
+    };
+    std::os::unix::fs::chown(m.join("f"), Some(uid), Some(gid)).unwrap();
     run(
         "touch",
         &["-m", "-d", "@1600000000", m.join("f").to_str().unwrap()],
@@ -441,7 +447,7 @@ fn chmod_chown_touch_persist_across_remount() {
     let check = |m: &Mount, when: &str| {
         let md = fs::metadata(m.join("f")).unwrap();
         assert_eq!(md.mode(), S_IFREG | 0o750, "{when}: mode of f");
-        assert_eq!((md.uid(), md.gid()), (1234, 5678), "{when}: owner of f");
+        assert_eq!((md.uid(), md.gid()), (uid, gid), "{when}: owner of f");
         assert_eq!(md.mtime(), 1_600_000_000, "{when}: mtime of f");
         assert_eq!(md.len(), 4, "{when}: size of f");
         assert_eq!(
@@ -452,7 +458,7 @@ fn chmod_chown_touch_persist_across_remount() {
         let ls = ls_ld(&m.join("f"));
         assert_eq!(
             (ls[2].as_str(), ls[3].as_str()),
-            ("1234", "5678"),
+            (uid.to_string().as_str(), gid.to_string().as_str()),
             "{when}: ls -ln owner"
         );
         assert_eq!(ls[5], "1600000000", "{when}: ls mtime");
@@ -476,8 +482,8 @@ fn chmod_chown_touch_persist_across_remount() {
         S_IFREG | 0o750,
         "x-amz-meta-mode (decimal st_mode)"
     );
-    assert_eq!(meta_u32(&h, "uid"), 1234);
-    assert_eq!(meta_u32(&h, "gid"), 5678);
+    assert_eq!(meta_u32(&h, "uid"), uid);
+    assert_eq!(meta_u32(&h, "gid"), gid);
     assert_eq!(meta_secs(&h, "mtime"), 1_600_000_000.0);
     assert_eq!(meta_secs(&head(&b, "g"), "mtime"), 1_500_000_000.0);
     assert_eq!(
