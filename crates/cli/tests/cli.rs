@@ -27,6 +27,15 @@ fn mount_args(source: &str, mp: &Path, extra: &[String]) -> Vec<OsString> {
     a
 }
 
+/// Connection flags for the test MinIO, plus a log file in the test's temp dir (a daemon
+/// without a log file and without /dev/log would log to /tmp/bucketfs-PID.log).
+fn daemon_args(dir: &tempfile::TempDir) -> Vec<String> {
+    let mut a = s3_args();
+    a.push("--log-file".into());
+    a.push(dir.path().join("daemon.log").to_string_lossy().into_owned());
+    a
+}
+
 /// The failed run left nothing behind: no mount, no process still naming the mount point.
 fn assert_nothing_left(mp: &Path, run: &CliRun) {
     std::thread::sleep(Duration::from_millis(500));
@@ -67,10 +76,10 @@ fn assert_one_line_failure(run: &CliRun, what: &str) -> String {
 #[test]
 fn wrong_credentials_fail_fast_with_a_clear_message() {
     let b = s3().new_bucket("badcreds");
-    let (_d, mp) = mountpoint();
+    let (d, mp) = mountpoint();
     // Daemon mode (no -f): the parent must report the startup error and exit non-zero.
     let run = run_cli(
-        &mount_args(&format!("s3://{b}"), &mp, &s3_args()),
+        &mount_args(&format!("s3://{b}"), &mp, &daemon_args(&d)),
         &[
             ("AWS_ACCESS_KEY_ID", "wrongkey"),
             ("AWS_SECRET_ACCESS_KEY", "wrongsecret123"),
@@ -96,9 +105,9 @@ fn wrong_credentials_fail_fast_with_a_clear_message() {
 fn missing_bucket_is_named() {
     let e = env();
     let b = unique_bucket_name("missing");
-    let (_d, mp) = mountpoint();
+    let (d, mp) = mountpoint();
     let run = run_cli(
-        &mount_args(&format!("s3://{b}"), &mp, &s3_args()),
+        &mount_args(&format!("s3://{b}"), &mp, &daemon_args(&d)),
         &[
             ("AWS_ACCESS_KEY_ID", &e.access_key),
             ("AWS_SECRET_ACCESS_KEY", &e.secret_key),
