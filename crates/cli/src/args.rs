@@ -88,6 +88,17 @@ pub enum Command {
     /// Measure the store with no file system in between (the limit for benchmarks): one
     /// parallel multipart PUT, then parallel ranged GETs of it; the object is deleted after.
     Bench(Box<BenchArgs>),
+    /// Live view of a mount: throughput, requests/s by type, cache hit rates, memory in use.
+    Stats(StatsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// The mount point of a running bucketfs.
+    pub mountpoint: PathBuf,
+    /// Print the totals since mounting once and exit, instead of refreshing every second.
+    #[arg(long)]
+    pub once: bool,
 }
 
 #[derive(Debug, Args)]

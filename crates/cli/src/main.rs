@@ -12,6 +12,7 @@ mod limit;
 mod logging;
 mod metrics_http;
 mod run;
+mod stats;
 
 use args::{Cli, Command, HelperCall, UmountArgs};
 use clap::Parser;
@@ -43,6 +44,7 @@ fn main() {
         Command::Mount(m) => run::run(&m),
         Command::Umount(u) => umount(&u),
         Command::Bench(b) => limit::run(&b),
+        Command::Stats(a) => stats::run(&a),
     };
     std::process::exit(code);
 }

@@ -1,30 +1,48 @@
-//! `--metrics-addr`: serves the store counters in the Prometheus text format at `/metrics`.
+//! Serving the counters: `--metrics-addr` (Prometheus text over HTTP at `/metrics`) and the
+//! per-mount stats socket that `bucketfs stats` reads.
 //!
-//! A deliberately tiny HTTP/1.0 responder: one GET per connection, no keep-alive. It only
-//! reads counters, so it cannot disturb the data path.
+//! Both are deliberately tiny: one request per connection, no keep-alive. They only read
+//! counters, so they cannot disturb the data path.
 
+use bucketfs_fs::FsMetrics;
 use bucketfs_store::metrics::StoreMetrics;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
+
+/// Everything a mount counts, rendered on demand.
+#[derive(Clone)]
+pub struct Counters {
+    pub store: Arc<StoreMetrics>,
+    pub fs: Arc<FsMetrics>,
+}
+
+impl Counters {
+    pub fn text(&self) -> String {
+        let mut s = self.store.prometheus();
+        s += &self.fs.prometheus();
+        s
+    }
+}
 
 /// Binds `addr` (fails at startup with a clear message if it cannot) and serves forever.
-pub async fn serve(addr: SocketAddr, metrics: Arc<StoreMetrics>) -> std::io::Result<()> {
+pub async fn serve_http(addr: SocketAddr, counters: Counters) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tokio::spawn(async move {
         loop {
             let Ok((mut sock, _)) = listener.accept().await else {
                 continue;
             };
-            let metrics = metrics.clone();
+            let counters = counters.clone();
             tokio::spawn(async move {
                 let mut buf = [0u8; 2048];
                 let n = sock.read(&mut buf).await.unwrap_or(0);
                 let req = String::from_utf8_lossy(&buf[..n]);
                 let path = req.split_whitespace().nth(1).unwrap_or("");
                 let (status, body) = if path == "/metrics" || path == "/" {
-                    ("200 OK", metrics.prometheus())
+                    ("200 OK", counters.text())
                 } else {
                     ("404 Not Found", "not found\n".to_string())
                 };
@@ -38,4 +56,59 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<StoreMetrics>) -> std::io::Res
         }
     });
     Ok(())
+}
+
+/// Where the stats socket of the mount at `mountpoint` lives: a directory private to the user
+/// (`/run/bucketfs` for root), named after the mount point so `bucketfs stats` can find it.
+pub fn stats_socket(mountpoint: &Path) -> PathBuf {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let dir = if uid == 0 {
+        PathBuf::from("/run/bucketfs")
+    } else {
+        PathBuf::from(format!("/tmp/bucketfs-{uid}"))
+    };
+    // FNV-1a: stable across builds, unlike the std hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in mountpoint.as_os_str().as_encoded_bytes() {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    dir.join(format!("{h:016x}.sock"))
+}
+
+/// Serves the counters on the stats socket until the returned guard is dropped.
+pub fn serve_socket(path: &Path, counters: Counters) -> std::io::Result<SocketGuard> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    let _ = std::fs::remove_file(path); // left by a daemon that was killed
+    let listener = UnixListener::bind(path)?;
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = sock.write_all(counters.text().as_bytes()).await;
+        }
+    });
+    Ok(SocketGuard {
+        path: path.to_path_buf(),
+        task,
+    })
+}
+
+/// Stops serving and removes the socket file.
+pub struct SocketGuard {
+    path: PathBuf,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for SocketGuard {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = std::fs::remove_file(&self.path);
+    }
 }

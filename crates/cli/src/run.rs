@@ -11,6 +11,7 @@ use crate::args::MountArgs;
 use crate::config::{parse_source, Settings, Source};
 use crate::daemon::{self, Readiness};
 use crate::logging::{self, LogTarget};
+use crate::metrics_http::{serve_http, serve_socket, stats_socket, Counters};
 use bucketfs_fs::{normalize_prefix, Fs};
 use bucketfs_fuse::{absolute, MountHandle, MountOptions};
 use bucketfs_store::local::LocalStore;
@@ -222,17 +223,33 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         Ok(x) => x,
         Err(msg) => return report_failure(readiness, msg),
     };
-    if let Some(addr) = s.metrics_addr {
-        if let Err(e) = rt.block_on(crate::metrics_http::serve(addr, metrics.clone())) {
-            return report_failure(readiness, format!("metrics address {addr}: {e}"));
-        }
-        info!("serving metrics at http://{addr}/metrics");
-    }
+
     let prefix = match &plan.target {
         Target::S3 { prefix, .. } => prefix.clone(),
         Target::Local { .. } => String::new(),
     };
-    let fs = Fs::new(store, s.fs_config(prefix));
+    let fs = rt.block_on(async { Fs::new(store, s.fs_config(prefix)) });
+    let counters = Counters {
+        store: metrics.clone(),
+        fs: fs.metrics(),
+    };
+    if let Some(addr) = s.metrics_addr {
+        if let Err(e) = rt.block_on(serve_http(addr, counters.clone())) {
+            return report_failure(readiness, format!("metrics address {addr}: {e}"));
+        }
+        info!("serving metrics at http://{addr}/metrics");
+    }
+    let socket = stats_socket(&plan.mountpoint);
+    let _stats = match rt.block_on(async { serve_socket(&socket, counters) }) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            warn!(
+                "stats socket {}: {e}; bucketfs stats will not work",
+                socket.display()
+            );
+            None
+        }
+    };
     let opts = MountOptions {
         fsname: plan.fsname.clone(),
         allow_other: s.allow_other,

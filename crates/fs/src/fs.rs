@@ -8,6 +8,7 @@ use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::inode::{join, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
+use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
 use crate::read::Reader;
 use crate::write::{Base, Orphans, PartLayout, WriteConfig, WriteState};
@@ -173,6 +174,7 @@ impl Fs {
             },
             upload_concurrency: cfg.upload_concurrency.max(1),
             orphans: Arc::new(Orphans::default()),
+            metrics: Arc::new(FsMetrics::default()),
         });
         let fs = Arc::new(Self {
             store,
@@ -199,6 +201,11 @@ impl Fs {
                 fs.wcfg.orphans.retry(&*fs.store).await;
             }
         }
+    }
+
+    /// The fs core's counters.
+    pub fn metrics(&self) -> Arc<FsMetrics> {
+        self.wcfg.metrics.clone()
     }
 
     /// Multipart uploads this mount could not abort yet.
@@ -394,10 +401,12 @@ impl Fs {
                 let i = t.get_mut(ino).expect("child in table");
                 if self.fresh(i.fetched) || i.write.is_some() {
                     i.lookups += lookups;
+                    inc(&self.wcfg.metrics.attr_hits);
                     return Ok(Self::current_attr(i));
                 }
             }
         }
+        inc(&self.wcfg.metrics.attr_misses);
         let path = join(&parent_path, name);
         match self.stat_path(&path).await {
             Ok(f) => Ok(self.remember(parent, name, path, f, lookups)),
@@ -439,6 +448,7 @@ impl Fs {
                 || i.write.is_some()
                 || self.fresh(i.fetched)
             {
+                inc(&self.wcfg.metrics.attr_hits);
                 return Ok(Self::current_attr(i));
             }
             (i.parent, i.name.clone())
@@ -1288,6 +1298,7 @@ impl Fs {
                 etag,
                 file_size,
                 self.cfg.part_size,
+                self.wcfg.metrics.clone(),
             )
         });
         r.read(offset, size).await

@@ -7,6 +7,7 @@
 //! what it asks for plus a small readahead. Files no larger than one part come in one GET.
 
 use crate::error::{log_store_err, FsError, FsResult};
+use crate::metrics::{inc, FsMetrics, Held};
 use bucketfs_store::ObjectStore;
 use bytes::{Bytes, BytesMut};
 use std::ops::Range;
@@ -21,6 +22,7 @@ const SEQ_SLACK: u64 = 4 * 1024 * 1024;
 struct Prefetch {
     range: Range<u64>,
     task: JoinHandle<FsResult<Bytes>>,
+    _held: Held,
 }
 
 pub struct Reader {
@@ -31,6 +33,8 @@ pub struct Reader {
     max_fetch: u64,
     window_start: u64,
     window: Bytes,
+    window_held: Option<Held>,
+    metrics: Arc<FsMetrics>,
     prefetch: Option<Prefetch>,
     last_end: Option<u64>,
     fetch_size: u64,
@@ -43,6 +47,7 @@ impl Reader {
         etag: Option<String>,
         size: u64,
         part_size: u64,
+        metrics: Arc<FsMetrics>,
     ) -> Self {
         Self {
             store,
@@ -52,6 +57,8 @@ impl Reader {
             max_fetch: part_size.max(MIN_FETCH),
             window_start: 0,
             window: Bytes::new(),
+            window_held: None,
+            metrics,
             prefetch: None,
             last_end: None,
             fetch_size: MIN_FETCH,
@@ -78,8 +85,21 @@ impl Reader {
         if sequential {
             self.fetch_size = (self.fetch_size * 2).min(self.max_fetch);
         } else if self.last_end.is_some() {
+            if self.fetch_size > MIN_FETCH {
+                inc(&self.metrics.prefetch_resets);
+            }
             self.fetch_size = MIN_FETCH;
         }
+        let hit = self.window_range().contains(&offset)
+            || self
+                .prefetch
+                .as_ref()
+                .is_some_and(|p| p.range.contains(&offset));
+        inc(if hit {
+            &self.metrics.read_hits
+        } else {
+            &self.metrics.read_misses
+        });
         self.last_end = Some(end);
 
         let mut out = BytesMut::new();
@@ -110,6 +130,7 @@ impl Reader {
                 let start = p.range.start;
                 let data = p.task.await.map_err(|_| FsError::EIO)??;
                 self.window_start = start;
+                self.window_held = Some(Held::new(self.metrics.clone(), data.len() as u64));
                 self.window = data;
                 if self.window_range().contains(&pos) {
                     return Ok(());
@@ -131,6 +152,7 @@ impl Reader {
             return Err(FsError::EIO);
         }
         self.window_start = range.start;
+        self.window_held = Some(Held::new(self.metrics.clone(), data.len() as u64));
         self.window = data;
         Ok(())
     }
@@ -143,6 +165,7 @@ impl Reader {
         let range = next..(next + self.fetch_size).min(self.size);
         self.prefetch = Some(Prefetch {
             task: self.spawn_fetch(range.clone()),
+            _held: Held::new(self.metrics.clone(), range.end - range.start),
             range,
         });
     }

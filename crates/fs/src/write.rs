@@ -11,6 +11,7 @@
 
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::extents::Extents;
+use crate::metrics::{inc, FsMetrics, Held};
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -113,6 +114,7 @@ pub struct WriteConfig {
     pub upload_concurrency: usize,
     /// Multipart uploads whose abort failed (the store was down); retried until it works.
     pub orphans: Arc<Orphans>,
+    pub metrics: Arc<FsMetrics>,
 }
 
 /// Uploads to abort later: `(key, upload id)`.
@@ -310,8 +312,14 @@ impl WriteState {
             let key = self.key.clone();
             let stream = self.stream.as_mut().expect("stream started above");
             let id = stream.upload_id.clone();
-            let task =
-                tokio::spawn(async move { store.upload_part(&key, &id, i as u32 + 1, body).await });
+            let metrics = self.cfg.metrics.clone();
+            let task = tokio::spawn(async move {
+                let _held = Held::new(metrics.clone(), body.len() as u64);
+                metrics.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
+                let r = store.upload_part(&key, &id, i as u32 + 1, body).await;
+                metrics.uploads_in_flight.fetch_sub(1, Ordering::Relaxed);
+                r
+            });
             if let Some(PartSlot::Uploading { task, .. }) = stream
                 .slots
                 .insert(i, PartSlot::Uploading { generation, task })
@@ -400,6 +408,11 @@ impl WriteState {
             self.publish_multipart(size).await
         };
         self.failed = result.is_err();
+        inc(if result.is_ok() {
+            &self.cfg.metrics.files_published
+        } else {
+            &self.cfg.metrics.publish_errors
+        });
         match result {
             Ok(etag) => {
                 self.base = Some(Base { etag, size });

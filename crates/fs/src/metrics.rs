@@ -1,0 +1,98 @@
+//! Counters of the fs core: cache hits and misses, prefetch behaviour, buffers and uploads in
+//! flight. Read by `--metrics-addr` and `bucketfs stats`; never on a hot path beyond one
+//! relaxed atomic add.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+#[derive(Default, Debug)]
+pub struct FsMetrics {
+    /// Lookups and getattrs answered from the inode table.
+    pub attr_hits: AtomicU64,
+    /// Lookups and getattrs that asked the store.
+    pub attr_misses: AtomicU64,
+    /// Reads answered from a handle's fetched window or its prefetch.
+    pub read_hits: AtomicU64,
+    /// Reads that had to wait for a new GET.
+    pub read_misses: AtomicU64,
+    /// Sequential streams broken by a random read (the prefetch window starts over).
+    pub prefetch_resets: AtomicU64,
+    /// Bytes held in read windows, prefetches and part buffers right now.
+    pub buffer_bytes: AtomicU64,
+    /// Parts uploading in the background right now.
+    pub uploads_in_flight: AtomicU64,
+    /// Files published (PUT or completed multipart upload).
+    pub files_published: AtomicU64,
+    /// Publishes that failed and were reported to close/fsync.
+    pub publish_errors: AtomicU64,
+}
+
+pub(crate) fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl FsMetrics {
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+
+    /// Prometheus text exposition.
+    pub fn prometheus(&self) -> String {
+        let counters: [(&str, &str, &AtomicU64); 7] = [
+            ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
+            (
+                "bucketfs_attr_cache_misses_total",
+                "counter",
+                &self.attr_misses,
+            ),
+            ("bucketfs_read_hits_total", "counter", &self.read_hits),
+            ("bucketfs_read_misses_total", "counter", &self.read_misses),
+            (
+                "bucketfs_prefetch_resets_total",
+                "counter",
+                &self.prefetch_resets,
+            ),
+            (
+                "bucketfs_files_published_total",
+                "counter",
+                &self.files_published,
+            ),
+            (
+                "bucketfs_publish_errors_total",
+                "counter",
+                &self.publish_errors,
+            ),
+        ];
+        let mut s = String::new();
+        for (name, kind, c) in counters {
+            s += &format!("# TYPE {name} {kind}\n{name} {}\n", Self::get(c));
+        }
+        s += &format!(
+            "# TYPE bucketfs_buffer_bytes gauge\nbucketfs_buffer_bytes {}\n",
+            Self::get(&self.buffer_bytes)
+        );
+        s += &format!(
+            "# TYPE bucketfs_uploads_in_flight gauge\nbucketfs_uploads_in_flight {}\n",
+            Self::get(&self.uploads_in_flight)
+        );
+        s
+    }
+}
+
+/// Counts `n` bytes in `gauge` for as long as it lives.
+pub(crate) struct Held {
+    gauge: std::sync::Arc<FsMetrics>,
+    n: u64,
+}
+
+impl Held {
+    pub(crate) fn new(gauge: std::sync::Arc<FsMetrics>, n: u64) -> Self {
+        gauge.buffer_bytes.fetch_add(n, Ordering::Relaxed);
+        Self { gauge, n }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.gauge.buffer_bytes.fetch_sub(self.n, Ordering::Relaxed);
+    }
+}
