@@ -221,3 +221,67 @@ fn local_directory_source_works() {
     );
     assert_eq!(read_file(&m.join("hello.txt")), b"hello local");
 }
+
+/// `bucketfs stats --once` reports what the mount sent to the store.
+#[test]
+fn stats_shows_the_requests_of_a_mount() {
+    let b = s3().new_bucket("stats");
+    let m = Mount::s3(&b);
+    write_file(&m.join("one.bin"), &pattern::bytes(3, 3 * MIB));
+    let mp = m.path().as_os_str().to_owned();
+    let run = run_cli(
+        &[
+            OsString::from("stats"),
+            mp.clone(),
+            OsString::from("--once"),
+        ],
+        &[],
+        None,
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{run:?}");
+    // One new file of 3 MiB: a single PUT, and it counts as published.
+    assert!(run.stdout.contains("put 1"), "{}", run.stdout);
+    assert!(run.stdout.contains("up        3.1 MB"), "{}", run.stdout);
+    assert!(run.stdout.contains("1 published"), "{}", run.stdout);
+    drop(m);
+    // Unmounted: nobody answers, and stats says so.
+    let gone = run_cli(
+        &[OsString::from("stats"), mp, OsString::from("--once")],
+        &[],
+        None,
+        Duration::from_secs(30),
+    );
+    assert_eq!(gone.status.and_then(|s| s.code()), Some(1), "{gone:?}");
+}
+
+/// `bucketfs bench` measures the store directly and cleans up after itself.
+#[test]
+fn bench_measures_the_store_and_leaves_nothing() {
+    let b = s3().new_bucket("limit");
+    let mut args = os(&[
+        "bench",
+        &format!("s3://{b}/limit"),
+        "--size",
+        "20M",
+        "--json",
+    ]);
+    args.extend(s3_args().iter().map(OsString::from));
+    let e = env();
+    let run = run_cli(
+        &args,
+        &[
+            ("AWS_ACCESS_KEY_ID", e.access_key.as_str()),
+            ("AWS_SECRET_ACCESS_KEY", e.secret_key.as_str()),
+        ],
+        None,
+        Duration::from_secs(120),
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{run:?}");
+    // 20 MiB in 8 MiB parts: three part uploads and three ranged GETs.
+    assert!(run.stdout.contains("\"put_requests\": 3"), "{}", run.stdout);
+    assert!(run.stdout.contains("\"get_requests\": 3"), "{}", run.stdout);
+    assert!(run.stdout.contains("\"get_mb_s\": "), "{}", run.stdout);
+    assert!(s3().list_keys(&b, "").is_empty());
+    assert!(s3().list_multipart_uploads(&b).is_empty());
+}
