@@ -6,10 +6,12 @@
 
 pub mod error;
 pub mod fault;
+pub mod journal;
 pub mod listing;
 pub mod local;
 pub mod memory;
 pub mod metrics;
+pub mod retry;
 pub mod s3;
 pub mod types;
 

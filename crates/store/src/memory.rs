@@ -57,7 +57,17 @@ impl MemoryStore {
     }
 
     fn insert(&self, key: &str, data: Bytes, meta: UserMeta) -> String {
-        let etag = etag_of(&data);
+        self.insert_with_etag(key, data, meta, None)
+    }
+
+    fn insert_with_etag(
+        &self,
+        key: &str,
+        data: Bytes,
+        meta: UserMeta,
+        etag: Option<String>,
+    ) -> String {
+        let etag = etag.unwrap_or_else(|| etag_of(&data));
         self.inner.lock().objects.insert(
             key.to_string(),
             Object {
@@ -198,7 +208,9 @@ impl ObjectStore for MemoryStore {
             }
             buf.extend_from_slice(data);
         }
-        Ok(self.insert(key, buf.freeze(), up.meta))
+        // S3's multipart ETag: md5 of the parts' md5s, then "-<number of parts>".
+        let etag = crate::retry::multipart_etag(parts);
+        Ok(self.insert_with_etag(key, buf.freeze(), up.meta, etag))
     }
 
     async fn abort_multipart(&self, _key: &str, upload_id: &str) -> StoreResult<()> {

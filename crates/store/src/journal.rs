@@ -1,0 +1,537 @@
+//! A journal of the multipart uploads a mount has in progress, so that the uploads of a daemon
+//! that died (kill -9, OOM, power loss) are aborted by the next mount of the same bucket
+//! instead of holding their parts (and their storage bill) forever.
+//!
+//! [`JournalStore`] wraps the store: every upload it creates is appended to the journal as
+//! `+ <upload id> <key>` (hex-encoded, so any key fits on a line, then `fdatasync`), and every
+//! upload it completes or aborts as `- <upload id>`. The journal is the file
+//! `<dir>/<tag>.<pid>.journal` (mode 0600, in a 0700 directory); `tag` names the bucket, so
+//! only mounts of the same bucket recover each other's uploads. The daemon holds an exclusive
+//! `flock` on its journal while it lives: a journal whose lock can be taken belongs to a dead
+//! daemon.
+//!
+//! [`recover`] runs at startup, before the mount: for every dead journal of this tag it aborts
+//! the uploads that were started and never finished (an abort of an upload that did complete
+//! answers `NoSuchUpload`, which counts as done), then removes the journal. A journal whose
+//! aborts fail (the store is down) is kept for the next mount.
+//!
+//! Only uploads this program started are touched; other clients' uploads under the same prefix
+//! are never aborted.
+
+use crate::*;
+use async_trait::async_trait;
+use bytes::Bytes;
+use md5::Digest;
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const SUFFIX: &str = ".journal";
+/// The journal is rewritten (compacted) when it grows past this while nothing is open.
+const COMPACT_AT: u64 = 1 << 20;
+
+/// A file name fragment for the bucket a journal belongs to: readable, no `/` or `.`.
+pub fn journal_tag(store_identity: &str) -> String {
+    let mut out: String = store_identity
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .take(60)
+        .collect();
+    // Distinct identities that sanitize alike still get distinct tags.
+    let h = md5::Md5::digest(store_identity.as_bytes());
+    out.push('-');
+    out.push_str(&hex::encode(&h[..6]));
+    out
+}
+
+fn lock(f: &File, block: bool) -> io::Result<bool> {
+    let op = libc::LOCK_EX | if block { 0 } else { libc::LOCK_NB };
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// One open journal (the live daemon's).
+pub struct UploadJournal {
+    path: PathBuf,
+    inner: Mutex<JournalInner>,
+}
+
+struct JournalInner {
+    file: File,
+    /// upload id -> key of uploads started and not finished.
+    live: BTreeMap<String, String>,
+    len: u64,
+}
+
+impl std::fmt::Debug for UploadJournal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UploadJournal")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+fn create_dir(dir: &Path) -> io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+impl UploadJournal {
+    /// Creates the journal of this process for `tag` in `dir` and locks it.
+    pub fn open(dir: &Path, tag: &str) -> io::Result<Self> {
+        create_dir(dir)?;
+        let path = dir.join(format!("{tag}.{}{SUFFIX}", std::process::id()));
+        let file = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)?;
+        lock(&file, true)?;
+        Ok(Self {
+            path,
+            inner: Mutex::new(JournalInner {
+                file,
+                live: BTreeMap::new(),
+                len: 0,
+            }),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Uploads started and not yet completed or aborted: `(key, upload id)`.
+    pub fn live(&self) -> Vec<(String, String)> {
+        self.inner
+            .lock()
+            .live
+            .iter()
+            .map(|(id, k)| (k.clone(), id.clone()))
+            .collect()
+    }
+
+    /// Records a started upload; durable when this returns.
+    pub fn started(&self, key: &str, upload_id: &str) -> io::Result<()> {
+        let mut g = self.inner.lock();
+        let line = format!("+ {} {}\n", hex::encode(upload_id), hex::encode(key));
+        g.file.write_all(line.as_bytes())?;
+        g.file.sync_data()?;
+        g.len += line.len() as u64;
+        g.live.insert(upload_id.to_string(), key.to_string());
+        Ok(())
+    }
+
+    /// Records a completed or aborted upload.
+    pub fn finished(&self, upload_id: &str) -> io::Result<()> {
+        let mut g = self.inner.lock();
+        if g.live.remove(upload_id).is_none() {
+            return Ok(());
+        }
+        if g.live.is_empty() && g.len > COMPACT_AT {
+            g.file.set_len(0)?;
+            g.len = 0;
+            return Ok(());
+        }
+        let line = format!("- {}\n", hex::encode(upload_id));
+        g.file.write_all(line.as_bytes())?;
+        g.len += line.len() as u64;
+        Ok(())
+    }
+
+    /// Removes the journal (a clean exit with nothing in progress).
+    pub fn remove(&self) -> io::Result<()> {
+        let g = self.inner.lock();
+        if !g.live.is_empty() {
+            return Err(io::Error::other(format!(
+                "{} uploads still in progress",
+                g.live.len()
+            )));
+        }
+        std::fs::remove_file(&self.path)
+    }
+}
+
+/// Parses journal text into the uploads still open: `(key, upload id)`. Damaged lines (a torn
+/// last line after a crash) are skipped.
+pub fn parse_journal(text: &str) -> Vec<(String, String)> {
+    let mut live: BTreeMap<String, String> = BTreeMap::new();
+    for line in text.lines() {
+        let mut f = line.split(' ');
+        let decode = |s: Option<&str>| {
+            s.and_then(|s| hex::decode(s).ok())
+                .and_then(|b| String::from_utf8(b).ok())
+        };
+        match f.next() {
+            Some("+") => {
+                if let (Some(id), Some(key)) = (decode(f.next()), decode(f.next())) {
+                    live.insert(id, key);
+                }
+            }
+            Some("-") => {
+                if let Some(id) = decode(f.next()) {
+                    live.remove(&id);
+                }
+            }
+            _ => {}
+        }
+    }
+    live.into_iter().map(|(id, k)| (k, id)).collect()
+}
+
+/// What [`recover`] did.
+#[derive(Debug, Default)]
+pub struct Recovery {
+    /// Journals of dead daemons that were read.
+    pub journals: usize,
+    /// Uploads aborted: `(key, upload id)`.
+    pub aborted: Vec<(String, String)>,
+    /// Uploads whose abort failed (kept for the next mount): `(key, upload id, error)`.
+    pub failed: Vec<(String, String, String)>,
+}
+
+/// Aborts the uploads left by dead daemons of `tag` in `dir` (see the module docs).
+pub async fn recover(store: &dyn ObjectStore, dir: &Path, tag: &str) -> io::Result<Recovery> {
+    let mut rec = Recovery::default();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(rec),
+        Err(e) => return Err(e),
+    };
+    let own = format!("{tag}.{}{SUFFIX}", std::process::id());
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with(&format!("{tag}.")) || !name.ends_with(SUFFIX) || name == own {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) else {
+            continue;
+        };
+        if !lock(&file, false)? {
+            continue; // its daemon is alive
+        }
+        rec.journals += 1;
+        let mut text = String::new();
+        for line in BufReader::new(&file).lines() {
+            match line {
+                Ok(l) => {
+                    text.push_str(&l);
+                    text.push('\n');
+                }
+                Err(_) => break,
+            }
+        }
+        let mut all_done = true;
+        for (key, id) in parse_journal(&text) {
+            match store.abort_multipart(&key, &id).await {
+                Ok(()) => rec.aborted.push((key, id)),
+                Err(e) if e.is_not_found() => rec.aborted.push((key, id)),
+                Err(e) => {
+                    all_done = false;
+                    rec.failed.push((key, id, e.to_string()));
+                }
+            }
+        }
+        if all_done {
+            std::fs::remove_file(&path)?;
+        }
+        drop(file); // unlocks
+    }
+    Ok(rec)
+}
+
+/// A store that journals the multipart uploads going through it.
+pub struct JournalStore {
+    inner: Arc<dyn ObjectStore>,
+    journal: Arc<UploadJournal>,
+}
+
+impl JournalStore {
+    pub fn new(inner: Arc<dyn ObjectStore>, journal: Arc<UploadJournal>) -> Self {
+        Self { inner, journal }
+    }
+
+    pub fn journal(&self) -> Arc<UploadJournal> {
+        self.journal.clone()
+    }
+
+    fn finished(&self, key: &str, upload_id: &str) {
+        if let Err(e) = self.journal.finished(upload_id) {
+            tracing::warn!(
+                "upload journal {}: cannot record the end of the upload of {key}: {e}",
+                self.journal.path.display()
+            );
+        }
+    }
+}
+
+#[async_trait]
+impl ObjectStore for JournalStore {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
+        self.inner.head(key).await
+    }
+    async fn get_range(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> StoreResult<Bytes> {
+        self.inner.get_range(key, range, if_match).await
+    }
+    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        self.inner.put(key, body, meta).await
+    }
+    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        let id = self.inner.create_multipart(key, meta).await?;
+        if let Err(e) = self.journal.started(key, &id) {
+            // Without a journal entry a crash would leave this upload behind for good: give
+            // it up now rather than risk that.
+            let _ = self.inner.abort_multipart(key, &id).await;
+            return Err(StoreError::Other(format!(
+                "upload journal {}: {e}",
+                self.journal.path.display()
+            )));
+        }
+        Ok(id)
+    }
+    async fn upload_part(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        body: Bytes,
+    ) -> StoreResult<String> {
+        self.inner
+            .upload_part(key, upload_id, part_number, body)
+            .await
+    }
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        src_key: &str,
+        range: Range<u64>,
+    ) -> StoreResult<String> {
+        self.inner
+            .upload_part_copy(key, upload_id, part_number, src_key, range)
+            .await
+    }
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: &[CompletedPart],
+    ) -> StoreResult<String> {
+        let r = self.inner.complete_multipart(key, upload_id, parts).await;
+        if r.is_ok() {
+            self.finished(key, upload_id);
+        }
+        r
+    }
+    async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
+        let r = self.inner.abort_multipart(key, upload_id).await;
+        if r.is_ok() || r.as_ref().is_err_and(|e| e.is_not_found()) {
+            self.finished(key, upload_id);
+        }
+        r
+    }
+    async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
+        self.inner.list_multipart_uploads(prefix).await
+    }
+    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+        self.inner.copy(src_key, dst_key, meta).await
+    }
+    async fn delete(&self, key: &str) -> StoreResult<()> {
+        self.inner.delete(key).await
+    }
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        continuation: Option<String>,
+        max_keys: usize,
+    ) -> StoreResult<ListPage> {
+        self.inner
+            .list(prefix, delimiter, continuation, max_keys)
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemoryStore;
+
+    #[test]
+    fn journal_lines_round_trip_any_key() {
+        let keys = ["a/b", "sp ace\nnew+line%#?", "ü/é", ""];
+        let mut text = String::new();
+        for (i, k) in keys.iter().enumerate() {
+            text.push_str(&format!(
+                "+ {} {}\n",
+                hex::encode(format!("id{i}")),
+                hex::encode(k)
+            ));
+        }
+        text.push_str(&format!("- {}\n", hex::encode("id1")));
+        text.push_str("+ 6964 zz\n- \ngarbage\n+ 69"); // damaged lines
+        let live = parse_journal(&text);
+        assert_eq!(
+            live,
+            vec![
+                ("a/b".to_string(), "id0".to_string()),
+                ("ü/é".to_string(), "id2".to_string()),
+                ("".to_string(), "id3".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn tags_are_file_names() {
+        let t = journal_tag("s3://bucket/pre fix @ http://127.0.0.1:9000");
+        assert!(!t.contains('/') && !t.contains('.') && !t.contains(' '));
+        assert_ne!(journal_tag("a/b"), journal_tag("a_b"));
+    }
+
+    /// A journal written by a "dead daemon" (a journal file nobody holds a lock on).
+    fn dead_journal(dir: &Path, tag: &str, lines: &str) {
+        std::fs::write(dir.join(format!("{tag}.999999999{SUFFIX}")), lines).unwrap();
+    }
+
+    #[tokio::test]
+    async fn uploads_of_a_dead_daemon_are_aborted_and_others_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemoryStore::new());
+        let journal = Arc::new(UploadJournal::open(dir.path(), "t").unwrap());
+        let js = JournalStore::new(mem.clone(), journal.clone());
+        // Our upload, then the daemon "dies" (its journal is left, unlocked).
+        let ours = js.create_multipart("k1", &UserMeta::new()).await.unwrap();
+        let done = js.create_multipart("k2", &UserMeta::new()).await.unwrap();
+        js.abort_multipart("k2", &done).await.unwrap();
+        assert_eq!(journal.live(), vec![("k1".to_string(), ours.clone())]);
+        let text = std::fs::read_to_string(journal.path()).unwrap();
+        drop(js);
+        drop(journal);
+        dead_journal(dir.path(), "t", &text);
+        // Someone else's upload, and a dead journal of another bucket.
+        let theirs = mem.create_multipart("k3", &UserMeta::new()).await.unwrap();
+        let other_bucket = mem.create_multipart("k4", &UserMeta::new()).await.unwrap();
+        dead_journal(
+            dir.path(),
+            "other",
+            &format!("+ {} {}\n", hex::encode(&other_bucket), hex::encode("k4")),
+        );
+        // A live daemon's journal (locked) is not touched either.
+        let busy = mem.create_multipart("k5", &UserMeta::new()).await.unwrap();
+        let live_path = dir.path().join(format!("t.888888888{SUFFIX}"));
+        std::fs::write(
+            &live_path,
+            format!("+ {} {}\n", hex::encode(&busy), hex::encode("k5")),
+        )
+        .unwrap();
+        let live = File::open(&live_path).unwrap();
+        assert!(lock(&live, false).unwrap());
+        assert_eq!(mem.pending_uploads(), 4);
+
+        let rec = recover(&*mem, dir.path(), "t").await.unwrap();
+        assert_eq!(rec.aborted, vec![("k1".to_string(), ours)]);
+        assert!(rec.failed.is_empty());
+        assert_eq!(rec.journals, 1);
+        assert_eq!(mem.pending_uploads(), 3);
+        let left: Vec<_> = mem
+            .list_multipart_uploads("")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|u| u.upload_id)
+            .collect();
+        assert!(left.contains(&theirs) && left.contains(&other_bucket) && left.contains(&busy));
+        assert!(live_path.exists());
+        drop(live);
+        assert!(!dir.path().join(format!("t.999999999{SUFFIX}")).exists());
+        assert!(dir.path().join(format!("other.999999999{SUFFIX}")).exists());
+    }
+
+    #[tokio::test]
+    async fn a_journal_whose_aborts_fail_is_kept() {
+        use crate::fault::{Fault, FaultStore};
+        use crate::metrics::Op;
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemoryStore::new());
+        let id = mem.create_multipart("k", &UserMeta::new()).await.unwrap();
+        dead_journal(
+            dir.path(),
+            "t",
+            &format!("+ {} {}\n", hex::encode(&id), hex::encode("k")),
+        );
+        let fault = FaultStore::new(mem.clone());
+        fault.inject(
+            Op::AbortMultipart,
+            0,
+            Some(1),
+            Fault::Error(StoreError::Transient("down".into())),
+        );
+        let rec = recover(&fault, dir.path(), "t").await.unwrap();
+        assert_eq!(rec.failed.len(), 1);
+        assert!(dir.path().join(format!("t.999999999{SUFFIX}")).exists());
+        let rec = recover(&fault, dir.path(), "t").await.unwrap();
+        assert_eq!(rec.aborted.len(), 1);
+        assert_eq!(mem.pending_uploads(), 0);
+        assert!(!dir.path().join(format!("t.999999999{SUFFIX}")).exists());
+    }
+
+    #[tokio::test]
+    async fn completed_uploads_leave_the_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemoryStore::new());
+        let journal = Arc::new(UploadJournal::open(dir.path(), "t").unwrap());
+        let js = JournalStore::new(mem.clone(), journal.clone());
+        let id = js.create_multipart("k", &UserMeta::new()).await.unwrap();
+        let e = js
+            .upload_part("k", &id, 1, Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        js.complete_multipart(
+            "k",
+            &id,
+            &[CompletedPart {
+                part_number: 1,
+                etag: e,
+            }],
+        )
+        .await
+        .unwrap();
+        assert!(journal.live().is_empty());
+        let text = std::fs::read_to_string(journal.path()).unwrap();
+        assert!(parse_journal(&text).is_empty());
+        journal.remove().unwrap();
+        assert!(!journal.path().exists());
+        // Mode 0600.
+        use std::os::unix::fs::PermissionsExt;
+        let j2 = UploadJournal::open(dir.path(), "t").unwrap();
+        let mode = std::fs::metadata(j2.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+}

@@ -1,0 +1,641 @@
+//! Retries of transient store failures: exponential backoff with jitter, bounded in time, with
+//! an outage breaker so that a store that stays down makes calls fail fast instead of each one
+//! waiting out the whole budget.
+//!
+//! [`RetryStore`] wraps any [`ObjectStore`]. A call that fails with [`StoreError::Transient`]
+//! (5xx, `SlowDown`, request timeouts, refused or reset connections, a body cut off
+//! mid-transfer) is tried again after `min(max_backoff, initial_backoff * 2^n)`, of which the
+//! upper half is random ("equal jitter"), until it succeeds, fails with a permanent error, has
+//! made `max_attempts` attempts, or the next attempt would start later than `max_elapsed` after
+//! the first one. Permanent errors (403, 404, 412, 400, out of space) are returned at once.
+//!
+//! **Outage breaker.** Every success clears the breaker; the first transient failure after a
+//! success sets the outage start. Once the store has failed for longer than `max_elapsed`
+//! without any success in between, a new call makes a single attempt (and a success closes the
+//! outage). So a dead endpoint costs the first callers `max_elapsed`, and everybody after that
+//! one attempt, while a restart that takes less than `max_elapsed` is ridden out invisibly.
+//! The start and the end of an outage are logged once each.
+//!
+//! **Idempotency.** Every store operation is safe to repeat (PUT, UploadPart, CopyObject and
+//! DELETE of the same request give the same result), except CompleteMultipartUpload: when an
+//! attempt completed the upload but its answer was lost, the repeat gets `NoSuchUpload`. The
+//! wrapper then HEADs the key and accepts the object only if its ETag is the multipart ETag of
+//! exactly the parts it completed (`md5(md5(part 1) ‖ … ‖ md5(part n))-n`); otherwise it
+//! reports the original transient error, so the caller never believes in an object that is not
+//! the one it uploaded. A CreateMultipartUpload whose answer was lost leaves an upload the
+//! caller never learns about; see `docs/reliability.md`.
+
+use crate::*;
+use async_trait::async_trait;
+use bytes::Bytes;
+use md5::{Digest, Md5};
+use parking_lot::Mutex;
+use rand::Rng;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long and how often to retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// No attempt starts later than this after the first one. Zero: no retries.
+    pub max_elapsed: Duration,
+    /// Backoff before the second attempt (before jitter); doubles after each attempt.
+    pub initial_backoff: Duration,
+    /// Largest backoff between two attempts.
+    pub max_backoff: Duration,
+    /// Most attempts of one call, the first included.
+    pub max_attempts: u32,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_elapsed: Duration::from_secs(30),
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(4),
+            max_attempts: 25,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// A policy that never retries.
+    pub fn none() -> Self {
+        Self {
+            max_elapsed: Duration::ZERO,
+            max_attempts: 1,
+            ..Self::default()
+        }
+    }
+
+    /// The backoff before attempt `attempt + 1` (1-based `attempt` just failed), jittered:
+    /// half of it fixed, half random.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exp = self.initial_backoff.saturating_mul(
+            1u32.checked_shl(attempt.saturating_sub(1))
+                .unwrap_or(u32::MAX),
+        );
+        let cap = exp.min(self.max_backoff);
+        let half = cap / 2;
+        let jitter = rand::thread_rng().gen_range(0..=half.as_micros() as u64);
+        half + Duration::from_micros(jitter)
+    }
+}
+
+/// Counters of what the retry layer did.
+#[derive(Debug, Default)]
+pub struct RetryMetrics {
+    /// Attempts made after a transient failure.
+    pub retries: AtomicU64,
+    /// Calls that failed with a transient error after exhausting their budget.
+    pub gave_up: AtomicU64,
+    /// Calls that failed on their first attempt, then succeeded on a retry.
+    pub recovered: AtomicU64,
+    /// Outages: periods with failures and no success, longer than `max_elapsed`.
+    pub outages: AtomicU64,
+    /// Calls that got a single attempt because an outage was in progress.
+    pub fast_failed: AtomicU64,
+}
+
+impl RetryMetrics {
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Breaker {
+    /// When the current run of failures started (None: the last call succeeded).
+    failing_since: Option<Instant>,
+    /// The run is longer than the budget and has been reported.
+    outage: bool,
+}
+
+pub struct RetryStore<S: ?Sized = dyn ObjectStore> {
+    inner: Arc<S>,
+    policy: RetryPolicy,
+    breaker: Mutex<Breaker>,
+    metrics: Arc<RetryMetrics>,
+}
+
+impl<S: ObjectStore + ?Sized> RetryStore<S> {
+    pub fn new(inner: Arc<S>, policy: RetryPolicy) -> Self {
+        Self {
+            inner,
+            policy,
+            breaker: Mutex::new(Breaker::default()),
+            metrics: Arc::new(RetryMetrics::default()),
+        }
+    }
+
+    pub fn metrics(&self) -> Arc<RetryMetrics> {
+        self.metrics.clone()
+    }
+
+    pub fn policy(&self) -> RetryPolicy {
+        self.policy
+    }
+
+    fn succeeded(&self) {
+        let mut b = self.breaker.lock();
+        if let Some(since) = b.failing_since.take() {
+            if b.outage {
+                tracing::warn!(
+                    "{}: reachable again after {:.1} s of failures",
+                    self.inner.describe(),
+                    since.elapsed().as_secs_f64()
+                );
+            }
+        }
+        b.outage = false;
+    }
+
+    /// Records a transient failure; returns whether an outage (longer than the budget) is in
+    /// progress.
+    fn failed(&self, e: &StoreError) -> bool {
+        let mut b = self.breaker.lock();
+        let since = *b.failing_since.get_or_insert_with(Instant::now);
+        if !b.outage && since.elapsed() > self.policy.max_elapsed {
+            b.outage = true;
+            self.metrics.outages.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "{}: failing for {:.1} s ({e}); calls now fail after one attempt until it \
+                 answers again",
+                self.inner.describe(),
+                since.elapsed().as_secs_f64()
+            );
+        }
+        b.outage
+    }
+
+    fn in_outage(&self) -> bool {
+        self.breaker.lock().outage
+    }
+
+    /// Runs `call` until it succeeds, fails permanently, or the budget is spent.
+    async fn retry<T, F, Fut>(&self, what: &str, mut call: F) -> StoreResult<T>
+    where
+        F: FnMut() -> Fut + Send,
+        Fut: Future<Output = StoreResult<T>> + Send,
+        T: Send,
+    {
+        let start = Instant::now();
+        let single = self.in_outage();
+        if single {
+            self.metrics.fast_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut attempt = 1u32;
+        loop {
+            match call().await {
+                Ok(v) => {
+                    self.succeeded();
+                    if attempt > 1 {
+                        self.metrics.recovered.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!("{what}: succeeded on attempt {attempt}");
+                    }
+                    return Ok(v);
+                }
+                Err(e) if e.is_transient() => {
+                    let outage = self.failed(&e);
+                    let wait = self.policy.backoff(attempt);
+                    let out_of_budget = single
+                        || outage
+                        || attempt >= self.policy.max_attempts
+                        || start.elapsed() + wait > self.policy.max_elapsed;
+                    if out_of_budget {
+                        if attempt > 1 || !single {
+                            self.metrics.gave_up.fetch_add(1, Ordering::Relaxed);
+                        }
+                        tracing::debug!(
+                            "{what}: giving up after {attempt} attempt(s) in {:.1} s: {e}",
+                            start.elapsed().as_secs_f64()
+                        );
+                        return Err(e);
+                    }
+                    tracing::debug!(
+                        "{what}: attempt {attempt} failed ({e}); retrying in {} ms",
+                        wait.as_millis()
+                    );
+                    self.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                Err(e) => {
+                    // A permanent answer is still an answer: the store is reachable.
+                    self.succeeded();
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// The ETag S3 gives an object completed from parts with these ETags (MD5s, quoted or not):
+/// `"md5(md5(p1) ‖ … ‖ md5(pn))-n"`. `None` when a part ETag is not a plain MD5.
+pub fn multipart_etag(parts: &[CompletedPart]) -> Option<String> {
+    let mut h = Md5::new();
+    for p in parts {
+        let raw = hex::decode(p.etag.trim_matches('"')).ok()?;
+        if raw.len() != 16 {
+            return None;
+        }
+        h.update(&raw);
+    }
+    Some(format!("\"{}-{}\"", hex::encode(h.finalize()), parts.len()))
+}
+
+#[async_trait]
+impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
+        self.retry(&format!("HEAD {key}"), || self.inner.head(key))
+            .await
+    }
+
+    async fn get_range(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> StoreResult<Bytes> {
+        self.retry(&format!("GET {key} {range:?}"), || {
+            self.inner.get_range(key, range.clone(), if_match)
+        })
+        .await
+    }
+
+    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        self.retry(&format!("PUT {key}"), || {
+            self.inner.put(key, body.clone(), meta)
+        })
+        .await
+    }
+
+    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        self.retry(&format!("CreateMultipartUpload {key}"), || {
+            self.inner.create_multipart(key, meta)
+        })
+        .await
+    }
+
+    async fn upload_part(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        body: Bytes,
+    ) -> StoreResult<String> {
+        self.retry(&format!("UploadPart {key} #{part_number}"), || {
+            self.inner
+                .upload_part(key, upload_id, part_number, body.clone())
+        })
+        .await
+    }
+
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: u32,
+        src_key: &str,
+        range: Range<u64>,
+    ) -> StoreResult<String> {
+        self.retry(&format!("UploadPartCopy {key} #{part_number}"), || {
+            self.inner
+                .upload_part_copy(key, upload_id, part_number, src_key, range.clone())
+        })
+        .await
+    }
+
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: &[CompletedPart],
+    ) -> StoreResult<String> {
+        let what = format!("CompleteMultipartUpload {key}");
+        let first_error: Mutex<Option<StoreError>> = Mutex::new(None);
+        let r = self
+            .retry(&what, || async {
+                let r = self.inner.complete_multipart(key, upload_id, parts).await;
+                if let Err(e) = &r {
+                    if e.is_transient() {
+                        first_error.lock().get_or_insert_with(|| e.clone());
+                    }
+                }
+                r
+            })
+            .await;
+        let Err(StoreError::NotFound(nf)) = &r else {
+            return r;
+        };
+        let Some(lost) = first_error.lock().take() else {
+            return r; // no attempt failed before: the upload really is unknown
+        };
+        // An earlier attempt may have completed the upload and lost its answer.
+        let expected = multipart_etag(parts);
+        match self.head(key).await {
+            Ok(obj) if expected.is_some() && obj.etag == expected => {
+                tracing::info!(
+                    "{what}: the answer to an attempt was lost ({lost}), but the object has \
+                     the ETag of our parts: completed"
+                );
+                Ok(obj.etag.unwrap_or_default())
+            }
+            _ => {
+                tracing::warn!(
+                    "{what}: an attempt failed ({lost}) and the retry found no upload ({nf}); \
+                     the object does not carry our parts' ETag, so the upload is reported as \
+                     failed"
+                );
+                Err(lost)
+            }
+        }
+    }
+
+    async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
+        self.retry(&format!("AbortMultipartUpload {key}"), || {
+            self.inner.abort_multipart(key, upload_id)
+        })
+        .await
+    }
+
+    async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
+        self.retry(&format!("ListMultipartUploads {prefix:?}"), || {
+            self.inner.list_multipart_uploads(prefix)
+        })
+        .await
+    }
+
+    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+        self.retry(&format!("CopyObject {src_key} -> {dst_key}"), || {
+            self.inner.copy(src_key, dst_key, meta)
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &str) -> StoreResult<()> {
+        self.retry(&format!("DELETE {key}"), || self.inner.delete(key))
+            .await
+    }
+
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        continuation: Option<String>,
+        max_keys: usize,
+    ) -> StoreResult<ListPage> {
+        self.retry(&format!("LIST {prefix:?}"), || {
+            self.inner
+                .list(prefix, delimiter, continuation.clone(), max_keys)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fault::{Fault, FaultStore};
+    use crate::memory::MemoryStore;
+    use crate::metrics::Op;
+
+    fn quick(max_elapsed_ms: u64) -> RetryPolicy {
+        RetryPolicy {
+            max_elapsed: Duration::from_millis(max_elapsed_ms),
+            initial_backoff: Duration::from_millis(2),
+            max_backoff: Duration::from_millis(20),
+            max_attempts: 50,
+        }
+    }
+
+    fn setup(policy: RetryPolicy) -> (Arc<MemoryStore>, Arc<FaultStore>, RetryStore) {
+        let mem = Arc::new(MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let retry = RetryStore::new(fault.clone() as Arc<dyn ObjectStore>, policy);
+        (mem, fault, retry)
+    }
+
+    fn transient() -> Fault {
+        Fault::Error(StoreError::Transient("503 SlowDown (injected)".into()))
+    }
+
+    #[test]
+    fn backoff_grows_with_jitter_and_is_capped() {
+        let p = RetryPolicy {
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(4),
+            ..RetryPolicy::default()
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let b1 = p.backoff(1);
+            assert!(b1 >= Duration::from_millis(50) && b1 <= Duration::from_millis(100));
+            seen.insert(b1.as_micros());
+            let b3 = p.backoff(3);
+            assert!(b3 >= Duration::from_millis(200) && b3 <= Duration::from_millis(400));
+            let b30 = p.backoff(30);
+            assert!(b30 >= Duration::from_secs(2) && b30 <= Duration::from_secs(4));
+            assert!(p.backoff(u32::MAX) <= Duration::from_secs(4));
+        }
+        assert!(seen.len() > 50, "backoff is not jittered: {seen:?}");
+    }
+
+    #[tokio::test]
+    async fn transient_errors_are_retried_until_success() {
+        let (mem, fault, retry) = setup(quick(5_000));
+        mem.put("k", Bytes::from_static(b"v"), &UserMeta::new())
+            .await
+            .unwrap();
+        fault.inject(Op::Get, 0, Some(5), transient());
+        fault.inject(Op::Put, 0, Some(3), Fault::DropAfter);
+        assert_eq!(retry.get_range("k", 0..1, None).await.unwrap(), "v");
+        retry
+            .put("k2", Bytes::from_static(b"w"), &UserMeta::new())
+            .await
+            .unwrap();
+        let m = retry.metrics();
+        assert_eq!(RetryMetrics::get(&m.retries), 8);
+        assert_eq!(RetryMetrics::get(&m.recovered), 2);
+        assert_eq!(RetryMetrics::get(&m.gave_up), 0);
+    }
+
+    #[tokio::test]
+    async fn permanent_errors_are_not_retried() {
+        let (_mem, fault, retry) = setup(quick(5_000));
+        for e in [
+            StoreError::AccessDenied("403".into()),
+            StoreError::NoSpace("507".into()),
+            StoreError::PreconditionFailed("412".into()),
+            StoreError::Invalid("400".into()),
+        ] {
+            fault.clear();
+            fault.inject(Op::Head, 0, Some(1), Fault::Error(e.clone()));
+            let got = retry.head("k").await.unwrap_err();
+            assert_eq!(got.errno(), e.errno());
+        }
+        // 404 comes from the store itself.
+        assert!(retry.head("missing").await.unwrap_err().is_not_found());
+        assert_eq!(RetryMetrics::get(&retry.metrics().retries), 0);
+    }
+
+    #[tokio::test]
+    async fn retries_are_bounded_in_time() {
+        let (_mem, fault, retry) = setup(quick(300));
+        fault.inject(Op::Head, 0, None, transient());
+        let t = Instant::now();
+        let e = retry.head("k").await.unwrap_err();
+        let took = t.elapsed();
+        assert!(e.is_transient());
+        assert!(took <= Duration::from_millis(600), "took {took:?}");
+        assert!(
+            took >= Duration::from_millis(200),
+            "gave up too early: {took:?}"
+        );
+        assert!(RetryMetrics::get(&retry.metrics().retries) >= 5);
+        assert_eq!(RetryMetrics::get(&retry.metrics().gave_up), 1);
+    }
+
+    #[tokio::test]
+    async fn attempts_are_bounded_in_number() {
+        let mut p = quick(60_000);
+        p.max_attempts = 4;
+        let (_mem, fault, retry) = setup(p);
+        fault.inject(Op::Head, 0, None, transient());
+        retry.head("k").await.unwrap_err();
+        assert_eq!(RetryMetrics::get(&retry.metrics().retries), 3);
+    }
+
+    #[tokio::test]
+    async fn a_long_outage_makes_calls_fail_fast_until_the_store_answers() {
+        let (mem, fault, retry) = setup(quick(200));
+        mem.put("k", Bytes::new(), &UserMeta::new()).await.unwrap();
+        fault.inject(Op::Head, 0, None, transient());
+        // The first call waits out the budget and opens the breaker.
+        retry.head("k").await.unwrap_err();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        retry.head("k").await.unwrap_err();
+        // Now every call fails after a single attempt.
+        let t = Instant::now();
+        for _ in 0..10 {
+            retry.head("k").await.unwrap_err();
+        }
+        assert!(
+            t.elapsed() < Duration::from_millis(100),
+            "{:?}",
+            t.elapsed()
+        );
+        let m = retry.metrics();
+        assert_eq!(RetryMetrics::get(&m.outages), 1);
+        assert!(RetryMetrics::get(&m.fast_failed) >= 10);
+        // The store comes back: the next call succeeds and closes the outage.
+        fault.clear();
+        retry.head("k").await.unwrap();
+        fault.inject(Op::Head, 0, Some(2), transient());
+        retry.head("k").await.unwrap();
+        assert_eq!(RetryMetrics::get(&m.recovered), 1);
+    }
+
+    #[tokio::test]
+    async fn a_lost_complete_answer_is_recognised_by_the_etag() {
+        let (mem, fault, retry) = setup(quick(5_000));
+        let id = retry
+            .create_multipart("big", &UserMeta::new())
+            .await
+            .unwrap();
+        let part = Bytes::from(vec![7u8; MIN_PART_SIZE as usize]);
+        let e1 = retry
+            .upload_part("big", &id, 1, part.clone())
+            .await
+            .unwrap();
+        let e2 = retry.upload_part("big", &id, 2, part).await.unwrap();
+        let parts = [
+            CompletedPart {
+                part_number: 1,
+                etag: e1,
+            },
+            CompletedPart {
+                part_number: 2,
+                etag: e2,
+            },
+        ];
+        // The first attempt completes the upload, then the connection drops.
+        fault.inject(Op::CompleteMultipart, 0, Some(1), Fault::DropAfter);
+        let etag = retry.complete_multipart("big", &id, &parts).await.unwrap();
+        assert_eq!(Some(etag), multipart_etag(&parts));
+        assert_eq!(mem.head("big").await.unwrap().size, 2 * MIN_PART_SIZE);
+        assert_eq!(mem.pending_uploads(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_lost_complete_answer_with_another_object_is_an_error() {
+        let (mem, fault, retry) = setup(quick(5_000));
+        let id = retry
+            .create_multipart("big", &UserMeta::new())
+            .await
+            .unwrap();
+        let e1 = retry
+            .upload_part("big", &id, 1, Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        let parts = [CompletedPart {
+            part_number: 1,
+            etag: e1,
+        }];
+        // The upload vanished (aborted by someone) and another writer put the key.
+        fault.inject(
+            Op::CompleteMultipart,
+            0,
+            Some(1),
+            Fault::Error(StoreError::Transient("connection reset".into())),
+        );
+        retry.abort_multipart("big", &id).await.unwrap();
+        mem.put("big", Bytes::from_static(b"other"), &UserMeta::new())
+            .await
+            .unwrap();
+        let e = retry
+            .complete_multipart("big", &id, &parts)
+            .await
+            .unwrap_err();
+        assert!(e.is_transient(), "{e}");
+        // And with no earlier failure, NoSuchUpload stays NotFound.
+        let e = retry
+            .complete_multipart("big", "nope", &parts)
+            .await
+            .unwrap_err();
+        assert!(e.is_not_found(), "{e}");
+    }
+
+    #[test]
+    fn multipart_etag_matches_s3() {
+        // Two parts whose MD5s are known: md5("a"), md5("b").
+        let parts = [
+            CompletedPart {
+                part_number: 1,
+                etag: "\"0cc175b9c0f1b6a831c399e269772661\"".into(),
+            },
+            CompletedPart {
+                part_number: 2,
+                etag: "92eb5ffee6ae2fec3ad71c777531578f".into(),
+            },
+        ];
+        let mut h = Md5::new();
+        h.update(Md5::digest(b"a"));
+        h.update(Md5::digest(b"b"));
+        assert_eq!(
+            multipart_etag(&parts),
+            Some(format!("\"{}-2\"", hex::encode(h.finalize())))
+        );
+        let bad = [CompletedPart {
+            part_number: 1,
+            etag: "\"not-md5\"".into(),
+        }];
+        assert_eq!(multipart_etag(&bad), None);
+    }
+}
