@@ -25,6 +25,8 @@ pub struct FsConfig {
     pub upload_concurrency: usize,
     /// Most bytes a single read handle prefetches ahead of the reader.
     pub max_prefetch: u64,
+    /// Global budget for prefetched data and part buffers.
+    pub max_memory: u64,
     /// Where staging files for rewrites go.
     pub cache_dir: PathBuf,
     /// Most objects a directory rename may copy; bigger directories get EXDEV (mv then copies).
@@ -47,6 +49,7 @@ impl Default for FsConfig {
             part_size: 8 * 1024 * 1024,
             upload_concurrency: 4,
             max_prefetch: 64 * 1024 * 1024,
+            max_memory: crate::budget::default_budget(),
             cache_dir: std::env::temp_dir(),
             max_dir_rename_objects: 10_000,
         }

@@ -4,13 +4,14 @@
 //! [`crate::read::Reader`], writes through [`crate::write::WriteState`]. Locks on the inode
 //! and handle tables are never held across a store request.
 
+use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::inode::{join, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
-use crate::read::Reader;
+use crate::read::{ReadConfig, Reader};
 use crate::write::{Base, Orphans, PartLayout, WriteConfig, WriteState};
 use bucketfs_store::{
     CompletedPart, ObjectMeta, ObjectStore, StoreError, UserMeta, MAX_COPY_OBJECT_SIZE,
@@ -116,6 +117,7 @@ pub struct Fs {
     cfg: FsConfig,
     policy: AttrPolicy,
     wcfg: Arc<WriteConfig>,
+    rcfg: Arc<ReadConfig>,
     table: Mutex<InodeTable>,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
@@ -162,24 +164,35 @@ impl Fs {
             user: UserMeta::new(),
             has_marker: false,
             symlink_target: None,
+            cached_etag: None,
             lookups: 1,
             open_handles: 0,
             writers: 0,
             write: None,
             unlinked: false,
         };
+        let metrics = Arc::new(FsMetrics::default());
+        let budget = MemoryBudget::new(cfg.max_memory, metrics.clone());
+        let rcfg = Arc::new(ReadConfig {
+            part_size: cfg.part_size.max(bucketfs_store::MIN_PART_SIZE),
+            max_window: cfg.max_prefetch,
+            budget: budget.clone(),
+            metrics: metrics.clone(),
+        });
         let wcfg = Arc::new(WriteConfig {
             layout: PartLayout {
                 part_size: cfg.part_size.max(bucketfs_store::MIN_PART_SIZE),
             },
             upload_concurrency: cfg.upload_concurrency.max(1),
             orphans: Arc::new(Orphans::default()),
-            metrics: Arc::new(FsMetrics::default()),
+            metrics,
+            budget,
         });
         let fs = Arc::new(Self {
             store,
             policy,
             wcfg,
+            rcfg,
             cfg,
             table: Mutex::new(InodeTable::new(root)),
             handles: Mutex::new(HashMap::new()),
@@ -382,6 +395,7 @@ impl Fs {
             user: f.obj.user,
             has_marker: f.has_marker,
             symlink_target: None,
+            cached_etag: None,
             lookups,
             open_handles: 0,
             writers: 0,
@@ -725,6 +739,7 @@ impl Fs {
             user: pm.to_user(),
             has_marker: kind == FileKind::Dir,
             symlink_target: None,
+            cached_etag: None,
             lookups: 1,
             open_handles: 0,
             writers: 0,
@@ -1178,7 +1193,7 @@ impl Fs {
         }
         // Close-to-open: attributes older than the TTL are checked again.
         self.getattr(ino).await?;
-        let write = {
+        let (write, keep_cache) = {
             let mut t = self.table.lock();
             let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
             match i.kind {
@@ -1205,7 +1220,14 @@ impl Fs {
                 None
             };
             i.open_handles += 1;
-            write
+            // The kernel may keep its cached pages if the object is the one it cached them from.
+            let keep = write.is_none() && i.etag.is_some() && i.cached_etag == i.etag;
+            i.cached_etag = if write.is_none() {
+                i.etag.clone()
+            } else {
+                None
+            };
+            (write, keep)
         };
         if let (Some(w), true) = (&write, flags & libc::O_TRUNC != 0) {
             w.state.lock().await.truncate(0).await?;
@@ -1216,10 +1238,7 @@ impl Fs {
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             write,
         }));
-        Ok(OpenReply {
-            fh,
-            keep_cache: false,
-        })
+        Ok(OpenReply { fh, keep_cache })
     }
 
     /// Creates and opens a regular file; the lookup count of the new inode goes up by one.
@@ -1294,11 +1313,10 @@ impl Fs {
         let r = r.get_or_insert_with(|| {
             Reader::new(
                 self.store.clone(),
+                self.rcfg.clone(),
                 self.key(&path),
                 etag,
                 file_size,
-                self.cfg.part_size,
-                self.wcfg.metrics.clone(),
             )
         });
         r.read(offset, size).await

@@ -41,6 +41,8 @@ pub struct Inode {
     /// Directories: whether a `path/` marker object exists.
     pub has_marker: bool,
     pub symlink_target: Option<Bytes>,
+    /// ETag of the content the kernel may hold in its page cache from an earlier open.
+    pub cached_etag: Option<String>,
     pub lookups: u64,
     pub open_handles: u64,
     /// Open handles that may write (they share `write`).

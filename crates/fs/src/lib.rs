@@ -6,6 +6,7 @@
 //! rewrites). It has no FUSE types in its API, so tests drive it in-process against the memory
 //! and fault stores; the `bucketfs-fuse` crate adapts it to the kernel.
 
+mod budget;
 mod config;
 mod error;
 mod extents;
@@ -17,6 +18,7 @@ mod names;
 mod read;
 mod write;
 
+pub use budget::default_budget;
 pub use config::FsConfig;
 pub use error::{FsError, FsResult};
 pub use fs::{Caller, DirEntry, Fs, OpenReply, SetAttr, StatFs};

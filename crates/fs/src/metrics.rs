@@ -18,6 +18,8 @@ pub struct FsMetrics {
     pub prefetch_resets: AtomicU64,
     /// Bytes held in read windows, prefetches and part buffers right now.
     pub buffer_bytes: AtomicU64,
+    /// The memory budget those buffers must stay within.
+    pub budget_bytes: AtomicU64,
     /// Parts uploading in the background right now.
     pub uploads_in_flight: AtomicU64,
     /// Files published (PUT or completed multipart upload).
@@ -71,28 +73,13 @@ impl FsMetrics {
             Self::get(&self.buffer_bytes)
         );
         s += &format!(
+            "# TYPE bucketfs_memory_budget_bytes gauge\nbucketfs_memory_budget_bytes {}\n",
+            Self::get(&self.budget_bytes)
+        );
+        s += &format!(
             "# TYPE bucketfs_uploads_in_flight gauge\nbucketfs_uploads_in_flight {}\n",
             Self::get(&self.uploads_in_flight)
         );
         s
-    }
-}
-
-/// Counts `n` bytes in `gauge` for as long as it lives.
-pub(crate) struct Held {
-    gauge: std::sync::Arc<FsMetrics>,
-    n: u64,
-}
-
-impl Held {
-    pub(crate) fn new(gauge: std::sync::Arc<FsMetrics>, n: u64) -> Self {
-        gauge.buffer_bytes.fetch_add(n, Ordering::Relaxed);
-        Self { gauge, n }
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.gauge.buffer_bytes.fetch_sub(self.n, Ordering::Relaxed);
     }
 }

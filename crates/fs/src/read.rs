@@ -1,77 +1,145 @@
-//! The read path of one open handle: ranged GETs pinned to the ETag seen at open, with a
-//! sequential prefetch that grows while the reader keeps streaming.
+//! The read path of one open handle: ranged GETs pinned to the ETag seen at open, with an
+//! adaptive prefetch window fetched as parallel part-sized GETs.
 //!
-//! A handle keeps one fetched window and at most one prefetch of the range after it. A read
-//! that continues where the last one ended (allowing the kernel's small reorderings) counts as
-//! sequential and doubles the request size up to the part size; any other read fetches just
-//! what it asks for plus a small readahead. Files no larger than one part come in one GET.
+//! A handle keeps a queue of consecutive chunks (fetched or in flight) starting at or just
+//! before the read position. A read that continues near where the last one ended (tolerating
+//! the kernel's readahead reordering) is sequential: the window ahead of the reader doubles up
+//! to `max_window`, and chunks of up to one part keep that much in flight. Any other read is
+//! random: the queue is dropped unless it already holds the bytes, and only what was asked
+//! (rounded up to a small readahead) is fetched. Files no larger than one part come in a
+//! single GET. Chunks take their memory from the global budget; prefetch only uses memory that
+//! is free, so under pressure windows shrink instead of the daemon growing.
 
+use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
-use crate::metrics::{inc, FsMetrics, Held};
+use crate::metrics::{inc, FsMetrics};
 use bucketfs_store::ObjectStore;
 use bytes::{Bytes, BytesMut};
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 use tokio::task::JoinHandle;
 
-/// First request size of a sequential stream and the readahead of a random read.
-const MIN_FETCH: u64 = 1024 * 1024;
+/// First window of a sequential stream.
+const MIN_WINDOW: u64 = 1024 * 1024;
 /// Reads within this distance of the last one still count as sequential.
-const SEQ_SLACK: u64 = 4 * 1024 * 1024;
+const SEQ_SLACK: u64 = 1024 * 1024;
+/// How far behind the read position chunks are kept (the kernel may re-read a little).
+const KEEP_BEHIND: u64 = 1024 * 1024;
+/// Random reads are rounded up to this much.
+const RANDOM_READAHEAD: u64 = 128 * 1024;
 
-struct Prefetch {
+/// Settings shared by all readers.
+pub struct ReadConfig {
+    pub part_size: u64,
+    pub max_window: u64,
+    pub budget: Arc<MemoryBudget>,
+    pub metrics: Arc<FsMetrics>,
+}
+
+enum ChunkData {
+    Pending(JoinHandle<FsResult<Bytes>>),
+    Ready(Bytes),
+}
+
+struct Chunk {
     range: Range<u64>,
-    task: JoinHandle<FsResult<Bytes>>,
-    _held: Held,
+    data: ChunkData,
+    _mem: Reservation,
+}
+
+impl Chunk {
+    async fn bytes(&mut self) -> FsResult<Bytes> {
+        if let ChunkData::Pending(task) = &mut self.data {
+            let b = task.await.map_err(|_| FsError::EIO)??;
+            if (b.len() as u64) < self.range.end - self.range.start {
+                return Err(FsError::EIO);
+            }
+            self.data = ChunkData::Ready(b);
+        }
+        match &self.data {
+            ChunkData::Ready(b) => Ok(b.clone()),
+            ChunkData::Pending(_) => unreachable!("resolved above"),
+        }
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        if let ChunkData::Pending(t) = &self.data {
+            t.abort();
+        }
+    }
 }
 
 pub struct Reader {
     store: Arc<dyn ObjectStore>,
+    cfg: Arc<ReadConfig>,
     key: String,
     etag: Option<String>,
     size: u64,
-    max_fetch: u64,
-    window_start: u64,
-    window: Bytes,
-    window_held: Option<Held>,
-    metrics: Arc<FsMetrics>,
-    prefetch: Option<Prefetch>,
+    /// Consecutive chunks covering `[chunks[0].range.start, next)`.
+    chunks: VecDeque<Chunk>,
+    next: u64,
+    window: u64,
     last_end: Option<u64>,
-    fetch_size: u64,
 }
 
 impl Reader {
     pub fn new(
         store: Arc<dyn ObjectStore>,
+        cfg: Arc<ReadConfig>,
         key: String,
         etag: Option<String>,
         size: u64,
-        part_size: u64,
-        metrics: Arc<FsMetrics>,
     ) -> Self {
         Self {
             store,
+            cfg,
             key,
             etag,
             size,
-            max_fetch: part_size.max(MIN_FETCH),
-            window_start: 0,
-            window: Bytes::new(),
-            window_held: None,
-            metrics,
-            prefetch: None,
+            chunks: VecDeque::new(),
+            next: 0,
+            window: MIN_WINDOW,
             last_end: None,
-            fetch_size: MIN_FETCH,
         }
     }
 
-    fn window_range(&self) -> Range<u64> {
-        self.window_start..self.window_start + self.window.len() as u64
+    fn covered(&self) -> Range<u64> {
+        match self.chunks.front() {
+            Some(c) => c.range.start..self.next,
+            None => self.next..self.next,
+        }
     }
 
-    fn spawn_fetch(&self, range: Range<u64>) -> JoinHandle<FsResult<Bytes>> {
+    fn small_file(&self) -> bool {
+        self.size <= self.cfg.part_size
+    }
+
+    fn push(&mut self, range: Range<u64>, mem: Reservation) {
         let (store, key, etag) = (self.store.clone(), self.key.clone(), self.etag.clone());
-        tokio::spawn(async move { fetch(&*store, &key, range, etag.as_deref()).await })
+        let r = range.clone();
+        let task = tokio::spawn(async move { fetch(&*store, &key, r, etag.as_deref()).await });
+        self.next = range.end;
+        self.chunks.push_back(Chunk {
+            range,
+            data: ChunkData::Pending(task),
+            _mem: mem,
+        });
+    }
+
+    /// Size of the next chunk to request at `self.next`.
+    fn chunk_len(&self, sequential: bool, want_end: u64) -> u64 {
+        let left = self.size - self.next;
+        let len = if self.small_file() {
+            left
+        } else if sequential {
+            self.window.clamp(MIN_WINDOW, self.cfg.part_size)
+        } else {
+            (want_end - self.next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD
+        };
+        len.max(want_end.saturating_sub(self.next)).min(left)
     }
 
     pub async fn read(&mut self, offset: u64, len: u32) -> FsResult<Bytes> {
@@ -79,103 +147,91 @@ impl Reader {
         if offset >= end {
             return Ok(Bytes::new());
         }
+        let m = &self.cfg.metrics;
         let sequential = self
             .last_end
             .is_some_and(|l| offset + SEQ_SLACK >= l && offset <= l + SEQ_SLACK);
         if sequential {
-            self.fetch_size = (self.fetch_size * 2).min(self.max_fetch);
+            self.window = (self.window * 2).min(self.cfg.max_window.max(MIN_WINDOW));
         } else if self.last_end.is_some() {
-            if self.fetch_size > MIN_FETCH {
-                inc(&self.metrics.prefetch_resets);
+            if self.window > MIN_WINDOW {
+                inc(&m.prefetch_resets);
             }
-            self.fetch_size = MIN_FETCH;
+            self.window = MIN_WINDOW;
         }
-        let hit = self.window_range().contains(&offset)
-            || self
-                .prefetch
-                .as_ref()
-                .is_some_and(|p| p.range.contains(&offset));
-        inc(if hit {
-            &self.metrics.read_hits
-        } else {
-            &self.metrics.read_misses
-        });
         self.last_end = Some(end);
 
-        let mut out = BytesMut::new();
+        // Chunks well behind the reader are done with.
+        while self
+            .chunks
+            .front()
+            .is_some_and(|c| c.range.end + KEEP_BEHIND <= offset)
+        {
+            self.chunks.pop_front();
+        }
+        let hit = self.covered().contains(&offset);
+        inc(if hit { &m.read_hits } else { &m.read_misses });
+        if !hit {
+            self.chunks.clear();
+            self.next = if self.small_file() { 0 } else { offset };
+        }
+        // What this read needs and is not requested yet: wait for memory if we must.
+        while self.next < end {
+            let len = self.chunk_len(sequential, end);
+            let mem = match self.cfg.budget.try_reserve(len) {
+                Some(r) => r,
+                None => self.cfg.budget.reserve(len).await,
+            };
+            self.push(self.next..self.next + len, mem);
+        }
+        // Read-ahead for a sequential reader: only with memory that is free now.
+        if sequential || self.small_file() {
+            let target = (end + self.window).min(self.size);
+            while self.next < target {
+                let len = self.chunk_len(true, self.next);
+                let Some(mem) = self.cfg.budget.try_reserve(len) else {
+                    break;
+                };
+                self.push(self.next..self.next + len, mem);
+            }
+        }
+        self.collect(offset, end).await
+    }
+
+    /// The bytes `[offset, end)` from the chunks, which cover them.
+    async fn collect(&mut self, offset: u64, end: u64) -> FsResult<Bytes> {
+        let mut out: Option<BytesMut> = None;
         let mut pos = offset;
+        let mut i = self
+            .chunks
+            .iter()
+            .position(|c| c.range.contains(&offset))
+            .ok_or(FsError::EIO)?;
         while pos < end {
-            if !self.window_range().contains(&pos) {
-                self.load_window(pos, end).await?;
-            }
-            let w = self.window_range();
-            let from = (pos - w.start) as usize;
-            let to = (end.min(w.end) - w.start) as usize;
-            if pos == offset && end <= w.end {
-                // Common case: the whole answer is in the window, no copy.
-                self.maybe_prefetch(sequential);
-                return Ok(self.window.slice(from..to));
-            }
-            out.extend_from_slice(&self.window[from..to]);
-            pos = w.start + to as u64;
-        }
-        self.maybe_prefetch(sequential);
-        Ok(out.freeze())
-    }
-
-    /// Makes the window hold `pos`: from the prefetch if it has it, else a new GET.
-    async fn load_window(&mut self, pos: u64, want_end: u64) -> FsResult<()> {
-        if let Some(p) = self.prefetch.take() {
-            if p.range.contains(&pos) {
-                let start = p.range.start;
-                let data = p.task.await.map_err(|_| FsError::EIO)??;
-                self.window_start = start;
-                self.window_held = Some(Held::new(self.metrics.clone(), data.len() as u64));
-                self.window = data;
-                if self.window_range().contains(&pos) {
-                    return Ok(());
+            let chunk = self.chunks.get_mut(i).ok_or(FsError::EIO)?;
+            let data = match chunk.bytes().await {
+                Ok(d) => d,
+                Err(e) => {
+                    // Forget the failed chunk and everything after it; a retry refetches.
+                    self.chunks.truncate(i);
+                    self.next = self.chunks.back().map_or(offset, |c| c.range.end);
+                    if self.chunks.is_empty() {
+                        self.next = offset;
+                    }
+                    return Err(e);
                 }
-            } else {
-                p.task.abort();
+            };
+            let from = (pos - chunk.range.start) as usize;
+            let to = (end.min(chunk.range.end) - chunk.range.start) as usize;
+            if pos == offset && end <= chunk.range.end {
+                return Ok(data.slice(from..to)); // the whole answer in one chunk: no copy
             }
+            out.get_or_insert_with(|| BytesMut::with_capacity((end - offset) as usize))
+                .extend_from_slice(&data[from..to]);
+            pos = chunk.range.start + to as u64;
+            i += 1;
         }
-        let len = if self.size <= self.max_fetch {
-            self.size // a small file comes whole
-        } else {
-            self.fetch_size.max(want_end - pos)
-        };
-        let start = if self.size <= self.max_fetch { 0 } else { pos };
-        let range = start..(start + len).min(self.size);
-        let data = fetch(&*self.store, &self.key, range.clone(), self.etag.as_deref()).await?;
-        if (data.len() as u64) < (want_end.min(range.end) - range.start) {
-            tracing::warn!("{}: object shorter than its size at open", self.key);
-            return Err(FsError::EIO);
-        }
-        self.window_start = range.start;
-        self.window_held = Some(Held::new(self.metrics.clone(), data.len() as u64));
-        self.window = data;
-        Ok(())
-    }
-
-    fn maybe_prefetch(&mut self, sequential: bool) {
-        let next = self.window_range().end;
-        if !sequential || self.prefetch.is_some() || next >= self.size {
-            return;
-        }
-        let range = next..(next + self.fetch_size).min(self.size);
-        self.prefetch = Some(Prefetch {
-            task: self.spawn_fetch(range.clone()),
-            _held: Held::new(self.metrics.clone(), range.end - range.start),
-            range,
-        });
-    }
-}
-
-impl Drop for Reader {
-    fn drop(&mut self) {
-        if let Some(p) = self.prefetch.take() {
-            p.task.abort();
-        }
+        Ok(out.map(BytesMut::freeze).unwrap_or_default())
     }
 }
 

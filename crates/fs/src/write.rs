@@ -9,9 +9,10 @@
 //! holding dirty bytes are sent. Small results go up as one PUT. Nothing is visible in the bucket
 //! until a publish completes; a failed publish aborts its multipart upload and returns the error.
 
+use crate::budget::MemoryBudget;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::extents::Extents;
-use crate::metrics::{inc, FsMetrics, Held};
+use crate::metrics::{inc, FsMetrics};
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -115,6 +116,8 @@ pub struct WriteConfig {
     /// Multipart uploads whose abort failed (the store was down); retried until it works.
     pub orphans: Arc<Orphans>,
     pub metrics: Arc<FsMetrics>,
+    /// Part buffers take their memory from here (writers wait when it is full).
+    pub budget: Arc<MemoryBudget>,
 }
 
 /// Uploads to abort later: `(key, upload id)`.
@@ -307,6 +310,7 @@ impl WriteState {
                 });
             }
             self.wait_for_upload_slot().await;
+            let mem = self.cfg.budget.reserve(r.end - r.start).await;
             let body = read_staging(&self.staging, r).await?;
             let store = self.store.clone();
             let key = self.key.clone();
@@ -314,7 +318,7 @@ impl WriteState {
             let id = stream.upload_id.clone();
             let metrics = self.cfg.metrics.clone();
             let task = tokio::spawn(async move {
-                let _held = Held::new(metrics.clone(), body.len() as u64);
+                let _mem = mem;
                 metrics.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
                 let r = store.upload_part(&key, &id, i as u32 + 1, body).await;
                 metrics.uploads_in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -526,6 +530,7 @@ impl WriteState {
                 .await
                 .map_err(|e| log_store_err(&what, e));
         }
+        let _mem = self.cfg.budget.reserve(r.end - r.start).await;
         let body = self.assemble(r).await?;
         self.store
             .upload_part(&self.key, upload_id, number, body)

@@ -682,3 +682,128 @@ async fn paths_whose_key_exceeds_1024_bytes_are_refused() {
         .await
         .is_ok());
 }
+
+/// Reads `name` with `chunk`-sized reads at the given offsets, checking each against `data`.
+async fn read_at(fs: &Fs, name: &str, data: &[u8], offsets: &[u64], chunk: u32) {
+    let attr = fs.lookup(ROOT_INO, OsStr::new(name)).await.unwrap();
+    let h = fs.open(attr.ino, libc::O_RDONLY).await.unwrap();
+    for &off in offsets {
+        let b = fs.read(attr.ino, h.fh, off, chunk).await.unwrap();
+        let end = (off as usize + chunk as usize).min(data.len());
+        assert_eq!(&b[..], &data[off as usize..end], "at {off}");
+    }
+    fs.release(attr.ino, h.fh).await.unwrap();
+    fs.forget(attr.ino, 1);
+}
+
+#[tokio::test]
+async fn sequential_reads_become_part_sized_gets() {
+    let e = env();
+    let data = random(41 * MIB as usize, 20);
+    put(&e.mem, "seq", &data).await;
+    let offsets: Vec<u64> = (0..data.len() as u64).step_by(128 * 1024).collect();
+    read_at(&e.fs, "seq", &data, &offsets, 128 * 1024).await;
+    // The window grows quickly to 5 MiB parts: a handful of GETs, not one per read.
+    let gets = e.metrics.requests(Op::Get);
+    assert!(gets <= 14, "{gets} GETs for 41 MiB");
+    assert!(e.metrics.bytes_down() <= data.len() as u64 + 4 * MIB);
+    assert_eq!(
+        e.fs.metrics()
+            .buffer_bytes
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+}
+
+#[tokio::test]
+async fn random_reads_fetch_little_more_than_asked() {
+    let e = env();
+    let data = random(40 * MIB as usize, 21);
+    put(&e.mem, "rnd", &data).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(22);
+    let offsets: Vec<u64> = (0..50)
+        .map(|_| rng.gen_range(0..data.len() as u64 - 4096))
+        .collect();
+    read_at(&e.fs, "rnd", &data, &offsets, 4096).await;
+    let per_read = e.metrics.bytes_down() / offsets.len() as u64;
+    assert!(
+        per_read <= 256 * 1024,
+        "{per_read} bytes fetched per 4 KiB read"
+    );
+}
+
+#[tokio::test]
+async fn readers_stay_within_the_memory_budget() {
+    let mem = Arc::new(MemoryStore::new());
+    let data = random(48 * MIB as usize, 23);
+    for i in 0..4 {
+        put(&mem, &format!("f{i}"), &data).await;
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let budget = 12 * MIB;
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            max_memory: budget,
+            ..config(&cache)
+        },
+    );
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let (fs, data, peak) = (fs.clone(), data.clone(), peak.clone());
+        tasks.push(tokio::spawn(async move {
+            let name = format!("f{i}");
+            let a = fs.lookup(ROOT_INO, OsStr::new(&name)).await.unwrap();
+            let h = fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+            let mut off = 0usize;
+            while off < data.len() {
+                let b = fs.read(a.ino, h.fh, off as u64, 1 << 20).await.unwrap();
+                assert_eq!(&b[..], &data[off..off + b.len()]);
+                off += b.len();
+                let used = fs
+                    .metrics()
+                    .buffer_bytes
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                peak.fetch_max(used, std::sync::atomic::Ordering::Relaxed);
+            }
+            fs.release(a.ino, h.fh).await.unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        peak <= budget,
+        "buffers peaked at {peak} over a budget of {budget}"
+    );
+    assert!(peak > 0);
+}
+
+#[tokio::test]
+async fn unchanged_files_keep_the_page_cache() {
+    let e = env();
+    put(&e.mem, "k", b"v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let h1 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!h1.keep_cache);
+    e.fs.release(a.ino, h1.fh).await.unwrap();
+    let h2 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(h2.keep_cache);
+    e.fs.release(a.ino, h2.fh).await.unwrap();
+    // Rewritten here: the cached pages are stale.
+    let w =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    e.fs.flush(a.ino, w.fh).await.unwrap();
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    let h3 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!h3.keep_cache);
+    assert_eq!(&e.fs.read(a.ino, h3.fh, 0, 10).await.unwrap()[..], b"v2");
+    e.fs.release(a.ino, h3.fh).await.unwrap();
+}

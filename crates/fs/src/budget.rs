@@ -1,0 +1,137 @@
+//! One global memory budget for prefetched data and part buffers (`--max-memory`).
+//!
+//! Every buffer that holds file data for longer than one request takes a [`Reservation`]
+//! first. Readers ask with [`MemoryBudget::try_reserve`] for read-ahead, so when the budget is
+//! full their windows simply stop growing; the bytes a read needs right now, and the parts a
+//! writer uploads, wait in [`MemoryBudget::reserve`] until memory is returned. The daemon
+//! therefore never holds more than the budget in these buffers, and never fails with ENOMEM.
+
+use crate::metrics::FsMetrics;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Accounting granularity.
+const UNIT: u64 = 64 * 1024;
+
+pub struct MemoryBudget {
+    sem: Arc<Semaphore>,
+    units: u64,
+    metrics: Arc<FsMetrics>,
+}
+
+/// Bytes taken from the budget; returned when dropped.
+pub struct Reservation {
+    _permit: Option<OwnedSemaphorePermit>,
+    bytes: u64,
+    metrics: Arc<FsMetrics>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.metrics
+            .buffer_bytes
+            .fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+impl MemoryBudget {
+    pub fn new(bytes: u64, metrics: Arc<FsMetrics>) -> Arc<Self> {
+        let units = (bytes / UNIT).clamp(1, Semaphore::MAX_PERMITS as u64);
+        metrics.budget_bytes.store(units * UNIT, Ordering::Relaxed);
+        Arc::new(Self {
+            sem: Arc::new(Semaphore::new(units as usize)),
+            units,
+            metrics,
+        })
+    }
+
+    /// Units for `bytes`; a request bigger than the whole budget takes the whole budget.
+    fn units_for(&self, bytes: u64) -> u32 {
+        bytes.div_ceil(UNIT).clamp(1, self.units) as u32
+    }
+
+    fn wrap(&self, permit: OwnedSemaphorePermit, bytes: u64) -> Reservation {
+        self.metrics
+            .buffer_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        Reservation {
+            _permit: Some(permit),
+            bytes,
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// Waits until `bytes` are free and takes them.
+    pub async fn reserve(&self, bytes: u64) -> Reservation {
+        let permit = self
+            .sem
+            .clone()
+            .acquire_many_owned(self.units_for(bytes))
+            .await
+            .expect("the budget semaphore is never closed");
+        self.wrap(permit, bytes)
+    }
+
+    /// Takes `bytes` if they are free now.
+    pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
+        let permit = self
+            .sem
+            .clone()
+            .try_acquire_many_owned(self.units_for(bytes))
+            .ok()?;
+        Some(self.wrap(permit, bytes))
+    }
+
+    /// Bytes free right now.
+    #[cfg(test)]
+    pub fn available(&self) -> u64 {
+        self.sem.available_permits() as u64 * UNIT
+    }
+}
+
+/// A default budget from the machine's memory: an eighth of RAM, between 256 MiB and 4 GiB.
+pub fn default_budget() -> u64 {
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(2 << 30);
+    (total / 8).clamp(256 << 20, 4 << 30)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn reservations_block_at_the_limit_and_release_on_drop() {
+        let m = Arc::new(FsMetrics::default());
+        let b = MemoryBudget::new(1 << 20, m.clone());
+        let a = b.try_reserve(768 * 1024).unwrap();
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 768 * 1024);
+        assert!(b.try_reserve(512 * 1024).is_none());
+        let c = b.try_reserve(256 * 1024).unwrap();
+        assert_eq!(b.available(), 0);
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            async move { b.reserve(512 * 1024).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished());
+        drop(a);
+        let r = waiter.await.unwrap();
+        drop((r, c));
+        assert_eq!(b.available(), 1 << 20);
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 0);
+        // Bigger than the whole budget: takes all of it rather than waiting forever.
+        let all = b.reserve(10 << 20).await;
+        assert_eq!(b.available(), 0);
+        drop(all);
+    }
+}
