@@ -311,6 +311,26 @@ pub struct MountArgs {
     )]
     pub upload_concurrency: Option<String>,
 
+    /// Memory for prefetched data and upload buffers of all files together (K/M/G). When it
+    /// is full, read-ahead shrinks and writers wait; the daemon does not grow past it.
+    /// [default: an eighth of RAM, 256M to 4G]
+    #[arg(
+        long,
+        value_name = "SIZE",
+        hide_env_values = true,
+        env = "BUCKETFS_MAX_MEMORY"
+    )]
+    pub max_memory: Option<String>,
+
+    /// Most data one sequential reader prefetches ahead of itself (K/M/G). [default: 64M]
+    #[arg(
+        long,
+        value_name = "SIZE",
+        hide_env_values = true,
+        env = "BUCKETFS_MAX_PREFETCH"
+    )]
+    pub max_prefetch: Option<String>,
+
     /// FUSE request threads (1-64). [default: 4]
     #[arg(
         long,
@@ -370,7 +390,7 @@ impl MountArgs {
             s.apply_file(path)?;
         }
         s.apply_mount_options(&self.options)?;
-        let values: [(&str, &Option<String>); 16] = [
+        let values: [(&str, &Option<String>); 18] = [
             ("endpoint_url", &self.endpoint_url),
             ("region", &self.region),
             ("profile", &self.profile),
@@ -383,6 +403,8 @@ impl MountArgs {
             ("cache_dir", &self.cache_dir),
             ("max_dir_rename", &self.max_dir_rename),
             ("upload_concurrency", &self.upload_concurrency),
+            ("max_memory", &self.max_memory),
+            ("max_prefetch", &self.max_prefetch),
             ("fuse_threads", &self.fuse_threads),
             ("metrics_addr", &self.metrics_addr),
             ("log_file", &self.log_file),

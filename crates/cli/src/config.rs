@@ -63,6 +63,8 @@ pub struct Settings {
     pub cache_dir: PathBuf,
     pub max_dir_rename: usize,
     pub upload_concurrency: usize,
+    pub max_memory: u64,
+    pub max_prefetch: u64,
     pub fuse_threads: usize,
     /// Where to serve Prometheus metrics (`/metrics`), if anywhere.
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -99,6 +101,8 @@ impl fmt::Debug for Settings {
             .field("cache_dir", &self.cache_dir)
             .field("max_dir_rename", &self.max_dir_rename)
             .field("upload_concurrency", &self.upload_concurrency)
+            .field("max_memory", &self.max_memory)
+            .field("max_prefetch", &self.max_prefetch)
             .field("fuse_threads", &self.fuse_threads)
             .field("metrics_addr", &self.metrics_addr)
             .field("log_file", &self.log_file)
@@ -134,6 +138,8 @@ impl Default for Settings {
             cache_dir: fs.cache_dir,
             max_dir_rename: fs.max_dir_rename_objects,
             upload_concurrency: fs.upload_concurrency,
+            max_memory: fs.max_memory,
+            max_prefetch: fs.max_prefetch,
             fuse_threads: 4,
             metrics_addr: None,
             log_file: None,
@@ -192,6 +198,8 @@ const KEYS: &[(&str, Kind, Scope)] = &[
     ("cache_dir", Kind::Value, Scope::All),
     ("max_dir_rename", Kind::Value, Scope::All),
     ("upload_concurrency", Kind::Value, Scope::All),
+    ("max_memory", Kind::Value, Scope::All),
+    ("max_prefetch", Kind::Value, Scope::All),
     ("fuse_threads", Kind::Value, Scope::All),
     ("metrics_addr", Kind::Value, Scope::All),
     ("log_file", Kind::Value, Scope::All),
@@ -440,6 +448,20 @@ impl Settings {
             "cache_dir" => self.cache_dir = PathBuf::from(non_empty(v, "path")?),
             "max_dir_rename" => self.max_dir_rename = parse_count(v, 0, usize::MAX)?,
             "upload_concurrency" => self.upload_concurrency = parse_count(v, 1, 256)?,
+            "max_memory" => {
+                let n = parse_size(v)?;
+                if n < 32 << 20 {
+                    return Err(format!("max memory {v} is too small (at least 32M)"));
+                }
+                self.max_memory = n;
+            }
+            "max_prefetch" => {
+                let n = parse_size(v)?;
+                if n < 1 << 20 {
+                    return Err(format!("max prefetch {v} is too small (at least 1M)"));
+                }
+                self.max_prefetch = n;
+            }
             "fuse_threads" => self.fuse_threads = parse_count(v, 1, 64)?,
             "metrics_addr" => {
                 self.metrics_addr = Some(
@@ -522,6 +544,8 @@ impl Settings {
             stat_ttl: self.stat_ttl,
             part_size: self.part_size,
             upload_concurrency: self.upload_concurrency,
+            max_memory: self.max_memory,
+            max_prefetch: self.max_prefetch,
             cache_dir: self.cache_dir.clone(),
             max_dir_rename_objects: self.max_dir_rename,
             ..FsConfig::default()
