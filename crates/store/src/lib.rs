@@ -13,6 +13,7 @@ pub mod memory;
 pub mod metrics;
 pub mod retry;
 pub mod s3;
+pub mod tls;
 pub mod types;
 
 pub use error::{StoreError, StoreResult};

@@ -28,8 +28,39 @@ pub struct S3Config {
     pub access_key_id: Option<String>,
     pub secret_access_key: Option<String>,
     pub session_token: Option<String>,
-    /// Attempts per request, including the first.
+    /// Attempts per request inside the SDK, including the first. bucketfs retries in
+    /// [`crate::retry::RetryStore`] instead, so the CLI sets 1 here.
     pub max_attempts: u32,
+    /// Which server certificates to accept over HTTPS.
+    pub tls: crate::tls::TlsTrust,
+}
+
+/// Time allowed for one attempt of a request without a large body (HEAD, LIST, DELETE,
+/// copies, completing an upload), and the base of every other attempt's time.
+pub const ATTEMPT_BASE: Duration = Duration::from_secs(30);
+/// The slowest transfer rate an attempt with a body is allowed before it counts as hung
+/// (it is then retried): 8 MiB parts get 30 s + 8 s, 1 GiB parts 30 s + 17 min.
+pub const MIN_RATE: u64 = 1024 * 1024;
+/// Longest wait for the first bytes of an answer on an open connection.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(60);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long one attempt that moves `bytes` of body may take.
+pub fn attempt_timeout(bytes: u64) -> Duration {
+    ATTEMPT_BASE + Duration::from_secs_f64(bytes as f64 / MIN_RATE as f64)
+}
+
+fn timeouts(attempt: Duration) -> aws_sdk_s3::config::timeout::TimeoutConfig {
+    aws_sdk_s3::config::timeout::TimeoutConfig::builder()
+        .connect_timeout(CONNECT_TIMEOUT)
+        .read_timeout(READ_TIMEOUT)
+        .operation_attempt_timeout(attempt)
+        .build()
+}
+
+/// A config override that gives one request an attempt timeout for `bytes` of body.
+fn sized(bytes: u64) -> aws_sdk_s3::config::Builder {
+    aws_sdk_s3::config::Builder::default().timeout_config(timeouts(attempt_timeout(bytes)))
 }
 
 pub struct S3Store {
@@ -91,10 +122,32 @@ where
                 },
             }
         }
-        SdkError::ConstructionFailure(_) => {
-            StoreError::Other(format!("{what}: {}", DisplayErrorContext(&e)))
-        }
-        _ => StoreError::Transient(format!("{what}: {}", DisplayErrorContext(&e))),
+        _ => classify_failure(what, &e, &DisplayErrorContext(&e).to_string()),
+    }
+}
+
+/// Classifies an error that is not an answer of the service: TLS and credential problems are
+/// permanent (retrying cannot fix them), connection failures and timeouts are transient.
+fn classify_failure<E, R>(what: &str, e: &SdkError<E, R>, text: &str) -> StoreError {
+    let lower = text.to_ascii_lowercase();
+    if lower.contains("certificate")
+        || lower.contains("unknownissuer")
+        || lower.contains("invalid peer")
+        || lower.contains("handshake")
+        || lower.contains("wrong version number")
+        || lower.contains("invalidcontenttype")
+    {
+        return StoreError::Other(format!(
+            "{what}: TLS failure (certificate not trusted? see --ca-bundle): {text}"
+        ));
+    }
+    if lower.contains("credential") {
+        return StoreError::AccessDenied(format!("{what}: no usable credentials: {text}"));
+    }
+    match e {
+        SdkError::ConstructionFailure(_) => StoreError::Other(format!("{what}: {text}")),
+        SdkError::DispatchFailure(d) if d.is_user() => StoreError::Other(format!("{what}: {text}")),
+        _ => StoreError::Transient(format!("{what}: {text}")),
     }
 }
 
@@ -137,6 +190,9 @@ impl S3Store {
         if let Some(r) = &cfg.region {
             loader = loader.region(Region::new(r.clone()));
         }
+        if let Some(http) = crate::tls::http_client(&cfg.tls) {
+            loader = loader.http_client(http);
+        }
         let sdk = loader.load().await;
         let mut b = aws_sdk_s3::config::Builder::from(&sdk)
             .force_path_style(cfg.force_path_style)
@@ -146,18 +202,15 @@ impl S3Store {
             .response_checksum_validation(
                 aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired,
             )
-            .retry_config(
+            .retry_config(if cfg.max_attempts <= 1 {
+                aws_sdk_s3::config::retry::RetryConfig::disabled()
+            } else {
                 aws_sdk_s3::config::retry::RetryConfig::standard()
-                    .with_max_attempts(cfg.max_attempts.max(1))
+                    .with_max_attempts(cfg.max_attempts)
                     .with_initial_backoff(Duration::from_millis(200))
-                    .with_max_backoff(Duration::from_secs(5)),
-            )
-            .timeout_config(
-                aws_sdk_s3::config::timeout::TimeoutConfig::builder()
-                    .connect_timeout(Duration::from_secs(10))
-                    .read_timeout(Duration::from_secs(60))
-                    .build(),
-            );
+                    .with_max_backoff(Duration::from_secs(5))
+            })
+            .timeout_config(timeouts(ATTEMPT_BASE));
         if sdk.region().is_none() {
             b = b.region(Region::new("us-east-1"));
         }
@@ -225,32 +278,46 @@ impl ObjectStore for S3Store {
         if range.start >= range.end {
             return Ok(Bytes::new());
         }
-        let out = self
-            .client
-            .get_object()
-            .bucket(&self.bucket)
-            .key(key)
-            .range(format!("bytes={}-{}", range.start, range.end - 1))
-            .set_if_match(if_match.map(str::to_string))
-            .send()
-            .await;
-        let out = match out {
-            Ok(o) => o,
-            // Asking for bytes past the end of an object is not an error for a file read.
-            Err(SdkError::ServiceError(se)) if se.raw().status().as_u16() == 416 => {
-                return Ok(Bytes::new())
-            }
-            Err(e) => return Err(map_err(key, e)),
+        let limit = attempt_timeout(range.end - range.start);
+        let get = async {
+            let out = self
+                .client
+                .get_object()
+                .bucket(&self.bucket)
+                .key(key)
+                .range(format!("bytes={}-{}", range.start, range.end - 1))
+                .set_if_match(if_match.map(str::to_string))
+                .customize()
+                .config_override(sized(range.end - range.start))
+                .send()
+                .await;
+            let out = match out {
+                Ok(o) => o,
+                // Asking for bytes past the end of an object is not an error for a file read.
+                Err(SdkError::ServiceError(se)) if se.raw().status().as_u16() == 416 => {
+                    return Ok(Bytes::new())
+                }
+                Err(e) => return Err(map_err(key, e)),
+            };
+            let body = out
+                .body
+                .collect()
+                .await
+                .map_err(|e| StoreError::Transient(format!("{key}: reading body: {e}")))?;
+            Ok(body.into_bytes())
         };
-        let body = out
-            .body
-            .collect()
-            .await
-            .map_err(|e| StoreError::Transient(format!("{key}: reading body: {e}")))?;
-        Ok(body.into_bytes())
+        match tokio::time::timeout(limit, get).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Transient(format!(
+                "{key}: GET of {} bytes took longer than {} s",
+                range.end - range.start,
+                limit.as_secs()
+            ))),
+        }
     }
 
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        let len = body.len() as u64;
         let out = self
             .client
             .put_object()
@@ -258,6 +325,8 @@ impl ObjectStore for S3Store {
             .key(key)
             .body(ByteStream::from(body))
             .set_metadata(Some(to_hashmap(meta)))
+            .customize()
+            .config_override(sized(len))
             .send()
             .await
             .map_err(|e| map_err(key, e))?;
@@ -286,6 +355,7 @@ impl ObjectStore for S3Store {
         part_number: u32,
         body: Bytes,
     ) -> StoreResult<String> {
+        let len = body.len() as u64;
         let out = self
             .client
             .upload_part()
@@ -294,6 +364,8 @@ impl ObjectStore for S3Store {
             .upload_id(upload_id)
             .part_number(part_number as i32)
             .body(ByteStream::from(body))
+            .customize()
+            .config_override(sized(len))
             .send()
             .await
             .map_err(|e| map_err(&format!("{key} part {part_number}"), e))?;
@@ -317,6 +389,8 @@ impl ObjectStore for S3Store {
             .part_number(part_number as i32)
             .copy_source(copy_source(&self.bucket, src_key))
             .copy_source_range(format!("bytes={}-{}", range.start, range.end - 1))
+            .customize()
+            .config_override(sized(range.end - range.start))
             .send()
             .await
             .map_err(|e| map_err(&format!("{key} part {part_number} copy"), e))?;
@@ -420,7 +494,13 @@ impl ObjectStore for S3Store {
                 .metadata_directive(MetadataDirective::Replace)
                 .set_metadata(Some(to_hashmap(m)));
         }
-        req.send()
+        // The size is unknown here and a server-side copy of up to 5 GiB can take minutes.
+        req.customize()
+            .config_override(
+                aws_sdk_s3::config::Builder::default()
+                    .timeout_config(timeouts(Duration::from_secs(600))),
+            )
+            .send()
             .await
             .map_err(|e| map_err(&format!("copy {src_key} -> {dst_key}"), e))?;
         Ok(())
@@ -492,6 +572,16 @@ impl ObjectStore for S3Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attempt_timeouts_scale_with_the_body() {
+        assert_eq!(attempt_timeout(0), ATTEMPT_BASE);
+        assert_eq!(
+            attempt_timeout(8 * 1024 * 1024),
+            ATTEMPT_BASE + Duration::from_secs(8)
+        );
+        assert!(attempt_timeout(5 << 30) > Duration::from_secs(5 * 1024));
+    }
 
     #[test]
     fn copy_source_encodes_specials() {
