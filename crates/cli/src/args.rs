@@ -372,6 +372,31 @@ pub struct MountArgs {
     #[arg(long)]
     pub syslog: bool,
 
+    /// PEM file of the CA certificates to trust for HTTPS instead of the system's (a private
+    /// CA of MinIO, Ceph or a proxy).
+    #[arg(
+        long,
+        value_name = "FILE",
+        hide_env_values = true,
+        env = "BUCKETFS_CA_BUNDLE"
+    )]
+    pub ca_bundle: Option<String>,
+
+    /// Do not verify the server's HTTPS certificate. Anyone on the network path can then read
+    /// and change the traffic, credentials included: use --ca-bundle instead where possible.
+    #[arg(long)]
+    pub no_verify_ssl: bool,
+
+    /// How long a failing S3 request is retried (with exponential backoff and jitter) before
+    /// the file operation fails with EIO; 0 turns retries off. [default: 30]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        hide_env_values = true,
+        env = "BUCKETFS_RETRY_TIMEOUT"
+    )]
+    pub retry_timeout: Option<String>,
+
     /// Mount options, comma-separated, as in /etc/fstab: any config key as key=value or a bare
     /// boolean key, plus ro and config=FILE (e.g. -o allow_other,ro,part_size=16M). Repeatable.
     #[arg(short = 'o', value_name = "OPT[=VAL],...")]
@@ -390,7 +415,9 @@ impl MountArgs {
             s.apply_file(path)?;
         }
         s.apply_mount_options(&self.options)?;
-        let values: [(&str, &Option<String>); 18] = [
+        let values: [(&str, &Option<String>); 20] = [
+            ("ca_bundle", &self.ca_bundle),
+            ("retry_timeout", &self.retry_timeout),
             ("endpoint_url", &self.endpoint_url),
             ("region", &self.region),
             ("profile", &self.profile),
@@ -422,6 +449,7 @@ impl MountArgs {
             ("allow_other", self.allow_other),
             ("nonempty", self.nonempty),
             ("syslog", self.syslog),
+            ("no_verify_ssl", self.no_verify_ssl),
         ];
         for (key, on) in flags {
             if on {

@@ -71,6 +71,12 @@ pub struct Settings {
     pub log_file: Option<PathBuf>,
     pub log_level: LogLevel,
     pub syslog: bool,
+    /// PEM bundle of the CAs trusted for HTTPS (instead of the system's).
+    pub ca_bundle: Option<PathBuf>,
+    /// Accept any HTTPS certificate (explicit flag only; warned about).
+    pub no_verify_ssl: bool,
+    /// How long a failing store request is retried.
+    pub retry_timeout: Duration,
     /// From the config file only: used when SOURCE is `s3://` without a bucket.
     pub bucket: Option<String>,
     /// From the config file only: used when SOURCE has no prefix.
@@ -108,6 +114,9 @@ impl fmt::Debug for Settings {
             .field("log_file", &self.log_file)
             .field("log_level", &self.log_level)
             .field("syslog", &self.syslog)
+            .field("ca_bundle", &self.ca_bundle)
+            .field("no_verify_ssl", &self.no_verify_ssl)
+            .field("retry_timeout", &self.retry_timeout)
             .field("bucket", &self.bucket)
             .field("prefix", &self.prefix)
             .field("access_key_id", &hidden(&self.access_key_id))
@@ -145,6 +154,9 @@ impl Default for Settings {
             log_file: None,
             log_level: LogLevel::Info,
             syslog: false,
+            ca_bundle: None,
+            no_verify_ssl: false,
+            retry_timeout: Duration::from_secs(30),
             bucket: None,
             prefix: None,
             access_key_id: None,
@@ -205,6 +217,9 @@ const KEYS: &[(&str, Kind, Scope)] = &[
     ("log_file", Kind::Value, Scope::All),
     ("log_level", Kind::Value, Scope::All),
     ("syslog", Kind::Bool, Scope::All),
+    ("ca_bundle", Kind::Value, Scope::All),
+    ("no_verify_ssl", Kind::Bool, Scope::All),
+    ("retry_timeout", Kind::Value, Scope::All),
     ("bucket", Kind::Value, Scope::FileOnly),
     ("prefix", Kind::Value, Scope::FileOnly),
     ("access_key_id", Kind::Value, Scope::FileOnly),
@@ -473,6 +488,9 @@ impl Settings {
             "log_file" => self.log_file = Some(PathBuf::from(non_empty(v, "path")?)),
             "log_level" => self.log_level = parse_log_level(v)?,
             "syslog" => self.syslog = parse_bool(v)?,
+            "ca_bundle" => self.ca_bundle = Some(PathBuf::from(non_empty(v, "path")?)),
+            "no_verify_ssl" => self.no_verify_ssl = parse_bool(v)?,
+            "retry_timeout" => self.retry_timeout = parse_duration(v)?,
             "bucket" => self.bucket = Some(non_empty(v, "bucket name")?),
             "prefix" => self.prefix = Some(v.trim().to_string()),
             "access_key_id" => self.access_key_id = Some(non_empty(v, "access key id")?),

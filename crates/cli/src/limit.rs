@@ -155,7 +155,7 @@ fn run_inner(args: &BenchArgs) -> Result<LimitResult, String> {
     };
     let rt = tokio::runtime::Runtime::new().map_err(|e| format!("runtime: {e}"))?;
     rt.block_on(async {
-        let (store, metrics) = open_store(&settings, &target).await?;
+        let (store, metrics, _) = open_store(&settings, &target).await?;
         let key = format!("{prefix}.bucketfs-bench-{}", std::process::id());
         measure(store, &metrics, &key, &opts)
             .await

@@ -14,9 +14,12 @@ use crate::logging::{self, LogTarget};
 use crate::metrics_http::{serve_http, serve_socket, stats_socket, Counters};
 use bucketfs_fs::{normalize_prefix, Fs};
 use bucketfs_fuse::{absolute, MountHandle, MountOptions};
+use bucketfs_store::journal::{self, JournalStore, UploadJournal};
 use bucketfs_store::local::LocalStore;
 use bucketfs_store::metrics::{MeteredStore, StoreMetrics};
+use bucketfs_store::retry::{RetryMetrics, RetryPolicy, RetryStore};
 use bucketfs_store::s3::{S3Config, S3Store};
+use bucketfs_store::tls::{load_ca_bundle, TlsTrust};
 use bucketfs_store::{ObjectStore, StoreError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,8 +27,11 @@ use std::time::Duration;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
-/// Attempts per S3 request (the first plus retries).
-const S3_MAX_ATTEMPTS: u32 = 5;
+/// Attempts per S3 request inside the SDK: 1, because [`RetryStore`] does the retrying
+/// (bounded in time, with jitter and an outage breaker).
+const S3_MAX_ATTEMPTS: u32 = 1;
+/// Longest wait for aborting open uploads after a second SIGTERM/SIGINT.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Longest the startup access check may take before the endpoint counts as unreachable.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -87,6 +93,20 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
         .map_err(|e| format!("cache dir {}: {e}", settings.cache_dir.display()))?;
     if let Some(f) = &settings.log_file {
         settings.log_file = Some(absolute(f));
+    }
+    if let Some(ca) = &settings.ca_bundle {
+        if settings.no_verify_ssl {
+            return Err("--ca-bundle and --no-verify-ssl contradict each other: give one".into());
+        }
+        let ca = absolute(ca);
+        load_ca_bundle(&ca)?;
+        settings.ca_bundle = Some(ca);
+    }
+    if settings.no_verify_ssl {
+        eprintln!(
+            "bucketfs: warning: --no-verify-ssl: the server's certificate is not checked, so \
+             anyone on the network path can read and change the traffic"
+        );
     }
     let fsname = match &target {
         Target::S3 { bucket, prefix } => format!("s3://{bucket}/{prefix}")
@@ -219,16 +239,28 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         Ok(rt) => rt,
         Err(e) => return report_failure(readiness, format!("cannot start runtime: {e}")),
     };
-    let (store, metrics) = match rt.block_on(open_store(&plan.settings, &plan.target)) {
-        Ok(x) => x,
+    let (store, metrics, retry_metrics) =
+        match rt.block_on(open_store(&plan.settings, &plan.target)) {
+            Ok(x) => x,
+            Err(msg) => return report_failure(readiness, msg),
+        };
+    if s.no_verify_ssl {
+        warn!("--no-verify-ssl: server certificates are not verified");
+    }
+    // Uploads left open by a daemon of this bucket that died are aborted before we start;
+    // ours are journaled from now on.
+    let journal = match open_journal(s, &plan.target) {
+        Ok(j) => j,
         Err(msg) => return report_failure(readiness, msg),
     };
+    rt.block_on(recover_uploads(&*store, s, &plan.target));
+    let store: Arc<dyn ObjectStore> = Arc::new(JournalStore::new(store, journal.clone()));
 
     let prefix = match &plan.target {
         Target::S3 { prefix, .. } => prefix.clone(),
         Target::Local { .. } => String::new(),
     };
-    let fs = rt.block_on(async { Fs::new(store, s.fs_config(prefix)) });
+    let fs = rt.block_on(async { Fs::new(store.clone(), s.fs_config(prefix)) });
     let counters = Counters {
         store: metrics.clone(),
         fs: fs.metrics(),
@@ -286,7 +318,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     if let Some(r) = readiness {
         r.ready();
     }
-    let code = rt.block_on(wait_and_shutdown(&fs, &handle));
+    let code = rt.block_on(wait_and_shutdown(&fs, &handle, &*store, &journal));
     let code = match handle.unmount() {
         Ok(()) => code,
         Err(e) => {
@@ -294,13 +326,31 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
             1
         }
     };
-    log_metrics(&metrics);
+    log_metrics(&metrics, &retry_metrics);
+    let left = journal.live();
+    if left.is_empty() {
+        let _ = journal.remove();
+    } else {
+        warn!(
+            "{} multipart upload(s) could not be aborted; the next mount of this bucket aborts \
+             them (journal {})",
+            left.len(),
+            journal.path().display()
+        );
+    }
     rt.shutdown_timeout(Duration::from_secs(5));
     code
 }
 
-/// Waits for a signal or an external unmount, then publishes open files. Returns the exit code.
-async fn wait_and_shutdown(fs: &Fs, handle: &MountHandle) -> i32 {
+/// Waits for a signal or an external unmount, then publishes open files. A second signal
+/// stops waiting for them and aborts their uploads, naming each file that was not stored.
+/// Returns the exit code.
+async fn wait_and_shutdown(
+    fs: &Fs,
+    handle: &MountHandle,
+    store: &dyn ObjectStore,
+    journal: &UploadJournal,
+) -> i32 {
     let (mut term, mut int, mut hup) = match (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
@@ -319,10 +369,82 @@ async fn wait_and_shutdown(fs: &Fs, handle: &MountHandle) -> i32 {
         _ = hup.recv() => info!("SIGHUP: unmounting"),
         _ = handle.unmounted() => info!("{} was unmounted", handle.mountpoint().display()),
     }
-    tokio::select! {
-        code = publish(fs) => code,
-        _ = term.recv() => { warn!("second signal: not waiting for uploads"); 1 }
-        _ = int.recv() => { warn!("second signal: not waiting for uploads"); 1 }
+    let second = tokio::select! {
+        code = publish(fs) => return code,
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    warn!("second signal ({second}): not waiting for uploads; aborting them");
+    abort_open_uploads(store, journal).await;
+    1
+}
+
+/// Aborts every multipart upload still open, logging each file that is therefore not stored.
+async fn abort_open_uploads(store: &dyn ObjectStore, journal: &UploadJournal) {
+    for (key, id) in journal.live() {
+        match tokio::time::timeout(ABORT_TIMEOUT, store.abort_multipart(&key, &id)).await {
+            Ok(Ok(())) => error!("{key}: upload aborted at shutdown; the file was NOT stored"),
+            Ok(Err(e)) => error!(
+                "{key}: upload not stored, and aborting it failed ({e}); the next mount aborts it"
+            ),
+            Err(_) => error!(
+                "{key}: upload not stored, and aborting it timed out; the next mount aborts it"
+            ),
+        }
+    }
+}
+
+/// Where upload journals live: a private directory per user under the cache dir.
+fn journal_dir(settings: &Settings) -> PathBuf {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    settings.cache_dir.join(format!("bucketfs-journal-{uid}"))
+}
+
+/// The identity of the bucket (or directory) for journal file names.
+fn journal_tag(settings: &Settings, target: &Target) -> String {
+    let id = match target {
+        Target::S3 { bucket, .. } => format!(
+            "s3://{bucket} at {}",
+            settings.endpoint_url.as_deref().unwrap_or("aws")
+        ),
+        Target::Local { dir } => dir.display().to_string(),
+    };
+    journal::journal_tag(&id)
+}
+
+fn open_journal(settings: &Settings, target: &Target) -> Result<Arc<UploadJournal>, String> {
+    let dir = journal_dir(settings);
+    let j = UploadJournal::open(&dir, &journal_tag(settings, target))
+        .map_err(|e| format!("upload journal in {}: {e}", dir.display()))?;
+    // The directory must be ours alone: someone else's could be read or tampered with.
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // SAFETY: getuid cannot fail.
+    if md.uid() != unsafe { libc::getuid() } || md.mode() & 0o077 != 0 {
+        return Err(format!(
+            "upload journal directory {} is not private to this user (owner {}, mode {:04o})",
+            dir.display(),
+            md.uid(),
+            md.mode() & 0o7777
+        ));
+    }
+    Ok(Arc::new(j))
+}
+
+/// Aborts the uploads that dead daemons of this bucket left open (see the journal module).
+async fn recover_uploads(store: &dyn ObjectStore, settings: &Settings, target: &Target) {
+    let dir = journal_dir(settings);
+    match journal::recover(store, &dir, &journal_tag(settings, target)).await {
+        Ok(r) => {
+            for (key, _) in &r.aborted {
+                warn!("{key}: aborted the upload a previous bucketfs left open when it died");
+            }
+            for (key, _, e) in &r.failed {
+                warn!("{key}: could not abort the upload a previous bucketfs left open: {e}");
+            }
+        }
+        Err(e) => warn!("upload journals in {}: {e}", dir.display()),
     }
 }
 
@@ -337,12 +459,17 @@ async fn publish(fs: &Fs) -> i32 {
     }
 }
 
-fn log_metrics(m: &StoreMetrics) {
+fn log_metrics(m: &StoreMetrics, r: &RetryMetrics) {
     info!(
-        "store requests: {}, bytes up: {}, bytes down: {}",
+        "store requests: {}, bytes up: {}, bytes down: {}; retries: {}, recovered: {}, \
+         gave up: {}, outages: {}",
         m.total_requests(),
         m.bytes_up(),
-        m.bytes_down()
+        m.bytes_down(),
+        RetryMetrics::get(&r.retries),
+        RetryMetrics::get(&r.recovered),
+        RetryMetrics::get(&r.gave_up),
+        RetryMetrics::get(&r.outages),
     );
 }
 
@@ -382,6 +509,25 @@ fn short_detail(s: &str) -> String {
 pub(crate) async fn open_store(
     settings: &Settings,
     target: &Target,
+) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>, Arc<RetryMetrics>), String> {
+    let (store, metrics) = open_raw_store(settings, target).await?;
+    let policy = if settings.retry_timeout.is_zero() {
+        RetryPolicy::none()
+    } else {
+        RetryPolicy {
+            max_elapsed: settings.retry_timeout,
+            ..RetryPolicy::default()
+        }
+    };
+    let retry = RetryStore::new(store, policy);
+    let retry_metrics = retry.metrics();
+    Ok((Arc::new(retry), metrics, retry_metrics))
+}
+
+/// The backend with request counters, before retries.
+async fn open_raw_store(
+    settings: &Settings,
+    target: &Target,
 ) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>), String> {
     match target {
         Target::Local { dir } => {
@@ -407,6 +553,13 @@ pub(crate) async fn open_store(
                 secret_access_key: s.secret_access_key.clone(),
                 session_token: s.session_token.clone(),
                 max_attempts: S3_MAX_ATTEMPTS,
+                tls: if s.no_verify_ssl {
+                    TlsTrust::Insecure
+                } else if let Some(ca) = &s.ca_bundle {
+                    TlsTrust::CaBundle(load_ca_bundle(ca)?)
+                } else {
+                    TlsTrust::System
+                },
             };
             let endpoint = s.endpoint_url.as_deref().unwrap_or("AWS S3").to_string();
             let store = S3Store::new(&cfg).await.map_err(|e| {
@@ -441,6 +594,23 @@ fn access_error(e: StoreError, bucket: &str, endpoint: &str) -> String {
         short_detail(d)
     };
     match e {
+        StoreError::Other(d) if d.contains("TLS failure") => format!(
+            "the HTTPS certificate of {endpoint} is not trusted (for a private CA give \
+             --ca-bundle FILE): {}",
+            detail(&d)
+        ),
+        StoreError::AccessDenied(d) | StoreError::Transient(d) | StoreError::Other(d)
+            if d.contains("no usable credentials")
+                || (!d.contains("(request id")
+                    && d.to_ascii_lowercase().contains("credential")) =>
+        {
+            format!(
+                "no usable credentials for bucket {bucket}: set AWS_ACCESS_KEY_ID and \
+                 AWS_SECRET_ACCESS_KEY, use --profile, or put access_key_id and \
+                 secret_access_key in the config file ({})",
+                detail(&d)
+            )
+        }
         StoreError::AccessDenied(d) => format!(
             "access denied to bucket {bucket}: check credentials ({})",
             detail(&d)
@@ -452,16 +622,6 @@ fn access_error(e: StoreError, bucket: &str, endpoint: &str) -> String {
             "bucket {bucket} does not exist (endpoint {endpoint}: {})",
             detail(&d)
         ),
-        StoreError::Transient(d) | StoreError::Other(d)
-            if d.to_ascii_lowercase().contains("credential") =>
-        {
-            format!(
-                "no usable credentials for bucket {bucket}: set AWS_ACCESS_KEY_ID and \
-                 AWS_SECRET_ACCESS_KEY, use --profile, or put access_key_id and \
-                 secret_access_key in the config file ({})",
-                detail(&d)
-            )
-        }
         StoreError::Transient(d) => {
             format!("cannot reach endpoint {endpoint}: {}", detail(&d))
         }
