@@ -10,6 +10,8 @@
 //! * [`Minio`]: stopping and restarting the shared server (the fault test only).
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use aws_sdk_s3::config::{
     BehaviorVersion, Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation,
 };
@@ -801,6 +803,72 @@ impl Mount {
         &self.spec
     }
 
+    /// The daemon's pid (while it runs).
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Sends `sig` to the daemon.
+    pub fn signal(&self, sig: i32) {
+        let pid = self.daemon_pid().expect("daemon running") as libc::pid_t;
+        // SAFETY: kill(2) of the daemon this harness spawned and has not reaped.
+        unsafe { libc::kill(pid, sig) };
+    }
+
+    /// Waits up to `limit` for the daemon to exit on its own (after a signal); returns its
+    /// status. The mount point is left as it is.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let child = self.child.as_mut()?;
+            if let Ok(Some(st)) = child.try_wait() {
+                *self.watch.done.lock().unwrap() = true;
+                self.watch.cv.notify_all();
+                self.child = None;
+                self.exit = Some(st);
+                return Some(st);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILLs the daemon (a crash) and reaps it. The mount point stays behind as a dead FUSE
+    /// mount ("Transport endpoint is not connected") until the guard is dropped.
+    pub fn kill9(&mut self) {
+        *self.watch.done.lock().unwrap() = true;
+        self.watch.cv.notify_all();
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            self.exit = c.wait().ok();
+        }
+    }
+
+    /// Resident memory of the daemon in KiB (VmRSS), and its peak (VmHWM).
+    pub fn rss_kib(&self) -> (u64, u64) {
+        let pid = self.daemon_pid().expect("daemon running");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    /// Open file descriptors of the daemon.
+    pub fn fd_count(&self) -> usize {
+        let pid = self.daemon_pid().expect("daemon running");
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
     /// Unmounts and waits for the daemon; returns its exit status and output.
     pub fn unmount(mut self) -> (Option<ExitStatus>, String) {
         self.stop();
@@ -1119,5 +1187,189 @@ impl Drop for MinioOutage {
                 self.minio.start();
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A private MinIO (TLS, a tiny disk)
+// ---------------------------------------------------------------------------------------------
+
+/// A MinIO server of one test, on its own port and data dir, with the shared credentials.
+/// Stopped (SIGKILL) when dropped.
+pub struct PrivateMinio {
+    child: Child,
+    pub addr: String,
+    pub tls: bool,
+}
+
+impl PrivateMinio {
+    /// Starts MinIO on `data`; with `certs` (a dir holding public.crt/private.key) it serves
+    /// HTTPS. Waits until it answers.
+    pub fn start(data: &Path, certs: Option<&Path>) -> PrivateMinio {
+        let e = env();
+        let bin = required("BUCKETFS_TEST_MINIO_BIN");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let mut cmd = Command::new(&bin);
+        cmd.args(["server", "--quiet", "--address", &addr]);
+        if let Some(c) = certs {
+            cmd.arg("--certs-dir").arg(c);
+        }
+        let log = File::create(data.with_extension("log")).unwrap();
+        let child = cmd
+            .arg(data)
+            .env("MINIO_ROOT_USER", &e.access_key)
+            .env("MINIO_ROOT_PASSWORD", &e.secret_key)
+            .env("MINIO_BROWSER", "off")
+            .env("MINIO_UPDATE", "off")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {bin}: {e}"));
+        let m = PrivateMinio {
+            child,
+            addr,
+            tls: certs.is_some(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !m.healthy() {
+            assert!(
+                Instant::now() < deadline,
+                "private MinIO on {} not healthy within 60 s: {}",
+                m.addr,
+                std::fs::read_to_string(data.with_extension("log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        m
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!(
+            "{}://{}",
+            if self.tls { "https" } else { "http" },
+            self.addr
+        )
+    }
+
+    fn healthy(&self) -> bool {
+        let url = format!("{}/minio/health/live", self.endpoint());
+        Command::new("curl")
+            .args(["-skf", "-o", "/dev/null", "--max-time", "2", &url])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or_else(|_| {
+                std::net::TcpStream::connect(&self.addr).is_ok() && {
+                    std::thread::sleep(Duration::from_secs(2));
+                    true
+                }
+            })
+    }
+
+    /// An S3 client for this server (`ca`: the PEM of the CA that signed its certificate).
+    pub fn client(&self, ca: Option<&[u8]>) -> S3 {
+        let e = env();
+        let mut b = aws_sdk_s3::config::Builder::new()
+            .behavior_version(BehaviorVersion::latest())
+            .endpoint_url(self.endpoint())
+            .region(Region::new("us-east-1"))
+            .credentials_provider(Credentials::new(
+                &e.access_key,
+                &e.secret_key,
+                None,
+                None,
+                "bucketfs-tests",
+            ))
+            .force_path_style(true)
+            .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
+            .response_checksum_validation(ResponseChecksumValidation::WhenRequired);
+        if let Some(pem) = ca {
+            use aws_smithy_http_client::tls::{self, TlsContext, TrustStore};
+            let http = aws_smithy_http_client::Builder::new()
+                .tls_provider(tls::Provider::rustls(
+                    tls::rustls_provider::CryptoMode::AwsLc,
+                ))
+                .tls_context(
+                    TlsContext::builder()
+                        .with_trust_store(TrustStore::empty().with_pem_certificate(pem.to_vec()))
+                        .build()
+                        .unwrap(),
+                )
+                .build_https();
+            b = b.http_client(http);
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        S3 {
+            rt,
+            client: Client::from_conf(b.build()),
+        }
+    }
+
+    /// A mount spec of `bucket` on this server.
+    pub fn mount_spec(&self, bucket: &str) -> MountSpec {
+        let mut spec = MountSpec::s3(bucket, "");
+        spec.args = vec![
+            "--endpoint-url".into(),
+            self.endpoint(),
+            "--force-path-style".into(),
+            "--region".into(),
+            "us-east-1".into(),
+        ];
+        spec
+    }
+}
+
+impl Drop for PrivateMinio {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A tmpfs of `mib` MiB mounted at a new temp dir (a disk that fills up). Unmounted on drop.
+pub struct SmallDisk {
+    pub dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    pub fn new(mib: u64) -> Result<SmallDisk, String> {
+        let dir = tempfile::Builder::new()
+            .prefix("bucketfs-smalldisk-")
+            .tempdir()
+            .unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(dir.path())
+            .output()
+            .map_err(|e| format!("mount tmpfs: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mount -t tmpfs: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(SmallDisk { dir })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
     }
 }

@@ -1,0 +1,221 @@
+//! A TCP proxy in front of MinIO that injects the network faults a real server cannot be made
+//! to produce on demand: latency and low bandwidth (a slow server), connections reset in the
+//! middle of a response body, every open connection dropped at once, and `503 SlowDown`
+//! answers. Mount through [`FaultProxy::endpoint`] instead of the MinIO endpoint.
+//!
+//! It only ever connects to the loopback address it was given, and stops (closing every
+//! connection) when dropped.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Default)]
+struct State {
+    /// Sleep this long before forwarding each chunk (both directions).
+    delay_ms: AtomicU64,
+    /// Forward at most this many bytes per second per connection and direction (0: no limit).
+    bytes_per_sec: AtomicU64,
+    /// Bumped to reset every connection opened before.
+    generation: AtomicU64,
+    /// This many upcoming server→client transfers are cut after `cut_after` bytes.
+    cuts_left: AtomicU64,
+    cut_after: AtomicU64,
+    /// This many upcoming new connections get `503 SlowDown` and are closed.
+    slowdowns_left: AtomicU64,
+    /// Counters.
+    pub connections: AtomicU64,
+    pub cuts: AtomicU64,
+    pub slowdowns: AtomicU64,
+    pub resets: AtomicU64,
+    stop: AtomicBool,
+    open: Mutex<Vec<TcpStream>>,
+}
+
+pub struct FaultProxy {
+    addr: SocketAddr,
+    state: Arc<State>,
+}
+
+const SLOWDOWN: &str = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>\
+<Message>Please reduce your request rate (injected by the test proxy).</Message>\
+<RequestId>proxy-slowdown</RequestId></Error>";
+
+impl FaultProxy {
+    /// Starts a proxy to `upstream` (an `IP:PORT` on the loopback).
+    pub fn start(upstream: &str) -> FaultProxy {
+        let upstream: SocketAddr = upstream.parse().expect("upstream is IP:PORT");
+        assert!(
+            upstream.ip().is_loopback(),
+            "the proxy only forwards to loopback"
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind proxy");
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(State::default());
+        let st = state.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if st.stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(client) = client else { continue };
+                let st = st.clone();
+                std::thread::spawn(move || serve(client, upstream, st));
+            }
+        });
+        FaultProxy { addr, state }
+    }
+
+    /// `http://127.0.0.1:PORT` of the proxy.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Latency added to every chunk forwarded, both ways.
+    pub fn set_delay(&self, d: Duration) {
+        self.state
+            .delay_ms
+            .store(d.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Bandwidth cap per connection and direction (0: none).
+    pub fn set_bandwidth(&self, bytes_per_sec: u64) {
+        self.state
+            .bytes_per_sec
+            .store(bytes_per_sec, Ordering::SeqCst);
+    }
+
+    /// Drops every connection open now (their requests fail mid-flight).
+    pub fn reset_all(&self) {
+        self.state.generation.fetch_add(1, Ordering::SeqCst);
+        self.state.resets.fetch_add(1, Ordering::SeqCst);
+        for s in self.state.open.lock().unwrap().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// The next `n` responses are cut off after `after` bytes (a body broken mid-transfer).
+    pub fn cut_responses(&self, n: u64, after: u64) {
+        self.state.cut_after.store(after, Ordering::SeqCst);
+        self.state.cuts_left.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` new connections get `503 SlowDown`; open connections are dropped so that
+    /// the next requests come on new ones.
+    pub fn slow_down(&self, n: u64) {
+        self.state.slowdowns_left.store(n, Ordering::SeqCst);
+        self.reset_all();
+    }
+
+    pub fn connections(&self) -> u64 {
+        self.state.connections.load(Ordering::SeqCst)
+    }
+    pub fn cuts(&self) -> u64 {
+        self.state.cuts.load(Ordering::SeqCst)
+    }
+    pub fn slowdowns(&self) -> u64 {
+        self.state.slowdowns.load(Ordering::SeqCst)
+    }
+    pub fn resets(&self) -> u64 {
+        self.state.resets.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::SeqCst);
+        self.reset_all();
+        // Wake the accept loop so it sees `stop`.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+    }
+}
+
+fn take(c: &AtomicU64) -> bool {
+    c.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+fn serve(mut client: TcpStream, upstream: SocketAddr, st: Arc<State>) {
+    st.connections.fetch_add(1, Ordering::SeqCst);
+    let _ = client.set_nodelay(true);
+    if take(&st.slowdowns_left) {
+        // Read the request head, answer 503 SlowDown and close.
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        let _ = client.set_read_timeout(Some(Duration::from_secs(5)));
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 65536 {
+            match client.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let resp = format!(
+            "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\
+             x-amz-request-id: proxy-slowdown\r\nConnection: close\r\n\r\n{SLOWDOWN}",
+            SLOWDOWN.len()
+        );
+        let _ = client.write_all(resp.as_bytes());
+        st.slowdowns.fetch_add(1, Ordering::SeqCst);
+        let _ = client.shutdown(Shutdown::Write);
+        std::thread::sleep(Duration::from_millis(50));
+        return;
+    }
+    let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(5)) else {
+        return; // upstream down: the client sees the connection close
+    };
+    let _ = server.set_nodelay(true);
+    {
+        let mut open = st.open.lock().unwrap();
+        open.push(client.try_clone().unwrap());
+        open.push(server.try_clone().unwrap());
+    }
+    let generation = st.generation.load(Ordering::SeqCst);
+    let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+    let st2 = st.clone();
+    let up = std::thread::spawn(move || pump(c2, s2, &st2, generation, false));
+    pump(server, client, &st, generation, true);
+    let _ = up.join();
+}
+
+fn pump(mut from: TcpStream, mut to: TcpStream, st: &State, generation: u64, downstream: bool) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut sent = 0u64;
+    let mut cut_at: Option<u64> = None;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if st.generation.load(Ordering::SeqCst) != generation || st.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        if downstream && cut_at.is_none() && take(&st.cuts_left) {
+            cut_at = Some(sent + st.cut_after.load(Ordering::SeqCst));
+        }
+        let delay = st.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            std::thread::sleep(Duration::from_millis(delay));
+        }
+        let bps = st.bytes_per_sec.load(Ordering::SeqCst);
+        if bps > 0 {
+            std::thread::sleep(Duration::from_secs_f64(n as f64 / bps as f64));
+        }
+        let mut chunk = &buf[..n];
+        if let Some(at) = cut_at {
+            if sent + n as u64 >= at {
+                chunk = &buf[..(at - sent) as usize];
+                let _ = to.write_all(chunk);
+                st.cuts.fetch_add(1, Ordering::SeqCst);
+                break;
+            }
+        }
+        if to.write_all(chunk).is_err() {
+            break;
+        }
+        sent += n as u64;
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
