@@ -7,7 +7,8 @@
 use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
-use crate::inode::{join, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
+use crate::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
+use crate::lookup::{Found, Lookups};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
@@ -21,7 +22,7 @@ use futures::future::BoxFuture;
 use futures::stream::{self, StreamExt, TryStreamExt};
 use futures::FutureExt;
 use parking_lot::Mutex;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::hash::{Hash, Hasher};
 use std::os::unix::ffi::OsStrExt;
@@ -88,8 +89,18 @@ const RENAME_CONCURRENCY: usize = 16;
 const COPY_PART_SIZE: u64 = 512 * 1024 * 1024;
 /// How often aborts that failed are tried again.
 const ORPHAN_RETRY: Duration = Duration::from_secs(5);
-/// Listing hints kept at most (they only save a request; losing them is harmless).
-const MAX_HINTS: usize = 200_000;
+/// Names after a looked-up one that statahead stats in the background.
+const STATAHEAD_WINDOW: usize = 64;
+
+enum ListingSays {
+    Unknown,
+    Absent,
+    /// Present; these names follow it in the listing.
+    Present(Vec<String>),
+}
+
+/// Entries returned by one readdir call at most (the kernel takes what fits its buffer).
+const READDIR_BATCH: usize = 512;
 
 /// An open file: its read state and, when opened for writing, the inode's shared write state.
 #[derive(Clone)]
@@ -102,14 +113,32 @@ struct FileHandle {
 
 enum Handle {
     File(FileHandle),
-    Dir { entries: Arc<Vec<DirEntry>> },
+    Dir(Arc<tokio::sync::Mutex<DirStream>>),
 }
 
-/// What the store says exists at a path.
-struct Found {
-    kind: FileKind,
-    obj: ObjectMeta,
-    has_marker: bool,
+/// A directory being listed: the entries so far and where the LIST continues.
+struct DirStream {
+    ino: Ino,
+    path: String,
+    prefix: String,
+    token: Option<String>,
+    done: bool,
+    entries: Vec<DirEntry>,
+    /// Name to position in `entries`, while the listing is incomplete.
+    index: HashMap<String, usize>,
+}
+
+impl DirStream {
+    fn push(&mut self, name: &str, kind: FileKind) {
+        let n = self.entries.len();
+        self.index.insert(name.to_string(), n);
+        self.entries.push(DirEntry {
+            ino: synthetic_ino(&join(&self.path, name)),
+            next_offset: n as i64 + 1,
+            kind,
+            name: name.to_string(),
+        });
+    }
 }
 
 pub struct Fs {
@@ -121,8 +150,8 @@ pub struct Fs {
     table: Mutex<InodeTable>,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
-    /// Paths a recent listing showed as plain objects: their lookup needs only a HEAD.
-    file_hints: Mutex<HashMap<String, Instant>>,
+    /// Stat cache, single-flight probes and statahead.
+    lookups: Arc<Lookups>,
 }
 
 fn now() -> SystemTime {
@@ -165,6 +194,7 @@ impl Fs {
             has_marker: false,
             symlink_target: None,
             cached_etag: None,
+            listing: None,
             lookups: 1,
             open_handles: 0,
             writers: 0,
@@ -172,6 +202,8 @@ impl Fs {
             unlinked: false,
         };
         let metrics = Arc::new(FsMetrics::default());
+        let (store_for_lookups, prefix_for_lookups, stat_ttl) =
+            (store.clone(), cfg.prefix.clone(), cfg.stat_ttl);
         let budget = MemoryBudget::new(cfg.max_memory, metrics.clone());
         let rcfg = Arc::new(ReadConfig {
             part_size: cfg.part_size.max(bucketfs_store::MIN_PART_SIZE),
@@ -197,7 +229,7 @@ impl Fs {
             table: Mutex::new(InodeTable::new(root)),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-            file_hints: Mutex::new(HashMap::new()),
+            lookups: Lookups::new(store_for_lookups, prefix_for_lookups, stat_ttl),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(Self::retry_orphans_forever(Arc::downgrade(&fs)));
@@ -309,63 +341,6 @@ impl Fs {
 
     // ---- asking the store what a path is ----
 
-    /// HEAD `key` and LIST `key/` together; a directory wins over a file of the same name.
-    async fn stat_path(&self, path: &str) -> FsResult<Found> {
-        let key = self.key(path);
-        let hinted = {
-            let hints = self.file_hints.lock();
-            hints
-                .get(path)
-                .is_some_and(|t| t.elapsed() < self.cfg.stat_ttl)
-        };
-        if hinted {
-            match self.store.head(&key).await {
-                Ok(obj) => return Ok(self.found_object(obj)),
-                Err(StoreError::NotFound(_)) => {}
-                Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
-            }
-        }
-        let dir_key = self.dir_key(path);
-        let (head, list) = tokio::join!(
-            self.store.head(&key),
-            self.store.list(&dir_key, Some("/"), None, 1)
-        );
-        let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-        if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
-            let has_marker = page.objects.first().is_some_and(|o| o.key == dir_key);
-            let obj = if has_marker {
-                match self.store.head(&dir_key).await {
-                    Ok(o) => o,
-                    Err(StoreError::NotFound(_)) => ObjectMeta::default(),
-                    Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
-                }
-            } else {
-                ObjectMeta::default()
-            };
-            return Ok(Found {
-                kind: FileKind::Dir,
-                obj,
-                has_marker,
-            });
-        }
-        match head {
-            Ok(obj) => Ok(self.found_object(obj)),
-            Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
-        }
-    }
-
-    fn found_object(&self, obj: ObjectMeta) -> Found {
-        let kind = match PosixMeta::from_user(&obj.user).kind() {
-            Some(FileKind::Symlink) => FileKind::Symlink,
-            _ => FileKind::File,
-        };
-        Found {
-            kind,
-            obj,
-            has_marker: false,
-        }
-    }
-
     /// Records what the store said about `name` in `parent`; returns the inode.
     fn remember(&self, parent: Ino, name: &str, path: String, f: Found, lookups: u64) -> Attr {
         let mut t = self.table.lock();
@@ -396,6 +371,7 @@ impl Fs {
             has_marker: f.has_marker,
             symlink_target: None,
             cached_etag: None,
+            listing: None,
             lookups,
             open_handles: 0,
             writers: 0,
@@ -422,7 +398,21 @@ impl Fs {
         }
         inc(&self.wcfg.metrics.attr_misses);
         let path = join(&parent_path, name);
-        match self.stat_path(&path).await {
+        if !self.lookups.cached_complete(&path) {
+            match self.listing_says(parent, name) {
+                ListingSays::Absent => {
+                    // A fresh complete listing of the parent does not have it.
+                    inc(&self.wcfg.metrics.attr_hits);
+                    return Err(FsError::ENOENT);
+                }
+                ListingSays::Present(next) => {
+                    let ahead = next.into_iter().map(|n| join(&parent_path, &n)).collect();
+                    self.lookups.statahead(ahead);
+                }
+                ListingSays::Unknown => {}
+            }
+        }
+        match self.lookups.stat(&path).await.map(|(f, _)| f) {
             Ok(f) => Ok(self.remember(parent, name, path, f, lookups)),
             Err(e) => {
                 if e == FsError::ENOENT {
@@ -430,6 +420,40 @@ impl Fs {
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// What the parent's cached listing says about `name`.
+    fn listing_says(&self, parent: Ino, name: &str) -> ListingSays {
+        let t = self.table.lock();
+        let Some(l) = t.get(parent).and_then(|p| p.listing.as_ref()) else {
+            return ListingSays::Unknown;
+        };
+        if l.at.elapsed() >= self.cfg.stat_ttl {
+            return ListingSays::Unknown;
+        }
+        match l.names.binary_search_by(|n| n.as_str().cmp(name)) {
+            Ok(i) => ListingSays::Present(
+                l.names[i + 1..]
+                    .iter()
+                    .take(STATAHEAD_WINDOW)
+                    .cloned()
+                    .collect(),
+            ),
+            Err(_) if l.added.contains(name) => ListingSays::Unknown,
+            Err(_) => ListingSays::Absent,
+        }
+    }
+
+    /// Notes that `name` now exists in directory `parent` (its cached listing lacks it).
+    fn note_added(&self, parent: Ino, name: &str) {
+        if let Some(l) = self
+            .table
+            .lock()
+            .get_mut(parent)
+            .and_then(|p| p.listing.as_mut())
+        {
+            l.added.insert(name.to_string());
         }
     }
 
@@ -488,6 +512,7 @@ impl Fs {
                 i.user.clone(),
             )
         };
+        self.lookups.forget(&path);
         let meta_change = set.mode.is_some()
             || set.uid.is_some()
             || set.gid.is_some()
@@ -720,6 +745,8 @@ impl Fs {
         etag: Option<String>,
         local_only: bool,
     ) -> (Ino, Attr) {
+        self.lookups.forget(&path);
+        self.note_added(parent, name);
         let mut t = self.table.lock();
         let ino = t.alloc();
         let attr = self.policy.attr(ino, kind, size, pm, Some(now()));
@@ -740,6 +767,7 @@ impl Fs {
             has_marker: kind == FileKind::Dir,
             symlink_target: None,
             cached_etag: None,
+            listing: None,
             lookups: 1,
             open_handles: 0,
             writers: 0,
@@ -777,9 +805,16 @@ impl Fs {
             .put(&key, Bytes::new(), &pm.to_user())
             .await
             .map_err(|e| log_store_err(&format!("mkdir {key}"), e))?;
-        Ok(self
-            .add_new(parent, &name, path, FileKind::Dir, &pm, 0, None, false)
-            .1)
+        let (ino, attr) = self.add_new(parent, &name, path, FileKind::Dir, &pm, 0, None, false);
+        if let Some(i) = self.table.lock().get_mut(ino) {
+            // Just made: known to be empty.
+            i.listing = Some(DirListing {
+                at: Instant::now(),
+                names: Vec::new(),
+                added: Default::default(),
+            });
+        }
+        Ok(attr)
     }
 
     /// Only regular files can be made (FIFOs, sockets and devices cannot live in a bucket).
@@ -880,7 +915,7 @@ impl Fs {
                 .await
                 .map_err(|e| log_store_err(&format!("unlink {key}"), e))?;
         }
-        self.file_hints.lock().remove(&path);
+        self.lookups.forget(&path);
         self.table.lock().detach(ino);
         Ok(())
     }
@@ -924,6 +959,8 @@ impl Fs {
             .delete(&key)
             .await
             .map_err(|e| log_store_err(&format!("rmdir {key}"), e))?;
+        self.lookups.forget(&path);
+        self.lookups.forget_below(&path);
         self.table.lock().detach(ino);
         Ok(())
     }
@@ -986,11 +1023,12 @@ impl Fs {
         } else {
             self.rename_file(&path, &new_path, size, write).await?;
         }
-        {
-            let mut hints = self.file_hints.lock();
-            hints.remove(&path);
-            hints.remove(&new_path);
+        self.lookups.forget(&path);
+        self.lookups.forget(&new_path);
+        if kind == FileKind::Dir {
+            self.lookups.forget_below(&path);
         }
+        self.note_added(new_parent, &new_name_s);
         let mut t = self.table.lock();
         t.rename(src, new_parent, &new_name_s, &new_parent_path);
         if let Some(i) = t.get_mut(src) {
@@ -1366,6 +1404,7 @@ impl Fs {
     fn published(&self, ino: Ino, etag: Option<String>, size: u64, user: UserMeta) {
         let mut t = self.table.lock();
         if let Some(i) = t.get_mut(ino) {
+            self.lookups.forget(&i.path);
             let pm = PosixMeta::from_user(&user);
             i.attr = self.policy.attr(ino, i.kind, size, &pm, Some(now()));
             i.etag = etag;
@@ -1448,7 +1487,8 @@ impl Fs {
         Ok(())
     }
 
-    /// Opens a directory for listing and returns its handle.
+    /// Opens a directory for listing and returns its handle. The listing is read from the
+    /// store page by page as `readdir` asks for entries.
     pub async fn opendir(&self, ino: Ino) -> FsResult<u64> {
         let (path, parent) = {
             let t = self.table.lock();
@@ -1458,97 +1498,107 @@ impl Fs {
             }
             (i.path.clone(), i.parent)
         };
-        let listed = self.list_dir(&path).await?;
-        let mut names: BTreeMap<String, FileKind> = listed;
-        {
-            let t = self.table.lock();
-            for c in t.children_of(ino) {
-                // Created here and not uploaded yet, or just made: show it anyway.
-                if c.fetched.is_none() || c.write.is_some() {
-                    names.entry(c.name.clone()).or_insert(c.kind);
-                }
-            }
-        }
-        let mut entries = Vec::with_capacity(names.len() + 2);
-        entries.push((ino, FileKind::Dir, ".".to_string()));
-        entries.push((parent, FileKind::Dir, "..".to_string()));
-        {
-            let t = self.table.lock();
-            for (name, kind) in names {
-                let ino = t
-                    .child(ino, &name)
-                    .unwrap_or_else(|| synthetic_ino(&join(&path, &name)));
-                entries.push((ino, kind, name));
-            }
-        }
-        let entries: Vec<DirEntry> = entries
-            .into_iter()
+        let dots = [(ino, "."), (parent, "..")];
+        let entries = dots
+            .iter()
             .enumerate()
-            .map(|(n, (ino, kind, name))| DirEntry {
-                ino,
+            .map(|(n, (ino, name))| DirEntry {
+                ino: *ino,
                 next_offset: n as i64 + 1,
-                kind,
-                name,
+                kind: FileKind::Dir,
+                name: name.to_string(),
             })
             .collect();
-        Ok(self.add_handle(Handle::Dir {
-            entries: Arc::new(entries),
-        }))
-    }
-
-    /// All names in a directory, from LIST pages (a directory wins over a same-named file).
-    async fn list_dir(&self, path: &str) -> FsResult<BTreeMap<String, FileKind>> {
-        let prefix = self.dir_key(path);
-        let mut names = BTreeMap::new();
-        let mut files = Vec::new();
-        let mut token = None;
-        loop {
-            let page = self
-                .store
-                .list(&prefix, Some("/"), token, 1000)
-                .await
-                .map_err(|e| log_store_err(&format!("list {prefix}"), e))?;
-            for cp in page.common_prefixes {
-                let name = cp[prefix.len()..].trim_end_matches('/');
-                if listable(name) && cp.len() == prefix.len() + name.len() + 1 {
-                    names.insert(name.to_string(), FileKind::Dir);
-                }
-            }
-            for o in page.objects {
-                let name = &o.key[prefix.len()..];
-                if listable(name) && !names.contains_key(name) {
-                    names.insert(name.to_string(), FileKind::File);
-                    files.push(join(path, name));
-                }
-            }
-            token = page.next_continuation;
-            if token.is_none() {
-                break;
-            }
-        }
-        let mut hints = self.file_hints.lock();
-        if hints.len() + files.len() > MAX_HINTS {
-            hints.clear();
-        }
-        let t = Instant::now();
-        for f in files {
-            if names.get(f.rsplit('/').next().unwrap_or("")) == Some(&FileKind::File) {
-                hints.insert(f, t);
-            }
-        }
-        Ok(names)
+        let stream = DirStream {
+            ino,
+            prefix: self.dir_key(&path),
+            path,
+            token: None,
+            done: false,
+            entries,
+            index: HashMap::new(),
+        };
+        Ok(self.add_handle(Handle::Dir(Arc::new(tokio::sync::Mutex::new(stream)))))
     }
 
     /// Entries after cookie `offset` (0 = from the start, including `.` and `..`).
     pub async fn readdir(&self, _ino: Ino, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
-        match self.handles.lock().get(&fh) {
-            Some(Handle::Dir { entries }) => Ok(entries
-                .iter()
-                .skip(offset.max(0) as usize)
-                .cloned()
-                .collect()),
-            _ => Err(FsError::EBADF),
+        let stream = match self.handles.lock().get(&fh) {
+            Some(Handle::Dir(s)) => s.clone(),
+            _ => return Err(FsError::EBADF),
+        };
+        let mut st = stream.lock().await;
+        let from = offset.max(0) as usize;
+        // Past the dots at least, so the first answer carries a page of names.
+        while !st.done && st.entries.len() <= from.max(2) {
+            self.next_page(&mut st).await?;
         }
+        Ok(st
+            .entries
+            .iter()
+            .skip(from)
+            .take(READDIR_BATCH)
+            .cloned()
+            .collect())
+    }
+
+    /// Reads one LIST page into the stream; after the last, adds entries that exist only here
+    /// and records the listing for negative lookups and statahead.
+    async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
+        let page = self
+            .store
+            .list(&st.prefix, Some("/"), st.token.take(), 1000)
+            .await
+            .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
+        let plen = st.prefix.len();
+        for cp in &page.common_prefixes {
+            let name = cp[plen..].trim_end_matches('/');
+            if listable(name) && cp.len() == plen + name.len() + 1 {
+                if let Some(&i) = st.index.get(name) {
+                    st.entries[i].kind = FileKind::Dir; // a directory wins over a file
+                } else {
+                    st.push(name, FileKind::Dir);
+                }
+                self.lookups
+                    .listed(&join(&st.path, name), FileKind::Dir, ObjectMeta::default());
+            }
+        }
+        for o in page.objects {
+            let name = &o.key[plen..];
+            if listable(name) && !st.index.contains_key(name) {
+                st.push(name, FileKind::File);
+                self.lookups
+                    .listed(&join(&st.path, name), FileKind::File, o);
+            }
+        }
+        st.token = page.next_continuation;
+        if st.token.is_some() {
+            return Ok(());
+        }
+        st.done = true;
+        let mut t = self.table.lock();
+        for c in t.children_of(st.ino) {
+            // Created here and not uploaded yet: show it anyway.
+            if (c.fetched.is_none() || c.write.is_some()) && !st.index.contains_key(&c.name) {
+                let (name, kind) = (c.name.clone(), c.kind);
+                st.push(&name, kind);
+            }
+        }
+        let mut names: Vec<String> = std::mem::take(&mut st.index).into_keys().collect();
+        names.sort_unstable();
+        for e in st.entries.iter_mut().skip(2) {
+            if let Some(ino) = t.child(st.ino, &e.name) {
+                e.ino = ino;
+            }
+        }
+        if let Some(i) = t.get_mut(st.ino) {
+            i.listing = Some(DirListing {
+                at: Instant::now(),
+                names,
+                added: Default::default(),
+            });
+        }
+        Ok(())
     }
 
     pub fn releasedir(&self, _ino: Ino, fh: u64) {

@@ -9,7 +9,7 @@ use crate::meta::{Attr, FileKind};
 use crate::write::WriteState;
 use bucketfs_store::UserMeta;
 use bytes::Bytes;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
@@ -19,6 +19,15 @@ pub type Ino = u64;
 
 /// The mount root.
 pub const ROOT_INO: Ino = 1;
+
+/// The names a complete listing of a directory showed, for negative lookups and statahead.
+pub struct DirListing {
+    pub at: Instant,
+    /// Sorted by byte order.
+    pub names: Vec<String>,
+    /// Names created here since the listing.
+    pub added: HashSet<String>,
+}
 
 /// A file open for writing: its shared dirty state and its size (readable without the lock).
 pub struct OpenWrite {
@@ -48,6 +57,8 @@ pub struct Inode {
     /// Open handles that may write (they share `write`).
     pub writers: u64,
     pub write: Option<Arc<OpenWrite>>,
+    /// Directories: the last complete listing.
+    pub listing: Option<DirListing>,
     /// Removed from its directory while still referenced.
     pub unlinked: bool,
 }

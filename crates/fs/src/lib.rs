@@ -12,6 +12,7 @@ mod error;
 mod extents;
 mod fs;
 mod inode;
+mod lookup;
 mod meta;
 mod metrics;
 mod names;

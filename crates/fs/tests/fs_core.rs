@@ -807,3 +807,83 @@ async fn unchanged_files_keep_the_page_cache() {
     assert_eq!(&e.fs.read(a.ino, h3.fh, 0, 10).await.unwrap()[..], b"v2");
     e.fs.release(a.ino, h3.fh).await.unwrap();
 }
+
+#[tokio::test]
+async fn ls_l_costs_one_list_and_one_head_per_file_with_statahead() {
+    let e = env();
+    for i in 0..300 {
+        put(&e.mem, &format!("d/f{i:04}"), b"x").await;
+    }
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+    let names = list(&e.fs, d.ino).await;
+    assert_eq!(names.len(), 302);
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 1);
+    // Stat every entry in order, as ls -l does.
+    for n in &names[2..] {
+        let a = e.fs.lookup(d.ino, OsStr::new(n)).await.unwrap();
+        assert_eq!(a.size, 1);
+    }
+    // No LIST per file, one HEAD per file (statahead fetched most of them in the background).
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 1);
+    let heads = e.metrics.requests(Op::Head) - before.1;
+    assert!((300..=310).contains(&heads), "{heads} HEADs for 300 files");
+    // Names the listing does not have are answered without a request.
+    let total = e.metrics.total_requests();
+    assert_eq!(
+        e.fs.lookup(d.ino, OsStr::new("missing")).await,
+        Err(FsError::ENOENT)
+    );
+    assert_eq!(e.metrics.total_requests(), total);
+}
+
+#[tokio::test]
+async fn creating_files_in_a_new_directory_sends_only_puts() {
+    let e = env();
+    let d =
+        e.fs.mkdir(ROOT_INO, OsStr::new("new"), 0o755, 0, ME)
+            .await
+            .unwrap();
+    let before = e.metrics.total_requests();
+    for i in 0..100 {
+        let name = format!("f{i}");
+        // The kernel looks a name up before creating it.
+        assert_eq!(
+            e.fs.lookup(d.ino, OsStr::new(&name)).await,
+            Err(FsError::ENOENT)
+        );
+        let (a, h) =
+            e.fs.create(d.ino, OsStr::new(&name), 0o644, 0, libc::O_WRONLY, ME)
+                .await
+                .unwrap();
+        e.fs.write(a.ino, h.fh, 0, Bytes::from(random(128 * 1024, i)))
+            .await
+            .unwrap();
+        e.fs.flush(a.ino, h.fh).await.unwrap();
+        e.fs.release(a.ino, h.fh).await.unwrap();
+    }
+    assert_eq!(e.metrics.total_requests() - before, 100);
+    assert_eq!(e.metrics.requests(Op::Put), 101);
+    // And they are all there.
+    assert_eq!(list(&e.fs, d.ino).await.len(), 102);
+}
+
+#[tokio::test]
+async fn big_directories_stream_page_by_page() {
+    let e = env();
+    for i in 0..2500 {
+        put(&e.mem, &format!("big/{i:05}"), b"").await;
+    }
+    put(&e.mem, "big/sub/x", b"").await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
+    let before = e.metrics.requests(Op::List);
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    let first = e.fs.readdir(d.ino, fh, 0).await.unwrap();
+    // The first answer needs only the first page.
+    assert_eq!(e.metrics.requests(Op::List) - before, 1);
+    assert!(first.len() >= 100);
+    e.fs.releasedir(d.ino, fh);
+    let names = list(&e.fs, d.ino).await;
+    assert_eq!(names.len(), 2 + 2501);
+    assert!(names.contains(&"sub".to_string()));
+}

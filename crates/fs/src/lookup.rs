@@ -1,0 +1,256 @@
+//! Finding out what a path is: the stat cache, single-flight requests and statahead.
+//!
+//! A path is probed with HEAD `key` and LIST `key/` at once (a directory wins over a file of
+//! the same name). Results are cached for the stat TTL; entries learned from a LIST are
+//! *partial* (no user metadata), so their first stat costs one HEAD instead of two requests.
+//! Concurrent stats of one path share one probe. When a directory was just listed and its
+//! entries start being stat'ed one by one (`ls -l`, `du`), the next entries in listing order
+//! are stat'ed ahead in the background with bounded concurrency, the way Lustre's statahead
+//! does, so the kernel's serial lookups find them cached.
+
+use crate::error::{log_store_err, FsError, FsResult};
+use crate::meta::{FileKind, PosixMeta};
+use bucketfs_store::{ObjectMeta, ObjectStore, StoreError};
+use futures::future::{BoxFuture, Shared};
+use futures::{FutureExt, StreamExt};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What the store says exists at a path.
+#[derive(Clone, Debug)]
+pub struct Found {
+    pub kind: FileKind,
+    pub obj: ObjectMeta,
+    pub has_marker: bool,
+}
+
+#[derive(Clone)]
+struct Cached {
+    found: Found,
+    /// HEAD seen: user metadata is known.
+    complete: bool,
+    at: Instant,
+}
+
+type Probe = Shared<BoxFuture<'static, Result<Found, FsError>>>;
+
+/// Cache entries kept at most; past this the cache starts over (it only saves requests).
+const MAX_CACHED: usize = 200_000;
+/// Entries stat'ed ahead per trigger, and requests in flight for them.
+const STATAHEAD_COUNT: usize = 64;
+const STATAHEAD_CONCURRENCY: usize = 32;
+
+pub struct Lookups {
+    store: Arc<dyn ObjectStore>,
+    prefix: String,
+    ttl: Duration,
+    cache: Mutex<HashMap<String, Cached>>,
+    inflight: Mutex<HashMap<String, Probe>>,
+}
+
+impl Lookups {
+    pub fn new(store: Arc<dyn ObjectStore>, prefix: String, ttl: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            prefix,
+            ttl,
+            cache: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn fresh(&self, path: &str) -> Option<Cached> {
+        let mut cache = self.cache.lock();
+        match cache.get(path) {
+            Some(c) if c.at.elapsed() < self.ttl => Some(c.clone()),
+            Some(_) => {
+                cache.remove(path);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn put(&self, path: &str, found: Found, complete: bool) {
+        let mut cache = self.cache.lock();
+        if cache.len() >= MAX_CACHED {
+            cache.clear();
+        }
+        cache.insert(
+            path.to_string(),
+            Cached {
+                found,
+                complete,
+                at: Instant::now(),
+            },
+        );
+    }
+
+    /// Whether a fresh, complete answer for `path` is cached (no request needed).
+    pub fn cached_complete(&self, path: &str) -> bool {
+        self.fresh(path).is_some_and(|c| c.complete)
+    }
+
+    /// Records what a LIST showed: a partial entry (no user metadata).
+    pub fn listed(&self, path: &str, kind: FileKind, obj: ObjectMeta) {
+        if self.fresh(path).is_some_and(|c| c.complete) {
+            return;
+        }
+        self.put(
+            path,
+            Found {
+                kind,
+                obj,
+                has_marker: false,
+            },
+            false,
+        );
+    }
+
+    /// Forgets `path` (it changed here).
+    pub fn forget(&self, path: &str) {
+        self.cache.lock().remove(path);
+    }
+
+    /// Forgets everything below directory `dir`.
+    pub fn forget_below(&self, dir: &str) {
+        let below = format!("{dir}/");
+        self.cache
+            .lock()
+            .retain(|p, _| p != dir && !p.starts_with(&below));
+    }
+
+    /// What `path` is: from the cache when fresh and complete, else from the store.
+    pub async fn stat(&self, path: &str) -> FsResult<(Found, bool)> {
+        let hint = match self.fresh(path) {
+            Some(c) if c.complete => return Ok((c.found, true)),
+            Some(c) => Some(c.found.kind),
+            None => None,
+        };
+        let probe = {
+            let mut inflight = self.inflight.lock();
+            match inflight.get(path) {
+                Some(p) => p.clone(),
+                None => {
+                    let p = probe(self.store.clone(), format!("{}{path}", self.prefix), hint)
+                        .boxed()
+                        .shared();
+                    inflight.insert(path.to_string(), p.clone());
+                    p
+                }
+            }
+        };
+        let result = probe.await;
+        self.inflight.lock().remove(path);
+        match &result {
+            Ok(f) => self.put(path, f.clone(), true),
+            Err(_) => self.forget(path),
+        }
+        result.map(|f| (f, false))
+    }
+
+    /// Stats `paths` in the background (those not cached yet), a bounded number at a time.
+    pub fn statahead(self: &Arc<Self>, paths: Vec<String>) {
+        let todo: Vec<String> = paths
+            .into_iter()
+            .filter(|p| !self.cached_complete(p) && !self.inflight.lock().contains_key(p))
+            .take(STATAHEAD_COUNT)
+            .collect();
+        if todo.is_empty() {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            futures::stream::iter(todo)
+                .for_each_concurrent(STATAHEAD_CONCURRENCY, |p| {
+                    let this = this.clone();
+                    async move {
+                        let _ = this.stat(&p).await;
+                    }
+                })
+                .await;
+        });
+    }
+}
+
+/// HEAD `key` and LIST `key/` (only the HEAD when a listing said it is a plain object).
+async fn probe(
+    store: Arc<dyn ObjectStore>,
+    key: String,
+    hint: Option<FileKind>,
+) -> Result<Found, FsError> {
+    if hint.is_some_and(|k| k != FileKind::Dir) {
+        match store.head(&key).await {
+            Ok(obj) => return Ok(found_object(obj)),
+            Err(StoreError::NotFound(_)) => {}
+            Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
+        }
+    }
+    let dir_key = format!("{key}/");
+    let (head, list) = tokio::join!(store.head(&key), store.list(&dir_key, Some("/"), None, 1));
+    let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+    if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
+        let has_marker = page.objects.first().is_some_and(|o| o.key == dir_key);
+        let obj = if has_marker {
+            match store.head(&dir_key).await {
+                Ok(o) => o,
+                Err(StoreError::NotFound(_)) => ObjectMeta::default(),
+                Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
+            }
+        } else {
+            ObjectMeta::default()
+        };
+        return Ok(Found {
+            kind: FileKind::Dir,
+            obj,
+            has_marker,
+        });
+    }
+    match head {
+        Ok(obj) => Ok(found_object(obj)),
+        Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
+    }
+}
+
+/// A plain object: a symlink if its mode says so, else a file.
+pub fn found_object(obj: ObjectMeta) -> Found {
+    let kind = match PosixMeta::from_user(&obj.user).kind() {
+        Some(FileKind::Symlink) => FileKind::Symlink,
+        _ => FileKind::File,
+    };
+    Found {
+        kind,
+        obj,
+        has_marker: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bucketfs_store::memory::MemoryStore;
+    use bucketfs_store::metrics::{MeteredStore, Op};
+    use bucketfs_store::UserMeta;
+
+    #[tokio::test]
+    async fn concurrent_stats_of_one_path_share_one_probe() {
+        let mem = Arc::new(MemoryStore::new());
+        mem.put("a", bytes::Bytes::from_static(b"x"), &UserMeta::new())
+            .await
+            .unwrap();
+        let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
+        let m = metered.metrics();
+        let l = Lookups::new(Arc::new(metered), String::new(), Duration::from_secs(5));
+        let all = futures::future::join_all((0..32).map(|_| l.stat("a"))).await;
+        assert!(all
+            .iter()
+            .all(|r| r.as_ref().unwrap().0.kind == FileKind::File));
+        assert_eq!(m.requests(Op::Head), 1);
+        assert_eq!(m.requests(Op::List), 1);
+        // Cached now.
+        l.stat("a").await.unwrap();
+        assert_eq!(m.total_requests(), 2);
+    }
+}
