@@ -90,6 +90,16 @@ pub enum Command {
     Bench(Box<BenchArgs>),
     /// Live view of a mount: throughput, requests/s by type, cache hit rates, memory in use.
     Stats(StatsArgs),
+    /// Make the mount forget what it cached about PATHs (attributes, directory listings), so
+    /// changes made by other clients show now instead of after --stat-ttl.
+    Refresh(RefreshArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RefreshArgs {
+    /// Files or directories inside a bucketfs mount.
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
 }
 
 #[derive(Debug, Args)]

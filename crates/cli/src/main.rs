@@ -45,8 +45,57 @@ fn main() {
         Command::Umount(u) => umount(&u),
         Command::Bench(b) => limit::run(&b),
         Command::Stats(a) => stats::run(&a),
+        Command::Refresh(r) => refresh(&r),
     };
     std::process::exit(code);
+}
+
+/// `f_type` of FUSE file systems.
+const FUSE_SUPER_MAGIC: libc::c_long = 0x6573_5546;
+
+/// `bucketfs refresh`: sets the refresh attribute the mount understands on each path. A path
+/// the mount does not know yet (added by another client) refreshes its directory instead.
+fn refresh(args: &args::RefreshArgs) -> i32 {
+    let mut code = 0;
+    for p in &args.paths {
+        let mut r = set_refresh(p);
+        if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::ENOENT)) {
+            let parent = p.parent().filter(|d| !d.as_os_str().is_empty());
+            r = set_refresh(parent.unwrap_or(Path::new(".")));
+        }
+        if let Err(e) = r {
+            let why = if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                "not on a bucketfs mount".to_string()
+            } else {
+                e.to_string()
+            };
+            eprintln!("bucketfs: refresh {}: {why}", p.display());
+            code = 1;
+        }
+    }
+    code
+}
+
+fn set_refresh(p: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(p.as_os_str().as_bytes())?;
+    // Only FUSE mounts: on another file system the attribute would just be stored.
+    // SAFETY: `path` is NUL-terminated and `st` is a valid out-parameter.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(path.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if st.f_type != FUSE_SUPER_MAGIC {
+        return Err(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+    }
+    let name = std::ffi::CString::new(bucketfs_fuse::REFRESH_XATTR)?;
+    // SAFETY: both strings are NUL-terminated and the value buffer is valid for 1 byte.
+    let rc = unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), b"1".as_ptr().cast(), 1, 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// `bucketfs umount`: `fusermount3 -u` (then `umount`) on a FUSE mount point.

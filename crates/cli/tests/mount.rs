@@ -8,6 +8,7 @@ use std::fs::{self, File, Permissions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 const S_IFMT: u32 = libc::S_IFMT;
@@ -883,4 +884,37 @@ fn rename_noreplace_and_directory_rename_limit() {
     assert_eq!(errno(fs::metadata(m.join("big"))), libc::ENOENT);
     assert_eq!(s3.get(&b, "moved/f4").unwrap(), b"x");
     assert!(s3.list_keys(&b, "big/").is_empty());
+}
+
+/// Changes by another client show after the stat TTL, or at once after `bucketfs refresh`.
+#[test]
+fn refresh_shows_other_clients_changes_at_once() {
+    let s3 = s3();
+    let b = s3.new_bucket("refresh");
+    s3.put(&b, "d/old.txt", "12345");
+    // A long TTL, so only the refresh can explain what the test sees.
+    let m = MountSpec::s3(&b, "").arg("--stat-ttl").arg("300").mount();
+    assert_eq!(list_dir(&m.join("d")), set(["old.txt"]));
+    assert_eq!(fs::metadata(m.join("d/old.txt")).unwrap().len(), 5);
+    s3.put(&b, "d/old.txt", "1234567890");
+    s3.put(&b, "d/new.txt", "new");
+    // Cached: the old size, and the listing says new.txt does not exist.
+    assert_eq!(fs::metadata(m.join("d/old.txt")).unwrap().len(), 5);
+    assert_eq!(errno(fs::metadata(m.join("d/new.txt"))), libc::ENOENT);
+    let refresh = |p: &Path| {
+        let st = Command::new(bin()).arg("refresh").arg(p).status().unwrap();
+        assert!(st.success(), "bucketfs refresh {}", p.display());
+    };
+    refresh(&m.join("d/old.txt"));
+    refresh(&m.join("d/new.txt")); // unknown here: refreshes d
+    assert_eq!(fs::metadata(m.join("d/old.txt")).unwrap().len(), 10);
+    assert_eq!(read_file(&m.join("d/old.txt")), b"1234567890");
+    assert_eq!(read_file(&m.join("d/new.txt")), b"new");
+    // Not a bucketfs mount: a clear failure.
+    let out = Command::new(bin())
+        .arg("refresh")
+        .arg(std::env::temp_dir())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
 }

@@ -1619,6 +1619,25 @@ impl Fs {
         }
     }
 
+    /// Forgets what this mount cached about `ino` (and, for a directory, its listing), so the
+    /// next access asks the store: how a user forces another client's change to show now.
+    pub fn refresh(&self, ino: Ino) -> FsResult<()> {
+        let mut t = self.table.lock();
+        let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+        let (path, parent) = (i.path.clone(), i.parent);
+        if i.write.is_none() && ino != ROOT_INO {
+            let stale = Instant::now().checked_sub(self.cfg.stat_ttl + Duration::from_secs(1));
+            i.fetched = stale.or(i.fetched);
+        }
+        i.listing = None;
+        if let Some(p) = t.get_mut(parent) {
+            p.listing = None;
+        }
+        drop(t);
+        self.lookups.forget(&path);
+        Ok(())
+    }
+
     /// Publishes every file still being written (unmount, SIGTERM). Returns how many failed.
     pub async fn shutdown(&self) -> usize {
         let writes = self.table.lock().all_writes();

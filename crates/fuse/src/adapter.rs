@@ -87,6 +87,9 @@ fn caller(req: &Request) -> Caller {
 }
 
 /// The adapter the FUSE session drives.
+/// The extended attribute whose setting asks the mount to refresh a path.
+pub const REFRESH_XATTR: &str = "user.bucketfs.refresh";
+
 pub(crate) struct FuseFs {
     fs: Arc<Fs>,
     rt: Handle,
@@ -467,6 +470,25 @@ impl Filesystem for FuseFs {
     ) {
         self.fs.releasedir(ino.0, fh.0);
         reply.ok();
+    }
+
+    /// Only `user.bucketfs.refresh` is understood: it drops what this mount cached about the
+    /// file (`bucketfs refresh PATH` sets it). Other attributes cannot be stored.
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        _value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        if name == REFRESH_XATTR {
+            Self::reply_empty("refresh", self.fs.refresh(ino.0), reply);
+        } else {
+            reply.error(Errno::EOPNOTSUPP);
+        }
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
