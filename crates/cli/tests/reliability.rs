@@ -1,0 +1,685 @@
+//! Reliability and security through real mounts: crashes (kill -9, dead mount points),
+//! SIGTERM during writes, network faults injected by a proxy (503 SlowDown, connections reset,
+//! bodies cut mid-transfer, a slow server), a server out of space, HTTPS with a private CA,
+//! and who may use a mount. None of these stops the shared MinIO, so they run in parallel
+//! with the other tests (the tests that restart it are in `fault.rs`).
+
+mod common;
+
+use common::proxy::FaultProxy;
+use common::*;
+use std::ffi::OsString;
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn minio_addr() -> String {
+    env()
+        .endpoint
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string()
+}
+
+/// A mount of `bucket` through `proxy`.
+fn via_proxy(bucket: &str, proxy: &FaultProxy) -> MountSpec {
+    let mut spec = MountSpec::s3(bucket, "");
+    spec.args = vec![
+        "--endpoint-url".into(),
+        proxy.endpoint(),
+        "--force-path-style".into(),
+        "--region".into(),
+        "us-east-1".into(),
+    ];
+    spec
+}
+
+fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn create_upload(bucket: &str, key: &str) -> String {
+    let s3 = s3();
+    s3.block_on(
+        s3.client
+            .create_multipart_upload()
+            .bucket(bucket)
+            .key(key)
+            .send(),
+    )
+    .unwrap()
+    .upload_id()
+    .unwrap()
+    .to_string()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Crash safety
+// ---------------------------------------------------------------------------------------------
+
+/// kill -9 in the middle of writes: nothing half-written becomes visible, and the next mount
+/// of the bucket aborts the multipart upload the dead daemon left (and only that one).
+#[test]
+fn kill9_during_writes_leaves_no_object_and_the_next_mount_aborts_our_upload() {
+    let s3 = s3();
+    let b = s3.new_bucket("kill9");
+    let foreign = create_upload(&b, "someone-else.bin");
+    let mut m = MountSpec::s3(&b, "").mount();
+    let mut big = File::create(m.join("big.bin")).unwrap();
+    pattern::write(&mut big, 11, 40 * MIB as u64).unwrap();
+    let mut small = File::create(m.join("small.txt")).unwrap();
+    small.write_all(b"not closed yet").unwrap();
+    // The big file streams parts while it is written: its upload exists before close.
+    wait_for("the streamed upload", Duration::from_secs(30), || {
+        s3.list_multipart_uploads(&b)
+            .iter()
+            .any(|(k, _)| k == "big.bin")
+    });
+    m.kill9();
+    drop(big);
+    drop(small);
+    assert!(s3.head(&b, "big.bin").is_none(), "partial big.bin visible");
+    assert!(
+        s3.head(&b, "small.txt").is_none(),
+        "partial small.txt visible"
+    );
+    let before = s3.list_multipart_uploads(&b);
+    assert_eq!(before.len(), 2, "{before:?}");
+
+    // The next mount of the bucket (same cache dir, so it finds the journal) cleans up.
+    let m2 = MountSpec::s3(&b, "").mount();
+    let after = s3.list_multipart_uploads(&b);
+    assert_eq!(
+        after,
+        vec![("someone-else.bin".to_string(), foreign)],
+        "our upload must be aborted, the foreign one kept; log:\n{}",
+        m2.log()
+    );
+    assert!(
+        m2.log()
+            .contains("big.bin: aborted the upload a previous bucketfs left open"),
+        "{}",
+        m2.log()
+    );
+    assert!(list_dir(m2.path()).is_empty());
+    drop(m);
+}
+
+/// A mount point left by a crashed daemon ("Transport endpoint is not connected") is
+/// unmounted with a message, and the new mount works.
+#[test]
+fn mounting_over_a_dead_mount_point_cleans_it_up_with_a_message() {
+    let s3 = s3();
+    let b = s3.new_bucket("deadmp");
+    s3.put(&b, "f", "hello");
+    let mut m = Mount::s3(&b);
+    let mp = m.path().to_path_buf();
+    m.kill9();
+    assert_eq!(
+        errno(fs::metadata(&mp)),
+        libc::ENOTCONN,
+        "the killed daemon should leave a dead mount"
+    );
+    let log = tempfile::tempdir().unwrap();
+    let mut args = os(&["mount", &format!("s3://{b}")]);
+    args.push(mp.clone().into_os_string());
+    args.extend(s3_args().into_iter().map(OsString::from));
+    args.push("--log-file".into());
+    args.push(log.path().join("d.log").into_os_string());
+    let e = env();
+    let run = run_cli(
+        &args,
+        &[
+            ("AWS_ACCESS_KEY_ID", e.access_key.as_str()),
+            ("AWS_SECRET_ACCESS_KEY", e.secret_key.as_str()),
+        ],
+        Some(&mp),
+        Duration::from_secs(60),
+    );
+    assert!(run.status.is_some_and(|s| s.success()), "{run:?}");
+    assert!(
+        run.stderr.contains("was a dead FUSE mount")
+            && run.stderr.contains("transport endpoint is not connected"),
+        "no message about the dead mount: {run:?}"
+    );
+    assert_eq!(read_file(&mp.join("f")), b"hello");
+    let um = run_cli(
+        &[OsString::from("umount"), mp.clone().into_os_string()],
+        &[],
+        None,
+        Duration::from_secs(60),
+    );
+    assert!(um.status.is_some_and(|s| s.success()), "{um:?}");
+    wait_for("the daemon to exit", Duration::from_secs(30), || {
+        processes_mentioning(mp.to_str().unwrap()).is_empty()
+    });
+}
+
+/// SIGTERM while files are open for writing: the daemon uploads them, says so for each one,
+/// and the applications' later writes and closes still land.
+#[test]
+fn sigterm_during_active_writes_uploads_them_and_names_each() {
+    let s3 = s3();
+    let b = s3.new_bucket("sigterm");
+    let mut m = MountSpec::s3(&b, "").mount();
+    let mut a = File::create(m.join("a.bin")).unwrap();
+    pattern::write(&mut a, 21, 20 * MIB as u64).unwrap();
+    let mut c = File::create(m.join("c.txt")).unwrap();
+    c.write_all(b"first half, ").unwrap();
+    m.signal(libc::SIGTERM);
+    wait_for("the shutdown uploads", Duration::from_secs(60), || {
+        let l = m.log();
+        l.contains("a.bin: uploaded at shutdown") && l.contains("c.txt: uploaded at shutdown")
+    });
+    // The mount is busy (our descriptors): it is detached lazily and still serves them.
+    c.write_all(b"second half").unwrap();
+    close_checked(c).expect("close after SIGTERM");
+    close_checked(a).expect("close after SIGTERM");
+    let st = m.wait_exit(Duration::from_secs(60));
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "daemon exit {st:?}: {}",
+        m.log()
+    );
+    assert_eq!(s3.get(&b, "c.txt").unwrap(), b"first half, second half");
+    pattern::check_slice(&s3.get(&b, "a.bin").unwrap(), 21, 20 * MIB as u64).unwrap();
+    assert!(s3.list_multipart_uploads(&b).is_empty());
+}
+
+/// A second SIGTERM does not wait for slow uploads: it aborts them and names each file that
+/// was therefore not stored; nothing partial is left in the bucket.
+#[test]
+fn second_sigterm_aborts_uploads_and_names_the_files_not_stored() {
+    let s3 = s3();
+    let b = s3.new_bucket("sigterm2");
+    let proxy = FaultProxy::start(&minio_addr());
+    let mut m = via_proxy(&b, &proxy).mount();
+    // A slow link: the parts of a 32 MiB file take ~30 s to go up.
+    proxy.set_bandwidth(1024 * 1024);
+    let mut f = File::create(m.join("slow.bin")).unwrap();
+    pattern::write(&mut f, 5, 32 * MIB as u64).unwrap();
+    m.signal(libc::SIGTERM);
+    std::thread::sleep(Duration::from_millis(500));
+    m.signal(libc::SIGTERM);
+    wait_for("the abort message", Duration::from_secs(60), || {
+        m.log()
+            .contains("slow.bin: upload aborted at shutdown; the file was NOT stored")
+    });
+    drop(f);
+    let st = m.wait_exit(Duration::from_secs(60));
+    assert!(st.is_some_and(|s| !s.success()), "exit {st:?}: {}", m.log());
+    assert!(s3.head(&b, "slow.bin").is_none());
+    assert!(
+        s3.list_multipart_uploads(&b).is_empty(),
+        "{:?}",
+        s3.list_multipart_uploads(&b)
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Network faults through a proxy
+// ---------------------------------------------------------------------------------------------
+
+/// 503 SlowDown answers, all connections dropped mid-transfer and response bodies cut short:
+/// every write and read still completes with exact bytes, thanks to the retries.
+#[test]
+fn slowdown_resets_and_cut_bodies_are_retried_with_exact_bytes() {
+    let s3 = s3();
+    let b = s3.new_bucket("proxyfaults");
+    let proxy = FaultProxy::start(&minio_addr());
+    let m = via_proxy(&b, &proxy).mount();
+    let len = 24 * MIB as u64;
+    {
+        let mut f = File::create(m.join("w.bin")).unwrap();
+        for i in 0..24u64 {
+            f.write_all(&pattern::block(31, i)).unwrap();
+            match i {
+                3 => proxy.slow_down(4),
+                9 => proxy.reset_all(),
+                15 => proxy.cut_responses(2, 10),
+                _ => {}
+            }
+        }
+        proxy.slow_down(3);
+        close_checked(f).expect("close must succeed after retries");
+    }
+    pattern::check_slice(&s3.get(&b, "w.bin").unwrap(), 31, len).unwrap();
+    // Reads: bodies cut after 100 KiB, then everything reset, then SlowDown.
+    let m = m.remount();
+    let mut f = File::open(m.join("w.bin")).unwrap();
+    proxy.cut_responses(3, 100 * 1024);
+    let mut buf = vec![0u8; 6 * MIB];
+    f.read_exact(&mut buf).unwrap();
+    proxy.reset_all();
+    proxy.slow_down(3);
+    let mut rest = Vec::new();
+    f.read_to_end(&mut rest).unwrap();
+    buf.extend_from_slice(&rest);
+    drop(f);
+    pattern::check_slice(&buf, 31, len).unwrap();
+    // Small files and metadata operations under SlowDown.
+    proxy.slow_down(5);
+    write_file(&m.join("small.txt"), b"tiny");
+    proxy.slow_down(3);
+    assert_eq!(list_dir(m.path()), set(["small.txt", "w.bin"]));
+    assert_eq!(read_file(&m.join("small.txt")), b"tiny");
+    let injected = proxy.slowdowns() + proxy.cuts() + proxy.resets();
+    eprintln!(
+        "proxy faults injected: {} SlowDown, {} cut bodies, {} resets of all connections",
+        proxy.slowdowns(),
+        proxy.cuts(),
+        proxy.resets()
+    );
+    assert!(proxy.slowdowns() >= 10, "SlowDowns not exercised");
+    assert!(proxy.cuts() >= 3, "cut bodies not exercised");
+    assert!(injected >= 15);
+    let (st, log) = m.unmount();
+    assert!(st.is_some_and(|s| s.success()), "{log}");
+    assert!(log.contains("retries: "), "{log}");
+}
+
+/// A slow server (latency on every packet and a bandwidth cap): operations take longer but
+/// complete, with exact bytes and no spurious errors.
+#[test]
+fn a_slow_server_gives_exact_bytes() {
+    let s3 = s3();
+    let b = s3.new_bucket("slowserver");
+    let proxy = FaultProxy::start(&minio_addr());
+    let m = via_proxy(&b, &proxy).mount();
+    proxy.set_delay(Duration::from_millis(30));
+    proxy.set_bandwidth(4 * 1024 * 1024);
+    let t = Instant::now();
+    let len = 12 * MIB as u64 + 12345;
+    {
+        let mut f = File::create(m.join("slow.bin")).unwrap();
+        pattern::write(&mut f, 41, len).unwrap();
+        close_checked(f).unwrap();
+    }
+    let mut f = File::open(m.join("slow.bin")).unwrap();
+    pattern::check_reader(&mut f, 41, len).unwrap();
+    // And a random read in the middle.
+    f.seek(SeekFrom::Start(5 * MIB as u64 + 7)).unwrap();
+    let mut b7 = [0u8; 7];
+    f.read_exact(&mut b7).unwrap();
+    assert_eq!(&b7[..], &pattern::block(41, 5)[7..14]);
+    let took = t.elapsed();
+    eprintln!("slow server: 2 x {len} bytes in {took:?}");
+    assert!(
+        took > Duration::from_secs(4),
+        "the proxy did not slow anything down ({took:?})"
+    );
+    drop(f);
+    let (st, log) = m.unmount();
+    assert!(st.is_some_and(|s| s.success()), "{log}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// A server out of space
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_full_server_gives_enospc_and_no_partial_object() {
+    let disk = match SmallDisk::new(64) {
+        Ok(d) => d,
+        Err(e) => panic!("this test needs to mount a tmpfs (run as root): {e}"),
+    };
+    let data = disk.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let minio = PrivateMinio::start(&data, None);
+    let s3p = minio.client(None);
+    let b = "full";
+    s3p.create_bucket(b);
+    let m = minio.mount_spec(b).mount();
+    // 96 MiB does not fit in 64 MiB.
+    let mut f = File::create(m.join("huge.bin")).unwrap();
+    let mut errs = Vec::new();
+    if let Err(e) = pattern::write(&mut f, 3, 96 * MIB as u64) {
+        errs.push(e);
+    }
+    if let Err(e) = close_checked(f) {
+        errs.push(e);
+    }
+    let codes: Vec<_> = errs.iter().map(|e| e.raw_os_error()).collect();
+    assert!(
+        codes.contains(&Some(libc::ENOSPC)),
+        "expected ENOSPC from write or close, got {errs:?}; log:\n{}",
+        m.log()
+    );
+    assert!(s3p.head(b, "huge.bin").is_none(), "partial object visible");
+    // The space of the failed upload is given back: a small file fits again.
+    write_file(&m.join("small.txt"), b"still works");
+    assert_eq!(s3p.get(b, "small.txt").unwrap(), b"still works");
+    let uploads = s3p.list_multipart_uploads(b);
+    assert!(uploads.is_empty(), "{uploads:?}");
+    drop(m);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Security
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `cmd args` as the unprivileged user 65534; returns (success, stderr).
+fn as_nobody(cmd: &str, args: &[&Path]) -> (bool, String) {
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", cmd])
+        .args(args)
+        .output()
+        .expect("setpriv");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_mount_is_private_unless_allow_other_and_modes_are_enforced() {
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } != 0 {
+        panic!("this test switches to another user and needs root (as scripts/test.sh runs)");
+    }
+    let s3 = s3();
+    let b = s3.new_bucket("private");
+    s3.put_with_meta(&b, "secret", "s3cr3t", &[("mode", "33152"), ("uid", "0")]); // 0600
+    s3.put_with_meta(&b, "public", "hello", &[("mode", "33188"), ("uid", "0")]); // 0644
+    let m = Mount::s3(&b);
+    // The mount's directory is in a 0700 temp dir: give the other user a way in.
+    let parent = m.path().parent().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(parent, fs::Permissions::from_mode(0o755)).unwrap();
+    let (ok, err) = as_nobody("stat", &[m.path()]);
+    assert!(!ok && err.contains("Permission denied"), "{err}");
+    let (ok, _) = as_nobody("cat", &[&m.join("public")]);
+    assert!(!ok, "another user read through a private mount");
+    drop(m);
+
+    let m = MountSpec::s3(&b, "").arg("--allow-other").mount();
+    let parent = m.path().parent().unwrap();
+    fs::set_permissions(parent, fs::Permissions::from_mode(0o755)).unwrap();
+    let (ok, err) = as_nobody("cat", &[&m.join("public")]);
+    assert!(ok, "allow_other: a 0644 file must be readable: {err}");
+    let (ok, err) = as_nobody("cat", &[&m.join("secret")]);
+    assert!(
+        !ok && err.contains("Permission denied"),
+        "a 0600 file of root read by another user: {err}"
+    );
+    let (ok, err) = as_nobody("touch", &[&m.join("new")]);
+    assert!(
+        !ok && err.contains("Permission denied"),
+        "another user created a file in a 0755 root directory: {err}"
+    );
+    assert!(s3.head(&b, "new").is_none());
+    // Root itself still can.
+    assert_eq!(read_file(&m.join("secret")), b"s3cr3t");
+}
+
+#[test]
+fn credentials_never_appear_in_logs_errors_or_the_command_line() {
+    let s3 = s3();
+    let e = env();
+    let b = s3.new_bucket("nosecret");
+    let mut spec = MountSpec::s3(&b, "").arg("--log-level").arg("debug");
+    spec.envs.push(("RUST_LOG".into(), String::new())); // let --log-level decide
+    let m = spec.mount();
+    write_file(&m.join("f"), b"x");
+    let _ = fs::metadata(m.join("missing"));
+    let pid = m.daemon_pid().unwrap();
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&cmdline).contains(&e.secret_key),
+        "secret on the command line"
+    );
+    let (_, log) = m.unmount();
+    assert!(log.contains("DEBUG"), "no debug lines logged: {log}");
+    assert!(!log.contains(&e.secret_key), "secret key in the debug log");
+
+    // Wrong credentials: the error names the problem, not the secret.
+    let (d, mp) = {
+        let d = tempfile::tempdir().unwrap();
+        let mp = d.path().join("mnt");
+        fs::create_dir(&mp).unwrap();
+        (d, mp)
+    };
+    let wrong = "WRONGsecretWRONGsecret1234";
+    let mut args = os(&["mount", &format!("s3://{b}")]);
+    args.push(mp.clone().into_os_string());
+    args.extend(s3_args().into_iter().map(OsString::from));
+    args.push("--log-file".into());
+    args.push(d.path().join("d.log").into_os_string());
+    let run = run_cli(
+        &args,
+        &[
+            ("AWS_ACCESS_KEY_ID", e.access_key.as_str()),
+            ("AWS_SECRET_ACCESS_KEY", wrong),
+        ],
+        Some(&mp),
+        Duration::from_secs(60),
+    );
+    assert!(!run.status.unwrap().success());
+    assert!(!run.stderr.contains(wrong) && !run.stdout.contains(wrong));
+    let dlog = fs::read_to_string(d.path().join("d.log")).unwrap_or_default();
+    assert!(!dlog.contains(wrong));
+
+    // Credentials as options are refused without echoing them.
+    for opt in [
+        format!("secret_access_key={wrong}"),
+        format!("access_key_id=AKIA,secret_access_key={wrong}"),
+    ] {
+        let mut a = args.clone();
+        a.push("-o".into());
+        a.push(opt.into());
+        let run = run_cli(&a, &[], Some(&mp), Duration::from_secs(30));
+        assert!(!run.status.unwrap().success(), "{run:?}");
+        assert!(
+            run.stderr.contains("not accepted on the command line"),
+            "{run:?}"
+        );
+        assert!(!run.stderr.contains(wrong), "{run:?}");
+    }
+    let mut a = args.clone();
+    a.push(format!("--secret-access-key={wrong}").into());
+    let run = run_cli(&a, &[], Some(&mp), Duration::from_secs(30));
+    assert!(!run.status.unwrap().success());
+    assert!(!run.stderr.contains(wrong), "{run:?}");
+
+    // A config file holding credentials that others can read is refused (like s3fs).
+    let cfg = d.path().join("creds.toml");
+    fs::write(
+        &cfg,
+        format!(
+            "access_key_id = \"{}\"\nsecret_access_key = \"{wrong}\"\n",
+            e.access_key
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    for mode in [0o644, 0o640, 0o604] {
+        fs::set_permissions(&cfg, fs::Permissions::from_mode(mode)).unwrap();
+        let mut a = args.clone();
+        a.push("-c".into());
+        a.push(cfg.clone().into_os_string());
+        let run = run_cli(&a, &[], Some(&mp), Duration::from_secs(30));
+        assert!(!run.status.unwrap().success());
+        assert!(
+            run.stderr
+                .contains("holds credentials but is readable by group or others"),
+            "mode {mode:o}: {run:?}"
+        );
+        assert!(!run.stderr.contains(wrong));
+    }
+    assert!(!is_mounted(&mp));
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTPS
+// ---------------------------------------------------------------------------------------------
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA and a server certificate for 127.0.0.1 signed by it, in `dir`: `ca.pem`, and
+/// `certs/public.crt` + `certs/private.key` (MinIO's layout).
+fn make_ca(dir: &Path, name: &str) {
+    fs::create_dir_all(dir.join("certs")).unwrap();
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={name} test CA"),
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ],
+    );
+    fs::write(
+        dir.join("ext.cnf"),
+        "basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n\
+         keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            "certs/private.key",
+            "-out",
+            "server.csr",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-out",
+            "certs/public.crt",
+        ],
+    );
+}
+
+#[test]
+fn https_is_verified_with_a_custom_ca_bundle_and_no_verify_is_explicit() {
+    let dir = tempfile::tempdir().unwrap();
+    make_ca(dir.path(), "bucketfs");
+    let other = dir.path().join("other");
+    make_ca(&other, "stranger");
+    let data = dir.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let minio = PrivateMinio::start(&data, Some(&dir.path().join("certs")));
+    let ca = fs::read(dir.path().join("ca.pem")).unwrap();
+    let s3p = minio.client(Some(&ca));
+    let b = "tls";
+    s3p.create_bucket(b);
+    s3p.put(b, "hello.txt", "over https");
+    let e = env();
+    let creds = [
+        ("AWS_ACCESS_KEY_ID", e.access_key.as_str()),
+        ("AWS_SECRET_ACCESS_KEY", e.secret_key.as_str()),
+    ];
+
+    // Default: the system roots do not know this CA, so the mount fails fast and says why.
+    let try_mount = |extra: &[&str]| {
+        let d = tempfile::tempdir().unwrap();
+        let mp = d.path().join("mnt");
+        fs::create_dir(&mp).unwrap();
+        let mut args = os(&["mount", "s3://tls"]);
+        args.push(mp.clone().into_os_string());
+        for a in [
+            "--endpoint-url",
+            &minio.endpoint(),
+            "--force-path-style",
+            "--region",
+            "us-east-1",
+        ] {
+            args.push(a.into());
+        }
+        args.push("--log-file".into());
+        args.push(d.path().join("d.log").into_os_string());
+        args.extend(extra.iter().map(OsString::from));
+        let run = run_cli(&args, &creds, Some(&mp), Duration::from_secs(60));
+        (run, mp, d)
+    };
+    let (run, mp, _d) = try_mount(&[]);
+    assert!(!run.status.unwrap().success(), "{run:?}");
+    assert!(
+        run.stderr.contains("not trusted") && run.stderr.contains("--ca-bundle"),
+        "{run:?}"
+    );
+    assert!(
+        run.elapsed < Duration::from_secs(20),
+        "took {:?}",
+        run.elapsed
+    );
+    assert!(!is_mounted(&mp));
+    // A bundle of another CA does not help either.
+    let other_ca = other.join("ca.pem");
+    let (run, _, _d) = try_mount(&["--ca-bundle", other_ca.to_str().unwrap()]);
+    assert!(!run.status.unwrap().success(), "{run:?}");
+    assert!(run.stderr.contains("not trusted"), "{run:?}");
+    // A file that is not a bundle is refused before anything starts.
+    let junk = dir.path().join("ext.cnf");
+    let (run, _, _d) = try_mount(&["--ca-bundle", junk.to_str().unwrap()]);
+    assert!(run.stderr.contains("no certificate in it"), "{run:?}");
+
+    // With the right bundle it mounts and works.
+    let ca_path = dir.path().join("ca.pem");
+    let m = minio
+        .mount_spec(b)
+        .arg("--ca-bundle")
+        .arg(ca_path.to_str().unwrap())
+        .mount();
+    assert_eq!(read_file(&m.join("hello.txt")), b"over https");
+    write_file(&m.join("back.txt"), b"written over https");
+    assert_eq!(s3p.get(b, "back.txt").unwrap(), b"written over https");
+    drop(m);
+
+    // --no-verify-ssl works, but only when asked for, and with a warning.
+    let m = minio.mount_spec(b).arg("--no-verify-ssl").mount();
+    assert_eq!(read_file(&m.join("back.txt")), b"written over https");
+    assert!(
+        m.log().contains("warning: --no-verify-ssl"),
+        "no warning: {}",
+        m.log()
+    );
+    drop(m);
+}
