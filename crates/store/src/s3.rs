@@ -299,12 +299,16 @@ impl ObjectStore for S3Store {
                 }
                 Err(e) => return Err(map_err(key, e)),
             };
-            let body = out
-                .body
-                .collect()
-                .await
-                .map_err(|e| StoreError::Transient(format!("{key}: reading body: {e}")))?;
-            Ok(body.into_bytes())
+            // Each frame is copied into one buffer of the final size as it arrives and then
+            // freed, so a GET holds its size once (not frames plus a copy) and never reallocates.
+            let mut body = out.body;
+            let mut buf = bytes::BytesMut::with_capacity((range.end - range.start) as usize);
+            while let Some(frame) = body.next().await {
+                let frame = frame
+                    .map_err(|e| StoreError::Transient(format!("{key}: reading body: {e}")))?;
+                buf.extend_from_slice(&frame);
+            }
+            Ok(buf.freeze())
         };
         match tokio::time::timeout(limit, get).await {
             Ok(r) => r,
