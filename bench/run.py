@@ -280,7 +280,11 @@ def main(argv: list[str]) -> int:
             "runs": {"rows": ctx.results, "limit": ctx.limit_runs},
         }
         (out / "plots").mkdir(exist_ok=True)
-        doc["plots"] = report.plots(doc, out / "plots")
+        try:
+            doc["plots"] = report.plots(doc, out / "plots")
+        except Exception as e:  # noqa: BLE001 - a plot must never cost the results
+            runner.log(f"plots failed: {type(e).__name__}: {e}")
+            doc["plots"] = []
         (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
         md = report.markdown(doc, "plots")
         (out / "report.md").write_text(md)

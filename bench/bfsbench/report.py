@@ -232,7 +232,9 @@ def plots(doc: dict, outdir: Path) -> list[str]:
 
     def grouped(ids, key, ylabel, title, fname, limit_key=None, log=False):
         ids = [i for i in ids if i in rows]
-        if not ids:
+        have = [rows[i][s]["median"].get(key) for i in ids for s in systems
+                if rows[i].get(s) and rows[i][s]["status"] in ("ok", "partial")]
+        if not ids or not any(isinstance(v, (int, float)) and v > 0 for v in have):
             return
         fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(ids) + 3), 5))
         n = len(systems)

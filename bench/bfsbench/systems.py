@@ -36,16 +36,20 @@ class Mount:
     cache_dirs: list[Path]
     log: Path
     metrics_url: str | None = None
+    log_offset: int = 0
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def log_tail(self, n: int = 15) -> str:
+        """The last lines this mount's daemon logged (not the command line)."""
         try:
-            lines = self.log.read_text(errors="replace").splitlines()
+            with open(self.log, "rb") as f:
+                f.seek(self.log_offset)
+                lines = f.read().decode("utf-8", "replace").splitlines()
         except OSError:
             return ""
-        return "\n".join(lines[-n:])
+        return " | ".join(l for l in lines[-n:] if l.strip()) or "(nothing logged)"
 
 
 def is_mounted(path: Path) -> bool:
@@ -115,12 +119,13 @@ class System:
         logf = open(log, "ab")
         logf.write(("\n$ " + " ".join(cmd) + "\n").encode())
         logf.flush()
+        offset = logf.tell()
         proc = subprocess.Popen(cmd, env=self.env(), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         logf.close()
         deadline = time.time() + timeout
         while not is_mounted(mnt):
             if proc.poll() is not None:
-                m = Mount(self, mnt, proc, proc.pid, [cache], log)
+                m = Mount(self, mnt, proc, proc.pid, [cache], log, log_offset=offset)
                 raise RuntimeError(f"{self.name} mount exited with {proc.returncode}: {m.log_tail(5)}")
             if time.time() > deadline:
                 proc.kill()
@@ -137,7 +142,7 @@ class System:
                     raise RuntimeError(f"{self.name} mount does not answer: {e}")
                 time.sleep(0.1)
         pid = procstat.fuse_daemon(proc.pid)
-        return Mount(self, mnt, proc, pid, [cache], log, self._metrics_url())
+        return Mount(self, mnt, proc, pid, [cache], log, self._metrics_url(), log_offset=offset)
 
     def _metrics_url(self) -> str | None:
         return None
