@@ -58,7 +58,12 @@ def ensure_venv(argv: list[str]) -> None:
                            check=True, timeout=900)
             stamp.write_text(want)
         except (subprocess.SubprocessError, OSError) as e:
-            print(f"bench: could not prepare the venv ({e}); plots and pandas may be unavailable", flush=True)
+            print(f"bench: could not prepare the venv ({e}); trying pip install --user", flush=True)
+            try:
+                subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--user", "--disable-pip-version-check",
+                                "-r", str(REQS)], check=True, timeout=900)
+            except (subprocess.SubprocessError, OSError) as e2:
+                print(f"bench: that failed too ({e2}): no plots, and the pandas scenario errors", flush=True)
             return
     os.environ["BUCKETFS_BENCH_NO_VENV"] = "1"
     os.execv(str(py), [str(py), str(Path(__file__).resolve()), *argv])
