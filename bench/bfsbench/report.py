@@ -159,7 +159,7 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
             res = rows[r.id].get(s)
             txt, v = cell(res)
             if res is None or res["status"] in ("error", "unsupported"):
-                why = "; ".join(res["errors"])[:160] if res else ""
+                why = ("; ".join(res["errors"])[:160] if res else "").replace("|", "\\|")
                 L.append(f"| {s} | {txt}: {why} | | | | | | | | | |")
                 continue
             m = res["median"]
