@@ -1105,6 +1105,52 @@ impl Minio {
         }
     }
 
+    /// Spawns a helper process that, once `trigger` exists, SIGKILLs the server, keeps it down
+    /// for `down`, starts it again (recording its pid in the pid file) and exits when it is
+    /// healthy. A test that holds a file open for writing on a mount must restart MinIO this
+    /// way rather than with [`Minio::start`]: a child forked by the test process closes that
+    /// descriptor at exec (O_CLOEXEC), which is a FUSE flush that uploads, and would wait for
+    /// the very server it is starting.
+    pub fn restart_on_trigger(&self, trigger: &Path, down: Duration) -> Child {
+        let e = env();
+        let pidfile = self
+            .pidfile
+            .clone()
+            .expect("BUCKETFS_TEST_MINIO_PIDFILE is needed to restart MinIO");
+        let log = self
+            .log
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/dev/null"));
+        let script = r#"
+            while [ ! -e "$TRIGGER" ]; do sleep 0.01; done
+            kill -9 "$(cat "$PIDFILE")"
+            while curl -s -o /dev/null --max-time 1 "http://$ADDR/minio/health/live"; do sleep 0.05; done
+            sleep "$DOWN"
+            MINIO_ROOT_USER="$AK" MINIO_ROOT_PASSWORD="$SK" MINIO_BROWSER=off MINIO_UPDATE=off                 setsid "$BIN" server --quiet --address "$ADDR" "$DATA" >>"$LOG" 2>&1 </dev/null &
+            echo $! >"$PIDFILE"
+            for i in $(seq 600); do
+                curl -sf -o /dev/null --max-time 1 "http://$ADDR/minio/health/live" && exit 0
+                sleep 0.1
+            done
+            exit 1
+        "#;
+        Command::new("bash")
+            .arg("-c")
+            .arg(script)
+            .env("TRIGGER", trigger)
+            .env("PIDFILE", &pidfile)
+            .env("ADDR", &self.addr)
+            .env("DOWN", format!("{:.3}", down.as_secs_f64()))
+            .env("AK", &e.access_key)
+            .env("SK", &e.secret_key)
+            .env("BIN", &self.bin)
+            .env("DATA", &self.data)
+            .env("LOG", log)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn the restart helper")
+    }
+
     /// Starts the server again with the same binary, address, data dir and credentials, waits
     /// until it is healthy and records its pid in the pid file.
     pub fn start(&self) {
