@@ -4,7 +4,8 @@
 #   2. cargo fmt --check and cargo clippy (cheap, first),
 #   3. starts a private MinIO on 127.0.0.1 (free port, temp data dir, random credentials),
 #   4. cargo test --workspace (unit + integration tests, real FUSE mounts against that MinIO),
-#   5. the MinIO fault test (stops and restarts the server) alone, after everything else.
+#   5. the soak test (64 threads, integrity ledger, RSS budget) alone, so that the memory it
+#      measures is its own; then the MinIO fault tests (they stop and restart the server).
 # Exits non-zero on the first failure. Everything it starts is stopped and every temp dir removed
 # on exit.
 set -euo pipefail
@@ -216,13 +217,20 @@ export TMPDIR="$WORK/tmp"
 #    and restarts the shared MinIO, so nothing else may run at the same time).
 # ---------------------------------------------------------------------------------------------
 log "cargo test --workspace (unit and integration tests)"
-if ! cargo test --workspace -- --skip minio_outage::; then
+if ! cargo test --workspace -- --skip minio_outage:: --skip soak_with_an_integrity_ledger; then
     echo "---- last lines of the MinIO log ----" >&2
     tail -n 20 "$MINIO_LOG" >&2 || true
     exit 1
 fi
 
-log "cargo test -p bucketfs --test fault (MinIO stopped during a write)"
+log "cargo test -p bucketfs --test soak (64 threads x ${BUCKETFS_SOAK_SECS:-20} s, integrity ledger)"
+if ! cargo test -p bucketfs --test soak -- --nocapture; then
+    echo "---- last lines of the MinIO log ----" >&2
+    tail -n 20 "$MINIO_LOG" >&2 || true
+    exit 1
+fi
+
+log "cargo test -p bucketfs --test fault (MinIO stopped and restarted during reads and writes)"
 if ! cargo test -p bucketfs --test fault -- --test-threads=1; then
     echo "---- last lines of the MinIO log ----" >&2
     tail -n 20 "$MINIO_LOG" >&2 || true

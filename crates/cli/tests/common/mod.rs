@@ -861,6 +861,26 @@ impl Mount {
         (field("VmRSS:"), field("VmHWM:"))
     }
 
+    /// Open descriptors of the daemon that are not sockets (files, pipes, /dev/fuse), and
+    /// its sockets (HTTP connections kept alive in the pool come and go).
+    pub fn fd_kinds(&self) -> (usize, usize) {
+        let pid = self.daemon_pid().expect("daemon running");
+        let mut files = 0;
+        let mut sockets = 0;
+        for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            match std::fs::read_link(e.path()) {
+                Ok(t) if t.to_string_lossy().starts_with("socket:") => sockets += 1,
+                Ok(_) => files += 1,
+                Err(_) => {}
+            }
+        }
+        (files, sockets)
+    }
+
     /// Open file descriptors of the daemon.
     pub fn fd_count(&self) -> usize {
         let pid = self.daemon_pid().expect("daemon running");
