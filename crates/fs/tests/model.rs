@@ -651,3 +651,76 @@ async fn permanent_store_errors_map_to_their_errno() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Fuzzing the key <-> path mapping
+// ---------------------------------------------------------------------------------------------
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty() && n != "." && n != ".." && n.len() <= 255 && !n.contains('\0')
+}
+
+fn key_strategy() -> impl Strategy<Value = String> {
+    let seg = prop_oneof![
+        4 => "[a-c]{1,3}",
+        1 => Just(String::new()),
+        1 => Just(".".to_string()),
+        1 => Just("..".to_string()),
+        1 => "[ %+?#\n\u{e9}\u{65e5}\u{1f389}]{1,4}",
+        1 => "q{250,260}",
+    ];
+    (prop::collection::vec(seg, 1..5), any::<bool>()).prop_map(|(segs, dir)| {
+        let mut k = segs.join("/");
+        if dir {
+            k.push('/');
+        }
+        k
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases() * 2, ..ProptestConfig::default() })]
+
+    /// Whatever keys a bucket holds, the tree shown is sound (every entry is a valid name and
+    /// every file shows exactly the object of its path's key) and complete (every key made of
+    /// valid names that no directory shadows shows as a file).
+    #[test]
+    fn any_bucket_maps_to_a_sound_tree(keys in prop::collection::btree_set(key_strategy(), 1..25)) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mem = Arc::new(MemoryStore::new());
+            for k in &keys {
+                mem.put(k, Bytes::from(format!("<{k}>")), &UserMeta::new()).await.unwrap();
+            }
+            let cache = tempfile::tempdir().unwrap();
+            let fs = new_fs(mem.clone(), &cache);
+            let tree = tokio::time::timeout(std::time::Duration::from_secs(30), snapshot(&fs))
+                .await
+                .expect("listing the tree hung");
+            for (path, node) in &tree {
+                for seg in path.split('/') {
+                    prop_assert!(valid_name(seg), "invalid name {:?} in {:?}", seg, path);
+                }
+                if let Node::File(data) = node {
+                    prop_assert_eq!(data, &format!("<{path}>").into_bytes(), "{:?}", path);
+                    prop_assert!(keys.contains(path));
+                }
+            }
+            for k in &keys {
+                let shadowed = keys.iter().any(|o| o.len() > k.len() && o.starts_with(&format!("{k}/")));
+                if !k.ends_with('/') && !shadowed && k.split('/').all(valid_name) {
+                    prop_assert_eq!(
+                        tree.get(k),
+                        Some(&Node::File(format!("<{k}>").into_bytes())),
+                        "key {:?} not shown", k
+                    );
+                }
+            }
+            Ok(())
+        })?;
+    }
+}
