@@ -7,6 +7,8 @@
 
 mod args;
 mod config;
+#[cfg(test)]
+mod config_fuzz;
 mod daemon;
 mod limit;
 mod logging;
