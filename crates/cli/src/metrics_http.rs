@@ -6,6 +6,7 @@
 
 use bucketfs_fs::FsMetrics;
 use bucketfs_store::metrics::StoreMetrics;
+use bucketfs_store::retry::RetryMetrics;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,12 +18,49 @@ use tokio::net::{TcpListener, UnixListener};
 pub struct Counters {
     pub store: Arc<StoreMetrics>,
     pub fs: Arc<FsMetrics>,
+    /// What the retry layer did.
+    pub retry: Arc<RetryMetrics>,
+    /// Inodes the fs core holds right now.
+    pub inodes: Arc<dyn Fn() -> usize + Send + Sync>,
 }
 
 impl Counters {
     pub fn text(&self) -> String {
         let mut s = self.store.prometheus();
         s += &self.fs.prometheus();
+        let r = &self.retry;
+        for (name, help, v) in [
+            (
+                "bucketfs_store_retries_total",
+                "Store requests attempted again after a transient failure",
+                &r.retries,
+            ),
+            (
+                "bucketfs_store_retry_recovered_total",
+                "Store calls that succeeded after retries",
+                &r.recovered,
+            ),
+            (
+                "bucketfs_store_retry_gave_up_total",
+                "Store calls that failed after their retry budget",
+                &r.gave_up,
+            ),
+            (
+                "bucketfs_store_outages_total",
+                "Periods longer than the retry budget without a successful store call",
+                &r.outages,
+            ),
+        ] {
+            s += &format!(
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}\n",
+                RetryMetrics::get(v)
+            );
+        }
+        s += &format!(
+            "# HELP bucketfs_inodes Inodes held by the file system\n# TYPE bucketfs_inodes gauge\n\
+             bucketfs_inodes {}\n",
+            (self.inodes)()
+        );
         s
     }
 }

@@ -261,9 +261,12 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         Target::Local { .. } => String::new(),
     };
     let fs = rt.block_on(async { Fs::new(store.clone(), s.fs_config(prefix)) });
+    let weak = Arc::downgrade(&fs);
     let counters = Counters {
         store: metrics.clone(),
         fs: fs.metrics(),
+        retry: retry_metrics.clone(),
+        inodes: Arc::new(move || weak.upgrade().map_or(0, |f| f.inode_count())),
     };
     if let Some(addr) = s.metrics_addr {
         if let Err(e) = rt.block_on(serve_http(addr, counters.clone())) {
@@ -553,6 +556,7 @@ async fn open_raw_store(
                 secret_access_key: s.secret_access_key.clone(),
                 session_token: s.session_token.clone(),
                 max_attempts: S3_MAX_ATTEMPTS,
+                unsigned_payload: s.unsigned_payload,
                 tls: if s.no_verify_ssl {
                     TlsTrust::Insecure
                 } else if let Some(ca) = &s.ca_bundle {

@@ -84,6 +84,18 @@ fn size(rng: &mut impl Rng) -> u64 {
     }
 }
 
+/// One value from the daemon's Prometheus endpoint.
+fn metric(addr: &str, name: &str) -> u64 {
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in the metrics:\n{text}"))
+}
+
 #[test]
 fn soak_with_an_integrity_ledger() {
     let secs = env_num("BUCKETFS_SOAK_SECS", 20);
@@ -91,7 +103,15 @@ fn soak_with_an_integrity_ledger() {
     let rss_budget_kib = env_num("BUCKETFS_SOAK_RSS_MIB", 640) * 1024;
     let s3 = s3();
     let b = s3.new_bucket("soak");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics_addr = format!("127.0.0.1:{port}");
     let mut m = MountSpec::s3(&b, "")
+        .arg("--metrics-addr")
+        .arg(&metrics_addr)
         .arg("--max-memory")
         .arg("256M")
         .arg("--fuse-threads")
@@ -275,6 +295,7 @@ fn soak_with_an_integrity_ledger() {
     // Everything closed: descriptors back to where they were.
     std::thread::sleep(Duration::from_millis(500));
     let (fds_after, socks_after) = m.fd_kinds();
+    let inodes_after = metric(&metrics_addr, "bucketfs_inodes");
 
     // Final check of every file through the mount.
     let ledger = Arc::try_unwrap(ledger).unwrap().into_inner().unwrap();
@@ -299,6 +320,7 @@ fn soak_with_an_integrity_ledger() {
         "the daemon died during the soak: {}",
         m.log()
     );
+    let inodes_final = metric(&metrics_addr, "bucketfs_inodes");
     let (st, log) = m.unmount();
     assert!(st.is_some_and(|s| s.success()), "daemon exit {st:?}: {log}");
 
@@ -331,6 +353,7 @@ fn soak_with_an_integrity_ledger() {
          {} renames, {} reads, {} deletes), {} MiB written, {} MiB verified during the run; \
          final ledger {} files, {} MiB verified through the mount and {} MiB through S3; \
          daemon peak RSS {} MiB (sampled {} MiB), non-socket fds {fds_before} -> {fds_after}, sockets {socks_before} -> {socks_after}; \
+         inodes {inodes_after} after the run, {inodes_final} after the final pass; \
          {} errors, {} mismatches",
         g(&stats.ops),
         g(&stats.creates),
@@ -368,6 +391,15 @@ fn soak_with_an_integrity_ledger() {
         fds_after <= fds_before,
         "non-socket descriptors (staging files) grew from {fds_before} to {fds_after} with \
          every file closed"
+    );
+    // The kernel keeps an inode for every file it has seen that still exists: deleted and
+    // overwritten files must not leave theirs behind, and the final pass must not add any.
+    let bound = ledger.len() as u64 + 16;
+    assert!(
+        inodes_after <= bound && inodes_final <= bound,
+        "inodes grew: {inodes_after} after the run, {inodes_final} after the final pass, for \
+         {} files",
+        ledger.len()
     );
     assert!(
         socks_after <= 4 * threads + 16,
