@@ -142,6 +142,9 @@ pub struct BenchArgs {
     /// Part size of the upload and of each GET. [default: 8M]
     #[arg(long, value_name = "SIZE")]
     pub part_size: Option<String>,
+    /// Unsigned upload bodies, as for mount.
+    #[arg(long)]
+    pub unsigned_payload: bool,
 }
 
 impl BenchArgs {
@@ -163,6 +166,9 @@ impl BenchArgs {
         }
         if self.force_path_style {
             s.apply("force_path_style", None, Origin::Flag)?;
+        }
+        if self.unsigned_payload {
+            s.apply("unsigned_payload", None, Origin::Flag)?;
         }
         Ok(s)
     }
@@ -397,6 +403,12 @@ pub struct MountArgs {
     #[arg(long)]
     pub no_verify_ssl: bool,
 
+    /// Send upload bodies as UNSIGNED-PAYLOAD instead of signing their SHA-256 (a quarter of
+    /// an upload's CPU). Default: unsigned over HTTPS (TLS protects the body), signed over
+    /// plain HTTP; `unsigned_payload = false` in the config file forces signing.
+    #[arg(long)]
+    pub unsigned_payload: bool,
+
     /// How long a failing S3 request is retried (with exponential backoff and jitter) before
     /// the file operation fails with EIO; 0 turns retries off. [default: 30]
     #[arg(
@@ -460,6 +472,7 @@ impl MountArgs {
             ("nonempty", self.nonempty),
             ("syslog", self.syslog),
             ("no_verify_ssl", self.no_verify_ssl),
+            ("unsigned_payload", self.unsigned_payload),
         ];
         for (key, on) in flags {
             if on {

@@ -75,6 +75,8 @@ pub struct Settings {
     pub ca_bundle: Option<PathBuf>,
     /// Accept any HTTPS certificate (explicit flag only; warned about).
     pub no_verify_ssl: bool,
+    /// Upload bodies unsigned (`UNSIGNED-PAYLOAD`); `None`: only over HTTPS.
+    pub unsigned_payload: Option<bool>,
     /// How long a failing store request is retried.
     pub retry_timeout: Duration,
     /// From the config file only: used when SOURCE is `s3://` without a bucket.
@@ -116,6 +118,7 @@ impl fmt::Debug for Settings {
             .field("syslog", &self.syslog)
             .field("ca_bundle", &self.ca_bundle)
             .field("no_verify_ssl", &self.no_verify_ssl)
+            .field("unsigned_payload", &self.unsigned_payload)
             .field("retry_timeout", &self.retry_timeout)
             .field("bucket", &self.bucket)
             .field("prefix", &self.prefix)
@@ -156,6 +159,7 @@ impl Default for Settings {
             syslog: false,
             ca_bundle: None,
             no_verify_ssl: false,
+            unsigned_payload: None,
             retry_timeout: Duration::from_secs(30),
             bucket: None,
             prefix: None,
@@ -219,6 +223,7 @@ const KEYS: &[(&str, Kind, Scope)] = &[
     ("syslog", Kind::Bool, Scope::All),
     ("ca_bundle", Kind::Value, Scope::All),
     ("no_verify_ssl", Kind::Bool, Scope::All),
+    ("unsigned_payload", Kind::Bool, Scope::All),
     ("retry_timeout", Kind::Value, Scope::All),
     ("bucket", Kind::Value, Scope::FileOnly),
     ("prefix", Kind::Value, Scope::FileOnly),
@@ -490,6 +495,7 @@ impl Settings {
             "syslog" => self.syslog = parse_bool(v)?,
             "ca_bundle" => self.ca_bundle = Some(PathBuf::from(non_empty(v, "path")?)),
             "no_verify_ssl" => self.no_verify_ssl = parse_bool(v)?,
+            "unsigned_payload" => self.unsigned_payload = Some(parse_bool(v)?),
             "retry_timeout" => self.retry_timeout = parse_duration(v)?,
             "bucket" => self.bucket = Some(non_empty(v, "bucket name")?),
             "prefix" => self.prefix = Some(v.trim().to_string()),
