@@ -5,8 +5,17 @@
 //! full their windows simply stop growing; the bytes a read needs right now, and the parts a
 //! writer uploads, wait in [`MemoryBudget::reserve`] until memory is returned. The daemon
 //! therefore never holds more than the budget in these buffers, and never fails with ENOMEM.
+//!
+//! The budget also keeps a cache of blocks readers fetched but did not hand to the kernel
+//! (the rest of a random read's 128 KiB block, a stream's chunks when the reader jumps away or
+//! closes), up to a quarter of the budget. It is the first thing given back: a reservation that
+//! would wait evicts cached blocks first, so the cache can never starve a reader or a writer.
 
 use crate::metrics::FsMetrics;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, VecDeque};
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -18,6 +27,36 @@ pub struct MemoryBudget {
     sem: Arc<Semaphore>,
     units: u64,
     metrics: Arc<FsMetrics>,
+    cache: Mutex<BlockCache>,
+}
+
+/// Identifies the content of a cached block: object key and ETag.
+type BlockKey = (String, String);
+
+struct Block {
+    end: u64,
+    data: Bytes,
+    _mem: Reservation,
+}
+
+#[derive(Default)]
+struct BlockCache {
+    blocks: BTreeMap<(BlockKey, u64), Block>,
+    /// Insertion order, for eviction (first in, first out).
+    order: VecDeque<(BlockKey, u64)>,
+    bytes: u64,
+}
+
+impl BlockCache {
+    fn evict_one(&mut self) -> bool {
+        while let Some(k) = self.order.pop_front() {
+            if let Some(b) = self.blocks.remove(&k) {
+                self.bytes -= b.data.len() as u64;
+                return true;
+            }
+        }
+        false
+    }
 }
 
 /// Bytes taken from the budget; returned when dropped.
@@ -43,6 +82,7 @@ impl MemoryBudget {
             sem: Arc::new(Semaphore::new(units as usize)),
             units,
             metrics,
+            cache: Mutex::new(BlockCache::default()),
         })
     }
 
@@ -62,15 +102,73 @@ impl MemoryBudget {
         }
     }
 
-    /// Waits until `bytes` are free and takes them.
+    /// Waits until `bytes` are free and takes them, evicting cached blocks before waiting.
     pub async fn reserve(&self, bytes: u64) -> Reservation {
+        let units = self.units_for(bytes);
+        loop {
+            if let Ok(permit) = self.sem.clone().try_acquire_many_owned(units) {
+                return self.wrap(permit, bytes);
+            }
+            if !self.cache.lock().evict_one() {
+                break;
+            }
+        }
         let permit = self
             .sem
             .clone()
-            .acquire_many_owned(self.units_for(bytes))
+            .acquire_many_owned(units)
             .await
             .expect("the budget semaphore is never closed");
         self.wrap(permit, bytes)
+    }
+
+    /// Keeps a fetched block of object `key` (version `etag`) covering `range`, with the
+    /// memory it already holds. Blocks beyond a quarter of the budget push out the oldest.
+    pub fn cache_block(
+        &self,
+        key: &str,
+        etag: &str,
+        range: Range<u64>,
+        data: Bytes,
+        mem: Reservation,
+    ) {
+        if data.len() as u64 != range.end - range.start {
+            return;
+        }
+        let k = ((key.to_string(), etag.to_string()), range.start);
+        let mut c = self.cache.lock();
+        c.bytes += data.len() as u64;
+        if let Some(old) = c.blocks.insert(
+            k.clone(),
+            Block {
+                end: range.end,
+                data,
+                _mem: mem,
+            },
+        ) {
+            c.bytes -= old.data.len() as u64;
+        }
+        c.order.push_back(k);
+        let limit = self.units * UNIT / 4;
+        while c.bytes > limit && c.evict_one() {}
+    }
+
+    /// `[offset, end)` of object `key` version `etag`, if one cached block holds all of it.
+    pub fn cached(&self, key: &str, etag: &str, offset: u64, end: u64) -> Option<Bytes> {
+        let c = self.cache.lock();
+        let bk = (key.to_string(), etag.to_string());
+        // Blocks may overlap (a stream's chunks, random blocks): look at the few starting
+        // closest before `offset`.
+        c.blocks
+            .range(..=(bk.clone(), offset))
+            .rev()
+            .take(8)
+            .take_while(|((k, _), _)| *k == bk)
+            .find(|(_, b)| end <= b.end)
+            .map(|((_, start), b)| {
+                b.data
+                    .slice((offset - start) as usize..(end - start) as usize)
+            })
     }
 
     /// Takes `bytes` if they are free now.

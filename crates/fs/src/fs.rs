@@ -1017,12 +1017,13 @@ impl Fs {
                 (false, false) => {}
             }
         }
-        if kind == FileKind::Dir {
+        let new_etag = if kind == FileKind::Dir {
             self.rename_dir(src, &path, &new_path, target.is_some())
                 .await?;
+            None
         } else {
-            self.rename_file(&path, &new_path, size, write).await?;
-        }
+            self.rename_file(&path, &new_path, size, write).await?
+        };
         self.lookups.forget(&path);
         self.lookups.forget(&new_path);
         if kind == FileKind::Dir {
@@ -1033,6 +1034,21 @@ impl Fs {
         t.rename(src, new_parent, &new_name_s, &new_parent_path);
         if let Some(i) = t.get_mut(src) {
             i.attr.ctime = now();
+            if kind != FileKind::Dir {
+                i.etag = new_etag;
+            }
+        }
+        if kind == FileKind::Dir {
+            // Every object below was copied: their ETags are unknown until asked again.
+            let stale = Instant::now().checked_sub(self.cfg.stat_ttl + Duration::from_secs(1));
+            for d in t.descendants(&new_path) {
+                if let Some(i) = t.get_mut(d) {
+                    if i.write.is_none() {
+                        i.etag = None;
+                        i.fetched = stale.or(i.fetched);
+                    }
+                }
+            }
         }
         t.maybe_drop(src);
         Ok(())
@@ -1044,7 +1060,7 @@ impl Fs {
         new_path: &str,
         size: u64,
         write: Option<Arc<OpenWrite>>,
-    ) -> FsResult<()> {
+    ) -> FsResult<Option<String>> {
         let (src, dst) = (self.key(path), self.key(new_path));
         let mut guard = match &write {
             Some(w) => Some(w.state.lock().await),
@@ -1063,16 +1079,16 @@ impl Fs {
             .delete(&src)
             .await
             .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
+        // The copy has an ETag of its own (a multipart source's never carries over): readers
+        // pin it with If-Match, so learn it now.
+        let new = self.store.head(&dst).await.ok();
         if let Some(st) = guard.as_mut() {
-            let base = self
-                .store
-                .head(&dst)
-                .await
-                .ok()
-                .and_then(|o| o.etag.map(|etag| Base { etag, size: o.size }));
+            let base = new
+                .as_ref()
+                .and_then(|o| o.etag.clone().map(|etag| Base { etag, size: o.size }));
             st.rebase(dst, base);
         }
-        Ok(())
+        Ok(new.and_then(|o| o.etag))
     }
 
     /// Moves every object under the directory: copies all, then deletes the sources.
@@ -1348,14 +1364,13 @@ impl Fs {
             return st.read(offset..offset.saturating_add(size as u64)).await;
         }
         let mut r = reader.lock().await;
+        let key = self.key(&path);
+        if r.as_ref().is_some_and(|r| r.key() != key) {
+            // Renamed while open: read the object under its new key.
+            *r = None;
+        }
         let r = r.get_or_insert_with(|| {
-            Reader::new(
-                self.store.clone(),
-                self.rcfg.clone(),
-                self.key(&path),
-                etag,
-                file_size,
-            )
+            Reader::new(self.store.clone(), self.rcfg.clone(), key, etag, file_size)
         });
         r.read(offset, size).await
     }

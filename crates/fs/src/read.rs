@@ -26,7 +26,7 @@ const MIN_WINDOW: u64 = 1024 * 1024;
 const SEQ_SLACK: u64 = 1024 * 1024;
 /// How far behind the read position chunks are kept (the kernel may re-read a little).
 const KEEP_BEHIND: u64 = 1024 * 1024;
-/// Random reads are rounded up to this much.
+/// Random reads fetch aligned blocks of this size.
 const RANDOM_READAHEAD: u64 = 128 * 1024;
 
 /// Settings shared by all readers.
@@ -45,7 +45,8 @@ enum ChunkData {
 struct Chunk {
     range: Range<u64>,
     data: ChunkData,
-    _mem: Reservation,
+    /// Taken when the chunk's bytes move to the recent list.
+    mem: Option<Reservation>,
 }
 
 impl Chunk {
@@ -61,6 +62,12 @@ impl Chunk {
             ChunkData::Ready(b) => Ok(b.clone()),
             ChunkData::Pending(_) => unreachable!("resolved above"),
         }
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.retire_chunks();
     }
 }
 
@@ -106,6 +113,11 @@ impl Reader {
         }
     }
 
+    /// The object this reader reads.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
     fn covered(&self) -> Range<u64> {
         match self.chunks.front() {
             Some(c) => c.range.start..self.next,
@@ -125,7 +137,7 @@ impl Reader {
         self.chunks.push_back(Chunk {
             range,
             data: ChunkData::Pending(task),
-            _mem: mem,
+            mem: Some(mem),
         });
     }
 
@@ -147,10 +159,15 @@ impl Reader {
         if offset >= end {
             return Ok(Bytes::new());
         }
-        let m = &self.cfg.metrics;
-        let sequential = self
-            .last_end
-            .is_some_and(|l| offset + SEQ_SLACK >= l && offset <= l + SEQ_SLACK);
+        let m = self.cfg.metrics.clone();
+        // Sequential: right where the last read ended, or a small jump (the kernel reorders
+        // its readahead) to bytes this stream already requested.
+        let sequential = self.last_end.is_some_and(|l| {
+            offset == l
+                || (offset + SEQ_SLACK >= l
+                    && offset <= l + SEQ_SLACK
+                    && self.covered().contains(&offset))
+        });
         if sequential {
             self.window = (self.window * 2).min(self.cfg.max_window.max(MIN_WINDOW));
         } else if self.last_end.is_some() {
@@ -162,19 +179,32 @@ impl Reader {
         self.last_end = Some(end);
 
         // Chunks well behind the reader are done with.
-        while self
-            .chunks
-            .front()
-            .is_some_and(|c| c.range.end + KEEP_BEHIND <= offset)
+        // A stream's chunks well behind its reader are consumed (a random reader's go to the
+        // block cache below instead).
+        while sequential
+            && self
+                .chunks
+                .front()
+                .is_some_and(|c| c.range.end + KEEP_BEHIND <= offset)
         {
             self.chunks.pop_front();
         }
         let hit = self.covered().contains(&offset);
-        inc(if hit { &m.read_hits } else { &m.read_misses });
         if !hit {
-            self.chunks.clear();
-            self.next = if self.small_file() { 0 } else { offset };
+            self.retire_chunks();
+            if let Some(b) = self.cached_block(offset, end) {
+                inc(&m.read_hits);
+                return Ok(b);
+            }
+            self.next = if self.small_file() {
+                0
+            } else if sequential {
+                offset
+            } else {
+                offset - offset % RANDOM_READAHEAD
+            };
         }
+        inc(if hit { &m.read_hits } else { &m.read_misses });
         // What this read needs and is not requested yet: wait for memory if we must.
         while self.next < end {
             let len = self.chunk_len(sequential, end);
@@ -196,6 +226,28 @@ impl Reader {
             }
         }
         self.collect(offset, end).await
+    }
+
+    /// Hands the stream's fetched chunks to the budget's block cache (chunks still in flight
+    /// are dropped), so a reader coming back to them, or the next open, finds them.
+    fn retire_chunks(&mut self) {
+        let chunks = std::mem::take(&mut self.chunks);
+        let Some(etag) = self.etag.as_deref() else {
+            return;
+        };
+        for mut c in chunks {
+            if let (ChunkData::Ready(b), Some(mem)) = (&c.data, c.mem.take()) {
+                self.cfg
+                    .budget
+                    .cache_block(&self.key, etag, c.range.clone(), b.clone(), mem);
+            }
+        }
+    }
+
+    /// `[offset, end)` from the block cache, if one block holds all of it.
+    fn cached_block(&self, offset: u64, end: u64) -> Option<Bytes> {
+        let etag = self.etag.as_deref()?;
+        self.cfg.budget.cached(&self.key, etag, offset, end)
     }
 
     /// The bytes `[offset, end)` from the chunks, which cover them.

@@ -1,12 +1,12 @@
 //! The write path: one [`WriteState`] per inode open for writing, shared by all its handles.
 //!
 //! Written bytes go to a sparse local staging file under `cache_dir` and are tracked as dirty
-//! extents over a *base* (the object as it was when the file was opened, if any). A file written
-//! from scratch streams: each part that is completely written uploads in the background as part
-//! of a multipart upload while the application keeps writing, so close only sends the tail.
-//! A rewrite of an existing object (overwrite in the middle, append, truncate) uploads at
-//! publish: unchanged part-sized ranges are copied server-side (UploadPartCopy), only parts
-//! holding dirty bytes are sent. Small results go up as one PUT. Nothing is visible in the bucket
+//! extents over a *base* (the object as it was when the file was opened, if any). Writes stream:
+//! each part that becomes completely written uploads in the background as part of a multipart
+//! upload while the application keeps writing, so close only sends what is left. At publish,
+//! unchanged part-sized ranges of the base are copied server-side (UploadPartCopy), and only
+//! parts holding new bytes are sent, so an append or an overwrite in the middle of a large
+//! object sends kilobytes, not the object. Small results go up as one PUT. Nothing is visible in the bucket
 //! until a publish completes; a failed publish aborts its multipart upload and returns the error.
 
 use crate::budget::MemoryBudget;
@@ -283,10 +283,11 @@ impl WriteState {
         Ok(())
     }
 
-    /// Starts uploads of parts in `touched` that are now completely written. Only a file with
-    /// no base streams (a rewrite's part boundaries depend on what is copied).
+    /// Starts uploads of parts in `touched` that are now completely written. A part whose
+    /// bytes are all new needs nothing from the base, so a rewrite of an existing file streams
+    /// too; parts are laid out the same way whatever is copied or sent.
     async fn stream_full_parts(&mut self, touched: Range<u64>) -> FsResult<()> {
-        if self.base_len != 0 || self.unlinked {
+        if self.unlinked {
             return Ok(());
         }
         let layout = self.cfg.layout;

@@ -707,12 +707,6 @@ async fn sequential_reads_become_part_sized_gets() {
     let gets = e.metrics.requests(Op::Get);
     assert!(gets <= 14, "{gets} GETs for 41 MiB");
     assert!(e.metrics.bytes_down() <= data.len() as u64 + 4 * MIB);
-    assert_eq!(
-        e.fs.metrics()
-            .buffer_bytes
-            .load(std::sync::atomic::Ordering::Relaxed),
-        0
-    );
 }
 
 #[tokio::test]
@@ -886,4 +880,61 @@ async fn big_directories_stream_page_by_page() {
     let names = list(&e.fs, d.ino).await;
     assert_eq!(names.len(), 2 + 2501);
     assert!(names.contains(&"sub".to_string()));
+}
+
+#[tokio::test]
+async fn overwriting_an_existing_file_from_the_start_streams_too() {
+    let e = env();
+    put(&e.mem, "o", &random(30 * MIB as usize, 30)).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("o")).await.unwrap();
+    // No O_TRUNC: the object is the base, but every part is rewritten whole.
+    let h = e.fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+    let data = random(30 * MIB as usize, 31);
+    for (i, c) in data.chunks(MIB as usize).enumerate() {
+        e.fs.write(a.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
+            .await
+            .unwrap();
+    }
+    // Parts went up while writing.
+    assert!(e.metrics.requests(Op::UploadPart) >= 4);
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "o").await, data);
+    assert_eq!(e.metrics.requests(Op::UploadPartCopy), 0);
+    assert_eq!(e.metrics.bytes_up(), data.len() as u64);
+}
+
+#[tokio::test]
+async fn random_reads_reuse_recently_fetched_blocks() {
+    let e = env();
+    let data = random(16 * MIB as usize, 40);
+    put(&e.mem, "r16", &data).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+    let offsets: Vec<u64> = (0..2000)
+        .map(|_| rng.gen_range(0..(data.len() as u64 - 16384)) / 16384 * 16384)
+        .collect();
+    read_at(&e.fs, "r16", &data, &offsets, 16384).await;
+    // Blocks of 128 KiB are fetched once and kept: at most one GET per block of the file.
+    let gets = e.metrics.requests(Op::Get);
+    assert!(
+        gets <= 16 * 8 + 8,
+        "{gets} GETs for 2,000 random 16 KiB reads of 16 MiB"
+    );
+}
+
+#[tokio::test]
+async fn an_open_file_keeps_reading_after_a_rename() {
+    let e = env();
+    let data = random(12 * MIB as usize, 50);
+    put(&e.mem, "a", &data).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let first = e.fs.read(a.ino, h.fh, 0, 1 << 20).await.unwrap();
+    assert_eq!(&first[..], &data[..1 << 20]);
+    e.fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .unwrap();
+    let later = e.fs.read(a.ino, h.fh, 9 << 20, 1 << 20).await.unwrap();
+    assert_eq!(&later[..], &data[9 << 20..10 << 20]);
+    e.fs.release(a.ino, h.fh).await.unwrap();
 }
