@@ -236,3 +236,11 @@ if ! cargo test -p bucketfs --test fault -- --test-threads=1; then
     tail -n 20 "$MINIO_LOG" >&2 || true
     exit 1
 fi
+
+# ---------------------------------------------------------------------------------------------
+# 6. Bench smoke: the benchmark suite at tiny sizes, bucketfs and the store limit only, so the
+#    suite cannot rot. It starts its own MinIO and fails if any scenario errors or mis-verifies.
+# ---------------------------------------------------------------------------------------------
+log "bench smoke (python3 bench/run.py --size smoke --systems bucketfs)"
+python3 bench/run.py --size smoke --systems bucketfs --bucketfs "$CARGO_TARGET_DIR/debug/bucketfs" \
+    --out "$WORK/bench-smoke"
