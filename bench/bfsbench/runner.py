@@ -668,7 +668,8 @@ def run_limit(ctx: Ctx, rep: int) -> dict:
         return {"status": "n/a", "error": "bucketfs has no bench subcommand", "rep": rep}
     cmd = [ctx.bucketfs_bin, "bench", f"s3://{ctx.bucket}/limit-r{rep}", "--endpoint-url", ctx.store_env["endpoint"],
            "--force-path-style", "--region", ctx.store_env["region"], "--size", str(s["limit_size"]),
-           "--concurrency", str(s["limit_conc"]), "--part-size", str(8 << 20), "--json"]
+           "--concurrency", str(s["limit_conc"]), "--part-size", str(8 << 20), "--json",
+           "--unsigned-payload"]
     log(f"  limit     bucketfs bench --size {s['limit_size']} --concurrency {s['limit_conc']}")
     t_mark = ctx.counter.mark() if ctx.counter else None
     minio0 = procstat.cpu_seconds([ctx.minio_pid]) if ctx.minio_pid else None

@@ -253,7 +253,7 @@ class Bucketfs(System):
         return r.returncode == 0
 
     def options(self) -> str:
-        return "defaults (--endpoint-url, --force-path-style, --cache-dir)" + (
+        return "defaults (--endpoint-url, --force-path-style, --cache-dir, --unsigned-payload)" + (
             ", --metrics-addr" if self.has_metrics() else ""
         )
 
@@ -263,6 +263,8 @@ class Bucketfs(System):
             self.binary, "mount", "-f", src, str(mnt),
             "--endpoint-url", self.store.endpoint, "--force-path-style", "--region", self.store.region,
             "--cache-dir", str(cache), "--log-level", "warn",
+            # The limit and s3fs send unsigned bodies too: plain HTTP to a local MinIO.
+            "--unsigned-payload",
         ]
         self.metrics_port = None
         if self.has_metrics():
@@ -315,13 +317,14 @@ class S3fs(System):
         os.chmod(self.passwd, 0o600)
 
     def options(self):
-        return "url=…,use_path_request_style,endpoint=us-east-1,tmpdir=… (defaults otherwise: no use_cache, multipart_size 10 MB, parallel_count 5)"
+        return "url=…,use_path_request_style,endpoint=us-east-1,tmpdir=…,enable_unsigned_payload (defaults otherwise: no use_cache, multipart_size 10 MB, parallel_count 5)"
 
     def command(self, bucket, prefix, mnt, cache, log):
         src = f"{bucket}:/{prefix}" if prefix else bucket
         opts = ",".join([
             f"url={self.store.endpoint}", "use_path_request_style", f"endpoint={self.store.region}",
             f"passwd_file={self.passwd}", f"tmpdir={cache}", f"logfile={log}", "dbglevel=warn",
+            "enable_unsigned_payload",
         ])
         return [self.binary, src, str(mnt), "-f", "-o", opts]
 
