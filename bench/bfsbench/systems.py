@@ -263,7 +263,8 @@ class Bucketfs(System):
             self.binary, "mount", "-f", src, str(mnt),
             "--endpoint-url", self.store.endpoint, "--force-path-style", "--region", self.store.region,
             "--cache-dir", str(cache), "--log-level", "warn",
-            # The limit and s3fs send unsigned bodies too: plain HTTP to a local MinIO.
+            # The limit sends unsigned bodies too (plain HTTP to a local MinIO); s3fs 1.90 has
+            # no such option and signs them.
             "--unsigned-payload",
         ]
         self.metrics_port = None
@@ -317,14 +318,13 @@ class S3fs(System):
         os.chmod(self.passwd, 0o600)
 
     def options(self):
-        return "url=…,use_path_request_style,endpoint=us-east-1,tmpdir=…,enable_unsigned_payload (defaults otherwise: no use_cache, multipart_size 10 MB, parallel_count 5)"
+        return "url=…,use_path_request_style,endpoint=us-east-1,tmpdir=… (defaults otherwise: no use_cache, multipart_size 10 MB, parallel_count 5)"
 
     def command(self, bucket, prefix, mnt, cache, log):
         src = f"{bucket}:/{prefix}" if prefix else bucket
         opts = ",".join([
             f"url={self.store.endpoint}", "use_path_request_style", f"endpoint={self.store.region}",
             f"passwd_file={self.passwd}", f"tmpdir={cache}", f"logfile={log}", "dbglevel=warn",
-            "enable_unsigned_payload",
         ])
         return [self.binary, src, str(mnt), "-f", "-o", opts]
 
