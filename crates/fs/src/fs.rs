@@ -1360,7 +1360,7 @@ impl Fs {
         };
         if let Some(w) = write {
             // Someone is writing this file: read its current content, staged bytes included.
-            let st = w.state.lock().await;
+            let mut st = w.state.lock().await;
             return st.read(offset..offset.saturating_add(size as u64)).await;
         }
         let mut r = reader.lock().await;

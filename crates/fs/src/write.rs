@@ -40,6 +40,8 @@ pub struct PartLayout {
 }
 
 const PARTS_PER_STEP: u64 = 1000;
+/// Reads of a file open for writing fetch base bytes in aligned blocks of this size.
+const READ_BLOCK: u64 = 128 * 1024;
 
 impl PartLayout {
     /// Byte range of part `index` (0-based; part number `index + 1`).
@@ -160,6 +162,9 @@ pub struct WriteState {
     size: Arc<AtomicU64>,
     staging: Arc<File>,
     dirty: Extents,
+    /// Bytes whose current content is in the staging file: what was written (`dirty`) plus
+    /// what was fetched or published since. Reads and uploads take these from disk.
+    local: Extents,
     /// Times each part was touched, so a part uploaded early is resent if rewritten.
     generations: BTreeMap<u64, u64>,
     stream: Option<Stream>,
@@ -202,6 +207,7 @@ impl WriteState {
             size,
             staging: Arc::new(staging),
             dirty: Extents::default(),
+            local: Extents::default(),
             generations: BTreeMap::new(),
             stream: None,
             meta,
@@ -245,6 +251,7 @@ impl WriteState {
             .map_err(|_| FsError::EIO)?
             .map_err(io_err)?;
         self.dirty.insert(offset..end);
+        self.local.insert(offset..end);
         self.touch_parts(offset..end);
         if end > self.size() {
             self.size.store(end, Ordering::Relaxed);
@@ -263,6 +270,7 @@ impl WriteState {
         let old = self.size();
         if size < old {
             self.dirty.truncate(size);
+            self.local.truncate(size);
             self.base_len = self.base_len.min(size);
             // Parts from the cut on no longer hold what they held.
             self.touch_parts(size..old);
@@ -275,6 +283,7 @@ impl WriteState {
             // The new bytes are zeros: mark them dirty so they are not taken from the base.
             self.touch_parts(old..size);
             self.dirty.insert(old..size);
+            self.local.insert(old..size);
         }
         self.size.store(size, Ordering::Relaxed);
         self.changed = true;
@@ -355,35 +364,61 @@ impl WriteState {
         }
     }
 
-    /// Bytes `range` of the current content (dirty from staging, clean from the base, zeros
-    /// past the base).
-    pub async fn read(&self, range: Range<u64>) -> FsResult<Bytes> {
+    /// Bytes `range` of the current content. Base bytes not on disk yet are fetched in
+    /// aligned blocks and kept in the staging file, so later reads and uploads of them need
+    /// no request.
+    pub async fn read(&mut self, range: Range<u64>) -> FsResult<Bytes> {
         let end = range.end.min(self.size());
         if range.start >= end {
             return Ok(Bytes::new());
         }
+        let block_start = range.start - range.start % READ_BLOCK;
+        let block_end = end.div_ceil(READ_BLOCK) * READ_BLOCK;
+        let fetch = block_start..block_end.min(self.base_len);
+        let missing: Vec<Range<u64>> = self
+            .local
+            .segments(fetch)
+            .filter(|(_, local)| !local)
+            .map(|(r, _)| r)
+            .collect();
+        if let (Some(first), Some(last)) = (missing.first(), missing.last()) {
+            let span = first.start..last.end;
+            let data = self.get_base(span.clone()).await?;
+            for r in missing {
+                let piece =
+                    data.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
+                write_staging(&self.staging, r.start, piece).await?;
+                self.local.insert(r);
+            }
+        }
         self.assemble(range.start..end).await
+    }
+
+    /// `range` of the base object, which must lie within `base_len`.
+    async fn get_base(&self, range: Range<u64>) -> FsResult<Bytes> {
+        let data = self
+            .store
+            .get_range(&self.key, range.clone(), self.base_etag())
+            .await
+            .map_err(|e| log_store_err(&format!("read {}", self.key), e))?;
+        if data.len() as u64 != range.end - range.start {
+            tracing::warn!("{}: object shorter than expected", self.key);
+            return Err(FsError::EIO);
+        }
+        Ok(data)
     }
 
     async fn assemble(&self, range: Range<u64>) -> FsResult<Bytes> {
         let mut buf = vec![0u8; (range.end - range.start) as usize];
-        for (seg, dirty) in self.dirty.segments(range.clone()) {
+        for (seg, local) in self.local.segments(range.clone()) {
             let at = (seg.start - range.start) as usize;
             let dst = &mut buf[at..at + (seg.end - seg.start) as usize];
-            if dirty {
+            if local {
                 let data = read_staging(&self.staging, seg.clone()).await?;
                 dst.copy_from_slice(&data);
             } else if seg.start < self.base_len {
                 let clean = seg.start..seg.end.min(self.base_len);
-                let data = self
-                    .store
-                    .get_range(&self.key, clean.clone(), self.base_etag())
-                    .await
-                    .map_err(|e| log_store_err(&format!("read {}", self.key), e))?;
-                if data.len() as u64 != clean.end - clean.start {
-                    tracing::warn!("{}: object shorter than expected", self.key);
-                    return Err(FsError::EIO);
-                }
+                let data = self.get_base(clean).await?;
                 dst[..data.len()].copy_from_slice(&data);
             }
         }
@@ -402,11 +437,19 @@ impl WriteState {
         let result = if size <= self.cfg.layout.part_size {
             self.abort_stream().await;
             match self.assemble(0..size).await {
-                Ok(body) => self
-                    .store
-                    .put(&self.key, body, &self.meta)
-                    .await
-                    .map_err(|e| log_store_err(&format!("upload {}", self.key), e)),
+                Ok(body) => {
+                    let r = self
+                        .store
+                        .put(&self.key, body.clone(), &self.meta)
+                        .await
+                        .map_err(|e| log_store_err(&format!("upload {}", self.key), e));
+                    // The whole small file is at hand: keep it, so the next rewrite of a few
+                    // bytes needs no GET.
+                    if r.is_ok() && write_staging(&self.staging, 0, body).await.is_ok() {
+                        self.local.insert(0..size);
+                    }
+                    r
+                }
                 Err(e) => Err(e),
             }
         } else {
@@ -425,9 +468,7 @@ impl WriteState {
                 self.dirty.clear();
                 self.generations.clear();
                 self.changed = false;
-                let staging = self.staging.clone();
-                // Free the staging space; the bucket holds the bytes now.
-                let _ = tokio::task::spawn_blocking(move || staging.set_len(0)).await;
+                // What is on disk (`local`) equals the new object: keep it for later reads.
                 Ok(())
             }
             Err(e) => Err(e),
@@ -525,6 +566,7 @@ impl WriteState {
     async fn send_part(&self, upload_id: &str, number: u32, r: Range<u64>) -> FsResult<String> {
         let what = format!("upload part {number} of {}", self.key);
         if r.end <= self.base_len && !self.dirty.intersects(&r) {
+            // Untouched since the base was uploaded: copy it server-side.
             return self
                 .store
                 .upload_part_copy(&self.key, upload_id, number, &self.key, r)
@@ -583,6 +625,14 @@ async fn settle(stream: &mut Stream, i: u64) {
         Err(_) => PartSlot::Failed,
     };
     stream.slots.insert(i, slot);
+}
+
+async fn write_staging(staging: &Arc<File>, offset: u64, data: Bytes) -> FsResult<()> {
+    let staging = staging.clone();
+    tokio::task::spawn_blocking(move || staging.write_all_at(&data, offset))
+        .await
+        .map_err(|_| FsError::EIO)?
+        .map_err(io_err)
 }
 
 async fn read_staging(staging: &Arc<File>, r: Range<u64>) -> FsResult<Bytes> {

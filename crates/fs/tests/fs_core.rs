@@ -938,3 +938,38 @@ async fn an_open_file_keeps_reading_after_a_rename() {
     assert_eq!(&later[..], &data[9 << 20..10 << 20]);
     e.fs.release(a.ino, h.fh).await.unwrap();
 }
+
+#[tokio::test]
+async fn files_open_for_writing_keep_fetched_and_published_bytes_on_disk() {
+    let e = env();
+    let mut model = random(MIB as usize, 60);
+    put(&e.mem, "db", &model).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("db")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDWR).await.unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(61);
+    // Random 16 KiB reads (as sysbench does on files it opens O_RDWR).
+    for _ in 0..200 {
+        let off = rng.gen_range(0..64u64) * 16384;
+        let b = e.fs.read(a.ino, h.fh, off, 16384).await.unwrap();
+        assert_eq!(&b[..], &model[off as usize..off as usize + 16384]);
+    }
+    // 1 MiB in 128 KiB blocks: at most 8 GETs, however many reads.
+    assert!(e.metrics.requests(Op::Get) <= 8);
+    // Random writes, each followed by fsync: after the first upload nothing is fetched again.
+    for i in 0..30 {
+        let off = rng.gen_range(0..64usize) * 16384;
+        let buf = random(16384, 100 + i);
+        model[off..off + 16384].copy_from_slice(&buf);
+        e.fs.write(a.ino, h.fh, off as u64, Bytes::from(buf))
+            .await
+            .unwrap();
+        e.fs.fsync(a.ino, h.fh).await.unwrap();
+    }
+    assert!(
+        e.metrics.requests(Op::Get) <= 8,
+        "{}",
+        e.metrics.requests(Op::Get)
+    );
+    assert_eq!(object(&e.mem, "db").await, model);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+}
