@@ -21,6 +21,8 @@ die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
 SECONDS=0
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/bucketfs-test.XXXXXX")"
+# Traversable by other users: the permission tests switch to `nobody` to use test mounts below.
+chmod 0755 "$WORK"
 MINIO_PIDFILE="$WORK/minio.pid"
 MINIO_INSTALL_PID=""
 
