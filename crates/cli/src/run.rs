@@ -249,11 +249,11 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     }
     // Uploads left open by a daemon of this bucket that died are aborted before we start;
     // ours are journaled from now on.
+    rt.block_on(recover_uploads(&*store, s, &plan.target));
     let journal = match open_journal(s, &plan.target) {
         Ok(j) => j,
         Err(msg) => return report_failure(readiness, msg),
     };
-    rt.block_on(recover_uploads(&*store, s, &plan.target));
     let store: Arc<dyn ObjectStore> = Arc::new(JournalStore::new(store, journal.clone()));
 
     let prefix = match &plan.target {
@@ -416,28 +416,42 @@ fn journal_tag(settings: &Settings, target: &Target) -> String {
     journal::journal_tag(&id)
 }
 
-fn open_journal(settings: &Settings, target: &Target) -> Result<Arc<UploadJournal>, String> {
+/// Creates the journal directory if needed and checks that it is ours alone: a directory
+/// someone else controls could be read, or could plant journals that make us abort uploads.
+fn private_journal_dir(settings: &Settings) -> Result<PathBuf, String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     let dir = journal_dir(settings);
-    let j = UploadJournal::open(&dir, &journal_tag(settings, target))
-        .map_err(|e| format!("upload journal in {}: {e}", dir.display()))?;
-    // The directory must be ours alone: someone else's could be read or tampered with.
-    use std::os::unix::fs::MetadataExt;
-    let md = std::fs::metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| format!("upload journal directory {}: {e}", dir.display()))?;
+    let md = std::fs::symlink_metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     // SAFETY: getuid cannot fail.
-    if md.uid() != unsafe { libc::getuid() } || md.mode() & 0o077 != 0 {
+    if !md.is_dir() || md.uid() != unsafe { libc::getuid() } || md.mode() & 0o077 != 0 {
         return Err(format!(
-            "upload journal directory {} is not private to this user (owner {}, mode {:04o})",
+            "upload journal directory {} is not private to this user (owner {}, mode {:04o}); \
+             remove it or choose another --cache-dir",
             dir.display(),
             md.uid(),
             md.mode() & 0o7777
         ));
     }
+    Ok(dir)
+}
+
+fn open_journal(settings: &Settings, target: &Target) -> Result<Arc<UploadJournal>, String> {
+    let dir = private_journal_dir(settings)?;
+    let j = UploadJournal::open(&dir, &journal_tag(settings, target))
+        .map_err(|e| format!("upload journal in {}: {e}", dir.display()))?;
     Ok(Arc::new(j))
 }
 
 /// Aborts the uploads that dead daemons of this bucket left open (see the journal module).
 async fn recover_uploads(store: &dyn ObjectStore, settings: &Settings, target: &Target) {
-    let dir = journal_dir(settings);
+    let Ok(dir) = private_journal_dir(settings) else {
+        return; // open_journal reports it
+    };
     match journal::recover(store, &dir, &journal_tag(settings, target)).await {
         Ok(r) => {
             for (key, _) in &r.aborted {

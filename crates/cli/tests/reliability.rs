@@ -63,6 +63,30 @@ fn create_upload(bucket: &str, key: &str) -> String {
 // Crash safety
 // ---------------------------------------------------------------------------------------------
 
+/// A child forked while a file is open for writing closes its copy of the descriptor at exec
+/// (O_CLOEXEC). That close is a FUSE flush, but not the writer's close: the file must not be
+/// published, half-written, because some other process exec'd.
+#[test]
+fn a_forked_child_does_not_publish_a_file_being_written() {
+    let s3 = s3();
+    let b = s3.new_bucket("forkflush");
+    let m = Mount::s3(&b);
+    let mut f = File::create(m.join("half.bin")).unwrap();
+    f.write_all(&pattern::block(3, 0)).unwrap();
+    let st = Command::new("true").status().unwrap();
+    assert!(st.success());
+    std::thread::sleep(Duration::from_millis(300));
+    let visible = s3.head(&b, "half.bin").map(|h| h.size);
+    f.write_all(&pattern::block(3, 1)).unwrap();
+    close_checked(f).unwrap();
+    pattern::check_slice(&s3.get(&b, "half.bin").unwrap(), 3, 2 * MIB as u64).unwrap();
+    assert_eq!(
+        visible, None,
+        "a child's exec published the file being written ({visible:?} bytes visible before \
+         the writer closed it)"
+    );
+}
+
 /// kill -9 in the middle of writes: nothing half-written becomes visible, and the next mount
 /// of the bucket aborts the multipart upload the dead daemon left (and only that one).
 #[test]
@@ -71,10 +95,14 @@ fn kill9_during_writes_leaves_no_object_and_the_next_mount_aborts_our_upload() {
     let b = s3.new_bucket("kill9");
     let foreign = create_upload(&b, "someone-else.bin");
     let mut m = MountSpec::s3(&b, "").mount();
-    let mut big = File::create(m.join("big.bin")).unwrap();
-    pattern::write(&mut big, 11, 40 * MIB as u64).unwrap();
-    let mut small = File::create(m.join("small.txt")).unwrap();
-    small.write_all(b"not closed yet").unwrap();
+    // The writer is its own process that never forks: a descriptor open for writing in this
+    // test process would be flushed (and the file published) whenever another test running
+    // in parallel forks a child (see `a_forked_child_does_not_publish_a_file_being_written`).
+    let mut w = ForeignWriter::start();
+    w.open("big", &m.join("big.bin"));
+    assert_eq!(w.cmd("fill big 40"), "ok");
+    w.open("small", &m.join("small.txt"));
+    assert_eq!(w.cmd("text small not closed yet"), "ok");
     // The big file streams parts while it is written: its upload exists before close.
     wait_for("the streamed upload", Duration::from_secs(30), || {
         s3.list_multipart_uploads(&b)
@@ -82,8 +110,7 @@ fn kill9_during_writes_leaves_no_object_and_the_next_mount_aborts_our_upload() {
             .any(|(k, _)| k == "big.bin")
     });
     m.kill9();
-    drop(big);
-    drop(small);
+    drop(w);
     assert!(s3.head(&b, "big.bin").is_none(), "partial big.bin visible");
     assert!(
         s3.head(&b, "small.txt").is_none(),
@@ -168,19 +195,22 @@ fn sigterm_during_active_writes_uploads_them_and_names_each() {
     let s3 = s3();
     let b = s3.new_bucket("sigterm");
     let mut m = MountSpec::s3(&b, "").mount();
-    let mut a = File::create(m.join("a.bin")).unwrap();
-    pattern::write(&mut a, 21, 20 * MIB as u64).unwrap();
-    let mut c = File::create(m.join("c.txt")).unwrap();
-    c.write_all(b"first half, ").unwrap();
+    let mut w = ForeignWriter::start();
+    w.open("a", &m.join("a.bin"));
+    assert_eq!(w.cmd("fill a 20"), "ok");
+    w.open("c", &m.join("c.txt"));
+    assert_eq!(w.cmd("text c first half, "), "ok");
     m.signal(libc::SIGTERM);
     wait_for("the shutdown uploads", Duration::from_secs(60), || {
         let l = m.log();
         l.contains("a.bin: uploaded at shutdown") && l.contains("c.txt: uploaded at shutdown")
     });
-    // The mount is busy (our descriptors): it is detached lazily and still serves them.
-    c.write_all(b"second half").unwrap();
-    close_checked(c).expect("close after SIGTERM");
-    close_checked(a).expect("close after SIGTERM");
+    // The mount is busy (the writer's descriptors): it is detached lazily and still serves
+    // them.
+    assert_eq!(w.cmd("text c second half"), "ok");
+    assert_eq!(w.cmd("close c"), "ok", "close after SIGTERM");
+    assert_eq!(w.cmd("close a"), "ok", "close after SIGTERM");
+    drop(w);
     let st = m.wait_exit(Duration::from_secs(60));
     assert!(
         st.is_some_and(|s| s.success()),
@@ -188,7 +218,7 @@ fn sigterm_during_active_writes_uploads_them_and_names_each() {
         m.log()
     );
     assert_eq!(s3.get(&b, "c.txt").unwrap(), b"first half, second half");
-    pattern::check_slice(&s3.get(&b, "a.bin").unwrap(), 21, 20 * MIB as u64).unwrap();
+    assert_eq!(s3.get(&b, "a.bin").unwrap(), writer_block().repeat(20));
     assert!(s3.list_multipart_uploads(&b).is_empty());
 }
 
@@ -202,8 +232,9 @@ fn second_sigterm_aborts_uploads_and_names_the_files_not_stored() {
     let mut m = via_proxy(&b, &proxy).mount();
     // A slow link: the parts of a 32 MiB file take ~30 s to go up.
     proxy.set_bandwidth(1024 * 1024);
-    let mut f = File::create(m.join("slow.bin")).unwrap();
-    pattern::write(&mut f, 5, 32 * MIB as u64).unwrap();
+    let mut w = ForeignWriter::start();
+    w.open("s", &m.join("slow.bin"));
+    assert_eq!(w.cmd("fill s 32"), "ok");
     m.signal(libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(500));
     m.signal(libc::SIGTERM);
@@ -211,7 +242,7 @@ fn second_sigterm_aborts_uploads_and_names_the_files_not_stored() {
         m.log()
             .contains("slow.bin: upload aborted at shutdown; the file was NOT stored")
     });
-    drop(f);
+    drop(w);
     let st = m.wait_exit(Duration::from_secs(60));
     assert!(st.is_some_and(|s| !s.success()), "exit {st:?}: {}", m.log());
     assert!(s3.head(&b, "slow.bin").is_none());
@@ -336,19 +367,16 @@ fn a_full_server_gives_enospc_and_no_partial_object() {
     let b = "full";
     s3p.create_bucket(b);
     let m = minio.mount_spec(b).mount();
-    // 96 MiB does not fit in 64 MiB.
-    let mut f = File::create(m.join("huge.bin")).unwrap();
-    let mut errs = Vec::new();
-    if let Err(e) = pattern::write(&mut f, 3, 96 * MIB as u64) {
-        errs.push(e);
-    }
-    if let Err(e) = close_checked(f) {
-        errs.push(e);
-    }
-    let codes: Vec<_> = errs.iter().map(|e| e.raw_os_error()).collect();
+    // 96 MiB does not fit in 64 MiB. (Written by another process: see ForeignWriter.)
+    let mut w = ForeignWriter::start();
+    w.open("h", &m.join("huge.bin"));
+    let wrote = w.cmd("fill h 96");
+    let closed = w.cmd("close h");
+    drop(w);
+    let enospc = format!("errno {}", libc::ENOSPC);
     assert!(
-        codes.contains(&Some(libc::ENOSPC)),
-        "expected ENOSPC from write or close, got {errs:?}; log:\n{}",
+        wrote == enospc || closed == enospc,
+        "expected ENOSPC from write or close, got {wrote:?} and {closed:?}; log:\n{}",
         m.log()
     );
     assert!(s3p.head(b, "huge.bin").is_none(), "partial object visible");
@@ -377,6 +405,19 @@ fn as_nobody(cmd: &str, args: &[&Path]) -> (bool, String) {
     )
 }
 
+/// The mount point lives in 0700 temp dirs (the harness's, scripts/test.sh's): give others
+/// search permission (o+x, no listing) on each ancestor so only the mount itself decides.
+fn let_other_users_reach(mountpoint: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for dir in mountpoint.ancestors().skip(1) {
+        let Ok(md) = fs::metadata(dir) else { continue };
+        let mode = md.permissions().mode();
+        if mode & 0o001 == 0 {
+            fs::set_permissions(dir, fs::Permissions::from_mode((mode | 0o001) & 0o7777)).unwrap();
+        }
+    }
+}
+
 #[test]
 fn the_mount_is_private_unless_allow_other_and_modes_are_enforced() {
     // SAFETY: getuid cannot fail.
@@ -388,10 +429,7 @@ fn the_mount_is_private_unless_allow_other_and_modes_are_enforced() {
     s3.put_with_meta(&b, "secret", "s3cr3t", &[("mode", "33152"), ("uid", "0")]); // 0600
     s3.put_with_meta(&b, "public", "hello", &[("mode", "33188"), ("uid", "0")]); // 0644
     let m = Mount::s3(&b);
-    // The mount's directory is in a 0700 temp dir: give the other user a way in.
-    let parent = m.path().parent().unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(parent, fs::Permissions::from_mode(0o755)).unwrap();
+    let_other_users_reach(m.path());
     let (ok, err) = as_nobody("stat", &[m.path()]);
     assert!(!ok && err.contains("Permission denied"), "{err}");
     let (ok, _) = as_nobody("cat", &[&m.join("public")]);
@@ -399,8 +437,7 @@ fn the_mount_is_private_unless_allow_other_and_modes_are_enforced() {
     drop(m);
 
     let m = MountSpec::s3(&b, "").arg("--allow-other").mount();
-    let parent = m.path().parent().unwrap();
-    fs::set_permissions(parent, fs::Permissions::from_mode(0o755)).unwrap();
+    let_other_users_reach(m.path());
     let (ok, err) = as_nobody("cat", &[&m.join("public")]);
     assert!(ok, "allow_other: a 0644 file must be readable: {err}");
     let (ok, err) = as_nobody("cat", &[&m.join("secret")]);

@@ -206,7 +206,8 @@ pub struct Recovery {
     pub failed: Vec<(String, String, String)>,
 }
 
-/// Aborts the uploads left by dead daemons of `tag` in `dir` (see the module docs).
+/// Aborts the uploads left by dead daemons of `tag` in `dir` (see the module docs). Call it
+/// before [`UploadJournal::open`]: a dead daemon may have had this process's pid.
 pub async fn recover(store: &dyn ObjectStore, dir: &Path, tag: &str) -> io::Result<Recovery> {
     let mut rec = Recovery::default();
     let entries = match std::fs::read_dir(dir) {
@@ -214,11 +215,10 @@ pub async fn recover(store: &dyn ObjectStore, dir: &Path, tag: &str) -> io::Resu
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(rec),
         Err(e) => return Err(e),
     };
-    let own = format!("{tag}.{}{SUFFIX}", std::process::id());
     for entry in entries {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.starts_with(&format!("{tag}.")) || !name.ends_with(SUFFIX) || name == own {
+        if !name.starts_with(&format!("{tag}.")) || !name.ends_with(SUFFIX) {
             continue;
         }
         let path = entry.path();
@@ -432,8 +432,10 @@ mod tests {
         js.abort_multipart("k2", &done).await.unwrap();
         assert_eq!(journal.live(), vec![("k1".to_string(), ours.clone())]);
         let text = std::fs::read_to_string(journal.path()).unwrap();
+        let own = journal.path().to_path_buf();
         drop(js);
         drop(journal);
+        std::fs::remove_file(own).unwrap();
         dead_journal(dir.path(), "t", &text);
         // Someone else's upload, and a dead journal of another bucket.
         let theirs = mem.create_multipart("k3", &UserMeta::new()).await.unwrap();
