@@ -14,11 +14,12 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
     WriteFlags,
 };
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::future::Future;
 use std::io;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
@@ -95,11 +96,39 @@ pub(crate) struct FuseFs {
     rt: Handle,
     /// Set to `true` when the session ends (the kernel dropped the mount).
     done: watch::Sender<bool>,
+    /// Handles open for writing and the process (thread group) that opened each.
+    writers: Arc<Mutex<HashMap<u64, u32>>>,
+}
+
+/// The process (thread-group id) of the task `pid` that sent a request; `None` when it is
+/// gone or /proc cannot tell.
+fn process_of(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 impl FuseFs {
     pub(crate) fn new(fs: Arc<Fs>, rt: Handle, done: watch::Sender<bool>) -> Self {
-        Self { fs, rt, done }
+        Self {
+            fs,
+            rt,
+            done,
+            writers: Arc::default(),
+        }
+    }
+
+    /// Whether a flush of `fh` by task `pid` is a close by another process than the one that
+    /// opened the file for writing: a forked child closing its inherited copy (at exit, or at
+    /// exec for O_CLOEXEC descriptors). Such a close must not publish a file the opener is
+    /// still writing; the opener's own close (or the release of the last descriptor) does.
+    fn foreign_flush(&self, fh: u64, pid: u32) -> bool {
+        let Some(opener) = self.writers.lock().unwrap().get(&fh).copied() else {
+            return false;
+        };
+        process_of(pid).is_some_and(|p| p != opener)
     }
 
     fn spawn<F>(&self, fut: F)
@@ -318,11 +347,21 @@ impl Filesystem for FuseFs {
         });
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
+        let writable = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
+        let opener = if writable {
+            process_of(req.pid())
+        } else {
+            None
+        };
+        let writers = self.writers.clone();
         self.spawn(async move {
             match fs.open(ino.0, flags.0).await {
                 Ok(o) => {
+                    if let Some(p) = opener {
+                        writers.lock().unwrap().insert(o.fh, p);
+                    }
                     let mut f = FopenFlags::empty();
                     if o.keep_cache {
                         f |= FopenFlags::FOPEN_KEEP_CACHE;
@@ -378,12 +417,21 @@ impl Filesystem for FuseFs {
 
     fn flush(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        if self.foreign_flush(fh.0, req.pid()) {
+            debug!(
+                "flush of handle {} by pid {} (not the process that opened it): not uploading",
+                fh.0,
+                req.pid()
+            );
+            reply.ok();
+            return;
+        }
         let fs = self.fs.clone();
         self.spawn(async move {
             Self::reply_empty("flush", fs.flush(ino.0, fh.0).await, reply);
@@ -400,6 +448,7 @@ impl Filesystem for FuseFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.writers.lock().unwrap().remove(&fh.0);
         let fs = self.fs.clone();
         self.spawn(async move {
             Self::reply_empty("release", fs.release(ino.0, fh.0).await, reply);
@@ -511,9 +560,14 @@ impl Filesystem for FuseFs {
         let fs = self.fs.clone();
         let name = name.to_owned();
         let who = caller(req);
+        let opener = process_of(req.pid());
+        let writers = self.writers.clone();
         self.spawn(async move {
             match fs.create(parent.0, &name, mode, umask, flags, who).await {
                 Ok((a, o)) => {
+                    if let Some(p) = opener {
+                        writers.lock().unwrap().insert(o.fh, p);
+                    }
                     let mut f = FopenFlags::empty();
                     if o.keep_cache {
                         f |= FopenFlags::FOPEN_KEEP_CACHE;
