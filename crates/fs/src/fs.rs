@@ -1018,8 +1018,7 @@ impl Fs {
             }
         }
         let new_etag = if kind == FileKind::Dir {
-            self.rename_dir(src, &path, &new_path, target.is_some())
-                .await?;
+            self.rename_dir(&path, &new_path, target.is_some()).await?;
             None
         } else {
             self.rename_file(&path, &new_path, size, write).await?
@@ -1092,13 +1091,7 @@ impl Fs {
     }
 
     /// Moves every object under the directory: copies all, then deletes the sources.
-    async fn rename_dir(
-        &self,
-        ino: Ino,
-        path: &str,
-        new_path: &str,
-        replace: bool,
-    ) -> FsResult<()> {
+    async fn rename_dir(&self, path: &str, new_path: &str, replace: bool) -> FsResult<()> {
         // Files being written below go up first so that their objects move with the rest.
         let writes: Vec<Arc<OpenWrite>> = {
             let t = self.table.lock();
@@ -1110,7 +1103,6 @@ impl Fs {
         for w in &writes {
             w.state.lock().await.publish().await?;
         }
-        let _ = ino;
         let (src, dst) = (self.dir_key(path), self.dir_key(new_path));
         let mut objects = Vec::new();
         let mut token = None;
