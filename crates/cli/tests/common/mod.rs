@@ -907,6 +907,10 @@ impl Mount {
 
     fn stop(&mut self) {
         let Some(mut child) = self.child.take() else {
+            // The daemon is gone already (kill9, wait_exit): clear a dead mount it left.
+            if !force_unmount(&self.path) {
+                eprintln!("could not unmount {}", self.path.display());
+            }
             return;
         };
         // From here on the watchdog must not act (it would kill a pid that we reap below).
