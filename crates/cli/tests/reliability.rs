@@ -379,6 +379,15 @@ fn a_full_server_gives_enospc_and_no_partial_object() {
         "expected ENOSPC from write or close, got {wrote:?} and {closed:?}; log:\n{}",
         m.log()
     );
+    // The failure is logged with the key and the service's request id.
+    assert!(
+        m.log().lines().any(|l| l.contains("WARN")
+            && l.contains("huge.bin")
+            && l.contains("request id")
+            && l.contains("XMinioStorageFull")),
+        "no warning naming the key, the error code and the request id:\n{}",
+        m.log()
+    );
     assert!(s3p.head(b, "huge.bin").is_none(), "partial object visible");
     // The space of the failed upload is given back: a small file fits again.
     write_file(&m.join("small.txt"), b"still works");
