@@ -90,7 +90,7 @@ const COPY_PART_SIZE: u64 = 512 * 1024 * 1024;
 /// How often aborts that failed are tried again.
 const ORPHAN_RETRY: Duration = Duration::from_secs(5);
 /// Names after a looked-up one that statahead stats in the background.
-const STATAHEAD_WINDOW: usize = 64;
+const STATAHEAD_WINDOW: usize = 256;
 
 enum ListingSays {
     Unknown,
@@ -398,19 +398,22 @@ impl Fs {
         }
         inc(&self.wcfg.metrics.attr_misses);
         let path = join(&parent_path, name);
-        if !self.lookups.cached_complete(&path) {
-            match self.listing_says(parent, name) {
-                ListingSays::Absent => {
-                    // A fresh complete listing of the parent does not have it.
-                    inc(&self.wcfg.metrics.attr_hits);
-                    return Err(FsError::ENOENT);
-                }
-                ListingSays::Present(next) => {
-                    let ahead = next.into_iter().map(|n| join(&parent_path, &n)).collect();
+        let cached = self.lookups.cached_complete(&path);
+        match self.listing_says(parent, name) {
+            ListingSays::Absent if !cached => {
+                // A fresh complete listing of the parent does not have it.
+                inc(&self.wcfg.metrics.attr_hits);
+                return Err(FsError::ENOENT);
+            }
+            ListingSays::Present(next) => {
+                let ahead: Vec<String> = next.into_iter().map(|n| join(&parent_path, &n)).collect();
+                // Keep the window full: refill on a miss, or when its far end is not
+                // fetched yet, so the reader never catches up with the statahead.
+                if !cached || ahead.last().is_some_and(|l| !self.lookups.known(l)) {
                     self.lookups.statahead(ahead);
                 }
-                ListingSays::Unknown => {}
             }
+            _ => {}
         }
         match self.lookups.stat(&path).await.map(|(f, _)| f) {
             Ok(f) => Ok(self.remember(parent, name, path, f, lookups)),

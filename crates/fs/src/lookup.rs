@@ -39,8 +39,8 @@ type Probe = Shared<BoxFuture<'static, Result<Found, FsError>>>;
 /// Cache entries kept at most; past this the cache starts over (it only saves requests).
 const MAX_CACHED: usize = 200_000;
 /// Entries stat'ed ahead per trigger, and requests in flight for them.
-const STATAHEAD_COUNT: usize = 64;
-const STATAHEAD_CONCURRENCY: usize = 32;
+const STATAHEAD_COUNT: usize = 256;
+const STATAHEAD_CONCURRENCY: usize = 64;
 
 pub struct Lookups {
     store: Arc<dyn ObjectStore>,
@@ -91,6 +91,11 @@ impl Lookups {
     /// Whether a fresh, complete answer for `path` is cached (no request needed).
     pub fn cached_complete(&self, path: &str) -> bool {
         self.fresh(path).is_some_and(|c| c.complete)
+    }
+
+    /// Whether `path` is cached complete or being probed right now.
+    pub fn known(&self, path: &str) -> bool {
+        self.cached_complete(path) || self.inflight.lock().contains_key(path)
     }
 
     /// Records what a LIST showed: a partial entry (no user metadata).
@@ -155,7 +160,7 @@ impl Lookups {
     pub fn statahead(self: &Arc<Self>, paths: Vec<String>) {
         let todo: Vec<String> = paths
             .into_iter()
-            .filter(|p| !self.cached_complete(p) && !self.inflight.lock().contains_key(p))
+            .filter(|p| !self.known(p))
             .take(STATAHEAD_COUNT)
             .collect();
         if todo.is_empty() {
