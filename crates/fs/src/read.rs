@@ -5,9 +5,9 @@
 //! before the read position. A read that continues near where the last one ended (tolerating
 //! the kernel's readahead reordering) is sequential: the window ahead of the reader doubles up
 //! to `max_window`, and chunks of up to one part keep that much in flight. Any other read is
-//! random: the queue is dropped unless it already holds the bytes, and only what was asked
-//! (rounded up to a small readahead) is fetched. Files no larger than one part come in a
-//! single GET. Chunks take their memory from the global budget; prefetch only uses memory that
+//! random: unless the queue already holds the bytes, its fetched chunks go to the budget's
+//! block cache and only the aligned 128 KiB blocks the read touches are fetched (or served from
+//! that cache). Files no larger than one part come in a single GET. Chunks take their memory from the global budget; prefetch only uses memory that
 //! is free, so under pressure windows shrink instead of the daemon growing.
 
 use crate::budget::{MemoryBudget, Reservation};
@@ -178,7 +178,6 @@ impl Reader {
         }
         self.last_end = Some(end);
 
-        // Chunks well behind the reader are done with.
         // A stream's chunks well behind its reader are consumed (a random reader's go to the
         // block cache below instead).
         while sequential
