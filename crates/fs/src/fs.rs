@@ -181,26 +181,15 @@ impl Fs {
             &PosixMeta::default(),
             Some(now()),
         );
-        let root = Inode {
-            ino: ROOT_INO,
-            parent: ROOT_INO,
-            name: String::new(),
-            path: String::new(),
-            kind: FileKind::Dir,
-            attr: root_attr,
-            fetched: Some(Instant::now()),
-            etag: None,
-            user: UserMeta::new(),
-            has_marker: false,
-            symlink_target: None,
-            cached_etag: None,
-            listing: None,
-            lookups: 1,
-            open_handles: 0,
-            writers: 0,
-            write: None,
-            unlinked: false,
-        };
+        let mut root = Inode::new(
+            ROOT_INO,
+            ROOT_INO,
+            String::new(),
+            String::new(),
+            FileKind::Dir,
+            root_attr,
+        );
+        root.lookups = 1;
         let metrics = Arc::new(FsMetrics::default());
         let (store_for_lookups, prefix_for_lookups, stat_ttl) =
             (store.clone(), cfg.prefix.clone(), cfg.stat_ttl);
@@ -358,26 +347,12 @@ impl Fs {
         }
         let ino = t.alloc();
         let attr = self.policy.attr_of_object(ino, f.kind, &f.obj);
-        t.insert(Inode {
-            ino,
-            parent,
-            name: name.to_string(),
-            path,
-            kind: f.kind,
-            attr: attr.clone(),
-            fetched: Some(Instant::now()),
-            etag: f.obj.etag,
-            user: f.obj.user,
-            has_marker: f.has_marker,
-            symlink_target: None,
-            cached_etag: None,
-            listing: None,
-            lookups,
-            open_handles: 0,
-            writers: 0,
-            write: None,
-            unlinked: false,
-        });
+        let mut i = Inode::new(ino, parent, name.to_string(), path, f.kind, attr.clone());
+        i.etag = f.obj.etag;
+        i.user = f.obj.user;
+        i.has_marker = f.has_marker;
+        i.lookups = lookups;
+        t.insert(i);
         attr
     }
 
@@ -753,30 +728,15 @@ impl Fs {
         let mut t = self.table.lock();
         let ino = t.alloc();
         let attr = self.policy.attr(ino, kind, size, pm, Some(now()));
-        t.insert(Inode {
-            ino,
-            parent,
-            name: name.to_string(),
-            path,
-            kind,
-            attr: attr.clone(),
-            fetched: if local_only {
-                None
-            } else {
-                Some(Instant::now())
-            },
-            etag,
-            user: pm.to_user(),
-            has_marker: kind == FileKind::Dir,
-            symlink_target: None,
-            cached_etag: None,
-            listing: None,
-            lookups: 1,
-            open_handles: 0,
-            writers: 0,
-            write: None,
-            unlinked: false,
-        });
+        let mut i = Inode::new(ino, parent, name.to_string(), path, kind, attr.clone());
+        if local_only {
+            i.fetched = None;
+        }
+        i.etag = etag;
+        i.user = pm.to_user();
+        i.has_marker = kind == FileKind::Dir;
+        i.lookups = 1;
+        t.insert(i);
         (ino, attr)
     }
 

@@ -63,6 +63,39 @@ pub struct Inode {
     pub unlinked: bool,
 }
 
+impl Inode {
+    /// An inode just learned from the store (or made here), not referenced by anyone yet.
+    pub fn new(
+        ino: Ino,
+        parent: Ino,
+        name: String,
+        path: String,
+        kind: FileKind,
+        attr: Attr,
+    ) -> Self {
+        Inode {
+            ino,
+            parent,
+            name,
+            path,
+            kind,
+            attr,
+            fetched: Some(Instant::now()),
+            etag: None,
+            user: UserMeta::new(),
+            has_marker: false,
+            symlink_target: None,
+            cached_etag: None,
+            listing: None,
+            lookups: 0,
+            open_handles: 0,
+            writers: 0,
+            write: None,
+            unlinked: false,
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct InodeTable {
     inodes: HashMap<Ino, Inode>,
