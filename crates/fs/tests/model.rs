@@ -133,7 +133,8 @@ fn apply_model(m: &mut Model, op: &Op) -> Result<Vec<u8>, i32> {
         }
         Op::WriteAt(p, off, d) => {
             m.file(p)?;
-            if let Some(Node::File(f)) = m.0.get_mut(p) {
+            // A write of no bytes changes nothing, not even the size (POSIX pwrite).
+            if let Some(Node::File(f)) = m.0.get_mut(p).filter(|_| !d.is_empty()) {
                 let off = *off as usize;
                 if f.len() < off + d.len() {
                     f.resize(off + d.len(), 0);
