@@ -95,8 +95,12 @@ const STATAHEAD_WINDOW: usize = 256;
 enum ListingSays {
     Unknown,
     Absent,
-    /// Present; these names follow it in the listing.
-    Present(Vec<String>),
+    /// Present; `window` indexes the names that follow it (the statahead window) and
+    /// `far_end` is the last of them.
+    Present {
+        window: std::ops::Range<usize>,
+        far_end: Option<String>,
+    },
 }
 
 /// Entries returned by one readdir call at most (the kernel takes what fits its buffer).
@@ -380,11 +384,14 @@ impl Fs {
                 inc(&self.wcfg.metrics.attr_hits);
                 return Err(FsError::ENOENT);
             }
-            ListingSays::Present(next) => {
-                let ahead: Vec<String> = next.into_iter().map(|n| join(&parent_path, &n)).collect();
+            ListingSays::Present { window, far_end } => {
                 // Keep the window full: refill on a miss, or when its far end is not
-                // fetched yet, so the reader never catches up with the statahead.
-                if !cached || ahead.last().is_some_and(|l| !self.lookups.known(l)) {
+                // fetched yet, so the reader never catches up with the statahead. Only then
+                // are the window's names copied out of the listing.
+                let far_behind =
+                    far_end.is_some_and(|n| !self.lookups.known(&join(&parent_path, &n)));
+                if !cached || far_behind {
+                    let ahead = self.listing_names(parent, window, &parent_path);
                     self.lookups.statahead(ahead);
                 }
             }
@@ -411,16 +418,26 @@ impl Fs {
             return ListingSays::Unknown;
         }
         match l.names.binary_search_by(|n| n.as_str().cmp(name)) {
-            Ok(i) => ListingSays::Present(
-                l.names[i + 1..]
-                    .iter()
-                    .take(STATAHEAD_WINDOW)
-                    .cloned()
-                    .collect(),
-            ),
+            Ok(i) => {
+                let window = i + 1..(i + 1 + STATAHEAD_WINDOW).min(l.names.len());
+                ListingSays::Present {
+                    far_end: l.names.get(window.clone()).and_then(|w| w.last()).cloned(),
+                    window,
+                }
+            }
             Err(_) if l.added.contains(name) => ListingSays::Unknown,
             Err(_) => ListingSays::Absent,
         }
+    }
+
+    /// Paths of the names at `window` in the cached listing of `parent`.
+    fn listing_names(&self, parent: Ino, window: std::ops::Range<usize>, dir: &str) -> Vec<String> {
+        let t = self.table.lock();
+        t.get(parent)
+            .and_then(|p| p.listing.as_ref())
+            .and_then(|l| l.names.get(window))
+            .map(|names| names.iter().map(|n| join(dir, n)).collect())
+            .unwrap_or_default()
     }
 
     /// Notes that `name` now exists in directory `parent` (its cached listing lacks it).
