@@ -298,6 +298,11 @@ impl Fs {
         }
     }
 
+    /// A fetch time old enough that `fresh` says no: marks attributes to be asked again.
+    fn stale_instant(&self) -> Option<Instant> {
+        Instant::now().checked_sub(self.cfg.stat_ttl + Duration::from_secs(1))
+    }
+
     fn fresh(&self, fetched: Option<Instant>) -> bool {
         fetched.is_none_or(|t| t.elapsed() < self.cfg.stat_ttl)
     }
@@ -1019,7 +1024,7 @@ impl Fs {
         }
         if kind == FileKind::Dir {
             // Every object below was copied: their ETags are unknown until asked again.
-            let stale = Instant::now().checked_sub(self.cfg.stat_ttl + Duration::from_secs(1));
+            let stale = self.stale_instant();
             for d in t.descendants(&new_path) {
                 if let Some(i) = t.get_mut(d) {
                     if i.write.is_none() {
@@ -1613,7 +1618,7 @@ impl Fs {
         let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
         let (path, parent) = (i.path.clone(), i.parent);
         if i.write.is_none() && ino != ROOT_INO {
-            let stale = Instant::now().checked_sub(self.cfg.stat_ttl + Duration::from_secs(1));
+            let stale = self.stale_instant();
             i.fetched = stale.or(i.fetched);
         }
         i.listing = None;
