@@ -48,6 +48,21 @@ impl Extents {
         }
     }
 
+    /// Removes every byte of `r` from the set.
+    pub fn remove(&mut self, r: Range<u64>) {
+        if !self.intersects(&r) {
+            return;
+        }
+        for (s, e) in std::mem::take(&mut self.map) {
+            if s < r.start {
+                self.map.insert(s, e.min(r.start));
+            }
+            if e > r.end {
+                self.map.insert(s.max(r.end), e);
+            }
+        }
+    }
+
     /// Whether every byte of `r` is in the set.
     pub fn covers(&self, r: &Range<u64>) -> bool {
         if r.start >= r.end {
@@ -125,6 +140,20 @@ mod tests {
         assert!(!x.covers(&(6..41)));
         assert!(x.intersects(&(40..46)));
         assert!(!x.intersects(&(40..45)));
+    }
+
+    #[test]
+    fn remove_splits() {
+        let mut x = Extents::default();
+        x.insert(0..10);
+        x.insert(20..30);
+        x.remove(5..25);
+        assert_eq!(ranges(&x), [(0, 5), (25, 30)]);
+        x.remove(26..27);
+        assert_eq!(ranges(&x), [(0, 5), (25, 26), (27, 30)]);
+        x.remove(100..200);
+        x.remove(0..30);
+        assert!(ranges(&x).is_empty());
     }
 
     #[test]

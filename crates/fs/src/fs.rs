@@ -1203,7 +1203,7 @@ impl Fs {
             user,
             &self.cfg.cache_dir,
             size.clone(),
-        )?;
+        );
         Ok(Arc::new(OpenWrite {
             state: tokio::sync::Mutex::new(st),
             size,

@@ -1,20 +1,24 @@
 //! The write path: one [`WriteState`] per inode open for writing, shared by all its handles.
 //!
-//! Written bytes go to a sparse local staging file under `cache_dir` and are tracked as dirty
-//! extents over a *base* (the object as it was when the file was opened, if any). Writes stream:
-//! each part that becomes completely written uploads in the background as part of a multipart
-//! upload while the application keeps writing, so close only sends what is left. At publish,
+//! Written bytes are tracked as dirty extents over a *base* (the object as it was when the file
+//! was opened, if any). A sequential stream of appends fills an in-memory *tail* buffer, one
+//! part at a time: a full tail uploads straight from memory (and is copied to the staging file
+//! in the background, because reads and rewrites of the file may still need it), and a small
+//! file never touches the disk at all. Any other write goes to a sparse local staging file
+//! under `cache_dir`. Writes stream: each part that becomes completely written uploads in the
+//! background as part of a multipart upload while the application keeps writing, so close only
+//! sends what is left. At publish,
 //! unchanged part-sized ranges of the base are copied server-side (UploadPartCopy), and only
 //! parts holding new bytes are sent, so an append or an overwrite in the middle of a large
 //! object sends kilobytes, not the object. Small results go up as one PUT. Nothing is visible in the bucket
 //! until a publish completes; a failed publish aborts its multipart upload and returns the error.
 
-use crate::budget::MemoryBudget;
+use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::extents::Extents;
 use crate::metrics::{inc, FsMetrics};
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::future::BoxFuture;
 use futures::stream::{self, StreamExt, TryStreamExt};
 use futures::FutureExt;
@@ -22,7 +26,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -90,6 +94,64 @@ impl PartLayout {
 pub struct Base {
     pub etag: String,
     pub size: u64,
+}
+
+/// The in-memory tail grows in powers of two up to this, then to its whole part at once (so a
+/// small file holds little memory and a big part is copied at most once when it grows).
+const TAIL_STEP_MAX: u64 = 1024 * 1024;
+
+/// Appends since the start of a part, held in memory until the part is full.
+struct Tail {
+    /// Where the buffer starts: always the start of a part.
+    start: u64,
+    /// End of that part.
+    part_end: u64,
+    buf: BytesMut,
+    /// Budget taken for `buf`'s capacity.
+    mem: Vec<Reservation>,
+    reserved: u64,
+}
+
+impl Tail {
+    fn end(&self) -> u64 {
+        self.start + self.buf.len() as u64
+    }
+
+    fn range(&self) -> Range<u64> {
+        self.start..self.end()
+    }
+
+    /// Appends `data` if the budget has room for it now; false leaves the tail unchanged.
+    fn append(&mut self, budget: &MemoryBudget, data: &[u8]) -> bool {
+        let need = (self.buf.len() + data.len()) as u64;
+        if need > self.reserved {
+            let part = self.part_end - self.start;
+            let target = if need > TAIL_STEP_MAX {
+                part
+            } else {
+                need.next_power_of_two().clamp(64 * 1024, TAIL_STEP_MAX)
+            };
+            let Some(mem) = budget.try_reserve(target - self.reserved) else {
+                return false;
+            };
+            self.mem.push(mem);
+            self.reserved = target;
+            self.buf.reserve(target as usize - self.buf.len());
+        }
+        self.buf.extend_from_slice(data);
+        true
+    }
+}
+
+/// Where the current content of a byte range is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Source {
+    Staging,
+    Tail,
+    Base,
+    Zeros,
+    /// Only in an uploaded part whose copy to the staging file failed.
+    Lost,
 }
 
 /// A part uploaded (or uploading) ahead of publish.
@@ -160,7 +222,16 @@ pub struct WriteState {
     base_len: u64,
     /// Current file size, shared with getattr without taking the lock.
     size: Arc<AtomicU64>,
-    staging: Arc<File>,
+    cache_dir: PathBuf,
+    /// Created on first use: a small file written in one go never needs it.
+    staging: Option<Arc<File>>,
+    /// Sequential appends not yet in the staging file (see [`Tail`]).
+    tail: Option<Tail>,
+    /// Background copies of uploaded tails into the staging file; settled before the staging
+    /// file is read or written.
+    spills: Vec<(Range<u64>, JoinHandle<std::io::Result<()>>)>,
+    /// Bytes whose copy to the staging file failed: only their uploaded part holds them.
+    unspilled: Extents,
     dirty: Extents,
     /// Bytes whose current content is in the staging file: what was written (`dirty`) plus
     /// what was fetched or published since. Reads and uploads take these from disk.
@@ -194,18 +265,21 @@ impl WriteState {
         meta: UserMeta,
         cache_dir: &Path,
         size: Arc<AtomicU64>,
-    ) -> FsResult<Self> {
-        let staging = tempfile::tempfile_in(cache_dir).map_err(io_err)?;
+    ) -> Self {
         let base_len = base.as_ref().map_or(0, |b| b.size);
         size.store(base_len, Ordering::Relaxed);
-        Ok(Self {
+        Self {
             store,
             cfg,
             key,
             base,
             base_len,
             size,
-            staging: Arc::new(staging),
+            cache_dir: cache_dir.to_path_buf(),
+            staging: None,
+            tail: None,
+            spills: Vec::new(),
+            unspilled: Extents::default(),
             dirty: Extents::default(),
             local: Extents::default(),
             generations: BTreeMap::new(),
@@ -215,7 +289,7 @@ impl WriteState {
             unlinked: false,
             failed: false,
             mtime: SystemTime::now(),
-        })
+        }
     }
 
     pub fn size(&self) -> u64 {
@@ -237,29 +311,152 @@ impl WriteState {
     }
 
     /// Writes `data` at `offset`.
-    pub async fn write(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
-        let end = offset
+    pub async fn write(&mut self, offset: u64, mut data: Bytes) -> FsResult<()> {
+        offset
             .checked_add(data.len() as u64)
             .filter(|&e| e <= MAX_OBJECT_SIZE)
             .ok_or(FsError::EFBIG)?;
         if data.is_empty() {
             return Ok(());
         }
-        let staging = self.staging.clone();
-        tokio::task::spawn_blocking(move || staging.write_all_at(&data, offset))
-            .await
-            .map_err(|_| FsError::EIO)?
-            .map_err(io_err)?;
-        self.dirty.insert(offset..end);
-        self.local.insert(offset..end);
-        self.touch_parts(offset..end);
-        if end > self.size() {
-            self.size.store(end, Ordering::Relaxed);
-        }
         self.changed = true;
         self.failed = false;
         self.mtime = SystemTime::now();
-        self.stream_full_parts(offset..end).await
+        let mut at = offset;
+        while !data.is_empty() {
+            if !self.tail_takes(at) {
+                self.spill_tail().await?;
+                return self.write_staging(at, data).await;
+            }
+            let tail = self.tail.as_mut().expect("tail_takes made one");
+            let n = data.len().min((tail.part_end - at) as usize);
+            if !tail.append(&self.cfg.budget, &data[..n]) {
+                // The budget is full: this part continues on disk.
+                self.spill_tail().await?;
+                return self.write_staging(at, data).await;
+            }
+            let full = tail.end() == tail.part_end;
+            let _ = data.split_to(n);
+            self.wrote(at..at + n as u64);
+            at += n as u64;
+            if full {
+                self.ship_tail().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bookkeeping of bytes `r` just written.
+    fn wrote(&mut self, r: Range<u64>) {
+        self.dirty.insert(r.clone());
+        self.touch_parts(r.clone());
+        if r.end > self.size() {
+            self.size.store(r.end, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a write at `at` goes to the in-memory tail (starting one if needed): it must
+    /// continue the tail, or append to the file at the start of a part.
+    fn tail_takes(&mut self, at: u64) -> bool {
+        if let Some(t) = &self.tail {
+            return at == t.end() && at < t.part_end;
+        }
+        if self.unlinked {
+            return false;
+        }
+        let layout = self.cfg.layout;
+        let i = layout.index_of(at);
+        let part = layout.bounds(i);
+        // The last possible part is never streamed: leave it to the staging path.
+        if at != self.size() || at != part.start || i + 1 >= MAX_PARTS as u64 {
+            return false;
+        }
+        self.tail = Some(Tail {
+            start: at,
+            part_end: part.end,
+            buf: BytesMut::new(),
+            mem: Vec::new(),
+            reserved: 0,
+        });
+        true
+    }
+
+    /// Moves the tail into the staging file (something other than an append needs it there).
+    async fn spill_tail(&mut self) -> FsResult<()> {
+        let Some(tail) = self.tail.take() else {
+            return Ok(());
+        };
+        let r = tail.range();
+        if r.is_empty() {
+            return Ok(());
+        }
+        self.settle_spills().await;
+        let staging = self.staging()?;
+        write_at(&staging, r.start, tail.buf.freeze()).await?;
+        self.local.insert(r);
+        Ok(())
+    }
+
+    /// The tail holds a whole part: upload it from memory, and copy it to the staging file in
+    /// the background for later reads and rewrites.
+    async fn ship_tail(&mut self) -> FsResult<()> {
+        let Some(tail) = self.tail.take() else {
+            return Ok(());
+        };
+        let r = tail.range();
+        let i = self.cfg.layout.index_of(r.start);
+        let generation = self.generations.get(&i).copied().unwrap_or(0);
+        self.start_stream().await?;
+        self.wait_for_upload_slot().await;
+        let staging = self.staging()?;
+        let body = tail.buf.freeze();
+        let mem = Arc::new(tail.mem);
+        let spill = {
+            let (body, mem, at) = (body.clone(), mem.clone(), r.start);
+            tokio::task::spawn_blocking(move || {
+                let _mem = mem;
+                staging.write_all_at(&body, at)
+            })
+        };
+        self.spills.push((r.clone(), spill));
+        self.local.insert(r);
+        self.spawn_part_upload(i, generation, body, mem);
+        Ok(())
+    }
+
+    /// Waits for the background copies into the staging file. A failed copy leaves its bytes
+    /// only in their uploaded part: readable again once published.
+    async fn settle_spills(&mut self) {
+        for (r, task) in std::mem::take(&mut self.spills) {
+            let outcome = task.await.map_err(std::io::Error::other).and_then(|x| x);
+            if let Err(e) = outcome {
+                tracing::warn!("{}: staging copy of {r:?} failed: {e}", self.key);
+                self.local.remove(r.clone());
+                self.unspilled.insert(r);
+            }
+        }
+    }
+
+    /// The staging file, created on first use.
+    fn staging(&mut self) -> FsResult<Arc<File>> {
+        if let Some(f) = &self.staging {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(tempfile::tempfile_in(&self.cache_dir).map_err(io_err)?);
+        self.staging = Some(f.clone());
+        Ok(f)
+    }
+
+    /// Writes `data` at `offset` through the staging file.
+    async fn write_staging(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
+        let r = offset..offset + data.len() as u64;
+        self.settle_spills().await;
+        let staging = self.staging()?;
+        write_at(&staging, offset, data).await?;
+        self.local.insert(r.clone());
+        self.unspilled.remove(r.clone());
+        self.wrote(r.clone());
+        self.stream_full_parts(r).await
     }
 
     /// Sets the size (truncate/extend).
@@ -267,23 +464,26 @@ impl WriteState {
         if size > MAX_OBJECT_SIZE {
             return Err(FsError::EFBIG);
         }
+        self.spill_tail().await?;
+        self.settle_spills().await;
         let old = self.size();
         if size < old {
             self.dirty.truncate(size);
             self.local.truncate(size);
+            self.unspilled.truncate(size);
             self.base_len = self.base_len.min(size);
             // Parts from the cut on no longer hold what they held.
             self.touch_parts(size..old);
-            let staging = self.staging.clone();
-            tokio::task::spawn_blocking(move || staging.set_len(size))
-                .await
-                .map_err(|_| FsError::EIO)?
-                .map_err(io_err)?;
+            if let Some(staging) = self.staging.clone() {
+                tokio::task::spawn_blocking(move || staging.set_len(size))
+                    .await
+                    .map_err(|_| FsError::EIO)?
+                    .map_err(io_err)?;
+            }
         } else if size > old {
             // The new bytes are zeros: mark them dirty so they are not taken from the base.
             self.touch_parts(old..size);
             self.dirty.insert(old..size);
-            self.local.insert(old..size);
         }
         self.size.store(size, Ordering::Relaxed);
         self.changed = true;
@@ -304,44 +504,62 @@ impl WriteState {
         let last = layout.index_of(touched.end - 1);
         for i in first..=last {
             let r = layout.bounds(i);
-            if i + 1 >= MAX_PARTS as u64 || !self.dirty.covers(&r) {
+            if i + 1 >= MAX_PARTS as u64 || !self.dirty.covers(&r) || !self.local.covers(&r) {
                 continue;
             }
             let generation = self.generations.get(&i).copied().unwrap_or(0);
-            if self.stream.is_none() {
-                let id = self
-                    .store
-                    .create_multipart(&self.key, &self.meta)
-                    .await
-                    .map_err(|e| log_store_err(&format!("start upload of {}", self.key), e))?;
-                self.stream = Some(Stream {
-                    upload_id: id,
-                    slots: BTreeMap::new(),
-                });
-            }
+            self.start_stream().await?;
             self.wait_for_upload_slot().await;
             let mem = self.cfg.budget.reserve(r.end - r.start).await;
-            let body = read_staging(&self.staging, r).await?;
-            let store = self.store.clone();
-            let key = self.key.clone();
-            let stream = self.stream.as_mut().expect("stream started above");
-            let id = stream.upload_id.clone();
-            let metrics = self.cfg.metrics.clone();
-            let task = tokio::spawn(async move {
-                let _mem = mem;
-                metrics.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
-                let r = store.upload_part(&key, &id, i as u32 + 1, body).await;
-                metrics.uploads_in_flight.fetch_sub(1, Ordering::Relaxed);
-                r
-            });
-            if let Some(PartSlot::Uploading { task, .. }) = stream
-                .slots
-                .insert(i, PartSlot::Uploading { generation, task })
-            {
-                task.abort();
-            }
+            let staging = self.staging()?;
+            let body = read_at(&staging, r).await?;
+            self.spawn_part_upload(i, generation, body, Arc::new(vec![mem]));
         }
         Ok(())
+    }
+
+    /// Opens the multipart upload parts stream into, if not open yet.
+    async fn start_stream(&mut self) -> FsResult<()> {
+        if self.stream.is_none() {
+            let id = self
+                .store
+                .create_multipart(&self.key, &self.meta)
+                .await
+                .map_err(|e| log_store_err(&format!("start upload of {}", self.key), e))?;
+            self.stream = Some(Stream {
+                upload_id: id,
+                slots: BTreeMap::new(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Uploads `body` as part `i` in the background, holding `mem` until it is sent.
+    fn spawn_part_upload(
+        &mut self,
+        i: u64,
+        generation: u64,
+        body: Bytes,
+        mem: Arc<Vec<Reservation>>,
+    ) {
+        let store = self.store.clone();
+        let key = self.key.clone();
+        let stream = self.stream.as_mut().expect("stream started");
+        let id = stream.upload_id.clone();
+        let metrics = self.cfg.metrics.clone();
+        let task = tokio::spawn(async move {
+            let _mem = mem;
+            metrics.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
+            let r = store.upload_part(&key, &id, i as u32 + 1, body).await;
+            metrics.uploads_in_flight.fetch_sub(1, Ordering::Relaxed);
+            r
+        });
+        if let Some(PartSlot::Uploading { task, .. }) = stream
+            .slots
+            .insert(i, PartSlot::Uploading { generation, task })
+        {
+            task.abort();
+        }
     }
 
     /// Back-pressure: at most `upload_concurrency` parts of this file in flight.
@@ -364,7 +582,7 @@ impl WriteState {
         }
     }
 
-    /// Bytes `range` of the current content. Base bytes not on disk yet are fetched in
+    /// Bytes `range` of the current content. Base bytes not at hand yet are fetched in
     /// aligned blocks and kept in the staging file, so later reads and uploads of them need
     /// no request.
     pub async fn read(&mut self, range: Range<u64>) -> FsResult<Bytes> {
@@ -372,26 +590,69 @@ impl WriteState {
         if range.start >= end {
             return Ok(Bytes::new());
         }
+        self.settle_spills().await;
         let block_start = range.start - range.start % READ_BLOCK;
         let block_end = end.div_ceil(READ_BLOCK) * READ_BLOCK;
-        let fetch = block_start..block_end.min(self.base_len);
         let missing: Vec<Range<u64>> = self
-            .local
-            .segments(fetch)
-            .filter(|(_, local)| !local)
+            .sources(block_start..block_end.min(self.base_len))
+            .into_iter()
+            .filter(|(_, src)| *src == Source::Base)
             .map(|(r, _)| r)
             .collect();
         if let (Some(first), Some(last)) = (missing.first(), missing.last()) {
             let span = first.start..last.end;
             let data = self.get_base(span.clone()).await?;
+            let staging = self.staging()?;
             for r in missing {
                 let piece =
                     data.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
-                write_staging(&self.staging, r.start, piece).await?;
+                write_at(&staging, r.start, piece).await?;
                 self.local.insert(r);
             }
         }
         self.assemble(range.start..end).await
+    }
+
+    /// Splits `range` by where its current content is.
+    fn sources(&self, range: Range<u64>) -> Vec<(Range<u64>, Source)> {
+        let tail = self.tail.as_ref().map_or(0..0, Tail::range);
+        let mut out = Vec::new();
+        for (seg, local) in self.local.segments(range) {
+            if local {
+                out.push((seg, Source::Staging));
+                continue;
+            }
+            // Not on disk: the tail, else the base (up to its length), else zeros. Pieces
+            // before, inside and after the tail, each split at the base's end.
+            let cuts = [
+                seg.start..seg.end.min(tail.start).max(seg.start),
+                seg.start.max(tail.start)..seg.end.min(tail.end),
+                seg.start.max(tail.end).min(seg.end)..seg.end,
+            ];
+            for (k, piece) in cuts.into_iter().enumerate() {
+                if piece.is_empty() {
+                    continue;
+                }
+                if k == 1 {
+                    out.push((piece, Source::Tail));
+                    continue;
+                }
+                if self.unspilled.intersects(&piece) {
+                    out.push((piece, Source::Lost));
+                    continue;
+                }
+                let base_end = self.base_len.clamp(piece.start, piece.end);
+                for (r, src) in [
+                    (piece.start..base_end, Source::Base),
+                    (base_end..piece.end, Source::Zeros),
+                ] {
+                    if !r.is_empty() {
+                        out.push((r, src));
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// `range` of the base object, which must lie within `base_len`.
@@ -408,18 +669,29 @@ impl WriteState {
         Ok(data)
     }
 
+    /// The current content of `range`, which must lie within the file; background staging
+    /// copies must be settled.
     async fn assemble(&self, range: Range<u64>) -> FsResult<Bytes> {
         let mut buf = vec![0u8; (range.end - range.start) as usize];
-        for (seg, local) in self.local.segments(range.clone()) {
+        for (seg, src) in self.sources(range.clone()) {
             let at = (seg.start - range.start) as usize;
             let dst = &mut buf[at..at + (seg.end - seg.start) as usize];
-            if local {
-                let data = read_staging(&self.staging, seg.clone()).await?;
-                dst.copy_from_slice(&data);
-            } else if seg.start < self.base_len {
-                let clean = seg.start..seg.end.min(self.base_len);
-                let data = self.get_base(clean).await?;
-                dst[..data.len()].copy_from_slice(&data);
+            match src {
+                Source::Staging => {
+                    let staging = self.staging.as_ref().expect("local bytes are staged");
+                    dst.copy_from_slice(&read_at(staging, seg).await?);
+                }
+                Source::Tail => {
+                    let t = self.tail.as_ref().expect("a tail source");
+                    let from = (seg.start - t.start) as usize;
+                    dst.copy_from_slice(&t.buf[from..from + dst.len()]);
+                }
+                Source::Base => dst.copy_from_slice(&self.get_base(seg).await?),
+                Source::Zeros => {}
+                Source::Lost => {
+                    tracing::warn!("{}: bytes {seg:?} lost by a failed staging copy", self.key);
+                    return Err(FsError::EIO);
+                }
             }
         }
         Ok(Bytes::from(buf))
@@ -434,24 +706,10 @@ impl WriteState {
         }
         let size = self.size();
         mtime_into(&mut self.meta, self.mtime);
+        self.settle_spills().await;
         let result = if size <= self.cfg.layout.part_size {
             self.abort_stream().await;
-            match self.assemble(0..size).await {
-                Ok(body) => {
-                    let r = self
-                        .store
-                        .put(&self.key, body.clone(), &self.meta)
-                        .await
-                        .map_err(|e| log_store_err(&format!("upload {}", self.key), e));
-                    // The whole small file is at hand: keep it, so the next rewrite of a few
-                    // bytes needs no GET.
-                    if r.is_ok() && write_staging(&self.staging, 0, body).await.is_ok() {
-                        self.local.insert(0..size);
-                    }
-                    r
-                }
-                Err(e) => Err(e),
-            }
+            self.publish_small(size).await
         } else {
             self.publish_multipart(size).await
         };
@@ -467,12 +725,53 @@ impl WriteState {
                 self.base_len = size;
                 self.dirty.clear();
                 self.generations.clear();
+                // Bytes only an uploaded part held are in the new object now.
+                self.unspilled.clear();
                 self.changed = false;
-                // What is on disk (`local`) equals the new object: keep it for later reads.
+                // What is on disk (`local`) and in the tail equals the new object: keep it for
+                // later reads.
                 Ok(())
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// One PUT of the whole file.
+    async fn publish_small(&mut self, size: u64) -> FsResult<String> {
+        let in_tail = self
+            .tail
+            .as_ref()
+            .is_some_and(|t| t.start == 0 && t.end() == size);
+        if in_tail {
+            // Written in one go and still in memory: send the buffer itself, and keep it.
+            let mut tail = self.tail.take().expect("checked above");
+            let body = std::mem::take(&mut tail.buf).freeze();
+            let r = self.put_whole(body.clone()).await;
+            // No copy: the upload has let go of its reference by now.
+            tail.buf = BytesMut::from(body);
+            self.tail = Some(tail);
+            return r;
+        }
+        let body = self.assemble(0..size).await?;
+        let r = self.put_whole(body.clone()).await;
+        // The whole small file is at hand: keep it, so the next rewrite of a few bytes needs
+        // no GET.
+        if r.is_ok() {
+            if let Ok(staging) = self.staging() {
+                if write_at(&staging, 0, body).await.is_ok() {
+                    self.local.insert(0..size);
+                    self.tail = None;
+                }
+            }
+        }
+        r
+    }
+
+    async fn put_whole(&self, body: Bytes) -> FsResult<String> {
+        self.store
+            .put(&self.key, body, &self.meta)
+            .await
+            .map_err(|e| log_store_err(&format!("upload {}", self.key), e))
     }
 
     async fn publish_multipart(&mut self, size: u64) -> FsResult<String> {
@@ -481,17 +780,7 @@ impl WriteState {
         if parts.len() > MAX_PARTS as usize {
             return Err(FsError::EFBIG);
         }
-        if self.stream.is_none() {
-            let id = self
-                .store
-                .create_multipart(&key, &self.meta)
-                .await
-                .map_err(|e| log_store_err(&format!("start upload of {key}"), e))?;
-            self.stream = Some(Stream {
-                upload_id: id,
-                slots: BTreeMap::new(),
-            });
-        }
+        self.start_stream().await?;
         match self.send_parts(&parts).await {
             Ok(completed) => {
                 let id = self.stream.as_ref().expect("stream").upload_id.clone();
@@ -627,7 +916,7 @@ async fn settle(stream: &mut Stream, i: u64) {
     stream.slots.insert(i, slot);
 }
 
-async fn write_staging(staging: &Arc<File>, offset: u64, data: Bytes) -> FsResult<()> {
+async fn write_at(staging: &Arc<File>, offset: u64, data: Bytes) -> FsResult<()> {
     let staging = staging.clone();
     tokio::task::spawn_blocking(move || staging.write_all_at(&data, offset))
         .await
@@ -635,7 +924,7 @@ async fn write_staging(staging: &Arc<File>, offset: u64, data: Bytes) -> FsResul
         .map_err(io_err)
 }
 
-async fn read_staging(staging: &Arc<File>, r: Range<u64>) -> FsResult<Bytes> {
+async fn read_at(staging: &Arc<File>, r: Range<u64>) -> FsResult<Bytes> {
     let staging = staging.clone();
     tokio::task::spawn_blocking(move || {
         let mut buf = vec![0u8; (r.end - r.start) as usize];
