@@ -6,6 +6,7 @@
 //! rewrites). It has no FUSE types in its API, so tests drive it in-process against the memory
 //! and fault stores; the `bucketfs-fuse` crate adapts it to the kernel.
 
+mod aligned;
 mod budget;
 mod config;
 mod error;

@@ -13,12 +13,13 @@
 //! object sends kilobytes, not the object. Small results go up as one PUT. Nothing is visible in the bucket
 //! until a publish completes; a failed publish aborts its multipart upload and returns the error.
 
+use crate::aligned::{AlignedBuf, ALIGN};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::extents::Extents;
 use crate::metrics::{inc, FsMetrics};
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::{self, StreamExt, TryStreamExt};
 use futures::FutureExt;
@@ -106,7 +107,7 @@ struct Tail {
     start: u64,
     /// End of that part.
     part_end: u64,
-    buf: BytesMut,
+    buf: AlignedBuf,
     /// Budget taken for `buf`'s capacity.
     mem: Vec<Reservation>,
     reserved: u64,
@@ -136,7 +137,7 @@ impl Tail {
             };
             self.mem.push(mem);
             self.reserved = target;
-            self.buf.reserve(target as usize - self.buf.len());
+            self.buf.reserve_total(target as usize);
         }
         self.buf.extend_from_slice(data);
         true
@@ -225,6 +226,9 @@ pub struct WriteState {
     cache_dir: PathBuf,
     /// Created on first use: a small file written in one go never needs it.
     staging: Option<Arc<File>>,
+    /// The staging file opened with `O_DIRECT` (None where the file system refuses it), for
+    /// copies of whole parts: through the page cache they cost more CPU than the upload.
+    staging_direct: Option<Arc<File>>,
     /// Sequential appends not yet in the staging file (see [`Tail`]).
     tail: Option<Tail>,
     /// Background copies of uploaded tails into the staging file; settled before the staging
@@ -277,6 +281,7 @@ impl WriteState {
             size,
             cache_dir: cache_dir.to_path_buf(),
             staging: None,
+            staging_direct: None,
             tail: None,
             spills: Vec::new(),
             unspilled: Extents::default(),
@@ -374,7 +379,7 @@ impl WriteState {
         self.tail = Some(Tail {
             start: at,
             part_end: part.end,
-            buf: BytesMut::new(),
+            buf: AlignedBuf::default(),
             mem: Vec::new(),
             reserved: 0,
         });
@@ -409,13 +414,14 @@ impl WriteState {
         self.start_stream().await?;
         self.wait_for_upload_slot().await;
         let staging = self.staging()?;
+        let direct = self.staging_direct.clone();
         let body = tail.buf.freeze();
         let mem = Arc::new(tail.mem);
         let spill = {
             let (body, mem, at) = (body.clone(), mem.clone(), r.start);
             tokio::task::spawn_blocking(move || {
                 let _mem = mem;
-                staging.write_all_at(&body, at)
+                write_part_blocking(&staging, direct.as_deref(), &body, at)
             })
         };
         self.spills.push((r.clone(), spill));
@@ -444,6 +450,7 @@ impl WriteState {
         }
         let f = Arc::new(tempfile::tempfile_in(&self.cache_dir).map_err(io_err)?);
         self.staging = Some(f.clone());
+        self.staging_direct = open_direct(&f).map(Arc::new);
         Ok(f)
     }
 
@@ -684,7 +691,7 @@ impl WriteState {
                 Source::Tail => {
                     let t = self.tail.as_ref().expect("a tail source");
                     let from = (seg.start - t.start) as usize;
-                    dst.copy_from_slice(&t.buf[from..from + dst.len()]);
+                    dst.copy_from_slice(&t.buf.as_slice()[from..from + dst.len()]);
                 }
                 Source::Base => dst.copy_from_slice(&self.get_base(seg).await?),
                 Source::Zeros => {}
@@ -743,14 +750,10 @@ impl WriteState {
             .as_ref()
             .is_some_and(|t| t.start == 0 && t.end() == size);
         if in_tail {
-            // Written in one go and still in memory: send the buffer itself, and keep it.
-            let mut tail = self.tail.take().expect("checked above");
-            let body = std::mem::take(&mut tail.buf).freeze();
-            let r = self.put_whole(body.clone()).await;
-            // No copy: the upload has let go of its reference by now.
-            tail.buf = BytesMut::from(body);
-            self.tail = Some(tail);
-            return r;
+            // Written in one go and still in memory: no disk. The tail stays, for reads and
+            // appends after this publish (fsync).
+            let body = Bytes::copy_from_slice(self.tail.as_ref().expect("checked").buf.as_slice());
+            return self.put_whole(body).await;
         }
         let body = self.assemble(0..size).await?;
         let r = self.put_whole(body.clone()).await;
@@ -914,6 +917,36 @@ async fn settle(stream: &mut Stream, i: u64) {
         Err(_) => PartSlot::Failed,
     };
     stream.slots.insert(i, slot);
+}
+
+/// `staging` opened again with `O_DIRECT`, through its `/proc/self/fd` link.
+fn open_direct(staging: &File) -> Option<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(format!("/proc/self/fd/{}", staging.as_raw_fd()))
+        .ok()
+}
+
+/// Writes a part to the staging file, bypassing the page cache when everything is aligned
+/// for it and the file system takes it.
+fn write_part_blocking(
+    staging: &File,
+    direct: Option<&File>,
+    data: &[u8],
+    at: u64,
+) -> std::io::Result<()> {
+    let aligned =
+        data.as_ptr() as usize % ALIGN == 0 && data.len() % ALIGN == 0 && at % ALIGN as u64 == 0;
+    if let Some(direct) = direct.filter(|_| aligned) {
+        match direct.write_all_at(data, at) {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            done => return done,
+        }
+    }
+    staging.write_all_at(data, at)
 }
 
 async fn write_at(staging: &Arc<File>, offset: u64, data: Bytes) -> FsResult<()> {
