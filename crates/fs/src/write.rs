@@ -938,8 +938,9 @@ fn write_part_blocking(
     data: &[u8],
     at: u64,
 ) -> std::io::Result<()> {
-    let aligned =
-        data.as_ptr() as usize % ALIGN == 0 && data.len() % ALIGN == 0 && at % ALIGN as u64 == 0;
+    let aligned = (data.as_ptr() as usize).is_multiple_of(ALIGN)
+        && data.len().is_multiple_of(ALIGN)
+        && at.is_multiple_of(ALIGN as u64);
     if let Some(direct) = direct.filter(|_| aligned) {
         match direct.write_all_at(data, at) {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
