@@ -84,18 +84,6 @@ fn size(rng: &mut impl Rng) -> u64 {
     }
 }
 
-/// One value from the daemon's Prometheus endpoint.
-fn metric(addr: &str, name: &str) -> u64 {
-    let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint");
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} not in the metrics:\n{text}"))
-}
-
 #[test]
 fn soak_with_an_integrity_ledger() {
     let secs = env_num("BUCKETFS_SOAK_SECS", 20);
@@ -103,12 +91,7 @@ fn soak_with_an_integrity_ledger() {
     let rss_budget_kib = env_num("BUCKETFS_SOAK_RSS_MIB", 640) * 1024;
     let s3 = s3();
     let b = s3.new_bucket("soak");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let metrics_addr = format!("127.0.0.1:{port}");
+    let metrics_addr = free_local_addr();
     let mut m = MountSpec::s3(&b, "")
         .arg("--metrics-addr")
         .arg(&metrics_addr)

@@ -609,6 +609,28 @@ impl MountSpec {
     }
 }
 
+/// A `127.0.0.1:port` nobody listens on (for `--metrics-addr`).
+pub fn free_local_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
+/// One value from a daemon's Prometheus endpoint at `addr`.
+pub fn metric(addr: &str, name: &str) -> u64 {
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in the metrics:\n{text}"))
+}
+
 /// `--endpoint-url ... --force-path-style --region us-east-1` for the test MinIO.
 pub fn s3_args() -> Vec<String> {
     vec![

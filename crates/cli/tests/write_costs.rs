@@ -1,0 +1,111 @@
+//! What writes cost in requests and bytes, counted by the daemon's store metrics against a
+//! real MinIO through a real mount.
+
+mod common;
+
+use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
+use common::*;
+use std::fs::OpenOptions;
+use std::io::{Read, Seek, SeekFrom, Write};
+
+const MIB: u64 = 1024 * 1024;
+const GIB: u64 = 1024 * MIB;
+
+/// A `size`-byte object made server-side from copies of one 64 MiB object, so the test
+/// uploads 64 MiB, not 2 GiB. Returns the bytes of the 64 MiB block.
+fn big_object(bucket: &str, key: &str, size: u64) -> Vec<u8> {
+    let block_len = 64 * MIB;
+    let block = pattern::bytes(77, block_len as usize);
+    let s3 = s3();
+    s3.put(bucket, "block", block.clone());
+    s3.block_on(async {
+        let c = &s3.client;
+        let up = c
+            .create_multipart_upload()
+            .bucket(bucket)
+            .key(key)
+            .send()
+            .await
+            .unwrap();
+        let id = up.upload_id().unwrap();
+        let mut parts = Vec::new();
+        for n in 1..=(size / block_len) as i32 {
+            let r = c
+                .upload_part_copy()
+                .bucket(bucket)
+                .key(key)
+                .upload_id(id)
+                .part_number(n)
+                .copy_source(format!("{bucket}/block"))
+                .send()
+                .await
+                .unwrap();
+            let etag = r.copy_part_result().unwrap().e_tag().unwrap().to_string();
+            parts.push(CompletedPart::builder().part_number(n).e_tag(etag).build());
+        }
+        c.complete_multipart_upload()
+            .bucket(bucket)
+            .key(key)
+            .upload_id(id)
+            .multipart_upload(
+                CompletedMultipartUpload::builder()
+                    .set_parts(Some(parts))
+                    .build(),
+            )
+            .send()
+            .await
+            .unwrap();
+    });
+    block
+}
+
+fn bytes_up(addr: &str) -> u64 {
+    metric(addr, "bucketfs_store_bytes_up_total")
+}
+
+/// Appending 1 MiB to a 2 GiB object sends the new part only: the unchanged 2 GiB are copied
+/// server-side (UploadPartCopy), so request bodies stay under 8 MiB.
+#[test]
+fn appending_1mib_to_a_2gib_object_sends_under_8mib() {
+    let b = s3().new_bucket("append2g");
+    let block = big_object(&b, "big.log", 2 * GIB);
+    let addr = free_local_addr();
+    let m = MountSpec::s3(&b, "")
+        .arg("--metrics-addr")
+        .arg(&addr)
+        .mount();
+    assert_eq!(std::fs::metadata(m.join("big.log")).unwrap().len(), 2 * GIB);
+    let before = bytes_up(&addr);
+    let tail = pattern::bytes(5, MIB as usize);
+    {
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(m.join("big.log"))
+            .unwrap();
+        f.write_all(&tail).unwrap();
+        close_checked(f).unwrap();
+    }
+    let sent = bytes_up(&addr) - before;
+    eprintln!("appending 1 MiB to 2 GiB sent {sent} bytes of request bodies");
+    assert!(sent < 8 * MIB, "sent {sent} bytes");
+    assert!(sent >= MIB, "the appended MiB was not sent ({sent} bytes)");
+    // The object is whole: its size, its new end, and a block from the middle.
+    assert_eq!(head_size(&b, "big.log"), 2 * GIB + MIB);
+    let m = m.remount();
+    let mut f = std::fs::File::open(m.join("big.log")).unwrap();
+    let mut got = vec![0u8; MIB as usize];
+    f.seek(SeekFrom::Start(2 * GIB)).unwrap();
+    f.read_exact(&mut got).unwrap();
+    assert!(got == tail, "the appended bytes differ");
+    f.seek(SeekFrom::Start(GIB + 64 * MIB - 4096)).unwrap();
+    let mut edge = vec![0u8; 8192];
+    f.read_exact(&mut edge).unwrap();
+    assert!(
+        edge[..4096] == block[block.len() - 4096..] && edge[4096..] == block[..4096],
+        "the copied parts differ"
+    );
+}
+
+fn head_size(bucket: &str, key: &str) -> u64 {
+    s3().head(bucket, key).expect("object exists").size
+}
