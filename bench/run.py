@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -143,6 +144,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--bucket", default="", help="bucket to use (default: a new one per run)")
     ap.add_argument("--bucketfs", default="", help="bucketfs binary (default: $BUCKETFS_BIN, "
                     "$CARGO_TARGET_DIR/{release,debug}/bucketfs, target/…, PATH)")
+    ap.add_argument("--bucketfs-args", default="", help="extra bucketfs mount options, e.g. "
+                    "'--max-memory 256M' (shown with the results)")
     ap.add_argument("--minio", default="", help="MinIO binary (default: PATH, then $(go env GOPATH)/bin)")
     ap.add_argument("--verify", choices=["basic", "full"], default="", help="full: also md5 every byte of the "
                     "concurrent reads inside the timed phase (default: full for smoke, basic otherwise)")
@@ -245,7 +248,10 @@ def main(argv: list[str]) -> int:
                     if name == "bucketfs":
                         return 2
                 continue
-            systems.append(cls(store, binary))
+            sys_ = cls(store, binary)
+            if name == "bucketfs":
+                sys_.extra_args = shlex.split(a.bucketfs_args)
+            systems.append(sys_)
         if not systems:
             print("bench: no system to test", file=sys.stderr)
             return 2

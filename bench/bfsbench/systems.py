@@ -218,6 +218,8 @@ class Bucketfs(System):
         super().__init__(store, binary)
         self._help = None
         self.metrics_port: int | None = None
+        # From --bucketfs-args.
+        self.extra_args: list[str] = []
 
     @classmethod
     def find(cls, override: str | None = None) -> str | None:
@@ -255,7 +257,7 @@ class Bucketfs(System):
     def options(self) -> str:
         return "defaults (--endpoint-url, --force-path-style, --cache-dir, --unsigned-payload)" + (
             ", --metrics-addr" if self.has_metrics() else ""
-        )
+        ) + (f", {' '.join(self.extra_args)}" if self.extra_args else "")
 
     def command(self, bucket, prefix, mnt, cache, log):
         src = f"s3://{bucket}/{prefix}".rstrip("/")
@@ -271,7 +273,7 @@ class Bucketfs(System):
         if self.has_metrics():
             self.metrics_port = free_port()
             cmd += ["--metrics-addr", f"127.0.0.1:{self.metrics_port}"]
-        return cmd
+        return cmd + self.extra_args
 
     def umount_command(self, mnt):
         return [self.binary, "umount", str(mnt)]

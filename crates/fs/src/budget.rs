@@ -5,6 +5,10 @@
 //! full their windows simply stop growing; the bytes a read needs right now, and the parts a
 //! writer uploads, wait in [`MemoryBudget::reserve`] until memory is returned. The daemon
 //! therefore never holds more than the budget in these buffers, and never fails with ENOMEM.
+//! Writers' in-memory part buffers can live as long as a file is open, so they only take
+//! memory with [`MemoryBudget::try_reserve_lasting`], which keeps them within half the budget
+//! (a writer that gets none stages on disk): the rest is always given back, so nobody waits
+//! forever.
 //!
 //! The budget also keeps a cache of blocks readers fetched but did not hand to the kernel
 //! (the rest of a random read's 128 KiB block, a stream's chunks when the reader jumps away or
@@ -16,7 +20,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -26,6 +30,8 @@ const UNIT: u64 = 64 * 1024;
 pub struct MemoryBudget {
     sem: Arc<Semaphore>,
     units: u64,
+    /// Bytes held in [`MemoryBudget::try_reserve_lasting`] reservations.
+    lasting: Arc<AtomicU64>,
     metrics: Arc<FsMetrics>,
     cache: Mutex<BlockCache>,
 }
@@ -64,6 +70,8 @@ pub struct Reservation {
     _permit: Option<OwnedSemaphorePermit>,
     bytes: u64,
     metrics: Arc<FsMetrics>,
+    /// The lasting-bytes counter this reservation counts in, if any.
+    lasting: Option<Arc<AtomicU64>>,
 }
 
 impl Drop for Reservation {
@@ -71,6 +79,9 @@ impl Drop for Reservation {
         self.metrics
             .buffer_bytes
             .fetch_sub(self.bytes, Ordering::Relaxed);
+        if let Some(l) = &self.lasting {
+            l.fetch_sub(self.bytes, Ordering::Relaxed);
+        }
     }
 }
 
@@ -81,6 +92,7 @@ impl MemoryBudget {
         Arc::new(Self {
             sem: Arc::new(Semaphore::new(units as usize)),
             units,
+            lasting: Arc::default(),
             metrics,
             cache: Mutex::new(BlockCache::default()),
         })
@@ -99,6 +111,7 @@ impl MemoryBudget {
             _permit: Some(permit),
             bytes,
             metrics: self.metrics.clone(),
+            lasting: None,
         }
     }
 
@@ -181,6 +194,27 @@ impl MemoryBudget {
         Some(self.wrap(permit, bytes))
     }
 
+    /// Takes `bytes` for memory that may be held for as long as a file stays open (a writer's
+    /// part buffer), if they are free now and such memory stays within half the budget. The
+    /// other half is only ever held for the length of a request, so whoever waits in
+    /// [`MemoryBudget::reserve`] is always served eventually.
+    pub fn try_reserve_lasting(&self, bytes: u64) -> Option<Reservation> {
+        let cap = self.units * UNIT / 2;
+        let held = self.lasting.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        let mut r = if held <= cap {
+            self.try_reserve(bytes)
+        } else {
+            None
+        };
+        match &mut r {
+            Some(r) => r.lasting = Some(self.lasting.clone()),
+            None => {
+                self.lasting.fetch_sub(bytes, Ordering::Relaxed);
+            }
+        }
+        r
+    }
+
     /// Bytes free right now.
     #[cfg(test)]
     pub fn available(&self) -> u64 {
@@ -206,6 +240,27 @@ pub fn default_budget() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lasting_reservations_stay_within_half_the_budget() {
+        let m = Arc::new(FsMetrics::default());
+        let b = MemoryBudget::new(1 << 20, m);
+        let a = b.try_reserve_lasting(256 * 1024).unwrap();
+        let c = b.try_reserve_lasting(256 * 1024).unwrap();
+        // Half the budget is lasting now: no more, although the other half is free.
+        assert!(b.try_reserve_lasting(64 * 1024).is_none());
+        assert_eq!(b.available(), 512 * 1024);
+        let short = b.try_reserve(512 * 1024).unwrap();
+        // Lasting room, but no free memory: refused, and the refusal holds nothing.
+        drop(a);
+        let _busy = b.try_reserve(256 * 1024).unwrap();
+        assert!(b.try_reserve_lasting(64 * 1024).is_none());
+        drop((short, _busy));
+        let d = b.try_reserve_lasting(256 * 1024).unwrap();
+        drop((c, d));
+        assert_eq!(b.available(), 1 << 20);
+        assert!(b.try_reserve_lasting(512 * 1024).is_some());
+    }
 
     #[tokio::test]
     async fn reservations_block_at_the_limit_and_release_on_drop() {

@@ -132,7 +132,7 @@ impl Tail {
             } else {
                 need.next_power_of_two().clamp(64 * 1024, TAIL_STEP_MAX)
             };
-            let Some(mem) = budget.try_reserve(target - self.reserved) else {
+            let Some(mem) = budget.try_reserve_lasting(target - self.reserved) else {
                 return false;
             };
             self.mem.push(mem);
@@ -405,15 +405,25 @@ impl WriteState {
     /// The tail holds a whole part: upload it from memory, and copy it to the staging file in
     /// the background for later reads and rewrites.
     async fn ship_tail(&mut self) -> FsResult<()> {
+        let prepared = match self.start_stream().await {
+            Ok(()) => self.staging(),
+            Err(e) => Err(e),
+        };
+        let staging = match prepared {
+            Ok(f) => f,
+            Err(e) => {
+                // Keep the bytes: the part goes to disk and publish sends it.
+                let _ = self.spill_tail().await;
+                return Err(e);
+            }
+        };
+        self.wait_for_upload_slot().await;
         let Some(tail) = self.tail.take() else {
             return Ok(());
         };
         let r = tail.range();
         let i = self.cfg.layout.index_of(r.start);
         let generation = self.generations.get(&i).copied().unwrap_or(0);
-        self.start_stream().await?;
-        self.wait_for_upload_slot().await;
-        let staging = self.staging()?;
         let direct = self.staging_direct.clone();
         let body = tail.buf.freeze();
         let mem = Arc::new(tail.mem);
