@@ -5,13 +5,12 @@
 //! part at a time: a full tail uploads straight from memory (and is copied to the staging file
 //! in the background, because reads and rewrites of the file may still need it), and a small
 //! file never touches the disk at all. Any other write goes to a sparse local staging file
-//! under `cache_dir`. Writes stream: each part that becomes completely written uploads in the
-//! background as part of a multipart upload while the application keeps writing, so close only
-//! sends what is left. At publish,
-//! unchanged part-sized ranges of the base are copied server-side (UploadPartCopy), and only
-//! parts holding new bytes are sent, so an append or an overwrite in the middle of a large
-//! object sends kilobytes, not the object. Small results go up as one PUT. Nothing is visible in the bucket
-//! until a publish completes; a failed publish aborts its multipart upload and returns the error.
+//! under `cache_dir`, and each part that becomes completely written there uploads in the
+//! background too, so close only sends what is left. At publish, unchanged part-sized ranges
+//! of the base are copied server-side (UploadPartCopy), and only parts holding new bytes are
+//! sent, so an append or an overwrite in the middle of a large object sends kilobytes, not the
+//! object. Small results go up as one PUT. Nothing is visible in the bucket until a publish
+//! completes; a failed publish aborts its multipart upload and returns the error.
 
 use crate::aligned::{AlignedBuf, ALIGN};
 use crate::budget::{MemoryBudget, Reservation};
