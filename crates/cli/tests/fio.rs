@@ -1,6 +1,7 @@
 //! Data integrity under real I/O patterns: fio writes files with crc32c block checksums
 //! through the mount, then reads them back sequentially and randomly (after a remount, so the
-//! bytes come from the bucket) and verifies every block.
+//! bytes come from the bucket) and verifies every block; sysbench fileio validates its write
+//! modes the same way.
 
 mod common;
 
@@ -118,4 +119,81 @@ fn fio_random_writes_verify_in_place() {
             "--verify_only",
         ],
     );
+}
+
+/// fio random writes over a whole 1 GiB file (every block once, in random order, crc32c in
+/// each), verified through the mount while it is open and again from the bucket after a remount.
+#[test]
+fn fio_random_writes_over_1gib_verify() {
+    let b = s3().new_bucket("fio1g");
+    let m = Mount::s3(&b);
+    let job = [
+        "--ioengine=psync",
+        "--verify=crc32c",
+        "--verify_fatal=1",
+        "--size=1G",
+        "--filename=big.bin",
+        "--name=big",
+        "--bs=64k",
+    ];
+    fio(m.path(), &[&job[..], &["--rw=randwrite"]].concat());
+    assert_eq!(s3().head(&b, "big.bin").map(|h| h.size), Some(1 << 30));
+    let m = m.remount();
+    fio(
+        m.path(),
+        &[&job[..], &["--rw=randread", "--verify_only"]].concat(),
+    );
+}
+
+/// sysbench fileio (the bench suite's tool) in its write modes, with `--validate`: every block
+/// it reads back carries a checksum of what it wrote.
+#[test]
+fn sysbench_write_modes_validate() {
+    let b = s3().new_bucket("sysbench");
+    let m = Mount::s3(&b);
+    let common = [
+        "fileio",
+        "--file-num=4",
+        "--file-total-size=32M",
+        "--file-block-size=16384",
+        "--validate=on",
+        "--time=4",
+        "--file-fsync-freq=50",
+    ];
+    let sysbench = |args: &[&str]| {
+        let out = Command::new("sysbench")
+            .current_dir(m.path())
+            .args(args)
+            .output()
+            .expect("sysbench is installed by scripts/test.sh");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "sysbench {args:?} failed:\n{text}");
+        assert!(
+            !text.to_lowercase().contains("validation failed") && !text.contains("FATAL"),
+            "sysbench {args:?}:\n{text}"
+        );
+        text
+    };
+    sysbench(&[&common[..], &["prepare"]].concat());
+    for mode in ["seqwr", "rndwr", "rndrw", "seqrewr"] {
+        let text = sysbench(&[&common[..], &[&format!("--file-test-mode={mode}"), "run"]].concat());
+        assert!(
+            text.contains("written, MiB/s:"),
+            "sysbench {mode} reported no writes:\n{text}"
+        );
+    }
+    // Read everything back, validated, from the bucket.
+    let m2 = m.remount();
+    let out = Command::new("sysbench")
+        .current_dir(m2.path())
+        .args([&common[..], &["--file-test-mode=seqrd", "run"]].concat())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}");
+    assert!(!text.contains("FATAL"), "{text}");
 }
