@@ -8,7 +8,7 @@ use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
-use crate::lookup::{Found, Lookups};
+use crate::lookup::{found_object, Found, Lookups};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
@@ -1551,16 +1551,21 @@ impl Fs {
                 } else {
                     st.push(name, FileKind::Dir);
                 }
-                self.lookups
-                    .listed(&join(&st.path, name), FileKind::Dir, ObjectMeta::default());
+                let dir = Found {
+                    kind: FileKind::Dir,
+                    obj: ObjectMeta::default(),
+                    has_marker: false,
+                };
+                self.lookups.listed(&join(&st.path, name), dir);
             }
         }
         for o in page.objects {
-            let name = &o.key[plen..];
-            if listable(name) && !st.index.contains_key(name) {
-                st.push(name, FileKind::File);
-                self.lookups
-                    .listed(&join(&st.path, name), FileKind::File, o);
+            let name = o.key[plen..].to_string();
+            if listable(&name) && !st.index.contains_key(&name) {
+                // With user metadata the mode tells symlinks from files; without, a file.
+                let found = found_object(o);
+                st.push(&name, found.kind);
+                self.lookups.listed(&join(&st.path, &name), found);
             }
         }
         st.token = page.next_continuation;

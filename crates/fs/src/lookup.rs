@@ -1,8 +1,10 @@
 //! Finding out what a path is: the stat cache, single-flight requests and statahead.
 //!
 //! A path is probed with HEAD `key` and LIST `key/` at once (a directory wins over a file of
-//! the same name). Results are cached for the stat TTL; entries learned from a LIST are
-//! *partial* (no user metadata), so their first stat costs one HEAD instead of two requests.
+//! the same name). Results are cached for the stat TTL. Entries learned from a LIST are
+//! *partial* when the listing had no user metadata (plain S3), so their first stat costs one
+//! HEAD instead of two requests; when it had it (MinIO's `metadata=true`, the local store) they
+//! are complete and their stat costs nothing.
 //! Concurrent stats of one path share one probe. When a directory was just listed and its
 //! entries start being stat'ed one by one (`ls -l`, `du`), the next entries in listing order
 //! are stat'ed ahead in the background with bounded concurrency, the way Lustre's statahead
@@ -10,7 +12,7 @@
 
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{FileKind, PosixMeta};
-use bucketfs_store::{ObjectMeta, ObjectStore, StoreError};
+use bucketfs_store::{ListPage, ObjectMeta, ObjectStore, StoreError};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
 use parking_lot::Mutex;
@@ -29,7 +31,7 @@ pub struct Found {
 #[derive(Clone)]
 struct Cached {
     found: Found,
-    /// HEAD seen: user metadata is known.
+    /// User metadata is known (a HEAD, or a listing that carried it).
     complete: bool,
     at: Instant,
 }
@@ -98,20 +100,19 @@ impl Lookups {
         self.cached_complete(path) || self.inflight.lock().contains_key(path)
     }
 
-    /// Records what a LIST showed: a partial entry (no user metadata).
-    pub fn listed(&self, path: &str, kind: FileKind, obj: ObjectMeta) {
-        if self.fresh(path).is_some_and(|c| c.complete) {
+    /// Records what a LIST showed. An entry that came with its user metadata is as good as a
+    /// HEAD (complete, newer than what is cached); one without it is partial and does not
+    /// replace a complete entry of the same kind.
+    pub fn listed(&self, path: &str, found: Found) {
+        let complete = found.obj.user_complete;
+        if !complete
+            && self
+                .fresh(path)
+                .is_some_and(|c| c.complete && c.found.kind == found.kind)
+        {
             return;
         }
-        self.put(
-            path,
-            Found {
-                kind,
-                obj,
-                has_marker: false,
-            },
-            false,
-        );
+        self.put(path, found, complete);
     }
 
     /// Forgets `path` (it changed here).
@@ -180,43 +181,75 @@ impl Lookups {
     }
 }
 
-/// HEAD `key` and LIST `key/` (only the HEAD when a listing said it is a plain object).
+/// HEAD `key` and LIST `key/` together; with a hint from a listing, the one it names first
+/// (a file: only the HEAD; a directory: only the LIST), and the other only if that finds
+/// nothing. So `find` and `ls -l` stat listed subdirectories with one LIST each.
 async fn probe(
     store: Arc<dyn ObjectStore>,
     key: String,
     hint: Option<FileKind>,
 ) -> Result<Found, FsError> {
-    if hint.is_some_and(|k| k != FileKind::Dir) {
-        match store.head(&key).await {
+    let dir_key = format!("{key}/");
+    match hint {
+        Some(FileKind::Dir) => {
+            let page = store
+                .list(&dir_key, Some("/"), None, 1)
+                .await
+                .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+            if let Some(dir) = dir_from_page(&*store, &dir_key, page).await? {
+                return Ok(dir);
+            }
+            // Not a directory any more: perhaps a file now.
+            return match store.head(&key).await {
+                Ok(obj) => Ok(found_object(obj)),
+                Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
+            };
+        }
+        Some(_) => match store.head(&key).await {
             Ok(obj) => return Ok(found_object(obj)),
             Err(StoreError::NotFound(_)) => {}
             Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
-        }
+        },
+        None => {}
     }
-    let dir_key = format!("{key}/");
     let (head, list) = tokio::join!(store.head(&key), store.list(&dir_key, Some("/"), None, 1));
     let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-    if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
-        let has_marker = page.objects.first().is_some_and(|o| o.key == dir_key);
-        let obj = if has_marker {
-            match store.head(&dir_key).await {
-                Ok(o) => o,
-                Err(StoreError::NotFound(_)) => ObjectMeta::default(),
-                Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
-            }
-        } else {
-            ObjectMeta::default()
-        };
-        return Ok(Found {
-            kind: FileKind::Dir,
-            obj,
-            has_marker,
-        });
+    if let Some(dir) = dir_from_page(&*store, &dir_key, page).await? {
+        return Ok(dir);
     }
     match head {
         Ok(obj) => Ok(found_object(obj)),
         Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
     }
+}
+
+/// The directory that a LIST of `dir_key` (max-keys 1) shows, if any: anything below it makes
+/// it one (and a directory wins over a file of the same name). Its attributes come from its
+/// marker `dir_key`, from the listing when that carried the metadata, else from a HEAD.
+async fn dir_from_page(
+    store: &dyn ObjectStore,
+    dir_key: &str,
+    page: ListPage,
+) -> Result<Option<Found>, FsError> {
+    if page.objects.is_empty() && page.common_prefixes.is_empty() {
+        return Ok(None);
+    }
+    let marker = page.objects.into_iter().next().filter(|o| o.key == dir_key);
+    let has_marker = marker.is_some();
+    let obj = match marker {
+        Some(m) if m.user_complete => m,
+        Some(_) => match store.head(dir_key).await {
+            Ok(o) => o,
+            Err(StoreError::NotFound(_)) => ObjectMeta::default(),
+            Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
+        },
+        None => ObjectMeta::default(),
+    };
+    Ok(Some(Found {
+        kind: FileKind::Dir,
+        obj,
+        has_marker,
+    }))
 }
 
 /// A plain object: a symlink if its mode says so, else a file.

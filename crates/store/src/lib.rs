@@ -7,6 +7,7 @@
 pub mod error;
 pub mod fault;
 pub mod journal;
+pub mod list_meta;
 pub mod listing;
 pub mod local;
 pub mod memory;
@@ -88,7 +89,8 @@ pub trait ObjectStore: Send + Sync + 'static {
     async fn delete(&self, key: &str) -> StoreResult<()>;
 
     /// One page of a LIST of keys starting with `prefix`. With `delimiter` (always `/` here),
-    /// keys below the next delimiter are rolled up into `common_prefixes`.
+    /// keys below the next delimiter are rolled up into `common_prefixes`. Entries whose
+    /// [`ObjectMeta::user_complete`] is set carry their user metadata (no HEAD needed).
     async fn list(
         &self,
         prefix: &str,

@@ -337,6 +337,7 @@ fn meta_of(key: &str, md: &fs::Metadata) -> ObjectMeta {
         etag: Some(etag_of(md)),
         last_modified: md.modified().ok(),
         user: UserMeta::new(),
+        user_complete: false,
     }
 }
 
@@ -352,6 +353,7 @@ impl ObjectStore for LocalStore {
             let (p, md) = s.object_md(&key)?;
             let mut m = meta_of(&key, &md);
             m.user = read_xattrs(&p)?;
+            m.user_complete = true;
             Ok(m)
         })
         .await
@@ -577,13 +579,22 @@ impl ObjectStore for LocalStore {
         self.run(move |s| {
             let recursive = delimiter.is_none();
             let all = s.collect(&prefix, recursive)?;
-            Ok(page_from_sorted(
+            let mut page = page_from_sorted(
                 all,
                 &prefix,
                 delimiter.as_deref(),
                 continuation.as_deref(),
                 max_keys,
-            ))
+            );
+            // The metadata is a few xattr calls away (what a HEAD costs here too): give it
+            // with the page's entries, so listed files need no HEAD.
+            for o in &mut page.objects {
+                if let Ok(user) = s.path(&o.key).and_then(|p| read_xattrs(&p)) {
+                    o.user = user;
+                    o.user_complete = true;
+                }
+            }
+            Ok(page)
         })
         .await
     }

@@ -13,8 +13,12 @@ pub struct ObjectMeta {
     pub size: u64,
     pub etag: Option<String>,
     pub last_modified: Option<SystemTime>,
-    /// Only filled by HEAD; LIST does not return user metadata.
+    /// User metadata. HEAD always fills it; a LIST entry has it only when the store can say
+    /// it in a listing (MinIO's `metadata=true`, the local and memory stores when asked).
     pub user: UserMeta,
+    /// `user` is the object's whole user metadata (a HEAD, or a listing that carried it).
+    /// When false, `user` is empty and says nothing: ask HEAD.
+    pub user_complete: bool,
 }
 
 /// One page of a LIST.
