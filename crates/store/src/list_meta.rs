@@ -76,11 +76,14 @@ pub fn with_query_param(uri: &str) -> String {
     format!("{uri}{sep}{QUERY_PARAM}")
 }
 
+/// One `<Contents>` of a listing: its key, and its user metadata if the answer had it.
+pub type Entry = (String, Option<UserMeta>);
+
 /// The user metadata of each `<Contents>` of a ListObjectsV2 answer, in document order:
 /// `None` for an entry without `<UserMetadata>`. Keys are lower-case without `x-amz-meta-`;
 /// other headers in the element (content type, encryption) are not user metadata and are left
 /// out, so the map equals what HEAD gives.
-pub fn parse_listing(body: &[u8]) -> Result<Vec<(String, Option<UserMeta>)>, String> {
+pub fn parse_listing(body: &[u8]) -> Result<Vec<Entry>, String> {
     let mut doc = Document::try_from(body).map_err(|e| e.to_string())?;
     let mut root = doc.root_element().map_err(|e| e.to_string())?;
     if !root.start_el().matches("ListBucketResult") {
@@ -95,7 +98,7 @@ pub fn parse_listing(body: &[u8]) -> Result<Vec<(String, Option<UserMeta>)>, Str
     Ok(out)
 }
 
-fn parse_contents(el: &mut ScopedDecoder<'_, '_>) -> Result<(String, Option<UserMeta>), String> {
+fn parse_contents(el: &mut ScopedDecoder<'_, '_>) -> Result<Entry, String> {
     let mut key = None;
     let mut user = None;
     while let Some(mut child) = el.next_tag() {
@@ -126,7 +129,7 @@ pub struct Captured {
     /// The `Server` header names MinIO.
     pub minio: bool,
     /// The parsed entries, when asked for and the answer was a success.
-    pub entries: Option<Result<Vec<(String, Option<UserMeta>)>, String>>,
+    pub entries: Option<Result<Vec<Entry>, String>>,
 }
 
 /// Reads the `Server` header and, with `parse`, the raw body of a ListObjectsV2 answer.

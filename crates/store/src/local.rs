@@ -625,6 +625,9 @@ mod tests {
         let all = s.list("", None, None, 1000).await.unwrap();
         let keys: Vec<_> = all.objects.iter().map(|o| o.key.as_str()).collect();
         assert_eq!(keys, ["a/", "a/b/", "a/b/c.txt", "a/d/"]);
+        // Listings carry the user metadata, so listed files need no HEAD.
+        assert!(all.objects.iter().all(|o| o.user_complete));
+        assert_eq!(all.objects[2].user, h.user);
         let got = s
             .get_range("a/b/c.txt", 1..100, h.etag.as_deref())
             .await
