@@ -929,6 +929,28 @@ mod tests {
     }
 
     #[test]
+    fn list_metadata_from_every_source() {
+        let mut s = Settings::default();
+        assert_eq!(s.list_metadata, ListMetadata::Auto);
+        let f = file("list_metadata = \"off\"\n", 0o644);
+        s.apply_file(f.path()).unwrap();
+        assert_eq!(s.list_metadata, ListMetadata::Off);
+        s.apply_mount_options(&["list-metadata=on".to_string()])
+            .unwrap();
+        assert_eq!(s.list_metadata, ListMetadata::On);
+        s.apply("list_metadata", Some("auto"), Origin::Flag)
+            .unwrap();
+        assert_eq!(s.list_metadata, ListMetadata::Auto);
+        let e = s
+            .apply("list_metadata", Some("sometimes"), Origin::Flag)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            "--list-metadata: \"sometimes\" is not one of auto, on, off"
+        );
+    }
+
+    #[test]
     fn flags_name_themselves() {
         let mut s = Settings::default();
         let e = s
