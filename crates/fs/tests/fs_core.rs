@@ -914,6 +914,59 @@ async fn ls_l_with_metadata_in_the_listing_sends_no_head() {
 }
 
 #[tokio::test]
+async fn walks_that_stat_no_file_list_without_metadata_until_files_are_stat_ed() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    for d in 0..6 {
+        for i in 0..100 {
+            e.mem
+                .put(
+                    &format!("d{d}/f{i:03}"),
+                    Bytes::from_static(b"x"),
+                    &file_meta(0o640, 1_600_000_000),
+                )
+                .await
+                .unwrap();
+        }
+    }
+    let mut dirs = Vec::new();
+    for d in 0..5 {
+        let a =
+            e.fs.lookup(ROOT_INO, OsStr::new(&format!("d{d}")))
+                .await
+                .unwrap();
+        // A walk like `find`: the directory is listed, its files are not stat'ed.
+        assert_eq!(list(&e.fs, a.ino).await.len(), 102);
+        dirs.push(a.ino);
+    }
+    let stat_all = |ino: u64| {
+        let fs = e.fs.clone();
+        async move {
+            for i in 0..100 {
+                let a = fs
+                    .lookup(ino, OsStr::new(&format!("f{i:03}")))
+                    .await
+                    .unwrap();
+                assert_eq!(a.perm, 0o640);
+            }
+        }
+    };
+    // The first directory was listed with metadata; after its 100 unused entries the others
+    // were listed without, so their files need a HEAD each (statahead).
+    let heads = e.metrics.requests(Op::Head);
+    stat_all(dirs[4]).await;
+    let after = e.metrics.requests(Op::Head);
+    assert!(after - heads >= 100, "{} HEADs", after - heads);
+    stat_all(dirs[0]).await;
+    assert_eq!(e.metrics.requests(Op::Head), after);
+    // Listed files were stat'ed: the next listing carries the metadata again.
+    let d5 = e.fs.lookup(ROOT_INO, OsStr::new("d5")).await.unwrap();
+    let after = e.metrics.requests(Op::Head);
+    assert_eq!(list(&e.fs, d5.ino).await.len(), 102);
+    stat_all(d5.ino).await;
+    assert_eq!(e.metrics.requests(Op::Head), after);
+}
+
+#[tokio::test]
 async fn listed_subdirectories_cost_no_head_of_the_name() {
     // A store whose listings have no metadata: the subdirectory's marker needs a HEAD, but
     // the name itself (which the listing says is a directory) is not HEADed as a file.

@@ -89,14 +89,16 @@ pub trait ObjectStore: Send + Sync + 'static {
     async fn delete(&self, key: &str) -> StoreResult<()>;
 
     /// One page of a LIST of keys starting with `prefix`. With `delimiter` (always `/` here),
-    /// keys below the next delimiter are rolled up into `common_prefixes`. Entries whose
-    /// [`ObjectMeta::user_complete`] is set carry their user metadata (no HEAD needed).
+    /// keys below the next delimiter are rolled up into `common_prefixes`. With
+    /// [`ListDetail::UserMeta`], entries carry their user metadata where the store can give it
+    /// in a listing ([`ObjectMeta::user_complete`] says which do: they need no HEAD).
     async fn list(
         &self,
         prefix: &str,
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage>;
 }
 

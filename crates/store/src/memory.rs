@@ -262,8 +262,10 @@ impl ObjectStore for MemoryStore {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
         let inner = self.inner.lock();
+        let with_user = self.list_metadata && detail == ListDetail::UserMeta;
         let entries = inner
             .objects
             .range(prefix.to_string()..)
@@ -273,12 +275,12 @@ impl ObjectStore for MemoryStore {
                 size: o.data.len() as u64,
                 etag: Some(o.etag.clone()),
                 last_modified: Some(o.modified),
-                user: if self.list_metadata {
+                user: if with_user {
                     o.meta.clone()
                 } else {
                     UserMeta::new()
                 },
-                user_complete: self.list_metadata,
+                user_complete: with_user,
             });
         Ok(page_from_sorted(
             entries,

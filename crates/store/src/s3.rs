@@ -248,7 +248,7 @@ impl S3Store {
         })
     }
 
-    /// Whether LISTs ask for user metadata now.
+    /// Whether LISTs that want user metadata ask the server for it now.
     pub fn lists_metadata(&self) -> bool {
         match self.list_metadata {
             ListMetadata::On => true,
@@ -257,12 +257,14 @@ impl S3Store {
         }
     }
 
-    /// A LIST request, asking for user metadata when [`Self::lists_metadata`], and with an
-    /// interceptor when its answer must be looked at (metadata to parse, or the server to
-    /// detect). The query parameter is added before signing, so it is signed like the rest.
+    /// A LIST request, asking for user metadata when `detail` wants it and
+    /// [`Self::lists_metadata`], and with an interceptor when its answer must be looked at
+    /// (metadata to parse, or the server to detect). The query parameter is added before
+    /// signing, so it is signed like the rest.
     fn list_request(
         &self,
         req: aws_sdk_s3::operation::list_objects_v2::builders::ListObjectsV2FluentBuilder,
+        detail: ListDetail,
     ) -> (
         aws_sdk_s3::client::customize::CustomizableOperation<
             aws_sdk_s3::operation::list_objects_v2::ListObjectsV2Output,
@@ -271,7 +273,7 @@ impl S3Store {
         >,
         Option<ListCapture>,
     ) {
-        let want = self.lists_metadata();
+        let want = detail == ListDetail::UserMeta && self.lists_metadata();
         let detect = self.list_metadata == ListMetadata::Auto
             && self.server.load(Ordering::Relaxed) == SERVER_UNKNOWN;
         let mut req = req.customize();
@@ -318,6 +320,7 @@ impl S3Store {
                 .bucket(&self.bucket)
                 .prefix(prefix)
                 .max_keys(1),
+            ListDetail::Plain,
         );
         req.send()
             .await
@@ -634,6 +637,7 @@ impl ObjectStore for S3Store {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
         let (req, capture) = self.list_request(
             self.client
@@ -643,6 +647,7 @@ impl ObjectStore for S3Store {
                 .set_delimiter(delimiter.map(str::to_string))
                 .set_continuation_token(continuation)
                 .max_keys(max_keys.min(1000) as i32),
+            detail,
         );
         let out = req
             .send()

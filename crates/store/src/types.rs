@@ -21,6 +21,16 @@ pub struct ObjectMeta {
     pub user_complete: bool,
 }
 
+/// What the entries of a LIST should carry besides key, size, ETag and time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListDetail {
+    /// Nothing more: the cheapest listing.
+    Plain,
+    /// Their user metadata too, where the store can give it in a listing (MinIO's
+    /// `metadata=true`, the local store); it costs the server a little per entry.
+    UserMeta,
+}
+
 /// One page of a LIST.
 #[derive(Debug, Clone, Default)]
 pub struct ListPage {
