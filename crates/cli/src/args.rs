@@ -419,6 +419,17 @@ pub struct MountArgs {
     )]
     pub retry_timeout: Option<String>,
 
+    /// Whether directory listings ask for user metadata (mode, owner, mtime) so that `ls -l`
+    /// needs no HEAD per file: auto (only when the server is MinIO, which supports it), on,
+    /// or off. [default: auto]
+    #[arg(
+        long,
+        value_name = "auto|on|off",
+        hide_env_values = true,
+        env = "BUCKETFS_LIST_METADATA"
+    )]
+    pub list_metadata: Option<String>,
+
     /// Mount options, comma-separated, as in /etc/fstab: any config key as key=value or a bare
     /// boolean key, plus ro and config=FILE (e.g. -o allow_other,ro,part_size=16M). Repeatable.
     #[arg(short = 'o', value_name = "OPT[=VAL],...")]
@@ -437,9 +448,10 @@ impl MountArgs {
             s.apply_file(path)?;
         }
         s.apply_mount_options(&self.options)?;
-        let values: [(&str, &Option<String>); 20] = [
+        let values: [(&str, &Option<String>); 21] = [
             ("ca_bundle", &self.ca_bundle),
             ("retry_timeout", &self.retry_timeout),
+            ("list_metadata", &self.list_metadata),
             ("endpoint_url", &self.endpoint_url),
             ("region", &self.region),
             ("profile", &self.profile),

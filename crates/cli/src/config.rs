@@ -13,6 +13,7 @@
 //! never from flags or `-o`, which show up in `ps` and `/etc/fstab`.
 
 use bucketfs_fs::FsConfig;
+use bucketfs_store::list_meta::ListMetadata;
 use std::fmt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -79,6 +80,8 @@ pub struct Settings {
     pub unsigned_payload: Option<bool>,
     /// How long a failing store request is retried.
     pub retry_timeout: Duration,
+    /// Whether LISTs ask for user metadata (MinIO's `metadata=true`).
+    pub list_metadata: ListMetadata,
     /// From the config file only: used when SOURCE is `s3://` without a bucket.
     pub bucket: Option<String>,
     /// From the config file only: used when SOURCE has no prefix.
@@ -120,6 +123,7 @@ impl fmt::Debug for Settings {
             .field("no_verify_ssl", &self.no_verify_ssl)
             .field("unsigned_payload", &self.unsigned_payload)
             .field("retry_timeout", &self.retry_timeout)
+            .field("list_metadata", &self.list_metadata)
             .field("bucket", &self.bucket)
             .field("prefix", &self.prefix)
             .field("access_key_id", &hidden(&self.access_key_id))
@@ -161,6 +165,7 @@ impl Default for Settings {
             no_verify_ssl: false,
             unsigned_payload: None,
             retry_timeout: Duration::from_secs(30),
+            list_metadata: ListMetadata::Auto,
             bucket: None,
             prefix: None,
             access_key_id: None,
@@ -225,6 +230,7 @@ const KEYS: &[(&str, Kind, Scope)] = &[
     ("no_verify_ssl", Kind::Bool, Scope::All),
     ("unsigned_payload", Kind::Bool, Scope::All),
     ("retry_timeout", Kind::Value, Scope::All),
+    ("list_metadata", Kind::Value, Scope::All),
     ("bucket", Kind::Value, Scope::FileOnly),
     ("prefix", Kind::Value, Scope::FileOnly),
     ("access_key_id", Kind::Value, Scope::FileOnly),
@@ -497,6 +503,7 @@ impl Settings {
             "no_verify_ssl" => self.no_verify_ssl = parse_bool(v)?,
             "unsigned_payload" => self.unsigned_payload = Some(parse_bool(v)?),
             "retry_timeout" => self.retry_timeout = parse_duration(v)?,
+            "list_metadata" => self.list_metadata = v.parse()?,
             "bucket" => self.bucket = Some(non_empty(v, "bucket name")?),
             "prefix" => self.prefix = Some(v.trim().to_string()),
             "access_key_id" => self.access_key_id = Some(non_empty(v, "access key id")?),
@@ -919,6 +926,28 @@ mod tests {
         assert!(e.contains("not accepted"), "{e}");
         assert!(!e.contains("xyz"));
         assert!(s.apply_mount_options(&["region".to_string()]).is_err());
+    }
+
+    #[test]
+    fn list_metadata_from_every_source() {
+        let mut s = Settings::default();
+        assert_eq!(s.list_metadata, ListMetadata::Auto);
+        let f = file("list_metadata = \"off\"\n", 0o644);
+        s.apply_file(f.path()).unwrap();
+        assert_eq!(s.list_metadata, ListMetadata::Off);
+        s.apply_mount_options(&["list-metadata=on".to_string()])
+            .unwrap();
+        assert_eq!(s.list_metadata, ListMetadata::On);
+        s.apply("list_metadata", Some("auto"), Origin::Flag)
+            .unwrap();
+        assert_eq!(s.list_metadata, ListMetadata::Auto);
+        let e = s
+            .apply("list_metadata", Some("sometimes"), Origin::Flag)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            "--list-metadata: \"sometimes\" is not one of auto, on, off"
+        );
     }
 
     #[test]

@@ -38,6 +38,7 @@ fn config_text() -> impl Strategy<Value = String> {
             "secret_access_key",
             "session_token",
             "retry_timeout",
+            "list_metadata",
             "ca_bundle",
             "no_verify_ssl",
             "cache_dir",
@@ -56,7 +57,7 @@ fn config_text() -> impl Strategy<Value = String> {
         "[0-9]{0,25}[kKmMgGtTiB.]{0,3}",
         "-?[0-9]{1,5}(\\.[0-9]{0,3})?(ms|s|m|h)?",
         "0o?[0-7]{0,6}",
-        "(true|false|yes|no|on|off|maybe)",
+        "(true|false|yes|no|on|off|auto|maybe)",
         "https?://[a-z0-9.:]{0,20}",
         "\\PC{0,20}",
     ];

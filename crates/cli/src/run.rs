@@ -571,6 +571,7 @@ async fn open_raw_store(
                 session_token: s.session_token.clone(),
                 max_attempts: S3_MAX_ATTEMPTS,
                 unsigned_payload: s.unsigned_payload,
+                list_metadata: s.list_metadata,
                 tls: if s.no_verify_ssl {
                     TlsTrust::Insecure
                 } else if let Some(ca) = &s.ca_bundle {

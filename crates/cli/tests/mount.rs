@@ -918,3 +918,137 @@ fn refresh_shows_other_clients_changes_at_once() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+/// Creates `n` files with distinct modes and mtimes and a symlink in directory `d` of `m`,
+/// and a directory `sub` with mode 0710 in the root. Returns the (name, permissions, mtime) of
+/// each file.
+fn make_ls_fixture(m: &Mount, n: u32) -> Vec<(String, u32, SystemTime)> {
+    let t0 = UNIX_EPOCH + Duration::from_secs(1_500_000_000);
+    let mut files = Vec::new();
+    fs::create_dir(m.join("d")).unwrap();
+    for i in 0..n {
+        let name = format!("f{i:03}");
+        let p = m.join("d").join(&name);
+        write_file(&p, &vec![b'x'; i as usize]);
+        let perm = 0o600 | (i % 64);
+        fs::set_permissions(&p, Permissions::from_mode(perm)).unwrap();
+        let mtime = t0 + Duration::from_secs(u64::from(i) * 3600);
+        File::options()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        files.push((name, perm, mtime));
+    }
+    std::os::unix::fs::symlink("f001", m.join("d/link")).unwrap();
+    fs::create_dir(m.join("sub")).unwrap();
+    fs::set_permissions(m.join("sub"), Permissions::from_mode(0o710)).unwrap();
+    files
+}
+
+/// `ls -l`: the names with their d_type, then lstat of each.
+fn ls_l(dir: &Path) -> Vec<(String, fs::FileType, fs::Metadata)> {
+    let mut out: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let name = e.file_name().into_string().unwrap();
+            let md = fs::symlink_metadata(e.path()).unwrap();
+            (name, e.file_type().unwrap(), md)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn check_ls(
+    entries: &[(String, fs::FileType, fs::Metadata)],
+    files: &[(String, u32, SystemTime)],
+    symlink_in_readdir: bool,
+) {
+    assert_eq!(
+        entries.len(),
+        files.len() + 1,
+        "{:?}",
+        entries.iter().map(|e| &e.0).collect::<Vec<_>>()
+    );
+    for (i, (name, perm, mtime)) in files.iter().enumerate() {
+        let (n, ft, md) = &entries[i];
+        assert_eq!(n, name);
+        assert!(ft.is_file() && md.is_file(), "{name}");
+        assert_eq!(md.mode() & 0o7777, *perm, "mode of {name}");
+        assert_eq!(md.modified().unwrap(), *mtime, "mtime of {name}");
+        assert_eq!(md.len(), i as u64, "size of {name}");
+    }
+    let (n, ft, md) = &entries[files.len()];
+    assert_eq!(n, "link");
+    // Without metadata in the listing, readdir cannot tell a symlink from a file.
+    assert_eq!(
+        ft.is_symlink(),
+        symlink_in_readdir,
+        "d_type of link: {ft:?}"
+    );
+    assert!(md.file_type().is_symlink(), "lstat of link");
+}
+
+/// Issue 6: on MinIO, listings carry the user metadata (`metadata=true`), so a cold `ls -l`
+/// of a directory costs its LIST pages and no HEAD at all, with the right modes and mtimes;
+/// a listed subdirectory's stat costs one LIST (its marker's metadata comes with it).
+#[test]
+fn cold_ls_l_on_minio_is_one_list_and_no_head() {
+    let b = s3().new_bucket("lsmeta");
+    let m = Mount::s3(&b);
+    let files = make_ls_fixture(&m, 50);
+    let m = m.remount();
+    // The directory itself first (a HEAD and a LIST: nothing listed it yet).
+    assert!(fs::metadata(m.join("d")).unwrap().is_dir());
+    let before = store_requests(m.path());
+    let entries = ls_l(&m.join("d"));
+    let after = store_requests(m.path());
+    check_ls(&entries, &files, true);
+    let sent = requests_between(&before, &after);
+    assert_eq!(sent.get("list"), Some(&1), "requests of ls -l: {sent:?}");
+    assert_eq!(sent.len(), 1, "requests of ls -l: {sent:?}");
+    assert!(m.log().contains("server is MinIO"), "{}", m.log());
+    // The target of a symlink is its body, fetched at readlink.
+    assert_eq!(fs::read_link(m.join("d/link")).unwrap(), Path::new("f001"));
+
+    // A listed subdirectory: one LIST, which carries its marker's metadata too.
+    assert_eq!(list_dir(m.path()), set(["d", "sub"]));
+    let before = store_requests(m.path());
+    let md = fs::metadata(m.join("sub")).unwrap();
+    let sent = requests_between(&before, &store_requests(m.path()));
+    assert_eq!(md.mode() & 0o7777, 0o710);
+    assert_eq!(
+        sent.get("list"),
+        Some(&1),
+        "stat of a subdirectory: {sent:?}"
+    );
+    assert_eq!(sent.len(), 1, "stat of a subdirectory: {sent:?}");
+}
+
+/// With `list_metadata=off` listings are plain and each file's attributes come from a HEAD,
+/// as on servers without the extension; the result is the same.
+#[test]
+fn ls_l_with_list_metadata_off_heads_each_file() {
+    let b = s3().new_bucket("lsplain");
+    let m = MountSpec::s3(&b, "")
+        .arg("-o")
+        .arg("list_metadata=off")
+        .mount();
+    let files = make_ls_fixture(&m, 20);
+    let m = m.remount();
+    assert!(fs::metadata(m.join("d")).unwrap().is_dir());
+    let before = store_requests(m.path());
+    let entries = ls_l(&m.join("d"));
+    let sent = requests_between(&before, &store_requests(m.path()));
+    check_ls(&entries, &files, false);
+    assert_eq!(sent.get("list"), Some(&1), "requests of ls -l: {sent:?}");
+    // One HEAD per entry (20 files and the link).
+    let heads = sent.get("head").copied().unwrap_or(0);
+    assert!((21..=23).contains(&heads), "requests of ls -l: {sent:?}");
+    assert!(!m.log().contains("server is MinIO"), "{}", m.log());
+    let md = fs::metadata(m.join("sub")).unwrap();
+    assert_eq!(md.mode() & 0o7777, 0o710);
+}

@@ -8,14 +8,14 @@ use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
-use crate::lookup::{Found, Lookups};
+use crate::lookup::{found_object, Found, Lookups};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
 use crate::read::{ReadConfig, Reader};
 use crate::write::{Base, Orphans, PartLayout, WriteConfig, WriteState};
 use bucketfs_store::{
-    CompletedPart, ObjectMeta, ObjectStore, StoreError, UserMeta, MAX_COPY_OBJECT_SIZE,
+    CompletedPart, ListDetail, ObjectMeta, ObjectStore, StoreError, UserMeta, MAX_COPY_OBJECT_SIZE,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -126,6 +126,8 @@ struct DirStream {
     path: String,
     prefix: String,
     token: Option<String>,
+    /// Whether its LIST pages ask for user metadata (decided at opendir).
+    detail: ListDetail,
     done: bool,
     entries: Vec<DirEntry>,
     /// Name to position in `entries`, while the listing is incomplete.
@@ -919,7 +921,7 @@ impl Fs {
         let dir_key = self.dir_key(path);
         let page = self
             .store
-            .list(&dir_key, None, None, 2)
+            .list(&dir_key, None, None, 2, ListDetail::Plain)
             .await
             .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
         Ok(page.objects.iter().all(|o| o.key == dir_key) && page.common_prefixes.is_empty())
@@ -1094,7 +1096,7 @@ impl Fs {
         loop {
             let page = self
                 .store
-                .list(&src, None, token, 1000)
+                .list(&src, None, token, 1000, ListDetail::Plain)
                 .await
                 .map_err(|e| log_store_err(&format!("list {src}"), e))?;
             objects.extend(page.objects);
@@ -1506,6 +1508,7 @@ impl Fs {
             prefix: self.dir_key(&path),
             path,
             token: None,
+            detail: self.lookups.list_detail(),
             done: false,
             entries,
             index: HashMap::new(),
@@ -1537,9 +1540,10 @@ impl Fs {
     /// Reads one LIST page into the stream; after the last, adds entries that exist only here
     /// and records the listing for negative lookups and statahead.
     async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
+        let epoch = self.lookups.epoch();
         let page = self
             .store
-            .list(&st.prefix, Some("/"), st.token.take(), 1000)
+            .list(&st.prefix, Some("/"), st.token.take(), 1000, st.detail)
             .await
             .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
         let plen = st.prefix.len();
@@ -1551,16 +1555,21 @@ impl Fs {
                 } else {
                     st.push(name, FileKind::Dir);
                 }
-                self.lookups
-                    .listed(&join(&st.path, name), FileKind::Dir, ObjectMeta::default());
+                let dir = Found {
+                    kind: FileKind::Dir,
+                    obj: ObjectMeta::default(),
+                    has_marker: false,
+                };
+                self.lookups.listed(&join(&st.path, name), dir, epoch);
             }
         }
         for o in page.objects {
-            let name = &o.key[plen..];
-            if listable(name) && !st.index.contains_key(name) {
-                st.push(name, FileKind::File);
-                self.lookups
-                    .listed(&join(&st.path, name), FileKind::File, o);
+            let name = o.key[plen..].to_string();
+            if listable(&name) && !st.index.contains_key(&name) {
+                // With user metadata the mode tells symlinks from files; without, a file.
+                let found = found_object(o);
+                st.push(&name, found.kind);
+                self.lookups.listed(&join(&st.path, &name), found, epoch);
             }
         }
         st.token = page.next_continuation;

@@ -1,8 +1,12 @@
 //! Finding out what a path is: the stat cache, single-flight requests and statahead.
 //!
 //! A path is probed with HEAD `key` and LIST `key/` at once (a directory wins over a file of
-//! the same name). Results are cached for the stat TTL; entries learned from a LIST are
-//! *partial* (no user metadata), so their first stat costs one HEAD instead of two requests.
+//! the same name). Results are cached for the stat TTL. Entries learned from a LIST are
+//! *partial* when the listing had no user metadata (plain S3), so their first stat costs one
+//! HEAD instead of two requests; when it had it (MinIO's `metadata=true`, the local store) they
+//! are complete and their stat costs nothing. Metadata in a listing costs the server a little
+//! per entry, so directories are listed with it only while listed files get stat'ed (`ls -l`,
+//! `du`), not while they do not (`find`): see [`Lookups::list_detail`].
 //! Concurrent stats of one path share one probe. When a directory was just listed and its
 //! entries start being stat'ed one by one (`ls -l`, `du`), the next entries in listing order
 //! are stat'ed ahead in the background with bounded concurrency, the way Lustre's statahead
@@ -10,11 +14,12 @@
 
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{FileKind, PosixMeta};
-use bucketfs_store::{ObjectMeta, ObjectStore, StoreError};
+use bucketfs_store::{ListDetail, ListPage, ObjectMeta, ObjectStore, StoreError};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,8 +34,10 @@ pub struct Found {
 #[derive(Clone)]
 struct Cached {
     found: Found,
-    /// HEAD seen: user metadata is known.
+    /// User metadata is known (a HEAD, or a listing that carried it).
     complete: bool,
+    /// Learned from a directory listing (not yet stat'ed since).
+    from_listing: bool,
     at: Instant,
 }
 
@@ -41,6 +48,8 @@ const MAX_CACHED: usize = 200_000;
 /// Entries stat'ed ahead per trigger, and requests in flight for them.
 const STATAHEAD_COUNT: usize = 256;
 const STATAHEAD_CONCURRENCY: usize = 64;
+/// Listed files never stat'ed after which directories are listed without user metadata.
+const UNUSED_LISTED_FILES: u64 = 64;
 
 pub struct Lookups {
     store: Arc<dyn ObjectStore>,
@@ -48,6 +57,15 @@ pub struct Lookups {
     ttl: Duration,
     cache: Mutex<HashMap<String, Cached>>,
     inflight: Mutex<HashMap<String, Probe>>,
+    /// Files (and symlinks) listed since the listing detail was last decided.
+    listed_files: AtomicU64,
+    /// Stats of listed files since then.
+    listed_used: AtomicU64,
+    /// Whether directory listings ask for user metadata.
+    list_user_meta: AtomicBool,
+    /// Bumped by every `forget`: a listing that was in flight meanwhile may predate a change
+    /// made here, so its entries are not trusted as complete.
+    changes: AtomicU64,
 }
 
 impl Lookups {
@@ -58,7 +76,36 @@ impl Lookups {
             ttl,
             cache: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
+            listed_files: AtomicU64::new(0),
+            listed_used: AtomicU64::new(0),
+            list_user_meta: AtomicBool::new(true),
+            changes: AtomicU64::new(0),
         })
+    }
+
+    /// Pass to [`Lookups::listed`] for the entries of a LIST sent after this call.
+    pub fn epoch(&self) -> u64 {
+        self.changes.load(Ordering::SeqCst)
+    }
+
+    /// What a directory listing about to start should ask for. User metadata makes `ls -l`
+    /// cost the LIST alone instead of a HEAD per file, but costs the server a little per entry
+    /// (about 60 us on MinIO), which `find` and other walks that never stat files pay for
+    /// nothing. So: with metadata at first and as long as listed files get stat'ed; without
+    /// once many listed files went unstat'ed, until one is stat'ed again.
+    pub fn list_detail(&self) -> ListDetail {
+        if self.listed_used.swap(0, Ordering::Relaxed) > 0 {
+            self.listed_files.store(0, Ordering::Relaxed);
+            self.list_user_meta.store(true, Ordering::Relaxed);
+        } else if self.listed_files.load(Ordering::Relaxed) >= UNUSED_LISTED_FILES {
+            self.listed_files.store(0, Ordering::Relaxed);
+            self.list_user_meta.store(false, Ordering::Relaxed);
+        }
+        if self.list_user_meta.load(Ordering::Relaxed) {
+            ListDetail::UserMeta
+        } else {
+            ListDetail::Plain
+        }
     }
 
     fn fresh(&self, path: &str) -> Option<Cached> {
@@ -74,6 +121,10 @@ impl Lookups {
     }
 
     fn put(&self, path: &str, found: Found, complete: bool) {
+        self.put_from(path, found, complete, false);
+    }
+
+    fn put_from(&self, path: &str, found: Found, complete: bool, from_listing: bool) {
         let mut cache = self.cache.lock();
         if cache.len() >= MAX_CACHED {
             cache.clear();
@@ -83,6 +134,7 @@ impl Lookups {
             Cached {
                 found,
                 complete,
+                from_listing,
                 at: Instant::now(),
             },
         );
@@ -98,29 +150,34 @@ impl Lookups {
         self.cached_complete(path) || self.inflight.lock().contains_key(path)
     }
 
-    /// Records what a LIST showed: a partial entry (no user metadata).
-    pub fn listed(&self, path: &str, kind: FileKind, obj: ObjectMeta) {
-        if self.fresh(path).is_some_and(|c| c.complete) {
+    /// Records what a LIST sent at `epoch` showed. An entry that came with its user metadata
+    /// is as good as a HEAD (complete, newer than what is cached), unless this mount changed
+    /// something since the LIST was sent (the answer may predate the change); one without it
+    /// is partial and does not replace a complete entry of the same kind.
+    pub fn listed(&self, path: &str, found: Found, epoch: u64) {
+        let complete = found.obj.user_complete && epoch == self.epoch();
+        if !complete
+            && self
+                .fresh(path)
+                .is_some_and(|c| c.complete && c.found.kind == found.kind)
+        {
             return;
         }
-        self.put(
-            path,
-            Found {
-                kind,
-                obj,
-                has_marker: false,
-            },
-            false,
-        );
+        if found.kind != FileKind::Dir {
+            self.listed_files.fetch_add(1, Ordering::Relaxed);
+        }
+        self.put_from(path, found, complete, true);
     }
 
     /// Forgets `path` (it changed here).
     pub fn forget(&self, path: &str) {
+        self.changes.fetch_add(1, Ordering::SeqCst);
         self.cache.lock().remove(path);
     }
 
     /// Forgets everything below directory `dir`.
     pub fn forget_below(&self, dir: &str) {
+        self.changes.fetch_add(1, Ordering::SeqCst);
         let below = format!("{dir}/");
         self.cache
             .lock()
@@ -129,7 +186,14 @@ impl Lookups {
 
     /// What `path` is: from the cache when fresh and complete, else from the store.
     pub async fn stat(&self, path: &str) -> FsResult<(Found, bool)> {
-        let hint = match self.fresh(path) {
+        let cached = self.fresh(path);
+        if cached
+            .as_ref()
+            .is_some_and(|c| c.from_listing && c.found.kind != FileKind::Dir)
+        {
+            self.listed_used.fetch_add(1, Ordering::Relaxed);
+        }
+        let hint = match cached {
             Some(c) if c.complete => return Ok((c.found, true)),
             Some(c) => Some(c.found.kind),
             None => None,
@@ -180,43 +244,78 @@ impl Lookups {
     }
 }
 
-/// HEAD `key` and LIST `key/` (only the HEAD when a listing said it is a plain object).
+/// HEAD `key` and LIST `key/` together; with a hint from a listing, the one it names first
+/// (a file: only the HEAD; a directory: only the LIST), and the other only if that finds
+/// nothing. So `find` and `ls -l` stat listed subdirectories with one LIST each.
 async fn probe(
     store: Arc<dyn ObjectStore>,
     key: String,
     hint: Option<FileKind>,
 ) -> Result<Found, FsError> {
-    if hint.is_some_and(|k| k != FileKind::Dir) {
-        match store.head(&key).await {
+    let dir_key = format!("{key}/");
+    match hint {
+        Some(FileKind::Dir) => {
+            let page = store
+                .list(&dir_key, Some("/"), None, 1, ListDetail::UserMeta)
+                .await
+                .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+            if let Some(dir) = dir_from_page(&*store, &dir_key, page).await? {
+                return Ok(dir);
+            }
+            // Not a directory any more: perhaps a file now.
+            return match store.head(&key).await {
+                Ok(obj) => Ok(found_object(obj)),
+                Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
+            };
+        }
+        Some(_) => match store.head(&key).await {
             Ok(obj) => return Ok(found_object(obj)),
             Err(StoreError::NotFound(_)) => {}
             Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
-        }
+        },
+        None => {}
     }
-    let dir_key = format!("{key}/");
-    let (head, list) = tokio::join!(store.head(&key), store.list(&dir_key, Some("/"), None, 1));
+    let (head, list) = tokio::join!(
+        store.head(&key),
+        store.list(&dir_key, Some("/"), None, 1, ListDetail::UserMeta)
+    );
     let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-    if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
-        let has_marker = page.objects.first().is_some_and(|o| o.key == dir_key);
-        let obj = if has_marker {
-            match store.head(&dir_key).await {
-                Ok(o) => o,
-                Err(StoreError::NotFound(_)) => ObjectMeta::default(),
-                Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
-            }
-        } else {
-            ObjectMeta::default()
-        };
-        return Ok(Found {
-            kind: FileKind::Dir,
-            obj,
-            has_marker,
-        });
+    if let Some(dir) = dir_from_page(&*store, &dir_key, page).await? {
+        return Ok(dir);
     }
     match head {
         Ok(obj) => Ok(found_object(obj)),
         Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
     }
+}
+
+/// The directory that a LIST of `dir_key` (max-keys 1) shows, if any: anything below it makes
+/// it one (and a directory wins over a file of the same name). Its attributes come from its
+/// marker `dir_key`, from the listing when that carried the metadata, else from a HEAD.
+async fn dir_from_page(
+    store: &dyn ObjectStore,
+    dir_key: &str,
+    page: ListPage,
+) -> Result<Option<Found>, FsError> {
+    if page.objects.is_empty() && page.common_prefixes.is_empty() {
+        return Ok(None);
+    }
+    let marker = page.objects.into_iter().next().filter(|o| o.key == dir_key);
+    let has_marker = marker.is_some();
+    let obj = match marker {
+        Some(m) if m.user_complete => m,
+        Some(_) => match store.head(dir_key).await {
+            Ok(o) => o,
+            Err(StoreError::NotFound(_)) => ObjectMeta::default(),
+            Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
+        },
+        None => ObjectMeta::default(),
+    };
+    Ok(Some(Found {
+        kind: FileKind::Dir,
+        obj,
+        has_marker,
+    }))
 }
 
 /// A plain object: a symlink if its mode says so, else a file.
@@ -238,6 +337,32 @@ mod tests {
     use bucketfs_store::memory::MemoryStore;
     use bucketfs_store::metrics::{MeteredStore, Op};
     use bucketfs_store::UserMeta;
+
+    #[tokio::test]
+    async fn a_listing_older_than_a_change_here_is_not_trusted() {
+        let l = Lookups::new(
+            Arc::new(MemoryStore::new()),
+            String::new(),
+            Duration::from_secs(5),
+        );
+        let listed = || {
+            found_object(ObjectMeta {
+                key: "a".into(),
+                user_complete: true,
+                ..Default::default()
+            })
+        };
+        let epoch = l.epoch();
+        l.listed("a", listed(), epoch);
+        assert!(l.cached_complete("a"));
+        // A LIST sent before `a` was changed here answers after the change.
+        let epoch = l.epoch();
+        l.forget("a");
+        l.listed("a", listed(), epoch);
+        assert!(!l.cached_complete("a"));
+        l.listed("a", listed(), l.epoch());
+        assert!(l.cached_complete("a"));
+    }
 
     #[tokio::test]
     async fn concurrent_stats_of_one_path_share_one_probe() {

@@ -32,7 +32,11 @@ fn config(cache: &tempfile::TempDir) -> FsConfig {
 }
 
 fn env() -> Env {
-    let mem = Arc::new(MemoryStore::new());
+    env_on(MemoryStore::new())
+}
+
+fn env_on(mem: MemoryStore) -> Env {
+    let mem = Arc::new(mem);
     let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
     let metrics = metered.metrics();
     let cache = tempfile::tempdir().unwrap();
@@ -829,6 +833,172 @@ async fn ls_l_costs_one_list_and_one_head_per_file_with_statahead() {
         Err(FsError::ENOENT)
     );
     assert_eq!(e.metrics.total_requests(), total);
+}
+
+/// s3fs-style metadata of a file with permissions `perm` and mtime `secs`.
+fn file_meta(perm: u32, secs: u64) -> UserMeta {
+    [
+        ("mode", (libc::S_IFREG | perm).to_string()),
+        ("uid", "1234".to_string()),
+        ("gid", "5678".to_string()),
+        ("mtime", secs.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+#[tokio::test]
+async fn ls_l_with_metadata_in_the_listing_sends_no_head() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    let t0 = 1_600_000_000u64;
+    for i in 0..300u32 {
+        let meta = file_meta(0o600 + (i % 64), t0 + i as u64);
+        e.mem
+            .put(&format!("d/f{i:04}"), Bytes::from_static(b"xy"), &meta)
+            .await
+            .unwrap();
+    }
+    let link: UserMeta = [("mode".to_string(), (libc::S_IFLNK | 0o777).to_string())].into();
+    e.mem
+        .put("d/link", Bytes::from_static(b"f0000"), &link)
+        .await
+        .unwrap();
+    put(&e.mem, "d/plain", b"foreign").await; // no metadata at all
+    let marker: UserMeta = [("mode".to_string(), (libc::S_IFDIR | 0o710).to_string())].into();
+    e.mem.put("d/sub/", Bytes::new(), &marker).await.unwrap();
+    put(&e.mem, "d/sub/inner", b"").await;
+
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let before = e.metrics.total_requests();
+    let heads = e.metrics.requests(Op::Head);
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    let entries = e.fs.readdir(d.ino, fh, 0).await.unwrap();
+    e.fs.releasedir(d.ino, fh);
+    assert_eq!(entries.len(), 2 + 303);
+    // The kind of a symlink shows in the listing itself.
+    let kind = |n: &str| entries.iter().find(|e| e.name == n).unwrap().kind;
+    assert_eq!(kind("link"), FileKind::Symlink);
+    assert_eq!(kind("f0007"), FileKind::File);
+    assert_eq!(kind("sub"), FileKind::Dir);
+    assert_eq!(e.metrics.requests(Op::List), 2);
+    // Stat every file as ls -l does: all from the listing, no HEAD.
+    for i in 0..300u32 {
+        let a =
+            e.fs.lookup(d.ino, OsStr::new(&format!("f{i:04}")))
+                .await
+                .unwrap();
+        assert_eq!(a.kind, FileKind::File);
+        assert_eq!(a.size, 2);
+        assert_eq!(a.perm as u32, 0o600 + (i % 64), "f{i:04}");
+        assert_eq!((a.uid, a.gid), (1234, 5678));
+        assert_eq!(
+            a.mtime,
+            std::time::UNIX_EPOCH + std::time::Duration::from_secs(t0 + i as u64)
+        );
+    }
+    let l = e.fs.lookup(d.ino, OsStr::new("link")).await.unwrap();
+    assert_eq!(l.kind, FileKind::Symlink);
+    let p = e.fs.lookup(d.ino, OsStr::new("plain")).await.unwrap();
+    assert_eq!((p.kind, p.perm), (FileKind::File, 0o644));
+    assert_eq!(e.metrics.total_requests() - before, 1, "only the LIST");
+    assert_eq!(e.metrics.requests(Op::Head), heads);
+    // A listed subdirectory costs one LIST, which also carries its marker's metadata.
+    let s = e.fs.lookup(d.ino, OsStr::new("sub")).await.unwrap();
+    assert_eq!((s.kind, s.perm), (FileKind::Dir, 0o710));
+    assert_eq!(e.metrics.total_requests() - before, 2);
+    assert_eq!(e.metrics.requests(Op::Head), heads);
+    // The target of a symlink is its body: one GET.
+    assert_eq!(&e.fs.readlink(l.ino).await.unwrap()[..], b"f0000");
+    assert_eq!(e.metrics.requests(Op::Get), 1);
+}
+
+#[tokio::test]
+async fn walks_that_stat_no_file_list_without_metadata_until_files_are_stat_ed() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    for d in 0..6 {
+        for i in 0..100 {
+            e.mem
+                .put(
+                    &format!("d{d}/f{i:03}"),
+                    Bytes::from_static(b"x"),
+                    &file_meta(0o640, 1_600_000_000),
+                )
+                .await
+                .unwrap();
+        }
+    }
+    let mut dirs = Vec::new();
+    for d in 0..5 {
+        let a =
+            e.fs.lookup(ROOT_INO, OsStr::new(&format!("d{d}")))
+                .await
+                .unwrap();
+        // A walk like `find`: the directory is listed, its files are not stat'ed.
+        assert_eq!(list(&e.fs, a.ino).await.len(), 102);
+        dirs.push(a.ino);
+    }
+    let stat_all = |ino: u64| {
+        let fs = e.fs.clone();
+        async move {
+            for i in 0..100 {
+                let a = fs
+                    .lookup(ino, OsStr::new(&format!("f{i:03}")))
+                    .await
+                    .unwrap();
+                assert_eq!(a.perm, 0o640);
+            }
+        }
+    };
+    // The first directory was listed with metadata; after its 100 unused entries the others
+    // were listed without, so their files need a HEAD each (statahead).
+    let heads = e.metrics.requests(Op::Head);
+    stat_all(dirs[4]).await;
+    let after = e.metrics.requests(Op::Head);
+    assert!(after - heads >= 100, "{} HEADs", after - heads);
+    stat_all(dirs[0]).await;
+    assert_eq!(e.metrics.requests(Op::Head), after);
+    // Listed files were stat'ed: the next listing carries the metadata again.
+    let d5 = e.fs.lookup(ROOT_INO, OsStr::new("d5")).await.unwrap();
+    let after = e.metrics.requests(Op::Head);
+    assert_eq!(list(&e.fs, d5.ino).await.len(), 102);
+    stat_all(d5.ino).await;
+    assert_eq!(e.metrics.requests(Op::Head), after);
+}
+
+#[tokio::test]
+async fn listed_subdirectories_cost_no_head_of_the_name() {
+    // A store whose listings have no metadata: the subdirectory's marker needs a HEAD, but
+    // the name itself (which the listing says is a directory) is not HEADed as a file.
+    let e = env();
+    let marker: UserMeta = [("mode".to_string(), (libc::S_IFDIR | 0o750).to_string())].into();
+    e.mem.put("sub/", Bytes::new(), &marker).await.unwrap();
+    put(&e.mem, "implied/x", b"").await;
+    let names = list(&e.fs, ROOT_INO).await;
+    assert_eq!(names, [".", "..", "implied", "sub"]);
+    let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+    let s = e.fs.lookup(ROOT_INO, OsStr::new("sub")).await.unwrap();
+    assert_eq!((s.kind, s.perm), (FileKind::Dir, 0o750));
+    let i = e.fs.lookup(ROOT_INO, OsStr::new("implied")).await.unwrap();
+    assert_eq!((i.kind, i.perm), (FileKind::Dir, 0o755));
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 2);
+    assert_eq!(
+        e.metrics.requests(Op::Head) - before.1,
+        1,
+        "the marker of sub"
+    );
+}
+
+#[tokio::test]
+async fn a_listed_directory_that_became_a_file_is_found() {
+    let e = env();
+    put(&e.mem, "x/y", b"").await;
+    assert_eq!(list(&e.fs, ROOT_INO).await, [".", "..", "x"]);
+    // Another client replaces the directory with a file before the stat.
+    e.mem.delete("x/y").await.unwrap();
+    put(&e.mem, "x", b"now a file").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("x")).await.unwrap();
+    assert_eq!((a.kind, a.size), (FileKind::File, 10));
 }
 
 #[tokio::test]

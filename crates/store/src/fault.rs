@@ -181,10 +181,12 @@ impl ObjectStore for FaultStore {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
         self.wrap(
             Op::List,
-            self.inner.list(prefix, delimiter, continuation, max_keys),
+            self.inner
+                .list(prefix, delimiter, continuation, max_keys, detail),
         )
         .await
     }

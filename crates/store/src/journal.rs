@@ -372,9 +372,10 @@ impl ObjectStore for JournalStore {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
         self.inner
-            .list(prefix, delimiter, continuation, max_keys)
+            .list(prefix, delimiter, continuation, max_keys, detail)
             .await
     }
 }

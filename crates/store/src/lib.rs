@@ -7,6 +7,7 @@
 pub mod error;
 pub mod fault;
 pub mod journal;
+pub mod list_meta;
 pub mod listing;
 pub mod local;
 pub mod memory;
@@ -88,13 +89,16 @@ pub trait ObjectStore: Send + Sync + 'static {
     async fn delete(&self, key: &str) -> StoreResult<()>;
 
     /// One page of a LIST of keys starting with `prefix`. With `delimiter` (always `/` here),
-    /// keys below the next delimiter are rolled up into `common_prefixes`.
+    /// keys below the next delimiter are rolled up into `common_prefixes`. With
+    /// [`ListDetail::UserMeta`], entries carry their user metadata where the store can give it
+    /// in a listing ([`ObjectMeta::user_complete`] says which do: they need no HEAD).
     async fn list(
         &self,
         prefix: &str,
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage>;
 }
 

@@ -49,10 +49,7 @@ where
                 return page;
             }
             last_emitted = Some(obj.key.clone());
-            page.objects.push(ObjectMeta {
-                user: Default::default(),
-                ..obj
-            });
+            page.objects.push(obj);
         }
         count += 1;
     }

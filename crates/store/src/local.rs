@@ -337,6 +337,7 @@ fn meta_of(key: &str, md: &fs::Metadata) -> ObjectMeta {
         etag: Some(etag_of(md)),
         last_modified: md.modified().ok(),
         user: UserMeta::new(),
+        user_complete: false,
     }
 }
 
@@ -352,6 +353,7 @@ impl ObjectStore for LocalStore {
             let (p, md) = s.object_md(&key)?;
             let mut m = meta_of(&key, &md);
             m.user = read_xattrs(&p)?;
+            m.user_complete = true;
             Ok(m)
         })
         .await
@@ -571,19 +573,32 @@ impl ObjectStore for LocalStore {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
         let prefix = prefix.to_string();
         let delimiter = delimiter.map(str::to_string);
+        let with_user = detail == ListDetail::UserMeta;
         self.run(move |s| {
             let recursive = delimiter.is_none();
             let all = s.collect(&prefix, recursive)?;
-            Ok(page_from_sorted(
+            let mut page = page_from_sorted(
                 all,
                 &prefix,
                 delimiter.as_deref(),
                 continuation.as_deref(),
                 max_keys,
-            ))
+            );
+            // The metadata is a few xattr calls away (what a HEAD costs here too): give it
+            // with the page's entries when asked, so listed files need no HEAD.
+            if with_user {
+                for o in &mut page.objects {
+                    if let Ok(user) = s.path(&o.key).and_then(|p| read_xattrs(&p)) {
+                        o.user = user;
+                        o.user_complete = true;
+                    }
+                }
+            }
+            Ok(page)
         })
         .await
     }
@@ -608,12 +623,22 @@ mod tests {
         assert_eq!(h.user.get("mode").unwrap(), "33188");
         assert!(s.head("a/b").await.unwrap_err().is_not_found());
         assert!(s.head("a/b/").await.is_ok());
-        let page = s.list("a/", Some("/"), None, 1000).await.unwrap();
+        let page = s
+            .list("a/", Some("/"), None, 1000, ListDetail::Plain)
+            .await
+            .unwrap();
+        assert!(page.objects.iter().all(|o| !o.user_complete));
         assert_eq!(page.objects[0].key, "a/");
         assert_eq!(page.common_prefixes, ["a/b/", "a/d/"]);
-        let all = s.list("", None, None, 1000).await.unwrap();
+        let all = s
+            .list("", None, None, 1000, ListDetail::UserMeta)
+            .await
+            .unwrap();
         let keys: Vec<_> = all.objects.iter().map(|o| o.key.as_str()).collect();
         assert_eq!(keys, ["a/", "a/b/", "a/b/c.txt", "a/d/"]);
+        // Listings carry the user metadata, so listed files need no HEAD.
+        assert!(all.objects.iter().all(|o| o.user_complete));
+        assert_eq!(all.objects[2].user, h.user);
         let got = s
             .get_range("a/b/c.txt", 1..100, h.etag.as_deref())
             .await

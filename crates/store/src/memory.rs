@@ -35,6 +35,8 @@ struct Inner {
 #[derive(Default)]
 pub struct MemoryStore {
     inner: Mutex<Inner>,
+    /// LIST entries carry user metadata, like MinIO's `metadata=true` (off: like plain S3).
+    list_metadata: bool,
 }
 
 fn etag_of(data: &[u8]) -> String {
@@ -44,6 +46,14 @@ fn etag_of(data: &[u8]) -> String {
 impl MemoryStore {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A store whose LIST entries carry their user metadata, as MinIO's do when asked.
+    pub fn with_list_metadata() -> Self {
+        Self {
+            list_metadata: true,
+            ..Self::default()
+        }
     }
 
     /// Number of multipart uploads not yet completed or aborted.
@@ -104,6 +114,7 @@ impl ObjectStore for MemoryStore {
             etag: Some(o.etag),
             last_modified: Some(o.modified),
             user: o.meta,
+            user_complete: true,
         })
     }
 
@@ -251,8 +262,10 @@ impl ObjectStore for MemoryStore {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
         let inner = self.inner.lock();
+        let with_user = self.list_metadata && detail == ListDetail::UserMeta;
         let entries = inner
             .objects
             .range(prefix.to_string()..)
@@ -262,7 +275,12 @@ impl ObjectStore for MemoryStore {
                 size: o.data.len() as u64,
                 etag: Some(o.etag.clone()),
                 last_modified: Some(o.modified),
-                user: UserMeta::new(),
+                user: if with_user {
+                    o.meta.clone()
+                } else {
+                    UserMeta::new()
+                },
+                user_complete: with_user,
             });
         Ok(page_from_sorted(
             entries,

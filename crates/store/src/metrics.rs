@@ -254,10 +254,11 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
         let r = self
             .inner
-            .list(prefix, delimiter, continuation, max_keys)
+            .list(prefix, delimiter, continuation, max_keys, detail)
             .await;
         self.metrics.count(Op::List, &r);
         r

@@ -390,10 +390,11 @@ impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
         self.retry(&format!("LIST {prefix:?}"), || {
             self.inner
-                .list(prefix, delimiter, continuation.clone(), max_keys)
+                .list(prefix, delimiter, continuation.clone(), max_keys, detail)
         })
         .await
     }

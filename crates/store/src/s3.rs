@@ -1,6 +1,7 @@
 //! The S3 backend on `aws-sdk-s3`: Amazon S3, Alibaba OSS, MinIO, Ceph RGW and any other
 //! S3-compatible store.
 
+use crate::list_meta::{ListCapture, ListMetadata};
 use crate::*;
 use async_trait::async_trait;
 use aws_sdk_s3::config::{Credentials, Region};
@@ -11,6 +12,7 @@ use aws_sdk_s3::Client;
 use aws_smithy_types::date_time::DateTime as SmithyTime;
 use bytes::Bytes;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, SystemTime};
 
 /// How to reach and authenticate to an S3-compatible service.
@@ -37,6 +39,9 @@ pub struct S3Config {
     /// about a quarter of the CPU of an upload). `None`: unsigned over HTTPS, whose TLS
     /// already protects the body, signed over plain HTTP.
     pub unsigned_payload: Option<bool>,
+    /// Whether LISTs ask for user metadata (MinIO's `metadata=true`), so that listed entries
+    /// need no HEAD. `Auto`: only once the server has said it is MinIO.
+    pub list_metadata: ListMetadata,
 }
 
 /// Time allowed for one attempt of a request without a large body (HEAD, LIST, DELETE,
@@ -71,7 +76,15 @@ pub struct S3Store {
     client: Client,
     bucket: String,
     unsigned_payload: bool,
+    list_metadata: ListMetadata,
+    /// What the answers said about the server: [`SERVER_UNKNOWN`], [`SERVER_MINIO`] or
+    /// [`SERVER_OTHER`] (only looked at with `ListMetadata::Auto`).
+    server: AtomicU8,
 }
+
+const SERVER_UNKNOWN: u8 = 0;
+const SERVER_MINIO: u8 = 1;
+const SERVER_OTHER: u8 = 2;
 
 fn system_time(t: Option<&SmithyTime>) -> Option<SystemTime> {
     t.and_then(|t| SystemTime::try_from(*t).ok())
@@ -230,21 +243,92 @@ impl S3Store {
             client: Client::from_conf(b.build()),
             bucket: cfg.bucket.clone(),
             unsigned_payload: cfg.unsigned_payload.unwrap_or(https),
+            list_metadata: cfg.list_metadata,
+            server: AtomicU8::new(SERVER_UNKNOWN),
         })
+    }
+
+    /// Whether LISTs that want user metadata ask the server for it now.
+    pub fn lists_metadata(&self) -> bool {
+        match self.list_metadata {
+            ListMetadata::On => true,
+            ListMetadata::Off => false,
+            ListMetadata::Auto => self.server.load(Ordering::Relaxed) == SERVER_MINIO,
+        }
+    }
+
+    /// A LIST request, asking for user metadata when `detail` wants it and
+    /// [`Self::lists_metadata`], and with an interceptor when its answer must be looked at
+    /// (metadata to parse, or the server to detect). The query parameter is added before
+    /// signing, so it is signed like the rest.
+    fn list_request(
+        &self,
+        req: aws_sdk_s3::operation::list_objects_v2::builders::ListObjectsV2FluentBuilder,
+        detail: ListDetail,
+    ) -> (
+        aws_sdk_s3::client::customize::CustomizableOperation<
+            aws_sdk_s3::operation::list_objects_v2::ListObjectsV2Output,
+            aws_sdk_s3::operation::list_objects_v2::ListObjectsV2Error,
+            aws_sdk_s3::operation::list_objects_v2::builders::ListObjectsV2FluentBuilder,
+        >,
+        Option<ListCapture>,
+    ) {
+        let want = detail == ListDetail::UserMeta && self.lists_metadata();
+        let detect = self.list_metadata == ListMetadata::Auto
+            && self.server.load(Ordering::Relaxed) == SERVER_UNKNOWN;
+        let mut req = req.customize();
+        if want {
+            req = req.mutate_request(|r| {
+                let uri = crate::list_meta::with_query_param(r.uri());
+                // A URI that was valid stays valid with a plain `&metadata=true` appended.
+                let _ = r.set_uri(uri);
+            });
+        }
+        let capture = (want || detect).then(|| ListCapture::new(want));
+        if let Some(c) = &capture {
+            req = req.interceptor(c.clone());
+        }
+        (req, capture)
+    }
+
+    /// Notes what an answer said about the server (`Auto` only).
+    fn note_server(&self, minio: bool) {
+        if self.list_metadata != ListMetadata::Auto {
+            return;
+        }
+        let state = if minio { SERVER_MINIO } else { SERVER_OTHER };
+        if self
+            .server
+            .compare_exchange(SERVER_UNKNOWN, state, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            if minio {
+                tracing::info!("server is MinIO: listings carry user metadata (no HEAD per entry)");
+            } else {
+                tracing::debug!("server is not MinIO: plain listings");
+            }
+        }
     }
 
     /// One cheap LIST to prove that the bucket exists and the credentials work, so that a
     /// mount fails at startup with a clear message instead of at first use.
+    /// With `ListMetadata::Auto` it also finds out whether the server is MinIO.
     pub async fn check_access(&self, prefix: &str) -> StoreResult<()> {
-        self.client
-            .list_objects_v2()
-            .bucket(&self.bucket)
-            .prefix(prefix)
-            .max_keys(1)
-            .send()
+        let (req, capture) = self.list_request(
+            self.client
+                .list_objects_v2()
+                .bucket(&self.bucket)
+                .prefix(prefix)
+                .max_keys(1),
+            ListDetail::Plain,
+        );
+        req.send()
             .await
-            .map(|_| ())
-            .map_err(|e| map_err(&format!("bucket {}", self.bucket), e))
+            .map_err(|e| map_err(&format!("bucket {}", self.bucket), e))?;
+        if let Some(c) = capture {
+            self.note_server(c.take().minio);
+        }
+        Ok(())
     }
 }
 
@@ -276,6 +360,7 @@ impl ObjectStore for S3Store {
                         .collect()
                 })
                 .unwrap_or_default(),
+            user_complete: true,
         })
     }
 
@@ -552,29 +637,53 @@ impl ObjectStore for S3Store {
         delimiter: Option<&str>,
         continuation: Option<String>,
         max_keys: usize,
+        detail: ListDetail,
     ) -> StoreResult<ListPage> {
-        let out = self
-            .client
-            .list_objects_v2()
-            .bucket(&self.bucket)
-            .prefix(prefix)
-            .set_delimiter(delimiter.map(str::to_string))
-            .set_continuation_token(continuation)
-            .max_keys(max_keys.min(1000) as i32)
+        let (req, capture) = self.list_request(
+            self.client
+                .list_objects_v2()
+                .bucket(&self.bucket)
+                .prefix(prefix)
+                .set_delimiter(delimiter.map(str::to_string))
+                .set_continuation_token(continuation)
+                .max_keys(max_keys.min(1000) as i32),
+            detail,
+        );
+        let out = req
             .send()
             .await
             .map_err(|e| map_err(&format!("list {prefix:?}"), e))?;
+        // The user metadata of each `<Contents>`, in the same order as the SDK's entries.
+        let mut metas = match capture.map(|c| c.take()) {
+            Some(c) => {
+                self.note_server(c.minio);
+                match c.entries {
+                    Some(Ok(v)) => v,
+                    Some(Err(e)) => {
+                        tracing::warn!("list {prefix:?}: user metadata not understood: {e}");
+                        Vec::new()
+                    }
+                    None => Vec::new(),
+                }
+            }
+            None => Vec::new(),
+        }
+        .into_iter();
         Ok(ListPage {
             objects: out
                 .contents()
                 .iter()
                 .filter_map(|o| {
+                    let listed = metas.next();
+                    let key = o.key()?;
+                    let user = listed.and_then(|(k, u)| if k == key { u } else { None });
                     Some(ObjectMeta {
-                        key: o.key()?.to_string(),
+                        key: key.to_string(),
                         size: o.size().unwrap_or(0).max(0) as u64,
                         etag: norm_etag(o.e_tag()),
                         last_modified: system_time(o.last_modified()),
-                        user: UserMeta::new(),
+                        user_complete: user.is_some(),
+                        user: user.unwrap_or_default(),
                     })
                 })
                 .collect(),

@@ -13,8 +13,22 @@ pub struct ObjectMeta {
     pub size: u64,
     pub etag: Option<String>,
     pub last_modified: Option<SystemTime>,
-    /// Only filled by HEAD; LIST does not return user metadata.
+    /// User metadata. HEAD always fills it; a LIST entry has it only when the store can say
+    /// it in a listing (MinIO's `metadata=true`, the local and memory stores when asked).
     pub user: UserMeta,
+    /// `user` is the object's whole user metadata (a HEAD, or a listing that carried it).
+    /// When false, `user` is empty and says nothing: ask HEAD.
+    pub user_complete: bool,
+}
+
+/// What the entries of a LIST should carry besides key, size, ETag and time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListDetail {
+    /// Nothing more: the cheapest listing.
+    Plain,
+    /// Their user metadata too, where the store can give it in a listing (MinIO's
+    /// `metadata=true`, the local store); it costs the server a little per entry.
+    UserMeta,
 }
 
 /// One page of a LIST.
