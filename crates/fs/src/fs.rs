@@ -14,6 +14,9 @@ use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
 use crate::read::{ReadConfig, Reader};
 use crate::write::{Base, Orphans, PartLayout, WriteConfig, WriteState};
+use dir::{DirMisses, DirStream, ListingSays};
+
+mod dir;
 use bucketfs_store::{
     CompletedPart, ListDetail, ObjectMeta, ObjectStore, StoreError, UserMeta, MAX_COPY_OBJECT_SIZE,
 };
@@ -89,23 +92,6 @@ const RENAME_CONCURRENCY: usize = 16;
 const COPY_PART_SIZE: u64 = 512 * 1024 * 1024;
 /// How often aborts that failed are tried again.
 const ORPHAN_RETRY: Duration = Duration::from_secs(5);
-/// Names after a looked-up one that statahead stats in the background.
-const STATAHEAD_WINDOW: usize = 256;
-
-enum ListingSays {
-    Unknown,
-    Absent,
-    /// Present; `window` indexes the names that follow it (the statahead window) and
-    /// `far_end` is the last of them.
-    Present {
-        window: std::ops::Range<usize>,
-        far_end: Option<String>,
-    },
-}
-
-/// Entries returned by one readdir call at most (the kernel takes what fits its buffer).
-const READDIR_BATCH: usize = 512;
-
 /// An open file: its read state and, when opened for writing, the inode's shared write state.
 #[derive(Clone)]
 struct FileHandle {
@@ -120,33 +106,6 @@ enum Handle {
     Dir(Arc<tokio::sync::Mutex<DirStream>>),
 }
 
-/// A directory being listed: the entries so far and where the LIST continues.
-struct DirStream {
-    ino: Ino,
-    path: String,
-    prefix: String,
-    token: Option<String>,
-    /// Whether its LIST pages ask for user metadata (decided at opendir).
-    detail: ListDetail,
-    done: bool,
-    entries: Vec<DirEntry>,
-    /// Name to position in `entries`, while the listing is incomplete.
-    index: HashMap<String, usize>,
-}
-
-impl DirStream {
-    fn push(&mut self, name: &str, kind: FileKind) {
-        let n = self.entries.len();
-        self.index.insert(name.to_string(), n);
-        self.entries.push(DirEntry {
-            ino: synthetic_ino(&join(&self.path, name)),
-            next_offset: n as i64 + 1,
-            kind,
-            name: name.to_string(),
-        });
-    }
-}
-
 pub struct Fs {
     store: Arc<dyn ObjectStore>,
     cfg: FsConfig,
@@ -158,6 +117,8 @@ pub struct Fs {
     next_fh: AtomicU64,
     /// Stat cache, single-flight probes and statahead.
     lookups: Arc<Lookups>,
+    /// Lookup misses per directory without a listing (see [`Fs::list_for_lookups`]).
+    dir_misses: Mutex<HashMap<Ino, DirMisses>>,
 }
 
 fn now() -> SystemTime {
@@ -225,6 +186,7 @@ impl Fs {
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             lookups: Lookups::new(store_for_lookups, prefix_for_lookups, stat_ttl),
+            dir_misses: Mutex::new(HashMap::new()),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(Self::retry_orphans_forever(Arc::downgrade(&fs)));
@@ -384,8 +346,16 @@ impl Fs {
         }
         inc(&self.wcfg.metrics.attr_misses);
         let path = join(&parent_path, name);
-        let cached = self.lookups.cached_complete(&path);
-        match self.listing_says(parent, name) {
+        let mut cached = self.lookups.cached_complete(&path);
+        let mut says = self.listing_says(parent, name);
+        if matches!(says, ListingSays::Unknown)
+            && !self.lookups.known(&path)
+            && self.list_for_lookups(parent, &parent_path).await
+        {
+            cached = self.lookups.cached_complete(&path);
+            says = self.listing_says(parent, name);
+        }
+        match says {
             ListingSays::Absent if !cached => {
                 // A fresh complete listing of the parent does not have it.
                 inc(&self.wcfg.metrics.attr_hits);
@@ -412,50 +382,6 @@ impl Fs {
                 }
                 Err(e)
             }
-        }
-    }
-
-    /// What the parent's cached listing says about `name`.
-    fn listing_says(&self, parent: Ino, name: &str) -> ListingSays {
-        let t = self.table.lock();
-        let Some(l) = t.get(parent).and_then(|p| p.listing.as_ref()) else {
-            return ListingSays::Unknown;
-        };
-        if l.at.elapsed() >= self.cfg.stat_ttl {
-            return ListingSays::Unknown;
-        }
-        match l.names.binary_search_by(|n| n.as_str().cmp(name)) {
-            Ok(i) => {
-                let window = i + 1..(i + 1 + STATAHEAD_WINDOW).min(l.names.len());
-                ListingSays::Present {
-                    far_end: l.names.get(window.clone()).and_then(|w| w.last()).cloned(),
-                    window,
-                }
-            }
-            Err(_) if l.added.contains(name) => ListingSays::Unknown,
-            Err(_) => ListingSays::Absent,
-        }
-    }
-
-    /// Paths of the names at `window` in the cached listing of `parent`.
-    fn listing_names(&self, parent: Ino, window: std::ops::Range<usize>, dir: &str) -> Vec<String> {
-        let t = self.table.lock();
-        t.get(parent)
-            .and_then(|p| p.listing.as_ref())
-            .and_then(|l| l.names.get(window))
-            .map(|names| names.iter().map(|n| join(dir, n)).collect())
-            .unwrap_or_default()
-    }
-
-    /// Notes that `name` now exists in directory `parent` (its cached listing lacks it).
-    fn note_added(&self, parent: Ino, name: &str) {
-        if let Some(l) = self
-            .table
-            .lock()
-            .get_mut(parent)
-            .and_then(|p| p.listing.as_mut())
-        {
-            l.added.insert(name.to_string());
         }
     }
 
@@ -1479,131 +1405,6 @@ impl Fs {
         }
         t.maybe_drop(ino);
         Ok(())
-    }
-
-    /// Opens a directory for listing and returns its handle. The listing is read from the
-    /// store page by page as `readdir` asks for entries.
-    pub async fn opendir(&self, ino: Ino) -> FsResult<u64> {
-        let (path, parent) = {
-            let t = self.table.lock();
-            let i = t.get(ino).ok_or(FsError::ENOENT)?;
-            if i.kind != FileKind::Dir {
-                return Err(FsError::ENOTDIR);
-            }
-            (i.path.clone(), i.parent)
-        };
-        let dots = [(ino, "."), (parent, "..")];
-        let entries = dots
-            .iter()
-            .enumerate()
-            .map(|(n, (ino, name))| DirEntry {
-                ino: *ino,
-                next_offset: n as i64 + 1,
-                kind: FileKind::Dir,
-                name: name.to_string(),
-            })
-            .collect();
-        let stream = DirStream {
-            ino,
-            prefix: self.dir_key(&path),
-            path,
-            token: None,
-            detail: self.lookups.list_detail(),
-            done: false,
-            entries,
-            index: HashMap::new(),
-        };
-        Ok(self.add_handle(Handle::Dir(Arc::new(tokio::sync::Mutex::new(stream)))))
-    }
-
-    /// Entries after cookie `offset` (0 = from the start, including `.` and `..`).
-    pub async fn readdir(&self, _ino: Ino, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
-        let stream = match self.handles.lock().get(&fh) {
-            Some(Handle::Dir(s)) => s.clone(),
-            _ => return Err(FsError::EBADF),
-        };
-        let mut st = stream.lock().await;
-        let from = offset.max(0) as usize;
-        // Past the dots at least, so the first answer carries a page of names.
-        while !st.done && st.entries.len() <= from.max(2) {
-            self.next_page(&mut st).await?;
-        }
-        Ok(st
-            .entries
-            .iter()
-            .skip(from)
-            .take(READDIR_BATCH)
-            .cloned()
-            .collect())
-    }
-
-    /// Reads one LIST page into the stream; after the last, adds entries that exist only here
-    /// and records the listing for negative lookups and statahead.
-    async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
-        let epoch = self.lookups.epoch();
-        let page = self
-            .store
-            .list(&st.prefix, Some("/"), st.token.take(), 1000, st.detail)
-            .await
-            .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
-        let plen = st.prefix.len();
-        for cp in &page.common_prefixes {
-            let name = cp[plen..].trim_end_matches('/');
-            if listable(name) && cp.len() == plen + name.len() + 1 {
-                if let Some(&i) = st.index.get(name) {
-                    st.entries[i].kind = FileKind::Dir; // a directory wins over a file
-                } else {
-                    st.push(name, FileKind::Dir);
-                }
-                let dir = Found {
-                    kind: FileKind::Dir,
-                    obj: ObjectMeta::default(),
-                    has_marker: false,
-                };
-                self.lookups.listed(&join(&st.path, name), dir, epoch);
-            }
-        }
-        for o in page.objects {
-            let name = o.key[plen..].to_string();
-            if listable(&name) && !st.index.contains_key(&name) {
-                // With user metadata the mode tells symlinks from files; without, a file.
-                let found = found_object(o);
-                st.push(&name, found.kind);
-                self.lookups.listed(&join(&st.path, &name), found, epoch);
-            }
-        }
-        st.token = page.next_continuation;
-        if st.token.is_some() {
-            return Ok(());
-        }
-        st.done = true;
-        let mut t = self.table.lock();
-        for c in t.children_of(st.ino) {
-            // Created here and not uploaded yet: show it anyway.
-            if (c.fetched.is_none() || c.write.is_some()) && !st.index.contains_key(&c.name) {
-                let (name, kind) = (c.name.clone(), c.kind);
-                st.push(&name, kind);
-            }
-        }
-        let mut names: Vec<String> = std::mem::take(&mut st.index).into_keys().collect();
-        names.sort_unstable();
-        for e in st.entries.iter_mut().skip(2) {
-            if let Some(ino) = t.child(st.ino, &e.name) {
-                e.ino = ino;
-            }
-        }
-        if let Some(i) = t.get_mut(st.ino) {
-            i.listing = Some(DirListing {
-                at: Instant::now(),
-                names,
-                added: Default::default(),
-            });
-        }
-        Ok(())
-    }
-
-    pub fn releasedir(&self, _ino: Ino, fh: u64) {
-        self.handles.lock().remove(&fh);
     }
 
     pub fn statfs(&self) -> StatFs {

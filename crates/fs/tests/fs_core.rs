@@ -1143,3 +1143,54 @@ async fn files_open_for_writing_keep_fetched_and_published_bytes_on_disk() {
     assert_eq!(object(&e.mem, "db").await, model);
     e.fs.release(a.ino, h.fh).await.unwrap();
 }
+
+/// An application opening the files of a cold directory by name (no readdir): after a few
+/// misses the directory is listed once, and the other names, present or not, cost nothing.
+#[tokio::test]
+async fn lookups_of_many_names_in_one_directory_list_it_once() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    for i in 0..40u32 {
+        let meta = file_meta(0o640, 1_600_000_000 + i as u64);
+        e.mem
+            .put(&format!("d/f{i:02}"), Bytes::from_static(b"abc"), &meta)
+            .await
+            .unwrap();
+    }
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let before = e.metrics.total_requests();
+    for i in 0..40u32 {
+        let a =
+            e.fs.lookup(d.ino, OsStr::new(&format!("f{i:02}")))
+                .await
+                .unwrap();
+        assert_eq!((a.size, a.perm), (3, 0o640), "f{i:02}");
+    }
+    // Names that do not exist: answered by the listing too.
+    for n in ["nope", "f99"] {
+        assert_eq!(
+            e.fs.lookup(d.ino, OsStr::new(n)).await.unwrap_err(),
+            FsError::ENOENT
+        );
+    }
+    // Two names probed (HEAD + LIST each), then one LIST for the rest.
+    assert_eq!(e.metrics.total_requests() - before, 2 * 2 + 1);
+}
+
+/// A single lookup in a cold directory still probes just its name: no listing of a
+/// directory that may be huge.
+#[tokio::test]
+async fn a_lone_lookup_does_not_list_the_directory() {
+    let e = env();
+    for i in 0..5u32 {
+        put(&e.mem, &format!("d/f{i}"), b"x").await;
+    }
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let lists = e.metrics.requests(Op::List);
+    e.fs.lookup(d.ino, OsStr::new("f3")).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::Head), 2);
+    assert_eq!(
+        e.metrics.requests(Op::List),
+        lists + 1,
+        "HEAD f3 + LIST f3/ only"
+    );
+}

@@ -1,0 +1,301 @@
+//! Directories: listings streamed page by page to readdir, the listing each complete pass
+//! leaves for negative lookups and statahead, and what a cached listing says about a name.
+
+use super::*;
+
+/// Names after a looked-up one that statahead stats in the background.
+const STATAHEAD_WINDOW: usize = 256;
+
+pub(super) enum ListingSays {
+    Unknown,
+    Absent,
+    /// Present; `window` indexes the names that follow it (the statahead window) and
+    /// `far_end` is the last of them.
+    Present {
+        window: std::ops::Range<usize>,
+        far_end: Option<String>,
+    },
+}
+
+/// Lookups that must miss in one directory, within a stat TTL, before it is listed for them.
+const LIST_AFTER_MISSES: u32 = 3;
+/// Directories whose misses are counted at once, at most (older counts are dropped beyond).
+const MAX_TRACKED_DIRS: usize = 4096;
+
+/// Lookups that missed in one directory lacking a listing, and the listing made for them.
+pub(super) struct DirMisses {
+    since: Instant,
+    count: u32,
+    listing: Option<Arc<tokio::sync::OnceCell<()>>>,
+}
+
+impl DirMisses {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            count: 0,
+            listing: None,
+        }
+    }
+}
+
+/// Entries returned by one readdir call at most (the kernel takes what fits its buffer).
+const READDIR_BATCH: usize = 512;
+
+/// A directory being listed: the entries so far and where the LIST continues.
+pub(super) struct DirStream {
+    ino: Ino,
+    path: String,
+    prefix: String,
+    token: Option<String>,
+    /// Whether its LIST pages ask for user metadata (decided at opendir).
+    detail: ListDetail,
+    done: bool,
+    entries: Vec<DirEntry>,
+    /// Name to position in `entries`, while the listing is incomplete.
+    index: HashMap<String, usize>,
+}
+
+impl DirStream {
+    fn new(
+        ino: Ino,
+        path: String,
+        prefix: String,
+        detail: ListDetail,
+        entries: Vec<DirEntry>,
+    ) -> Self {
+        Self {
+            ino,
+            path,
+            prefix,
+            token: None,
+            detail,
+            done: false,
+            entries,
+            index: HashMap::new(),
+        }
+    }
+
+    fn push(&mut self, name: &str, kind: FileKind) {
+        let n = self.entries.len();
+        self.index.insert(name.to_string(), n);
+        self.entries.push(DirEntry {
+            ino: synthetic_ino(&join(&self.path, name)),
+            next_offset: n as i64 + 1,
+            kind,
+            name: name.to_string(),
+        });
+    }
+}
+
+impl Fs {
+    /// What the parent's cached listing says about `name`.
+    pub(super) fn listing_says(&self, parent: Ino, name: &str) -> ListingSays {
+        let t = self.table.lock();
+        let Some(l) = t.get(parent).and_then(|p| p.listing.as_ref()) else {
+            return ListingSays::Unknown;
+        };
+        if l.at.elapsed() >= self.cfg.stat_ttl {
+            return ListingSays::Unknown;
+        }
+        match l.names.binary_search_by(|n| n.as_str().cmp(name)) {
+            Ok(i) => {
+                let window = i + 1..(i + 1 + STATAHEAD_WINDOW).min(l.names.len());
+                ListingSays::Present {
+                    far_end: l.names.get(window.clone()).and_then(|w| w.last()).cloned(),
+                    window,
+                }
+            }
+            Err(_) if l.added.contains(name) => ListingSays::Unknown,
+            Err(_) => ListingSays::Absent,
+        }
+    }
+
+    /// Paths of the names at `window` in the cached listing of `parent`.
+    pub(super) fn listing_names(
+        &self,
+        parent: Ino,
+        window: std::ops::Range<usize>,
+        dir: &str,
+    ) -> Vec<String> {
+        let t = self.table.lock();
+        t.get(parent)
+            .and_then(|p| p.listing.as_ref())
+            .and_then(|l| l.names.get(window))
+            .map(|names| names.iter().map(|n| join(dir, n)).collect())
+            .unwrap_or_default()
+    }
+
+    /// Notes that `name` now exists in directory `parent` (its cached listing lacks it).
+    pub(super) fn note_added(&self, parent: Ino, name: &str) {
+        if let Some(l) = self
+            .table
+            .lock()
+            .get_mut(parent)
+            .and_then(|p| p.listing.as_mut())
+        {
+            l.added.insert(name.to_string());
+        }
+    }
+
+    /// Lists `parent` once for the lookups of its names when enough of them miss within a
+    /// stat TTL (an application opening the files of a directory one by one): one LIST page,
+    /// with user metadata where the store has it, then answers them all from the cache,
+    /// instead of a HEAD and a LIST per name. Returns whether such a listing was made (or
+    /// awaited, when another lookup started it); false leaves the lookup to probe its name.
+    pub(super) async fn list_for_lookups(&self, parent: Ino, parent_path: &str) -> bool {
+        let gate = {
+            let ttl = self.cfg.stat_ttl;
+            let mut all = self.dir_misses.lock();
+            if all.len() >= MAX_TRACKED_DIRS {
+                all.retain(|_, m| m.since.elapsed() < ttl);
+            }
+            let m = all.entry(parent).or_insert_with(DirMisses::new);
+            if m.since.elapsed() >= ttl {
+                *m = DirMisses::new();
+            }
+            m.count += 1;
+            if m.listing.is_none() && m.count >= LIST_AFTER_MISSES {
+                m.listing = Some(Arc::default());
+            }
+            m.listing.clone()
+        };
+        let Some(gate) = gate else {
+            return false;
+        };
+        gate.get_or_init(|| async {
+            let mut st = DirStream::new(
+                parent,
+                parent_path.to_string(),
+                self.dir_key(parent_path),
+                ListDetail::UserMeta,
+                Vec::new(),
+            );
+            // One page: a bigger directory keeps probing the names beyond it.
+            if let Err(e) = self.next_page(&mut st).await {
+                tracing::debug!("listing {parent_path:?} for lookups: {e:?}");
+            }
+        })
+        .await;
+        true
+    }
+
+    // ---- the operations ----
+
+    /// Opens a directory for listing and returns its handle. The listing is read from the
+    /// store page by page as `readdir` asks for entries.
+    pub async fn opendir(&self, ino: Ino) -> FsResult<u64> {
+        let (path, parent) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            if i.kind != FileKind::Dir {
+                return Err(FsError::ENOTDIR);
+            }
+            (i.path.clone(), i.parent)
+        };
+        let dots = [(ino, "."), (parent, "..")];
+        let entries = dots
+            .iter()
+            .enumerate()
+            .map(|(n, (ino, name))| DirEntry {
+                ino: *ino,
+                next_offset: n as i64 + 1,
+                kind: FileKind::Dir,
+                name: name.to_string(),
+            })
+            .collect();
+        let prefix = self.dir_key(&path);
+        let stream = DirStream::new(ino, path, prefix, self.lookups.list_detail(), entries);
+        Ok(self.add_handle(Handle::Dir(Arc::new(tokio::sync::Mutex::new(stream)))))
+    }
+
+    /// Entries after cookie `offset` (0 = from the start, including `.` and `..`).
+    pub async fn readdir(&self, _ino: Ino, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
+        let stream = match self.handles.lock().get(&fh) {
+            Some(Handle::Dir(s)) => s.clone(),
+            _ => return Err(FsError::EBADF),
+        };
+        let mut st = stream.lock().await;
+        let from = offset.max(0) as usize;
+        // Past the dots at least, so the first answer carries a page of names.
+        while !st.done && st.entries.len() <= from.max(2) {
+            self.next_page(&mut st).await?;
+        }
+        Ok(st
+            .entries
+            .iter()
+            .skip(from)
+            .take(READDIR_BATCH)
+            .cloned()
+            .collect())
+    }
+
+    /// Reads one LIST page into the stream; after the last, adds entries that exist only here
+    /// and records the listing for negative lookups and statahead.
+    async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
+        let epoch = self.lookups.epoch();
+        let page = self
+            .store
+            .list(&st.prefix, Some("/"), st.token.take(), 1000, st.detail)
+            .await
+            .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
+        let plen = st.prefix.len();
+        for cp in &page.common_prefixes {
+            let name = cp[plen..].trim_end_matches('/');
+            if listable(name) && cp.len() == plen + name.len() + 1 {
+                if let Some(&i) = st.index.get(name) {
+                    st.entries[i].kind = FileKind::Dir; // a directory wins over a file
+                } else {
+                    st.push(name, FileKind::Dir);
+                }
+                let dir = Found {
+                    kind: FileKind::Dir,
+                    obj: ObjectMeta::default(),
+                    has_marker: false,
+                };
+                self.lookups.listed(&join(&st.path, name), dir, epoch);
+            }
+        }
+        for o in page.objects {
+            let name = o.key[plen..].to_string();
+            if listable(&name) && !st.index.contains_key(&name) {
+                // With user metadata the mode tells symlinks from files; without, a file.
+                let found = found_object(o);
+                st.push(&name, found.kind);
+                self.lookups.listed(&join(&st.path, &name), found, epoch);
+            }
+        }
+        st.token = page.next_continuation;
+        if st.token.is_some() {
+            return Ok(());
+        }
+        st.done = true;
+        let mut t = self.table.lock();
+        for c in t.children_of(st.ino) {
+            // Created here and not uploaded yet: show it anyway.
+            if (c.fetched.is_none() || c.write.is_some()) && !st.index.contains_key(&c.name) {
+                let (name, kind) = (c.name.clone(), c.kind);
+                st.push(&name, kind);
+            }
+        }
+        let mut names: Vec<String> = std::mem::take(&mut st.index).into_keys().collect();
+        names.sort_unstable();
+        for e in st.entries.iter_mut().skip(2) {
+            if let Some(ino) = t.child(st.ino, &e.name) {
+                e.ino = ino;
+            }
+        }
+        if let Some(i) = t.get_mut(st.ino) {
+            i.listing = Some(DirListing {
+                at: Instant::now(),
+                names,
+                added: Default::default(),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn releasedir(&self, _ino: Ino, fh: u64) {
+        self.handles.lock().remove(&fh);
+    }
+}
