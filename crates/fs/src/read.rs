@@ -45,6 +45,8 @@ enum ChunkData {
 struct Chunk {
     range: Range<u64>,
     data: ChunkData,
+    /// Bytes of it handed to the kernel so far (counting repeats).
+    served: u64,
     /// Taken when the chunk's bytes move to the recent list.
     mem: Option<Reservation>,
 }
@@ -137,6 +139,7 @@ impl Reader {
         self.chunks.push_back(Chunk {
             range,
             data: ChunkData::Pending(task),
+            served: 0,
             mem: Some(mem),
         });
     }
@@ -227,14 +230,20 @@ impl Reader {
         self.collect(offset, end).await
     }
 
-    /// Hands the stream's fetched chunks to the budget's block cache (chunks still in flight
-    /// are dropped), so a reader coming back to them, or the next open, finds them.
+    /// Hands the stream's fetched chunks that were not served whole to the budget's block
+    /// cache (chunks still in flight are dropped), so a reader coming back to them, or the
+    /// next open, finds them.
     fn retire_chunks(&mut self) {
         let chunks = std::mem::take(&mut self.chunks);
         let Some(etag) = self.etag.as_deref() else {
             return;
         };
         for mut c in chunks {
+            // Served whole: the kernel's page cache has it (keep_cache makes the next open
+            // use it); caching it here too would only double the memory.
+            if c.served >= c.range.end - c.range.start {
+                continue;
+            }
             if let (ChunkData::Ready(b), Some(mem)) = (&c.data, c.mem.take()) {
                 self.cfg
                     .budget
@@ -274,6 +283,7 @@ impl Reader {
             };
             let from = (pos - chunk.range.start) as usize;
             let to = (end.min(chunk.range.end) - chunk.range.start) as usize;
+            chunk.served += (to - from) as u64;
             if pos == offset && end <= chunk.range.end {
                 return Ok(data.slice(from..to)); // the whole answer in one chunk: no copy
             }

@@ -1194,3 +1194,37 @@ async fn a_lone_lookup_does_not_list_the_directory() {
         "HEAD f3 + LIST f3/ only"
     );
 }
+
+/// A file read whole and closed leaves no memory behind (the kernel's page cache has it);
+/// one read partly keeps the unread rest of its block for the next reader.
+#[tokio::test]
+async fn only_unread_bytes_stay_cached_after_close() {
+    let e = env();
+    let data = random(100 * 1024, 9);
+    put(&e.mem, "whole", &data).await;
+    put(&e.mem, "part", &data).await;
+    let buffered = |e: &Env| {
+        e.fs.metrics()
+            .buffer_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("whole")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let got = e.fs.read(a.ino, h.fh, 0, 200 * 1024).await.unwrap();
+    assert_eq!(&got[..], &data[..]);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(buffered(&e), 0);
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("part")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let got = e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap();
+    assert_eq!(&got[..], &data[..4096]);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert!(buffered(&e) >= data.len() as u64);
+    // The next open reads the rest from the cache: no GET.
+    let gets = e.metrics.requests(Op::Get);
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let got = e.fs.read(a.ino, h.fh, 4096, 8192).await.unwrap();
+    assert_eq!(&got[..], &data[4096..12288]);
+    assert_eq!(e.metrics.requests(Op::Get), gets);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+}
