@@ -109,7 +109,8 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     L.append("## The limit: the store with no file system in between\n")
     if lim["status"] == "ok":
         L.append("`bucketfs bench` (one parallel multipart PUT, then parallel ranged GETs of it, through "
-                 f"bucketfs's store layer; {meta['sizes_human']['limit']}):\n")
+                 f"bucketfs's store layer; {meta['sizes_human']['limit']}; with `--cold` when run as root: "
+                 "page cache dropped between PUT and GET, as before every read phase):\n")
         L.append("| | MB/s | requests | client CPU core-s/GB | client peak RSS MB |")
         L.append("|---|---|---|---|---|")
         L.append(f"| PUT | {fmt(lim['put_mb_s'])} | {fmt(lim['put_requests'])} | {fmt(lim.get('cpu_s_per_gb'))} (PUT+GET) | {fmt(lim.get('peak_rss_mb'))} |")

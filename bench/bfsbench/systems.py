@@ -254,6 +254,10 @@ class Bucketfs(System):
         r = subprocess.run([self.binary, "bench", "--help"], capture_output=True, text=True)
         return r.returncode == 0
 
+    def bench_has_cold(self) -> bool:
+        r = subprocess.run([self.binary, "bench", "--help"], capture_output=True, text=True)
+        return "--cold" in r.stdout
+
     def options(self) -> str:
         return "defaults (--endpoint-url, --force-path-style, --cache-dir, --unsigned-payload)" + (
             ", --metrics-addr" if self.has_metrics() else ""

@@ -124,6 +124,10 @@ pub struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Between the PUT and the GETs, flush and drop the kernel's page cache (needs root), so
+    /// a store on this machine serves the GETs from disk, as it does a mount's cold reads.
+    #[arg(long)]
+    pub cold: bool,
     /// Config file, as for mount (connection and credential keys are used).
     #[arg(short, long, value_name = "FILE", env = "BUCKETFS_CONFIG")]
     pub config: Option<PathBuf>,

@@ -22,6 +22,8 @@ pub struct LimitOptions {
     pub concurrency: usize,
     /// Part size of the upload and size of each ranged GET.
     pub part_size: u64,
+    /// Drop the page cache between the PUT and the GETs.
+    pub cold: bool,
 }
 
 #[derive(Debug)]
@@ -94,6 +96,9 @@ pub async fn measure(
     }
     let put_secs = started.elapsed().as_secs_f64();
     let total = ranges.last().map_or(0, |(_, r)| r.end);
+    if opts.cold {
+        drop_page_cache().map_err(|e| StoreError::Other(format!("--cold: {e}")))?;
+    }
 
     let started = Instant::now();
     let got: Result<Vec<u64>, StoreError> = stream::iter(ranges)
@@ -152,6 +157,7 @@ fn run_inner(args: &BenchArgs) -> Result<LimitResult, String> {
         size: parse_size(&args.size)?,
         concurrency: args.concurrency,
         part_size: settings.part_size,
+        cold: args.cold,
     };
     let rt = tokio::runtime::Runtime::new().map_err(|e| format!("runtime: {e}"))?;
     rt.block_on(async {
@@ -161,6 +167,13 @@ fn run_inner(args: &BenchArgs) -> Result<LimitResult, String> {
             .await
             .map_err(|e| e.to_string())
     })
+}
+
+/// Writes dirty pages out and drops the clean ones, as the bench suite does before a read phase.
+fn drop_page_cache() -> std::io::Result<()> {
+    // SAFETY: sync(2) takes no arguments and cannot fail.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
 }
 
 /// Fast xorshift bytes: incompressible enough that no layer can cheat by compressing.
@@ -192,6 +205,7 @@ mod tests {
             size: 12 << 20,
             concurrency: 4,
             part_size: 5 << 20,
+            cold: false,
         };
         let r = measure(Arc::new(metered), &metrics, "bench/x", &opts)
             .await

@@ -360,7 +360,8 @@ impl WriteState {
     }
 
     /// Whether a write at `at` goes to the in-memory tail (starting one if needed): it must
-    /// continue the tail, or append to the file at the start of a part.
+    /// continue the tail, or start a part (a new file, an append, or a rewrite from the
+    /// start such as a database or `dd conv=notrunc`).
     fn tail_takes(&mut self, at: u64) -> bool {
         if let Some(t) = &self.tail {
             return at == t.end() && at < t.part_end;
@@ -372,7 +373,7 @@ impl WriteState {
         let i = layout.index_of(at);
         let part = layout.bounds(i);
         // The last possible part is never streamed: leave it to the staging path.
-        if at != self.size() || at != part.start || i + 1 >= MAX_PARTS as u64 {
+        if at != part.start || i + 1 >= MAX_PARTS as u64 {
             return false;
         }
         self.tail = Some(Tail {
@@ -629,41 +630,39 @@ impl WriteState {
         self.assemble(range.start..end).await
     }
 
-    /// Splits `range` by where its current content is.
+    /// Splits `range` by where its current content is. The tail holds the newest bytes of
+    /// its range (a write elsewhere moves it to disk first); outside it, bytes are in the
+    /// staging file, else in the base (up to its length), else zeros.
     fn sources(&self, range: Range<u64>) -> Vec<(Range<u64>, Source)> {
         let tail = self.tail.as_ref().map_or(0..0, Tail::range);
+        let pieces = [
+            range.start..range.end.min(tail.start).max(range.start),
+            range.start.max(tail.start)..range.end.min(tail.end),
+            range.start.max(tail.end).min(range.end)..range.end,
+        ];
         let mut out = Vec::new();
-        for (seg, local) in self.local.segments(range) {
-            if local {
-                out.push((seg, Source::Staging));
+        for (k, piece) in pieces.into_iter().enumerate() {
+            if piece.is_empty() {
                 continue;
             }
-            // Not on disk: the tail, else the base (up to its length), else zeros. Pieces
-            // before, inside and after the tail, each split at the base's end.
-            let cuts = [
-                seg.start..seg.end.min(tail.start).max(seg.start),
-                seg.start.max(tail.start)..seg.end.min(tail.end),
-                seg.start.max(tail.end).min(seg.end)..seg.end,
-            ];
-            for (k, piece) in cuts.into_iter().enumerate() {
-                if piece.is_empty() {
-                    continue;
-                }
-                if k == 1 {
-                    out.push((piece, Source::Tail));
-                    continue;
-                }
-                if self.unspilled.intersects(&piece) {
-                    out.push((piece, Source::Lost));
-                    continue;
-                }
-                let base_end = self.base_len.clamp(piece.start, piece.end);
-                for (r, src) in [
-                    (piece.start..base_end, Source::Base),
-                    (base_end..piece.end, Source::Zeros),
-                ] {
-                    if !r.is_empty() {
-                        out.push((r, src));
+            if k == 1 {
+                out.push((piece, Source::Tail));
+                continue;
+            }
+            for (seg, local) in self.local.segments(piece) {
+                if local {
+                    out.push((seg, Source::Staging));
+                } else if self.unspilled.intersects(&seg) {
+                    out.push((seg, Source::Lost));
+                } else {
+                    let base_end = self.base_len.clamp(seg.start, seg.end);
+                    for (r, src) in [
+                        (seg.start..base_end, Source::Base),
+                        (base_end..seg.end, Source::Zeros),
+                    ] {
+                        if !r.is_empty() {
+                            out.push((r, src));
+                        }
                     }
                 }
             }

@@ -27,6 +27,8 @@ enum Step {
     Append(u64, u8),
     /// Writes `len` bytes at `offset` (a fraction of the size, in 1/64ths).
     WriteAt(u8, u64, u8),
+    /// Writes `len` bytes at the start of part `n` (modulo the parts the file has, plus one).
+    WritePart(u8, u64, u8),
     /// Sets the size to a fraction (1/64ths, up to 1.5x) of the current size.
     Truncate(u8),
     /// Reads `len` bytes at a fraction (1/64ths) of the size.
@@ -49,6 +51,7 @@ fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         5 => (len(), any::<u8>()).prop_map(|(n, s)| Step::Append(n, s)),
         2 => (0u8..=64, len(), any::<u8>()).prop_map(|(o, n, s)| Step::WriteAt(o, n, s)),
+        2 => (any::<u8>(), len(), any::<u8>()).prop_map(|(p, n, s)| Step::WritePart(p, n, s)),
         1 => (0u8..=96).prop_map(Step::Truncate),
         2 => (0u8..=64, len()).prop_map(|(o, n)| Step::Read(o, n)),
         1 => Just(Step::Fsync),
@@ -119,6 +122,18 @@ fn run(base: Option<u64>, budget: u64, steps: Vec<Step>) -> Result<(), TestCaseE
                 Step::WriteAt(o, n, seed) => {
                     let d = fill(n, seed);
                     let off = at(o, model.len() as u64) as usize;
+                    fs.write(ino, fh, off as u64, Bytes::from(d.clone()))
+                        .await
+                        .unwrap();
+                    if model.len() < off + d.len() {
+                        model.resize(off + d.len(), 0);
+                    }
+                    model[off..off + d.len()].copy_from_slice(&d);
+                }
+                Step::WritePart(p, n, seed) => {
+                    let d = fill(n, seed);
+                    let parts = model.len() as u64 / PART + 1;
+                    let off = (p as u64 % parts * PART) as usize;
                     fs.write(ino, fh, off as u64, Bytes::from(d.clone()))
                         .await
                         .unwrap();
