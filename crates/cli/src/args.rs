@@ -322,7 +322,7 @@ pub struct MountArgs {
     )]
     pub max_dir_rename: Option<String>,
 
-    /// Parts of one file uploaded at the same time (1-256). [default: 4]
+    /// Parts of one file uploaded at the same time (1-256). [default: 8]
     #[arg(
         long,
         value_name = "N",

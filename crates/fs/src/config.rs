@@ -47,7 +47,7 @@ impl Default for FsConfig {
             read_only: false,
             stat_ttl: Duration::from_secs(5),
             part_size: 8 * 1024 * 1024,
-            upload_concurrency: 4,
+            upload_concurrency: 8,
             max_prefetch: 64 * 1024 * 1024,
             max_memory: crate::budget::default_budget(),
             cache_dir: std::env::temp_dir(),
