@@ -50,7 +50,9 @@ pub fn file_attr(a: &Attr) -> FileAttr {
         uid: a.uid,
         gid: a.gid,
         rdev: 0,
-        blksize: 4096,
+        // The I/O size programs pick from st_blksize (cp, stdio and Python buffers): one FUSE
+        // write each, instead of eight 128 KiB ones.
+        blksize: MAX_WRITE,
         flags: 0,
     }
 }
@@ -609,7 +611,7 @@ mod tests {
         assert_eq!(f.ino, INodeNo(42));
         assert_eq!(f.kind, FileType::Directory);
         assert_eq!((f.perm, f.uid, f.gid, f.nlink), (0o750, 7, 8, 2));
-        assert_eq!((f.blksize, f.rdev, f.flags, f.blocks), (4096, 0, 0, 2));
+        assert_eq!((f.blksize, f.rdev, f.flags, f.blocks), (MAX_WRITE, 0, 0, 2));
         assert_eq!(Errno::from_i32(FsError::ENOENT.0), Errno::ENOENT);
     }
 }
