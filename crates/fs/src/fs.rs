@@ -1257,7 +1257,8 @@ impl Fs {
 
     /// Reads up to `size` bytes at `offset`; shorter only at end of file.
     pub async fn read(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
-        let reader = self.file_handle(ino, fh)?.reader;
+        let handle = self.file_handle(ino, fh)?;
+        let (reader, direct) = (handle.reader, handle.flags & libc::O_DIRECT != 0);
         let (write, path, etag, file_size) = {
             let t = self.table.lock();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
@@ -1275,7 +1276,14 @@ impl Fs {
             *r = None;
         }
         let r = r.get_or_insert_with(|| {
-            Reader::new(self.store.clone(), self.rcfg.clone(), key, etag, file_size)
+            Reader::new(
+                self.store.clone(),
+                self.rcfg.clone(),
+                key,
+                etag,
+                file_size,
+                direct,
+            )
         });
         r.read(offset, size).await
     }

@@ -92,6 +92,10 @@ pub struct Reader {
     next: u64,
     window: u64,
     last_end: Option<u64>,
+    /// Opened with `O_DIRECT`: the kernel keeps no page cache of what it reads, so the
+    /// chunks it consumed go to the block cache too (a re-read, or the next pass of a
+    /// benchmark or a training epoch, then needs no GET).
+    direct: bool,
 }
 
 impl Reader {
@@ -101,6 +105,7 @@ impl Reader {
         key: String,
         etag: Option<String>,
         size: u64,
+        direct: bool,
     ) -> Self {
         Self {
             store,
@@ -112,6 +117,7 @@ impl Reader {
             next: 0,
             window: MIN_WINDOW,
             last_end: None,
+            direct,
         }
     }
 
@@ -181,15 +187,19 @@ impl Reader {
         }
         self.last_end = Some(end);
 
-        // A stream's chunks well behind its reader are consumed (a random reader's go to the
-        // block cache below instead).
+        // A stream's chunks well behind its reader are consumed: dropped, or with O_DIRECT
+        // (no page cache) kept in the block cache. A random reader's go there below.
         while sequential
             && self
                 .chunks
                 .front()
                 .is_some_and(|c| c.range.end + KEEP_BEHIND <= offset)
         {
-            self.chunks.pop_front();
+            if let Some(c) = self.chunks.pop_front() {
+                if self.direct {
+                    self.retire(c);
+                }
+            }
         }
         let hit = self.covered().contains(&offset);
         if !hit {
@@ -234,21 +244,24 @@ impl Reader {
     /// cache (chunks still in flight are dropped), so a reader coming back to them, or the
     /// next open, finds them.
     fn retire_chunks(&mut self) {
-        let chunks = std::mem::take(&mut self.chunks);
+        for c in std::mem::take(&mut self.chunks) {
+            self.retire(c);
+        }
+    }
+
+    fn retire(&self, mut c: Chunk) {
         let Some(etag) = self.etag.as_deref() else {
             return;
         };
-        for mut c in chunks {
-            // Served whole: the kernel's page cache has it (keep_cache makes the next open
-            // use it); caching it here too would only double the memory.
-            if c.served >= c.range.end - c.range.start {
-                continue;
-            }
-            if let (ChunkData::Ready(b), Some(mem)) = (&c.data, c.mem.take()) {
-                self.cfg
-                    .budget
-                    .cache_block(&self.key, etag, c.range.clone(), b.clone(), mem);
-            }
+        // Served whole to a reader with a page cache: the kernel has it (keep_cache makes the
+        // next open use it); caching it here too would only double the memory.
+        if !self.direct && c.served >= c.range.end - c.range.start {
+            return;
+        }
+        if let (ChunkData::Ready(b), Some(mem)) = (&c.data, c.mem.take()) {
+            self.cfg
+                .budget
+                .cache_block(&self.key, etag, c.range.clone(), b.clone(), mem);
         }
     }
 
