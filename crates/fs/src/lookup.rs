@@ -120,6 +120,12 @@ impl Lookups {
         }
     }
 
+    /// What is cached for `path` and whether it is complete, without a request and without
+    /// counting as a stat of a listed entry.
+    pub fn peek(&self, path: &str) -> Option<(Found, bool)> {
+        self.fresh(path).map(|c| (c.found, c.complete))
+    }
+
     fn put(&self, path: &str, found: Found, complete: bool) {
         self.put_from(path, found, complete, false);
     }

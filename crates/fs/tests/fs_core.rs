@@ -1264,3 +1264,68 @@ async fn direct_io_rereads_come_from_the_block_cache() {
         "the second pass fetched again"
     );
 }
+
+/// readdirplus entries: attributes a listing carried are complete (no request, one lookup
+/// each); an entry listed without metadata is registered stale, so its stat asks the store and
+/// a symlink the listing could not tell from a file gets its true type.
+#[tokio::test]
+async fn readdirplus_entries_are_complete_only_with_metadata() {
+    for with_meta in [true, false] {
+        let e = env_on(if with_meta {
+            MemoryStore::with_list_metadata()
+        } else {
+            MemoryStore::new()
+        });
+        e.mem
+            .put(
+                "d/f",
+                Bytes::from_static(b"abc"),
+                &file_meta(0o600, 1_600_000_000),
+            )
+            .await
+            .unwrap();
+        let link: UserMeta = [("mode".to_string(), (libc::S_IFLNK | 0o777).to_string())].into();
+        e.mem
+            .put("d/l", Bytes::from_static(b"f"), &link)
+            .await
+            .unwrap();
+        let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+        let fh = e.fs.opendir(d.ino).await.unwrap();
+        let entries = e.fs.readdir(d.ino, fh, 0).await.unwrap();
+        e.fs.releasedir(d.ino, fh);
+        let inodes = e.fs.inode_count();
+        let before = e.metrics.total_requests();
+        let mut got = std::collections::HashMap::new();
+        for ent in &entries {
+            let (attr, complete) = e.fs.plus_entry(d.ino, ent).unwrap();
+            got.insert(ent.name.clone(), (attr, complete));
+        }
+        assert_eq!(
+            e.metrics.total_requests(),
+            before,
+            "no request for readdirplus"
+        );
+        assert_eq!(e.fs.inode_count(), inodes + 2, "f and l registered");
+        let (f, f_complete) = &got["f"];
+        let (l, l_complete) = &got["l"];
+        assert_eq!((*f_complete, *l_complete), (with_meta, with_meta));
+        if with_meta {
+            assert_eq!((f.perm, f.size), (0o600, 3));
+            assert_eq!(l.kind, FileKind::Symlink);
+        }
+        // Each entry counted one lookup: forgetting it once drops the inode.
+        e.fs.forget(f.ino, 1);
+        assert_eq!(e.fs.inode_count(), inodes + 1);
+        // A stat after readdirplus: free with metadata, else one HEAD; the symlink's type is
+        // right either way.
+        let s = e.fs.getattr(l.ino).await;
+        let l2 = e.fs.lookup(d.ino, OsStr::new("l")).await.unwrap();
+        assert_eq!(l2.kind, FileKind::Symlink);
+        if with_meta {
+            assert_eq!(s.unwrap().kind, FileKind::Symlink);
+            assert_eq!(e.metrics.total_requests(), before);
+        } else {
+            assert!(e.metrics.requests(Op::Head) >= 1);
+        }
+    }
+}

@@ -11,8 +11,8 @@ use bytes::Bytes;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
-    WriteFlags,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
+    Request, TimeOrNow, WriteFlags,
 };
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -20,7 +20,7 @@ use std::future::Future;
 use std::io;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 use tracing::{debug, info, trace};
@@ -168,7 +168,14 @@ impl Filesystem for FuseFs {
         // Asynchronous reads let the kernel keep several reads of one file in flight.
         // Parallel directory operations let lookups in one directory run concurrently.
         // Writeback cache stays off: close() must see upload errors and sizes must be exact.
-        for flag in [InitFlags::FUSE_ASYNC_READ, InitFlags::FUSE_PARALLEL_DIROPS] {
+        // Readdirplus (the kernel's adaptive mode: for a directory's first batch, and then only
+        // while its entries get looked up) hands `ls -l` the attributes a listing carried.
+        for flag in [
+            InitFlags::FUSE_ASYNC_READ,
+            InitFlags::FUSE_PARALLEL_DIROPS,
+            InitFlags::FUSE_DO_READDIRPLUS,
+            InitFlags::FUSE_READDIRPLUS_AUTO,
+        ] {
             if config.capabilities().contains(flag) {
                 let _ = config.add_capabilities(flag);
             }
@@ -507,6 +514,47 @@ impl Filesystem for FuseFs {
                     reply.ok();
                 }
                 Err(e) => reply.error(errno("readdir", e)),
+            }
+        });
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            match fs.readdir(ino.0, fh.0, offset as i64).await {
+                Ok(entries) => {
+                    let ttl = fs.attr_ttl();
+                    for e in &entries {
+                        // Registered one at a time: the entry that does not fit is given back.
+                        let Some((attr, complete)) = fs.plus_entry(ino.0, e) else {
+                            continue;
+                        };
+                        let t = if complete { ttl } else { Duration::ZERO };
+                        let full = reply.add(
+                            INodeNo(attr.ino),
+                            e.next_offset as u64,
+                            &e.name,
+                            &t,
+                            &file_attr(&attr),
+                            Generation(0),
+                        );
+                        if full {
+                            if e.name != "." && e.name != ".." {
+                                fs.forget(attr.ino, 1);
+                            }
+                            break;
+                        }
+                    }
+                    reply.ok();
+                }
+                Err(e) => reply.error(errno("readdirplus", e)),
             }
         });
     }

@@ -295,6 +295,50 @@ impl Fs {
         Ok(())
     }
 
+    /// Attributes for readdirplus entry `e` of directory `dir`, from what is known without a
+    /// request, and whether they are complete (the kernel may keep them for the stat TTL).
+    /// Every entry but `.` and `..` becomes one lookup of its inode. An entry the listing gave
+    /// without user metadata is registered with stale attributes that the kernel must not
+    /// keep (TTL zero): its first stat asks the store, as after a plain readdir, and a symlink
+    /// the listing showed as a file is looked up again before anything relies on its type.
+    pub fn plus_entry(&self, dir: Ino, e: &DirEntry) -> Option<(Attr, bool)> {
+        if e.name == "." || e.name == ".." {
+            let t = self.table.lock();
+            let attr = t.get(e.ino).map(Self::current_attr).unwrap_or_else(|| {
+                self.policy
+                    .attr(e.ino, FileKind::Dir, 0, &PosixMeta::default(), None)
+            });
+            return Some((attr, true));
+        }
+        let path = {
+            let mut t = self.table.lock();
+            if let Some(i) = t.child(dir, &e.name).and_then(|c| t.get_mut(c)) {
+                if self.fresh(i.fetched) || i.write.is_some() {
+                    i.lookups += 1;
+                    return Some((Self::current_attr(i), true));
+                }
+            }
+            join(&t.get(dir)?.path, &e.name)
+        };
+        let (found, complete) = self.lookups.peek(&path).unwrap_or_else(|| {
+            let found = Found {
+                kind: e.kind,
+                obj: ObjectMeta::default(),
+                has_marker: false,
+            };
+            (found, false)
+        });
+        let attr = self.remember(dir, &e.name, path, found, 1);
+        if !complete {
+            // Not fresh: the next stat or lookup of it asks the store.
+            let stale = Instant::now().checked_sub(self.cfg.stat_ttl + Duration::from_secs(1));
+            if let Some(i) = self.table.lock().get_mut(attr.ino) {
+                i.fetched = stale.or(i.fetched);
+            }
+        }
+        Some((attr, complete))
+    }
+
     pub fn releasedir(&self, _ino: Ino, fh: u64) {
         self.handles.lock().remove(&fh);
     }
