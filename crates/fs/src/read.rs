@@ -240,9 +240,9 @@ impl Reader {
         self.collect(offset, end).await
     }
 
-    /// Hands the stream's fetched chunks that were not served whole to the budget's block
-    /// cache (chunks still in flight are dropped), so a reader coming back to them, or the
-    /// next open, finds them.
+    /// Hands the stream's fetched chunks to the budget's block cache (chunks still in flight
+    /// are dropped; see [`Reader::retire`] for which), so a reader coming back to them, or
+    /// the next open, finds them.
     fn retire_chunks(&mut self) {
         for c in std::mem::take(&mut self.chunks) {
             self.retire(c);
