@@ -92,10 +92,14 @@ pub struct Reader {
     next: u64,
     window: u64,
     last_end: Option<u64>,
-    /// Opened with `O_DIRECT`: the kernel keeps no page cache of what it reads, so the
-    /// chunks it consumed go to the block cache too (a re-read, or the next pass of a
-    /// benchmark or a training epoch, then needs no GET).
+    /// Opened with `O_DIRECT`: the kernel keeps no page cache of what it reads.
     direct: bool,
+    /// A direct reader went back over bytes it had read (a second pass): from then on the
+    /// chunks it consumes go to the block cache, so the next pass needs no GET. A single
+    /// pass keeps nothing (caching it would only cost memory and fresh pages).
+    rereading: bool,
+    /// End of the furthest read so far.
+    high_water: u64,
 }
 
 impl Reader {
@@ -118,6 +122,8 @@ impl Reader {
             window: MIN_WINDOW,
             last_end: None,
             direct,
+            rereading: false,
+            high_water: 0,
         }
     }
 
@@ -186,9 +192,13 @@ impl Reader {
             self.window = MIN_WINDOW;
         }
         self.last_end = Some(end);
+        if self.direct && offset + KEEP_BEHIND < self.high_water {
+            self.rereading = true;
+        }
+        self.high_water = self.high_water.max(end);
 
-        // A stream's chunks well behind its reader are consumed: dropped, or with O_DIRECT
-        // (no page cache) kept in the block cache. A random reader's go there below.
+        // A stream's chunks well behind its reader are consumed: dropped, or kept in the
+        // block cache for a direct reader on its second pass. A random reader's go there below.
         while sequential
             && self
                 .chunks
@@ -196,7 +206,7 @@ impl Reader {
                 .is_some_and(|c| c.range.end + KEEP_BEHIND <= offset)
         {
             if let Some(c) = self.chunks.pop_front() {
-                if self.direct {
+                if self.rereading {
                     self.retire(c);
                 }
             }
