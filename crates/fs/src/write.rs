@@ -387,17 +387,21 @@ impl WriteState {
     }
 
     /// Moves the tail into the staging file (something other than an append needs it there).
+    /// If that fails (a full disk), the tail stays: no acknowledged byte is dropped.
     async fn spill_tail(&mut self) -> FsResult<()> {
-        let Some(tail) = self.tail.take() else {
+        let Some(r) = self.tail.as_ref().map(Tail::range) else {
             return Ok(());
         };
-        let r = tail.range();
         if r.is_empty() {
+            self.tail = None;
             return Ok(());
         }
         self.settle_spills().await;
         let staging = self.staging()?;
-        write_at(&staging, r.start, tail.buf.freeze()).await?;
+        // A copy, so the tail survives a failed write (this is not the streaming path).
+        let data = Bytes::copy_from_slice(self.tail.as_ref().expect("checked").buf.as_slice());
+        write_at(&staging, r.start, data).await?;
+        self.tail = None;
         self.local.insert(r);
         Ok(())
     }
@@ -412,7 +416,7 @@ impl WriteState {
         let staging = match prepared {
             Ok(f) => f,
             Err(e) => {
-                // Keep the bytes: the part goes to disk and publish sends it.
+                // Keep the bytes (on disk, or else still in the tail): publish sends them.
                 let _ = self.spill_tail().await;
                 return Err(e);
             }

@@ -1343,3 +1343,33 @@ async fn readdirplus_entries_are_complete_only_with_metadata() {
         }
     }
 }
+
+/// When the staging file cannot be written (here: the cache dir is gone), a write that needs
+/// it fails, and the bytes acknowledged before it, still in memory, are not lost.
+#[tokio::test]
+async fn a_failed_staging_write_keeps_the_bytes_already_written() {
+    let mem = Arc::new(MemoryStore::new());
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            cache_dir: cache.path().join("missing"),
+            ..config(&cache)
+        },
+    );
+    let (a, h) = fs
+        .create(ROOT_INO, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.write(a.ino, h.fh, 0, Bytes::from_static(b"hello"))
+        .await
+        .unwrap();
+    // Not an append: it needs the staging file, which cannot be made.
+    assert!(fs
+        .write(a.ino, h.fh, 100, Bytes::from_static(b"X"))
+        .await
+        .is_err());
+    fs.flush(a.ino, h.fh).await.unwrap();
+    fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, b"hello");
+}
