@@ -119,21 +119,16 @@ fn run(base: Option<u64>, budget: u64, steps: Vec<Step>) -> Result<(), TestCaseE
                         .unwrap();
                     model.extend_from_slice(&d);
                 }
-                Step::WriteAt(o, n, seed) => {
+                Step::WriteAt(_, n, seed) | Step::WritePart(_, n, seed) => {
                     let d = fill(n, seed);
-                    let off = at(o, model.len() as u64) as usize;
-                    fs.write(ino, fh, off as u64, Bytes::from(d.clone()))
-                        .await
-                        .unwrap();
-                    if model.len() < off + d.len() {
-                        model.resize(off + d.len(), 0);
-                    }
-                    model[off..off + d.len()].copy_from_slice(&d);
-                }
-                Step::WritePart(p, n, seed) => {
-                    let d = fill(n, seed);
-                    let parts = model.len() as u64 / PART + 1;
-                    let off = (p as u64 % parts * PART) as usize;
+                    let off = match *s {
+                        Step::WriteAt(o, ..) => at(o, model.len() as u64) as usize,
+                        Step::WritePart(p, ..) => {
+                            let parts = model.len() as u64 / PART + 1;
+                            (p as u64 % parts * PART) as usize
+                        }
+                        _ => unreachable!("matched above"),
+                    };
                     fs.write(ino, fh, off as u64, Bytes::from(d.clone()))
                         .await
                         .unwrap();
