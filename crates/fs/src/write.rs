@@ -440,7 +440,7 @@ impl WriteState {
         };
         self.spills.push((r.clone(), spill));
         self.local.insert(r);
-        self.spawn_part_upload(i, generation, body, mem);
+        self.spawn_part_upload(i, generation, body, mem).await;
         Ok(())
     }
 
@@ -534,7 +534,8 @@ impl WriteState {
             let mem = self.cfg.budget.reserve(r.end - r.start).await;
             let staging = self.staging()?;
             let body = read_at(&staging, r).await?;
-            self.spawn_part_upload(i, generation, body, Arc::new(vec![mem]));
+            self.spawn_part_upload(i, generation, body, Arc::new(vec![mem]))
+                .await;
         }
         Ok(())
     }
@@ -555,8 +556,11 @@ impl WriteState {
         Ok(())
     }
 
-    /// Uploads `body` as part `i` in the background, holding `mem` until it is sent.
-    fn spawn_part_upload(
+    /// Uploads `body` as part `i` in the background, holding `mem` until it is sent. An earlier
+    /// upload of the same part still running is waited for first: aborting it could let its
+    /// older body reach the store after this one, and the part kept would not be the one
+    /// whose ETag completes the upload.
+    async fn spawn_part_upload(
         &mut self,
         i: u64,
         generation: u64,
@@ -566,6 +570,7 @@ impl WriteState {
         let store = self.store.clone();
         let key = self.key.clone();
         let stream = self.stream.as_mut().expect("stream started");
+        settle(stream, i).await;
         let id = stream.upload_id.clone();
         let metrics = self.cfg.metrics.clone();
         let task = tokio::spawn(async move {
@@ -575,12 +580,9 @@ impl WriteState {
             metrics.uploads_in_flight.fetch_sub(1, Ordering::Relaxed);
             r
         });
-        if let Some(PartSlot::Uploading { task, .. }) = stream
+        stream
             .slots
-            .insert(i, PartSlot::Uploading { generation, task })
-        {
-            task.abort();
-        }
+            .insert(i, PartSlot::Uploading { generation, task });
     }
 
     /// Back-pressure: at most `upload_concurrency` parts of this file in flight.
