@@ -217,6 +217,7 @@ class Bucketfs(System):
     def __init__(self, store: StoreConfig, binary: str):
         super().__init__(store, binary)
         self._help = None
+        self._bench_help: str | None = None
         self.metrics_port: int | None = None
         # From --bucketfs-args.
         self.extra_args: list[str] = []
@@ -250,13 +251,18 @@ class Bucketfs(System):
     def has_metrics(self) -> bool:
         return "--metrics-addr" in self.mount_help()
 
+    def bench_help(self) -> str | None:
+        """`bucketfs bench --help`, or None when the binary has no bench subcommand."""
+        if self._bench_help is None:
+            r = subprocess.run([self.binary, "bench", "--help"], capture_output=True, text=True)
+            self._bench_help = r.stdout if r.returncode == 0 else ""
+        return self._bench_help or None
+
     def has_bench(self) -> bool:
-        r = subprocess.run([self.binary, "bench", "--help"], capture_output=True, text=True)
-        return r.returncode == 0
+        return self.bench_help() is not None
 
     def bench_has_cold(self) -> bool:
-        r = subprocess.run([self.binary, "bench", "--help"], capture_output=True, text=True)
-        return "--cold" in r.stdout
+        return "--cold" in (self.bench_help() or "")
 
     def options(self) -> str:
         return "defaults (--endpoint-url, --force-path-style, --cache-dir, --unsigned-payload)" + (

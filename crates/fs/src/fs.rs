@@ -51,6 +51,13 @@ pub struct DirEntry {
     pub name: String,
 }
 
+impl DirEntry {
+    /// `.` or `..`: not a lookup of anything when handed to the kernel.
+    pub fn is_dot(&self) -> bool {
+        self.name == "." || self.name == ".."
+    }
+}
+
 /// Result of `open`/`create`.
 #[derive(Debug, Clone, Copy)]
 pub struct OpenReply {

@@ -546,7 +546,7 @@ impl Filesystem for FuseFs {
                             Generation(0),
                         );
                         if full {
-                            if e.name != "." && e.name != ".." {
+                            if !e.is_dot() {
                                 fs.forget(attr.ino, 1);
                             }
                             break;

@@ -302,7 +302,7 @@ impl Fs {
     /// keep (TTL zero): its first stat asks the store, as after a plain readdir, and a symlink
     /// the listing showed as a file is looked up again before anything relies on its type.
     pub fn plus_entry(&self, dir: Ino, e: &DirEntry) -> Option<(Attr, bool)> {
-        if e.name == "." || e.name == ".." {
+        if e.is_dot() {
             let t = self.table.lock();
             let attr = t.get(e.ino).map(Self::current_attr).unwrap_or_else(|| {
                 self.policy
