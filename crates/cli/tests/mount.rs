@@ -1028,6 +1028,36 @@ fn cold_ls_l_on_minio_is_one_list_and_no_head() {
     assert_eq!(sent.len(), 1, "stat of a subdirectory: {sent:?}");
 }
 
+/// A directory of exactly 1,000 files and its marker `big/` is 1,001 keys, but its listing
+/// starts after the marker (`start-after`), so `ls -l` is one full LIST page; the marker's
+/// own attributes still show.
+#[test]
+fn a_1000_file_directory_with_its_marker_lists_in_one_page() {
+    let s3 = s3();
+    let b = s3.new_bucket("ls1000");
+    let fmode = (libc::S_IFREG | 0o640).to_string();
+    let dmode = (libc::S_IFDIR | 0o750).to_string();
+    s3.put_with_meta(&b, "big/", "", &[("mode", &dmode)]);
+    let files: Vec<(String, Vec<u8>)> = (0..1000)
+        .map(|i| (format!("big/f{i:04}"), format!("{i}").into_bytes()))
+        .collect();
+    s3.put_many(&b, files, 16);
+    // put_many sends no metadata: give one file a mode to see that listings carry it.
+    s3.put_with_meta(&b, "big/f0007", "7", &[("mode", &fmode)]);
+    let m = Mount::s3(&b);
+    let md = fs::metadata(m.join("big")).unwrap();
+    assert_eq!(md.mode() & 0o7777, 0o750, "the marker's mode");
+    let before = store_requests(m.path());
+    let entries = ls_l(&m.join("big"));
+    let sent = requests_between(&before, &store_requests(m.path()));
+    assert_eq!(entries.len(), 1000);
+    assert_eq!(entries[7].0, "f0007");
+    assert_eq!(entries[7].2.mode() & 0o7777, 0o640);
+    assert_eq!(entries[999].2.len(), 3);
+    assert_eq!(sent.get("list"), Some(&1), "requests of ls -l: {sent:?}");
+    assert_eq!(sent.len(), 1, "requests of ls -l: {sent:?}");
+}
+
 /// With `list_metadata=off` listings are plain and each file's attributes come from a HEAD,
 /// as on servers without the extension; the result is the same.
 #[test]

@@ -18,7 +18,8 @@ use dir::{DirMisses, DirStream, ListingSays};
 
 mod dir;
 use bucketfs_store::{
-    CompletedPart, ListDetail, ObjectMeta, ObjectStore, StoreError, UserMeta, MAX_COPY_OBJECT_SIZE,
+    CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError, UserMeta,
+    MAX_COPY_OBJECT_SIZE,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -854,7 +855,7 @@ impl Fs {
         let dir_key = self.dir_key(path);
         let page = self
             .store
-            .list(&dir_key, None, None, 2, ListDetail::Plain)
+            .list(&dir_key, None, ListFrom::Start, 2, ListDetail::Plain)
             .await
             .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
         Ok(page.objects.iter().all(|o| o.key == dir_key) && page.common_prefixes.is_empty())
@@ -1025,11 +1026,11 @@ impl Fs {
         }
         let (src, dst) = (self.dir_key(path), self.dir_key(new_path));
         let mut objects = Vec::new();
-        let mut token = None;
+        let mut from = ListFrom::Start;
         loop {
             let page = self
                 .store
-                .list(&src, None, token, 1000, ListDetail::Plain)
+                .list(&src, None, from, 1000, ListDetail::Plain)
                 .await
                 .map_err(|e| log_store_err(&format!("list {src}"), e))?;
             objects.extend(page.objects);
@@ -1040,9 +1041,9 @@ impl Fs {
                 );
                 return Err(FsError::EXDEV);
             }
-            token = page.next_continuation;
-            if token.is_none() {
-                break;
+            match page.next_continuation {
+                Some(t) => from = ListFrom::Token(t),
+                None => break,
             }
         }
         if replace {

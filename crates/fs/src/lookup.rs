@@ -14,7 +14,7 @@
 
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{FileKind, PosixMeta};
-use bucketfs_store::{ListDetail, ListPage, ObjectMeta, ObjectStore, StoreError};
+use bucketfs_store::{ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, StoreError};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
 use parking_lot::Mutex;
@@ -262,7 +262,13 @@ async fn probe(
     match hint {
         Some(FileKind::Dir) => {
             let page = store
-                .list(&dir_key, Some("/"), None, 1, ListDetail::UserMeta)
+                .list(
+                    &dir_key,
+                    Some("/"),
+                    ListFrom::Start,
+                    1,
+                    ListDetail::UserMeta,
+                )
                 .await
                 .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
             if let Some(dir) = dir_from_page(&*store, &dir_key, page).await? {
@@ -283,7 +289,13 @@ async fn probe(
     }
     let (head, list) = tokio::join!(
         store.head(&key),
-        store.list(&dir_key, Some("/"), None, 1, ListDetail::UserMeta)
+        store.list(
+            &dir_key,
+            Some("/"),
+            ListFrom::Start,
+            1,
+            ListDetail::UserMeta
+        )
     );
     let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
     if let Some(dir) = dir_from_page(&*store, &dir_key, page).await? {

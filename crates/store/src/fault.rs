@@ -179,14 +179,13 @@ impl ObjectStore for FaultStore {
         &self,
         prefix: &str,
         delimiter: Option<&str>,
-        continuation: Option<String>,
+        from: ListFrom,
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
         self.wrap(
             Op::List,
-            self.inner
-                .list(prefix, delimiter, continuation, max_keys, detail),
+            self.inner.list(prefix, delimiter, from, max_keys, detail),
         )
         .await
     }

@@ -370,12 +370,12 @@ impl ObjectStore for JournalStore {
         &self,
         prefix: &str,
         delimiter: Option<&str>,
-        continuation: Option<String>,
+        from: ListFrom,
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
         self.inner
-            .list(prefix, delimiter, continuation, max_keys, detail)
+            .list(prefix, delimiter, from, max_keys, detail)
             .await
     }
 }

@@ -88,15 +88,15 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// DELETE. Deleting a missing key succeeds, as in S3.
     async fn delete(&self, key: &str) -> StoreResult<()>;
 
-    /// One page of a LIST of keys starting with `prefix`. With `delimiter` (always `/` here),
-    /// keys below the next delimiter are rolled up into `common_prefixes`. With
+    /// One page of a LIST of keys starting with `prefix`, from `from`. With `delimiter`
+    /// (always `/` here), keys below the next delimiter are rolled up into `common_prefixes`. With
     /// [`ListDetail::UserMeta`], entries carry their user metadata where the store can give it
     /// in a listing ([`ObjectMeta::user_complete`] says which do: they need no HEAD).
     async fn list(
         &self,
         prefix: &str,
         delimiter: Option<&str>,
-        continuation: Option<String>,
+        from: ListFrom,
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage>;

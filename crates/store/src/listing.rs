@@ -4,12 +4,13 @@
 use crate::{ListPage, ObjectMeta};
 
 /// Builds one LIST page from `entries`, which must be sorted by key and already restricted to
-/// keys starting with `prefix`. The continuation token is the last key or prefix returned.
+/// keys starting with `prefix`, after key `after` if given. The continuation token is the last
+/// key or prefix returned, so it works as `after` too.
 pub fn page_from_sorted<I>(
     entries: I,
     prefix: &str,
     delimiter: Option<&str>,
-    continuation: Option<&str>,
+    after: Option<&str>,
     max_keys: usize,
 ) -> ListPage
 where
@@ -20,7 +21,7 @@ where
     let mut count = 0usize;
     let mut last_emitted: Option<String> = None;
     for obj in entries {
-        if let Some(after) = continuation {
+        if let Some(after) = after {
             if obj.key.as_str() <= after {
                 continue;
             }
@@ -32,7 +33,7 @@ where
             if page.common_prefixes.last() == Some(&cp) {
                 continue;
             }
-            if let Some(after) = continuation {
+            if let Some(after) = after {
                 if cp.as_str() <= after {
                     continue;
                 }
@@ -86,5 +87,14 @@ mod tests {
         let p3 = page_from_sorted(all, "d/", Some("/"), Some(&tok), 2);
         assert_eq!(p3.common_prefixes, ["d/e/"]);
         assert!(p3.next_continuation.is_none());
+    }
+
+    #[test]
+    fn starts_after_a_key() {
+        let all = objs(&["d/", "d/a", "d/b/1", "d/c"]);
+        let p = page_from_sorted(all, "d/", Some("/"), Some("d/"), 2);
+        assert_eq!(p.objects[0].key, "d/a");
+        assert_eq!(p.common_prefixes, ["d/b/"]);
+        assert_eq!(p.next_continuation.as_deref(), Some("d/b/"));
     }
 }

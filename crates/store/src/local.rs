@@ -571,7 +571,7 @@ impl ObjectStore for LocalStore {
         &self,
         prefix: &str,
         delimiter: Option<&str>,
-        continuation: Option<String>,
+        from: ListFrom,
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
@@ -585,7 +585,7 @@ impl ObjectStore for LocalStore {
                 all,
                 &prefix,
                 delimiter.as_deref(),
-                continuation.as_deref(),
+                from.after_key(),
                 max_keys,
             );
             // The metadata is a few xattr calls away (what a HEAD costs here too): give it
@@ -624,14 +624,14 @@ mod tests {
         assert!(s.head("a/b").await.unwrap_err().is_not_found());
         assert!(s.head("a/b/").await.is_ok());
         let page = s
-            .list("a/", Some("/"), None, 1000, ListDetail::Plain)
+            .list("a/", Some("/"), ListFrom::Start, 1000, ListDetail::Plain)
             .await
             .unwrap();
         assert!(page.objects.iter().all(|o| !o.user_complete));
         assert_eq!(page.objects[0].key, "a/");
         assert_eq!(page.common_prefixes, ["a/b/", "a/d/"]);
         let all = s
-            .list("", None, None, 1000, ListDetail::UserMeta)
+            .list("", None, ListFrom::Start, 1000, ListDetail::UserMeta)
             .await
             .unwrap();
         let keys: Vec<_> = all.objects.iter().map(|o| o.key.as_str()).collect();

@@ -260,7 +260,7 @@ impl ObjectStore for MemoryStore {
         &self,
         prefix: &str,
         delimiter: Option<&str>,
-        continuation: Option<String>,
+        from: ListFrom,
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
@@ -286,7 +286,7 @@ impl ObjectStore for MemoryStore {
             entries,
             prefix,
             delimiter,
-            continuation.as_deref(),
+            from.after_key(),
             max_keys,
         ))
     }

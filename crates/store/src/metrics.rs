@@ -252,13 +252,13 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         &self,
         prefix: &str,
         delimiter: Option<&str>,
-        continuation: Option<String>,
+        from: ListFrom,
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
         let r = self
             .inner
-            .list(prefix, delimiter, continuation, max_keys, detail)
+            .list(prefix, delimiter, from, max_keys, detail)
             .await;
         self.metrics.count(Op::List, &r);
         r

@@ -388,13 +388,13 @@ impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
         &self,
         prefix: &str,
         delimiter: Option<&str>,
-        continuation: Option<String>,
+        from: ListFrom,
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
         self.retry(&format!("LIST {prefix:?}"), || {
             self.inner
-                .list(prefix, delimiter, continuation.clone(), max_keys, detail)
+                .list(prefix, delimiter, from.clone(), max_keys, detail)
         })
         .await
     }

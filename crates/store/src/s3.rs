@@ -635,17 +635,23 @@ impl ObjectStore for S3Store {
         &self,
         prefix: &str,
         delimiter: Option<&str>,
-        continuation: Option<String>,
+        from: ListFrom,
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
+        let (start_after, token) = match from {
+            ListFrom::Start => (None, None),
+            ListFrom::After(k) => (Some(k), None),
+            ListFrom::Token(t) => (None, Some(t)),
+        };
         let (req, capture) = self.list_request(
             self.client
                 .list_objects_v2()
                 .bucket(&self.bucket)
                 .prefix(prefix)
                 .set_delimiter(delimiter.map(str::to_string))
-                .set_continuation_token(continuation)
+                .set_start_after(start_after)
+                .set_continuation_token(token)
                 .max_keys(max_keys.min(1000) as i32),
             detail,
         );

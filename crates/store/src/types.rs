@@ -31,6 +31,29 @@ pub enum ListDetail {
     UserMeta,
 }
 
+/// Where a LIST page starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListFrom {
+    /// At the first key under the prefix.
+    Start,
+    /// At the first key after this one (S3 `start-after`). A directory listing starts after
+    /// its own marker `dir/`, so a directory of 1,000 entries fits one page.
+    After(String),
+    /// Where the previous page ended: its [`ListPage::next_continuation`].
+    Token(String),
+}
+
+impl ListFrom {
+    /// For stores whose continuation token is the last key returned (the in-process ones):
+    /// the key the page starts after, if any.
+    pub fn after_key(&self) -> Option<&str> {
+        match self {
+            ListFrom::Start => None,
+            ListFrom::After(k) | ListFrom::Token(k) => Some(k),
+        }
+    }
+}
+
 /// One page of a LIST.
 #[derive(Debug, Clone, Default)]
 pub struct ListPage {

@@ -47,7 +47,8 @@ pub(super) struct DirStream {
     ino: Ino,
     path: String,
     prefix: String,
-    token: Option<String>,
+    /// Where the next LIST page starts.
+    from: ListFrom,
     /// Whether its LIST pages ask for user metadata (decided at opendir).
     detail: ListDetail,
     done: bool,
@@ -67,8 +68,13 @@ impl DirStream {
         Self {
             ino,
             path,
+            // After the directory's own marker `dir/`, which is no entry: with it a directory
+            // of 1,000 entries would take a second page.
+            from: match prefix.is_empty() {
+                true => ListFrom::Start,
+                false => ListFrom::After(prefix.clone()),
+            },
             prefix,
-            token: None,
             detail,
             done: false,
             entries,
@@ -236,7 +242,7 @@ impl Fs {
         let epoch = self.lookups.epoch();
         let page = self
             .store
-            .list(&st.prefix, Some("/"), st.token.take(), 1000, st.detail)
+            .list(&st.prefix, Some("/"), st.from.clone(), 1000, st.detail)
             .await
             .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
         let plen = st.prefix.len();
@@ -265,8 +271,8 @@ impl Fs {
                 self.lookups.listed(&join(&st.path, &name), found, epoch);
             }
         }
-        st.token = page.next_continuation;
-        if st.token.is_some() {
+        if let Some(t) = page.next_continuation {
+            st.from = ListFrom::Token(t);
             return Ok(());
         }
         st.done = true;
