@@ -585,6 +585,8 @@ fn prefix_mount_shows_only_the_prefix() {
     assert_eq!(errno(fs::metadata(m.join("top.txt"))), libc::ENOENT);
     write_file(&m.join("w.txt"), b"written");
     fs::create_dir(m.join("newdir")).unwrap();
+    // mkdir stores the marker in the background; fsync of the parent waits for it.
+    File::open(m.path()).unwrap().sync_all().unwrap();
     assert_eq!(s3.get(&b, "some/prefix/w.txt").unwrap(), b"written");
     assert!(
         s3.head(&b, "some/prefix/newdir/").is_some(),

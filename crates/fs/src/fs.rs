@@ -15,8 +15,10 @@ use crate::names::{check_name, listable};
 use crate::read::{ReadConfig, Reader};
 use crate::write::{Base, Orphans, PartLayout, WriteConfig, WriteState};
 use dir::{DirMisses, DirStream, ListingSays};
+use markers::PendingMarkers;
 
 mod dir;
+mod markers;
 use bucketfs_store::{
     CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError, UserMeta,
     MAX_COPY_OBJECT_SIZE,
@@ -98,6 +100,10 @@ const MAX_KEY_LEN: usize = 1024;
 const RENAME_CONCURRENCY: usize = 16;
 /// Part size of server-side copies of objects too big for one CopyObject.
 const COPY_PART_SIZE: u64 = 512 * 1024 * 1024;
+/// Longest directory name whose marker mkdir uploads in the background. MinIO stores a
+/// marker `name/` as a file `name__XLDIR__` and refuses it when that passes 255 bytes; a
+/// longer name gets its marker before mkdir answers, so the refusal reaches the caller.
+const BACKGROUND_MARKER_MAX_NAME: usize = 246;
 /// How often aborts that failed are tried again.
 const ORPHAN_RETRY: Duration = Duration::from_secs(5);
 /// An open file: its read state and, when opened for writing, the inode's shared write state.
@@ -127,6 +133,8 @@ pub struct Fs {
     lookups: Arc<Lookups>,
     /// Lookup misses per directory without a listing (see [`Fs::list_for_lookups`]).
     dir_misses: Mutex<HashMap<Ino, DirMisses>>,
+    /// Directory markers mkdir has not finished uploading.
+    markers: PendingMarkers,
 }
 
 fn now() -> SystemTime {
@@ -168,6 +176,7 @@ impl Fs {
         let metrics = Arc::new(FsMetrics::default());
         let (store_for_lookups, prefix_for_lookups, stat_ttl) =
             (store.clone(), cfg.prefix.clone(), cfg.stat_ttl);
+        let store_for_markers = store.clone();
         let budget = MemoryBudget::new(cfg.max_memory, metrics.clone());
         let rcfg = Arc::new(ReadConfig {
             part_size: cfg.part_size.max(bucketfs_store::MIN_PART_SIZE),
@@ -195,6 +204,7 @@ impl Fs {
             next_fh: AtomicU64::new(1),
             lookups: Lookups::new(store_for_lookups, prefix_for_lookups, stat_ttl),
             dir_misses: Mutex::new(HashMap::new()),
+            markers: PendingMarkers::new(store_for_markers),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(Self::retry_orphans_forever(Arc::downgrade(&fs)));
@@ -382,6 +392,8 @@ impl Fs {
             }
             _ => {}
         }
+        // A directory made here whose marker is not up yet would look absent.
+        self.markers.wait(&self.dir_key(&path)).await?;
         match self.lookups.stat(&path).await.map(|(f, _)| f) {
             Ok(f) => Ok(self.remember(parent, name, path, f, lookups)),
             Err(e) => {
@@ -555,6 +567,8 @@ impl Fs {
                 return Ok(()); // the bucket root has no object to carry metadata
             }
             let key = self.dir_key(path);
+            // mkdir's marker must not land after this one.
+            self.markers.settle(&key).await;
             self.store
                 .put(&key, Bytes::new(), user)
                 .await
@@ -722,10 +736,16 @@ impl Fs {
         let path = join(&parent_path, &name);
         let pm = self.new_meta(FileKind::Dir, mode, umask, caller);
         let key = self.dir_key(&path);
-        self.store
-            .put(&key, Bytes::new(), &pm.to_user())
-            .await
-            .map_err(|e| log_store_err(&format!("mkdir {key}"), e))?;
+        if name.len() <= BACKGROUND_MARKER_MAX_NAME {
+            // The marker goes up in the background (see markers.rs).
+            self.markers.start(key, pm.to_user());
+        } else {
+            // A server may refuse this marker for its name alone: say so to mkdir.
+            self.store
+                .put(&key, Bytes::new(), &pm.to_user())
+                .await
+                .map_err(|e| log_store_err(&format!("mkdir {key}"), e))?;
+        }
         let (ino, attr) = self.add_new(parent, &name, path, FileKind::Dir, &pm, 0, None, false);
         if let Some(i) = self.table.lock().get_mut(ino) {
             // Just made: known to be empty.
@@ -876,6 +896,7 @@ impl Fs {
             return Err(FsError::ENOTEMPTY);
         }
         let key = self.dir_key(&path);
+        self.markers.settle(&key).await;
         self.store
             .delete(&key)
             .await
@@ -1025,6 +1046,11 @@ impl Fs {
             w.state.lock().await.publish().await?;
         }
         let (src, dst) = (self.dir_key(path), self.dir_key(new_path));
+        // Directories made below must be in the bucket to be listed and moved.
+        self.markers.wait_below(&src).await?;
+        if replace {
+            self.markers.settle(&dst).await;
+        }
         let mut objects = Vec::new();
         let mut from = ListFrom::Start;
         loop {
@@ -1359,6 +1385,12 @@ impl Fs {
         self.publish_handle(ino, fh).await
     }
 
+    /// fsync of a directory: the directories made in it (and below) are in the bucket.
+    pub async fn fsyncdir(&self, ino: Ino) -> FsResult<()> {
+        let path = self.dir_path(ino)?;
+        self.markers.wait_below(&self.dir_key(&path)).await
+    }
+
     /// The last reference to an open file went away.
     pub async fn release(&self, ino: Ino, fh: u64) -> FsResult<()> {
         let handle = self.handles.lock().remove(&fh);
@@ -1472,6 +1504,10 @@ impl Fs {
                 }
             }
             st.abort_stream().await;
+        }
+        if let Err(e) = self.markers.wait_below("").await {
+            tracing::error!("directory markers not stored at shutdown: {e}");
+            failed += self.markers.len();
         }
         self.wcfg.orphans.retry(&*self.store).await;
         let left = self.wcfg.orphans.len();

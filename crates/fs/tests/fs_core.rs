@@ -266,6 +266,8 @@ async fn directories_markers_and_implied_prefixes() {
             .await
             .unwrap();
     assert_eq!(d.kind, FileKind::Dir);
+    // The marker goes up in the background; fsync of the parent waits for it.
+    e.fs.fsyncdir(ROOT_INO).await.unwrap();
     let m = e.mem.head("made/").await.unwrap();
     assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o750).to_string());
     let (f, h) =
@@ -430,6 +432,69 @@ async fn chmod_chown_utimens_persist_in_metadata() {
     let fs2 = Fs::new(e.mem.clone(), config(&cache));
     let b = fs2.lookup(ROOT_INO, OsStr::new("m")).await.unwrap();
     assert_eq!((b.perm, b.uid, b.gid, b.mtime), (0o751, 42, 43, t));
+}
+
+/// mkdir answers before its marker is stored; whatever needs the marker waits for it, and a
+/// marker that could not be stored is reported (EIO) and sent again, never lost silently.
+#[tokio::test]
+async fn directory_markers_go_up_in_the_background_and_failures_are_reported() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    let slow = std::time::Duration::from_millis(300);
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(slow));
+    let t0 = std::time::Instant::now();
+    let a = fs
+        .mkdir(ROOT_INO, OsStr::new("a"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    assert!(t0.elapsed() < slow, "mkdir waited for its marker");
+    assert!(mem.head("a/").await.is_err(), "not up yet");
+    // A listing of the parent shows it from the bucket: it waits for the marker.
+    let fh = fs.opendir(ROOT_INO).await.unwrap();
+    let names: Vec<String> = fs
+        .readdir(ROOT_INO, fh, 0)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert!(names.contains(&"a".to_string()), "{names:?}");
+    assert!(mem.head("a/").await.is_ok());
+
+    // A marker that cannot be stored: mkdir still succeeds, fsync of the parent says EIO.
+    let down = || Fault::Error(StoreError::Transient("connection refused".into()));
+    faulty.inject(Op::Put, 0, Some(2), down());
+    let b = fs
+        .mkdir(a.ino, OsStr::new("b"), 0o700, 0, ME)
+        .await
+        .unwrap();
+    assert_eq!(fs.fsyncdir(a.ino).await, Err(FsError::EIO));
+    // The next fsync sends it again (the second injected failure), and then once the store is
+    // back it lands, with its mode.
+    assert_eq!(fs.fsyncdir(a.ino).await, Err(FsError::EIO));
+    fs.fsyncdir(a.ino).await.unwrap();
+    let m = mem.head("a/b/").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o700).to_string());
+
+    // rmdir of a directory whose marker is still in flight: the DELETE comes after the PUT,
+    // so no marker is left behind.
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(slow));
+    fs.mkdir(b.ino, OsStr::new("c"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    fs.rmdir(b.ino, OsStr::new("c")).await.unwrap();
+    tokio::time::sleep(slow).await;
+    assert!(mem.head("a/b/c/").await.is_err(), "marker resurrected");
+
+    // Unmount (shutdown) stores every marker still pending.
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(slow));
+    fs.mkdir(b.ino, OsStr::new("d"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    assert_eq!(fs.shutdown().await, 0);
+    assert!(mem.head("a/b/d/").await.is_ok());
 }
 
 #[tokio::test]
@@ -1008,6 +1073,7 @@ async fn creating_files_in_a_new_directory_sends_only_puts() {
         e.fs.mkdir(ROOT_INO, OsStr::new("new"), 0o755, 0, ME)
             .await
             .unwrap();
+    e.fs.fsyncdir(ROOT_INO).await.unwrap();
     let before = e.metrics.total_requests();
     for i in 0..100 {
         let name = format!("f{i}");

@@ -478,6 +478,20 @@ impl Filesystem for FuseFs {
         });
     }
 
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let fs = self.fs.clone();
+        self.spawn(async move {
+            Self::reply_empty("fsyncdir", fs.fsyncdir(ino.0).await, reply);
+        });
+    }
+
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
         self.spawn(async move {

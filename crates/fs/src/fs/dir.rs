@@ -239,6 +239,10 @@ impl Fs {
     /// Reads one LIST page into the stream; after the last, adds entries that exist only here
     /// and records the listing for negative lookups and statahead.
     async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
+        if !matches!(st.from, ListFrom::Token(_)) {
+            // Subdirectories made here must be in the bucket for the listing to show them.
+            self.markers.wait_below(&st.prefix).await?;
+        }
         let epoch = self.lookups.epoch();
         let page = self
             .store

@@ -1,0 +1,179 @@
+//! Directory markers uploaded in the background.
+//!
+//! mkdir answers as soon as the directory exists in this mount; its marker object `dir/` is
+//! PUT by a task. POSIX makes a new directory durable at fsync of the directory, not at
+//! mkdir, and a tree of new directories (tar, cp -r, many-file creates) no longer waits one
+//! PUT per directory. Everything that needs the marker in the bucket waits for it first:
+//! fsyncdir, a listing of its parent, a store lookup of it, chmod and friends, rename, rmdir,
+//! unmount. A marker whose upload failed is sent again by the next of those, which reports
+//! EIO if that fails too, so a failure is never silent.
+
+use super::*;
+use futures::future::Shared;
+
+type Upload = Shared<BoxFuture<'static, Result<(), String>>>;
+
+enum Marker {
+    /// The PUT in flight; `id` tells this upload from a later one of the same key.
+    Uploading { id: u64, upload: Upload },
+    /// The last PUT failed: send it again when the marker is next needed.
+    Failed(UserMeta),
+}
+
+pub(super) struct PendingMarkers {
+    store: Arc<dyn ObjectStore>,
+    markers: Arc<Mutex<HashMap<String, Marker>>>,
+    next_id: AtomicU64,
+}
+
+impl PendingMarkers {
+    pub(super) fn new(store: Arc<dyn ObjectStore>) -> Self {
+        Self {
+            store,
+            markers: Arc::default(),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// Starts uploading marker `key` with `meta`.
+    pub(super) fn start(&self, key: String, meta: UserMeta) {
+        let _ = self.upload(key, meta);
+    }
+
+    fn upload(&self, key: String, meta: UserMeta) -> Upload {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (store, markers) = (self.store.clone(), self.markers.clone());
+        let task_key = key.clone();
+        // Held until the entry is in: the task's own update must come after it.
+        let mut pending = self.markers.lock();
+        // A task of its own, so the upload proceeds whether or not anyone waits for it.
+        let task = tokio::spawn(async move {
+            let r = store.put(&task_key, Bytes::new(), &meta).await;
+            let mut m = markers.lock();
+            if !matches!(m.get(&task_key), Some(Marker::Uploading { id: i, .. }) if *i == id) {
+                return r.map(|_| ()).map_err(|e| e.to_string());
+            }
+            match r {
+                Ok(_) => {
+                    m.remove(&task_key);
+                    Ok(())
+                }
+                Err(e) => {
+                    tracing::error!(
+                        "mkdir {task_key}: the directory marker could not be stored ({e}); \
+                         it is sent again when the directory is next synced, listed or changed"
+                    );
+                    m.insert(task_key, Marker::Failed(meta));
+                    Err(e.to_string())
+                }
+            }
+        });
+        let upload = async move { task.await.unwrap_or_else(|e| Err(e.to_string())) }
+            .boxed()
+            .shared();
+        pending.insert(
+            key,
+            Marker::Uploading {
+                id,
+                upload: upload.clone(),
+            },
+        );
+        upload
+    }
+
+    /// Returns once marker `key` is in the bucket (at once when none is pending); EIO if its
+    /// upload failed, after one more try for a marker that had failed before.
+    pub(super) async fn wait(&self, key: &str) -> FsResult<()> {
+        let pending = self.markers.lock().get(key).map(|m| match m {
+            Marker::Uploading { upload, .. } => Ok(upload.clone()),
+            Marker::Failed(meta) => Err(meta.clone()),
+        });
+        let upload = match pending {
+            None => return Ok(()),
+            Some(Ok(upload)) => upload,
+            Some(Err(meta)) => self.upload(key.to_string(), meta),
+        };
+        upload.await.map_err(|_| FsError::EIO)
+    }
+
+    /// [`Self::wait`] for every pending marker whose key starts with `prefix` (the directory
+    /// itself and all below it). The first failure is returned after all were waited for.
+    pub(super) async fn wait_below(&self, prefix: &str) -> FsResult<()> {
+        let keys: Vec<String> = {
+            let m = self.markers.lock();
+            if m.is_empty() {
+                return Ok(());
+            }
+            m.keys()
+                .filter(|k| k.starts_with(prefix))
+                .cloned()
+                .collect()
+        };
+        let mut result = Ok(());
+        for k in keys {
+            if let Err(e) = self.wait(&k).await {
+                result = result.and(Err(e));
+            }
+        }
+        result
+    }
+
+    /// Drops marker `key` from the pending set (the directory is being removed): waits for an
+    /// upload in flight, whatever its outcome, so that a DELETE cannot overtake it.
+    pub(super) async fn settle(&self, key: &str) {
+        let upload = match self.markers.lock().remove(key) {
+            Some(Marker::Uploading { upload, .. }) => upload,
+            _ => return,
+        };
+        let _ = upload.await;
+    }
+
+    /// Markers not yet in the bucket.
+    pub(super) fn len(&self) -> usize {
+        self.markers.lock().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::memory::MemoryStore;
+    use bucketfs_store::metrics::Op;
+
+    fn fail_puts(fault: &FaultStore, times: u64) {
+        let e = StoreError::Transient("injected".into());
+        fault.inject(Op::Put, 0, Some(times), Fault::Error(e));
+    }
+
+    #[tokio::test]
+    async fn a_failed_marker_is_sent_again_when_waited_for() {
+        let mem = Arc::new(MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let markers = PendingMarkers::new(fault.clone());
+        fail_puts(&fault, 1);
+        markers.start("d/".into(), UserMeta::new());
+        assert_eq!(markers.wait("d/").await, Err(FsError::EIO));
+        assert_eq!(markers.len(), 1, "kept for another try");
+        assert!(mem.head("d/").await.is_err());
+        markers.wait_below("").await.unwrap();
+        assert!(mem.head("d/").await.is_ok());
+        assert_eq!(markers.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn wait_reports_a_failure_and_settle_forgets_it() {
+        let mem = Arc::new(MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let markers = PendingMarkers::new(fault.clone());
+        fail_puts(&fault, 2);
+        markers.start("a/".into(), UserMeta::new());
+        assert_eq!(markers.wait("a/").await, Err(FsError::EIO));
+        // wait() found it uploading: no second try yet. The next wait retries, and fails.
+        assert_eq!(markers.wait("a/").await, Err(FsError::EIO));
+        markers.settle("a/").await;
+        assert_eq!(markers.len(), 0);
+        assert_eq!(markers.wait("a/").await, Ok(()));
+        assert!(mem.head("a/").await.is_err());
+    }
+}
