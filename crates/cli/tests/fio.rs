@@ -162,9 +162,18 @@ fn sysbench_write_modes_validate() {
         "--file-total-size=32M",
         "--file-block-size=16384",
         "--validate=on",
-        "--time=4",
-        "--file-fsync-freq=50",
     ];
+    // Sequential modes make exactly one pass (2,048 blocks of 16 KiB; fsyncs would count as
+    // events too, so only the end-of-test one), with no time limit: seqwr opens the files with
+    // O_TRUNC, so a pass cut short by the clock on a slow machine would leave files the next
+    // mode finds too short. Random modes run 4 s with an fsync every 50 requests.
+    let limits = |mode: &str| -> [&'static str; 3] {
+        if mode.starts_with("seq") {
+            ["--time=0", "--events=2048", "--file-fsync-freq=0"]
+        } else {
+            ["--time=4", "--events=0", "--file-fsync-freq=50"]
+        }
+    };
     let sysbench = |dir: &std::path::Path, args: &[&str]| {
         run_tool("sysbench", dir, args, &["FATAL", "alidation failed"])
     };
@@ -172,7 +181,13 @@ fn sysbench_write_modes_validate() {
     for mode in ["seqwr", "rndwr", "rndrw", "seqrewr"] {
         let text = sysbench(
             m.path(),
-            &[&common[..], &[&format!("--file-test-mode={mode}"), "run"]].concat(),
+            &[
+                &common[..],
+                &[format!("--file-test-mode={mode}").as_str()],
+                &limits(mode)[..],
+                &["run"],
+            ]
+            .concat(),
         );
         assert!(
             text.contains("written, MiB/s:"),
@@ -183,6 +198,12 @@ fn sysbench_write_modes_validate() {
     let m = m.remount();
     sysbench(
         m.path(),
-        &[&common[..], &["--file-test-mode=seqrd", "run"]].concat(),
+        &[
+            &common[..],
+            &["--file-test-mode=seqrd"],
+            &limits("seqrd")[..],
+            &["run"],
+        ]
+        .concat(),
     );
 }
