@@ -303,6 +303,27 @@ pub struct MountArgs {
     )]
     pub stat_ttl: Option<String>,
 
+    /// How long a name the bucket does not have is remembered as missing (same formats as
+    /// --stat-ttl; 0 asks the store every time). Another client's new file shows up after
+    /// this. [default: 5]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        hide_env_values = true,
+        env = "BUCKETFS_NEGATIVE_TTL"
+    )]
+    pub negative_ttl: Option<String>,
+
+    /// Most paths the stat cache remembers (attributes, file/directory type, missing names);
+    /// each costs about 200 bytes. [default: 200000]
+    #[arg(
+        long,
+        value_name = "N",
+        hide_env_values = true,
+        env = "BUCKETFS_STAT_CACHE_SIZE"
+    )]
+    pub stat_cache_size: Option<String>,
+
     /// Directory for staging files of random writes and rewrites. [default: $TMPDIR or /tmp]
     #[arg(
         long,
@@ -452,7 +473,7 @@ impl MountArgs {
             s.apply_file(path)?;
         }
         s.apply_mount_options(&self.options)?;
-        let values: [(&str, &Option<String>); 21] = [
+        let values: [(&str, &Option<String>); 23] = [
             ("ca_bundle", &self.ca_bundle),
             ("retry_timeout", &self.retry_timeout),
             ("list_metadata", &self.list_metadata),
@@ -465,6 +486,8 @@ impl MountArgs {
             ("dir_mode", &self.dir_mode),
             ("part_size", &self.part_size),
             ("stat_ttl", &self.stat_ttl),
+            ("negative_ttl", &self.negative_ttl),
+            ("stat_cache_size", &self.stat_cache_size),
             ("cache_dir", &self.cache_dir),
             ("max_dir_rename", &self.max_dir_rename),
             ("upload_concurrency", &self.upload_concurrency),

@@ -61,6 +61,8 @@ pub struct Settings {
     pub nonempty: bool,
     pub part_size: u64,
     pub stat_ttl: Duration,
+    pub negative_ttl: Duration,
+    pub stat_cache_size: usize,
     pub cache_dir: PathBuf,
     pub max_dir_rename: usize,
     pub upload_concurrency: usize,
@@ -109,6 +111,8 @@ impl fmt::Debug for Settings {
             .field("nonempty", &self.nonempty)
             .field("part_size", &self.part_size)
             .field("stat_ttl", &self.stat_ttl)
+            .field("negative_ttl", &self.negative_ttl)
+            .field("stat_cache_size", &self.stat_cache_size)
             .field("cache_dir", &self.cache_dir)
             .field("max_dir_rename", &self.max_dir_rename)
             .field("upload_concurrency", &self.upload_concurrency)
@@ -151,6 +155,8 @@ impl Default for Settings {
             nonempty: false,
             part_size: fs.part_size,
             stat_ttl: fs.stat_ttl,
+            negative_ttl: fs.negative_ttl,
+            stat_cache_size: fs.stat_cache_size,
             cache_dir: fs.cache_dir,
             max_dir_rename: fs.max_dir_rename_objects,
             upload_concurrency: fs.upload_concurrency,
@@ -216,6 +222,8 @@ const KEYS: &[(&str, Kind, Scope)] = &[
     ("nonempty", Kind::Bool, Scope::All),
     ("part_size", Kind::Value, Scope::All),
     ("stat_ttl", Kind::Value, Scope::All),
+    ("negative_ttl", Kind::Value, Scope::All),
+    ("stat_cache_size", Kind::Value, Scope::All),
     ("cache_dir", Kind::Value, Scope::All),
     ("max_dir_rename", Kind::Value, Scope::All),
     ("upload_concurrency", Kind::Value, Scope::All),
@@ -471,6 +479,8 @@ impl Settings {
                 self.part_size = n;
             }
             "stat_ttl" => self.stat_ttl = parse_duration(v)?,
+            "negative_ttl" => self.negative_ttl = parse_duration(v)?,
+            "stat_cache_size" => self.stat_cache_size = parse_count(v, 0, 100_000_000)?,
             "cache_dir" => self.cache_dir = PathBuf::from(non_empty(v, "path")?),
             "max_dir_rename" => self.max_dir_rename = parse_count(v, 0, usize::MAX)?,
             "upload_concurrency" => self.upload_concurrency = parse_count(v, 1, 256)?,
@@ -573,6 +583,8 @@ impl Settings {
             dir_mode: self.dir_mode,
             read_only: self.read_only,
             stat_ttl: self.stat_ttl,
+            negative_ttl: self.negative_ttl,
+            stat_cache_size: self.stat_cache_size,
             part_size: self.part_size,
             upload_concurrency: self.upload_concurrency,
             max_memory: self.max_memory,

@@ -22,6 +22,8 @@ fn config_text() -> impl Strategy<Value = String> {
             "region",
             "part_size",
             "stat_ttl",
+            "negative_ttl",
+            "stat_cache_size",
             "file_mode",
             "dir_mode",
             "uid",

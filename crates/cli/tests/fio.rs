@@ -148,6 +148,8 @@ fn fio_random_writes_over_1gib_verify() {
         m.path(),
         &[&job[..], &["--rw=randread", "--verify_only"]].concat(),
     );
+    drop(m);
+    s3().remove_bucket(&b);
 }
 
 /// sysbench fileio (the bench suite's tool) in its write modes, with `--validate`: every block

@@ -104,6 +104,9 @@ fn appending_1mib_to_a_2gib_object_sends_under_8mib() {
         edge[..4096] == block[block.len() - 4096..] && edge[4096..] == block[..4096],
         "the copied parts differ"
     );
+    drop(f);
+    drop(m);
+    s3().remove_bucket(&b);
 }
 
 fn head_size(bucket: &str, key: &str) -> u64 {

@@ -19,6 +19,10 @@ pub struct FsConfig {
     pub read_only: bool,
     /// How long attributes learned from the store are trusted.
     pub stat_ttl: Duration,
+    /// How long "no such file" from the store is trusted (0: always ask again).
+    pub negative_ttl: Duration,
+    /// Most paths the stat cache holds (attributes, types and negative entries).
+    pub stat_cache_size: usize,
     /// Size of a multipart part and of a prefetch request.
     pub part_size: u64,
     /// Parts of one file uploading at once.
@@ -46,6 +50,8 @@ impl Default for FsConfig {
             dir_mode: 0o755,
             read_only: false,
             stat_ttl: Duration::from_secs(5),
+            negative_ttl: Duration::from_secs(5),
+            stat_cache_size: 200_000,
             part_size: 8 * 1024 * 1024,
             upload_concurrency: 8,
             max_prefetch: 64 * 1024 * 1024,

@@ -8,7 +8,7 @@ use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
-use crate::lookup::{found_object, Found, Lookups};
+use crate::lookup::{found_object, CacheLimits, Found, Lookups};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
@@ -174,8 +174,12 @@ impl Fs {
         );
         root.lookups = 1;
         let metrics = Arc::new(FsMetrics::default());
-        let (store_for_lookups, prefix_for_lookups, stat_ttl) =
-            (store.clone(), cfg.prefix.clone(), cfg.stat_ttl);
+        let (store_for_lookups, prefix_for_lookups) = (store.clone(), cfg.prefix.clone());
+        let cache_limits = CacheLimits {
+            ttl: cfg.stat_ttl,
+            negative_ttl: cfg.negative_ttl,
+            max_entries: cfg.stat_cache_size,
+        };
         let store_for_markers = store.clone();
         let budget = MemoryBudget::new(cfg.max_memory, metrics.clone());
         let rcfg = Arc::new(ReadConfig {
@@ -202,7 +206,7 @@ impl Fs {
             table: Mutex::new(InodeTable::new(root)),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-            lookups: Lookups::new(store_for_lookups, prefix_for_lookups, stat_ttl),
+            lookups: Lookups::new(store_for_lookups, prefix_for_lookups, cache_limits),
             dir_misses: Mutex::new(HashMap::new()),
             markers: PendingMarkers::new(store_for_markers),
         });
@@ -1474,7 +1478,7 @@ impl Fs {
     pub fn refresh(&self, ino: Ino) -> FsResult<()> {
         let mut t = self.table.lock();
         let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
-        let (path, parent) = (i.path.clone(), i.parent);
+        let (path, parent, kind) = (i.path.clone(), i.parent, i.kind);
         if i.write.is_none() && ino != ROOT_INO {
             let stale = self.stale_instant();
             i.fetched = stale.or(i.fetched);
@@ -1485,6 +1489,10 @@ impl Fs {
         }
         drop(t);
         self.lookups.forget(&path);
+        if kind == FileKind::Dir {
+            // Including names cached as missing.
+            self.lookups.forget_below(&path);
+        }
         Ok(())
     }
 

@@ -33,7 +33,8 @@ pub struct Found {
 
 #[derive(Clone)]
 struct Cached {
-    found: Found,
+    /// `None`: the store has nothing at this path (a negative entry).
+    found: Option<Found>,
     /// User metadata is known (a HEAD, or a listing that carried it).
     complete: bool,
     /// Learned from a directory listing (not yet stat'ed since).
@@ -43,8 +44,16 @@ struct Cached {
 
 type Probe = Shared<BoxFuture<'static, Result<Found, FsError>>>;
 
-/// Cache entries kept at most; past this the cache starts over (it only saves requests).
-const MAX_CACHED: usize = 200_000;
+/// How long and how much the stat cache remembers.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheLimits {
+    /// Attributes and types learned from the store.
+    pub ttl: Duration,
+    /// "Nothing there" answers (0: never cached).
+    pub negative_ttl: Duration,
+    /// Entries kept at most. When full, expired entries go first, then a random quarter.
+    pub max_entries: usize,
+}
 /// Entries stat'ed ahead per trigger, and requests in flight for them.
 const STATAHEAD_COUNT: usize = 256;
 const STATAHEAD_CONCURRENCY: usize = 64;
@@ -54,9 +63,10 @@ const UNUSED_LISTED_FILES: u64 = 64;
 pub struct Lookups {
     store: Arc<dyn ObjectStore>,
     prefix: String,
-    ttl: Duration,
+    limits: CacheLimits,
     cache: Mutex<HashMap<String, Cached>>,
-    inflight: Mutex<HashMap<String, Probe>>,
+    /// Probes in flight, with the epoch each started at.
+    inflight: Mutex<HashMap<String, (Probe, u64)>>,
     /// Files (and symlinks) listed since the listing detail was last decided.
     listed_files: AtomicU64,
     /// Stats of listed files since then.
@@ -69,11 +79,11 @@ pub struct Lookups {
 }
 
 impl Lookups {
-    pub fn new(store: Arc<dyn ObjectStore>, prefix: String, ttl: Duration) -> Arc<Self> {
+    pub fn new(store: Arc<dyn ObjectStore>, prefix: String, limits: CacheLimits) -> Arc<Self> {
         Arc::new(Self {
             store,
             prefix,
-            ttl,
+            limits,
             cache: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
             listed_files: AtomicU64::new(0),
@@ -108,10 +118,18 @@ impl Lookups {
         }
     }
 
+    fn alive(&self, c: &Cached) -> bool {
+        let ttl = match c.found {
+            Some(_) => self.limits.ttl,
+            None => self.limits.negative_ttl,
+        };
+        c.at.elapsed() < ttl
+    }
+
     fn fresh(&self, path: &str) -> Option<Cached> {
         let mut cache = self.cache.lock();
         match cache.get(path) {
-            Some(c) if c.at.elapsed() < self.ttl => Some(c.clone()),
+            Some(c) if self.alive(c) => Some(c.clone()),
             Some(_) => {
                 cache.remove(path);
                 None
@@ -123,17 +141,27 @@ impl Lookups {
     /// What is cached for `path` and whether it is complete, without a request and without
     /// counting as a stat of a listed entry.
     pub fn peek(&self, path: &str) -> Option<(Found, bool)> {
-        self.fresh(path).map(|c| (c.found, c.complete))
+        self.fresh(path).and_then(|c| Some((c.found?, c.complete)))
     }
 
-    fn put(&self, path: &str, found: Found, complete: bool) {
+    fn put(&self, path: &str, found: Option<Found>, complete: bool) {
         self.put_from(path, found, complete, false);
     }
 
-    fn put_from(&self, path: &str, found: Found, complete: bool, from_listing: bool) {
+    fn put_from(&self, path: &str, found: Option<Found>, complete: bool, from_listing: bool) {
         let mut cache = self.cache.lock();
-        if cache.len() >= MAX_CACHED {
-            cache.clear();
+        if self.limits.max_entries == 0 {
+            return;
+        }
+        if cache.len() >= self.limits.max_entries {
+            cache.retain(|_, c| self.alive(c));
+            // HashMap order is random: this drops a random quarter.
+            let mut extra = cache.len().saturating_sub(self.limits.max_entries * 3 / 4);
+            cache.retain(|_, _| {
+                let keep = extra == 0;
+                extra = extra.saturating_sub(1);
+                keep
+            });
         }
         cache.insert(
             path.to_string(),
@@ -146,7 +174,8 @@ impl Lookups {
         );
     }
 
-    /// Whether a fresh, complete answer for `path` is cached (no request needed).
+    /// Whether a fresh, complete answer for `path` is cached (no request needed); "nothing
+    /// there" is one.
     pub fn cached_complete(&self, path: &str) -> bool {
         self.fresh(path).is_some_and(|c| c.complete)
     }
@@ -163,16 +192,16 @@ impl Lookups {
     pub fn listed(&self, path: &str, found: Found, epoch: u64) {
         let complete = found.obj.user_complete && epoch == self.epoch();
         if !complete
-            && self
-                .fresh(path)
-                .is_some_and(|c| c.complete && c.found.kind == found.kind)
+            && self.fresh(path).is_some_and(|c| {
+                c.complete && c.found.as_ref().is_some_and(|f| f.kind == found.kind)
+            })
         {
             return;
         }
         if found.kind != FileKind::Dir {
             self.listed_files.fetch_add(1, Ordering::Relaxed);
         }
-        self.put_from(path, found, complete, true);
+        self.put_from(path, Some(found), complete, true);
     }
 
     /// Forgets `path` (it changed here).
@@ -193,18 +222,18 @@ impl Lookups {
     /// What `path` is: from the cache when fresh and complete, else from the store.
     pub async fn stat(&self, path: &str) -> FsResult<(Found, bool)> {
         let cached = self.fresh(path);
-        if cached
-            .as_ref()
-            .is_some_and(|c| c.from_listing && c.found.kind != FileKind::Dir)
-        {
+        if cached.as_ref().is_some_and(|c| {
+            c.from_listing && c.found.as_ref().is_some_and(|f| f.kind != FileKind::Dir)
+        }) {
             self.listed_used.fetch_add(1, Ordering::Relaxed);
         }
-        let hint = match cached {
-            Some(c) if c.complete => return Ok((c.found, true)),
-            Some(c) => Some(c.found.kind),
+        let hint = match cached.map(|c| (c.found, c.complete)) {
+            Some((None, _)) => return Err(FsError::ENOENT),
+            Some((Some(f), true)) => return Ok((f, true)),
+            Some((Some(f), false)) => Some(f.kind),
             None => None,
         };
-        let probe = {
+        let (probe, started) = {
             let mut inflight = self.inflight.lock();
             match inflight.get(path) {
                 Some(p) => p.clone(),
@@ -212,15 +241,18 @@ impl Lookups {
                     let p = probe(self.store.clone(), format!("{}{path}", self.prefix), hint)
                         .boxed()
                         .shared();
-                    inflight.insert(path.to_string(), p.clone());
-                    p
+                    let entry = (p, self.epoch());
+                    inflight.insert(path.to_string(), entry.clone());
+                    entry
                 }
             }
         };
         let result = probe.await;
         self.inflight.lock().remove(path);
         match &result {
-            Ok(f) => self.put(path, f.clone(), true),
+            Ok(f) => self.put(path, Some(f.clone()), true),
+            // Unless this mount changed something meanwhile (a create the probe may predate).
+            Err(FsError::ENOENT) if started == self.epoch() => self.put(path, None, true),
             Err(_) => self.forget(path),
         }
         result.map(|f| (f, false))
@@ -356,13 +388,17 @@ mod tests {
     use bucketfs_store::metrics::{MeteredStore, Op};
     use bucketfs_store::UserMeta;
 
+    fn limits() -> CacheLimits {
+        CacheLimits {
+            ttl: Duration::from_secs(5),
+            negative_ttl: Duration::from_secs(5),
+            max_entries: 1000,
+        }
+    }
+
     #[tokio::test]
     async fn a_listing_older_than_a_change_here_is_not_trusted() {
-        let l = Lookups::new(
-            Arc::new(MemoryStore::new()),
-            String::new(),
-            Duration::from_secs(5),
-        );
+        let l = Lookups::new(Arc::new(MemoryStore::new()), String::new(), limits());
         let listed = || {
             found_object(ObjectMeta {
                 key: "a".into(),
@@ -390,7 +426,7 @@ mod tests {
             .unwrap();
         let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
         let m = metered.metrics();
-        let l = Lookups::new(Arc::new(metered), String::new(), Duration::from_secs(5));
+        let l = Lookups::new(Arc::new(metered), String::new(), limits());
         let all = futures::future::join_all((0..32).map(|_| l.stat("a"))).await;
         assert!(all
             .iter()
@@ -400,5 +436,57 @@ mod tests {
         // Cached now.
         l.stat("a").await.unwrap();
         assert_eq!(m.total_requests(), 2);
+    }
+
+    #[tokio::test]
+    async fn missing_names_are_cached_for_the_negative_ttl_only() {
+        let mem = Arc::new(MemoryStore::new());
+        let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
+        let m = metered.metrics();
+        let store: Arc<dyn ObjectStore> = Arc::new(metered);
+        let l = Lookups::new(store.clone(), String::new(), limits());
+        assert_eq!(l.stat("nope").await.unwrap_err(), FsError::ENOENT);
+        assert_eq!(l.stat("nope").await.unwrap_err(), FsError::ENOENT);
+        assert_eq!(
+            m.total_requests(),
+            2,
+            "one HEAD and one LIST, then the cache"
+        );
+        // A change made here forgets it.
+        mem.put("nope", bytes::Bytes::new(), &UserMeta::new())
+            .await
+            .unwrap();
+        l.forget("nope");
+        assert!(l.stat("nope").await.is_ok());
+
+        let off = CacheLimits {
+            negative_ttl: Duration::ZERO,
+            ..limits()
+        };
+        let l = Lookups::new(store, String::new(), off);
+        let before = m.total_requests();
+        for _ in 0..3 {
+            assert_eq!(l.stat("other").await.unwrap_err(), FsError::ENOENT);
+        }
+        assert_eq!(
+            m.total_requests() - before,
+            6,
+            "--negative-ttl 0 asks every time"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_cache_stays_within_its_size() {
+        let l = Lookups::new(Arc::new(MemoryStore::new()), String::new(), limits());
+        let f = || found_object(ObjectMeta::default());
+        for i in 0..5000 {
+            l.listed(&format!("f{i}"), f(), l.epoch());
+            assert!(l.cache.lock().len() <= 1000);
+        }
+        assert!(
+            l.cache.lock().len() >= 750,
+            "evicts a quarter, not everything"
+        );
+        assert!(l.peek("f4999").is_some(), "the newest entry is kept");
     }
 }

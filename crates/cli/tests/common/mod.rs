@@ -262,6 +262,28 @@ impl S3 {
         keys
     }
 
+    /// Deletes every object and open upload in `bucket`, then the bucket: tests that store
+    /// gigabytes call it when they pass, so the suite's peak disk use stays that of one test.
+    pub fn remove_bucket(&self, bucket: &str) {
+        let c = &self.client;
+        for key in self.list_keys(bucket, "") {
+            self.block_on(c.delete_object().bucket(bucket).key(&key).send())
+                .unwrap_or_else(|e| panic!("DeleteObject {bucket}/{key}: {}", err_text(&e)));
+        }
+        for (key, id) in self.list_multipart_uploads(bucket) {
+            let abort = c
+                .abort_multipart_upload()
+                .bucket(bucket)
+                .key(&key)
+                .upload_id(id);
+            self.block_on(abort.send()).unwrap_or_else(|e| {
+                panic!("AbortMultipartUpload {bucket}/{key}: {}", err_text(&e))
+            });
+        }
+        self.block_on(c.delete_bucket().bucket(bucket).send())
+            .unwrap_or_else(|e| panic!("DeleteBucket {bucket}: {}", err_text(&e)));
+    }
+
     /// `(key, upload id)` of every multipart upload in progress in the bucket.
     pub fn list_multipart_uploads(&self, bucket: &str) -> Vec<(String, String)> {
         let out = self
