@@ -355,6 +355,24 @@ mod tests {
         assert_eq!((b.available(), b.pooled()), (4 << 20, 5 * UNIT));
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn buffers_kept_unused_are_unmapped_after_a_while() {
+        let b = MemoryBudget::new(8 << 20, Arc::new(FsMetrics::default()));
+        drop(b.try_buffer(1 << 20).unwrap());
+        assert_eq!(b.pooled(), 1 << 20);
+        tokio::time::sleep(crate::pool::IDLE_TTL / 2).await;
+        assert_eq!(b.pooled(), 1 << 20);
+        let again = b.try_buffer(1 << 20).unwrap();
+        drop(again);
+        // Reuse restarts its clock; left alone, it goes.
+        tokio::time::sleep(crate::pool::IDLE_TTL * 3).await;
+        assert_eq!(b.pooled(), 0);
+        drop(b.try_buffer(UNIT).unwrap());
+        assert_eq!(b.pooled(), UNIT, "kept again after the expiry task ended");
+        tokio::time::sleep(crate::pool::IDLE_TTL * 3).await;
+        assert_eq!(b.pooled(), 0);
+    }
+
     #[tokio::test]
     async fn a_waiting_reader_gets_memory_a_freed_buffer_returns() {
         let b = MemoryBudget::new(1 << 20, Arc::new(FsMetrics::default()));

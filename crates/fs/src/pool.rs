@@ -6,19 +6,27 @@
 //! These buffers are mapped from the kernel directly and kept for reuse when freed, as long
 //! as reserved memory plus kept buffers stay within the budget (and kept ones within a
 //! quarter of it); anything beyond that is unmapped at once, so it really leaves the process.
-//! Reuse also spares a fresh buffer's page faults on the hot read path.
+//! Reuse also spares a fresh buffer's page faults on the hot read path. Buffers kept unused
+//! for [`IDLE_TTL`] are unmapped too, so a daemon that stops reading gives the memory back.
 
 use crate::budget::Reservation;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use tokio::runtime::Handle;
 use tokio::sync::Semaphore;
+// The runtime's clock (so tests can pause it); the plain system clock otherwise.
+use tokio::time::Instant;
 
 /// Buffers are sized in these steps (the budget's accounting unit), so one serves every
 /// request of its size class and never holds more than its reservation.
 pub const STEP: usize = 64 * 1024;
+
+/// Kept buffers unused this long are unmapped.
+pub const IDLE_TTL: Duration = Duration::from_secs(5);
 
 /// An anonymous private mapping of `len` bytes.
 struct Region {
@@ -76,11 +84,13 @@ impl Drop for Region {
 
 #[derive(Default)]
 struct Idle {
-    /// Kept buffers by size, each list oldest first.
-    by_size: BTreeMap<usize, VecDeque<(u64, Region)>>,
+    /// Kept buffers by size, each list oldest first, with when each was kept.
+    by_size: BTreeMap<usize, VecDeque<(u64, Instant, Region)>>,
     bytes: u64,
     /// Sequence number of the next buffer kept (orders eviction across sizes).
     seq: u64,
+    /// A task unmaps buffers kept too long; it runs while any are kept.
+    expiring: bool,
 }
 
 impl Idle {
@@ -89,16 +99,29 @@ impl Idle {
         let size = *self
             .by_size
             .iter()
-            .filter_map(|(s, l)| l.front().map(|(seq, _)| (seq, s)))
+            .filter_map(|(s, l)| l.front().map(|(seq, ..)| (seq, s)))
             .min()?
             .1;
         let list = self.by_size.get_mut(&size)?;
-        let (_, r) = list.pop_front()?;
+        let (_, _, r) = list.pop_front()?;
         if list.is_empty() {
             self.by_size.remove(&size);
         }
         self.bytes -= r.len as u64;
         Some(r)
+    }
+
+    /// Removes the buffers kept since before `cutoff`.
+    fn pop_stale(&mut self, cutoff: Instant, out: &mut Vec<Region>) {
+        for list in self.by_size.values_mut() {
+            while list.front().is_some_and(|(_, t, _)| *t < cutoff) {
+                if let Some((_, _, r)) = list.pop_front() {
+                    self.bytes -= r.len as u64;
+                    out.push(r);
+                }
+            }
+        }
+        self.by_size.retain(|_, l| !l.is_empty());
     }
 }
 
@@ -112,6 +135,9 @@ pub struct Pool {
     /// At most this much is kept.
     max_idle: u64,
     idle: Mutex<Idle>,
+    /// Where the expiry task runs (none outside a runtime: buffers then only expire as others
+    /// are kept).
+    rt: Option<Handle>,
 }
 
 impl Pool {
@@ -121,6 +147,7 @@ impl Pool {
             budget,
             max_idle: budget / 4,
             idle: Mutex::default(),
+            rt: Handle::try_current().ok(),
         })
     }
 
@@ -135,13 +162,13 @@ impl Pool {
         let kept = {
             let mut idle = self.idle.lock();
             let r = idle.by_size.get_mut(&size).and_then(|l| l.pop_back());
-            if let Some((_, r)) = &r {
+            if let Some((.., r)) = &r {
                 idle.bytes -= r.len as u64;
                 if idle.by_size.get(&size).is_some_and(VecDeque::is_empty) {
                     idle.by_size.remove(&size);
                 }
             }
-            r.map(|(_, r)| r)
+            r.map(|(.., r)| r)
         };
         let region = kept.unwrap_or_else(|| Region::new(size));
         PoolBuf {
@@ -170,10 +197,15 @@ impl Pool {
     }
 
     /// Takes back a freed buffer: kept if it fits, unmapped if not.
-    fn put(&self, region: Region) {
+    fn put(self: &Arc<Self>, region: Region) {
         let mut drop_now = Vec::new();
+        let mut start_expiry = false;
         {
             let mut idle = self.idle.lock();
+            let now = Instant::now();
+            if let Some(cutoff) = now.checked_sub(IDLE_TTL) {
+                idle.pop_stale(cutoff, &mut drop_now);
+            }
             let room = self
                 .max_idle
                 .min(self.budget.saturating_sub(self.reserved()));
@@ -193,10 +225,41 @@ impl Pool {
                 idle.by_size
                     .entry(region.len)
                     .or_default()
-                    .push_back((seq, region));
+                    .push_back((seq, now, region));
+                if !idle.expiring && self.rt.is_some() {
+                    idle.expiring = true;
+                    start_expiry = true;
+                }
             }
         }
         drop(drop_now);
+        if let (true, Some(rt)) = (start_expiry, &self.rt) {
+            rt.spawn(Self::expire(Arc::downgrade(self)));
+        }
+    }
+
+    /// Unmaps buffers kept longer than [`IDLE_TTL`]; ends when none are kept.
+    async fn expire(pool: Weak<Pool>) {
+        loop {
+            tokio::time::sleep(IDLE_TTL).await;
+            let Some(pool) = pool.upgrade() else {
+                return;
+            };
+            let mut drop_now = Vec::new();
+            let done = {
+                let mut idle = pool.idle.lock();
+                if let Some(cutoff) = Instant::now().checked_sub(IDLE_TTL) {
+                    idle.pop_stale(cutoff, &mut drop_now);
+                }
+                // Decided under the lock, so a buffer kept meanwhile starts a new task.
+                idle.expiring = idle.bytes > 0;
+                !idle.expiring
+            };
+            drop(drop_now);
+            if done {
+                return;
+            }
+        }
     }
 
     /// Bytes kept for reuse.
