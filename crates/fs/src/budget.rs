@@ -111,8 +111,6 @@ impl MemoryBudget {
     }
 
     fn wrap(&self, permit: OwnedSemaphorePermit, bytes: u64) -> Reservation {
-        // Reserved plus pooled memory stays within the budget.
-        self.pool.trim();
         self.metrics
             .buffer_bytes
             .fetch_add(bytes, Ordering::Relaxed);
@@ -126,6 +124,22 @@ impl MemoryBudget {
 
     /// Waits until `bytes` are free and takes them, evicting cached blocks before waiting.
     pub async fn reserve(&self, bytes: u64) -> Reservation {
+        let r = self.reserve_untrimmed(bytes).await;
+        // Reserved plus pooled memory stays within the budget.
+        self.pool.trim();
+        r
+    }
+
+    /// Takes `bytes` if they are free now.
+    pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
+        let r = self.try_reserve_untrimmed(bytes)?;
+        self.pool.trim();
+        Some(r)
+    }
+
+    /// [`MemoryBudget::reserve`] for a pool buffer: the pool trims itself once it has handed
+    /// out a kept buffer for this memory (trimming first could unmap that very buffer).
+    async fn reserve_untrimmed(&self, bytes: u64) -> Reservation {
         let units = self.units_for(bytes);
         loop {
             if let Ok(permit) = self.sem.clone().try_acquire_many_owned(units) {
@@ -147,13 +161,13 @@ impl MemoryBudget {
     /// A buffer for `len` bytes of file data, if that much memory is free now. It holds the
     /// memory until it (and every [`Bytes`] made of it) is dropped.
     pub fn try_buffer(&self, len: u64) -> Option<PoolBuf> {
-        let mem = self.try_reserve(len)?;
+        let mem = self.try_reserve_untrimmed(len)?;
         Some(self.pool.take(len as usize, mem))
     }
 
     /// A buffer for `len` bytes of file data, waiting for the memory if it must.
     pub async fn buffer(&self, len: u64) -> PoolBuf {
-        let mem = self.reserve(len).await;
+        let mem = self.reserve_untrimmed(len).await;
         self.pool.take(len as usize, mem)
     }
 
@@ -199,8 +213,7 @@ impl MemoryBudget {
             })
     }
 
-    /// Takes `bytes` if they are free now.
-    pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
+    fn try_reserve_untrimmed(&self, bytes: u64) -> Option<Reservation> {
         let permit = self
             .sem
             .clone()
@@ -234,6 +247,12 @@ impl MemoryBudget {
     #[cfg(test)]
     pub fn pooled(&self) -> u64 {
         self.pool.idle_bytes()
+    }
+
+    /// Buffers mapped so far (not reused).
+    #[cfg(test)]
+    pub fn fresh_buffers(&self) -> u64 {
+        self.pool.fresh()
     }
 
     /// Bytes free right now.
@@ -313,6 +332,21 @@ mod tests {
         drop((c, d));
         assert_eq!(b.pooled(), (1 << 20) + 2 * UNIT);
         assert_eq!(FsMetrics::get(&m.buffer_bytes), 0);
+    }
+
+    #[test]
+    fn a_full_budget_still_reuses_freed_buffers() {
+        let b = MemoryBudget::new(8 << 20, Arc::new(FsMetrics::default()));
+        let mut bufs: Vec<_> = (0..8).map(|_| b.try_buffer(1 << 20).unwrap()).collect();
+        assert_eq!(b.fresh_buffers(), 8);
+        // Ten readers turning over their chunks with no memory to spare: each one freed
+        // serves the next, with no new mapping.
+        for _ in 0..20 {
+            bufs.remove(0);
+            bufs.push(b.try_buffer(1 << 20).unwrap());
+            assert!(held(&b) <= 8 << 20);
+        }
+        assert_eq!(b.fresh_buffers(), 8);
     }
 
     #[test]

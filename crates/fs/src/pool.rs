@@ -14,6 +14,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::runtime::Handle;
@@ -138,6 +139,8 @@ pub struct Pool {
     /// Where the expiry task runs (none outside a runtime: buffers then only expire as others
     /// are kept).
     rt: Option<Handle>,
+    /// Buffers mapped so far.
+    fresh: AtomicU64,
 }
 
 impl Pool {
@@ -148,6 +151,7 @@ impl Pool {
             max_idle: budget / 4,
             idle: Mutex::default(),
             rt: Handle::try_current().ok(),
+            fresh: AtomicU64::new(0),
         })
     }
 
@@ -170,7 +174,12 @@ impl Pool {
             }
             r.map(|(.., r)| r)
         };
-        let region = kept.unwrap_or_else(|| Region::new(size));
+        let region = kept.unwrap_or_else(|| {
+            self.fresh.fetch_add(1, Ordering::Relaxed);
+            Region::new(size)
+        });
+        // Only now, with the kept buffer this memory pays for out of the pool.
+        self.trim();
         PoolBuf {
             region: Some(region),
             len,
@@ -260,6 +269,12 @@ impl Pool {
                 return;
             }
         }
+    }
+
+    /// Buffers mapped so far (not reused).
+    #[cfg(test)]
+    pub fn fresh(&self) -> u64 {
+        self.fresh.load(Ordering::Relaxed)
     }
 
     /// Bytes kept for reuse.
