@@ -14,8 +14,12 @@
 //! (the rest of a random read's 128 KiB block, a stream's chunks when the reader jumps away or
 //! closes), up to a quarter of the budget. It is the first thing given back: a reservation that
 //! would wait evicts cached blocks first, so the cache can never starve a reader or a writer.
+//!
+//! Readers' buffers come from the budget's [`Pool`], which reuses freed ones within the budget
+//! instead of leaving them to the allocator (see there why).
 
 use crate::metrics::FsMetrics;
+use crate::pool::{Pool, PoolBuf, STEP};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
@@ -24,8 +28,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Accounting granularity.
-const UNIT: u64 = 64 * 1024;
+/// Accounting granularity: the pool's buffer size step, so a buffer is exactly its reservation.
+const UNIT: u64 = STEP as u64;
 
 pub struct MemoryBudget {
     sem: Arc<Semaphore>,
@@ -34,6 +38,7 @@ pub struct MemoryBudget {
     lasting: Arc<AtomicU64>,
     metrics: Arc<FsMetrics>,
     cache: Mutex<BlockCache>,
+    pool: Arc<Pool>,
 }
 
 /// Identifies the content of a cached block: object key and ETag.
@@ -41,8 +46,8 @@ type BlockKey = (String, String);
 
 struct Block {
     end: u64,
+    /// A reader's buffer, which holds its memory.
     data: Bytes,
-    _mem: Reservation,
 }
 
 #[derive(Default)]
@@ -89,8 +94,10 @@ impl MemoryBudget {
     pub fn new(bytes: u64, metrics: Arc<FsMetrics>) -> Arc<Self> {
         let units = (bytes / UNIT).clamp(1, Semaphore::MAX_PERMITS as u64);
         metrics.budget_bytes.store(units * UNIT, Ordering::Relaxed);
+        let sem = Arc::new(Semaphore::new(units as usize));
         Arc::new(Self {
-            sem: Arc::new(Semaphore::new(units as usize)),
+            pool: Pool::new(sem.clone(), units * UNIT),
+            sem,
             units,
             lasting: Arc::default(),
             metrics,
@@ -117,6 +124,22 @@ impl MemoryBudget {
 
     /// Waits until `bytes` are free and takes them, evicting cached blocks before waiting.
     pub async fn reserve(&self, bytes: u64) -> Reservation {
+        let r = self.reserve_untrimmed(bytes).await;
+        // Reserved plus pooled memory stays within the budget.
+        self.pool.trim();
+        r
+    }
+
+    /// Takes `bytes` if they are free now.
+    pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
+        let r = self.try_reserve_untrimmed(bytes)?;
+        self.pool.trim();
+        Some(r)
+    }
+
+    /// [`MemoryBudget::reserve`] for a pool buffer: the pool trims itself once it has handed
+    /// out a kept buffer for this memory (trimming first could unmap that very buffer).
+    async fn reserve_untrimmed(&self, bytes: u64) -> Reservation {
         let units = self.units_for(bytes);
         loop {
             if let Ok(permit) = self.sem.clone().try_acquire_many_owned(units) {
@@ -135,16 +158,23 @@ impl MemoryBudget {
         self.wrap(permit, bytes)
     }
 
-    /// Keeps a fetched block of object `key` (version `etag`) covering `range`, with the
-    /// memory it already holds. Blocks beyond a quarter of the budget push out the oldest.
-    pub fn cache_block(
-        &self,
-        key: &str,
-        etag: &str,
-        range: Range<u64>,
-        data: Bytes,
-        mem: Reservation,
-    ) {
+    /// A buffer for `len` bytes of file data, if that much memory is free now. It holds the
+    /// memory until it (and every [`Bytes`] made of it) is dropped.
+    pub fn try_buffer(&self, len: u64) -> Option<PoolBuf> {
+        let mem = self.try_reserve_untrimmed(len)?;
+        Some(self.pool.take(len as usize, mem))
+    }
+
+    /// A buffer for `len` bytes of file data, waiting for the memory if it must.
+    pub async fn buffer(&self, len: u64) -> PoolBuf {
+        let mem = self.reserve_untrimmed(len).await;
+        self.pool.take(len as usize, mem)
+    }
+
+    /// Keeps a fetched block of object `key` (version `etag`) covering `range`; `data` is a
+    /// pool buffer, which holds its memory. Blocks beyond a quarter of the budget push out
+    /// the oldest.
+    pub fn cache_block(&self, key: &str, etag: &str, range: Range<u64>, data: Bytes) {
         if data.len() as u64 != range.end - range.start {
             return;
         }
@@ -156,7 +186,6 @@ impl MemoryBudget {
             Block {
                 end: range.end,
                 data,
-                _mem: mem,
             },
         ) {
             c.bytes -= old.data.len() as u64;
@@ -184,8 +213,7 @@ impl MemoryBudget {
             })
     }
 
-    /// Takes `bytes` if they are free now.
-    pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
+    fn try_reserve_untrimmed(&self, bytes: u64) -> Option<Reservation> {
         let permit = self
             .sem
             .clone()
@@ -213,6 +241,18 @@ impl MemoryBudget {
             }
         }
         r
+    }
+
+    /// Bytes of freed buffers kept for reuse.
+    #[cfg(test)]
+    pub fn pooled(&self) -> u64 {
+        self.pool.idle_bytes()
+    }
+
+    /// Buffers mapped so far (not reused).
+    #[cfg(test)]
+    pub fn fresh_buffers(&self) -> u64 {
+        self.pool.fresh()
     }
 
     /// Bytes free right now.
@@ -260,6 +300,129 @@ mod tests {
         drop((c, d));
         assert_eq!(b.available(), 1 << 20);
         assert!(b.try_reserve_lasting(512 * 1024).is_some());
+    }
+
+    /// Reserved plus pooled memory, which must never exceed the budget.
+    fn held(b: &MemoryBudget) -> u64 {
+        b.units * UNIT - b.available() + b.pooled()
+    }
+
+    #[test]
+    fn freed_buffers_are_reused_within_the_budget() {
+        let m = Arc::new(FsMetrics::default());
+        let b = MemoryBudget::new(8 << 20, m.clone());
+        let mut a = b.try_buffer(1 << 20).unwrap();
+        a.as_mut_slice().fill(7);
+        let addr = a.as_mut_slice().as_ptr();
+        assert_eq!(b.available(), 7 << 20);
+        drop(a);
+        // Back in the pool, its memory back in the budget.
+        assert_eq!((b.pooled(), b.available()), (1 << 20, 8 << 20));
+        let mut c = b.try_buffer(1 << 20).unwrap();
+        assert_eq!(
+            c.as_mut_slice().as_ptr(),
+            addr,
+            "the freed buffer is reused"
+        );
+        assert_eq!(c.as_mut_slice().len(), 1 << 20);
+        assert_eq!(b.pooled(), 0);
+        // Another size class gets a buffer of its own.
+        let d = b.try_buffer(100_000).unwrap();
+        assert_eq!(held(&b), (1 << 20) + 2 * UNIT);
+        drop((c, d));
+        assert_eq!(b.pooled(), (1 << 20) + 2 * UNIT);
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 0);
+    }
+
+    #[test]
+    fn a_full_budget_still_reuses_freed_buffers() {
+        let b = MemoryBudget::new(8 << 20, Arc::new(FsMetrics::default()));
+        let mut bufs: Vec<_> = (0..8).map(|_| b.try_buffer(1 << 20).unwrap()).collect();
+        assert_eq!(b.fresh_buffers(), 8);
+        // Ten readers turning over their chunks with no memory to spare: each one freed
+        // serves the next, with no new mapping.
+        for _ in 0..20 {
+            bufs.remove(0);
+            bufs.push(b.try_buffer(1 << 20).unwrap());
+            assert!(held(&b) <= 8 << 20);
+        }
+        assert_eq!(b.fresh_buffers(), 8);
+    }
+
+    #[test]
+    fn pooled_buffers_give_way_to_reservations() {
+        let b = MemoryBudget::new(4 << 20, Arc::new(FsMetrics::default()));
+        // A quarter of the budget is kept at most: the rest is unmapped when freed.
+        let bufs: Vec<_> = (0..4).map(|_| b.try_buffer(1 << 20).unwrap()).collect();
+        assert!(b.try_buffer(UNIT).is_none());
+        drop(bufs);
+        assert_eq!(b.pooled(), 1 << 20);
+        // Reserving what the pool keeps shrinks the pool, not the reservation.
+        let writer = b.try_reserve(3584 * 1024).unwrap();
+        assert!(held(&b) <= 4 << 20);
+        assert_eq!(b.pooled(), 0);
+        // A buffer freed while memory is short is not kept either.
+        let small = b.try_buffer(512 * 1024).unwrap();
+        assert!(b.try_buffer(UNIT).is_none());
+        drop(writer);
+        let writer = b.try_reserve(3584 * 1024).unwrap();
+        drop(small);
+        assert!(held(&b) <= 4 << 20);
+        assert_eq!(b.pooled(), 512 * 1024);
+        drop(writer);
+        assert_eq!(b.available(), 4 << 20);
+    }
+
+    #[test]
+    fn frozen_buffers_hold_their_memory_until_the_last_slice_drops() {
+        let b = MemoryBudget::new(4 << 20, Arc::new(FsMetrics::default()));
+        let mut buf = b.try_buffer(300_000).unwrap();
+        buf.as_mut_slice()[..5].copy_from_slice(b"hello");
+        let bytes = buf.freeze(5);
+        assert_eq!(&bytes[..], b"hello");
+        let tail = bytes.slice(1..3);
+        drop(bytes);
+        assert_eq!(b.available(), (4 << 20) - 5 * UNIT);
+        assert_eq!(b.pooled(), 0);
+        assert_eq!(&tail[..], b"el");
+        drop(tail);
+        assert_eq!((b.available(), b.pooled()), (4 << 20, 5 * UNIT));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn buffers_kept_unused_are_unmapped_after_a_while() {
+        let b = MemoryBudget::new(8 << 20, Arc::new(FsMetrics::default()));
+        drop(b.try_buffer(1 << 20).unwrap());
+        assert_eq!(b.pooled(), 1 << 20);
+        tokio::time::sleep(crate::pool::IDLE_TTL / 2).await;
+        assert_eq!(b.pooled(), 1 << 20);
+        let again = b.try_buffer(1 << 20).unwrap();
+        drop(again);
+        // Reuse restarts its clock; left alone, it goes.
+        tokio::time::sleep(crate::pool::IDLE_TTL * 3).await;
+        assert_eq!(b.pooled(), 0);
+        drop(b.try_buffer(UNIT).unwrap());
+        assert_eq!(b.pooled(), UNIT, "kept again after the expiry task ended");
+        tokio::time::sleep(crate::pool::IDLE_TTL * 3).await;
+        assert_eq!(b.pooled(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_reader_gets_memory_a_freed_buffer_returns() {
+        let b = MemoryBudget::new(1 << 20, Arc::new(FsMetrics::default()));
+        let a = b.try_buffer(1 << 20).unwrap();
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            async move { b.buffer(1 << 20).await }
+        });
+        tokio::task::yield_now().await;
+        // The freed buffer's memory goes to the waiter (it is not parked in the pool).
+        drop(a);
+        let got = waiter.await.unwrap();
+        assert_eq!(b.available(), 0);
+        assert!(held(&b) <= 1 << 20);
+        drop(got);
+        assert_eq!(b.available(), 1 << 20);
     }
 
     #[tokio::test]

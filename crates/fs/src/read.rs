@@ -10,9 +10,10 @@
 //! that cache). Files no larger than one part come in a single GET. Chunks take their memory from the global budget; prefetch only uses memory that
 //! is free, so under pressure windows shrink instead of the daemon growing.
 
-use crate::budget::{MemoryBudget, Reservation};
+use crate::budget::MemoryBudget;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::metrics::{inc, FsMetrics};
+use crate::pool::PoolBuf;
 use bucketfs_store::ObjectStore;
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
@@ -47,8 +48,6 @@ struct Chunk {
     data: ChunkData,
     /// Bytes of it handed to the kernel so far (counting repeats).
     served: u64,
-    /// Taken when the chunk's bytes move to the recent list.
-    mem: Option<Reservation>,
 }
 
 impl Chunk {
@@ -143,16 +142,16 @@ impl Reader {
         self.size <= self.cfg.part_size
     }
 
-    fn push(&mut self, range: Range<u64>, mem: Reservation) {
+    /// Starts fetching `range` into `buf`, a budget buffer of its length.
+    fn push(&mut self, range: Range<u64>, buf: PoolBuf) {
         let (store, key, etag) = (self.store.clone(), self.key.clone(), self.etag.clone());
         let r = range.clone();
-        let task = tokio::spawn(async move { fetch(&*store, &key, r, etag.as_deref()).await });
+        let task = tokio::spawn(async move { fetch(&*store, &key, r, etag.as_deref(), buf).await });
         self.next = range.end;
         self.chunks.push_back(Chunk {
             range,
             data: ChunkData::Pending(task),
             served: 0,
-            mem: Some(mem),
         });
     }
 
@@ -230,21 +229,21 @@ impl Reader {
         // What this read needs and is not requested yet: wait for memory if we must.
         while self.next < end {
             let len = self.chunk_len(sequential, end);
-            let mem = match self.cfg.budget.try_reserve(len) {
-                Some(r) => r,
-                None => self.cfg.budget.reserve(len).await,
+            let buf = match self.cfg.budget.try_buffer(len) {
+                Some(b) => b,
+                None => self.cfg.budget.buffer(len).await,
             };
-            self.push(self.next..self.next + len, mem);
+            self.push(self.next..self.next + len, buf);
         }
         // Read-ahead for a sequential reader: only with memory that is free now.
         if sequential || self.small_file() {
             let target = (end + self.window).min(self.size);
             while self.next < target {
                 let len = self.chunk_len(true, self.next);
-                let Some(mem) = self.cfg.budget.try_reserve(len) else {
+                let Some(buf) = self.cfg.budget.try_buffer(len) else {
                     break;
                 };
-                self.push(self.next..self.next + len, mem);
+                self.push(self.next..self.next + len, buf);
             }
         }
         self.collect(offset, end).await
@@ -259,7 +258,7 @@ impl Reader {
         }
     }
 
-    fn retire(&self, mut c: Chunk) {
+    fn retire(&self, c: Chunk) {
         let Some(etag) = self.etag.as_deref() else {
             return;
         };
@@ -268,10 +267,10 @@ impl Reader {
         if !self.direct && c.served >= c.range.end - c.range.start {
             return;
         }
-        if let (ChunkData::Ready(b), Some(mem)) = (&c.data, c.mem.take()) {
+        if let ChunkData::Ready(b) = &c.data {
             self.cfg
                 .budget
-                .cache_block(&self.key, etag, c.range.clone(), b.clone(), mem);
+                .cache_block(&self.key, etag, c.range.clone(), b.clone());
         }
     }
 
@@ -323,16 +322,22 @@ impl Reader {
 /// off mid-transfer; those are retried here, from the same offset.
 const FETCH_ATTEMPTS: u32 = 4;
 
+/// Fetches `range` into `buf`; the result is the buffer's filled part (short at the end of
+/// the object). On failure the buffer goes back to the pool.
 async fn fetch(
     store: &dyn ObjectStore,
     key: &str,
     range: Range<u64>,
     etag: Option<&str>,
+    mut buf: PoolBuf,
 ) -> FsResult<Bytes> {
     let mut attempt = 1;
     loop {
-        match store.get_range(key, range.clone(), etag).await {
-            Ok(b) => return Ok(b),
+        match store
+            .get_range_into(key, range.clone(), etag, buf.as_mut_slice())
+            .await
+        {
+            Ok(n) => return Ok(buf.freeze(n)),
             Err(e) if e.is_transient() && attempt < FETCH_ATTEMPTS => {
                 tracing::debug!("read {key} attempt {attempt}: {e}; retrying");
                 tokio::time::sleep(std::time::Duration::from_millis(100 << attempt)).await;
@@ -340,5 +345,103 @@ async fn fetch(
             }
             Err(e) => return Err(log_store_err(&format!("read {key}"), e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::memory::MemoryStore;
+    use bucketfs_store::metrics::Op;
+    use bucketfs_store::{StoreError, UserMeta};
+
+    const MIB: u64 = 1 << 20;
+
+    async fn setup(
+        budget: u64,
+        size: usize,
+    ) -> (Arc<FaultStore>, Arc<ReadConfig>, Vec<u8>, String) {
+        let mem: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
+        let data: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8).collect();
+        let etag = mem
+            .put("f", Bytes::from(data.clone()), &UserMeta::default())
+            .await
+            .unwrap();
+        let metrics = Arc::new(FsMetrics::default());
+        let cfg = Arc::new(ReadConfig {
+            part_size: 2 * MIB,
+            max_window: 4 * MIB,
+            budget: MemoryBudget::new(budget, metrics.clone()),
+            metrics,
+        });
+        (Arc::new(FaultStore::new(mem)), cfg, data, etag)
+    }
+
+    #[tokio::test]
+    async fn streams_read_into_reused_budget_buffers() {
+        let (store, cfg, data, etag) = setup(8 * MIB, 24 * MIB as usize).await;
+        for pass in 0..2 {
+            let mut r = Reader::new(
+                store.clone(),
+                cfg.clone(),
+                "f".into(),
+                Some(etag.clone()),
+                data.len() as u64,
+                false,
+            );
+            let mut pos = 0;
+            while pos < data.len() {
+                let b = r.read(pos as u64, 1 << 20).await.unwrap();
+                assert_eq!(&b[..], &data[pos..pos + b.len()], "pass {pass} at {pos}");
+                pos += b.len();
+                // Reserved plus pooled memory never exceeds the budget.
+                assert!(8 * MIB - cfg.budget.available() + cfg.budget.pooled() <= 8 * MIB);
+            }
+            drop(r);
+            // Everything is back: in the budget, and the buffers in the pool for the next pass.
+            assert_eq!(cfg.budget.available(), 8 * MIB);
+            assert!(cfg.budget.pooled() > 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_get_returns_its_buffer() {
+        let (store, cfg, data, etag) = setup(8 * MIB, 6 * MIB as usize).await;
+        store.inject(
+            Op::Get,
+            0,
+            None,
+            Fault::Error(StoreError::AccessDenied("f".into())),
+        );
+        let mut r = Reader::new(
+            store.clone(),
+            cfg.clone(),
+            "f".into(),
+            Some(etag),
+            data.len() as u64,
+            false,
+        );
+        assert!(r.read(0, 1 << 20).await.is_err());
+        // The failed chunks are forgotten and their buffers given back before any retry.
+        assert!(r.read(MIB, 1 << 20).await.is_err());
+        store.clear();
+        let b = r.read(MIB, 1 << 20).await.unwrap();
+        assert_eq!(&b[..], &data[MIB as usize..2 * MIB as usize]);
+        drop((r, b));
+        assert_eq!(cfg.budget.available(), 8 * MIB);
+    }
+
+    #[tokio::test]
+    async fn a_short_object_is_an_error_and_frees_its_buffer() {
+        let (store, cfg, data, etag) = setup(8 * MIB, 3 * MIB as usize).await;
+        // The reader believes the object is longer than it is.
+        let mut r = Reader::new(store, cfg.clone(), "f".into(), Some(etag), 5 * MIB, false);
+        assert!(r.read(4 * MIB, 4096).await.is_err());
+        let b = r.read(0, 4096).await.unwrap();
+        assert_eq!(&b[..], &data[..4096]);
+        drop((r, b));
+        // The block the second read touched stays cached: the failed one is gone.
+        assert_eq!(cfg.budget.available(), 8 * MIB - RANDOM_READAHEAD);
     }
 }

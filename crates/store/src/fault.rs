@@ -110,6 +110,19 @@ impl ObjectStore for FaultStore {
         self.wrap(Op::Get, self.inner.get_range(key, range, if_match))
             .await
     }
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        dst: &mut [u8],
+    ) -> StoreResult<usize> {
+        self.wrap(
+            Op::Get,
+            self.inner.get_range_into(key, range, if_match, dst),
+        )
+        .await
+    }
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
         self.wrap(Op::Put, self.inner.put(key, body, meta)).await
     }

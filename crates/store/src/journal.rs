@@ -299,6 +299,15 @@ impl ObjectStore for JournalStore {
     ) -> StoreResult<Bytes> {
         self.inner.get_range(key, range, if_match).await
     }
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        dst: &mut [u8],
+    ) -> StoreResult<usize> {
+        self.inner.get_range_into(key, range, if_match, dst).await
+    }
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
         self.inner.put(key, body, meta).await
     }

@@ -42,6 +42,24 @@ pub trait ObjectStore: Send + Sync + 'static {
         if_match: Option<&str>,
     ) -> StoreResult<Bytes>;
 
+    /// Ranged GET into the caller's memory: the body goes to the front of `dst` (which is
+    /// `range`'s length) and the number of bytes written comes back, fewer when the object
+    /// ends first. This lets the caller own, account and reuse the buffers a GET fills. The
+    /// default copies from [`ObjectStore::get_range`]; stores that can write straight into
+    /// `dst` do so.
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        dst: &mut [u8],
+    ) -> StoreResult<usize> {
+        let b = self.get_range(key, range, if_match).await?;
+        let n = b.len().min(dst.len());
+        dst[..n].copy_from_slice(&b[..n]);
+        Ok(n)
+    }
+
     /// PUT of a whole object with user metadata. Returns the new ETag.
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String>;
 

@@ -166,6 +166,23 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         r
     }
 
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        dst: &mut [u8],
+    ) -> StoreResult<usize> {
+        let r = self.inner.get_range_into(key, range, if_match, dst).await;
+        self.metrics.count(Op::Get, &r);
+        if let Ok(n) = &r {
+            self.metrics
+                .bytes_down
+                .fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
         let n = body.len() as u64;
         let r = self.inner.put(key, body, meta).await;

@@ -269,6 +269,24 @@ impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
         .await
     }
 
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        dst: &mut [u8],
+    ) -> StoreResult<usize> {
+        // Every attempt needs `dst`: an uncontended lock lends it to one attempt at a time.
+        let dst = tokio::sync::Mutex::new(dst);
+        self.retry(&format!("GET {key} {range:?}"), || async {
+            let mut d = dst.lock().await;
+            self.inner
+                .get_range_into(key, range.clone(), if_match, &mut d)
+                .await
+        })
+        .await
+    }
+
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
         self.retry(&format!("PUT {key}"), || {
             self.inner.put(key, body.clone(), meta)

@@ -330,6 +330,56 @@ impl S3Store {
         }
         Ok(())
     }
+
+    /// Ranged GET whose body frames go to `sink` as they arrive (each is freed right after).
+    async fn get_body(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        mut sink: impl FnMut(&[u8]) -> StoreResult<()> + Send,
+    ) -> StoreResult<()> {
+        if range.start >= range.end {
+            return Ok(());
+        }
+        let limit = attempt_timeout(range.end - range.start);
+        let get = async {
+            let out = self
+                .client
+                .get_object()
+                .bucket(&self.bucket)
+                .key(key)
+                .range(format!("bytes={}-{}", range.start, range.end - 1))
+                .set_if_match(if_match.map(str::to_string))
+                .customize()
+                .config_override(sized(range.end - range.start))
+                .send()
+                .await;
+            let out = match out {
+                Ok(o) => o,
+                // Asking for bytes past the end of an object is not an error for a file read.
+                Err(SdkError::ServiceError(se)) if se.raw().status().as_u16() == 416 => {
+                    return Ok(())
+                }
+                Err(e) => return Err(map_err(key, e)),
+            };
+            let mut body = out.body;
+            while let Some(frame) = body.next().await {
+                let frame = frame
+                    .map_err(|e| StoreError::Transient(format!("{key}: reading body: {e}")))?;
+                sink(&frame)?;
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(limit, get).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Transient(format!(
+                "{key}: GET of {} bytes took longer than {} s",
+                range.end - range.start,
+                limit.as_secs()
+            ))),
+        }
+    }
 }
 
 #[async_trait]
@@ -370,49 +420,38 @@ impl ObjectStore for S3Store {
         range: Range<u64>,
         if_match: Option<&str>,
     ) -> StoreResult<Bytes> {
-        if range.start >= range.end {
-            return Ok(Bytes::new());
-        }
-        let limit = attempt_timeout(range.end - range.start);
-        let get = async {
-            let out = self
-                .client
-                .get_object()
-                .bucket(&self.bucket)
-                .key(key)
-                .range(format!("bytes={}-{}", range.start, range.end - 1))
-                .set_if_match(if_match.map(str::to_string))
-                .customize()
-                .config_override(sized(range.end - range.start))
-                .send()
-                .await;
-            let out = match out {
-                Ok(o) => o,
-                // Asking for bytes past the end of an object is not an error for a file read.
-                Err(SdkError::ServiceError(se)) if se.raw().status().as_u16() == 416 => {
-                    return Ok(Bytes::new())
-                }
-                Err(e) => return Err(map_err(key, e)),
+        // One buffer of the final size; each frame is copied in as it arrives and then freed,
+        // so a GET holds its size once (not frames plus a copy) and never reallocates.
+        let mut buf =
+            bytes::BytesMut::with_capacity(range.end.saturating_sub(range.start) as usize);
+        self.get_body(key, range, if_match, |frame| {
+            buf.extend_from_slice(frame);
+            Ok(())
+        })
+        .await?;
+        Ok(buf.freeze())
+    }
+
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        dst: &mut [u8],
+    ) -> StoreResult<usize> {
+        let mut filled = 0;
+        self.get_body(key, range.clone(), if_match, |frame| {
+            let Some(to) = dst.get_mut(filled..filled + frame.len()) else {
+                return Err(StoreError::Other(format!(
+                    "{key}: GET of range {range:?} returned more bytes than asked"
+                )));
             };
-            // Each frame is copied into one buffer of the final size as it arrives and then
-            // freed, so a GET holds its size once (not frames plus a copy) and never reallocates.
-            let mut body = out.body;
-            let mut buf = bytes::BytesMut::with_capacity((range.end - range.start) as usize);
-            while let Some(frame) = body.next().await {
-                let frame = frame
-                    .map_err(|e| StoreError::Transient(format!("{key}: reading body: {e}")))?;
-                buf.extend_from_slice(&frame);
-            }
-            Ok(buf.freeze())
-        };
-        match tokio::time::timeout(limit, get).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Transient(format!(
-                "{key}: GET of {} bytes took longer than {} s",
-                range.end - range.start,
-                limit.as_secs()
-            ))),
-        }
+            to.copy_from_slice(frame);
+            filled += frame.len();
+            Ok(())
+        })
+        .await?;
+        Ok(filled)
     }
 
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
