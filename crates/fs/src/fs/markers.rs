@@ -37,7 +37,8 @@ impl PendingMarkers {
 
     /// Starts uploading marker `key` with `meta`.
     pub(super) fn start(&self, key: String, meta: UserMeta) {
-        let _ = self.upload(key, meta);
+        // The upload runs in a task of its own; its handle is only for waiters.
+        drop(self.upload(key, meta));
     }
 
     fn upload(&self, key: String, meta: UserMeta) -> Upload {
