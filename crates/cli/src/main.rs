@@ -22,11 +22,10 @@ use std::ffi::OsString;
 use std::path::Path;
 use std::process::Command as Process;
 
-/// Two malloc arenas instead of eight per core: part-sized buffers freed by one tokio worker
-/// are reused by the others instead of piling up in per-thread arenas (10 concurrent readers
-/// at `--max-memory 256M` peaked at 371 MiB RSS, 341 MiB with this; read and write CPU per GB
-/// unchanged). A fixed mmap threshold would return them to the kernel but doubled the write
-/// CPU (fresh pages for every part).
+/// Two malloc arenas instead of eight per core: part-sized write buffers freed by one tokio
+/// worker are reused by the others instead of piling up in per-thread arenas (read buffers
+/// come from the budget's own pool, see fs/pool.rs). A fixed mmap threshold would return them
+/// to the kernel but doubled the write CPU (fresh pages for every part).
 fn share_malloc_arenas() {
     #[cfg(target_env = "gnu")]
     // SAFETY: mallopt only changes an allocator tunable; called before any thread starts.
