@@ -877,6 +877,10 @@ impl Fs {
             return Ok(false);
         }
         let dir_key = self.dir_key(path);
+        if self.markers.any_below(&dir_key) {
+            // A subdirectory made here whose marker is not in the bucket (yet).
+            return Ok(false);
+        }
         let page = self
             .store
             .list(&dir_key, None, ListFrom::Start, 2, ListDetail::Plain)

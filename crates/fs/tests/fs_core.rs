@@ -488,6 +488,20 @@ async fn directory_markers_go_up_in_the_background_and_failures_are_reported() {
     tokio::time::sleep(slow).await;
     assert!(mem.head("a/b/c/").await.is_err(), "marker resurrected");
 
+    // A directory whose new subdirectory's marker is still in flight is not empty.
+    faulty.inject(Op::Put, 0, Some(2), Fault::Delay(slow));
+    let e = fs
+        .mkdir(b.ino, OsStr::new("e"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    fs.mkdir(e.ino, OsStr::new("sub"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    assert_eq!(
+        fs.rmdir(b.ino, OsStr::new("e")).await,
+        Err(FsError::ENOTEMPTY)
+    );
+
     // Unmount (shutdown) stores every marker still pending.
     faulty.inject(Op::Put, 0, Some(1), Fault::Delay(slow));
     fs.mkdir(b.ino, OsStr::new("d"), 0o755, 0, ME)

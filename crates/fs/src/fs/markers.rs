@@ -129,6 +129,14 @@ impl PendingMarkers {
         let _ = upload.await;
     }
 
+    /// Whether a marker strictly below `prefix` is not in the bucket yet (uploading or
+    /// failed): a directory made there still exists.
+    pub(super) fn any_below(&self, prefix: &str) -> bool {
+        let m = self.markers.lock();
+        m.keys()
+            .any(|k| k.len() > prefix.len() && k.starts_with(prefix))
+    }
+
     /// Markers not yet in the bucket.
     pub(super) fn len(&self) -> usize {
         self.markers.lock().len()
