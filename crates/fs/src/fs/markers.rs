@@ -150,17 +150,18 @@ mod tests {
     use bucketfs_store::memory::MemoryStore;
     use bucketfs_store::metrics::Op;
 
-    fn fail_puts(fault: &FaultStore, times: u64) {
+    /// Markers over a memory store whose next `times` PUTs fail.
+    fn failing_puts(times: u64) -> (Arc<MemoryStore>, PendingMarkers) {
+        let mem = Arc::new(MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
         let e = StoreError::Transient("injected".into());
         fault.inject(Op::Put, 0, Some(times), Fault::Error(e));
+        (mem, PendingMarkers::new(fault))
     }
 
     #[tokio::test]
     async fn a_failed_marker_is_sent_again_when_waited_for() {
-        let mem = Arc::new(MemoryStore::new());
-        let fault = Arc::new(FaultStore::new(mem.clone()));
-        let markers = PendingMarkers::new(fault.clone());
-        fail_puts(&fault, 1);
+        let (mem, markers) = failing_puts(1);
         markers.start("d/".into(), UserMeta::new());
         assert_eq!(markers.wait("d/").await, Err(FsError::EIO));
         assert_eq!(markers.len(), 1, "kept for another try");
@@ -172,10 +173,7 @@ mod tests {
 
     #[tokio::test]
     async fn wait_reports_a_failure_and_settle_forgets_it() {
-        let mem = Arc::new(MemoryStore::new());
-        let fault = Arc::new(FaultStore::new(mem.clone()));
-        let markers = PendingMarkers::new(fault.clone());
-        fail_puts(&fault, 2);
+        let (mem, markers) = failing_puts(2);
         markers.start("a/".into(), UserMeta::new());
         assert_eq!(markers.wait("a/").await, Err(FsError::EIO));
         // wait() found it uploading: no second try yet. The next wait retries, and fails.
