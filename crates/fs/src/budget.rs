@@ -131,6 +131,7 @@ impl MemoryBudget {
     }
 
     /// Takes `bytes` if they are free now.
+    #[cfg(test)]
     pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
         let r = self.try_reserve_untrimmed(bytes)?;
         self.pool.trim();
@@ -227,10 +228,24 @@ impl MemoryBudget {
     /// other half is only ever held for the length of a request, so whoever waits in
     /// [`MemoryBudget::reserve`] is always served eventually.
     pub fn try_reserve_lasting(&self, bytes: u64) -> Option<Reservation> {
+        let r = self.try_reserve_lasting_untrimmed(bytes)?;
+        self.pool.trim();
+        Some(r)
+    }
+
+    /// A pool buffer for `len` bytes held as long as a file stays open (a writer's whole
+    /// part), on the terms of [`MemoryBudget::try_reserve_lasting`]. Reusing kept buffers
+    /// spares a fresh mapping's page faults and zeroing on every part.
+    pub fn try_buffer_lasting(&self, len: u64) -> Option<PoolBuf> {
+        let mem = self.try_reserve_lasting_untrimmed(len)?;
+        Some(self.pool.take(len as usize, mem))
+    }
+
+    fn try_reserve_lasting_untrimmed(&self, bytes: u64) -> Option<Reservation> {
         let cap = self.units * UNIT / 2;
         let held = self.lasting.fetch_add(bytes, Ordering::Relaxed) + bytes;
         let mut r = if held <= cap {
-            self.try_reserve(bytes)
+            self.try_reserve_untrimmed(bytes)
         } else {
             None
         };

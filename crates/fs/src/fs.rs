@@ -13,7 +13,7 @@ use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
 use crate::read::{ReadConfig, Reader};
-use crate::write::{Base, Orphans, PartLayout, WriteConfig, WriteState};
+use crate::write::{Appended, Base, Orphans, PartLayout, WriteConfig, WriteState};
 use dir::{DirMisses, DirStream, ListingSays};
 use markers::PendingMarkers;
 
@@ -519,6 +519,7 @@ impl Fs {
                 if let Some(t) = set.mtime {
                     st.mtime = t;
                 }
+                st.changed = true;
             }
             if temporary || open_handles == 0 {
                 // truncate(2) on a path: nobody will close it, publish now.
@@ -1347,6 +1348,38 @@ impl Fs {
             i.attr.mtime = now();
         }
         Ok(len)
+    }
+
+    /// A write the calling (FUSE) thread finishes itself, straight from its buffer: an
+    /// append to the file's in-memory part (see [`WriteState::append_now`]). `None`: nothing
+    /// was done, use [`Fs::write`]. `Some(Appended::PartFull)`: call [`Fs::ship_part`] before
+    /// answering.
+    pub fn write_now(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Option<Appended> {
+        let FileHandle { flags, write, .. } = self.file_handle(ino, fh).ok()?;
+        let w = write?;
+        // Busy (an upload being started, a publish): the asynchronous path waits its turn.
+        let mut st = w.state.try_lock().ok()?;
+        let at = if flags & libc::O_APPEND != 0 {
+            st.size()
+        } else {
+            offset
+        };
+        let done = st.append_now(at, data);
+        drop(st);
+        if done == Appended::No {
+            return None;
+        }
+        if let Some(i) = self.table.lock().get_mut(ino) {
+            i.attr.mtime = now();
+        }
+        Some(done)
+    }
+
+    /// Uploads the part a [`Fs::write_now`] filled; its error is the write's.
+    pub async fn ship_part(&self, ino: Ino, fh: u64) -> FsResult<()> {
+        let w = self.file_handle(ino, fh)?.write.ok_or(FsError::EBADF)?;
+        let mut st = w.state.lock().await;
+        st.ship_full_tail().await
     }
 
     /// Uploads what this handle's file holds and records the new object.

@@ -29,3 +29,4 @@ pub use inode::{Ino, ROOT_INO};
 pub use meta::{Attr, FileKind};
 pub use metrics::FsMetrics;
 pub use names::{normalize_prefix, NAME_MAX};
+pub use write::Appended;

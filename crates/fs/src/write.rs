@@ -17,6 +17,7 @@ use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::extents::Extents;
 use crate::metrics::{inc, FsMetrics};
+use crate::pool::PoolBuf;
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -106,41 +107,112 @@ struct Tail {
     start: u64,
     /// End of that part.
     part_end: u64,
-    buf: AlignedBuf,
-    /// Budget taken for `buf`'s capacity.
-    mem: Vec<Reservation>,
-    reserved: u64,
+    buf: TailBuf,
+}
+
+/// The tail's memory: a small buffer growing with a file that may turn out small, then a
+/// whole-part buffer from the budget's pool, reused from part to part.
+enum TailBuf {
+    Small {
+        buf: AlignedBuf,
+        /// Budget taken for `buf`'s capacity.
+        mem: Vec<Reservation>,
+        reserved: u64,
+    },
+    /// Holds its own reservation.
+    Part { buf: PoolBuf, filled: usize },
+}
+
+impl Default for TailBuf {
+    fn default() -> Self {
+        TailBuf::Small {
+            buf: AlignedBuf::default(),
+            mem: Vec::new(),
+            reserved: 0,
+        }
+    }
+}
+
+impl TailBuf {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            TailBuf::Small { buf, .. } => buf.as_slice(),
+            TailBuf::Part { buf, filled } => &buf.as_ref()[..*filled],
+        }
+    }
+
+    /// The bytes, without a copy, and the memory they hold (the pool buffer holds its own).
+    fn freeze(self) -> (Bytes, Vec<Reservation>) {
+        match self {
+            TailBuf::Small { buf, mem, .. } => (buf.freeze(), mem),
+            TailBuf::Part { buf, filled } => (buf.freeze(filled), Vec::new()),
+        }
+    }
 }
 
 impl Tail {
     fn end(&self) -> u64 {
-        self.start + self.buf.len() as u64
+        self.start + self.buf.as_slice().len() as u64
     }
 
     fn range(&self) -> Range<u64> {
         self.start..self.end()
     }
 
-    /// Appends `data` if the budget has room for it now; false leaves the tail unchanged.
+    fn is_full(&self) -> bool {
+        self.end() == self.part_end
+    }
+
+    /// Appends `data` (which must fit in the part) if the budget has room for it now; false
+    /// leaves the tail unchanged.
     fn append(&mut self, budget: &MemoryBudget, data: &[u8]) -> bool {
-        let need = (self.buf.len() + data.len()) as u64;
-        if need > self.reserved {
-            let part = self.part_end - self.start;
-            let target = if need > TAIL_STEP_MAX {
-                part
-            } else {
-                need.next_power_of_two().clamp(64 * 1024, TAIL_STEP_MAX)
-            };
-            let Some(mem) = budget.try_reserve_lasting(target - self.reserved) else {
-                return false;
-            };
-            self.mem.push(mem);
-            self.reserved = target;
-            self.buf.reserve_total(target as usize);
+        let len = self.buf.as_slice().len();
+        let need = len + data.len();
+        if let TailBuf::Small { buf, mem, reserved } = &mut self.buf {
+            if need as u64 > *reserved {
+                // Past its first part a file is big: take the whole part at once.
+                if need as u64 > TAIL_STEP_MAX || self.start > 0 {
+                    let part = self.part_end - self.start;
+                    let Some(mut whole) = budget.try_buffer_lasting(part) else {
+                        return false;
+                    };
+                    whole.as_mut_slice()[..len].copy_from_slice(buf.as_slice());
+                    self.buf = TailBuf::Part {
+                        buf: whole,
+                        filled: len,
+                    };
+                } else {
+                    let target = (need as u64)
+                        .next_power_of_two()
+                        .clamp(64 * 1024, TAIL_STEP_MAX);
+                    let Some(m) = budget.try_reserve_lasting(target - *reserved) else {
+                        return false;
+                    };
+                    mem.push(m);
+                    *reserved = target;
+                    buf.reserve_total(target as usize);
+                }
+            }
         }
-        self.buf.extend_from_slice(data);
+        match &mut self.buf {
+            TailBuf::Small { buf, .. } => buf.extend_from_slice(data),
+            TailBuf::Part { buf, filled } => {
+                buf.as_mut_slice()[len..need].copy_from_slice(data);
+                *filled = need;
+            }
+        }
         true
     }
+}
+
+/// What [`WriteState::append_now`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Appended {
+    /// Nothing: take the asynchronous path.
+    No,
+    Yes,
+    /// Appended, and the part is full: ship it before answering.
+    PartFull,
 }
 
 /// Where the current content of a byte range is.
@@ -328,6 +400,8 @@ impl WriteState {
         self.mtime = SystemTime::now();
         let mut at = offset;
         while !data.is_empty() {
+            // A part filled by `append_now` and not shipped yet.
+            self.ship_full_tail().await?;
             if !self.tail_takes(at) {
                 self.spill_tail().await?;
                 return self.write_staging(at, data).await;
@@ -339,13 +413,51 @@ impl WriteState {
                 self.spill_tail().await?;
                 return self.write_staging(at, data).await;
             }
-            let full = tail.end() == tail.part_end;
+            let full = tail.is_full();
             let _ = data.split_to(n);
             self.wrote(at..at + n as u64);
             at += n as u64;
             if full {
                 self.ship_tail().await?;
             }
+        }
+        Ok(())
+    }
+
+    /// Appends `data` at `at` to the in-memory tail when that needs nothing asynchronous: the
+    /// write continues or starts a part without crossing its end, and the budget has room
+    /// now. This lets the FUSE thread copy straight from the kernel's buffer instead of into
+    /// an owned one first (a third of the user-space copying of a sequential write).
+    pub fn append_now(&mut self, at: u64, data: &[u8]) -> Appended {
+        let fits = at
+            .checked_add(data.len() as u64)
+            .is_some_and(|e| e <= MAX_OBJECT_SIZE);
+        if data.is_empty() || !fits || self.tail.as_ref().is_some_and(Tail::is_full) {
+            return Appended::No;
+        }
+        if !self.tail_takes(at) {
+            return Appended::No;
+        }
+        let tail = self.tail.as_mut().expect("tail_takes made one");
+        if data.len() as u64 > tail.part_end - at || !tail.append(&self.cfg.budget, data) {
+            return Appended::No;
+        }
+        let full = tail.is_full();
+        self.changed = true;
+        self.failed = false;
+        self.mtime = SystemTime::now();
+        self.wrote(at..at + data.len() as u64);
+        if full {
+            Appended::PartFull
+        } else {
+            Appended::Yes
+        }
+    }
+
+    /// Uploads the tail if it holds a whole part (left so by [`WriteState::append_now`]).
+    pub async fn ship_full_tail(&mut self) -> FsResult<()> {
+        if self.tail.as_ref().is_some_and(Tail::is_full) {
+            self.ship_tail().await?;
         }
         Ok(())
     }
@@ -379,9 +491,7 @@ impl WriteState {
         self.tail = Some(Tail {
             start: at,
             part_end: part.end,
-            buf: AlignedBuf::default(),
-            mem: Vec::new(),
-            reserved: 0,
+            buf: TailBuf::default(),
         });
         true
     }
@@ -429,8 +539,8 @@ impl WriteState {
         let i = self.cfg.layout.index_of(r.start);
         let generation = self.generations.get(&i).copied().unwrap_or(0);
         let direct = self.staging_direct.clone();
-        let body = tail.buf.freeze();
-        let mem = Arc::new(tail.mem);
+        let (body, mem) = tail.buf.freeze();
+        let mem = Arc::new(mem);
         let spill = {
             let (body, mem, at) = (body.clone(), mem.clone(), r.start);
             tokio::task::spawn_blocking(move || {
@@ -485,9 +595,14 @@ impl WriteState {
         if size > MAX_OBJECT_SIZE {
             return Err(FsError::EFBIG);
         }
+        let old = self.size();
+        if size == old {
+            // The same size changes nothing (POSIX: not even mtime); re-publishing here would
+            // copy the whole object server-side (fio reopens its files this way).
+            return Ok(());
+        }
         self.spill_tail().await?;
         self.settle_spills().await;
-        let old = self.size();
         if size < old {
             self.dirty.truncate(size);
             self.local.truncate(size);

@@ -1,6 +1,6 @@
 //! The fs core driven in-process against the memory store (and the fault store for errors).
 
-use bucketfs_fs::{Caller, FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
+use bucketfs_fs::{Appended, Caller, FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
 use bucketfs_store::fault::{Fault, FaultStore};
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::metrics::{MeteredStore, Op, StoreMetrics};
@@ -157,6 +157,95 @@ async fn sequential_write_streams_parts_before_close() {
     assert_eq!(read_all(&e.fs, "big").await, data);
     // Every byte was sent exactly once.
     assert_eq!(e.metrics.bytes_up(), data.len() as u64);
+}
+
+#[tokio::test]
+async fn writes_done_in_the_calling_thread_stream_like_the_others() {
+    let e = env();
+    let data = random(23 * MIB as usize + 7, 5);
+    let (attr, open) =
+        e.fs.create(ROOT_INO, OsStr::new("big"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    // 1 MiB writes, except one odd-sized pair around the second part boundary, which the
+    // calling thread cannot take (it crosses the part's end) and the async path then does.
+    let mut cuts: Vec<usize> = (0..=23).map(|m| m * MIB as usize).collect();
+    cuts.retain(|&c| c != 10 * MIB as usize);
+    cuts.push(10 * MIB as usize + 4096);
+    cuts.push(data.len());
+    cuts.sort();
+    let (mut now, mut full, mut later) = (0, 0, 0);
+    for w in cuts.windows(2) {
+        let chunk = &data[w[0]..w[1]];
+        match e.fs.write_now(attr.ino, open.fh, w[0] as u64, chunk) {
+            Some(Appended::Yes) => now += 1,
+            Some(Appended::PartFull) => {
+                full += 1;
+                e.fs.ship_part(attr.ino, open.fh).await.unwrap();
+            }
+            Some(Appended::No) => unreachable!("write_now answers None instead"),
+            None => {
+                later += 1;
+                e.fs.write(
+                    attr.ino,
+                    open.fh,
+                    w[0] as u64,
+                    Bytes::copy_from_slice(chunk),
+                )
+                .await
+                .unwrap();
+            }
+        }
+    }
+    // Parts 1, 3 and 4 were filled in the calling thread; part 2's boundary write was not.
+    assert_eq!(full, 3);
+    assert_eq!(later, 1);
+    assert_eq!(now + full + later, cuts.len() - 1);
+    assert_eq!(e.mem.pending_uploads(), 1);
+    assert!(e.mem.head("big").await.is_err());
+    e.fs.flush(attr.ino, open.fh).await.unwrap();
+    e.fs.release(attr.ino, open.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "big").await, data);
+    assert_eq!(e.metrics.requests(Op::UploadPart), 5);
+    // Every byte was sent exactly once: no part went through the staging file again.
+    assert_eq!(e.metrics.bytes_up(), data.len() as u64);
+}
+
+#[tokio::test]
+async fn truncate_to_the_same_size_sends_nothing() {
+    let e = env();
+    let data = random(11 * MIB as usize, 6);
+    put(&e.mem, "same", &data).await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("same")).await.unwrap();
+    let h = e.fs.open(attr.ino, libc::O_WRONLY).await.unwrap();
+    let before = e.metrics.total_requests();
+    let size = |n| SetAttr {
+        size: Some(n),
+        ..Default::default()
+    };
+    e.fs.setattr(attr.ino, Some(h.fh), size(data.len() as u64))
+        .await
+        .unwrap();
+    e.fs.flush(attr.ino, h.fh).await.unwrap();
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    // Re-publishing would have copied all three parts server-side.
+    assert_eq!(e.metrics.total_requests(), before);
+    // truncate(2) by path to the same size, with a chmod: only the metadata changes.
+    let a =
+        e.fs.setattr(
+            attr.ino,
+            None,
+            SetAttr {
+                mode: Some(0o600),
+                ..size(data.len() as u64)
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.perm & 0o777, 0o600);
+    let m = e.mem.head("same").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
+    assert_eq!(object(&e.mem, "same").await, data);
 }
 
 #[tokio::test]

@@ -6,7 +6,7 @@
 //! are `Send`). Errors are errnos (`FsError(e)` → `reply.error(Errno::from_i32(e))`); a panic in
 //! a task drops its reply, which fuser answers with `EIO`.
 
-use bucketfs_fs::{Attr, Caller, FileKind, Fs, FsError, SetAttr};
+use bucketfs_fs::{Appended, Attr, Caller, FileKind, Fs, FsError, SetAttr};
 use bytes::Bytes;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
@@ -415,6 +415,19 @@ impl Filesystem for FuseFs {
         reply: ReplyWrite,
     ) {
         let fs = self.fs.clone();
+        let n = data.len() as u32;
+        match fs.write_now(ino.0, fh.0, offset, data) {
+            Some(Appended::Yes) => return reply.written(n),
+            Some(_) => {
+                return self.spawn(async move {
+                    match fs.ship_part(ino.0, fh.0).await {
+                        Ok(()) => reply.written(n),
+                        Err(e) => reply.error(errno("write", e)),
+                    }
+                })
+            }
+            None => {}
+        }
         let data = Bytes::copy_from_slice(data);
         self.spawn(async move {
             match fs.write(ino.0, fh.0, offset, data).await {
