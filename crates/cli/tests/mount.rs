@@ -775,6 +775,52 @@ fn mmap_read_and_shared_write() {
     assert!(read_file(&m.join("mapped")) == want);
 }
 
+/// Write-only descriptors bypass the page cache (FOPEN_DIRECT_IO); readers that already hold
+/// cached pages, through read(2) or a mapping, must still see those writes.
+#[test]
+fn readers_with_cached_pages_see_writes_through_a_write_only_descriptor() {
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::io::AsRawFd;
+    let s3 = s3();
+    let b = s3.new_bucket("wronly");
+    let m = Mount::s3(&b);
+    let p = m.join("shared");
+    let mut want = pattern::bytes(52, 3 * 4096);
+    write_file(&p, &want);
+    let reader = File::open(&p).unwrap();
+    let mut seen = vec![0u8; want.len()];
+    reader.read_exact_at(&mut seen, 0).unwrap();
+    assert!(seen == want);
+    let len = want.len();
+    // SAFETY: a read-only shared mapping of `len` bytes of an open file, unmapped below; the
+    // slice made from it stays within `len`.
+    let map = unsafe {
+        let ptr = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            reader.as_raw_fd(),
+            0,
+        );
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+        ptr
+    };
+    // SAFETY: `map` is a live mapping of `len` bytes.
+    let mapped = || unsafe { std::slice::from_raw_parts(map as *const u8, len).to_vec() };
+    assert!(mapped() == want);
+    let writer = fs::OpenOptions::new().write(true).open(&p).unwrap();
+    writer.write_all_at(b"REWRITTEN", 4096 + 10).unwrap();
+    want[4096 + 10..4096 + 19].copy_from_slice(b"REWRITTEN");
+    reader.read_exact_at(&mut seen, 0).unwrap();
+    assert!(seen == want, "read(2) after the write");
+    assert!(mapped() == want, "the mapping after the write");
+    close_checked(writer).unwrap();
+    assert!(s3.get(&b, "shared").unwrap() == want);
+    // SAFETY: unmapping the mapping made above, which nothing uses any more.
+    assert_eq!(unsafe { libc::munmap(map, len) }, 0);
+}
+
 #[test]
 fn unsupported_operations_fail_cleanly_and_locks_are_local() {
     use std::os::unix::io::AsRawFd;

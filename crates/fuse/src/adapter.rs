@@ -155,6 +155,21 @@ impl FuseFs {
     }
 }
 
+/// How the kernel treats an opened file. A write-only descriptor bypasses the page cache
+/// (it cannot be mmapped, and nothing reads through it): each write reaches the daemon
+/// without first being copied into cache pages, and the cache is not filled with data the
+/// writer will not read back.
+fn open_flags(flags: i32, keep_cache: bool) -> FopenFlags {
+    let mut f = FopenFlags::empty();
+    if keep_cache {
+        f |= FopenFlags::FOPEN_KEEP_CACHE;
+    }
+    if flags & libc::O_ACCMODE == libc::O_WRONLY {
+        f |= FopenFlags::FOPEN_DIRECT_IO;
+    }
+    f
+}
+
 impl Filesystem for FuseFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
         if let Err(max) = config.set_max_write(MAX_WRITE) {
@@ -371,11 +386,7 @@ impl Filesystem for FuseFs {
                     if let Some(p) = opener {
                         writers.lock().unwrap().insert(o.fh, p);
                     }
-                    let mut f = FopenFlags::empty();
-                    if o.keep_cache {
-                        f |= FopenFlags::FOPEN_KEEP_CACHE;
-                    }
-                    reply.opened(FileHandle(o.fh), f);
+                    reply.opened(FileHandle(o.fh), open_flags(flags.0, o.keep_cache));
                 }
                 Err(e) => reply.error(errno("open", e)),
             }
@@ -645,10 +656,7 @@ impl Filesystem for FuseFs {
                     if let Some(p) = opener {
                         writers.lock().unwrap().insert(o.fh, p);
                     }
-                    let mut f = FopenFlags::empty();
-                    if o.keep_cache {
-                        f |= FopenFlags::FOPEN_KEEP_CACHE;
-                    }
+                    let f = open_flags(flags, o.keep_cache);
                     reply.created(
                         &fs.attr_ttl(),
                         &file_attr(&a),
