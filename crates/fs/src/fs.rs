@@ -753,11 +753,7 @@ impl Fs {
         let (ino, attr) = self.add_new(parent, &name, path, FileKind::Dir, &pm, 0, None, false);
         if let Some(i) = self.table.lock().get_mut(ino) {
             // Just made: known to be empty.
-            i.listing = Some(DirListing {
-                at: Instant::now(),
-                names: Vec::new(),
-                added: Default::default(),
-            });
+            i.listing = Some(DirListing::new(Vec::new()));
         }
         Ok(attr)
     }

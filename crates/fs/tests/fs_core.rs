@@ -1455,3 +1455,44 @@ async fn a_failed_staging_write_keeps_the_bytes_already_written() {
     fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(object(&mem, "f").await, b"hello");
 }
+
+/// Lets background statahead finish (the memory store answers at once).
+async fn settle() {
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+}
+
+/// One stat of a name in a listed directory (`ls -l dir` after a listing of its parent) stats
+/// nothing else; the second lookup from the same listing starts statahead.
+#[tokio::test]
+async fn statahead_starts_at_the_second_lookup_from_a_listing() {
+    let e = env();
+    for d in ["a", "b", "c"] {
+        put(&e.mem, &format!("{d}/x"), b"x").await;
+    }
+    for i in 0..10 {
+        put(&e.mem, &format!("f{i}"), b"x").await;
+    }
+    assert_eq!(list(&e.fs, ROOT_INO).await.len(), 2 + 13);
+    let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    assert_eq!(a.kind, FileKind::Dir);
+    settle().await;
+    let sent = (
+        e.metrics.requests(Op::List) - before.0,
+        e.metrics.requests(Op::Head) - before.1,
+    );
+    assert_eq!(sent, (1, 0), "LIST a/ only, not b/ and c/ too");
+    // The second lookup: the names after it are stat'ed ahead (c, f0..f9 after b).
+    e.fs.lookup(ROOT_INO, OsStr::new("b")).await.unwrap();
+    settle().await;
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 3, "a/, b/ and c/");
+    assert_eq!(e.metrics.requests(Op::Head) - before.1, 10, "f0..f9");
+    let total = e.metrics.total_requests();
+    for i in 0..10 {
+        e.fs.lookup(ROOT_INO, OsStr::new(&format!("f{i}")))
+            .await
+            .unwrap();
+    }
+    e.fs.lookup(ROOT_INO, OsStr::new("c")).await.unwrap();
+    assert_eq!(e.metrics.total_requests(), total, "all stat'ed ahead");
+}
