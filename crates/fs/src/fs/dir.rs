@@ -247,16 +247,30 @@ impl Fs {
     /// Reads one LIST page into the stream; after the last, adds entries that exist only here
     /// and records the listing for negative lookups and statahead.
     async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
-        if !matches!(st.from, ListFrom::Token(_)) {
+        let first = !matches!(st.from, ListFrom::Token(_));
+        if first {
             // Subdirectories made here must be in the bucket for the listing to show them.
             self.markers.wait_below(&st.prefix).await?;
         }
-        let epoch = self.lookups.epoch();
-        let page = self
-            .store
-            .list(&st.prefix, Some("/"), st.from.clone(), 1000, st.detail)
-            .await
-            .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
+        // The first page may come from the lookup of the directory. It starts at the marker
+        // itself, not after it: the marker's empty name is skipped below like any unlistable
+        // one, and its continuation token goes on from its last key.
+        let kept = match first {
+            true => self.lookups.take_page(&st.prefix),
+            false => None,
+        };
+        let (page, epoch) = match kept {
+            Some(kept) => kept,
+            None => {
+                let epoch = self.lookups.epoch();
+                let page = self
+                    .store
+                    .list(&st.prefix, Some("/"), st.from.clone(), LIST_PAGE, st.detail)
+                    .await
+                    .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
+                (page, epoch)
+            }
+        };
         let plen = st.prefix.len();
         for cp in &page.common_prefixes {
             let name = cp[plen..].trim_end_matches('/');
