@@ -1049,15 +1049,20 @@ fn cold_ls_l_on_minio_is_one_list_and_no_head() {
     let m = Mount::s3(&b);
     let files = make_ls_fixture(&m, 50);
     let m = m.remount();
-    // The directory itself first (a HEAD and a LIST: nothing listed it yet).
+    // The directory itself first: a HEAD and a LIST (nothing listed it yet), whose page the
+    // listing then uses, so `ls -l` sends nothing more.
+    let cold = store_requests(m.path());
     assert!(fs::metadata(m.join("d")).unwrap().is_dir());
     let before = store_requests(m.path());
     let entries = ls_l(&m.join("d"));
     let after = store_requests(m.path());
     check_ls(&entries, &files, true);
     let sent = requests_between(&before, &after);
-    assert_eq!(sent.get("list"), Some(&1), "requests of ls -l: {sent:?}");
-    assert_eq!(sent.len(), 1, "requests of ls -l: {sent:?}");
+    assert!(sent.is_empty(), "requests of ls -l: {sent:?}");
+    let sent = requests_between(&cold, &after);
+    assert_eq!(sent.get("list"), Some(&1), "stat and ls -l: {sent:?}");
+    assert_eq!(sent.get("head"), Some(&1), "stat and ls -l: {sent:?}");
+    assert_eq!(sent.len(), 2, "stat and ls -l: {sent:?}");
     assert!(m.log().contains("server is MinIO"), "{}", m.log());
     // The target of a symlink is its body, fetched at readlink.
     assert_eq!(fs::read_link(m.join("d/link")).unwrap(), Path::new("f001"));
@@ -1076,16 +1081,19 @@ fn cold_ls_l_on_minio_is_one_list_and_no_head() {
     assert_eq!(sent.len(), 1, "stat of a subdirectory: {sent:?}");
 }
 
-/// A directory of exactly 1,000 files and its marker `big/` is 1,001 keys, but its listing
-/// starts after the marker (`start-after`), so `ls -l` is one full LIST page; the marker's
-/// own attributes still show.
+/// A directory of exactly 1,000 files and its marker `big/` is 1,001 keys: its listing starts
+/// with the page its lookup fetched from the marker on (1,000 keys), so `ls -l` after the
+/// stat is the one LIST for the last file, and the whole cold `ls -l` two LISTs (a LIST page
+/// holds 1,000 keys at most) and no HEAD; the marker's own attributes show.
 #[test]
-fn a_1000_file_directory_with_its_marker_lists_in_one_page() {
+fn a_1000_file_directory_and_its_marker_cost_two_lists_cold() {
     let s3 = s3();
     let b = s3.new_bucket("ls1000");
     let fmode = (libc::S_IFREG | 0o640).to_string();
     let dmode = (libc::S_IFDIR | 0o750).to_string();
     s3.put_with_meta(&b, "big/", "", &[("mode", &dmode)]);
+    s3.put_with_meta(&b, "tree/", "", &[("mode", &dmode)]);
+    s3.put(&b, "tree/x", "x");
     let files: Vec<(String, Vec<u8>)> = (0..1000)
         .map(|i| (format!("big/f{i:04}"), format!("{i}").into_bytes()))
         .collect();
@@ -1093,17 +1101,65 @@ fn a_1000_file_directory_with_its_marker_lists_in_one_page() {
     // put_many sends no metadata: give one file a mode to see that listings carry it.
     s3.put_with_meta(&b, "big/f0007", "7", &[("mode", &fmode)]);
     let m = Mount::s3(&b);
+    assert_eq!(list_dir(m.path()), set(["big", "tree"]));
+    let cold = store_requests(m.path());
     let md = fs::metadata(m.join("big")).unwrap();
     assert_eq!(md.mode() & 0o7777, 0o750, "the marker's mode");
     let before = store_requests(m.path());
     let entries = ls_l(&m.join("big"));
-    let sent = requests_between(&before, &store_requests(m.path()));
+    let after = store_requests(m.path());
+    let sent = requests_between(&before, &after);
     assert_eq!(entries.len(), 1000);
     assert_eq!(entries[7].0, "f0007");
     assert_eq!(entries[7].2.mode() & 0o7777, 0o640);
     assert_eq!(entries[999].2.len(), 3);
     assert_eq!(sent.get("list"), Some(&1), "requests of ls -l: {sent:?}");
     assert_eq!(sent.len(), 1, "requests of ls -l: {sent:?}");
+    let sent = requests_between(&cold, &after);
+    assert_eq!(sent.get("list"), Some(&2), "stat and ls -l: {sent:?}");
+    assert_eq!(sent.len(), 1, "stat and ls -l: {sent:?}");
+}
+
+/// The bench's `ls -l` on a cold mount whose root was listed (as its readiness check does):
+/// the stat of the directory is one LIST whose page the listing uses, no sibling is stat'ed
+/// ahead, and the entries' attributes come with the listing: one LIST and no HEAD in all,
+/// for 1,000 files in an implied directory and for a marker and 999 files (one page each).
+#[test]
+fn a_cold_ls_l_of_a_one_page_directory_is_one_list_and_no_head() {
+    let s3 = s3();
+    let b = s3.new_bucket("lsone");
+    let dmode = (libc::S_IFDIR | 0o750).to_string();
+    let fmode = (libc::S_IFREG | 0o640).to_string();
+    let mut files: Vec<(String, Vec<u8>)> = (0..1000)
+        .map(|i| (format!("implied/f{i:04}"), b"i".to_vec()))
+        .collect();
+    files.extend((0..999).map(|i| (format!("marked/f{i:04}"), b"mm".to_vec())));
+    files.extend((0..50).map(|i| (format!("tree/a/f{i:02}"), b"t".to_vec())));
+    s3.put_many(&b, files, 16);
+    s3.put_with_meta(&b, "marked/", "", &[("mode", &dmode)]);
+    s3.put_with_meta(&b, "tree/", "", &[("mode", &dmode)]);
+    s3.put_with_meta(&b, "implied/f0003", "iii", &[("mode", &fmode)]);
+    s3.put(&b, "top.txt", "top");
+    for (dir, n, mode, size) in [("implied", 1000, 0o755, 1), ("marked", 999, 0o750, 2)] {
+        let m = Mount::s3(&b);
+        assert_eq!(
+            list_dir(m.path()),
+            set(["implied", "marked", "top.txt", "tree"])
+        );
+        let before = store_requests(m.path());
+        let md = fs::metadata(m.join(dir)).unwrap();
+        let entries = ls_l(&m.join(dir));
+        let sent = requests_between(&before, &store_requests(m.path()));
+        assert_eq!(md.mode() & 0o7777, mode, "{dir}");
+        assert_eq!(entries.len(), n, "{dir}");
+        assert!(entries.iter().skip(4).all(|e| e.2.len() == size), "{dir}");
+        assert_eq!(sent.get("list"), Some(&1), "cold ls -l {dir}: {sent:?}");
+        assert_eq!(sent.len(), 1, "cold ls -l {dir}: {sent:?}");
+        if dir == "implied" {
+            assert_eq!(entries[3].2.mode() & 0o7777, 0o640);
+            assert_eq!(entries[3].2.len(), 3);
+        }
+    }
 }
 
 /// With `list_metadata=off` listings are plain and each file's attributes come from a HEAD,
@@ -1117,14 +1173,15 @@ fn ls_l_with_list_metadata_off_heads_each_file() {
         .mount();
     let files = make_ls_fixture(&m, 20);
     let m = m.remount();
-    assert!(fs::metadata(m.join("d")).unwrap().is_dir());
     let before = store_requests(m.path());
+    assert!(fs::metadata(m.join("d")).unwrap().is_dir());
     let entries = ls_l(&m.join("d"));
     let sent = requests_between(&before, &store_requests(m.path()));
     check_ls(&entries, &files, false);
+    // The stat's LIST (its page is the listing's) and HEADs of d and its marker d/.
     assert_eq!(sent.get("list"), Some(&1), "requests of ls -l: {sent:?}");
     // One HEAD per entry (20 files and the link).
-    let heads = sent.get("head").copied().unwrap_or(0);
+    let heads = sent.get("head").copied().unwrap_or(0) - 2;
     assert!((21..=23).contains(&heads), "requests of ls -l: {sent:?}");
     assert!(!m.log().contains("server is MinIO"), "{}", m.log());
     let md = fs::metadata(m.join("sub")).unwrap();

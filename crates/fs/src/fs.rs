@@ -8,7 +8,7 @@ use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
-use crate::lookup::{found_object, CacheLimits, Found, Lookups};
+use crate::lookup::{found_object, CacheLimits, Found, Lookups, LIST_PAGE};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, listable};
@@ -397,8 +397,19 @@ impl Fs {
             _ => {}
         }
         // A directory made here whose marker is not up yet would look absent.
-        self.markers.wait(&self.dir_key(&path)).await?;
-        match self.lookups.stat(&path).await.map(|(f, _)| f) {
+        let dir_key = self.dir_key(&path);
+        self.markers.wait(&dir_key).await?;
+        // The kernel's lookup of a directory usually comes before its listing: let a LIST of
+        // it fetch the first page too. Not while a directory made here below is not in the
+        // bucket yet (the page would lack it); the epoch is read first, so one made after
+        // the check invalidates the page.
+        let epoch = self.lookups.epoch();
+        let stat = if lookups > 0 && !self.markers.any_below(&dir_key) {
+            self.lookups.stat_before_listing(&path, epoch).await
+        } else {
+            self.lookups.stat(&path).await
+        };
+        match stat.map(|(f, _)| f) {
             Ok(f) => Ok(self.remember(parent, name, path, f, lookups)),
             Err(e) => {
                 if e == FsError::ENOENT {
@@ -754,11 +765,7 @@ impl Fs {
         let (ino, attr) = self.add_new(parent, &name, path, FileKind::Dir, &pm, 0, None, false);
         if let Some(i) = self.table.lock().get_mut(ino) {
             // Just made: known to be empty.
-            i.listing = Some(DirListing {
-                at: Instant::now(),
-                names: Vec::new(),
-                added: Default::default(),
-            });
+            i.listing = Some(DirListing::new(Vec::new()));
         }
         Ok(attr)
     }

@@ -27,6 +27,19 @@ pub struct DirListing {
     pub names: Vec<String>,
     /// Names created here since the listing.
     pub added: HashSet<String>,
+    /// Lookups of names it showed so far: statahead waits for the second (see `listing_says`).
+    pub hits: u32,
+}
+
+impl DirListing {
+    pub fn new(names: Vec<String>) -> Self {
+        Self {
+            at: Instant::now(),
+            names,
+            added: HashSet::new(),
+            hits: 0,
+        }
+    }
 }
 
 /// A file open for writing: its shared dirty state and its size (readable without the lock).

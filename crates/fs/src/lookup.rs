@@ -11,6 +11,10 @@
 //! entries start being stat'ed one by one (`ls -l`, `du`), the next entries in listing order
 //! are stat'ed ahead in the background with bounded concurrency, the way Lustre's statahead
 //! does, so the kernel's serial lookups find them cached.
+//!
+//! A lookup by the kernel of a directory is usually followed by its listing (`ls -l dir`,
+//! `find`): its LIST then asks for a whole first page instead of one key, and that page is
+//! kept for a short while so the listing starts without a request ([`Lookups::take_page`]).
 
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{FileKind, PosixMeta};
@@ -18,7 +22,7 @@ use bucketfs_store::{ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, St
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,6 +63,45 @@ const STATAHEAD_COUNT: usize = 256;
 const STATAHEAD_CONCURRENCY: usize = 64;
 /// Listed files never stat'ed after which directories are listed without user metadata.
 const UNUSED_LISTED_FILES: u64 = 64;
+/// Keys asked for per LIST page of a directory listing (the most S3 returns in one).
+pub const LIST_PAGE: usize = 1000;
+/// First pages of looked-up directories kept at most for their listing (oldest dropped).
+const KEPT_PAGES: usize = 16;
+
+/// The first LIST page of a directory (from its start: its marker first), fetched by its
+/// lookup and kept for the readdir that usually follows.
+struct KeptPage {
+    dir_key: String,
+    page: ListPage,
+    /// The epoch the LIST was sent at.
+    epoch: u64,
+    at: Instant,
+}
+
+type KeptPages = Arc<Mutex<VecDeque<KeptPage>>>;
+
+/// Where a probe keeps the full first page its LIST fetched.
+struct Keep {
+    pages: KeptPages,
+    epoch: u64,
+    ttl: Duration,
+}
+
+impl Keep {
+    fn put(self, dir_key: &str, page: ListPage) {
+        let mut pages = self.pages.lock();
+        pages.retain(|k| k.at.elapsed() < self.ttl && k.dir_key != dir_key);
+        if pages.len() >= KEPT_PAGES {
+            pages.pop_front();
+        }
+        pages.push_back(KeptPage {
+            dir_key: dir_key.to_string(),
+            page,
+            epoch: self.epoch,
+            at: Instant::now(),
+        });
+    }
+}
 
 pub struct Lookups {
     store: Arc<dyn ObjectStore>,
@@ -76,6 +119,8 @@ pub struct Lookups {
     /// Bumped by every `forget`: a listing that was in flight meanwhile may predate a change
     /// made here, so its entries are not trusted as complete.
     changes: AtomicU64,
+    /// First pages fetched by lookups of directories, for their listings.
+    kept: KeptPages,
 }
 
 impl Lookups {
@@ -90,6 +135,7 @@ impl Lookups {
             listed_used: AtomicU64::new(0),
             list_user_meta: AtomicBool::new(true),
             changes: AtomicU64::new(0),
+            kept: KeptPages::default(),
         })
     }
 
@@ -221,6 +267,33 @@ impl Lookups {
 
     /// What `path` is: from the cache when fresh and complete, else from the store.
     pub async fn stat(&self, path: &str) -> FsResult<(Found, bool)> {
+        self.stat_keeping(path, None).await
+    }
+
+    /// [`Self::stat`] of a path whose listing may well follow (the kernel's lookup of it):
+    /// should it be a directory that must be listed to be found, its LIST asks for a full
+    /// first page and keeps it for [`Self::take_page`]. `epoch` is [`Self::epoch`] from
+    /// before the caller made sure that no directory made here below `path` is missing from
+    /// the bucket (such a page would lack it).
+    pub async fn stat_before_listing(&self, path: &str, epoch: u64) -> FsResult<(Found, bool)> {
+        self.stat_keeping(path, Some(epoch)).await
+    }
+
+    /// The first LIST page of directory `dir_key` a lookup kept (marker first), with the epoch
+    /// it was sent at. Each is given out once, within the stat TTL, and only while this mount
+    /// changed nothing since it was fetched (it may predate the change).
+    pub fn take_page(&self, dir_key: &str) -> Option<(ListPage, u64)> {
+        let mut kept = self.kept.lock();
+        if kept.is_empty() {
+            return None;
+        }
+        let epoch = self.epoch();
+        kept.retain(|k| k.at.elapsed() < self.limits.ttl && k.epoch == epoch);
+        let i = kept.iter().position(|k| k.dir_key == dir_key)?;
+        kept.remove(i).map(|k| (k.page, k.epoch))
+    }
+
+    async fn stat_keeping(&self, path: &str, keep_epoch: Option<u64>) -> FsResult<(Found, bool)> {
         let cached = self.fresh(path);
         if cached.as_ref().is_some_and(|c| {
             c.from_listing && c.found.as_ref().is_some_and(|f| f.kind != FileKind::Dir)
@@ -238,9 +311,21 @@ impl Lookups {
             match inflight.get(path) {
                 Some(p) => p.clone(),
                 None => {
-                    let p = probe(self.store.clone(), format!("{}{path}", self.prefix), hint)
-                        .boxed()
-                        .shared();
+                    // Only while listings carry user metadata: without it the marker costs
+                    // a HEAD anyway, and walks that stat no file (which turned it off) would
+                    // pay the server for the metadata of a whole page.
+                    let keep = keep_epoch
+                        .filter(|_| {
+                            self.list_user_meta.load(Ordering::Relaxed)
+                                && !self.limits.ttl.is_zero()
+                        })
+                        .map(|epoch| Keep {
+                            pages: self.kept.clone(),
+                            epoch,
+                            ttl: self.limits.ttl,
+                        });
+                    let key = format!("{}{path}", self.prefix);
+                    let p = probe(self.store.clone(), key, hint, keep).boxed().shared();
                     let entry = (p, self.epoch());
                     inflight.insert(path.to_string(), entry.clone());
                     entry
@@ -284,26 +369,31 @@ impl Lookups {
 
 /// HEAD `key` and LIST `key/` together; with a hint from a listing, the one it names first
 /// (a file: only the HEAD; a directory: only the LIST), and the other only if that finds
-/// nothing. So `find` and `ls -l` stat listed subdirectories with one LIST each.
+/// nothing. So `find` and `ls -l` stat listed subdirectories with one LIST each. The LIST
+/// asks for one key, or with `keep` for a full page, kept if it shows a directory.
 async fn probe(
     store: Arc<dyn ObjectStore>,
     key: String,
     hint: Option<FileKind>,
+    keep: Option<Keep>,
 ) -> Result<Found, FsError> {
     let dir_key = format!("{key}/");
+    let max_keys = if keep.is_some() { LIST_PAGE } else { 1 };
+    let list = || {
+        store.list(
+            &dir_key,
+            Some("/"),
+            ListFrom::Start,
+            max_keys,
+            ListDetail::UserMeta,
+        )
+    };
     match hint {
         Some(FileKind::Dir) => {
-            let page = store
-                .list(
-                    &dir_key,
-                    Some("/"),
-                    ListFrom::Start,
-                    1,
-                    ListDetail::UserMeta,
-                )
+            let page = list()
                 .await
                 .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-            if let Some(dir) = dir_from_page(&*store, &dir_key, page).await? {
+            if let Some(dir) = dir_from_page(&*store, &dir_key, page, keep).await? {
                 return Ok(dir);
             }
             // Not a directory any more: perhaps a file now.
@@ -319,18 +409,9 @@ async fn probe(
         },
         None => {}
     }
-    let (head, list) = tokio::join!(
-        store.head(&key),
-        store.list(
-            &dir_key,
-            Some("/"),
-            ListFrom::Start,
-            1,
-            ListDetail::UserMeta
-        )
-    );
+    let (head, list) = tokio::join!(store.head(&key), list());
     let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-    if let Some(dir) = dir_from_page(&*store, &dir_key, page).await? {
+    if let Some(dir) = dir_from_page(&*store, &dir_key, page, keep).await? {
         return Ok(dir);
     }
     match head {
@@ -339,18 +420,20 @@ async fn probe(
     }
 }
 
-/// The directory that a LIST of `dir_key` (max-keys 1) shows, if any: anything below it makes
-/// it one (and a directory wins over a file of the same name). Its attributes come from its
-/// marker `dir_key`, from the listing when that carried the metadata, else from a HEAD.
+/// The directory that a LIST of `dir_key` from its start shows, if any: anything below it
+/// makes it one (and a directory wins over a file of the same name). Its attributes come
+/// from its marker `dir_key` (the first key, if any), from the listing when that carried the
+/// metadata, else from a HEAD. A directory's page goes to `keep`, if given.
 async fn dir_from_page(
     store: &dyn ObjectStore,
     dir_key: &str,
     page: ListPage,
+    keep: Option<Keep>,
 ) -> Result<Option<Found>, FsError> {
     if page.objects.is_empty() && page.common_prefixes.is_empty() {
         return Ok(None);
     }
-    let marker = page.objects.into_iter().next().filter(|o| o.key == dir_key);
+    let marker = page.objects.first().filter(|o| o.key == dir_key).cloned();
     let has_marker = marker.is_some();
     let obj = match marker {
         Some(m) if m.user_complete => m,
@@ -361,6 +444,9 @@ async fn dir_from_page(
         },
         None => ObjectMeta::default(),
     };
+    if let Some(keep) = keep {
+        keep.put(dir_key, page);
+    }
     Ok(Some(Found {
         kind: FileKind::Dir,
         obj,
@@ -473,6 +559,43 @@ mod tests {
             6,
             "--negative-ttl 0 asks every time"
         );
+    }
+
+    #[tokio::test]
+    async fn kept_pages_are_few_used_once_and_expire() {
+        let mem = Arc::new(MemoryStore::with_list_metadata());
+        for d in 0..20 {
+            mem.put(&format!("d{d:02}/f"), bytes::Bytes::new(), &UserMeta::new())
+                .await
+                .unwrap();
+        }
+        let l = Lookups::new(mem.clone(), String::new(), limits());
+        for d in 0..20 {
+            l.stat_before_listing(&format!("d{d:02}"), l.epoch())
+                .await
+                .unwrap();
+            assert!(l.kept.lock().len() <= KEPT_PAGES);
+        }
+        assert!(l.take_page("d00/").is_none(), "the oldest were dropped");
+        let (page, _) = l.take_page("d19/").unwrap();
+        assert_eq!(page.objects[0].key, "d19/f");
+        assert!(l.take_page("d19/").is_none(), "given out once");
+        // A change here makes them all stale.
+        l.forget("d00");
+        assert!(l.take_page("d18/").is_none());
+        assert!(l.kept.lock().is_empty());
+        // A plain stat keeps nothing.
+        l.stat("d00").await.unwrap();
+        assert!(l.kept.lock().is_empty());
+
+        let short = CacheLimits {
+            ttl: Duration::from_millis(50),
+            ..limits()
+        };
+        let l = Lookups::new(mem, String::new(), short);
+        l.stat_before_listing("d01", l.epoch()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(l.take_page("d01/").is_none(), "expired with the stat TTL");
     }
 
     #[tokio::test]

@@ -980,11 +980,13 @@ async fn ls_l_costs_one_list_and_one_head_per_file_with_statahead() {
     for i in 0..300 {
         put(&e.mem, &format!("d/f{i:04}"), b"x").await;
     }
-    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
     let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
     let names = list(&e.fs, d.ino).await;
     assert_eq!(names.len(), 302);
+    // The lookup's LIST fetched the page the listing then used.
     assert_eq!(e.metrics.requests(Op::List) - before.0, 1);
+    let before = (before.0, e.metrics.requests(Op::Head));
     // Stat every entry in order, as ls -l does.
     for n in &names[2..] {
         let a = e.fs.lookup(d.ino, OsStr::new(n)).await.unwrap();
@@ -1038,6 +1040,7 @@ async fn ls_l_with_metadata_in_the_listing_sends_no_head() {
     put(&e.mem, "d/sub/inner", b"").await;
 
     let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::List), 1);
     let before = e.metrics.total_requests();
     let heads = e.metrics.requests(Op::Head);
     let fh = e.fs.opendir(d.ino).await.unwrap();
@@ -1049,7 +1052,8 @@ async fn ls_l_with_metadata_in_the_listing_sends_no_head() {
     assert_eq!(kind("link"), FileKind::Symlink);
     assert_eq!(kind("f0007"), FileKind::File);
     assert_eq!(kind("sub"), FileKind::Dir);
-    assert_eq!(e.metrics.requests(Op::List), 2);
+    // The listing's page came with the lookup of d.
+    assert_eq!(e.metrics.requests(Op::List), 1);
     // Stat every file as ls -l does: all from the listing, no HEAD.
     for i in 0..300u32 {
         let a =
@@ -1069,12 +1073,16 @@ async fn ls_l_with_metadata_in_the_listing_sends_no_head() {
     assert_eq!(l.kind, FileKind::Symlink);
     let p = e.fs.lookup(d.ino, OsStr::new("plain")).await.unwrap();
     assert_eq!((p.kind, p.perm), (FileKind::File, 0o644));
-    assert_eq!(e.metrics.total_requests() - before, 1, "only the LIST");
+    assert_eq!(
+        e.metrics.total_requests() - before,
+        0,
+        "the lookup's LIST was all"
+    );
     assert_eq!(e.metrics.requests(Op::Head), heads);
     // A listed subdirectory costs one LIST, which also carries its marker's metadata.
     let s = e.fs.lookup(d.ino, OsStr::new("sub")).await.unwrap();
     assert_eq!((s.kind, s.perm), (FileKind::Dir, 0o710));
-    assert_eq!(e.metrics.total_requests() - before, 2);
+    assert_eq!(e.metrics.total_requests() - before, 1);
     assert_eq!(e.metrics.requests(Op::Head), heads);
     // The target of a symlink is its body: one GET.
     assert_eq!(&e.fs.readlink(l.ino).await.unwrap()[..], b"f0000");
@@ -1208,11 +1216,11 @@ async fn big_directories_stream_page_by_page() {
         put(&e.mem, &format!("big/{i:05}"), b"").await;
     }
     put(&e.mem, "big/sub/x", b"").await;
-    let d = e.fs.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
     let before = e.metrics.requests(Op::List);
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
     let fh = e.fs.opendir(d.ino).await.unwrap();
     let first = e.fs.readdir(d.ino, fh, 0).await.unwrap();
-    // The first answer needs only the first page.
+    // The first answer needs only the first page (which the lookup fetched).
     assert_eq!(e.metrics.requests(Op::List) - before, 1);
     assert!(first.len() >= 100);
     e.fs.releasedir(d.ino, fh);
@@ -1341,8 +1349,9 @@ async fn lookups_of_many_names_in_one_directory_list_it_once() {
             FsError::ENOENT
         );
     }
-    // Two names probed (HEAD + LIST each), then one LIST for the rest.
-    assert_eq!(e.metrics.total_requests() - before, 2 * 2 + 1);
+    // Two names probed (HEAD + LIST each), then the rest answered by a listing whose page
+    // the lookup of d had fetched already.
+    assert_eq!(e.metrics.total_requests() - before, 2 * 2);
 }
 
 /// A single lookup in a cold directory still probes just its name: no listing of a
@@ -1543,4 +1552,167 @@ async fn a_failed_staging_write_keeps_the_bytes_already_written() {
     fs.flush(a.ino, h.fh).await.unwrap();
     fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(object(&mem, "f").await, b"hello");
+}
+
+/// Lets background statahead finish (the memory store answers at once).
+async fn settle() {
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+}
+
+/// One stat of a name in a listed directory (`ls -l dir` after a listing of its parent) stats
+/// nothing else; the second lookup from the same listing starts statahead.
+#[tokio::test]
+async fn statahead_starts_at_the_second_lookup_from_a_listing() {
+    let e = env();
+    for d in ["a", "b", "c"] {
+        put(&e.mem, &format!("{d}/x"), b"x").await;
+    }
+    for i in 0..10 {
+        put(&e.mem, &format!("f{i}"), b"x").await;
+    }
+    assert_eq!(list(&e.fs, ROOT_INO).await.len(), 2 + 13);
+    let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    assert_eq!(a.kind, FileKind::Dir);
+    settle().await;
+    let sent = (
+        e.metrics.requests(Op::List) - before.0,
+        e.metrics.requests(Op::Head) - before.1,
+    );
+    assert_eq!(sent, (1, 0), "LIST a/ only, not b/ and c/ too");
+    // The second lookup: the names after it are stat'ed ahead (c, f0..f9 after b).
+    e.fs.lookup(ROOT_INO, OsStr::new("b")).await.unwrap();
+    settle().await;
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 3, "a/, b/ and c/");
+    assert_eq!(e.metrics.requests(Op::Head) - before.1, 10, "f0..f9");
+    let total = e.metrics.total_requests();
+    for i in 0..10 {
+        e.fs.lookup(ROOT_INO, OsStr::new(&format!("f{i}")))
+            .await
+            .unwrap();
+    }
+    e.fs.lookup(ROOT_INO, OsStr::new("c")).await.unwrap();
+    assert_eq!(e.metrics.total_requests(), total, "all stat'ed ahead");
+}
+
+/// Marker `d/` with metadata and 300 files, on a store whose listings carry metadata.
+async fn dir_with_marker(e: &Env) {
+    let marker: UserMeta = [("mode".to_string(), (libc::S_IFDIR | 0o750).to_string())].into();
+    e.mem.put("d/", Bytes::new(), &marker).await.unwrap();
+    for i in 0..300u32 {
+        e.mem
+            .put(
+                &format!("d/f{i:04}"),
+                Bytes::from_static(b"xy"),
+                &file_meta(0o640, 1_600_000_000),
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// `ls -l d` on a cold mount: the lookup of d lists it from its marker with a full page, and
+/// the listing and the stats of its entries are served from that page: one LIST in all.
+#[tokio::test]
+async fn stat_of_a_directory_then_its_listing_is_one_list() {
+    for parent_listed in [false, true] {
+        let e = env_on(MemoryStore::with_list_metadata());
+        dir_with_marker(&e).await;
+        if parent_listed {
+            assert_eq!(list(&e.fs, ROOT_INO).await, [".", "..", "d"]);
+        }
+        let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+        let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+        assert_eq!(
+            (d.kind, d.perm),
+            (FileKind::Dir, 0o750),
+            "the marker's mode"
+        );
+        let names = list(&e.fs, d.ino).await;
+        assert_eq!(names.len(), 2 + 300, "the marker is no entry");
+        assert_eq!(names[2], "f0000");
+        for n in &names[2..] {
+            let a = e.fs.lookup(d.ino, OsStr::new(n)).await.unwrap();
+            assert_eq!((a.perm, a.size), (0o640, 2));
+        }
+        settle().await;
+        let lists = e.metrics.requests(Op::List) - before.0;
+        let heads = e.metrics.requests(Op::Head) - before.1;
+        // Not listed by its parent, d's type is unknown: HEAD d goes with the LIST.
+        let want_heads = if parent_listed { 0 } else { 1 };
+        assert_eq!(
+            (lists, heads),
+            (1, want_heads),
+            "parent listed: {parent_listed}"
+        );
+        // The page is used once: the next listing asks the store.
+        assert_eq!(list(&e.fs, d.ino).await.len(), 302);
+        assert_eq!(e.metrics.requests(Op::List) - before.0, 2);
+    }
+}
+
+/// Changes made here between the lookup of a directory and its listing show in the listing:
+/// the page the lookup fetched predates them and is not used.
+#[tokio::test]
+async fn changes_after_a_directory_lookup_show_in_its_listing() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    dir_with_marker(&e).await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let (f, h) =
+        e.fs.create(d.ino, OsStr::new("new"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    e.fs.unlink(d.ino, OsStr::new("f0001")).await.unwrap();
+    let lists = e.metrics.requests(Op::List);
+    let names = list(&e.fs, d.ino).await;
+    assert!(
+        names.contains(&"new".to_string()),
+        "created here, not stored yet"
+    );
+    assert!(!names.contains(&"f0001".to_string()), "removed here");
+    assert_eq!(names.len(), 2 + 300);
+    assert_eq!(e.metrics.requests(Op::List) - lists, 1, "listed again");
+    e.fs.flush(f.ino, h.fh).await.unwrap();
+    e.fs.release(f.ino, h.fh).await.unwrap();
+
+    // A change elsewhere in this mount makes the page stale as well (the epoch is global).
+    let e = env_on(MemoryStore::with_list_metadata());
+    dir_with_marker(&e).await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    write_file(&e.fs, "elsewhere", b"x").await;
+    let lists = e.metrics.requests(Op::List);
+    assert_eq!(list(&e.fs, d.ino).await.len(), 302);
+    assert_eq!(e.metrics.requests(Op::List) - lists, 1);
+}
+
+/// A directory made here whose marker is still on its way when its parent is looked up: the
+/// page that lookup would fetch lacks it, so none is kept, and the listing shows it.
+#[tokio::test]
+async fn a_directory_lookup_keeps_no_page_while_a_marker_below_is_pending() {
+    let mem = Arc::new(MemoryStore::with_list_metadata());
+    put(&mem, "d/f", b"x").await;
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    faulty.inject(
+        Op::Put,
+        0,
+        Some(1),
+        Fault::Delay(std::time::Duration::from_millis(300)),
+    );
+    fs.mkdir(d.ino, OsStr::new("sub"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    // d's attributes are asked again (as after its TTL): a new lookup of it from the store.
+    fs.refresh(d.ino).unwrap();
+    let d2 = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!(d2.ino, d.ino);
+    assert!(
+        mem.head("d/sub/").await.is_err(),
+        "the marker is not up yet"
+    );
+    let mut names = list(&fs, d.ino).await;
+    names.sort();
+    assert_eq!(names, [".", "..", "f", "sub"]);
 }

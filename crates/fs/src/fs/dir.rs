@@ -9,8 +9,8 @@ const STATAHEAD_WINDOW: usize = 256;
 pub(super) enum ListingSays {
     Unknown,
     Absent,
-    /// Present; `window` indexes the names that follow it (the statahead window) and
-    /// `far_end` is the last of them.
+    /// Present; `window` indexes the names that follow it (the statahead window, empty at
+    /// the listing's first lookup) and `far_end` is the last of them.
     Present {
         window: std::ops::Range<usize>,
         far_end: Option<String>,
@@ -95,10 +95,13 @@ impl DirStream {
 }
 
 impl Fs {
-    /// What the parent's cached listing says about `name`.
+    /// What the parent's cached listing says about `name`. The first lookup of a name it
+    /// shows gets an empty statahead window: one stat in a listed directory (`ls -l dir`
+    /// after a listing of its parent, `cd`) is no sign that its neighbours come next, and
+    /// stat'ing them would cost a request each. From the second on, it is.
     pub(super) fn listing_says(&self, parent: Ino, name: &str) -> ListingSays {
-        let t = self.table.lock();
-        let Some(l) = t.get(parent).and_then(|p| p.listing.as_ref()) else {
+        let mut t = self.table.lock();
+        let Some(l) = t.get_mut(parent).and_then(|p| p.listing.as_mut()) else {
             return ListingSays::Unknown;
         };
         if l.at.elapsed() >= self.cfg.stat_ttl {
@@ -106,7 +109,12 @@ impl Fs {
         }
         match l.names.binary_search_by(|n| n.as_str().cmp(name)) {
             Ok(i) => {
-                let window = i + 1..(i + 1 + STATAHEAD_WINDOW).min(l.names.len());
+                l.hits = l.hits.saturating_add(1);
+                let end = match l.hits {
+                    1 => i + 1,
+                    _ => (i + 1 + STATAHEAD_WINDOW).min(l.names.len()),
+                };
+                let window = i + 1..end;
                 ListingSays::Present {
                     far_end: l.names.get(window.clone()).and_then(|w| w.last()).cloned(),
                     window,
@@ -239,16 +247,30 @@ impl Fs {
     /// Reads one LIST page into the stream; after the last, adds entries that exist only here
     /// and records the listing for negative lookups and statahead.
     async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
-        if !matches!(st.from, ListFrom::Token(_)) {
+        let first = !matches!(st.from, ListFrom::Token(_));
+        if first {
             // Subdirectories made here must be in the bucket for the listing to show them.
             self.markers.wait_below(&st.prefix).await?;
         }
-        let epoch = self.lookups.epoch();
-        let page = self
-            .store
-            .list(&st.prefix, Some("/"), st.from.clone(), 1000, st.detail)
-            .await
-            .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
+        // The first page may come from the lookup of the directory. It starts at the marker
+        // itself, not after it: the marker's empty name is skipped below like any unlistable
+        // one, and its continuation token goes on from its last key.
+        let kept = match first {
+            true => self.lookups.take_page(&st.prefix),
+            false => None,
+        };
+        let (page, epoch) = match kept {
+            Some(kept) => kept,
+            None => {
+                let epoch = self.lookups.epoch();
+                let page = self
+                    .store
+                    .list(&st.prefix, Some("/"), st.from.clone(), LIST_PAGE, st.detail)
+                    .await
+                    .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
+                (page, epoch)
+            }
+        };
         let plen = st.prefix.len();
         for cp in &page.common_prefixes {
             let name = cp[plen..].trim_end_matches('/');
@@ -296,11 +318,7 @@ impl Fs {
             }
         }
         if let Some(i) = t.get_mut(st.ino) {
-            i.listing = Some(DirListing {
-                at: Instant::now(),
-                names,
-                added: Default::default(),
-            });
+            i.listing = Some(DirListing::new(names));
         }
         Ok(())
     }
