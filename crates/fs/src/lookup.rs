@@ -17,12 +17,14 @@
 //! kept for a short while so the listing starts without a request ([`Lookups::take_page`]).
 
 use crate::error::{log_store_err, FsError, FsResult};
+use crate::inode::join;
 use crate::meta::{FileKind, PosixMeta};
+use crate::names::listable;
 use bucketfs_store::{ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, StoreError};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -76,6 +78,8 @@ struct KeptPage {
     /// The epoch the LIST was sent at.
     epoch: u64,
     at: Instant,
+    /// Its entries went into the stat cache.
+    fed: bool,
 }
 
 type KeptPages = Arc<Mutex<VecDeque<KeptPage>>>;
@@ -99,6 +103,7 @@ impl Keep {
             page,
             epoch: self.epoch,
             at: Instant::now(),
+            fed: false,
         });
     }
 }
@@ -236,6 +241,12 @@ impl Lookups {
     /// something since the LIST was sent (the answer may predate the change); one without it
     /// is partial and does not replace a complete entry of the same kind.
     pub fn listed(&self, path: &str, found: Found, epoch: u64) {
+        self.learned(path, found, epoch, true);
+    }
+
+    /// [`Self::listed`]; `count`: as a listed file that a walk which stats nothing would not
+    /// use (see [`Self::list_detail`]).
+    fn learned(&self, path: &str, found: Found, epoch: u64, count: bool) {
         let complete = found.obj.user_complete && epoch == self.epoch();
         if !complete
             && self.fresh(path).is_some_and(|c| {
@@ -244,7 +255,7 @@ impl Lookups {
         {
             return;
         }
-        if found.kind != FileKind::Dir {
+        if count && found.kind != FileKind::Dir {
             self.listed_files.fetch_add(1, Ordering::Relaxed);
         }
         self.put_from(path, Some(found), complete, true);
@@ -276,7 +287,42 @@ impl Lookups {
     /// before the caller made sure that no directory made here below `path` is missing from
     /// the bucket (such a page would lack it).
     pub async fn stat_before_listing(&self, path: &str, epoch: u64) -> FsResult<(Found, bool)> {
-        self.stat_keeping(path, Some(epoch)).await
+        let r = self.stat_keeping(path, Some(epoch)).await;
+        if matches!(&r, Ok((f, false)) if f.kind == FileKind::Dir) {
+            self.feed_kept(path);
+        }
+        r
+    }
+
+    /// Caches what the page kept by the lookup of directory `path` shows about its entries,
+    /// so that looking them up (a path walk, a program opening files by name) needs no
+    /// request either.
+    fn feed_kept(&self, path: &str) {
+        let dir_key = format!("{}{path}/", self.prefix);
+        let (entries, epoch) = {
+            let mut kept = self.kept.lock();
+            let Some(k) = kept.iter_mut().find(|k| k.dir_key == dir_key && !k.fed) else {
+                return;
+            };
+            k.fed = true;
+            let mut dirs = HashSet::new();
+            let mut entries = Vec::new();
+            for (name, found) in page_entries(&k.page, dir_key.len()) {
+                // A directory wins over a file of the same name.
+                if found.kind == FileKind::Dir {
+                    dirs.insert(name);
+                } else if dirs.contains(name) {
+                    continue;
+                }
+                entries.push((join(path, name), found));
+            }
+            (entries, k.epoch)
+        };
+        // Not counted as listed files: the listing that usually follows counts them, and
+        // counting them twice would look like a walk that stats nothing.
+        for (p, found) in entries {
+            self.learned(&p, found, epoch, false);
+        }
     }
 
     /// The first LIST page of directory `dir_key` a lookup kept (marker first), with the epoch
@@ -454,6 +500,29 @@ async fn dir_from_page(
     }))
 }
 
+/// What a LIST page of a directory whose key prefix is `plen` bytes long shows: its
+/// subdirectories (common prefixes) first, then the objects whose names can be file names
+/// (so not the directory's own marker, whose name is empty).
+pub fn page_entries(page: &ListPage, plen: usize) -> impl Iterator<Item = (&str, Found)> {
+    let dirs = page.common_prefixes.iter().filter_map(move |cp| {
+        let name = cp[plen..].trim_end_matches('/');
+        // `a//` is no name: exactly one slash ends a subdirectory's prefix.
+        (listable(name) && cp.len() == plen + name.len() + 1).then(|| {
+            let dir = Found {
+                kind: FileKind::Dir,
+                obj: ObjectMeta::default(),
+                has_marker: false,
+            };
+            (name, dir)
+        })
+    });
+    let files = page.objects.iter().filter_map(move |o| {
+        let name = &o.key[plen..];
+        listable(name).then(|| (name, found_object(o.clone())))
+    });
+    dirs.chain(files)
+}
+
 /// A plain object: a symlink if its mode says so, else a file.
 pub fn found_object(obj: ObjectMeta) -> Found {
     let kind = match PosixMeta::from_user(&obj.user).kind() {
@@ -559,6 +628,40 @@ mod tests {
             6,
             "--negative-ttl 0 asks every time"
         );
+    }
+
+    #[tokio::test]
+    async fn a_directory_lookup_caches_the_entries_its_page_shows() {
+        let mem = Arc::new(MemoryStore::with_list_metadata());
+        let mut meta = UserMeta::new();
+        meta.insert("mode".into(), (libc::S_IFREG | 0o600).to_string());
+        for key in ["d/", "d/a", "d/b", "d/sub/x", "d/twin", "d/twin/y"] {
+            mem.put(key, bytes::Bytes::new(), &meta).await.unwrap();
+        }
+        let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
+        let m = metered.metrics();
+        let l = Lookups::new(Arc::new(metered), String::new(), limits());
+        let (d, _) = l.stat_before_listing("d", l.epoch()).await.unwrap();
+        assert_eq!(d.kind, FileKind::Dir);
+        let after_dir = m.total_requests();
+        // Files and subdirectories of the page are known now, with their metadata.
+        let (a, cached) = l.stat("d/a").await.unwrap();
+        assert!(cached);
+        assert_eq!(a.kind, FileKind::File);
+        assert_eq!(a.obj.user["mode"], (libc::S_IFREG | 0o600).to_string());
+        assert!(l.stat("d/b").await.unwrap().1);
+        assert!(l
+            .fresh("d/sub")
+            .is_some_and(|c| c.found.is_some_and(|f| f.kind == FileKind::Dir)));
+        // A file and a directory of the same name: the directory.
+        assert!(l
+            .fresh("d/twin")
+            .is_some_and(|c| c.found.is_some_and(|f| f.kind == FileKind::Dir)));
+        assert_eq!(m.total_requests(), after_dir, "no request after the lookup");
+        // The marker `d/` has no name in the directory.
+        assert!(l.fresh("d/").is_none());
+        // The listing still gets the page.
+        assert!(l.take_page("d/").is_some());
     }
 
     #[tokio::test]

@@ -271,31 +271,19 @@ impl Fs {
                 (page, epoch)
             }
         };
-        let plen = st.prefix.len();
-        for cp in &page.common_prefixes {
-            let name = cp[plen..].trim_end_matches('/');
-            if listable(name) && cp.len() == plen + name.len() + 1 {
-                if let Some(&i) = st.index.get(name) {
-                    st.entries[i].kind = FileKind::Dir; // a directory wins over a file
-                } else {
-                    st.push(name, FileKind::Dir);
+        for (name, found) in page_entries(&page, st.prefix.len()) {
+            if found.kind == FileKind::Dir {
+                match st.index.get(name) {
+                    Some(&i) => st.entries[i].kind = FileKind::Dir, // a directory wins
+                    None => st.push(name, FileKind::Dir),
                 }
-                let dir = Found {
-                    kind: FileKind::Dir,
-                    obj: ObjectMeta::default(),
-                    has_marker: false,
-                };
-                self.lookups.listed(&join(&st.path, name), dir, epoch);
-            }
-        }
-        for o in page.objects {
-            let name = o.key[plen..].to_string();
-            if listable(&name) && !st.index.contains_key(&name) {
+            } else if st.index.contains_key(name) {
+                continue;
+            } else {
                 // With user metadata the mode tells symlinks from files; without, a file.
-                let found = found_object(o);
-                st.push(&name, found.kind);
-                self.lookups.listed(&join(&st.path, &name), found, epoch);
+                st.push(name, found.kind);
             }
+            self.lookups.listed(&join(&st.path, name), found, epoch);
         }
         if let Some(t) = page.next_continuation {
             st.from = ListFrom::Token(t);
