@@ -80,6 +80,7 @@ struct KeptPage {
     at: Instant,
     /// Its entries went into the stat cache.
     fed: bool,
+    detail: ListDetail,
 }
 
 type KeptPages = Arc<Mutex<VecDeque<KeptPage>>>;
@@ -89,6 +90,8 @@ struct Keep {
     pages: KeptPages,
     epoch: u64,
     ttl: Duration,
+    /// What the page's entries carry (see [`Lookups::list_detail`]).
+    detail: ListDetail,
 }
 
 impl Keep {
@@ -104,6 +107,7 @@ impl Keep {
             epoch: self.epoch,
             at: Instant::now(),
             fed: false,
+            detail: self.detail,
         });
     }
 }
@@ -327,8 +331,10 @@ impl Lookups {
 
     /// The first LIST page of directory `dir_key` a lookup kept (marker first), with the epoch
     /// it was sent at. Each is given out once, within the stat TTL, and only while this mount
-    /// changed nothing since it was fetched (it may predate the change).
-    pub fn take_page(&self, dir_key: &str) -> Option<(ListPage, u64)> {
+    /// changed nothing since it was fetched (it may predate the change), and only if it
+    /// carries what the listing wants (`detail`: a page without metadata would leave `ls -l`
+    /// a HEAD per file).
+    pub fn take_page(&self, dir_key: &str, detail: ListDetail) -> Option<(ListPage, u64)> {
         let mut kept = self.kept.lock();
         if kept.is_empty() {
             return None;
@@ -336,7 +342,9 @@ impl Lookups {
         let epoch = self.epoch();
         kept.retain(|k| k.at.elapsed() < self.limits.ttl && k.epoch == epoch);
         let i = kept.iter().position(|k| k.dir_key == dir_key)?;
-        kept.remove(i).map(|k| (k.page, k.epoch))
+        let k = kept.remove(i)?;
+        let enough = k.detail == ListDetail::UserMeta || detail == ListDetail::Plain;
+        enough.then_some((k.page, k.epoch))
     }
 
     async fn stat_keeping(&self, path: &str, keep_epoch: Option<u64>) -> FsResult<(Found, bool)> {
@@ -357,18 +365,21 @@ impl Lookups {
             match inflight.get(path) {
                 Some(p) => p.clone(),
                 None => {
-                    // Only while listings carry user metadata: without it the marker costs
-                    // a HEAD anyway, and walks that stat no file (which turned it off) would
-                    // pay the server for the metadata of a whole page.
+                    // With user metadata only while listings carry it: walks that stat no
+                    // file (which turned it off) would pay the server for the metadata of a
+                    // whole page.
+                    let detail = if self.list_user_meta.load(Ordering::Relaxed) {
+                        ListDetail::UserMeta
+                    } else {
+                        ListDetail::Plain
+                    };
                     let keep = keep_epoch
-                        .filter(|_| {
-                            self.list_user_meta.load(Ordering::Relaxed)
-                                && !self.limits.ttl.is_zero()
-                        })
+                        .filter(|_| !self.limits.ttl.is_zero())
                         .map(|epoch| Keep {
                             pages: self.kept.clone(),
                             epoch,
                             ttl: self.limits.ttl,
+                            detail,
                         });
                     let key = format!("{}{path}", self.prefix);
                     let p = probe(self.store.clone(), key, hint, keep).boxed().shared();
@@ -424,22 +435,24 @@ async fn probe(
     keep: Option<Keep>,
 ) -> Result<Found, FsError> {
     let dir_key = format!("{key}/");
-    let max_keys = if keep.is_some() { LIST_PAGE } else { 1 };
-    let list = || {
-        store.list(
-            &dir_key,
-            Some("/"),
-            ListFrom::Start,
-            max_keys,
-            ListDetail::UserMeta,
-        )
+    let (max_keys, detail) = match &keep {
+        Some(k) => (LIST_PAGE, k.detail),
+        None => (1, ListDetail::UserMeta),
     };
+    let list = || store.list(&dir_key, Some("/"), ListFrom::Start, max_keys, detail);
+    tracing::trace!("probe {key} (hint {hint:?}): LIST {max_keys} keys, {detail:?}");
     match hint {
         Some(FileKind::Dir) => {
-            let page = list()
-                .await
-                .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-            if let Some(dir) = dir_from_page(&*store, &dir_key, page, keep).await? {
+            // A page without metadata does not carry the marker's: HEAD it at the same time
+            // (a `find`: one round trip per directory, and its listing needs none).
+            let (page, marker) = if detail == ListDetail::Plain {
+                let (page, marker) = tokio::join!(list(), store.head(&dir_key));
+                (page, Some(marker))
+            } else {
+                (list().await, None)
+            };
+            let page = page.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+            if let Some(dir) = dir_from_page(&*store, &dir_key, page, keep, marker).await? {
                 return Ok(dir);
             }
             // Not a directory any more: perhaps a file now.
@@ -457,7 +470,7 @@ async fn probe(
     }
     let (head, list) = tokio::join!(store.head(&key), list());
     let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-    if let Some(dir) = dir_from_page(&*store, &dir_key, page, keep).await? {
+    if let Some(dir) = dir_from_page(&*store, &dir_key, page, keep, None).await? {
         return Ok(dir);
     }
     match head {
@@ -469,12 +482,14 @@ async fn probe(
 /// The directory that a LIST of `dir_key` from its start shows, if any: anything below it
 /// makes it one (and a directory wins over a file of the same name). Its attributes come
 /// from its marker `dir_key` (the first key, if any), from the listing when that carried the
-/// metadata, else from a HEAD. A directory's page goes to `keep`, if given.
+/// metadata, else from a HEAD (`marker`, when one was sent along with the LIST). A
+/// directory's page goes to `keep`, if given.
 async fn dir_from_page(
     store: &dyn ObjectStore,
     dir_key: &str,
     page: ListPage,
     keep: Option<Keep>,
+    marker_head: Option<Result<ObjectMeta, StoreError>>,
 ) -> Result<Option<Found>, FsError> {
     if page.objects.is_empty() && page.common_prefixes.is_empty() {
         return Ok(None);
@@ -483,11 +498,17 @@ async fn dir_from_page(
     let has_marker = marker.is_some();
     let obj = match marker {
         Some(m) if m.user_complete => m,
-        Some(_) => match store.head(dir_key).await {
-            Ok(o) => o,
-            Err(StoreError::NotFound(_)) => ObjectMeta::default(),
-            Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
-        },
+        Some(_) => {
+            let head = match marker_head {
+                Some(h) => h,
+                None => store.head(dir_key).await,
+            };
+            match head {
+                Ok(o) => o,
+                Err(StoreError::NotFound(_)) => ObjectMeta::default(),
+                Err(e) => return Err(log_store_err(&format!("stat {dir_key}"), e)),
+            }
+        }
         None => ObjectMeta::default(),
     };
     if let Some(keep) = keep {
@@ -661,7 +682,48 @@ mod tests {
         // The marker `d/` has no name in the directory.
         assert!(l.fresh("d/").is_none());
         // The listing still gets the page.
-        assert!(l.take_page("d/").is_some());
+        assert!(l.take_page("d/", ListDetail::UserMeta).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_walk_keeps_plain_pages_and_heads_the_marker_alongside() {
+        let mem = Arc::new(MemoryStore::with_list_metadata());
+        let mut meta = UserMeta::new();
+        meta.insert("mode".into(), (libc::S_IFDIR | 0o700).to_string());
+        mem.put("d/", bytes::Bytes::new(), &meta).await.unwrap();
+        mem.put("d/f", bytes::Bytes::new(), &UserMeta::new())
+            .await
+            .unwrap();
+        let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
+        let m = metered.metrics();
+        let l = Lookups::new(Arc::new(metered), String::new(), limits());
+        // A walk that stats no file turned listing metadata off; the parent's listing
+        // showed `d` as a directory.
+        l.list_user_meta.store(false, Ordering::Relaxed);
+        let dir = Found {
+            kind: FileKind::Dir,
+            obj: ObjectMeta::default(),
+            has_marker: false,
+        };
+        l.listed("d", dir, l.epoch());
+        let (d, _) = l.stat_before_listing("d", l.epoch()).await.unwrap();
+        assert_eq!(d.obj.user["mode"], (libc::S_IFDIR | 0o700).to_string());
+        assert!(d.has_marker);
+        assert_eq!((m.requests(Op::List), m.requests(Op::Head)), (1, 1));
+        // A listing without metadata takes the page; one that wants metadata does not.
+        assert!(l.take_page("d/", ListDetail::Plain).is_some());
+        l.forget("d");
+        l.listed(
+            "d",
+            Found {
+                kind: FileKind::Dir,
+                obj: ObjectMeta::default(),
+                has_marker: false,
+            },
+            l.epoch(),
+        );
+        l.stat_before_listing("d", l.epoch()).await.unwrap();
+        assert!(l.take_page("d/", ListDetail::UserMeta).is_none());
     }
 
     #[tokio::test]
@@ -679,13 +741,19 @@ mod tests {
                 .unwrap();
             assert!(l.kept.lock().len() <= KEPT_PAGES);
         }
-        assert!(l.take_page("d00/").is_none(), "the oldest were dropped");
-        let (page, _) = l.take_page("d19/").unwrap();
+        assert!(
+            l.take_page("d00/", ListDetail::UserMeta).is_none(),
+            "the oldest were dropped"
+        );
+        let (page, _) = l.take_page("d19/", ListDetail::UserMeta).unwrap();
         assert_eq!(page.objects[0].key, "d19/f");
-        assert!(l.take_page("d19/").is_none(), "given out once");
+        assert!(
+            l.take_page("d19/", ListDetail::UserMeta).is_none(),
+            "given out once"
+        );
         // A change here makes them all stale.
         l.forget("d00");
-        assert!(l.take_page("d18/").is_none());
+        assert!(l.take_page("d18/", ListDetail::UserMeta).is_none());
         assert!(l.kept.lock().is_empty());
         // A plain stat keeps nothing.
         l.stat("d00").await.unwrap();
@@ -698,7 +766,10 @@ mod tests {
         let l = Lookups::new(mem, String::new(), short);
         l.stat_before_listing("d01", l.epoch()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(60)).await;
-        assert!(l.take_page("d01/").is_none(), "expired with the stat TTL");
+        assert!(
+            l.take_page("d01/", ListDetail::UserMeta).is_none(),
+            "expired with the stat TTL"
+        );
     }
 
     #[tokio::test]

@@ -256,9 +256,19 @@ impl Fs {
         // itself, not after it: the marker's empty name is skipped below like any unlistable
         // one, and its continuation token goes on from its last key.
         let kept = match first {
-            true => self.lookups.take_page(&st.prefix),
+            true => self.lookups.take_page(&st.prefix, st.detail),
             false => None,
         };
+        tracing::trace!(
+            "list {} ({:?}): {}",
+            st.prefix,
+            st.detail,
+            if kept.is_some() {
+                "the lookup's page"
+            } else {
+                "LIST"
+            }
+        );
         let (page, epoch) = match kept {
             Some(kept) => kept,
             None => {
