@@ -391,7 +391,8 @@ impl Fs {
                     far_end.is_some_and(|n| !self.lookups.known(&join(&parent_path, &n)));
                 if !cached || far_behind {
                     let ahead = self.listing_names(parent, window, &parent_path);
-                    self.lookups.statahead(ahead);
+                    // Pages fetched ahead could lack a directory whose marker is on its way.
+                    self.lookups.statahead(ahead, self.markers.len() == 0);
                 }
             }
             _ => {}

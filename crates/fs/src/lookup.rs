@@ -69,6 +69,9 @@ const UNUSED_LISTED_FILES: u64 = 64;
 pub const LIST_PAGE: usize = 1000;
 /// First pages of looked-up directories kept at most for their listing (oldest dropped).
 const KEPT_PAGES: usize = 16;
+/// Directories one statahead fetches a first page for: few enough that the kept pages of
+/// the directories a walk reaches first are not pushed out by those after.
+const STATAHEAD_PAGES: usize = KEPT_PAGES / 2;
 
 /// The first LIST page of a directory (from its start: its marker first), fetched by its
 /// lookup and kept for the readdir that usually follows.
@@ -401,22 +404,41 @@ impl Lookups {
     }
 
     /// Stats `paths` in the background (those not cached yet), a bounded number at a time.
-    pub fn statahead(self: &Arc<Self>, paths: Vec<String>) {
-        let todo: Vec<String> = paths
+    /// During a walk (listings without metadata, as `find` makes them), with `pages`
+    /// allowed, the first few directories among them are stat'ed the way the kernel's
+    /// lookup of a directory is: with its first page, kept for its listing. The walk then
+    /// finds its next listings fetched, in parallel, instead of waiting for each in turn.
+    pub fn statahead(self: &Arc<Self>, paths: Vec<String>, pages: bool) {
+        let walking =
+            pages && !self.list_user_meta.load(Ordering::Relaxed) && !self.limits.ttl.is_zero();
+        let mut with_page = if walking { STATAHEAD_PAGES } else { 0 };
+        let todo: Vec<(String, bool)> = paths
             .into_iter()
             .filter(|p| !self.known(p))
             .take(STATAHEAD_COUNT)
+            .map(|p| {
+                let dir = with_page > 0
+                    && self
+                        .fresh(&p)
+                        .is_some_and(|c| c.found.as_ref().is_some_and(|f| f.kind == FileKind::Dir));
+                with_page -= usize::from(dir);
+                (p, dir)
+            })
             .collect();
         if todo.is_empty() {
             return;
         }
         let this = self.clone();
+        let epoch = self.epoch();
         tokio::spawn(async move {
             futures::stream::iter(todo)
-                .for_each_concurrent(STATAHEAD_CONCURRENCY, |p| {
+                .for_each_concurrent(STATAHEAD_CONCURRENCY, |(p, dir)| {
                     let this = this.clone();
                     async move {
-                        let _ = this.stat(&p).await;
+                        let _ = match dir {
+                            true => this.stat_before_listing(&p, epoch).await,
+                            false => this.stat(&p).await,
+                        };
                     }
                 })
                 .await;
@@ -724,6 +746,42 @@ mod tests {
         );
         l.stat_before_listing("d", l.epoch()).await.unwrap();
         assert!(l.take_page("d/", ListDetail::UserMeta).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_walks_statahead_fetches_the_first_directories_pages() {
+        let mem = Arc::new(MemoryStore::new());
+        for d in 0..10 {
+            mem.put(&format!("d{d}/f"), bytes::Bytes::new(), &UserMeta::new())
+                .await
+                .unwrap();
+        }
+        let dirs: Vec<String> = (0..10).map(|d| format!("d{d}")).collect();
+        let run = |pages: bool| {
+            let mem = mem.clone();
+            let dirs = dirs.clone();
+            async move {
+                let l = Lookups::new(mem, String::new(), limits());
+                l.list_user_meta.store(false, Ordering::Relaxed);
+                for d in &dirs {
+                    let dir = Found {
+                        kind: FileKind::Dir,
+                        obj: ObjectMeta::default(),
+                        has_marker: false,
+                    };
+                    l.listed(d, dir, l.epoch());
+                }
+                l.statahead(dirs.clone(), pages);
+                while !dirs.iter().all(|d| l.cached_complete(d)) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                dirs.iter()
+                    .filter(|d| l.take_page(&format!("{d}/"), ListDetail::Plain).is_some())
+                    .count()
+            }
+        };
+        assert_eq!(run(true).await, STATAHEAD_PAGES);
+        assert_eq!(run(false).await, 0, "not while a marker is on its way");
     }
 
     #[tokio::test]
