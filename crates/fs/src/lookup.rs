@@ -404,14 +404,16 @@ impl Lookups {
     }
 
     /// Stats `paths` in the background (those not cached yet), a bounded number at a time.
-    /// During a walk (listings without metadata, as `find` makes them), with `pages`
-    /// allowed, the first few directories among them are stat'ed the way the kernel's
-    /// lookup of a directory is: with its first page, kept for its listing. The walk then
-    /// finds its next listings fetched, in parallel, instead of waiting for each in turn.
+    /// With `pages` allowed, the first few directories among them are stat'ed the way the
+    /// kernel's lookup of a directory is: with its first page, kept for its listing and
+    /// feeding the stat cache. A walk (`find`) then finds its next listings fetched, in
+    /// parallel, and a program opening files by name below them finds them known.
     pub fn statahead(self: &Arc<Self>, paths: Vec<String>, pages: bool) {
-        let walking =
-            pages && !self.list_user_meta.load(Ordering::Relaxed) && !self.limits.ttl.is_zero();
-        let mut with_page = if walking { STATAHEAD_PAGES } else { 0 };
+        let mut with_page = if pages && !self.limits.ttl.is_zero() {
+            STATAHEAD_PAGES
+        } else {
+            0
+        };
         let todo: Vec<(String, bool)> = paths
             .into_iter()
             .filter(|p| !self.known(p))
@@ -749,7 +751,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_walks_statahead_fetches_the_first_directories_pages() {
+    async fn statahead_fetches_the_first_directories_pages() {
         let mem = Arc::new(MemoryStore::new());
         for d in 0..10 {
             mem.put(&format!("d{d}/f"), bytes::Bytes::new(), &UserMeta::new())
@@ -762,7 +764,6 @@ mod tests {
             let dirs = dirs.clone();
             async move {
                 let l = Lookups::new(mem, String::new(), limits());
-                l.list_user_meta.store(false, Ordering::Relaxed);
                 for d in &dirs {
                     let dir = Found {
                         kind: FileKind::Dir,
