@@ -37,6 +37,17 @@ pub struct Found {
     pub has_marker: bool,
 }
 
+impl Found {
+    /// A directory a listing shows as a common prefix: nothing is known of its marker.
+    pub fn listed_dir() -> Self {
+        Found {
+            kind: FileKind::Dir,
+            obj: ObjectMeta::default(),
+            has_marker: false,
+        }
+    }
+}
+
 #[derive(Clone)]
 struct Cached {
     /// `None`: the store has nothing at this path (a negative entry).
@@ -312,17 +323,9 @@ impl Lookups {
                 return;
             };
             k.fed = true;
-            let mut dirs = HashSet::new();
-            let mut entries = Vec::new();
-            for (name, found) in page_entries(&k.page, dir_key.len()) {
-                // A directory wins over a file of the same name.
-                if found.kind == FileKind::Dir {
-                    dirs.insert(name);
-                } else if dirs.contains(name) {
-                    continue;
-                }
-                entries.push((join(path, name), found));
-            }
+            let entries: Vec<(String, Found)> = page_entries(&k.page, dir_key.len())
+                .map(|(name, found)| (join(path, name), found))
+                .collect();
             (entries, k.epoch)
         };
         // Not counted as listed files: the listing that usually follows counts them, and
@@ -547,25 +550,26 @@ async fn dir_from_page(
 
 /// What a LIST page of a directory whose key prefix is `plen` bytes long shows: its
 /// subdirectories (common prefixes) first, then the objects whose names can be file names
-/// (so not the directory's own marker, whose name is empty).
+/// (so not the directory's own marker, whose name is empty) and are not also a
+/// subdirectory's (a directory wins over a file of the same name).
 pub fn page_entries(page: &ListPage, plen: usize) -> impl Iterator<Item = (&str, Found)> {
-    let dirs = page.common_prefixes.iter().filter_map(move |cp| {
-        let name = cp[plen..].trim_end_matches('/');
-        // `a//` is no name: exactly one slash ends a subdirectory's prefix.
-        (listable(name) && cp.len() == plen + name.len() + 1).then(|| {
-            let dir = Found {
-                kind: FileKind::Dir,
-                obj: ObjectMeta::default(),
-                has_marker: false,
-            };
-            (name, dir)
+    let dirs: Vec<&str> = page
+        .common_prefixes
+        .iter()
+        .filter_map(|cp| {
+            let name = cp[plen..].trim_end_matches('/');
+            // `a//` is no name: exactly one slash ends a subdirectory's prefix.
+            (listable(name) && cp.len() == plen + name.len() + 1).then_some(name)
         })
-    });
+        .collect();
+    let shadowed: HashSet<&str> = dirs.iter().copied().collect();
     let files = page.objects.iter().filter_map(move |o| {
         let name = &o.key[plen..];
-        listable(name).then(|| (name, found_object(o.clone())))
+        (listable(name) && !shadowed.contains(name)).then(|| (name, found_object(o.clone())))
     });
-    dirs.chain(files)
+    dirs.into_iter()
+        .map(|name| (name, Found::listed_dir()))
+        .chain(files)
 }
 
 /// A plain object: a symlink if its mode says so, else a file.
@@ -724,12 +728,7 @@ mod tests {
         // A walk that stats no file turned listing metadata off; the parent's listing
         // showed `d` as a directory.
         l.list_user_meta.store(false, Ordering::Relaxed);
-        let dir = Found {
-            kind: FileKind::Dir,
-            obj: ObjectMeta::default(),
-            has_marker: false,
-        };
-        l.listed("d", dir, l.epoch());
+        l.listed("d", Found::listed_dir(), l.epoch());
         let (d, _) = l.stat_before_listing("d", l.epoch()).await.unwrap();
         assert_eq!(d.obj.user["mode"], (libc::S_IFDIR | 0o700).to_string());
         assert!(d.has_marker);
@@ -737,15 +736,7 @@ mod tests {
         // A listing without metadata takes the page; one that wants metadata does not.
         assert!(l.take_page("d/", ListDetail::Plain).is_some());
         l.forget("d");
-        l.listed(
-            "d",
-            Found {
-                kind: FileKind::Dir,
-                obj: ObjectMeta::default(),
-                has_marker: false,
-            },
-            l.epoch(),
-        );
+        l.listed("d", Found::listed_dir(), l.epoch());
         l.stat_before_listing("d", l.epoch()).await.unwrap();
         assert!(l.take_page("d/", ListDetail::UserMeta).is_none());
     }
@@ -765,12 +756,7 @@ mod tests {
             async move {
                 let l = Lookups::new(mem, String::new(), limits());
                 for d in &dirs {
-                    let dir = Found {
-                        kind: FileKind::Dir,
-                        obj: ObjectMeta::default(),
-                        has_marker: false,
-                    };
-                    l.listed(d, dir, l.epoch());
+                    l.listed(d, Found::listed_dir(), l.epoch());
                 }
                 l.statahead(dirs.clone(), pages);
                 while !dirs.iter().all(|d| l.cached_complete(d)) {

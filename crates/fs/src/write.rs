@@ -325,6 +325,13 @@ pub struct WriteState {
     pub mtime: SystemTime,
 }
 
+/// Whether `len` bytes at `offset` end within the largest object S3 allows.
+fn fits_object(offset: u64, len: usize) -> bool {
+    offset
+        .checked_add(len as u64)
+        .is_some_and(|e| e <= MAX_OBJECT_SIZE)
+}
+
 fn io_err(e: std::io::Error) -> FsError {
     tracing::warn!("staging file: {e}");
     FsError::from(e)
@@ -388,16 +395,13 @@ impl WriteState {
 
     /// Writes `data` at `offset`.
     pub async fn write(&mut self, offset: u64, mut data: Bytes) -> FsResult<()> {
-        offset
-            .checked_add(data.len() as u64)
-            .filter(|&e| e <= MAX_OBJECT_SIZE)
-            .ok_or(FsError::EFBIG)?;
+        if !fits_object(offset, data.len()) {
+            return Err(FsError::EFBIG);
+        }
         if data.is_empty() {
             return Ok(());
         }
-        self.changed = true;
-        self.failed = false;
-        self.mtime = SystemTime::now();
+        self.touch();
         let mut at = offset;
         while !data.is_empty() {
             // A part filled by `append_now` and not shipped yet.
@@ -429,10 +433,8 @@ impl WriteState {
     /// now. This lets the FUSE thread copy straight from the kernel's buffer instead of into
     /// an owned one first (a third of the user-space copying of a sequential write).
     pub fn append_now(&mut self, at: u64, data: &[u8]) -> Appended {
-        let fits = at
-            .checked_add(data.len() as u64)
-            .is_some_and(|e| e <= MAX_OBJECT_SIZE);
-        if data.is_empty() || !fits || self.tail.as_ref().is_some_and(Tail::is_full) {
+        let full_tail = self.tail.as_ref().is_some_and(Tail::is_full);
+        if data.is_empty() || !fits_object(at, data.len()) || full_tail {
             return Appended::No;
         }
         if !self.tail_takes(at) {
@@ -443,9 +445,7 @@ impl WriteState {
             return Appended::No;
         }
         let full = tail.is_full();
-        self.changed = true;
-        self.failed = false;
-        self.mtime = SystemTime::now();
+        self.touch();
         self.wrote(at..at + data.len() as u64);
         if full {
             Appended::PartFull
@@ -460,6 +460,14 @@ impl WriteState {
             self.ship_tail().await?;
         }
         Ok(())
+    }
+
+    /// The content changes now: it differs from the bucket, and an earlier failed publish
+    /// no longer describes it.
+    fn touch(&mut self) {
+        self.changed = true;
+        self.failed = false;
+        self.mtime = SystemTime::now();
     }
 
     /// Bookkeeping of bytes `r` just written.
@@ -622,9 +630,7 @@ impl WriteState {
             self.dirty.insert(old..size);
         }
         self.size.store(size, Ordering::Relaxed);
-        self.changed = true;
-        self.failed = false;
-        self.mtime = SystemTime::now();
+        self.touch();
         Ok(())
     }
 
