@@ -10,6 +10,10 @@ pub struct Extents {
 }
 
 impl Extents {
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
     pub fn clear(&mut self) {
         self.map.clear();
     }

@@ -26,10 +26,19 @@ pub struct FsMetrics {
     pub files_published: AtomicU64,
     /// Publishes that failed and were reported to close/fsync.
     pub publish_errors: AtomicU64,
+    /// Publishes before close because a file read back (or partly rewrote) bytes that only
+    /// an uploaded part held.
+    pub early_publishes: AtomicU64,
+    /// Bytes written to local staging files (what a write costs the local disk).
+    pub staged_bytes: AtomicU64,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
+    inc_by(c, 1);
+}
+
+pub(crate) fn inc_by(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
 }
 
 impl FsMetrics {
@@ -39,7 +48,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 7] = [
+        let counters: [(&str, &str, &AtomicU64); 9] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -63,6 +72,12 @@ impl FsMetrics {
                 "counter",
                 &self.publish_errors,
             ),
+            (
+                "bucketfs_early_publishes_total",
+                "counter",
+                &self.early_publishes,
+            ),
+            ("bucketfs_staged_bytes_total", "counter", &self.staged_bytes),
         ];
         let mut s = String::new();
         for (name, kind, c) in counters {

@@ -2,11 +2,15 @@
 //!
 //! Written bytes are tracked as dirty extents over a *base* (the object as it was when the file
 //! was opened, if any). A sequential stream of appends fills an in-memory *tail* buffer, one
-//! part at a time: a full tail uploads straight from memory (and is copied to the staging file
-//! in the background, because reads and rewrites of the file may still need it), and a small
-//! file never touches the disk at all. Any other write goes to a sparse local staging file
-//! under `cache_dir`, and each part that becomes completely written there uploads in the
-//! background too, so close only sends what is left. At publish, unchanged part-sized ranges
+//! part at a time: a full tail uploads straight from memory, and a small file never touches
+//! the disk at all. A streamed part keeps no local copy (a local copy would double the disk
+//! traffic of a big write and need its size free under `cache_dir`), except the first part,
+//! where formats patch their headers. Reading back, or partly rewriting, bytes that only an
+//! uploaded part holds publishes the file first, as fsync would (S3 cannot read a part of an
+//! unfinished upload); from then on the file's streamed parts are copied locally too. Any
+//! other write goes to a sparse local staging file under `cache_dir`, and each part that
+//! becomes completely written there uploads in the background too, so close only sends what
+//! is left. At publish, unchanged part-sized ranges
 //! of the base are copied server-side (UploadPartCopy), and only parts holding new bytes are
 //! sent, so an append or an overwrite in the middle of a large object sends kilobytes, not the
 //! object. Small results go up as one PUT. Nothing is visible in the bucket until a publish
@@ -16,7 +20,7 @@ use crate::aligned::{AlignedBuf, ALIGN};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::extents::Extents;
-use crate::metrics::{inc, FsMetrics};
+use crate::metrics::{inc, inc_by, FsMetrics};
 use crate::pool::PoolBuf;
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
 use bytes::Bytes;
@@ -222,23 +226,34 @@ enum Source {
     Tail,
     Base,
     Zeros,
-    /// Only in an uploaded part whose copy to the staging file failed.
-    Lost,
+    /// Only in an uploaded part of the open upload: publish before using it.
+    Uploaded,
 }
 
 /// A part uploaded (or uploading) ahead of publish.
 enum PartSlot {
     Uploading {
         generation: u64,
-        task: JoinHandle<Result<String, StoreError>>,
+        task: JoinHandle<PartOutcome>,
     },
     Done {
         generation: u64,
         etag: String,
     },
-    /// The upload failed; publish sends it again.
-    Failed,
+    /// The upload failed; publish sends it again, from `kept` when the part's bytes are
+    /// nowhere else (its local copy failed too).
+    Failed {
+        generation: u64,
+        kept: Option<PartBody>,
+    },
 }
+
+/// A part's bytes and the budget they hold.
+type PartBody = (Bytes, Arc<Vec<Reservation>>);
+
+/// What a background part upload ends with: the ETag, or the error and, for a part with no
+/// local copy, its bytes (so that a failure loses nothing).
+type PartOutcome = Result<String, (StoreError, Option<PartBody>)>;
 
 /// An open multipart upload fed while the file is being written.
 struct Stream {
@@ -305,8 +320,12 @@ pub struct WriteState {
     /// Background copies of uploaded tails into the staging file; settled before the staging
     /// file is read or written.
     spills: Vec<(Range<u64>, JoinHandle<std::io::Result<()>>)>,
-    /// Bytes whose copy to the staging file failed: only their uploaded part holds them.
-    unspilled: Extents,
+    /// Bytes that only a part of the open upload holds (streamed without a local copy, or
+    /// whose copy failed): anything that needs them publishes first (see [`Self::recover`]).
+    uploaded_only: Extents,
+    /// Streamed parts get a local copy: the file has read back or rewritten streamed bytes,
+    /// so it may again.
+    keep_local: bool,
     dirty: Extents,
     /// Bytes whose current content is in the staging file: what was written (`dirty`) plus
     /// what was fetched or published since. Reads and uploads take these from disk.
@@ -362,7 +381,8 @@ impl WriteState {
             staging_direct: None,
             tail: None,
             spills: Vec::new(),
-            unspilled: Extents::default(),
+            uploaded_only: Extents::default(),
+            keep_local: false,
             dirty: Extents::default(),
             local: Extents::default(),
             generations: BTreeMap::new(),
@@ -401,6 +421,9 @@ impl WriteState {
         if data.is_empty() {
             return Ok(());
         }
+        // A part rewritten in part needs its other bytes at publish.
+        self.recover(self.parts_around(offset..offset + data.len() as u64))
+            .await?;
         self.touch();
         let mut at = offset;
         while !data.is_empty() {
@@ -492,8 +515,9 @@ impl WriteState {
         let layout = self.cfg.layout;
         let i = layout.index_of(at);
         let part = layout.bounds(i);
-        // The last possible part is never streamed: leave it to the staging path.
-        if at != part.start || i + 1 >= MAX_PARTS as u64 {
+        // The last possible part is never streamed: leave it to the staging path. Nor is a
+        // part whose old bytes only the upload holds (the slow path recovers them first).
+        if at != part.start || i + 1 >= MAX_PARTS as u64 || self.uploaded_only.intersects(&part) {
             return false;
         }
         self.tail = Some(Tail {
@@ -515,20 +539,29 @@ impl WriteState {
             return Ok(());
         }
         self.settle_spills().await;
-        let staging = self.staging()?;
         // A copy, so the tail survives a failed write (this is not the streaming path).
         let data = Bytes::copy_from_slice(self.tail.as_ref().expect("checked").buf.as_slice());
-        write_at(&staging, r.start, data).await?;
+        self.stage(r.start, data).await?;
         self.tail = None;
         self.local.insert(r);
         Ok(())
     }
 
-    /// The tail holds a whole part: upload it from memory, and copy it to the staging file in
-    /// the background for later reads and rewrites.
+    /// The tail holds a whole part: upload it from memory. The first part, and every part of
+    /// a file that has read back streamed bytes, is also copied to the staging file in the
+    /// background; any other part is then held only by the upload.
     async fn ship_tail(&mut self) -> FsResult<()> {
+        let Some(i) = self
+            .tail
+            .as_ref()
+            .map(|t| self.cfg.layout.index_of(t.start))
+        else {
+            return Ok(());
+        };
+        let local_copy = i == 0 || self.keep_local;
         let prepared = match self.start_stream().await {
-            Ok(()) => self.staging(),
+            Ok(()) if local_copy => self.staging().map(Some),
+            Ok(()) => Ok(None),
             Err(e) => Err(e),
         };
         let staging = match prepared {
@@ -544,20 +577,29 @@ impl WriteState {
             return Ok(());
         };
         let r = tail.range();
-        let i = self.cfg.layout.index_of(r.start);
         let generation = self.generations.get(&i).copied().unwrap_or(0);
-        let direct = self.staging_direct.clone();
         let (body, mem) = tail.buf.freeze();
         let mem = Arc::new(mem);
-        let spill = {
-            let (body, mem, at) = (body.clone(), mem.clone(), r.start);
-            tokio::task::spawn_blocking(move || {
-                let _mem = mem;
-                write_part_blocking(&staging, direct.as_deref(), &body, at)
-            })
-        };
-        self.spills.push((r.clone(), spill));
-        self.local.insert(r);
+        match staging {
+            Some(staging) => {
+                let direct = self.staging_direct.clone();
+                inc_by(&self.cfg.metrics.staged_bytes, r.end - r.start);
+                let spill = {
+                    let (body, mem, at) = (body.clone(), mem.clone(), r.start);
+                    tokio::task::spawn_blocking(move || {
+                        let _mem = mem;
+                        write_part_blocking(&staging, direct.as_deref(), &body, at)
+                    })
+                };
+                self.spills.push((r.clone(), spill));
+                self.local.insert(r);
+            }
+            None => {
+                // Older bytes of this range may be staged; they are stale now.
+                self.local.remove(r.clone());
+                self.uploaded_only.insert(r);
+            }
+        }
         self.spawn_part_upload(i, generation, body, mem).await;
         Ok(())
     }
@@ -570,7 +612,7 @@ impl WriteState {
             if let Err(e) = outcome {
                 tracing::warn!("{}: staging copy of {r:?} failed: {e}", self.key);
                 self.local.remove(r.clone());
-                self.unspilled.insert(r);
+                self.uploaded_only.insert(r);
             }
         }
     }
@@ -586,14 +628,20 @@ impl WriteState {
         Ok(f)
     }
 
+    /// Writes `data` at `offset` of the staging file.
+    async fn stage(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
+        let staging = self.staging()?;
+        inc_by(&self.cfg.metrics.staged_bytes, data.len() as u64);
+        write_at(&staging, offset, data).await
+    }
+
     /// Writes `data` at `offset` through the staging file.
     async fn write_staging(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
         let r = offset..offset + data.len() as u64;
         self.settle_spills().await;
-        let staging = self.staging()?;
-        write_at(&staging, offset, data).await?;
+        self.stage(offset, data).await?;
         self.local.insert(r.clone());
-        self.unspilled.remove(r.clone());
+        self.uploaded_only.remove(r.clone());
         self.wrote(r.clone());
         self.stream_full_parts(r).await
     }
@@ -609,12 +657,16 @@ impl WriteState {
             // copy the whole object server-side (fio reopens its files this way).
             return Ok(());
         }
+        // The part where the old and new sizes meet is sent again: its kept bytes are needed.
+        let edge = size.min(old);
+        let part = self.cfg.layout.bounds(self.cfg.layout.index_of(edge));
+        self.recover(part.start..edge).await?;
         self.spill_tail().await?;
         self.settle_spills().await;
         if size < old {
             self.dirty.truncate(size);
             self.local.truncate(size);
-            self.unspilled.truncate(size);
+            self.uploaded_only.truncate(size);
             self.base_len = self.base_len.min(size);
             // Parts from the cut on no longer hold what they held.
             self.touch_parts(size..old);
@@ -688,18 +740,20 @@ impl WriteState {
         body: Bytes,
         mem: Arc<Vec<Reservation>>,
     ) {
+        self.settle_part(i).await;
         let store = self.store.clone();
         let key = self.key.clone();
         let stream = self.stream.as_mut().expect("stream started");
-        settle(stream, i).await;
         let id = stream.upload_id.clone();
         let metrics = self.cfg.metrics.clone();
         let task = tokio::spawn(async move {
-            let _mem = mem;
             metrics.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
-            let r = store.upload_part(&key, &id, i as u32 + 1, body).await;
+            let r = store
+                .upload_part(&key, &id, i as u32 + 1, body.clone())
+                .await;
             metrics.uploads_in_flight.fetch_sub(1, Ordering::Relaxed);
-            r
+            // On failure the bytes come back: they may be nowhere else.
+            r.map_err(|e| (e, Some((body, mem))))
         });
         stream
             .slots
@@ -710,20 +764,113 @@ impl WriteState {
     async fn wait_for_upload_slot(&mut self) {
         let limit = self.cfg.upload_concurrency.max(1);
         loop {
-            let Some(stream) = self.stream.as_mut() else {
+            let Some(stream) = self.stream.as_ref() else {
                 return;
             };
-            let inflight: Vec<u64> = stream
+            let mut inflight = stream
                 .slots
                 .iter()
                 .filter(|(_, s)| matches!(s, PartSlot::Uploading { .. }))
-                .map(|(&i, _)| i)
-                .collect();
-            if inflight.len() < limit {
+                .map(|(&i, _)| i);
+            let Some(oldest) = inflight.next() else {
+                return;
+            };
+            if 1 + inflight.count() < limit {
                 return;
             }
-            settle(stream, inflight[0]).await;
+            self.settle_part(oldest).await;
         }
+    }
+
+    /// Waits for part `i`'s upload to finish and records the outcome. The bytes of a failed
+    /// part that nothing else holds go to the staging file, which frees their memory; if that
+    /// fails too, the slot keeps them for publish to send.
+    async fn settle_part(&mut self, i: u64) {
+        let Some(stream) = self.stream.as_mut() else {
+            return;
+        };
+        let Some(PartSlot::Uploading { .. }) = stream.slots.get(&i) else {
+            return;
+        };
+        let Some(PartSlot::Uploading { generation, task }) = stream.slots.remove(&i) else {
+            return;
+        };
+        let returned = match task.await {
+            Ok(Ok(etag)) => {
+                stream.slots.insert(i, PartSlot::Done { generation, etag });
+                return;
+            }
+            Ok(Err((e, returned))) => {
+                tracing::warn!("part {} upload failed, will resend at publish: {e}", i + 1);
+                returned
+            }
+            Err(_) => None,
+        };
+        let kept = match returned {
+            Some(body) => self.keep_failed_part(i, body).await,
+            None => None,
+        };
+        if let Some(stream) = self.stream.as_mut() {
+            stream
+                .slots
+                .insert(i, PartSlot::Failed { generation, kept });
+        }
+    }
+
+    /// The bytes of failed part `i`: copied to the staging file where only the upload held
+    /// them; returned if that copy fails.
+    async fn keep_failed_part(&mut self, i: u64, (body, mem): PartBody) -> Option<PartBody> {
+        // A copy of the part still being made decides whether its bytes are elsewhere.
+        self.settle_spills().await;
+        let start = self.cfg.layout.bounds(i).start;
+        let needed: Vec<Range<u64>> = self
+            .uploaded_only
+            .segments(start..start + body.len() as u64)
+            .filter(|(_, only)| *only)
+            .map(|(r, _)| r)
+            .collect();
+        if needed.is_empty() {
+            return None;
+        }
+        for r in needed {
+            let piece = body.slice((r.start - start) as usize..(r.end - start) as usize);
+            if self.stage(r.start, piece).await.is_err() {
+                return Some((body, mem));
+            }
+            self.local.insert(r.clone());
+            self.uploaded_only.remove(r);
+        }
+        None
+    }
+
+    /// Bytes of the parts that `r` (not empty) touches.
+    fn parts_around(&self, r: Range<u64>) -> Range<u64> {
+        let l = self.cfg.layout;
+        l.bounds(l.index_of(r.start)).start..l.bounds(l.index_of(r.end - 1)).end
+    }
+
+    /// Makes the bytes of `r` available to read: where only an uploaded part holds some of
+    /// them, publishes the file as it is now (as fsync would), so they come from the object.
+    /// The file's later parts keep local copies, so that this is not repeated part by part.
+    async fn recover(&mut self, r: Range<u64>) -> FsResult<()> {
+        if r.is_empty() || !self.uploaded_only.intersects(&r) {
+            return Ok(());
+        }
+        self.keep_local = true;
+        if self.unlinked {
+            // Nothing may be published under its name any more, and the upload is gone.
+            tracing::warn!(
+                "{}: bytes {r:?} were streamed before the file was unlinked: unreadable",
+                self.key
+            );
+            return Err(FsError::EIO);
+        }
+        tracing::debug!(
+            "{}: bytes {r:?} are only in uploaded parts: publishing",
+            self.key
+        );
+        inc(&self.cfg.metrics.early_publishes);
+        self.publish().await
     }
 
     /// Bytes `range` of the current content. Base bytes not at hand yet are fetched in
@@ -734,6 +881,7 @@ impl WriteState {
         if range.start >= end {
             return Ok(Bytes::new());
         }
+        self.recover(range.start..end).await?;
         self.settle_spills().await;
         let block_start = range.start - range.start % READ_BLOCK;
         let block_end = end.div_ceil(READ_BLOCK) * READ_BLOCK;
@@ -746,11 +894,10 @@ impl WriteState {
         if let (Some(first), Some(last)) = (missing.first(), missing.last()) {
             let span = first.start..last.end;
             let data = self.get_base(span.clone()).await?;
-            let staging = self.staging()?;
             for r in missing {
                 let piece =
                     data.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
-                write_at(&staging, r.start, piece).await?;
+                self.stage(r.start, piece).await?;
                 self.local.insert(r);
             }
         }
@@ -779,8 +926,8 @@ impl WriteState {
             for (seg, local) in self.local.segments(piece) {
                 if local {
                     out.push((seg, Source::Staging));
-                } else if self.unspilled.intersects(&seg) {
-                    out.push((seg, Source::Lost));
+                } else if self.uploaded_only.intersects(&seg) {
+                    out.push((seg, Source::Uploaded));
                 } else {
                     let base_end = self.base_len.clamp(seg.start, seg.end);
                     for (r, src) in [
@@ -830,8 +977,9 @@ impl WriteState {
                 }
                 Source::Base => dst.copy_from_slice(&self.get_base(seg).await?),
                 Source::Zeros => {}
-                Source::Lost => {
-                    tracing::warn!("{}: bytes {seg:?} lost by a failed staging copy", self.key);
+                Source::Uploaded => {
+                    // Callers recover these first; this is an upload that failed for good.
+                    tracing::warn!("{}: bytes {seg:?} are only in a failed upload", self.key);
                     return Err(FsError::EIO);
                 }
             }
@@ -849,7 +997,8 @@ impl WriteState {
         let size = self.size();
         mtime_into(&mut self.meta, self.mtime);
         self.settle_spills().await;
-        let result = if size <= self.cfg.layout.part_size {
+        // Bytes only the open upload holds can only be published by completing it.
+        let result = if size <= self.cfg.layout.part_size && self.uploaded_only.is_empty() {
             self.abort_stream().await;
             self.publish_small(size).await
         } else {
@@ -868,7 +1017,7 @@ impl WriteState {
                 self.dirty.clear();
                 self.generations.clear();
                 // Bytes only an uploaded part held are in the new object now.
-                self.unspilled.clear();
+                self.uploaded_only.clear();
                 self.changed = false;
                 // What is on disk (`local`) and in the tail equals the new object: keep it for
                 // later reads.
@@ -895,11 +1044,9 @@ impl WriteState {
         // The whole small file is at hand: keep it, so the next rewrite of a few bytes needs
         // no GET.
         if r.is_ok() {
-            if let Ok(staging) = self.staging() {
-                if write_at(&staging, 0, body).await.is_ok() {
-                    self.local.insert(0..size);
-                    self.tail = None;
-                }
+            if self.stage(0, body).await.is_ok() {
+                self.local.insert(0..size);
+                self.tail = None;
             }
         }
         r
@@ -928,36 +1075,58 @@ impl WriteState {
                         Ok(etag)
                     }
                     Err(e) => {
-                        self.abort_stream().await;
+                        self.drop_failed_stream().await;
                         Err(log_store_err(&format!("complete upload of {key}"), e))
                     }
                 }
             }
             Err(e) => {
-                self.abort_stream().await;
+                self.drop_failed_stream().await;
                 Err(e)
             }
         }
     }
 
+    /// After a failed publish: the upload is aborted, unless it holds bytes found nowhere
+    /// else; then it stays for the next try (and is aborted when the file is dropped).
+    async fn drop_failed_stream(&mut self) {
+        if self.uploaded_only.is_empty() {
+            self.abort_stream().await;
+        }
+    }
+
     /// Makes sure every part of the object is uploaded; returns them in order.
     async fn send_parts(&mut self, parts: &[Range<u64>]) -> FsResult<Vec<CompletedPart>> {
-        let stream = self.stream.as_mut().expect("stream");
-        let indexes: Vec<u64> = stream.slots.keys().copied().collect();
+        let indexes: Vec<u64> = self
+            .stream
+            .as_ref()
+            .map(|s| s.slots.keys().copied().collect())
+            .unwrap_or_default();
         for i in indexes {
-            settle(stream, i).await;
+            self.settle_part(i).await;
         }
+        let stream = self.stream.as_ref().expect("stream");
         let upload_id = stream.upload_id.clone();
+        // Parts uploaded early and unchanged since are kept; failed ones whose bytes are
+        // nowhere else are sent from memory.
         let mut reuse: BTreeMap<u64, String> = BTreeMap::new();
+        let mut resend: BTreeMap<u64, Bytes> = BTreeMap::new();
         for (i, slot) in &stream.slots {
-            if let PartSlot::Done { generation, etag } = slot {
-                let current = self.generations.get(i).copied().unwrap_or(0);
-                let full = parts
-                    .get(*i as usize)
-                    .is_some_and(|r| *r == self.cfg.layout.bounds(*i));
-                if *generation == current && full {
+            let current = self.generations.get(i).copied().unwrap_or(0);
+            let full = parts
+                .get(*i as usize)
+                .is_some_and(|r| *r == self.cfg.layout.bounds(*i));
+            match slot {
+                PartSlot::Done { generation, etag } if *generation == current && full => {
                     reuse.insert(*i, etag.clone());
                 }
+                PartSlot::Failed {
+                    generation,
+                    kept: Some((body, _)),
+                } if *generation == current && full => {
+                    resend.insert(*i, body.clone());
+                }
+                _ => {}
             }
         }
         let this = &*self;
@@ -968,12 +1137,20 @@ impl WriteState {
             .enumerate()
             .map(|(i, r)| {
                 let reused = reuse.get(&(i as u64)).cloned();
+                let kept = resend.get(&(i as u64)).cloned();
                 let upload_id = upload_id.clone();
                 async move {
                     let number = i as u32 + 1;
-                    let etag = match reused {
-                        Some(etag) => etag,
-                        None => this.send_part(&upload_id, number, r.clone()).await?,
+                    let etag = match (reused, kept) {
+                        (Some(etag), _) => etag,
+                        (None, Some(body)) => this
+                            .store
+                            .upload_part(&this.key, &upload_id, number, body)
+                            .await
+                            .map_err(|e| {
+                                log_store_err(&format!("upload part {number} of {}", this.key), e)
+                            })?,
+                        (None, None) => this.send_part(&upload_id, number, r.clone()).await?,
                     };
                     Ok::<_, FsError>(CompletedPart {
                         part_number: number,
@@ -1033,25 +1210,6 @@ impl WriteState {
         self.base_len = base.as_ref().map_or(0, |b| b.size);
         self.base = base;
     }
-}
-
-/// Waits for part `i`'s upload to finish and records the outcome.
-async fn settle(stream: &mut Stream, i: u64) {
-    let Some(PartSlot::Uploading { .. }) = stream.slots.get(&i) else {
-        return;
-    };
-    let Some(PartSlot::Uploading { generation, task }) = stream.slots.remove(&i) else {
-        return;
-    };
-    let slot = match task.await {
-        Ok(Ok(etag)) => PartSlot::Done { generation, etag },
-        Ok(Err(e)) => {
-            tracing::warn!("part {} upload failed, will resend at publish: {e}", i + 1);
-            PartSlot::Failed
-        }
-        Err(_) => PartSlot::Failed,
-    };
-    stream.slots.insert(i, slot);
 }
 
 /// `staging` opened again with `O_DIRECT`, through its `/proc/self/fd` link.

@@ -1713,3 +1713,149 @@ async fn a_directory_lookup_keeps_no_page_while_a_marker_below_is_pending() {
     names.sort();
     assert_eq!(names, [".", "..", "f", "sub"]);
 }
+
+fn counter(fs: &Fs, pick: fn(&bucketfs_fs::FsMetrics) -> &std::sync::atomic::AtomicU64) -> u64 {
+    pick(&fs.metrics()).load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Creates `name` O_RDWR and writes `data` in 1 MiB writes; returns (ino, fh), still open.
+async fn write_open(fs: &Fs, name: &str, data: &[u8]) -> (u64, u64) {
+    let (a, h) = fs
+        .create(ROOT_INO, OsStr::new(name), 0o644, 0, libc::O_RDWR, ME)
+        .await
+        .unwrap();
+    for (i, c) in data.chunks(MIB as usize).enumerate() {
+        fs.write(a.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
+            .await
+            .unwrap();
+    }
+    (a.ino, h.fh)
+}
+
+/// A streamed part has no local copy beyond the first: the disk sees one part, not the file.
+/// Reading back streamed bytes publishes the file (as fsync), once: later parts are copied.
+#[tokio::test]
+async fn streamed_parts_are_not_copied_to_disk_until_read_back() {
+    let e = env();
+    let mut data = random(23 * MIB as usize, 70);
+    let (ino, fh) = write_open(&e.fs, "big", &data).await;
+    // Parts 1-4 (5 MiB each) went up; only part 1 was staged, and nothing is visible.
+    assert_eq!(counter(&e.fs, |m| &m.staged_bytes), 5 * MIB);
+    assert!(e.mem.head("big").await.is_err());
+    // Bytes of part 3 are only in the upload: the read publishes, then reads them back.
+    let b = e.fs.read(ino, fh, 12 * MIB, 1 << 20).await.unwrap();
+    assert_eq!(&b[..], &data[12 * MIB as usize..13 * MIB as usize]);
+    assert_eq!(counter(&e.fs, |m| &m.early_publishes), 1);
+    assert_eq!(object(&e.mem, "big").await, data);
+    // Writing on: the next parts are staged as they go up, so reading them sends nothing.
+    let more = random(10 * MIB as usize, 71);
+    for (i, c) in more.chunks(MIB as usize).enumerate() {
+        e.fs.write(ino, fh, (23 + i as u64) * MIB, Bytes::copy_from_slice(c))
+            .await
+            .unwrap();
+    }
+    data.extend_from_slice(&more);
+    let staged = counter(&e.fs, |m| &m.staged_bytes);
+    assert!(staged >= 5 * MIB + 7 * MIB, "{staged}");
+    let gets = e.metrics.requests(Op::Get);
+    let b = e.fs.read(ino, fh, 26 * MIB, 1 << 20).await.unwrap();
+    assert_eq!(&b[..], &data[26 * MIB as usize..27 * MIB as usize]);
+    assert_eq!(counter(&e.fs, |m| &m.early_publishes), 1);
+    assert_eq!(e.metrics.requests(Op::Get), gets);
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    assert_eq!(object(&e.mem, "big").await, data);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+/// A small rewrite inside a streamed part, and a truncate cutting one, keep every other byte.
+#[tokio::test]
+async fn rewriting_or_cutting_a_streamed_part_keeps_its_other_bytes() {
+    let e = env();
+    let mut data = random(23 * MIB as usize, 72);
+    let (ino, fh) = write_open(&e.fs, "f", &data).await;
+    e.fs.write(ino, fh, 7 * MIB + 3, Bytes::from_static(b"patched"))
+        .await
+        .unwrap();
+    data[7 * MIB as usize + 3..7 * MIB as usize + 10].copy_from_slice(b"patched");
+    e.fs.setattr(
+        ino,
+        Some(fh),
+        SetAttr {
+            size: Some(17 * MIB + 5),
+            ..SetAttr::default()
+        },
+    )
+    .await
+    .unwrap();
+    data.truncate(17 * MIB as usize + 5);
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    assert_eq!(object(&e.mem, "f").await, data);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+/// A streamed part whose upload fails keeps its bytes (it has no local copy): close sends it
+/// again and the object is whole.
+#[tokio::test]
+async fn a_failed_part_with_no_local_copy_is_resent_at_close() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    // The third part (no local copy) fails once.
+    faulty.inject(
+        Op::UploadPart,
+        2,
+        Some(1),
+        Fault::Error(StoreError::Transient("503".into())),
+    );
+    let data = random(23 * MIB as usize, 73);
+    write_file(&fs, "ok", &data).await;
+    assert_eq!(object(&mem, "ok").await, data);
+    assert_eq!(mem.pending_uploads(), 0);
+}
+
+/// A publish that fails while the upload holds the only copy of some bytes keeps the upload:
+/// the next fsync completes it with nothing lost.
+#[tokio::test]
+async fn a_failed_publish_keeps_the_upload_holding_streamed_bytes() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    faulty.inject(
+        Op::CompleteMultipart,
+        0,
+        Some(1),
+        Fault::Error(StoreError::Transient("503".into())),
+    );
+    let data = random(23 * MIB as usize, 74);
+    let (ino, fh) = write_open(&fs, "f", &data).await;
+    assert_eq!(fs.fsync(ino, fh).await, Err(FsError::EIO));
+    assert_eq!(mem.pending_uploads(), 1);
+    fs.fsync(ino, fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, data);
+    fs.release(ino, fh).await.unwrap();
+    assert_eq!(mem.pending_uploads(), 0);
+}
+
+/// Once unlinked, a file cannot be published, so bytes only its upload held are gone: reading
+/// them is EIO, not wrong data; its first part (staged) still reads.
+#[tokio::test]
+async fn an_unlinked_file_reads_its_staged_bytes_and_refuses_streamed_ones() {
+    let e = env();
+    let data = random(23 * MIB as usize, 75);
+    let (ino, fh) = write_open(&e.fs, "gone", &data).await;
+    e.fs.unlink(ROOT_INO, OsStr::new("gone")).await.unwrap();
+    let b = e.fs.read(ino, fh, 0, 1 << 20).await.unwrap();
+    assert_eq!(&b[..], &data[..MIB as usize]);
+    assert_eq!(
+        e.fs.read(ino, fh, 12 * MIB, 1 << 20).await,
+        Err(FsError::EIO)
+    );
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    assert!(e.mem.keys().is_empty());
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
