@@ -1043,11 +1043,9 @@ impl WriteState {
         let r = self.put_whole(body.clone()).await;
         // The whole small file is at hand: keep it, so the next rewrite of a few bytes needs
         // no GET.
-        if r.is_ok() {
-            if self.stage(0, body).await.is_ok() {
-                self.local.insert(0..size);
-                self.tail = None;
-            }
+        if r.is_ok() && self.stage(0, body).await.is_ok() {
+            self.local.insert(0..size);
+            self.tail = None;
         }
         r
     }
