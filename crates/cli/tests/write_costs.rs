@@ -1,4 +1,4 @@
-//! What writes cost in requests and bytes, counted by the daemon's store metrics against a
+//! What writes cost in requests, bytes and local disk, counted by the daemon's metrics against a
 //! real MinIO through a real mount.
 
 mod common;
@@ -111,4 +111,47 @@ fn appending_1mib_to_a_2gib_object_sends_under_8mib() {
 
 fn head_size(bucket: &str, key: &str) -> u64 {
     s3().head(bucket, key).expect("object exists").size
+}
+
+/// A sequential write costs the local disk one part, not the file: only the first part is
+/// staged. A reader of bytes already streamed (another descriptor, before close) sees them:
+/// the file is published first, once, and the written bytes are all there at close.
+#[test]
+fn a_streamed_write_stages_one_part_and_its_bytes_read_back_before_close() {
+    use std::os::unix::fs::FileExt;
+    let s3 = s3();
+    let b = s3.new_bucket("stream-disk");
+    let addr = free_local_addr();
+    let m = MountSpec::s3(&b, "")
+        .arg("--part-size")
+        .arg("8M")
+        .arg("--metrics-addr")
+        .arg(&addr)
+        .mount();
+    let data = pattern::bytes(91, 48 * MIB as usize);
+    // Write-only: no page cache, so the reader below asks the daemon.
+    let mut w = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(m.join("big"))
+        .unwrap();
+    for c in data[..40 * MIB as usize].chunks(MIB as usize) {
+        w.write_all(c).unwrap();
+    }
+    // Parts 1-5 are uploaded (or uploading); only part 1 went to the staging file.
+    assert_eq!(metric(&addr, "bucketfs_staged_bytes_total"), 8 * MIB);
+    assert!(s3.head(&b, "big").is_none(), "visible before close");
+    let r = std::fs::File::open(m.join("big")).unwrap();
+    let mut got = vec![0u8; MIB as usize];
+    r.read_exact_at(&mut got, 20 * MIB).unwrap();
+    assert!(got[..] == data[20 * MIB as usize..21 * MIB as usize]);
+    assert_eq!(metric(&addr, "bucketfs_early_publishes_total"), 1);
+    assert!(s3.head(&b, "big").is_some(), "published for the read");
+    for c in data[40 * MIB as usize..].chunks(MIB as usize) {
+        w.write_all(c).unwrap();
+    }
+    close_checked(w).unwrap();
+    assert!(s3.get(&b, "big").unwrap() == data);
+    drop(r);
 }
