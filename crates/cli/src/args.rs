@@ -115,10 +115,10 @@ pub struct StatsArgs {
 pub struct BenchArgs {
     /// s3://BUCKET[/PREFIX] or a local directory; the test object goes under PREFIX.
     pub source: String,
-    /// Bytes to write and read back (K/M/G suffixes). [default: 1G]
+    /// Bytes to write and read back (K/M/G suffixes).
     #[arg(long, value_name = "SIZE", default_value = "1G")]
     pub size: String,
-    /// Requests in flight at once. [default: 16]
+    /// Requests in flight at once.
     #[arg(long, value_name = "N", default_value_t = 16)]
     pub concurrency: usize,
     /// Print one JSON object instead of text.
