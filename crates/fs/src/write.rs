@@ -551,6 +551,10 @@ impl WriteState {
     /// a file that has read back streamed bytes, is also copied to the staging file in the
     /// background; any other part is then held only by the upload.
     async fn ship_tail(&mut self) -> FsResult<()> {
+        if self.unlinked {
+            // Never published: keep the bytes for reads through open descriptors.
+            return self.spill_tail().await;
+        }
         let Some(i) = self
             .tail
             .as_ref()

@@ -1841,19 +1841,35 @@ async fn a_failed_publish_keeps_the_upload_holding_streamed_bytes() {
 }
 
 /// Once unlinked, a file cannot be published, so bytes only its upload held are gone: reading
-/// them is EIO, not wrong data; its first part (staged) still reads.
+/// them is EIO, not wrong data. Its first part (staged) still reads, and so does everything
+/// written after the unlink (staged, never uploaded).
 #[tokio::test]
 async fn an_unlinked_file_reads_its_staged_bytes_and_refuses_streamed_ones() {
     let e = env();
-    let data = random(23 * MIB as usize, 75);
+    let mut data = random(23 * MIB as usize, 75);
     let (ino, fh) = write_open(&e.fs, "gone", &data).await;
     e.fs.unlink(ROOT_INO, OsStr::new("gone")).await.unwrap();
+    let uploads = e.metrics.requests(Op::UploadPart);
+    let more = random(12 * MIB as usize, 76);
+    for (i, c) in more.chunks(MIB as usize).enumerate() {
+        e.fs.write(ino, fh, (23 + i as u64) * MIB, Bytes::copy_from_slice(c))
+            .await
+            .unwrap();
+    }
+    data.extend_from_slice(&more);
     let b = e.fs.read(ino, fh, 0, 1 << 20).await.unwrap();
     assert_eq!(&b[..], &data[..MIB as usize]);
     assert_eq!(
         e.fs.read(ino, fh, 12 * MIB, 1 << 20).await,
         Err(FsError::EIO)
     );
+    for off in [20 * MIB, 26 * MIB, 34 * MIB] {
+        let b = e.fs.read(ino, fh, off, 1 << 20).await.unwrap();
+        assert!(!b.is_empty());
+        assert_eq!(&b[..], &data[off as usize..off as usize + b.len()]);
+    }
+    // Nothing of an unlinked file goes up.
+    assert_eq!(e.metrics.requests(Op::UploadPart), uploads);
     e.fs.flush(ino, fh).await.unwrap();
     e.fs.release(ino, fh).await.unwrap();
     assert!(e.mem.keys().is_empty());
