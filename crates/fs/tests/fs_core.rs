@@ -54,6 +54,14 @@ fn random(n: usize, seed: u64) -> Vec<u8> {
     (0..n).map(|_| r.gen()).collect()
 }
 
+/// The fs over a fault-injecting wrapper of `mem`, and its cache dir (keep it alive).
+fn faulty_fs(mem: &Arc<MemoryStore>) -> (Arc<FaultStore>, Arc<Fs>, tempfile::TempDir) {
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    (faulty, fs, cache)
+}
+
 async fn object(mem: &MemoryStore, key: &str) -> Vec<u8> {
     let m = mem.head(key).await.unwrap();
     mem.get_range(key, 0..m.size, None).await.unwrap().to_vec()
@@ -528,9 +536,7 @@ async fn chmod_chown_utimens_persist_in_metadata() {
 #[tokio::test]
 async fn directory_markers_go_up_in_the_background_and_failures_are_reported() {
     let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let (faulty, fs, _cache) = faulty_fs(&mem);
     let slow = std::time::Duration::from_millis(300);
     faulty.inject(Op::Put, 0, Some(1), Fault::Delay(slow));
     let t0 = std::time::Instant::now();
@@ -603,9 +609,7 @@ async fn directory_markers_go_up_in_the_background_and_failures_are_reported() {
 #[tokio::test]
 async fn failed_upload_is_reported_and_leaves_nothing() {
     let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let (faulty, fs, _cache) = faulty_fs(&mem);
     faulty.inject(
         Op::UploadPart,
         2,
@@ -638,9 +642,7 @@ async fn failed_upload_is_reported_and_leaves_nothing() {
 #[tokio::test]
 async fn transient_part_failure_is_resent_at_close() {
     let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let (faulty, fs, _cache) = faulty_fs(&mem);
     // The first streamed part fails once; close sends it again.
     faulty.inject(
         Op::UploadPart,
@@ -751,9 +753,7 @@ async fn broken_read_is_retried_from_the_same_offset() {
     let mem = Arc::new(MemoryStore::new());
     let data = random(3 * MIB as usize, 11);
     put(&mem, "r", &data).await;
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let (faulty, fs, _cache) = faulty_fs(&mem);
     faulty.inject(Op::Get, 1, Some(2), Fault::DropAfter);
     assert_eq!(read_all(&fs, "r").await, data);
 }
@@ -761,9 +761,7 @@ async fn broken_read_is_retried_from_the_same_offset() {
 #[tokio::test]
 async fn abort_that_fails_is_retried_at_shutdown() {
     let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let (faulty, fs, _cache) = faulty_fs(&mem);
     let down = || Fault::Error(StoreError::Transient("connection refused".into()));
     faulty.inject(Op::UploadPart, 1, None, down());
     faulty.inject(Op::AbortMultipart, 0, None, down());
@@ -1688,9 +1686,7 @@ async fn changes_after_a_directory_lookup_show_in_its_listing() {
 async fn a_directory_lookup_keeps_no_page_while_a_marker_below_is_pending() {
     let mem = Arc::new(MemoryStore::with_list_metadata());
     put(&mem, "d/f", b"x").await;
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let (faulty, fs, _cache) = faulty_fs(&mem);
     let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
     faulty.inject(
         Op::Put,
@@ -1800,9 +1796,7 @@ async fn rewriting_or_cutting_a_streamed_part_keeps_its_other_bytes() {
 #[tokio::test]
 async fn a_failed_part_with_no_local_copy_is_resent_at_close() {
     let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let (faulty, fs, _cache) = faulty_fs(&mem);
     // The third part (no local copy) fails once.
     faulty.inject(
         Op::UploadPart,
@@ -1821,9 +1815,7 @@ async fn a_failed_part_with_no_local_copy_is_resent_at_close() {
 #[tokio::test]
 async fn a_failed_publish_keeps_the_upload_holding_streamed_bytes() {
     let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let (faulty, fs, _cache) = faulty_fs(&mem);
     faulty.inject(
         Op::CompleteMultipart,
         0,
