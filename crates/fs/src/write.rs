@@ -1143,16 +1143,9 @@ impl WriteState {
                 let upload_id = upload_id.clone();
                 async move {
                     let number = i as u32 + 1;
-                    let etag = match (reused, kept) {
-                        (Some(etag), _) => etag,
-                        (None, Some(body)) => this
-                            .store
-                            .upload_part(&this.key, &upload_id, number, body)
-                            .await
-                            .map_err(|e| {
-                                log_store_err(&format!("upload part {number} of {}", this.key), e)
-                            })?,
-                        (None, None) => this.send_part(&upload_id, number, r.clone()).await?,
+                    let etag = match reused {
+                        Some(etag) => etag,
+                        None => this.send_part(&upload_id, number, r.clone(), kept).await?,
                     };
                     Ok::<_, FsError>(CompletedPart {
                         part_number: number,
@@ -1168,10 +1161,17 @@ impl WriteState {
             .await
     }
 
-    /// One part at publish: copied from the base when untouched, else sent.
-    async fn send_part(&self, upload_id: &str, number: u32, r: Range<u64>) -> FsResult<String> {
+    /// One part at publish: `kept` (the bytes of a failed early upload) if given, else copied
+    /// from the base when untouched, else sent.
+    async fn send_part(
+        &self,
+        upload_id: &str,
+        number: u32,
+        r: Range<u64>,
+        kept: Option<Bytes>,
+    ) -> FsResult<String> {
         let what = format!("upload part {number} of {}", self.key);
-        if r.end <= self.base_len && !self.dirty.intersects(&r) {
+        if kept.is_none() && r.end <= self.base_len && !self.dirty.intersects(&r) {
             // Untouched since the base was uploaded: copy it server-side.
             return self
                 .store
@@ -1179,8 +1179,14 @@ impl WriteState {
                 .await
                 .map_err(|e| log_store_err(&what, e));
         }
-        let _mem = self.cfg.budget.reserve(r.end - r.start).await;
-        let body = self.assemble(r).await?;
+        let (body, _mem) = match kept {
+            // Its budget is held by the slot that kept it.
+            Some(body) => (body, None),
+            None => {
+                let mem = self.cfg.budget.reserve(r.end - r.start).await;
+                (self.assemble(r).await?, Some(mem))
+            }
+        };
         self.store
             .upload_part(&self.key, upload_id, number, body)
             .await
