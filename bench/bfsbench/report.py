@@ -98,7 +98,7 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     h = meta["host"]
     L.append(f"- Machine: {h['cpu']}, {h['cores']} cores, {h['mem_gb']:.0f} GB RAM, Linux {h['kernel']}. "
              f"The store ({meta['store']}) runs on the same machine, so every figure shares the CPU with it.")
-    L.append(f"- Page cache dropped and file system remounted before every read phase: "
+    L.append(f"- Page cache dropped before every mount (so before every phase) and before the limit: "
              f"{'yes' if meta.get('dropped_caches') else 'NO (not root?)'}.")
     L.append("- Systems:")
     for s in systems:
@@ -109,8 +109,8 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     L.append("## The limit: the store with no file system in between\n")
     if lim["status"] == "ok":
         L.append("`bucketfs bench` (one parallel multipart PUT, then parallel ranged GETs of it, through "
-                 f"bucketfs's store layer; {meta['sizes_human']['limit']}; with `--cold` when run as root: "
-                 "page cache dropped between PUT and GET, as before every read phase):\n")
+                 f"bucketfs's store layer; {meta['sizes_human']['limit']}; when run as root the page cache "
+                 "is dropped before the PUT, as before every phase, and between PUT and GET (`--cold`)):\n")
         L.append("| | MB/s | requests | client CPU core-s/GB | client peak RSS MB |")
         L.append("|---|---|---|---|---|")
         L.append(f"| PUT | {fmt(lim['put_mb_s'])} | {fmt(lim['put_requests'])} | {fmt(lim.get('cpu_s_per_gb'))} (PUT+GET) | {fmt(lim.get('peak_rss_mb'))} |")
