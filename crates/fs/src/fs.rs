@@ -1390,6 +1390,23 @@ impl Fs {
         st.ship_full_tail().await
     }
 
+    /// [`Fs::flush`] or [`Fs::fsync`] of a handle with nothing to upload (read-only, or no
+    /// change since the last publish), answered without a task: programs that fsync every
+    /// open file (sysbench does, every 100 writes) or close many read-only files pay a
+    /// thread hand-off per call otherwise. `None`: take the asynchronous path (there is
+    /// something to publish, or the file's state is busy, e.g. a publish is under way).
+    pub fn publish_now(&self, ino: Ino, fh: u64) -> Option<FsResult<()>> {
+        let write = match self.file_handle(ino, fh) {
+            Ok(h) => h.write,
+            Err(e) => return Some(Err(e)),
+        };
+        let Some(w) = write else {
+            return Some(Ok(()));
+        };
+        let st = w.state.try_lock().ok()?;
+        (!st.changed || st.unlinked).then_some(Ok(()))
+    }
+
     /// Uploads what this handle's file holds and records the new object.
     async fn publish_handle(&self, ino: Ino, fh: u64) -> FsResult<()> {
         let write = self.file_handle(ino, fh)?.write;

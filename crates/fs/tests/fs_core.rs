@@ -220,6 +220,39 @@ async fn writes_done_in_the_calling_thread_stream_like_the_others() {
 }
 
 #[tokio::test]
+async fn fsync_with_nothing_to_upload_is_answered_at_once() {
+    let e = env();
+    put(&e.mem, "ro", b"old").await;
+    let ro = e.fs.lookup(ROOT_INO, OsStr::new("ro")).await.unwrap();
+    let h = e.fs.open(ro.ino, libc::O_RDONLY).await.unwrap();
+    assert!(matches!(e.fs.publish_now(ro.ino, h.fh), Some(Ok(()))));
+    assert!(matches!(
+        e.fs.publish_now(ro.ino, h.fh + 1000),
+        Some(Err(FsError::EBADF))
+    ));
+
+    // A new file must reach the store at its first flush, even empty: not answered here.
+    let (attr, open) =
+        e.fs.create(ROOT_INO, OsStr::new("w"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    assert!(e.fs.publish_now(attr.ino, open.fh).is_none());
+    e.fs.fsync(attr.ino, open.fh).await.unwrap();
+    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Some(Ok(()))));
+    // A write makes it dirty again; once published, clean again with no further request.
+    e.fs.write(attr.ino, open.fh, 0, Bytes::from_static(b"new"))
+        .await
+        .unwrap();
+    assert!(e.fs.publish_now(attr.ino, open.fh).is_none());
+    e.fs.fsync(attr.ino, open.fh).await.unwrap();
+    let puts = e.metrics.requests(Op::Put);
+    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Some(Ok(()))));
+    e.fs.flush(attr.ino, open.fh).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::Put), puts);
+    assert_eq!(object(&e.mem, "w").await, b"new");
+}
+
+#[tokio::test]
 async fn truncate_to_the_same_size_sends_nothing() {
     let e = env();
     let data = random(11 * MIB as usize, 6);

@@ -465,6 +465,9 @@ impl Filesystem for FuseFs {
             reply.ok();
             return;
         }
+        if let Some(r) = self.fs.publish_now(ino.0, fh.0) {
+            return Self::reply_empty("flush", r, reply);
+        }
         let fs = self.fs.clone();
         self.spawn(async move {
             Self::reply_empty("flush", fs.flush(ino.0, fh.0).await, reply);
@@ -496,6 +499,9 @@ impl Filesystem for FuseFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        if let Some(r) = self.fs.publish_now(ino.0, fh.0) {
+            return Self::reply_empty("fsync", r, reply);
+        }
         let fs = self.fs.clone();
         self.spawn(async move {
             Self::reply_empty("fsync", fs.fsync(ino.0, fh.0).await, reply);
