@@ -54,6 +54,15 @@ fn random(n: usize, seed: u64) -> Vec<u8> {
     (0..n).map(|_| r.gen()).collect()
 }
 
+/// Writes `data` at `at` of an open file in 1 MiB writes, as fio and cp do.
+async fn write_mib(fs: &Fs, ino: u64, fh: u64, at: u64, data: &[u8]) {
+    for (i, c) in data.chunks(MIB as usize).enumerate() {
+        fs.write(ino, fh, at + i as u64 * MIB, Bytes::copy_from_slice(c))
+            .await
+            .unwrap();
+    }
+}
+
 /// The fs over a fault-injecting wrapper of `mem`, and its cache dir (keep it alive).
 fn faulty_fs(mem: &Arc<MemoryStore>) -> (Arc<FaultStore>, Arc<Fs>, tempfile::TempDir) {
     let faulty = Arc::new(FaultStore::new(mem.clone()));
@@ -79,16 +88,7 @@ async fn write_file(fs: &Fs, name: &str, data: &[u8]) -> u64 {
         .create(ROOT_INO, OsStr::new(name), 0o644, 0o022, libc::O_WRONLY, ME)
         .await
         .unwrap();
-    for (i, chunk) in data.chunks(MIB as usize).enumerate() {
-        fs.write(
-            attr.ino,
-            open.fh,
-            i as u64 * MIB,
-            Bytes::copy_from_slice(chunk),
-        )
-        .await
-        .unwrap();
-    }
+    write_mib(fs, attr.ino, open.fh, 0, data).await;
     fs.flush(attr.ino, open.fh).await.unwrap();
     fs.release(attr.ino, open.fh).await.unwrap();
     attr.ino
@@ -144,16 +144,7 @@ async fn sequential_write_streams_parts_before_close() {
         e.fs.create(ROOT_INO, OsStr::new("big"), 0o644, 0, libc::O_WRONLY, ME)
             .await
             .unwrap();
-    for (i, chunk) in data.chunks(MIB as usize).enumerate() {
-        e.fs.write(
-            attr.ino,
-            open.fh,
-            i as u64 * MIB,
-            Bytes::copy_from_slice(chunk),
-        )
-        .await
-        .unwrap();
-    }
+    write_mib(&e.fs, attr.ino, open.fh, 0, &data).await;
     // Four full 5 MiB parts went up while writing; nothing is visible yet.
     assert_eq!(e.mem.pending_uploads(), 1);
     assert!(e.mem.head("big").await.is_err());
@@ -654,11 +645,7 @@ async fn failed_upload_is_reported_and_leaves_nothing() {
         .create(ROOT_INO, OsStr::new("doomed"), 0o644, 0, libc::O_WRONLY, ME)
         .await
         .unwrap();
-    for (i, c) in data.chunks(MIB as usize).enumerate() {
-        fs.write(attr.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
-            .await
-            .unwrap();
-    }
+    write_mib(&fs, attr.ino, h.fh, 0, &data).await;
     assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
     fs.release(attr.ino, h.fh).await.unwrap();
     assert!(mem.head("doomed").await.is_err());
@@ -807,11 +794,7 @@ async fn abort_that_fails_is_retried_at_shutdown() {
         .create(ROOT_INO, OsStr::new("x"), 0o644, 0, libc::O_WRONLY, ME)
         .await
         .unwrap();
-    for (i, c) in data.chunks(MIB as usize).enumerate() {
-        fs.write(attr.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
-            .await
-            .unwrap();
-    }
+    write_mib(&fs, attr.ino, h.fh, 0, &data).await;
     assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
     fs.release(attr.ino, h.fh).await.unwrap();
     assert_eq!(mem.pending_uploads(), 1);
@@ -1272,11 +1255,7 @@ async fn overwriting_an_existing_file_from_the_start_streams_too() {
     // No O_TRUNC: the object is the base, but every part is rewritten whole.
     let h = e.fs.open(a.ino, libc::O_WRONLY).await.unwrap();
     let data = random(30 * MIB as usize, 31);
-    for (i, c) in data.chunks(MIB as usize).enumerate() {
-        e.fs.write(a.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
-            .await
-            .unwrap();
-    }
+    write_mib(&e.fs, a.ino, h.fh, 0, &data).await;
     // Parts started going up while writing (the multipart upload is open).
     assert_eq!(e.mem.pending_uploads(), 1);
     e.fs.flush(a.ino, h.fh).await.unwrap();
@@ -1757,11 +1736,7 @@ async fn write_open(fs: &Fs, name: &str, data: &[u8]) -> (u64, u64) {
         .create(ROOT_INO, OsStr::new(name), 0o644, 0, libc::O_RDWR, ME)
         .await
         .unwrap();
-    for (i, c) in data.chunks(MIB as usize).enumerate() {
-        fs.write(a.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
-            .await
-            .unwrap();
-    }
+    write_mib(fs, a.ino, h.fh, 0, data).await;
     (a.ino, h.fh)
 }
 
@@ -1782,11 +1757,7 @@ async fn streamed_parts_are_not_copied_to_disk_until_read_back() {
     assert_eq!(object(&e.mem, "big").await, data);
     // Writing on: the next parts are staged as they go up, so reading them sends nothing.
     let more = random(10 * MIB as usize, 71);
-    for (i, c) in more.chunks(MIB as usize).enumerate() {
-        e.fs.write(ino, fh, (23 + i as u64) * MIB, Bytes::copy_from_slice(c))
-            .await
-            .unwrap();
-    }
+    write_mib(&e.fs, ino, fh, 23 * MIB, &more).await;
     data.extend_from_slice(&more);
     let staged = counter(&e.fs, |m| &m.staged_bytes);
     assert!(staged >= 5 * MIB + 7 * MIB, "{staged}");
@@ -1861,11 +1832,7 @@ async fn an_unlinked_file_reads_its_staged_bytes_and_refuses_streamed_ones() {
     e.fs.unlink(ROOT_INO, OsStr::new("gone")).await.unwrap();
     let uploads = e.metrics.requests(Op::UploadPart);
     let more = random(12 * MIB as usize, 76);
-    for (i, c) in more.chunks(MIB as usize).enumerate() {
-        e.fs.write(ino, fh, (23 + i as u64) * MIB, Bytes::copy_from_slice(c))
-            .await
-            .unwrap();
-    }
+    write_mib(&e.fs, ino, fh, 23 * MIB, &more).await;
     data.extend_from_slice(&more);
     let b = e.fs.read(ino, fh, 0, 1 << 20).await.unwrap();
     assert_eq!(&b[..], &data[..MIB as usize]);
