@@ -1404,7 +1404,7 @@ impl Fs {
             return Some(Ok(()));
         };
         let st = w.state.try_lock().ok()?;
-        (!st.changed || st.unlinked).then_some(Ok(()))
+        (!st.has_changes_to_publish()).then_some(Ok(()))
     }
 
     /// Uploads what this handle's file holds and records the new object.
@@ -1414,7 +1414,7 @@ impl Fs {
             return Ok(());
         };
         let mut st = w.state.lock().await;
-        if !st.changed || st.unlinked {
+        if !st.has_changes_to_publish() {
             return Ok(());
         }
         st.publish().await?;
@@ -1480,7 +1480,7 @@ impl Fs {
         let w = write.expect("writer handle");
         let result = {
             let mut st = w.state.lock().await;
-            let r = if st.changed && !st.unlinked && !st.failed {
+            let r = if st.has_changes_to_publish() && !st.failed {
                 // Normally flush already published; this catches a flush that never came.
                 let r = st.publish().await;
                 if let Err(e) = &r {
@@ -1564,7 +1564,7 @@ impl Fs {
         let mut failed = 0;
         for w in writes {
             let mut st = w.state.lock().await;
-            if st.changed && !st.unlinked {
+            if st.has_changes_to_publish() {
                 match st.publish().await {
                     Ok(()) => tracing::info!("{}: uploaded at shutdown", st.key),
                     Err(e) => {

@@ -991,11 +991,17 @@ impl WriteState {
         Ok(Bytes::from(buf))
     }
 
+    /// Something changed since the last publish, and the file can still be published (an
+    /// unlinked file never is).
+    pub fn has_changes_to_publish(&self) -> bool {
+        self.changed && !self.unlinked
+    }
+
     /// Uploads the current content as the object, if anything changed. On success the file is
     /// clean and the new object is the base; on failure the content stays staged (a later
     /// flush tries again) and any multipart upload is aborted.
     pub async fn publish(&mut self) -> FsResult<()> {
-        if !self.changed || self.unlinked {
+        if !self.has_changes_to_publish() {
             return Ok(());
         }
         let size = self.size();
