@@ -82,6 +82,22 @@ def ensure_tools(need_sysbench: bool) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """'1', '2-3', '0,2-3' -> a set of CPU numbers (the kernel's cpulist format)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        lo_n, hi_n = int(lo), int(hi or lo)
+        if lo_n < 0 or hi_n < lo_n:
+            raise ValueError(part)
+        cpus.update(range(lo_n, hi_n + 1))
+    return cpus
+
+
+def format_cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
 def host_info() -> dict:
     cpu = "?"
     try:
@@ -146,6 +162,10 @@ def main(argv: list[str]) -> int:
                     "$CARGO_TARGET_DIR/{release,debug}/bucketfs, target/…, PATH)")
     ap.add_argument("--bucketfs-args", default="", help="extra bucketfs mount options, e.g. "
                     "'--max-memory 256M' (shown with the results)")
+    ap.add_argument("--store-cpus", default="", metavar="LIST",
+                    help="run the MinIO this starts on these CPUs (e.g. 1 or 2-3) and everything else (the limit "
+                         "client, the file systems, fio and the other tools) on the rest, as if the store were "
+                         "another machine; default: all share every CPU")
     ap.add_argument("--minio", default="", help="MinIO binary (default: PATH, then $(go env GOPATH)/bin)")
     ap.add_argument("--verify", choices=["basic", "full"], default="", help="full: also md5 every byte of the "
                     "concurrent reads inside the timed phase (default: full for smoke, basic otherwise)")
@@ -176,6 +196,21 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"bench: unknown scenario group(s) {sorted(unknown)}; known: {GROUPS}", file=sys.stderr)
         return 2
+    store_cpus: set[int] | None = None
+    if a.store_cpus:
+        if a.endpoint:
+            print("bench: --store-cpus pins the MinIO this starts; it cannot be used with --endpoint", file=sys.stderr)
+            return 2
+        try:
+            store_cpus = parse_cpu_list(a.store_cpus)
+        except ValueError:
+            print(f"bench: --store-cpus {a.store_cpus!r}: expected CPU numbers like 1, 2-3 or 0,2", file=sys.stderr)
+            return 2
+        usable = os.sched_getaffinity(0)
+        if not store_cpus < usable:
+            print(f"bench: --store-cpus {a.store_cpus!r} must be a proper subset of the CPUs this may use "
+                  f"({format_cpu_list(usable)})", file=sys.stderr)
+            return 2
     ensure_tools("sysbench" in groups)
 
     try:
@@ -219,7 +254,15 @@ def main(argv: list[str]) -> int:
                       file=sys.stderr)
                 return 2
             ak, sk = "bench" + secrets.token_hex(4), secrets.token_hex(16)
-            minio = minio_mod.MinioServer(binary, workdir / "minio", ak, sk, workdir / "logs" / "minio.log")
+            minio = minio_mod.MinioServer(binary, workdir / "minio", ak, sk, workdir / "logs" / "minio.log",
+                                          cpus=store_cpus)
+            if store_cpus:
+                others = os.sched_getaffinity(0) - store_cpus
+                # Every thread of this process, so every process started from here on, keeps off
+                # the store's CPUs.
+                for tid in os.listdir("/proc/self/task"):
+                    os.sched_setaffinity(int(tid), others)
+                runner.log(f"MinIO on CPUs {format_cpu_list(store_cpus)}, everything else on {format_cpu_list(others)}")
             store = StoreConfig(minio.endpoint, ak, sk, a.region)
             ver = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.splitlines()
             store_desc = f"MinIO ({ver[0] if ver else '?'}) on 127.0.0.1, one drive in a temp dir"
@@ -279,11 +322,14 @@ def main(argv: list[str]) -> int:
                 "command": cmd.strip(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "size": a.size,
                 "repeat": repeat, "host": host_info(), "store": store_desc, "elapsed_s": elapsed,
                 "dropped_caches": ctx.dropped_caches, "groups": groups,
+                "cpu_split": {"store": format_cpu_list(store_cpus),
+                              "others": format_cpu_list(os.sched_getaffinity(0))} if store_cpus else None,
                 "systems_order": [s.name for s in systems],
                 "systems": {s.name: {"version": s.version(), "options": s.options(), "binary": s.binary,
                                      "async_upload": s.async_upload} for s in systems},
                 "sizes": sizes,
-                "sizes_human": {"limit": f"{human(sizes['limit_size'])}, {sizes['limit_conc']} requests in flight, 8 MiB parts"},
+                "sizes_human": {"limit": f"{human(sizes['limit_size'])}, 8 MiB parts, the best PUT and the best GET of "
+                                            f"{' and '.join(map(str, sizes['limit_conc']))} requests in flight"},
                 "row_descriptions": {r.id: r.describe(sizes) for r in ROWS},
                 "shared_data": {k: v for k, v in ctx.shared.items() if k != "large_md5"},
             },

@@ -177,7 +177,10 @@ class StoreCounter:
 
 
 class MinioServer:
-    def __init__(self, binary: str, workdir: Path, access_key: str, secret_key: str, log: Path):
+    def __init__(self, binary: str, workdir: Path, access_key: str, secret_key: str, log: Path,
+                 cpus: set[int] | None = None):
+        """cpus: run MinIO on these CPUs only (its threads inherit the affinity set before exec;
+        Go sizes GOMAXPROCS from it)."""
         self.binary = binary
         self.dir = workdir
         self.access_key = access_key
@@ -203,6 +206,7 @@ class MinioServer:
             [binary, "server", str(workdir / "data"), "--address", f"127.0.0.1:{self.port}",
              "--console-address", f"127.0.0.1:{self.console}", "--quiet"],
             env=env, stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         deadline = time.time() + 60
         while True:

@@ -96,8 +96,14 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     L.append(f"Command: `{meta['command']}`\n")
     L.append(f"- Date: {meta['date']}, {meta['repeat']} repeat(s) of every measurement, medians shown.")
     h = meta["host"]
-    L.append(f"- Machine: {h['cpu']}, {h['cores']} cores, {h['mem_gb']:.0f} GB RAM, Linux {h['kernel']}. "
-             f"The store ({meta['store']}) runs on the same machine, so every figure shares the CPU with it.")
+    split = meta.get("cpu_split")
+    if split:
+        where = (f"The store ({meta['store']}) runs on the same machine but on CPU(s) {split['store']} only; "
+                 f"the limit client, the file systems and the tools run on CPU(s) {split['others']} "
+                 "(`--store-cpus`), as if the store were another machine.")
+    else:
+        where = (f"The store ({meta['store']}) runs on the same machine, so every figure shares the CPU with it.")
+    L.append(f"- Machine: {h['cpu']}, {h['cores']} cores, {h['mem_gb']:.0f} GB RAM, Linux {h['kernel']}. {where}")
     L.append(f"- Page cache dropped before every mount (so before every phase) and before the limit: "
              f"{'yes' if meta.get('dropped_caches') else 'NO (not root?)'}.")
     L.append("- Systems:")
@@ -111,10 +117,11 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
         L.append("`bucketfs bench` (one parallel multipart PUT, then parallel ranged GETs of it, through "
                  f"bucketfs's store layer; {meta['sizes_human']['limit']}; when run as root the page cache "
                  "is dropped before the PUT, as before every phase, and between PUT and GET (`--cold`)):\n")
-        L.append("| | MB/s | requests | client CPU core-s/GB | client peak RSS MB |")
-        L.append("|---|---|---|---|---|")
-        L.append(f"| PUT | {fmt(lim['put_mb_s'])} | {fmt(lim['put_requests'])} | {fmt(lim.get('cpu_s_per_gb'))} (PUT+GET) | {fmt(lim.get('peak_rss_mb'))} |")
-        L.append(f"| GET | {fmt(lim['get_mb_s'])} | {fmt(lim['get_requests'])} | | |")
+        L.append("| | MB/s | requests | client CPU core-s/GB | store CPU core-s/GB | client peak RSS MB |")
+        L.append("|---|---|---|---|---|---|")
+        L.append(f"| PUT | {fmt(lim['put_mb_s'])} | {fmt(lim['put_requests'])} | {fmt(lim.get('cpu_s_per_gb'))} (PUT+GET) "
+                 f"| {fmt(lim.get('store_cpu_s_per_gb'))} (PUT+GET) | {fmt(lim.get('peak_rss_mb'))} |")
+        L.append(f"| GET | {fmt(lim['get_mb_s'])} | {fmt(lim['get_requests'])} | | | |")
         L.append("")
     else:
         L.append(f"Not measured: {'; '.join(lim.get('errors') or [lim['status']])}. Ratios to the limit are n/a.\n")
@@ -146,7 +153,7 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     L.append("## Details\n")
     L.append("Per scenario and system: the figure; ÷ limit; ÷ best peer (speed ratio, see above); wall time of the "
              "measured phase; the FUSE daemon's CPU (core-seconds per GB moved, and mean cores busy over the phase); "
-             "its peak RSS (VmHWM, reset before the phase); the most local disk it held (cache dir + open temp files); "
+             "its peak RSS (VmHWM, reset before the phase); the store's CPU per GB moved (MinIO, when the bench started it); the most local disk it held (cache dir + open temp files); "
              "S3 requests the store saw during the phase (MinIO audit log, every system), and the requests bucketfs "
              "itself counted (its /metrics).\n")
     for r in ROWS:
@@ -154,20 +161,20 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
             continue
         L.append(f"### {r.id}: {meta['row_descriptions'].get(r.id, '')}\n")
         L.append("| system | " + f"{r.unit} {'↑' if r.better == 'higher' else '↓'}" +
-                 " | ÷ limit | ÷ best peer | wall s | CPU core-s/GB | mean cores | peak RSS MB | local disk MB | store requests | bucketfs requests |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                 " | ÷ limit | ÷ best peer | wall s | CPU core-s/GB | mean cores | peak RSS MB | store CPU core-s/GB | local disk MB | store requests | bucketfs requests |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for s in systems:
             res = rows[r.id].get(s)
             txt, v = cell(res)
             if res is None or res["status"] in ("error", "unsupported"):
                 why = ("; ".join(res["errors"])[:160] if res else "").replace("|", "\\|")
-                L.append(f"| {s} | {txt}: {why} | | | | | | | | | |")
+                L.append(f"| {s} | {txt}: {why} | | | | | | | | | | |")
                 continue
             m = res["median"]
             L.append("| " + " | ".join([
                 s, txt, fmt(ratio_limit(doc, r.id, v), 2), fmt(ratio_peer(doc, r.id, v), 2), fmt(m.get("wall_s")),
                 fmt(m.get("cpu_s_per_gb")), fmt(m.get("mean_cores"), 2), fmt(m.get("peak_rss_mb")),
-                fmt(m.get("disk_peak_mb")), fmt(m.get("store_requests")), fmt(m.get("self_requests")),
+                fmt(m.get("store_cpu_s_per_gb")), fmt(m.get("disk_peak_mb")), fmt(m.get("store_requests")), fmt(m.get("self_requests")),
             ]) + " |")
         L.append("")
         if r.id == "read-4jobs":

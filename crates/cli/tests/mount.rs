@@ -356,6 +356,61 @@ fn unlink_removes_file_and_object() {
     assert_eq!(list_dir(m.path()), set(["d", "keep"]));
 }
 
+/// POSIX keeps an unlinked file for the descriptors still open on it: one open for reading
+/// (its object stored) and one being written (parts streamed, so only the open upload holds
+/// them) both read every byte after the unlink. The bucket keeps their objects under a hidden
+/// key, never listed, until the last close.
+#[test]
+fn unlinked_open_files_stay_readable_until_closed() {
+    let s3 = s3();
+    let b = s3.new_bucket("unlinkopen");
+    let m = Mount::s3(&b);
+    let stored = pattern::bytes(41, 3 << 20);
+    s3.put(&b, "stored", stored.clone());
+    let mut reader = File::open(m.join("stored")).unwrap();
+    let mut first = vec![0u8; 1 << 20];
+    reader.read_exact(&mut first).unwrap();
+
+    let mut writer = fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(m.join("scratch"))
+        .unwrap();
+    pattern::write(&mut writer, 42, 40 << 20).unwrap();
+
+    fs::remove_file(m.join("stored")).unwrap();
+    fs::remove_file(m.join("scratch")).unwrap();
+    assert_eq!(list_dir(m.path()), set([]));
+    assert_eq!(errno(File::open(m.join("stored"))), libc::ENOENT);
+    let keys = s3.list_keys(&b, "");
+    assert!(
+        !keys.contains("stored") && !keys.contains("scratch"),
+        "{keys:?}"
+    );
+
+    let mut rest = Vec::new();
+    reader.read_to_end(&mut rest).unwrap();
+    first.extend_from_slice(&rest);
+    assert!(
+        first == stored,
+        "the unlinked file read back different bytes"
+    );
+    writer.seek(SeekFrom::Start(0)).unwrap();
+    pattern::check_reader(&mut writer, 42, 40 << 20).unwrap();
+
+    drop(reader);
+    close_checked(writer).unwrap();
+    // The kernel sends RELEASE after close(2) has returned: give it a moment.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !s3.list_keys(&b, "").is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(s3.list_keys(&b, ""), std::collections::BTreeSet::new());
+    assert!(s3.list_multipart_uploads(&b).is_empty());
+}
+
 #[test]
 fn symlink_and_readlink() {
     let s3 = s3();

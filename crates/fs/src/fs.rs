@@ -11,7 +11,7 @@ use crate::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO
 use crate::lookup::{page_entries, CacheLimits, Found, Lookups, LIST_PAGE};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
-use crate::names::check_name;
+use crate::names::{check_name, UNLINKED_DIR};
 use crate::read::{ReadConfig, Reader};
 use crate::write::{Appended, Base, Orphans, PartLayout, WriteConfig, WriteState};
 use dir::{DirMisses, DirStream, ListingSays};
@@ -35,7 +35,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Who is making a call (from the FUSE request header); owns what it creates.
 #[derive(Debug, Clone, Copy)]
@@ -145,6 +145,11 @@ fn synthetic_ino(path: &str) -> Ino {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     path.hash(&mut h);
     h.finish() | (1 << 63)
+}
+
+/// The name at the mount root that holds files unlinked while open: never a file's.
+fn is_reserved(parent: Ino, name: &str) -> bool {
+    parent == ROOT_INO && name == UNLINKED_DIR
 }
 
 impl Fs {
@@ -354,6 +359,9 @@ impl Fs {
     /// Finds `name` in `parent`, from the table while fresh, else from the store.
     async fn resolve(&self, parent: Ino, name: &OsStr, lookups: u64) -> FsResult<Attr> {
         let name = check_name(name)?;
+        if is_reserved(parent, name) {
+            return Err(FsError::ENOENT);
+        }
         let parent_path = self.dir_path(parent)?;
         {
             let mut t = self.table.lock();
@@ -733,6 +741,9 @@ impl Fs {
     fn prepare_new(&self, parent: Ino, name: &OsStr) -> FsResult<(String, String)> {
         self.check_writable()?;
         let name = check_name(name)?.to_string();
+        if is_reserved(parent, &name) {
+            return Err(FsError::EPERM);
+        }
         let parent_path = self.dir_path(parent)?;
         if self.table.lock().child(parent, &name).is_some() {
             return Err(FsError::EEXIST);
@@ -849,13 +860,28 @@ impl Fs {
     pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
         self.check_writable()?;
         let ino = self.existing(parent, name).await?;
-        let (kind, path, write, in_store) = {
+        let (kind, path, write, in_store, open) = {
             let t = self.table.lock();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
-            (i.kind, i.path.clone(), i.write.clone(), i.fetched.is_some())
+            let open = i.open_handles > 0;
+            (
+                i.kind,
+                i.path.clone(),
+                i.write.clone(),
+                i.fetched.is_some(),
+                open,
+            )
         };
         if kind == FileKind::Dir {
             return Err(FsError::EISDIR);
+        }
+        if open
+            && self
+                .hide_open_file(ino, &path, write.clone(), in_store)
+                .await?
+        {
+            self.lookups.forget(&path);
+            return Ok(());
         }
         if let Some(w) = write {
             let mut st = w.state.lock().await;
@@ -872,6 +898,94 @@ impl Fs {
         self.lookups.forget(&path);
         self.table.lock().detach(ino);
         Ok(())
+    }
+
+    /// Unlinks file `ino`, still open here, without losing what its descriptors may read
+    /// (POSIX keeps an unlinked file until its last close). Bytes that only the store holds,
+    /// the object and parts streamed to an open upload, move to a hidden key under
+    /// [`UNLINKED_DIR`] (server-side copy, then delete), which the last close deletes.
+    /// Returns false, having done nothing, when all its bytes are local anyway.
+    async fn hide_open_file(
+        &self,
+        ino: Ino,
+        path: &str,
+        write: Option<Arc<OpenWrite>>,
+        in_store: bool,
+    ) -> FsResult<bool> {
+        let mut guard = match &write {
+            Some(w) => Some(w.state.lock().await),
+            None => None,
+        };
+        let streamed = guard.as_ref().is_some_and(|st| st.holds_streamed_bytes());
+        if !in_store && !streamed {
+            return Ok(false);
+        }
+        // Unique across mounts sharing the bucket: inode numbers repeat, clocks and pids less so.
+        let stamp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let hidden = format!("{UNLINKED_DIR}/{ino}-{}-{stamp:x}", std::process::id());
+        self.check_key_len(&hidden)?;
+        let (src, dst) = (self.key(path), self.key(&hidden));
+        if let (Some(st), true) = (guard.as_mut(), streamed) {
+            // Those bytes can only be read back from a completed object.
+            st.publish().await?;
+        }
+        let what = format!("unlink {src} (open: keeping it as {dst})");
+        let size = match self.store.head(&src).await {
+            Ok(o) => o.size,
+            // Deleted behind our back: nothing left to keep.
+            Err(StoreError::NotFound(_)) if !streamed => return Ok(false),
+            Err(e) => return Err(log_store_err(&what, e)),
+        };
+        self.copy_object(&src, &dst, size, None).await?;
+        // Readers pin the copy's own ETag with If-Match.
+        let etag = self.store.head(&dst).await.map(|o| o.etag);
+        let removed = match etag {
+            Ok(Some(etag)) => self.store.delete(&src).await.map(|_| etag),
+            Ok(None) => Err(StoreError::Other(format!("no ETag for {dst}"))),
+            Err(e) => Err(e),
+        };
+        let etag = match removed {
+            Ok(etag) => etag,
+            Err(e) => {
+                let _ = self.store.delete(&dst).await;
+                return Err(log_store_err(&what, e));
+            }
+        };
+        if let Some(st) = guard.as_mut() {
+            st.unlinked = true;
+            st.abort_stream().await;
+            st.move_base(dst, etag.clone());
+        }
+        let closed = {
+            let mut t = self.table.lock();
+            t.detach(ino);
+            match t.get_mut(ino) {
+                Some(i) => {
+                    i.path = hidden.clone();
+                    i.etag = Some(etag);
+                    // The last close came while the object was moving: it could not delete it.
+                    i.hidden = i.open_handles > 0;
+                    !i.hidden
+                }
+                None => true,
+            }
+        };
+        if closed {
+            self.delete_hidden(hidden).await;
+        }
+        Ok(true)
+    }
+
+    /// Deletes the hidden object of a file unlinked while open (see [`Self::hide_open_file`]),
+    /// once nothing has it open any more.
+    async fn delete_hidden(&self, path: String) {
+        let key = self.key(&path);
+        if let Err(e) = self.store.delete(&key).await {
+            tracing::warn!("{key}: object of a file unlinked while open not deleted: {e}");
+        }
     }
 
     /// Whether a directory holds anything (in the store or created here and not yet uploaded).
@@ -939,6 +1053,9 @@ impl Fs {
             return Err(FsError::EINVAL);
         }
         let new_name_s = check_name(new_name)?.to_string();
+        if is_reserved(new_parent, &new_name_s) {
+            return Err(FsError::EPERM);
+        }
         let new_parent_path = self.dir_path(new_parent)?;
         let src = self.existing(parent, name).await?;
         let target = match self.existing(new_parent, new_name).await {
@@ -1463,7 +1580,7 @@ impl Fs {
         let Some(Handle::File(FileHandle { write, .. })) = handle else {
             return Err(FsError::EBADF);
         };
-        let last_writer = {
+        let (last_writer, hidden) = {
             let mut t = self.table.lock();
             let Some(i) = t.get_mut(ino) else {
                 return Ok(());
@@ -1472,9 +1589,16 @@ impl Fs {
             if write.is_some() {
                 i.writers = i.writers.saturating_sub(1);
             }
-            write.is_some() && i.writers == 0
+            let hidden = (i.hidden && i.open_handles == 0).then(|| {
+                i.hidden = false;
+                i.path.clone()
+            });
+            (write.is_some() && i.writers == 0, hidden)
         };
         if !last_writer {
+            if let Some(path) = hidden {
+                self.delete_hidden(path).await;
+            }
             return Ok(());
         }
         let w = write.expect("writer handle");
@@ -1505,19 +1629,24 @@ impl Fs {
         if let Ok((etag, size, meta)) = result {
             self.published(ino, etag, size, meta);
         }
-        let mut t = self.table.lock();
-        let mut never_stored = false;
-        if let Some(i) = t.get_mut(ino) {
-            if i.writers == 0 {
-                i.write = None;
-                never_stored = i.fetched.is_none();
+        {
+            let mut t = self.table.lock();
+            let mut never_stored = false;
+            if let Some(i) = t.get_mut(ino) {
+                if i.writers == 0 {
+                    i.write = None;
+                    never_stored = i.fetched.is_none();
+                }
             }
+            if never_stored {
+                // Created here and never uploaded: the file does not exist.
+                t.detach(ino);
+            }
+            t.maybe_drop(ino);
         }
-        if never_stored {
-            // Created here and never uploaded: the file does not exist.
-            t.detach(ino);
+        if let Some(path) = hidden {
+            self.delete_hidden(path).await;
         }
-        t.maybe_drop(ino);
         Ok(())
     }
 
@@ -1574,6 +1703,10 @@ impl Fs {
                 }
             }
             st.abort_stream().await;
+        }
+        let hidden = self.table.lock().take_hidden();
+        for path in hidden {
+            self.delete_hidden(path).await;
         }
         if let Err(e) = self.markers.wait_below("").await {
             tracing::error!("directory markers not stored at shutdown: {e}");

@@ -74,6 +74,9 @@ pub struct Inode {
     pub listing: Option<DirListing>,
     /// Removed from its directory while still referenced.
     pub unlinked: bool,
+    /// Unlinked while open: `path` is now a hidden one (see [`crate::names::UNLINKED_DIR`])
+    /// whose object the last close deletes.
+    pub hidden: bool,
 }
 
 impl Inode {
@@ -105,6 +108,7 @@ impl Inode {
             writers: 0,
             write: None,
             unlinked: false,
+            hidden: false,
         }
     }
 }
@@ -187,6 +191,19 @@ impl InodeTable {
             self.children.remove(&key);
         }
         self.inodes.remove(&ino);
+    }
+
+    /// The paths of files unlinked while open whose hidden objects are still to delete,
+    /// which are then no longer theirs to delete (at shutdown).
+    pub fn take_hidden(&mut self) -> Vec<String> {
+        self.inodes
+            .values_mut()
+            .filter(|i| i.hidden)
+            .map(|i| {
+                i.hidden = false;
+                i.path.clone()
+            })
+            .collect()
     }
 
     pub fn forget(&mut self, ino: Ino, n: u64) {

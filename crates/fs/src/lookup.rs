@@ -19,7 +19,7 @@
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::inode::join;
 use crate::meta::{FileKind, PosixMeta};
-use crate::names::listable;
+use crate::names::{listable, UNLINKED_DIR};
 use bucketfs_store::{ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, StoreError};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
@@ -323,9 +323,10 @@ impl Lookups {
                 return;
             };
             k.fed = true;
-            let entries: Vec<(String, Found)> = page_entries(&k.page, dir_key.len())
-                .map(|(name, found)| (join(path, name), found))
-                .collect();
+            let entries: Vec<(String, Found)> =
+                page_entries(&k.page, dir_key.len(), path.is_empty())
+                    .map(|(name, found)| (join(path, name), found))
+                    .collect();
             (entries, k.epoch)
         };
         // Not counted as listed files: the listing that usually follows counts them, and
@@ -551,15 +552,23 @@ async fn dir_from_page(
 /// What a LIST page of a directory whose key prefix is `plen` bytes long shows: its
 /// subdirectories (common prefixes) first, then the objects whose names can be file names
 /// (so not the directory's own marker, whose name is empty) and are not also a
-/// subdirectory's (a directory wins over a file of the same name).
-pub fn page_entries(page: &ListPage, plen: usize) -> impl Iterator<Item = (&str, Found)> {
+/// subdirectory's (a directory wins over a file of the same name). A listing of the mount
+/// root (`at_root`) leaves out [`UNLINKED_DIR`].
+pub fn page_entries(
+    page: &ListPage,
+    plen: usize,
+    at_root: bool,
+) -> impl Iterator<Item = (&str, Found)> {
     let dirs: Vec<&str> = page
         .common_prefixes
         .iter()
         .filter_map(|cp| {
             let name = cp[plen..].trim_end_matches('/');
             // `a//` is no name: exactly one slash ends a subdirectory's prefix.
-            (listable(name) && cp.len() == plen + name.len() + 1).then_some(name)
+            (listable(name)
+                && cp.len() == plen + name.len() + 1
+                && !(at_root && name == UNLINKED_DIR))
+                .then_some(name)
         })
         .collect();
     let shadowed: HashSet<&str> = dirs.iter().copied().collect();

@@ -2,7 +2,8 @@
 //!
 //! A file `a/b` under mount prefix `p/` is the key `p/a/b`; a directory is `p/a/b/` (a marker
 //! object) or just the prefix of other keys. Names the kernel cannot show are skipped in
-//! listings: empty segments (`a//b`), `.` and `..`, and names over 255 bytes.
+//! listings: empty segments (`a//b`), `.` and `..`, and names over 255 bytes; so is
+//! [`UNLINKED_DIR`] at the root.
 
 use crate::error::{FsError, FsResult};
 use std::ffi::OsStr;
@@ -10,6 +11,11 @@ use std::os::unix::ffi::OsStrExt;
 
 /// Longest file name, in bytes.
 pub const NAME_MAX: usize = 255;
+
+/// Directory at the mount root, never listed, that keeps the objects of files unlinked while
+/// still open here until their last close (as NFS keeps `.nfsXXXX` files). Nothing may be
+/// created under this name at the root.
+pub const UNLINKED_DIR: &str = ".bucketfs-unlinked";
 
 /// Checks a name coming from the kernel and returns it as UTF-8.
 pub fn check_name(name: &OsStr) -> FsResult<&str> {

@@ -862,7 +862,8 @@ impl WriteState {
         }
         self.keep_local = true;
         if self.unlinked {
-            // Nothing may be published under its name any more, and the upload is gone.
+            // Unlink publishes streamed bytes before it lets go of the name (see
+            // `Fs::hide_open_file`), so this is a guard: nothing may go up under that name.
             tracing::warn!(
                 "{}: bytes {r:?} were streamed before the file was unlinked: unreadable",
                 self.key
@@ -1215,6 +1216,21 @@ impl WriteState {
                 tracing::warn!("abort upload of {}: {e}; will retry", self.key);
                 self.cfg.orphans.add(self.key.clone(), stream.upload_id);
             }
+        }
+    }
+
+    /// Some bytes are held only by parts of the open upload (see [`Self::recover`]).
+    pub fn holds_streamed_bytes(&self) -> bool {
+        !self.uploaded_only.is_empty()
+    }
+
+    /// The base object was copied, unchanged, to `key`, where the copy has ETag `etag`; the
+    /// state reads the base from there. The upload must be closed (it belongs to the old key).
+    pub fn move_base(&mut self, key: String, etag: String) {
+        debug_assert!(self.stream.is_none());
+        self.key = key;
+        if let Some(b) = &mut self.base {
+            b.etag = etag;
         }
     }
 

@@ -281,7 +281,8 @@ impl Fs {
                 (page, epoch)
             }
         };
-        for (name, found) in page_entries(&page, st.prefix.len()) {
+        let at_root = st.prefix.len() == self.cfg.prefix.len();
+        for (name, found) in page_entries(&page, st.prefix.len(), at_root) {
             if found.kind == FileKind::Dir {
                 match st.index.get(name) {
                     Some(&i) => st.entries[i].kind = FileKind::Dir, // a directory wins
