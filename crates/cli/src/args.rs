@@ -455,6 +455,16 @@ pub struct MountArgs {
     )]
     pub list_metadata: Option<String>,
 
+    /// Most S3 requests in flight at once (1-4096), and so most connections open to the
+    /// store. Further requests wait for one to finish. [default: 128]
+    #[arg(
+        long,
+        value_name = "N",
+        hide_env_values = true,
+        env = "BUCKETFS_MAX_CONNECTIONS"
+    )]
+    pub max_connections: Option<String>,
+
     /// Mount options, comma-separated, as in /etc/fstab: any config key as key=value or a bare
     /// boolean key, plus ro and config=FILE (e.g. -o allow_other,ro,part_size=16M). Repeatable.
     #[arg(short = 'o', value_name = "OPT[=VAL],...")]
@@ -473,10 +483,11 @@ impl MountArgs {
             s.apply_file(path)?;
         }
         s.apply_mount_options(&self.options)?;
-        let values: [(&str, &Option<String>); 23] = [
+        let values: [(&str, &Option<String>); 24] = [
             ("ca_bundle", &self.ca_bundle),
             ("retry_timeout", &self.retry_timeout),
             ("list_metadata", &self.list_metadata),
+            ("max_connections", &self.max_connections),
             ("endpoint_url", &self.endpoint_url),
             ("region", &self.region),
             ("profile", &self.profile),

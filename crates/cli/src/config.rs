@@ -84,6 +84,8 @@ pub struct Settings {
     pub retry_timeout: Duration,
     /// Whether LISTs ask for user metadata (MinIO's `metadata=true`).
     pub list_metadata: ListMetadata,
+    /// Most S3 requests (and connections) at once.
+    pub max_connections: usize,
     /// From the config file only: used when SOURCE is `s3://` without a bucket.
     pub bucket: Option<String>,
     /// From the config file only: used when SOURCE has no prefix.
@@ -128,6 +130,7 @@ impl fmt::Debug for Settings {
             .field("unsigned_payload", &self.unsigned_payload)
             .field("retry_timeout", &self.retry_timeout)
             .field("list_metadata", &self.list_metadata)
+            .field("max_connections", &self.max_connections)
             .field("bucket", &self.bucket)
             .field("prefix", &self.prefix)
             .field("access_key_id", &hidden(&self.access_key_id))
@@ -172,6 +175,7 @@ impl Default for Settings {
             unsigned_payload: None,
             retry_timeout: Duration::from_secs(30),
             list_metadata: ListMetadata::Auto,
+            max_connections: bucketfs_store::s3::DEFAULT_MAX_CONNECTIONS,
             bucket: None,
             prefix: None,
             access_key_id: None,
@@ -239,6 +243,7 @@ const KEYS: &[(&str, Kind, Scope)] = &[
     ("unsigned_payload", Kind::Bool, Scope::All),
     ("retry_timeout", Kind::Value, Scope::All),
     ("list_metadata", Kind::Value, Scope::All),
+    ("max_connections", Kind::Value, Scope::All),
     ("bucket", Kind::Value, Scope::FileOnly),
     ("prefix", Kind::Value, Scope::FileOnly),
     ("access_key_id", Kind::Value, Scope::FileOnly),
@@ -514,6 +519,7 @@ impl Settings {
             "unsigned_payload" => self.unsigned_payload = Some(parse_bool(v)?),
             "retry_timeout" => self.retry_timeout = parse_duration(v)?,
             "list_metadata" => self.list_metadata = v.parse()?,
+            "max_connections" => self.max_connections = parse_count(v, 1, 4096)?,
             "bucket" => self.bucket = Some(non_empty(v, "bucket name")?),
             "prefix" => self.prefix = Some(v.trim().to_string()),
             "access_key_id" => self.access_key_id = Some(non_empty(v, "access key id")?),

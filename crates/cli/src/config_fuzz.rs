@@ -41,6 +41,7 @@ fn config_text() -> impl Strategy<Value = String> {
             "session_token",
             "retry_timeout",
             "list_metadata",
+            "max_connections",
             "ca_bundle",
             "no_verify_ssl",
             "cache_dir",

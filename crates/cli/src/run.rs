@@ -572,6 +572,7 @@ async fn open_raw_store(
                 max_attempts: S3_MAX_ATTEMPTS,
                 unsigned_payload: s.unsigned_payload,
                 list_metadata: s.list_metadata,
+                max_connections: s.max_connections,
                 tls: if s.no_verify_ssl {
                     TlsTrust::Insecure
                 } else if let Some(ca) = &s.ca_bundle {

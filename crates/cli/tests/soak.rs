@@ -384,8 +384,13 @@ fn soak_with_an_integrity_ledger() {
          {} files",
         ledger.len()
     );
+    // 64 threads want far more requests out at once than the default bound (a run without
+    // it ended with 278 sockets; with it, the pool fills to exactly the bound). The slack
+    // covers a connection hyper opens while an idle one is on its way back to the pool.
+    let max_sockets = socks_before + bucketfs_store::s3::DEFAULT_MAX_CONNECTIONS + 8;
     assert!(
-        socks_after <= 4 * threads + 16,
-        "{socks_after} sockets open: the connection pool is not bounded"
+        socks_after <= max_sockets,
+        "{socks_after} sockets open (at most {max_sockets} expected): the connection pool is \
+         not bounded"
     );
 }

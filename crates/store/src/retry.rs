@@ -7,7 +7,9 @@
 //! mid-transfer) is tried again after `min(max_backoff, initial_backoff * 2^n)`, of which the
 //! upper half is random ("equal jitter"), until it succeeds, fails with a permanent error, has
 //! made `max_attempts` attempts, or the next attempt would start later than `max_elapsed` after
-//! the first one. Permanent errors (403, 404, 412, 400, out of space) are returned at once.
+//! the first failure. The budget starts at the first failure, not at the call: time a call
+//! spent queued for a connection or receiving a slow answer before it failed is not failing
+//! time, and must not leave a transient failure unretried. Permanent errors (403, 404, 412, 400, out of space) are returned at once.
 //!
 //! **Outage breaker.** Every success clears the breaker; the first transient failure after a
 //! success sets the outage start. Once the store has failed for longer than `max_elapsed`
@@ -39,7 +41,7 @@ use std::time::{Duration, Instant};
 /// How long and how often to retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
-    /// No attempt starts later than this after the first one. Zero: no retries.
+    /// No attempt starts later than this after the call's first failure. Zero: no retries.
     pub max_elapsed: Duration,
     /// Backoff before the second attempt (before jitter); doubles after each attempt.
     pub initial_backoff: Duration,
@@ -182,6 +184,7 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
         T: Send,
     {
         let start = Instant::now();
+        let mut first_failure = None;
         let single = self.in_outage();
         if single {
             self.metrics.fast_failed.fetch_add(1, Ordering::Relaxed);
@@ -200,10 +203,11 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
                 Err(e) if e.is_transient() => {
                     let outage = self.failed(&e);
                     let wait = self.policy.backoff(attempt);
+                    let failing = *first_failure.get_or_insert_with(Instant::now);
                     let out_of_budget = single
                         || outage
                         || attempt >= self.policy.max_attempts
-                        || start.elapsed() + wait > self.policy.max_elapsed;
+                        || failing.elapsed() + wait > self.policy.max_elapsed;
                     if out_of_budget {
                         if attempt > 1 || !single {
                             self.metrics.gave_up.fetch_add(1, Ordering::Relaxed);
@@ -519,6 +523,29 @@ mod tests {
         );
         assert!(RetryMetrics::get(&retry.metrics().retries) >= 5);
         assert_eq!(RetryMetrics::get(&retry.metrics().gave_up), 1);
+    }
+
+    #[tokio::test]
+    async fn the_budget_starts_at_the_first_failure() {
+        // The first attempt takes longer than the whole budget and then fails (a request that
+        // waited for a connection, or a slow answer cut off): it is still retried.
+        let mem = Arc::new(MemoryStore::new());
+        let failing = Arc::new(FaultStore::new(mem.clone()));
+        failing.inject(Op::Head, 0, Some(1), transient());
+        let slow = Arc::new(FaultStore::new(failing as Arc<dyn ObjectStore>));
+        slow.inject(
+            Op::Head,
+            0,
+            Some(1),
+            Fault::Delay(Duration::from_millis(400)),
+        );
+        let retry = RetryStore::new(slow as Arc<dyn ObjectStore>, quick(300));
+        mem.put("k", Bytes::from_static(b"abc"), &UserMeta::new())
+            .await
+            .unwrap();
+        assert_eq!(retry.head("k").await.unwrap().size, 3);
+        assert_eq!(RetryMetrics::get(&retry.metrics().retries), 1);
+        assert_eq!(RetryMetrics::get(&retry.metrics().recovered), 1);
     }
 
     #[tokio::test]

@@ -14,6 +14,7 @@ use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, SystemTime};
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 /// How to reach and authenticate to an S3-compatible service.
 #[derive(Debug, Clone, Default)]
@@ -42,7 +43,15 @@ pub struct S3Config {
     /// Whether LISTs ask for user metadata (MinIO's `metadata=true`), so that listed entries
     /// need no HEAD. `Auto`: only once the server has said it is MinIO.
     pub list_metadata: ListMetadata,
+    /// Most requests in flight at once, and so most connections open (each request holds
+    /// one until its answer is read). 0 means [`DEFAULT_MAX_CONNECTIONS`].
+    pub max_connections: usize,
 }
+
+/// Requests in flight when the configuration does not say: enough for 16 part uploads and
+/// many readers' prefetch at once, few enough that a burst of small operations (a thousand
+/// closes, deletes or lookups) queues here instead of opening a connection each.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
 
 /// Time allowed for one attempt of a request without a large body (HEAD, LIST, DELETE,
 /// copies, completing an upload), and the base of every other attempt's time.
@@ -80,6 +89,8 @@ pub struct S3Store {
     /// What the answers said about the server: [`SERVER_UNKNOWN`], [`SERVER_MINIO`] or
     /// [`SERVER_OTHER`] (only looked at with `ListMetadata::Auto`).
     server: AtomicU8,
+    /// One permit per request in flight ([`S3Config::max_connections`]).
+    slots: Semaphore,
 }
 
 const SERVER_UNKNOWN: u8 = 0;
@@ -245,7 +256,21 @@ impl S3Store {
             unsigned_payload: cfg.unsigned_payload.unwrap_or(https),
             list_metadata: cfg.list_metadata,
             server: AtomicU8::new(SERVER_UNKNOWN),
+            slots: Semaphore::new(match cfg.max_connections {
+                0 => DEFAULT_MAX_CONNECTIONS,
+                n => n.min(Semaphore::MAX_PERMITS),
+            }),
         })
+    }
+
+    /// Waits for a request slot. Held across the whole request (the SDK's own attempts and
+    /// the reading of the body), so requests in flight, and with them open connections,
+    /// never exceed the configured number. A slot is never held while waiting for another.
+    async fn slot(&self) -> SemaphorePermit<'_> {
+        self.slots
+            .acquire()
+            .await
+            .expect("the request semaphore is never closed")
     }
 
     /// Whether LISTs that want user metadata ask the server for it now.
@@ -314,6 +339,7 @@ impl S3Store {
     /// mount fails at startup with a clear message instead of at first use.
     /// With `ListMetadata::Auto` it also finds out whether the server is MinIO.
     pub async fn check_access(&self, prefix: &str) -> StoreResult<()> {
+        let _slot = self.slot().await;
         let (req, capture) = self.list_request(
             self.client
                 .list_objects_v2()
@@ -342,6 +368,7 @@ impl S3Store {
         if range.start >= range.end {
             return Ok(());
         }
+        let _slot = self.slot().await;
         let limit = attempt_timeout(range.end - range.start);
         let get = async {
             let out = self
@@ -389,6 +416,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
+        let _slot = self.slot().await;
         let out = self
             .client
             .head_object()
@@ -455,6 +483,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        let _slot = self.slot().await;
         let len = body.len() as u64;
         let req = self
             .client
@@ -475,6 +504,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        let _slot = self.slot().await;
         let out = self
             .client
             .create_multipart_upload()
@@ -496,6 +526,7 @@ impl ObjectStore for S3Store {
         part_number: u32,
         body: Bytes,
     ) -> StoreResult<String> {
+        let _slot = self.slot().await;
         let len = body.len() as u64;
         let req = self
             .client
@@ -527,6 +558,7 @@ impl ObjectStore for S3Store {
         src_key: &str,
         range: Range<u64>,
     ) -> StoreResult<String> {
+        let _slot = self.slot().await;
         let out = self
             .client
             .upload_part_copy()
@@ -551,6 +583,7 @@ impl ObjectStore for S3Store {
         upload_id: &str,
         parts: &[CompletedPart],
     ) -> StoreResult<String> {
+        let _slot = self.slot().await;
         let parts = parts
             .iter()
             .map(|p| {
@@ -578,6 +611,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
+        let _slot = self.slot().await;
         match self
             .client
             .abort_multipart_upload()
@@ -596,6 +630,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
+        let _slot = self.slot().await;
         let mut out = Vec::new();
         let (mut key_marker, mut id_marker) = (None::<String>, None::<String>);
         loop {
@@ -630,6 +665,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+        let _slot = self.slot().await;
         let mut req = self
             .client
             .copy_object()
@@ -654,6 +690,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn delete(&self, key: &str) -> StoreResult<()> {
+        let _slot = self.slot().await;
         match self
             .client
             .delete_object()
@@ -678,6 +715,7 @@ impl ObjectStore for S3Store {
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
+        let _slot = self.slot().await;
         let (start_after, token) = match from {
             ListFrom::Start => (None, None),
             ListFrom::After(k) => (Some(k), None),
@@ -749,6 +787,8 @@ impl ObjectStore for S3Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+    use std::sync::Arc;
 
     #[test]
     fn attempt_timeouts_scale_with_the_body() {
@@ -758,6 +798,72 @@ mod tests {
             ATTEMPT_BASE + Duration::from_secs(8)
         );
         assert!(attempt_timeout(5 << 30) > Duration::from_secs(5 * 1024));
+    }
+
+    /// A plain-HTTP server that answers every request after `delay` and records the most
+    /// requests it was ever answering at once.
+    fn slow_server(delay: Duration) -> (String, Arc<AtomicUsize>) {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let active = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let seen = most.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let (active, most) = (active.clone(), most.clone());
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(conn.try_clone().unwrap());
+                    loop {
+                        // HEAD requests have no body: a request ends at its blank line.
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            match reader.read_line(&mut line) {
+                                Ok(0) | Err(_) => return,
+                                Ok(_) if line == "\r\n" => break,
+                                Ok(_) => {}
+                            }
+                        }
+                        let now = active.fetch_add(1, AtomicOrdering::SeqCst) + 1;
+                        most.fetch_max(now, AtomicOrdering::SeqCst);
+                        std::thread::sleep(delay);
+                        active.fetch_sub(1, AtomicOrdering::SeqCst);
+                        let answer = "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nETag: \"e\"\r\n\r\n";
+                        if conn.write_all(answer.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (url, seen)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_in_flight_never_exceed_max_connections() {
+        let (url, most) = slow_server(Duration::from_millis(100));
+        let store = S3Store::new(&S3Config {
+            bucket: "b".into(),
+            endpoint_url: Some(url),
+            region: Some("us-east-1".into()),
+            force_path_style: true,
+            access_key_id: Some("k".into()),
+            secret_access_key: Some("s".into()),
+            max_attempts: 1,
+            max_connections: 3,
+            ..S3Config::default()
+        })
+        .await
+        .unwrap();
+        let keys: Vec<String> = (0..12).map(|i| format!("k{i}")).collect();
+        let heads = keys.iter().map(|k| store.head(k));
+        for r in futures::future::join_all(heads).await {
+            assert_eq!(r.unwrap().size, 3);
+        }
+        // 12 requests queued behind 3 slots: the server saw 3 at a time, never more.
+        assert_eq!(most.load(AtomicOrdering::SeqCst), 3);
     }
 
     #[test]
