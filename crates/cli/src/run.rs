@@ -12,7 +12,7 @@ use crate::config::{parse_source, Settings, Source};
 use crate::daemon::{self, Readiness};
 use crate::logging::{self, LogTarget};
 use crate::metrics_http::{serve_http, serve_socket, stats_socket, Counters};
-use bucketfs_fs::{normalize_prefix, Fs};
+use bucketfs_fs::{normalize_prefix, unlinked_key_prefix, Fs};
 use bucketfs_fuse::{absolute, MountHandle, MountOptions};
 use bucketfs_store::journal::{self, JournalStore, UploadJournal};
 use bucketfs_store::local::LocalStore;
@@ -254,12 +254,14 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         Ok(j) => j,
         Err(msg) => return report_failure(readiness, msg),
     };
-    let store: Arc<dyn ObjectStore> = Arc::new(JournalStore::new(store, journal.clone()));
-
     let prefix = match &plan.target {
         Target::S3 { prefix, .. } => prefix.clone(),
         Target::Local { .. } => String::new(),
     };
+    let store: Arc<dyn ObjectStore> = Arc::new(
+        JournalStore::new(store, journal.clone()).with_temporaries(unlinked_key_prefix(&prefix)),
+    );
+
     let fs = rt.block_on(async { Fs::new(store.clone(), s.fs_config(prefix)) });
     let weak = Arc::downgrade(&fs);
     let counters = Counters {
@@ -330,14 +332,23 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         }
     };
     log_metrics(&metrics, &retry_metrics);
-    let left = journal.live();
-    if left.is_empty() {
+    let (left, kept) = (journal.live(), journal.temporaries());
+    if left.is_empty() && kept.is_empty() {
         let _ = journal.remove();
-    } else {
+    }
+    if !left.is_empty() {
         warn!(
             "{} multipart upload(s) could not be aborted; the next mount of this bucket aborts \
              them (journal {})",
             left.len(),
+            journal.path().display()
+        );
+    }
+    if !kept.is_empty() {
+        warn!(
+            "{} object(s) of files unlinked while open could not be deleted; the next mount \
+             of this bucket deletes them (journal {})",
+            kept.len(),
             journal.path().display()
         );
     }
@@ -459,6 +470,12 @@ async fn recover_uploads(store: &dyn ObjectStore, settings: &Settings, target: &
             }
             for (key, _, e) in &r.failed {
                 warn!("{key}: could not abort the upload a previous bucketfs left open: {e}");
+            }
+            for key in &r.deleted {
+                warn!("{key}: deleted the copy of an unlinked file a previous bucketfs left");
+            }
+            for (key, e) in &r.failed_deletes {
+                warn!("{key}: could not delete the copy of an unlinked file a previous bucketfs left: {e}");
             }
         }
         Err(e) => warn!("upload journals in {}: {e}", dir.display()),

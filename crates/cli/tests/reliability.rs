@@ -138,6 +138,44 @@ fn kill9_during_writes_leaves_no_object_and_the_next_mount_aborts_our_upload() {
     drop(m);
 }
 
+/// A file unlinked while open keeps its bytes under `.bucketfs-unlinked/` until its last close;
+/// a daemon killed before that close leaves the object, and the next mount deletes it.
+#[test]
+fn kill9_with_an_unlinked_file_open_and_the_next_mount_deletes_its_copy() {
+    let s3 = s3();
+    let b = s3.new_bucket("kill9unlinked");
+    let mut m = MountSpec::s3(&b, "").mount();
+    let mut w = ForeignWriter::start();
+    w.open("big", &m.join("big.bin"));
+    assert_eq!(w.cmd("fill big 24"), "ok");
+    fs::remove_file(m.join("big.bin")).unwrap();
+    let hidden: Vec<String> = s3
+        .list_keys(&b, "")
+        .into_iter()
+        .filter(|k| k.starts_with(".bucketfs-unlinked/"))
+        .collect();
+    assert_eq!(hidden.len(), 1, "{:?}", s3.list_keys(&b, ""));
+    assert_eq!(s3.head(&b, &hidden[0]).map(|h| h.size), Some(24 << 20));
+    m.kill9();
+    drop(w);
+    assert!(s3.head(&b, &hidden[0]).is_some());
+
+    let m2 = MountSpec::s3(&b, "").mount();
+    assert_eq!(
+        s3.list_keys(&b, ""),
+        std::collections::BTreeSet::new(),
+        "log:\n{}",
+        m2.log()
+    );
+    assert!(
+        m2.log()
+            .contains("deleted the copy of an unlinked file a previous bucketfs left"),
+        "{}",
+        m2.log()
+    );
+    drop(m);
+}
+
 /// A mount point left by a crashed daemon ("Transport endpoint is not connected") is
 /// unmounted with a message, and the new mount works.
 #[test]

@@ -28,5 +28,5 @@ pub use fs::{Caller, DirEntry, Fs, OpenReply, SetAttr, StatFs};
 pub use inode::{Ino, ROOT_INO};
 pub use meta::{Attr, FileKind};
 pub use metrics::FsMetrics;
-pub use names::{normalize_prefix, NAME_MAX};
+pub use names::{normalize_prefix, unlinked_key_prefix, NAME_MAX};
 pub use write::Appended;

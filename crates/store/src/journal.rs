@@ -17,13 +17,18 @@
 //!
 //! Only uploads this program started are touched; other clients' uploads under the same prefix
 //! are never aborted.
+//!
+//! **Temporary objects.** A store made [`JournalStore::with_temporaries`] also journals every
+//! object it writes under that prefix (the hidden copies of files unlinked while open) as
+//! `t <key>` before writing it, and `d <key>` once it is deleted. Such objects must not
+//! outlive their daemon, so [`recover`] deletes the ones a dead daemon left behind.
 
 use crate::*;
 use async_trait::async_trait;
 use bytes::Bytes;
 use md5::Digest;
 use parking_lot::Mutex;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
@@ -73,7 +78,30 @@ struct JournalInner {
     file: File,
     /// upload id -> key of uploads started and not finished.
     live: BTreeMap<String, String>,
+    /// Temporary objects written and not yet deleted.
+    temporaries: BTreeSet<String>,
     len: u64,
+}
+
+impl JournalInner {
+    fn append(&mut self, line: &str, durable: bool) -> io::Result<()> {
+        self.file.write_all(line.as_bytes())?;
+        if durable {
+            self.file.sync_data()?;
+        }
+        self.len += line.len() as u64;
+        Ok(())
+    }
+
+    /// Starts the file over when it has grown and records nothing live.
+    fn compact(&mut self) -> io::Result<bool> {
+        if self.live.is_empty() && self.temporaries.is_empty() && self.len > COMPACT_AT {
+            self.file.set_len(0)?;
+            self.len = 0;
+            return Ok(true);
+        }
+        Ok(false)
+    }
 }
 
 impl std::fmt::Debug for UploadJournal {
@@ -108,6 +136,7 @@ impl UploadJournal {
             inner: Mutex::new(JournalInner {
                 file,
                 live: BTreeMap::new(),
+                temporaries: BTreeSet::new(),
                 len: 0,
             }),
         })
@@ -127,13 +156,18 @@ impl UploadJournal {
             .collect()
     }
 
+    /// Temporary objects written and not yet deleted.
+    pub fn temporaries(&self) -> Vec<String> {
+        self.inner.lock().temporaries.iter().cloned().collect()
+    }
+
     /// Records a started upload; durable when this returns.
     pub fn started(&self, key: &str, upload_id: &str) -> io::Result<()> {
         let mut g = self.inner.lock();
-        let line = format!("+ {} {}\n", hex::encode(upload_id), hex::encode(key));
-        g.file.write_all(line.as_bytes())?;
-        g.file.sync_data()?;
-        g.len += line.len() as u64;
+        g.append(
+            &format!("+ {} {}\n", hex::encode(upload_id), hex::encode(key)),
+            true,
+        )?;
         g.live.insert(upload_id.to_string(), key.to_string());
         Ok(())
     }
@@ -141,37 +175,60 @@ impl UploadJournal {
     /// Records a completed or aborted upload.
     pub fn finished(&self, upload_id: &str) -> io::Result<()> {
         let mut g = self.inner.lock();
-        if g.live.remove(upload_id).is_none() {
+        if g.live.remove(upload_id).is_none() || g.compact()? {
             return Ok(());
         }
-        if g.live.is_empty() && g.len > COMPACT_AT {
-            g.file.set_len(0)?;
-            g.len = 0;
+        g.append(&format!("- {}\n", hex::encode(upload_id)), false)
+    }
+
+    /// Records a temporary object about to be written; durable when this returns, so the
+    /// object can never exist unrecorded.
+    pub fn keeping(&self, key: &str) -> io::Result<()> {
+        let mut g = self.inner.lock();
+        if g.temporaries.contains(key) {
             return Ok(());
         }
-        let line = format!("- {}\n", hex::encode(upload_id));
-        g.file.write_all(line.as_bytes())?;
-        g.len += line.len() as u64;
+        g.append(&format!("t {}\n", hex::encode(key)), true)?;
+        g.temporaries.insert(key.to_string());
         Ok(())
     }
 
-    /// Removes the journal (a clean exit with nothing in progress).
+    /// Records a temporary object deleted.
+    pub fn dropped(&self, key: &str) -> io::Result<()> {
+        let mut g = self.inner.lock();
+        if !g.temporaries.remove(key) || g.compact()? {
+            return Ok(());
+        }
+        g.append(&format!("d {}\n", hex::encode(key)), false)
+    }
+
+    /// Removes the journal (a clean exit with nothing in progress and no temporary object
+    /// left).
     pub fn remove(&self) -> io::Result<()> {
         let g = self.inner.lock();
-        if !g.live.is_empty() {
+        if !g.live.is_empty() || !g.temporaries.is_empty() {
             return Err(io::Error::other(format!(
-                "{} uploads still in progress",
-                g.live.len()
+                "{} uploads still in progress, {} temporary objects left",
+                g.live.len(),
+                g.temporaries.len()
             )));
         }
         std::fs::remove_file(&self.path)
     }
 }
 
-/// Parses journal text into the uploads still open: `(key, upload id)`. Damaged lines (a torn
-/// last line after a crash) are skipped.
-pub fn parse_journal(text: &str) -> Vec<(String, String)> {
+/// What a journal says is left: uploads still open and temporary objects not deleted.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Leftovers {
+    /// `(key, upload id)`.
+    pub uploads: Vec<(String, String)>,
+    pub temporaries: Vec<String>,
+}
+
+/// Parses journal text. Damaged lines (a torn last line after a crash) are skipped.
+pub fn parse_journal(text: &str) -> Leftovers {
     let mut live: BTreeMap<String, String> = BTreeMap::new();
+    let mut temporaries = BTreeSet::new();
     for line in text.lines() {
         let mut f = line.split(' ');
         let decode = |s: Option<&str>| {
@@ -189,10 +246,23 @@ pub fn parse_journal(text: &str) -> Vec<(String, String)> {
                     live.remove(&id);
                 }
             }
+            Some("t") => {
+                if let Some(key) = decode(f.next()) {
+                    temporaries.insert(key);
+                }
+            }
+            Some("d") => {
+                if let Some(key) = decode(f.next()) {
+                    temporaries.remove(&key);
+                }
+            }
             _ => {}
         }
     }
-    live.into_iter().map(|(id, k)| (k, id)).collect()
+    Leftovers {
+        uploads: live.into_iter().map(|(id, k)| (k, id)).collect(),
+        temporaries: temporaries.into_iter().collect(),
+    }
 }
 
 /// What [`recover`] did.
@@ -204,9 +274,14 @@ pub struct Recovery {
     pub aborted: Vec<(String, String)>,
     /// Uploads whose abort failed (kept for the next mount): `(key, upload id, error)`.
     pub failed: Vec<(String, String, String)>,
+    /// Temporary objects deleted.
+    pub deleted: Vec<String>,
+    /// Temporary objects whose delete failed (kept for the next mount): `(key, error)`.
+    pub failed_deletes: Vec<(String, String)>,
 }
 
-/// Aborts the uploads left by dead daemons of `tag` in `dir` (see the module docs). Call it
+/// Aborts the uploads and deletes the temporary objects left by dead daemons of `tag` in
+/// `dir` (see the module docs). Call it
 /// before [`UploadJournal::open`]: a dead daemon may have had this process's pid.
 pub async fn recover(store: &dyn ObjectStore, dir: &Path, tag: &str) -> io::Result<Recovery> {
     let mut rec = Recovery::default();
@@ -240,13 +315,23 @@ pub async fn recover(store: &dyn ObjectStore, dir: &Path, tag: &str) -> io::Resu
             }
         }
         let mut all_done = true;
-        for (key, id) in parse_journal(&text) {
+        let left = parse_journal(&text);
+        for (key, id) in left.uploads {
             match store.abort_multipart(&key, &id).await {
                 Ok(()) => rec.aborted.push((key, id)),
                 Err(e) if e.is_not_found() => rec.aborted.push((key, id)),
                 Err(e) => {
                     all_done = false;
                     rec.failed.push((key, id, e.to_string()));
+                }
+            }
+        }
+        for key in left.temporaries {
+            match store.delete(&key).await {
+                Ok(()) => rec.deleted.push(key),
+                Err(e) => {
+                    all_done = false;
+                    rec.failed_deletes.push((key, e.to_string()));
                 }
             }
         }
@@ -258,15 +343,48 @@ pub async fn recover(store: &dyn ObjectStore, dir: &Path, tag: &str) -> io::Resu
     Ok(rec)
 }
 
-/// A store that journals the multipart uploads going through it.
+/// A store that journals the multipart uploads going through it, and the temporary objects
+/// it writes.
 pub struct JournalStore {
     inner: Arc<dyn ObjectStore>,
     journal: Arc<UploadJournal>,
+    /// Objects written under this prefix are temporary (see the module docs).
+    temporaries: Option<String>,
 }
 
 impl JournalStore {
     pub fn new(inner: Arc<dyn ObjectStore>, journal: Arc<UploadJournal>) -> Self {
-        Self { inner, journal }
+        Self {
+            inner,
+            journal,
+            temporaries: None,
+        }
+    }
+
+    /// Journals the objects written under `prefix` as temporary.
+    pub fn with_temporaries(mut self, prefix: String) -> Self {
+        self.temporaries = Some(prefix);
+        self
+    }
+
+    fn is_temporary(&self, key: &str) -> bool {
+        self.temporaries
+            .as_deref()
+            .is_some_and(|p| key.starts_with(p))
+    }
+
+    /// Records `key` before it is written, if it is temporary; the write must not happen
+    /// unrecorded.
+    fn keeping(&self, key: &str) -> StoreResult<()> {
+        if !self.is_temporary(key) {
+            return Ok(());
+        }
+        self.journal.keeping(key).map_err(|e| {
+            StoreError::Other(format!(
+                "upload journal {}: {e}",
+                self.journal.path.display()
+            ))
+        })
     }
 
     pub fn journal(&self) -> Arc<UploadJournal> {
@@ -309,9 +427,11 @@ impl ObjectStore for JournalStore {
         self.inner.get_range_into(key, range, if_match, dst).await
     }
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        self.keeping(key)?;
         self.inner.put(key, body, meta).await
     }
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        self.keeping(key)?;
         let id = self.inner.create_multipart(key, meta).await?;
         if let Err(e) = self.journal.started(key, &id) {
             // Without a journal entry a crash would leave this upload behind for good: give
@@ -370,10 +490,20 @@ impl ObjectStore for JournalStore {
         self.inner.list_multipart_uploads(prefix).await
     }
     async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+        self.keeping(dst_key)?;
         self.inner.copy(src_key, dst_key, meta).await
     }
     async fn delete(&self, key: &str) -> StoreResult<()> {
-        self.inner.delete(key).await
+        self.inner.delete(key).await?;
+        if self.is_temporary(key) {
+            if let Err(e) = self.journal.dropped(key) {
+                tracing::warn!(
+                    "upload journal {}: cannot record the delete of {key}: {e}",
+                    self.journal.path.display()
+                );
+            }
+        }
+        Ok(())
     }
     async fn list(
         &self,
@@ -407,7 +537,7 @@ mod tests {
         }
         text.push_str(&format!("- {}\n", hex::encode("id1")));
         text.push_str("+ 6964 zz\n- \ngarbage\n+ 69"); // damaged lines
-        let live = parse_journal(&text);
+        let live = parse_journal(&text).uploads;
         assert_eq!(
             live,
             vec![
@@ -487,6 +617,54 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn temporary_objects_of_a_dead_daemon_are_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemoryStore::new());
+        let journal = Arc::new(UploadJournal::open(dir.path(), "t").unwrap());
+        let js = JournalStore::new(mem.clone(), journal.clone()).with_temporaries("p/.tmp/".into());
+        let meta = UserMeta::new();
+        js.put("p/f", Bytes::from_static(b"data"), &meta)
+            .await
+            .unwrap();
+        // Copied away (an unlink of an open file), one copy deleted again (its last close).
+        js.copy("p/f", "p/.tmp/1", None).await.unwrap();
+        js.copy("p/f", "p/.tmp/2", None).await.unwrap();
+        js.put("p/.tmp/3", Bytes::from_static(b"x"), &meta)
+            .await
+            .unwrap();
+        js.delete("p/.tmp/2").await.unwrap();
+        js.delete("p/f").await.unwrap();
+        assert_eq!(journal.temporaries(), vec!["p/.tmp/1", "p/.tmp/3"]);
+        assert!(journal.remove().is_err(), "objects left: the journal stays");
+        // The daemon dies: the next mount deletes what it left, and only that.
+        let text = std::fs::read_to_string(journal.path()).unwrap();
+        assert_eq!(
+            parse_journal(&text).temporaries,
+            vec!["p/.tmp/1".to_string(), "p/.tmp/3".to_string()]
+        );
+        let own = journal.path().to_path_buf();
+        drop(js);
+        drop(journal);
+        std::fs::remove_file(own).unwrap();
+        dead_journal(dir.path(), "t", &text);
+        mem.put("p/.tmp/other-mount", Bytes::from_static(b"y"), &meta)
+            .await
+            .unwrap();
+        let rec = recover(&*mem, dir.path(), "t").await.unwrap();
+        assert_eq!(rec.deleted, vec!["p/.tmp/1", "p/.tmp/3"]);
+        let left: Vec<String> = mem
+            .list("p/", None, ListFrom::Start, 100, ListDetail::Plain)
+            .await
+            .unwrap()
+            .objects
+            .into_iter()
+            .map(|o| o.key)
+            .collect();
+        assert_eq!(left, vec!["p/.tmp/other-mount"]);
+        assert!(!dir.path().join(format!("t.999999999{SUFFIX}")).exists());
+    }
+
+    #[tokio::test]
     async fn a_journal_whose_aborts_fail_is_kept() {
         use crate::fault::{Fault, FaultStore};
         use crate::metrics::Op;
@@ -537,7 +715,7 @@ mod tests {
         .unwrap();
         assert!(journal.live().is_empty());
         let text = std::fs::read_to_string(journal.path()).unwrap();
-        assert!(parse_journal(&text).is_empty());
+        assert_eq!(parse_journal(&text), Leftovers::default());
         journal.remove().unwrap();
         assert!(!journal.path().exists());
         // Mode 0600.
