@@ -30,7 +30,7 @@ use md5::Digest;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -97,6 +97,8 @@ impl JournalInner {
     fn compact(&mut self) -> io::Result<bool> {
         if self.live.is_empty() && self.temporaries.is_empty() && self.len > COMPACT_AT {
             self.file.set_len(0)?;
+            // Or the next line would land after a hole of zeros and not parse.
+            self.file.seek(SeekFrom::Start(0))?;
             self.len = 0;
             return Ok(true);
         }
@@ -662,6 +664,31 @@ mod tests {
             .collect();
         assert_eq!(left, vec!["p/.tmp/other-mount"]);
         assert!(!dir.path().join(format!("t.999999999{SUFFIX}")).exists());
+    }
+
+    #[test]
+    fn a_compacted_journal_stays_readable() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = UploadJournal::open(dir.path(), "t").unwrap();
+        let long = "k".repeat(1000);
+        // Each pair of lines is ~4 KB; once past COMPACT_AT with nothing live, the journal
+        // starts over.
+        for i in 0..COMPACT_AT / 4000 + 8 {
+            journal.keeping(&format!("{long}{i}")).unwrap();
+            journal.dropped(&format!("{long}{i}")).unwrap();
+        }
+        journal.started("last-key", "last-id").unwrap();
+        journal.keeping("last-tmp").unwrap();
+        let len = std::fs::metadata(journal.path()).unwrap().len();
+        assert!(len < COMPACT_AT / 2, "not compacted: {len} bytes");
+        let text = std::fs::read_to_string(journal.path()).unwrap();
+        assert_eq!(
+            parse_journal(&text),
+            Leftovers {
+                uploads: vec![("last-key".to_string(), "last-id".to_string())],
+                temporaries: vec!["last-tmp".to_string()],
+            }
+        );
     }
 
     #[tokio::test]
