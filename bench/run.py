@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--size", choices=["smoke", "ci", "published"], default="ci")
     ap.add_argument("--systems", default="", help="comma-separated: bucketfs,s3fs,rclone,goofys,geesefs,mount-s3 "
                     "(default: every one found)")
-    ap.add_argument("--scenarios", default="", help="comma-separated groups: seq,read4,small,sysbench,lsfind,cp,"
+    ap.add_argument("--scenarios", default="", help="comma-separated groups: seq,cp,read4,small,sysbench,lsfind,"
                     "create,concurrent,pandas (default: all)")
     ap.add_argument("--out", default="", help="output dir (default bench/out/SIZE-TIMESTAMP)")
     ap.add_argument("--repeat", type=int, default=0, help="runs of every measurement (default: 1 smoke, 3 ci/published)")
