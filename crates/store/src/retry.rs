@@ -9,7 +9,8 @@
 //! made `max_attempts` attempts, or the next attempt would start later than `max_elapsed` after
 //! the first failure. The budget starts at the first failure, not at the call: time a call
 //! spent queued for a connection or receiving a slow answer before it failed is not failing
-//! time, and must not leave a transient failure unretried. Permanent errors (403, 404, 412, 400, out of space) are returned at once.
+//! time, and must not leave a transient failure unretried. Permanent errors (403, 404, 412,
+//! 400, out of space) are returned at once.
 //!
 //! **Outage breaker.** Every success clears the breaker; the first transient failure after a
 //! success sets the outage start. Once the store has failed for longer than `max_elapsed`
