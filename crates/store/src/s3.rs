@@ -843,7 +843,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn requests_in_flight_never_exceed_max_connections() {
-        let (url, most) = slow_server(Duration::from_millis(100));
+        let (url, most) = slow_server(Duration::from_millis(200));
         let store = S3Store::new(&S3Config {
             bucket: "b".into(),
             endpoint_url: Some(url),
@@ -862,8 +862,10 @@ mod tests {
         for r in futures::future::join_all(heads).await {
             assert_eq!(r.unwrap().size, 3);
         }
-        // 12 requests queued behind 3 slots: the server saw 3 at a time, never more.
-        assert_eq!(most.load(AtomicOrdering::SeqCst), 3);
+        // 12 requests queued behind 3 slots: the server never saw more than 3 at a time (12
+        // without the bound), and more than one (they do run in parallel).
+        let most = most.load(AtomicOrdering::SeqCst);
+        assert!((2..=3).contains(&most), "{most} requests at once");
     }
 
     #[test]
