@@ -39,14 +39,14 @@ pub fn listable(name: &str) -> bool {
         && !name.contains('\0')
 }
 
-/// Turns a user-supplied prefix (`some/prefix`, `/x/`, ``) into the key prefix of the mount
-/// root: empty, or ending with exactly one `/`.
 /// Key prefix of the hidden copies of files unlinked while open, for a mount of `prefix`
 /// (normalized): objects there belong to the daemon that wrote them and must not outlive it.
 pub fn unlinked_key_prefix(prefix: &str) -> String {
     format!("{prefix}{UNLINKED_DIR}/")
 }
 
+/// Turns a user-supplied prefix (`some/prefix`, `/x/`, ``) into the key prefix of the mount
+/// root: empty, or ending with exactly one `/`.
 pub fn normalize_prefix(p: &str) -> String {
     let t = p.trim_matches('/');
     if t.is_empty() {
