@@ -381,12 +381,17 @@ impl JournalStore {
         if !self.is_temporary(key) {
             return Ok(());
         }
-        self.journal.keeping(key).map_err(|e| {
-            StoreError::Other(format!(
-                "upload journal {}: {e}",
-                self.journal.path.display()
-            ))
-        })
+        self.journal
+            .keeping(key)
+            .map_err(|e| self.journal_failed(e))
+    }
+
+    /// The error of a write refused because the journal could not record it.
+    fn journal_failed(&self, e: io::Error) -> StoreError {
+        StoreError::Other(format!(
+            "upload journal {}: {e}",
+            self.journal.path.display()
+        ))
     }
 
     pub fn journal(&self) -> Arc<UploadJournal> {
@@ -439,10 +444,7 @@ impl ObjectStore for JournalStore {
             // Without a journal entry a crash would leave this upload behind for good: give
             // it up now rather than risk that.
             let _ = self.inner.abort_multipart(key, &id).await;
-            return Err(StoreError::Other(format!(
-                "upload journal {}: {e}",
-                self.journal.path.display()
-            )));
+            return Err(self.journal_failed(e));
         }
         Ok(id)
     }
