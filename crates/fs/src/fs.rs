@@ -917,7 +917,9 @@ impl Fs {
             None => None,
         };
         let streamed = guard.as_ref().is_some_and(|st| st.holds_streamed_bytes());
-        if !in_store && !streamed {
+        // A file truncated or rewritten since it was opened needs nothing from its object.
+        let reads_object = in_store && guard.as_ref().is_none_or(|st| st.reads_base());
+        if !reads_object && !streamed {
             return Ok(false);
         }
         // Unique across mounts sharing the bucket: inode numbers repeat, clocks and pids less so.
@@ -1589,6 +1591,10 @@ impl Fs {
             if write.is_some() {
                 i.writers = i.writers.saturating_sub(1);
             }
+            if i.unlinked && i.open_handles == 0 {
+                // The state kept for readers of an unlinked file (see below) goes with them.
+                i.write = None;
+            }
             let hidden = (i.hidden && i.open_handles == 0).then(|| {
                 i.hidden = false;
                 i.path.clone()
@@ -1602,7 +1608,7 @@ impl Fs {
             return Ok(());
         }
         let w = write.expect("writer handle");
-        let result = {
+        let (result, unlinked) = {
             let mut st = w.state.lock().await;
             let r = if st.has_changes_to_publish() && !st.failed {
                 // Normally flush already published; this catches a flush that never came.
@@ -1624,7 +1630,7 @@ impl Fs {
                 Err(FsError::EBADF)
             };
             st.abort_stream().await;
-            r
+            (r, st.unlinked)
         };
         if let Ok((etag, size, meta)) = result {
             self.published(ino, etag, size, meta);
@@ -1634,7 +1640,11 @@ impl Fs {
             let mut never_stored = false;
             if let Some(i) = t.get_mut(ino) {
                 if i.writers == 0 {
-                    i.write = None;
+                    // An unlinked file's bytes may exist nowhere else: its readers read them
+                    // from the state until the last close.
+                    if !unlinked || i.open_handles == 0 {
+                        i.write = None;
+                    }
                     never_stored = i.fetched.is_none();
                 }
             }

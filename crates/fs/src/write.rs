@@ -1224,6 +1224,16 @@ impl WriteState {
         !self.uploaded_only.is_empty()
     }
 
+    /// Whether some current byte can only be read from the base object in the store (neither
+    /// written since nor fetched into the staging file). False after `O_TRUNC`.
+    pub fn reads_base(&self) -> bool {
+        self.base.is_some()
+            && self
+                .dirty
+                .segments(0..self.base_len)
+                .any(|(r, dirty)| !dirty && !self.local.covers(&r))
+    }
+
     /// The base object was copied, unchanged, to `key`, where the copy has ETag `etag`; the
     /// state reads the base from there. The upload must be closed (it belongs to the old key).
     pub fn move_base(&mut self, key: String, etag: String) {

@@ -1931,6 +1931,32 @@ async fn unlink_copies_only_for_open_files_with_stored_bytes() {
     assert!(e.mem.keys().is_empty());
 }
 
+/// A stored file opened with `O_TRUNC` needs nothing from its object: unlinking it while
+/// open deletes the object without copying it, and a reader of the file still reads what the
+/// writer wrote after the writer's last close.
+#[tokio::test]
+async fn an_unlinked_truncated_file_is_not_copied_and_reads_on() {
+    let e = env();
+    put(&e.mem, "log", &random(3 * MIB as usize, 78)).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("log")).await.unwrap();
+    let w =
+        e.fs.open(a.ino, libc::O_RDWR | libc::O_TRUNC)
+            .await
+            .unwrap();
+    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"fresh"))
+        .await
+        .unwrap();
+    let r = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    e.fs.unlink(ROOT_INO, OsStr::new("log")).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::Copy), 0);
+    assert!(e.mem.keys().is_empty(), "{:?}", e.mem.keys());
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, r.fh, 0, 100).await.unwrap()[..], b"fresh");
+    e.fs.release(a.ino, r.fh).await.unwrap();
+    assert!(e.mem.keys().is_empty(), "{:?}", e.mem.keys());
+    assert_eq!(e.metrics.requests(Op::Put), 0);
+}
+
 /// The hidden directory's name is reserved at the root only.
 #[tokio::test]
 async fn the_hidden_directory_name_is_reserved_at_the_root() {
