@@ -334,7 +334,7 @@ def main(argv: list[str]) -> int:
                 "shared_data": {k: v for k, v in ctx.shared.items() if k != "large_md5"},
             },
             "summary": runner.summarize(ctx),
-            "runs": {"rows": ctx.results, "limit": ctx.limit_runs},
+            "runs": {"rows": ctx.results, "limit": ctx.limit_runs, "limit_cp": ctx.limit_cp_runs},
         }
         (out / "plots").mkdir(exist_ok=True)
         try:
@@ -360,8 +360,9 @@ def main(argv: list[str]) -> int:
             if res and res["status"] != "ok":
                 failed.append(f"{rid}: {res['status']}: {'; '.join(res['errors'])[:300]}")
         lim = doc["summary"]["limit"]
-        if any(s.name == "bucketfs" for s in systems) and lim["status"] == "error":
-            failed.append(f"limit: {'; '.join(lim['errors'])}")
+        for name, li in (("limit", lim), ("cp limit", lim.get("cp"))):
+            if li and any(s.name == "bucketfs" for s in systems) and li["status"] == "error":
+                failed.append(f"{name}: {'; '.join(li['errors'])}")
         if failed:
             print("bench: FAILED for bucketfs:\n  " + "\n  ".join(failed), file=sys.stderr)
             rc = rc or 1

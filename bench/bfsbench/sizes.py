@@ -16,12 +16,12 @@ SIZES: dict[str, dict] = {
         mc_n=100, mc_kb=4, mc_depth=2, mc_fanout=4,
         cr_n=10, cr_size=8 * MiB,
         pd_rows=5000, pd_iter=3,
-        limit_size=64 * MiB, limit_conc=(8,),
+        limit_size=32 * MiB, limit_conc=(8,),
         timeout=180,
         repeat=1,
     ),
     "ci": dict(
-        seq=512 * MiB,
+        seq=1 * GiB,  # the limit's size: seq-write and seq-read move what the limit moves
         r4_size=128 * MiB, r4_runtime=10,
         sf_count=2000, sf_kb=128, sf_dirs=100, sf_threads=128,
         sb_files=128, sb_total=128 * MiB, sb_time=10,
