@@ -411,6 +411,43 @@ fn unlinked_open_files_stay_readable_until_closed() {
     assert!(s3.list_multipart_uploads(&b).is_empty());
 }
 
+/// The "write a temp file and rename it over" save, while another descriptor has the old file
+/// open for reading and one for writing: the name gives the new file at once, both descriptors
+/// keep the old one, and closing the old writer does not publish over the new file.
+#[test]
+fn renaming_over_an_open_file_keeps_it_for_its_descriptors() {
+    let s3 = s3();
+    let b = s3.new_bucket("renameover");
+    let m = Mount::s3(&b);
+    let old = pattern::bytes(43, 3 << 20);
+    s3.put(&b, "data", old.clone());
+    let mut reader = File::open(m.join("data")).unwrap();
+    let mut writer = fs::OpenOptions::new()
+        .append(true)
+        .open(m.join("data"))
+        .unwrap();
+    writer.write_all(b"tail").unwrap();
+
+    write_file(&m.join("data.tmp"), b"the new file");
+    fs::rename(m.join("data.tmp"), m.join("data")).unwrap();
+    assert_eq!(fs::read(m.join("data")).unwrap(), b"the new file");
+    assert_eq!(s3.get(&b, "data").as_deref(), Some(&b"the new file"[..]));
+
+    let mut got = Vec::new();
+    reader.read_to_end(&mut got).unwrap();
+    let mut expect = old;
+    expect.extend_from_slice(b"tail");
+    assert!(got == expect, "the replaced file read back different bytes");
+    close_checked(writer).unwrap();
+    drop(reader);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while s3.list_keys(&b, "").len() > 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(s3.list_keys(&b, ""), set(["data"]));
+    assert_eq!(s3.get(&b, "data").as_deref(), Some(&b"the new file"[..]));
+}
+
 #[test]
 fn symlink_and_readlink() {
     let s3 = s3();

@@ -115,6 +115,40 @@ struct FileHandle {
     write: Option<Arc<OpenWrite>>,
 }
 
+/// A file still open here whose name a rename takes (see [`Fs::rename_file`]).
+struct Replaced {
+    ino: Ino,
+    write: Option<Arc<OpenWrite>>,
+    in_store: bool,
+}
+
+type StateGuard<'a> = tokio::sync::MutexGuard<'a, WriteState>;
+
+/// Locks the write states of two files in inode order, so that two renames crossing each
+/// other cannot deadlock.
+async fn lock_in_order<'a>(
+    a: (Ino, Option<&'a OpenWrite>),
+    b: Option<&'a (Ino, Option<Arc<OpenWrite>>)>,
+) -> (Option<StateGuard<'a>>, Option<StateGuard<'a>>) {
+    async fn lock(w: Option<&OpenWrite>) -> Option<StateGuard<'_>> {
+        match w {
+            Some(w) => Some(w.state.lock().await),
+            None => None,
+        }
+    }
+    let (b_ino, b) = match b {
+        Some((ino, w)) => (*ino, w.as_deref()),
+        None => return (lock(a.1).await, None),
+    };
+    if a.0 <= b_ino {
+        let ga = lock(a.1).await;
+        (ga, lock(b).await)
+    } else {
+        let gb = lock(b).await;
+        (lock(a.1).await, gb)
+    }
+}
+
 enum Handle {
     File(FileHandle),
     Dir(Arc<tokio::sync::Mutex<DirStream>>),
@@ -901,10 +935,10 @@ impl Fs {
     }
 
     /// Unlinks file `ino`, still open here, without losing what its descriptors may read
-    /// (POSIX keeps an unlinked file until its last close). Bytes that only the store holds,
-    /// the object and parts streamed to an open upload, move to a hidden key under
-    /// [`UNLINKED_DIR`] (server-side copy, then delete), which the last close deletes.
-    /// Returns false, having done nothing, when all its bytes are local anyway.
+    /// (POSIX keeps an unlinked file until its last close). Bytes that only the store holds
+    /// move to a hidden key (see [`Self::copy_for_descriptors`]; copy, then delete), which
+    /// the last close deletes. Returns false, having done nothing, when all its bytes are
+    /// local anyway.
     async fn hide_open_file(
         &self,
         ino: Ino,
@@ -916,11 +950,39 @@ impl Fs {
             Some(w) => Some(w.state.lock().await),
             None => None,
         };
-        let streamed = guard.as_ref().is_some_and(|st| st.holds_streamed_bytes());
-        // A file truncated or rewritten since it was opened needs nothing from its object.
-        let reads_object = in_store && guard.as_ref().is_none_or(|st| st.reads_base());
-        if !reads_object && !streamed {
+        let Some(kept) = self
+            .copy_for_descriptors(ino, path, guard.as_deref_mut(), in_store)
+            .await?
+        else {
             return Ok(false);
+        };
+        let src = self.key(path);
+        if let Err(e) = self.store.delete(&src).await {
+            self.delete_hidden(kept.0).await;
+            return Err(log_store_err(&format!("unlink {src}"), e));
+        }
+        self.retire_open_file(ino, guard.as_deref_mut(), Some(kept))
+            .await;
+        Ok(true)
+    }
+
+    /// Copies what the store holds of open file `ino` at `path` (its object, and parts
+    /// streamed to an open upload, which are completed first) server-side to a new hidden
+    /// key under [`UNLINKED_DIR`], for its descriptors to read once the name is gone or taken.
+    /// Returns that path and the copy's ETag, or None, having copied nothing, when all its
+    /// bytes are local anyway. The object stays where it is.
+    async fn copy_for_descriptors(
+        &self,
+        ino: Ino,
+        path: &str,
+        mut st: Option<&mut WriteState>,
+        in_store: bool,
+    ) -> FsResult<Option<(String, String)>> {
+        let streamed = st.as_ref().is_some_and(|st| st.holds_streamed_bytes());
+        // A file truncated or rewritten since it was opened needs nothing from its object.
+        let reads_object = in_store && st.as_ref().is_none_or(|st| st.reads_base());
+        if !reads_object && !streamed {
+            return Ok(None);
         }
         // Unique across mounts sharing the bucket: inode numbers repeat, clocks and pids less so.
         let stamp = SystemTime::now()
@@ -930,55 +992,62 @@ impl Fs {
         let hidden = format!("{UNLINKED_DIR}/{ino}-{}-{stamp:x}", std::process::id());
         self.check_key_len(&hidden)?;
         let (src, dst) = (self.key(path), self.key(&hidden));
-        if let (Some(st), true) = (guard.as_mut(), streamed) {
+        if let (Some(st), true) = (st.as_mut(), streamed) {
             // Those bytes can only be read back from a completed object.
             st.publish().await?;
         }
-        let what = format!("unlink {src} (open: keeping it as {dst})");
+        let what = format!("keeping {src} as {dst} for its open descriptors");
         let size = match self.store.head(&src).await {
             Ok(o) => o.size,
             // Deleted behind our back: nothing left to keep.
-            Err(StoreError::NotFound(_)) if !streamed => return Ok(false),
+            Err(StoreError::NotFound(_)) if !streamed => return Ok(None),
             Err(e) => return Err(log_store_err(&what, e)),
         };
         self.copy_object(&src, &dst, size, None).await?;
         // Readers pin the copy's own ETag with If-Match.
-        let etag = self.store.head(&dst).await.map(|o| o.etag);
-        let removed = match etag {
-            Ok(Some(etag)) => self.store.delete(&src).await.map(|_| etag),
-            Ok(None) => Err(StoreError::Other(format!("no ETag for {dst}"))),
-            Err(e) => Err(e),
+        let e = match self.store.head(&dst).await.map(|o| o.etag) {
+            Ok(Some(etag)) => return Ok(Some((hidden, etag))),
+            Ok(None) => StoreError::Other(format!("no ETag for {dst}")),
+            Err(e) => e,
         };
-        let etag = match removed {
-            Ok(etag) => etag,
-            Err(e) => {
-                let _ = self.store.delete(&dst).await;
-                return Err(log_store_err(&what, e));
-            }
-        };
-        if let Some(st) = guard.as_mut() {
+        let _ = self.store.delete(&dst).await;
+        Err(log_store_err(&what, e))
+    }
+
+    /// The last step of unlinking open file `ino`, or of renaming another file over it: its
+    /// name is gone, its state never publishes again, and with `kept` (the hidden copy of
+    /// [`Self::copy_for_descriptors`]) its descriptors read that copy until the last close.
+    async fn retire_open_file(
+        &self,
+        ino: Ino,
+        st: Option<&mut WriteState>,
+        kept: Option<(String, String)>,
+    ) {
+        if let Some(st) = st {
             st.unlinked = true;
             st.abort_stream().await;
-            st.move_base(dst, etag.clone());
+            if let Some((hidden, etag)) = &kept {
+                st.move_base(self.key(hidden), etag.clone());
+            }
         }
         let closed = {
             let mut t = self.table.lock();
             t.detach(ino);
-            match t.get_mut(ino) {
-                Some(i) => {
+            match (kept, t.get_mut(ino)) {
+                (Some((hidden, etag)), Some(i)) => {
                     i.path = hidden.clone();
                     i.etag = Some(etag);
                     // The last close came while the object was moving: it could not delete it.
                     i.hidden = i.open_handles > 0;
-                    !i.hidden
+                    (!i.hidden).then_some(hidden)
                 }
-                None => true,
+                (Some((hidden, _)), None) => Some(hidden),
+                (None, _) => None,
             }
         };
-        if closed {
+        if let Some(hidden) = closed {
             self.delete_hidden(hidden).await;
         }
-        Ok(true)
     }
 
     /// Deletes the hidden object of a file unlinked while open (see [`Self::hide_open_file`]),
@@ -1078,11 +1147,19 @@ impl Fs {
         };
         let new_path = join(&new_parent_path, &new_name_s);
         self.check_key_len(&new_path)?;
+        let mut replaced = None;
         if let Some(t) = target {
-            let (tkind, tpath) = {
+            let (tkind, tpath, open, twrite, in_store) = {
                 let tb = self.table.lock();
                 let i = tb.get(t).ok_or(FsError::ENOENT)?;
-                (i.kind, i.path.clone())
+                let open = i.open_handles > 0;
+                (
+                    i.kind,
+                    i.path.clone(),
+                    open,
+                    i.write.clone(),
+                    i.fetched.is_some(),
+                )
             };
             match (kind == FileKind::Dir, tkind == FileKind::Dir) {
                 (true, false) => return Err(FsError::ENOTDIR),
@@ -1092,14 +1169,23 @@ impl Fs {
                         return Err(FsError::ENOTEMPTY);
                     }
                 }
-                (false, false) => {}
+                (false, false) => {
+                    if open {
+                        replaced = Some(Replaced {
+                            ino: t,
+                            write: twrite,
+                            in_store,
+                        });
+                    }
+                }
             }
         }
         let new_etag = if kind == FileKind::Dir {
             self.rename_dir(&path, &new_path, target.is_some()).await?;
             None
         } else {
-            self.rename_file(&path, &new_path, size, write).await?
+            self.rename_file(&path, &new_path, size, (src, write), replaced)
+                .await?
         };
         self.lookups.forget(&path);
         self.lookups.forget(&new_path);
@@ -1131,21 +1217,64 @@ impl Fs {
         Ok(())
     }
 
+    /// Moves file `src` (its inode and write state) from `path` to `new_path`. The file whose
+    /// name it takes, if still open here (`replaced`), keeps its bytes for its descriptors, as
+    /// an unlinked one does (see [`Self::hide_open_file`]), and never publishes over the new
+    /// object.
     async fn rename_file(
         &self,
         path: &str,
         new_path: &str,
         size: u64,
-        write: Option<Arc<OpenWrite>>,
+        src: (Ino, Option<Arc<OpenWrite>>),
+        replaced: Option<Replaced>,
     ) -> FsResult<Option<String>> {
-        let (src, dst) = (self.key(path), self.key(new_path));
-        let mut guard = match &write {
-            Some(w) => Some(w.state.lock().await),
+        let replaced_state = replaced.as_ref().map(|r| (r.ino, r.write.clone()));
+        let (mut guard, mut replaced_guard) =
+            lock_in_order((src.0, src.1.as_deref()), replaced_state.as_ref()).await;
+        let kept = match &replaced {
+            Some(r) => {
+                self.copy_for_descriptors(
+                    r.ino,
+                    new_path,
+                    replaced_guard.as_deref_mut(),
+                    r.in_store,
+                )
+                .await?
+            }
             None => None,
         };
-        let size = match guard.as_mut() {
+        let moved = self
+            .move_object(path, new_path, size, guard.as_deref_mut())
+            .await;
+        match (moved, replaced) {
+            (Err(e), _) => {
+                if let Some((hidden, _)) = kept {
+                    self.delete_hidden(hidden).await;
+                }
+                Err(e)
+            }
+            (Ok(etag), Some(r)) => {
+                self.retire_open_file(r.ino, replaced_guard.as_deref_mut(), kept)
+                    .await;
+                Ok(etag)
+            }
+            (Ok(etag), None) => Ok(etag),
+        }
+    }
+
+    /// Publishes what is written of a file (state `st`) and moves its object from `path` to
+    /// `new_path`; returns the new object's ETag.
+    async fn move_object(
+        &self,
+        path: &str,
+        new_path: &str,
+        size: u64,
+        mut st: Option<&mut WriteState>,
+    ) -> FsResult<Option<String>> {
+        let (src, dst) = (self.key(path), self.key(new_path));
+        let size = match st.as_mut() {
             Some(st) => {
-                // Publish what is written so far, then move the object.
                 st.publish().await?;
                 st.size()
             }
@@ -1159,7 +1288,7 @@ impl Fs {
         // The copy has an ETag of its own (a multipart source's never carries over): readers
         // pin it with If-Match, so learn it now.
         let new = self.store.head(&dst).await.ok();
-        if let Some(st) = guard.as_mut() {
+        if let Some(st) = st {
             let base = new
                 .as_ref()
                 .and_then(|o| o.etag.clone().map(|etag| Base { etag, size: o.size }));

@@ -1957,6 +1957,52 @@ async fn an_unlinked_truncated_file_is_not_copied_and_reads_on() {
     assert_eq!(e.metrics.requests(Op::Put), 0);
 }
 
+/// A file renamed over one still open here replaces it for good, as on a local disk (the
+/// "write a temp file, rename it over" save): the open file's descriptors keep reading and
+/// writing their own bytes, and its last close does not publish them over the new file.
+#[tokio::test]
+async fn renaming_over_an_open_file_keeps_it_for_its_descriptors() {
+    let e = env();
+    let mut old = random(3 * MIB as usize, 79);
+    put(&e.mem, "cfg", &old).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("cfg")).await.unwrap();
+    let w = e.fs.open(a.ino, libc::O_RDWR).await.unwrap();
+    let r = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"edit"))
+        .await
+        .unwrap();
+    old[..4].copy_from_slice(b"edit");
+    write_file(&e.fs, "cfg.tmp", b"new content").await;
+    e.fs.rename(
+        ROOT_INO,
+        OsStr::new("cfg.tmp"),
+        ROOT_INO,
+        OsStr::new("cfg"),
+        0,
+    )
+    .await
+    .unwrap();
+    assert_eq!(object(&e.mem, "cfg").await, b"new content");
+    assert_eq!(hidden_keys(&e.mem).len(), 1, "{:?}", e.mem.keys());
+    let head = e.fs.read(a.ino, r.fh, 0, MIB as u32).await.unwrap();
+    assert_eq!(&head[..], &old[..MIB as usize]);
+    e.fs.write(a.ino, w.fh, MIB, Bytes::from_static(b"more"))
+        .await
+        .unwrap();
+    old[MIB as usize..MIB as usize + 4].copy_from_slice(b"more");
+    e.fs.flush(a.ino, w.fh).await.unwrap();
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    for off in [MIB, 2 * MIB] {
+        let b = e.fs.read(a.ino, r.fh, off, MIB as u32).await.unwrap();
+        assert_eq!(&b[..], &old[off as usize..(off + MIB) as usize], "at {off}");
+    }
+    e.fs.release(a.ino, r.fh).await.unwrap();
+    assert_eq!(e.mem.keys(), vec!["cfg".to_string()]);
+    assert_eq!(object(&e.mem, "cfg").await, b"new content");
+    let now = e.fs.lookup(ROOT_INO, OsStr::new("cfg")).await.unwrap();
+    assert_eq!(now.size, 11);
+}
+
 /// The hidden directory's name is reserved at the root only.
 #[tokio::test]
 async fn the_hidden_directory_name_is_reserved_at_the_root() {
