@@ -385,11 +385,11 @@ fn soak_with_an_integrity_ledger() {
         ledger.len()
     );
     // 64 threads want far more requests out at once than the default bound (a run without
-    // it ended with 278 sockets; with it, the pool fills to exactly the bound). The slack
-    // covers connections hyper opens while idle ones are on their way back to the pool (runs
-    // here ended 1 over the bound at most). The bound itself is proven exactly by the store's
-    // `requests_in_flight_never_exceed_max_connections`.
-    let max_sockets = socks_before + bucketfs_store::s3::DEFAULT_MAX_CONNECTIONS + 16;
+    // it ended with 278 sockets). Once quiet, only idle connections are left, and the pool
+    // keeps at most that many (before that cap, hyper's races let it creep past the bound:
+    // 152 here). The slack covers a connection still closing. The request bound itself is
+    // proven exactly by the store's `requests_in_flight_never_exceed_max_connections`.
+    let max_sockets = socks_before + bucketfs_store::s3::DEFAULT_MAX_CONNECTIONS + 4;
     assert!(
         socks_after <= max_sockets,
         "{socks_after} sockets open (at most {max_sockets} expected): the connection pool is \

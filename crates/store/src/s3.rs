@@ -219,9 +219,11 @@ impl S3Store {
         if let Some(r) = &cfg.region {
             loader = loader.region(Region::new(r.clone()));
         }
-        if let Some(http) = crate::tls::http_client(&cfg.tls) {
-            loader = loader.http_client(http);
-        }
+        let max_connections = match cfg.max_connections {
+            0 => DEFAULT_MAX_CONNECTIONS,
+            n => n.min(Semaphore::MAX_PERMITS),
+        };
+        loader = loader.http_client(crate::tls::http_client(&cfg.tls, max_connections));
         let sdk = loader.load().await;
         let mut b = aws_sdk_s3::config::Builder::from(&sdk)
             .force_path_style(cfg.force_path_style)
@@ -256,10 +258,7 @@ impl S3Store {
             unsigned_payload: cfg.unsigned_payload.unwrap_or(https),
             list_metadata: cfg.list_metadata,
             server: AtomicU8::new(SERVER_UNKNOWN),
-            slots: Semaphore::new(match cfg.max_connections {
-                0 => DEFAULT_MAX_CONNECTIONS,
-                n => n.min(Semaphore::MAX_PERMITS),
-            }),
+            slots: Semaphore::new(max_connections),
         })
     }
 

@@ -66,11 +66,20 @@ pub fn load_ca_bundle(path: &Path) -> Result<Vec<u8>, String> {
     Ok(pem)
 }
 
-/// The HTTP client for `trust`; `None` means the SDK's default one.
-pub fn http_client(trust: &TlsTrust) -> Option<SharedHttpClient> {
+/// The HTTP client for `trust`. At most `max_idle` idle connections stay open: the request
+/// bound (`--max-connections`) caps connections in use, and this caps those a burst leaves
+/// behind (hyper opens one when none is idle at that instant, though one may be on its way
+/// back, so without it the pool creeps past the bound and keeps what it gained).
+pub fn http_client(trust: &TlsTrust, max_idle: usize) -> SharedHttpClient {
     use aws_smithy_http_client::tls::{self, TlsContext, TrustStore};
+    let builder = aws_smithy_http_client::Builder::new()
+        .pool_max_idle_per_host(max_idle)
+        .tls_provider(tls::Provider::rustls(
+            tls::rustls_provider::CryptoMode::AwsLc,
+        ));
     match trust {
-        TlsTrust::System => None,
+        // The SDK's default client, but for the idle bound.
+        TlsTrust::System => builder.build_https(),
         TlsTrust::CaBundle(pem) => {
             let ctx = TlsContext::builder()
                 .with_trust_store(
@@ -80,16 +89,9 @@ pub fn http_client(trust: &TlsTrust) -> Option<SharedHttpClient> {
                 )
                 .build()
                 .expect("a TLS context without server names always builds");
-            Some(
-                aws_smithy_http_client::Builder::new()
-                    .tls_provider(tls::Provider::rustls(
-                        tls::rustls_provider::CryptoMode::AwsLc,
-                    ))
-                    .tls_context(ctx)
-                    .build_https(),
-            )
+            builder.tls_context(ctx).build_https()
         }
-        TlsTrust::Insecure => Some(SharedHttpClient::new(InsecureClient::new())),
+        TlsTrust::Insecure => SharedHttpClient::new(InsecureClient::new(max_idle)),
     }
 }
 
@@ -155,7 +157,7 @@ struct InsecureClient {
 }
 
 impl InsecureClient {
-    fn new() -> Self {
+    fn new(max_idle: usize) -> Self {
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let config = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
@@ -175,6 +177,7 @@ impl InsecureClient {
         let client =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(60))
+                .pool_max_idle_per_host(max_idle)
                 .build(https);
         Self { client }
     }
