@@ -616,8 +616,10 @@ async fn open_raw_store(
                 Ok(Ok(())) => {}
             }
             info!("bucket {bucket} at {endpoint}: access checked");
+            let slots = store.request_slots();
             let metered = MeteredStore::new(Arc::new(store));
             let metrics = metered.metrics();
+            metrics.watch_request_slots(slots);
             Ok((Arc::new(metered), metrics))
         }
     }

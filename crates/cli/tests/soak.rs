@@ -279,6 +279,13 @@ fn soak_with_an_integrity_ledger() {
     std::thread::sleep(Duration::from_millis(500));
     let (fds_after, socks_after) = m.fd_kinds();
     let inodes_after = metric(&metrics_addr, "bucketfs_inodes");
+    // The request-bound gauges are served, and nothing holds or waits for a slot once quiet.
+    for gauge in [
+        "bucketfs_store_requests_in_flight",
+        "bucketfs_store_requests_waiting",
+    ] {
+        assert_eq!(metric(&metrics_addr, gauge), 0, "{gauge} after the run");
+    }
 
     // Final check of every file through the mount.
     let ledger = Arc::try_unwrap(ledger).unwrap().into_inner().unwrap();

@@ -5,7 +5,7 @@ use crate::*;
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Kinds of store request, in the order they are reported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -65,6 +65,8 @@ pub struct StoreMetrics {
     errors: [AtomicU64; 12],
     pub bytes_up: AtomicU64,
     pub bytes_down: AtomicU64,
+    /// The S3 store's request bound, reported as gauges (none for other stores).
+    slots: OnceLock<Arc<crate::s3::RequestSlots>>,
 }
 
 impl StoreMetrics {
@@ -74,6 +76,11 @@ impl StoreMetrics {
     pub fn errors(&self, op: Op) -> u64 {
         self.errors[op as usize].load(Ordering::Relaxed)
     }
+    /// Reports `slots` (the S3 store's request bound) along with the counters.
+    pub fn watch_request_slots(&self, slots: Arc<crate::s3::RequestSlots>) {
+        let _ = self.slots.set(slots);
+    }
+
     pub fn total_requests(&self) -> u64 {
         Op::ALL.iter().map(|o| self.requests(*o)).sum()
     }
@@ -116,6 +123,17 @@ impl StoreMetrics {
             "# TYPE bucketfs_store_bytes_down_total counter\nbucketfs_store_bytes_down_total {}\n",
             self.bytes_down()
         );
+        if let Some(slots) = self.slots.get() {
+            s += &format!(
+                "# HELP bucketfs_store_requests_in_flight S3 requests holding one of the \
+                 --max-connections slots\n# TYPE bucketfs_store_requests_in_flight gauge\n\
+                 bucketfs_store_requests_in_flight {}\n\
+                 # HELP bucketfs_store_requests_waiting S3 requests waiting for a slot\n\
+                 # TYPE bucketfs_store_requests_waiting gauge\nbucketfs_store_requests_waiting {}\n",
+                slots.in_use(),
+                slots.waiting()
+            );
+        }
         s
     }
 }

@@ -12,7 +12,8 @@ use aws_sdk_s3::Client;
 use aws_smithy_types::date_time::DateTime as SmithyTime;
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::{Semaphore, SemaphorePermit};
 
@@ -90,7 +91,55 @@ pub struct S3Store {
     /// [`SERVER_OTHER`] (only looked at with `ListMetadata::Auto`).
     server: AtomicU8,
     /// One permit per request in flight ([`S3Config::max_connections`]).
-    slots: Semaphore,
+    slots: Arc<RequestSlots>,
+}
+
+/// The bound on S3 requests in flight (`--max-connections`), and how busy it is: gauges for
+/// tuning it.
+#[derive(Debug)]
+pub struct RequestSlots {
+    sem: Semaphore,
+    max: usize,
+    waiting: AtomicUsize,
+}
+
+impl RequestSlots {
+    fn new(max: usize) -> Self {
+        Self {
+            sem: Semaphore::new(max),
+            max,
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// Requests holding a slot (sent, or having their answer read).
+    pub fn in_use(&self) -> usize {
+        self.max - self.sem.available_permits()
+    }
+
+    /// Requests waiting for a slot.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    async fn acquire(&self) -> SemaphorePermit<'_> {
+        if let Ok(p) = self.sem.try_acquire() {
+            return p;
+        }
+        /// Counts a waiter out however its wait ends (a dropped request future included).
+        struct Waiter<'a>(&'a AtomicUsize);
+        impl Drop for Waiter<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let _waiter = Waiter(&self.waiting);
+        self.sem
+            .acquire()
+            .await
+            .expect("the request semaphore is never closed")
+    }
 }
 
 const SERVER_UNKNOWN: u8 = 0;
@@ -258,7 +307,7 @@ impl S3Store {
             unsigned_payload: cfg.unsigned_payload.unwrap_or(https),
             list_metadata: cfg.list_metadata,
             server: AtomicU8::new(SERVER_UNKNOWN),
-            slots: Semaphore::new(max_connections),
+            slots: Arc::new(RequestSlots::new(max_connections)),
         })
     }
 
@@ -266,10 +315,12 @@ impl S3Store {
     /// the reading of the body), so requests in flight, and with them open connections,
     /// never exceed the configured number. A slot is never held while waiting for another.
     async fn slot(&self) -> SemaphorePermit<'_> {
-        self.slots
-            .acquire()
-            .await
-            .expect("the request semaphore is never closed")
+        self.slots.acquire().await
+    }
+
+    /// The request bound, for its gauges.
+    pub fn request_slots(&self) -> Arc<RequestSlots> {
+        self.slots.clone()
     }
 
     /// Whether LISTs that want user metadata ask the server for it now.
@@ -856,15 +907,38 @@ mod tests {
         })
         .await
         .unwrap();
+        // The gauges, sampled while the requests run.
+        let slots = store.request_slots();
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = tokio::spawn({
+            let (slots, done) = (slots.clone(), done.clone());
+            async move {
+                let (mut in_use, mut waiting) = (0, 0);
+                while !done.load(AtomicOrdering::SeqCst) {
+                    in_use = slots.in_use().max(in_use);
+                    waiting = slots.waiting().max(waiting);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                (in_use, waiting)
+            }
+        });
         let keys: Vec<String> = (0..12).map(|i| format!("k{i}")).collect();
         let heads = keys.iter().map(|k| store.head(k));
         for r in futures::future::join_all(heads).await {
             assert_eq!(r.unwrap().size, 3);
         }
+        done.store(true, AtomicOrdering::SeqCst);
         // 12 requests queued behind 3 slots: the server never saw more than 3 at a time (12
         // without the bound), and more than one (they do run in parallel).
         let most = most.load(AtomicOrdering::SeqCst);
         assert!((2..=3).contains(&most), "{most} requests at once");
+        let (in_use, waiting) = sampler.await.unwrap();
+        assert_eq!(in_use, 3, "most slots in use");
+        assert!(
+            (1..=9).contains(&waiting),
+            "{waiting} requests waiting at most"
+        );
+        assert_eq!((slots.in_use(), slots.waiting()), (0, 0), "all settled");
     }
 
     #[test]
