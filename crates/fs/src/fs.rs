@@ -128,7 +128,7 @@ type StateGuard<'a> = tokio::sync::MutexGuard<'a, WriteState>;
 /// other cannot deadlock.
 async fn lock_in_order<'a>(
     a: (Ino, Option<&'a OpenWrite>),
-    b: Option<&'a (Ino, Option<Arc<OpenWrite>>)>,
+    b: Option<(Ino, Option<&'a OpenWrite>)>,
 ) -> (Option<StateGuard<'a>>, Option<StateGuard<'a>>) {
     async fn lock(w: Option<&OpenWrite>) -> Option<StateGuard<'_>> {
         match w {
@@ -136,9 +136,8 @@ async fn lock_in_order<'a>(
             None => None,
         }
     }
-    let (b_ino, b) = match b {
-        Some((ino, w)) => (*ino, w.as_deref()),
-        None => return (lock(a.1).await, None),
+    let Some((b_ino, b)) = b else {
+        return (lock(a.1).await, None);
     };
     if a.0 <= b_ino {
         let ga = lock(a.1).await;
@@ -1010,7 +1009,7 @@ impl Fs {
             Ok(None) => StoreError::Other(format!("no ETag for {dst}")),
             Err(e) => e,
         };
-        let _ = self.store.delete(&dst).await;
+        self.delete_hidden(hidden).await;
         Err(log_store_err(&what, e))
     }
 
@@ -1229,9 +1228,11 @@ impl Fs {
         src: (Ino, Option<Arc<OpenWrite>>),
         replaced: Option<Replaced>,
     ) -> FsResult<Option<String>> {
-        let replaced_state = replaced.as_ref().map(|r| (r.ino, r.write.clone()));
-        let (mut guard, mut replaced_guard) =
-            lock_in_order((src.0, src.1.as_deref()), replaced_state.as_ref()).await;
+        let (mut guard, mut replaced_guard) = lock_in_order(
+            (src.0, src.1.as_deref()),
+            replaced.as_ref().map(|r| (r.ino, r.write.as_deref())),
+        )
+        .await;
         let kept = match &replaced {
             Some(r) => {
                 self.copy_for_descriptors(
@@ -1247,7 +1248,7 @@ impl Fs {
         let moved = self
             .move_object(path, new_path, size, guard.as_deref_mut())
             .await;
-        match (moved, replaced) {
+        match (moved, &replaced) {
             (Err(e), _) => {
                 if let Some((hidden, _)) = kept {
                     self.delete_hidden(hidden).await;
