@@ -12,6 +12,7 @@ use crate::lookup::{page_entries, CacheLimits, Found, Lookups, LIST_PAGE};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::names::{check_name, UNLINKED_DIR};
+use crate::parts::run_parts;
 use crate::read::{ReadConfig, Reader};
 use crate::write::{Appended, Base, Orphans, PartLayout, WriteConfig, WriteState};
 use dir::{DirMisses, DirStream, ListingSays};
@@ -697,10 +698,7 @@ impl Fs {
                 .boxed()
             })
             .collect();
-        let parts: Result<Vec<CompletedPart>, StoreError> = stream::iter(jobs)
-            .buffered(self.wcfg.upload_concurrency)
-            .try_collect()
-            .await;
+        let parts = run_parts(jobs, self.wcfg.upload_concurrency).await;
         let done = match parts {
             Ok(p) => self
                 .store
@@ -710,7 +708,9 @@ impl Fs {
             Err(e) => Err(e),
         };
         if let Err(e) = done {
-            let _ = self.store.abort_multipart(dst, &id).await;
+            if self.store.abort_multipart(dst, &id).await.is_err() {
+                self.wcfg.orphans.add(dst.to_string(), id);
+            }
             return Err(log_store_err(&what, e));
         }
         Ok(())

@@ -17,6 +17,7 @@ mod lookup;
 mod meta;
 mod metrics;
 mod names;
+mod parts;
 mod pool;
 mod read;
 mod write;

@@ -21,11 +21,11 @@ use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::extents::Extents;
 use crate::metrics::{inc, inc_by, FsMetrics};
+use crate::parts::run_parts;
 use crate::pool::PoolBuf;
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use futures::stream::{self, StreamExt, TryStreamExt};
 use futures::FutureExt;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -259,6 +259,19 @@ type PartOutcome = Result<String, (StoreError, Option<PartBody>)>;
 struct Stream {
     upload_id: String,
     slots: BTreeMap<u64, PartSlot>,
+}
+
+impl Stream {
+    /// Waits for the part uploads still running (whatever their outcome: the upload is being
+    /// given up); returns the upload id, to abort.
+    async fn settle_uploads(self) -> String {
+        for slot in self.slots.into_values() {
+            if let PartSlot::Uploading { task, .. } = slot {
+                let _ = task.await;
+            }
+        }
+        self.upload_id
+    }
 }
 
 pub struct WriteConfig {
@@ -1162,10 +1175,7 @@ impl WriteState {
                 .boxed()
             })
             .collect();
-        stream::iter(jobs)
-            .buffered(self.cfg.upload_concurrency.max(1))
-            .try_collect()
-            .await
+        run_parts(jobs, self.cfg.upload_concurrency).await
     }
 
     /// One part at publish: `kept` (the bytes of a failed early upload) if given, else copied
@@ -1200,21 +1210,15 @@ impl WriteState {
             .map_err(|e| log_store_err(&what, e))
     }
 
-    /// Aborts the multipart upload in progress, if any.
+    /// Aborts the multipart upload in progress, if any. Part uploads still running are
+    /// waited for, not cancelled: one the server already has could land after the abort and
+    /// be kept (see `parts.rs`).
     pub async fn abort_stream(&mut self) {
         if let Some(stream) = self.stream.take() {
-            for slot in stream.slots.into_values() {
-                if let PartSlot::Uploading { task, .. } = slot {
-                    task.abort();
-                }
-            }
-            if let Err(e) = self
-                .store
-                .abort_multipart(&self.key, &stream.upload_id)
-                .await
-            {
+            let upload_id = stream.settle_uploads().await;
+            if let Err(e) = self.store.abort_multipart(&self.key, &upload_id).await {
                 tracing::warn!("abort upload of {}: {e}; will retry", self.key);
-                self.cfg.orphans.add(self.key.clone(), stream.upload_id);
+                self.cfg.orphans.add(self.key.clone(), upload_id);
             }
         }
     }
@@ -1329,12 +1333,9 @@ impl Drop for WriteState {
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => {
                     rt.spawn(async move {
-                        if store
-                            .abort_multipart(&key, &stream.upload_id)
-                            .await
-                            .is_err()
-                        {
-                            orphans.add(key, stream.upload_id);
+                        let upload_id = stream.settle_uploads().await;
+                        if store.abort_multipart(&key, &upload_id).await.is_err() {
+                            orphans.add(key, upload_id);
                         }
                     });
                 }

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use rand::{Rng, SeedableRng};
 use std::ffi::OsStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 const MIB: u64 = 1024 * 1024;
 const ME: Caller = Caller {
@@ -657,6 +658,93 @@ async fn failed_upload_is_reported_and_leaves_nothing() {
     );
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     assert_eq!(mem.pending_uploads(), 0);
+}
+
+/// A publish whose part fails while other parts are being sent: those are waited for, not
+/// dropped, before the upload is aborted (a dropped part the server already has may be
+/// stored after the abort, and kept: MinIO then lists the upload again).
+#[tokio::test]
+async fn a_failed_publish_aborts_only_after_its_running_parts_return() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("sparse"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    // Extended, not written: nothing streams, all 8 parts go at publish, 8 at a time.
+    let size = 40 * MIB;
+    fs.setattr(
+        attr.ino,
+        Some(h.fh),
+        SetAttr {
+            size: Some(size),
+            ..SetAttr::default()
+        },
+    )
+    .await
+    .unwrap();
+    faulty.inject(
+        Op::UploadPart,
+        2,
+        Some(1),
+        Fault::Error(StoreError::Transient("connection reset".into())),
+    );
+    faulty.inject(
+        Op::UploadPart,
+        0,
+        None,
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
+    assert_eq!(faulty.parts_cancelled(), 0, "part requests dropped");
+    assert_eq!(
+        faulty.aborts_racing_parts(),
+        0,
+        "abort sent with parts running"
+    );
+    assert_eq!(mem.pending_uploads(), 0);
+    fs.release(attr.ino, h.fh).await.unwrap();
+}
+
+/// An upload given up while parts of it are on their way (the file shrank below a part and
+/// goes up in one PUT) is aborted after they return.
+#[tokio::test]
+async fn an_abandoned_upload_is_aborted_only_after_its_running_parts_return() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    faulty.inject(
+        Op::UploadPart,
+        0,
+        None,
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    let data = random(7 * MIB as usize, 31);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("shrunk"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    // The first 5 MiB part is on its way when the file is cut to 1 MiB and closed.
+    write_mib(&fs, attr.ino, h.fh, 0, &data).await;
+    fs.setattr(
+        attr.ino,
+        Some(h.fh),
+        SetAttr {
+            size: Some(MIB),
+            ..SetAttr::default()
+        },
+    )
+    .await
+    .unwrap();
+    fs.flush(attr.ino, h.fh).await.unwrap();
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(faulty.parts_cancelled(), 0, "part requests dropped");
+    assert_eq!(
+        faulty.aborts_racing_parts(),
+        0,
+        "abort sent with parts running"
+    );
+    assert_eq!(mem.pending_uploads(), 0);
+    assert_eq!(object(&mem, "shrunk").await, &data[..MIB as usize]);
 }
 
 /// A streamed part whose upload fails once is sent again at close: the first part from its

@@ -6,6 +6,8 @@ use crate::*;
 use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,6 +35,12 @@ struct Rule {
 pub struct FaultStore {
     inner: Arc<dyn ObjectStore>,
     rules: Mutex<Vec<Rule>>,
+    /// Part requests (upload and copy) running now, by upload id.
+    parts_running: Arc<Mutex<HashMap<String, usize>>>,
+    /// Aborts sent while a part request of the same upload was running.
+    aborts_racing_parts: AtomicU64,
+    /// Part requests dropped before they returned.
+    parts_cancelled: Arc<AtomicU64>,
 }
 
 impl FaultStore {
@@ -40,6 +48,34 @@ impl FaultStore {
         Self {
             inner,
             rules: Mutex::new(Vec::new()),
+            parts_running: Arc::default(),
+            aborts_racing_parts: AtomicU64::new(0),
+            parts_cancelled: Arc::default(),
+        }
+    }
+
+    /// Aborts sent while a part request of the same upload was still running. On a real
+    /// server that part may be stored after the abort, and kept.
+    pub fn aborts_racing_parts(&self) -> u64 {
+        self.aborts_racing_parts.load(Ordering::Relaxed)
+    }
+
+    /// Part requests dropped before they returned: the server may still store such a part.
+    pub fn parts_cancelled(&self) -> u64 {
+        self.parts_cancelled.load(Ordering::Relaxed)
+    }
+
+    fn part_started(&self, upload_id: &str) -> PartRequest {
+        *self
+            .parts_running
+            .lock()
+            .entry(upload_id.to_string())
+            .or_default() += 1;
+        PartRequest {
+            upload_id: upload_id.to_string(),
+            running: self.parts_running.clone(),
+            cancelled: self.parts_cancelled.clone(),
+            returned: false,
         }
     }
 
@@ -93,6 +129,29 @@ impl FaultStore {
     }
 }
 
+/// One part request in flight; counted out when it returns or is dropped.
+struct PartRequest {
+    upload_id: String,
+    running: Arc<Mutex<HashMap<String, usize>>>,
+    cancelled: Arc<AtomicU64>,
+    returned: bool,
+}
+
+impl Drop for PartRequest {
+    fn drop(&mut self) {
+        if !self.returned {
+            self.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut running = self.running.lock();
+        if let Some(n) = running.get_mut(&self.upload_id) {
+            *n -= 1;
+            if *n == 0 {
+                running.remove(&self.upload_id);
+            }
+        }
+    }
+}
+
 #[async_trait]
 impl ObjectStore for FaultStore {
     fn describe(&self) -> String {
@@ -137,11 +196,15 @@ impl ObjectStore for FaultStore {
         part_number: u32,
         body: Bytes,
     ) -> StoreResult<String> {
-        self.wrap(
-            Op::UploadPart,
-            self.inner.upload_part(key, upload_id, part_number, body),
-        )
-        .await
+        let mut request = self.part_started(upload_id);
+        let r = self
+            .wrap(
+                Op::UploadPart,
+                self.inner.upload_part(key, upload_id, part_number, body),
+            )
+            .await;
+        request.returned = true;
+        r
     }
     async fn upload_part_copy(
         &self,
@@ -151,12 +214,16 @@ impl ObjectStore for FaultStore {
         src_key: &str,
         range: Range<u64>,
     ) -> StoreResult<String> {
-        self.wrap(
-            Op::UploadPartCopy,
-            self.inner
-                .upload_part_copy(key, upload_id, part_number, src_key, range),
-        )
-        .await
+        let mut request = self.part_started(upload_id);
+        let r = self
+            .wrap(
+                Op::UploadPartCopy,
+                self.inner
+                    .upload_part_copy(key, upload_id, part_number, src_key, range),
+            )
+            .await;
+        request.returned = true;
+        r
     }
     async fn complete_multipart(
         &self,
@@ -171,6 +238,9 @@ impl ObjectStore for FaultStore {
         .await
     }
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
+        if self.parts_running.lock().contains_key(upload_id) {
+            self.aborts_racing_parts.fetch_add(1, Ordering::Relaxed);
+        }
         self.wrap(
             Op::AbortMultipart,
             self.inner.abort_multipart(key, upload_id),
