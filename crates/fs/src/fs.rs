@@ -916,18 +916,25 @@ impl Fs {
             self.lookups.forget(&path);
             return Ok(());
         }
-        if let Some(w) = write {
-            let mut st = w.state.lock().await;
-            st.unlinked = true;
-            st.abort_stream().await;
-        }
-        if in_store {
+        // The object goes first, under the write state's lock (no publish in between): if
+        // the delete fails, the file stays as it was, to be published at close.
+        let mut guard = match &write {
+            Some(w) => Some(w.state.lock().await),
+            None => None,
+        };
+        let published = guard.as_ref().is_some_and(|st| st.base_etag().is_some());
+        if in_store || published {
             let key = self.key(&path);
             self.store
                 .delete(&key)
                 .await
                 .map_err(|e| log_store_err(&format!("unlink {key}"), e))?;
         }
+        if let Some(st) = guard.as_deref_mut() {
+            st.unlinked = true;
+            st.abort_stream().await;
+        }
+        drop(guard);
         self.lookups.forget(&path);
         self.table.lock().detach(ino);
         Ok(())

@@ -767,6 +767,51 @@ async fn transient_part_failure_is_resent_at_close() {
     }
 }
 
+/// An unlink whose DeleteObject fails changes nothing: the file open for writing keeps its
+/// name and what was written since its last publish goes up at close.
+#[tokio::test]
+async fn a_failed_unlink_of_a_file_being_written_loses_nothing() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("log"), 0o644, 0, libc::O_RDWR, ME)
+        .await
+        .unwrap();
+    fs.write(attr.ino, h.fh, 0, Bytes::from_static(b"first "))
+        .await
+        .unwrap();
+    fs.fsync(attr.ino, h.fh).await.unwrap();
+    // Rewritten from the start: nothing of the object is needed any more, so the unlink
+    // deletes it rather than keeping a copy for the descriptor.
+    fs.setattr(
+        attr.ino,
+        Some(h.fh),
+        SetAttr {
+            size: Some(0),
+            ..SetAttr::default()
+        },
+    )
+    .await
+    .unwrap();
+    fs.write(attr.ino, h.fh, 0, Bytes::from_static(b"second"))
+        .await
+        .unwrap();
+    faulty.inject(
+        Op::Delete,
+        0,
+        Some(1),
+        Fault::Error(StoreError::Transient("connection reset".into())),
+    );
+    assert_eq!(
+        fs.unlink(ROOT_INO, OsStr::new("log")).await,
+        Err(FsError::EIO)
+    );
+    fs.flush(attr.ino, h.fh).await.unwrap();
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "log").await, b"second");
+    assert!(fs.lookup(ROOT_INO, OsStr::new("log")).await.is_ok());
+}
+
 #[tokio::test]
 async fn unlinked_open_file_is_not_resurrected_at_close() {
     let e = env();
