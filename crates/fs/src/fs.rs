@@ -908,22 +908,26 @@ impl Fs {
         if kind == FileKind::Dir {
             return Err(FsError::EISDIR);
         }
-        if open
-            && self
-                .hide_open_file(ino, &path, write.clone(), in_store)
-                .await?
-        {
-            self.lookups.forget(&path);
-            return Ok(());
-        }
-        // The object goes first, under the write state's lock (no publish in between): if
-        // the delete fails, the file stays as it was, to be published at close.
+        // One hold of the write state's lock for the whole unlink, so no write or publish
+        // changes what it decides (keep a copy or not, delete or not) before it acts. The
+        // object goes before the state is marked unlinked: a failed delete leaves the file as
+        // it was, to be published at close.
         let mut guard = match &write {
             Some(w) => Some(w.state.lock().await),
             None => None,
         };
-        let published = guard.as_ref().is_some_and(|st| st.base_etag().is_some());
-        if in_store || published {
+        // Published since the table was read: the object exists.
+        let in_store = in_store || guard.as_ref().is_some_and(|st| st.base_etag().is_some());
+        if open
+            && self
+                .hide_open_file(ino, &path, guard.as_deref_mut(), in_store)
+                .await?
+        {
+            drop(guard);
+            self.lookups.forget(&path);
+            return Ok(());
+        }
+        if in_store {
             let key = self.key(&path);
             self.store
                 .delete(&key)
@@ -944,20 +948,16 @@ impl Fs {
     /// (POSIX keeps an unlinked file until its last close). Bytes that only the store holds
     /// move to a hidden key (see [`Self::copy_for_descriptors`]; copy, then delete), which
     /// the last close deletes. Returns false, having done nothing, when all its bytes are
-    /// local anyway.
+    /// local anyway. `st` is its write state, locked by the caller.
     async fn hide_open_file(
         &self,
         ino: Ino,
         path: &str,
-        write: Option<Arc<OpenWrite>>,
+        mut st: Option<&mut WriteState>,
         in_store: bool,
     ) -> FsResult<bool> {
-        let mut guard = match &write {
-            Some(w) => Some(w.state.lock().await),
-            None => None,
-        };
         let Some(kept) = self
-            .copy_for_descriptors(ino, path, guard.as_deref_mut(), in_store)
+            .copy_for_descriptors(ino, path, st.as_deref_mut(), in_store)
             .await?
         else {
             return Ok(false);
@@ -967,8 +967,7 @@ impl Fs {
             self.delete_hidden(kept.0).await;
             return Err(log_store_err(&format!("unlink {src}"), e));
         }
-        self.retire_open_file(ino, guard.as_deref_mut(), Some(kept))
-            .await;
+        self.retire_open_file(ino, st, Some(kept)).await;
         Ok(true)
     }
 
@@ -1365,10 +1364,9 @@ impl Fs {
                 async move { self.copy_object(&o.key, &to, o.size, None).await }.boxed()
             })
             .collect();
-        stream::iter(copies)
-            .buffer_unordered(RENAME_CONCURRENCY)
-            .try_collect::<Vec<()>>()
-            .await?;
+        // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
+        // would skip its abort.
+        run_parts(copies, RENAME_CONCURRENCY).await?;
         // Objects first, then directory markers deepest first, so that a store where a
         // marker is a real directory (the local one) can remove it once it is empty.
         let (mut markers, files): (Vec<&ObjectMeta>, Vec<&ObjectMeta>) =

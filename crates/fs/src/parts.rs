@@ -1,4 +1,5 @@
-//! Running the part requests of one multipart upload, a bounded number at a time.
+//! Running the part requests of one multipart upload (or the object copies of a directory
+//! rename, some of them multipart), a bounded number at a time.
 //!
 //! Why not `buffered(n).try_collect()`: on the first error it drops the requests still
 //! running. A dropped request whose body the server already has may still store its part,

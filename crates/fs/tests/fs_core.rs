@@ -696,6 +696,8 @@ async fn a_failed_publish_aborts_only_after_its_running_parts_return() {
         Fault::Delay(Duration::from_millis(300)),
     );
     assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
+    // The failing third request and the two before it, still in their delay.
+    assert!(faulty.parts_started() >= 3, "{}", faulty.parts_started());
     assert_eq!(faulty.parts_cancelled(), 0, "part requests dropped");
     assert_eq!(
         faulty.aborts_racing_parts(),
@@ -737,6 +739,11 @@ async fn an_abandoned_upload_is_aborted_only_after_its_running_parts_return() {
     .unwrap();
     fs.flush(attr.ino, h.fh).await.unwrap();
     fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(
+        faulty.parts_started(),
+        1,
+        "the first part was not on its way"
+    );
     assert_eq!(faulty.parts_cancelled(), 0, "part requests dropped");
     assert_eq!(
         faulty.aborts_racing_parts(),

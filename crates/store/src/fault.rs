@@ -41,6 +41,7 @@ pub struct FaultStore {
     aborts_racing_parts: AtomicU64,
     /// Part requests dropped before they returned.
     parts_cancelled: Arc<AtomicU64>,
+    parts_started: AtomicU64,
 }
 
 impl FaultStore {
@@ -51,6 +52,7 @@ impl FaultStore {
             parts_running: Arc::default(),
             aborts_racing_parts: AtomicU64::new(0),
             parts_cancelled: Arc::default(),
+            parts_started: AtomicU64::new(0),
         }
     }
 
@@ -65,7 +67,13 @@ impl FaultStore {
         self.parts_cancelled.load(Ordering::Relaxed)
     }
 
+    /// Part requests (upload and copy) that reached this store.
+    pub fn parts_started(&self) -> u64 {
+        self.parts_started.load(Ordering::Relaxed)
+    }
+
     fn part_started(&self, upload_id: &str) -> PartRequest {
+        self.parts_started.fetch_add(1, Ordering::Relaxed);
         *self
             .parts_running
             .lock()
