@@ -64,6 +64,15 @@ async fn write_mib(fs: &Fs, ino: u64, fh: u64, at: u64, data: &[u8]) {
     }
 }
 
+/// `ftruncate` of open file `ino` to `size`.
+async fn set_size(fs: &Fs, ino: u64, fh: u64, size: u64) {
+    let set = SetAttr {
+        size: Some(size),
+        ..SetAttr::default()
+    };
+    fs.setattr(ino, Some(fh), set).await.unwrap();
+}
+
 /// The fs over a fault-injecting wrapper of `mem`, and its cache dir (keep it alive).
 fn faulty_fs(mem: &Arc<MemoryStore>) -> (Arc<FaultStore>, Arc<Fs>, tempfile::TempDir) {
     let faulty = Arc::new(FaultStore::new(mem.clone()));
@@ -673,16 +682,7 @@ async fn a_failed_publish_aborts_only_after_its_running_parts_return() {
         .unwrap();
     // Extended, not written: nothing streams, all 8 parts go at publish, 8 at a time.
     let size = 40 * MIB;
-    fs.setattr(
-        attr.ino,
-        Some(h.fh),
-        SetAttr {
-            size: Some(size),
-            ..SetAttr::default()
-        },
-    )
-    .await
-    .unwrap();
+    set_size(&fs, attr.ino, h.fh, size).await;
     faulty.inject(
         Op::UploadPart,
         2,
@@ -727,16 +727,7 @@ async fn an_abandoned_upload_is_aborted_only_after_its_running_parts_return() {
         .unwrap();
     // The first 5 MiB part is on its way when the file is cut to 1 MiB and closed.
     write_mib(&fs, attr.ino, h.fh, 0, &data).await;
-    fs.setattr(
-        attr.ino,
-        Some(h.fh),
-        SetAttr {
-            size: Some(MIB),
-            ..SetAttr::default()
-        },
-    )
-    .await
-    .unwrap();
+    set_size(&fs, attr.ino, h.fh, MIB).await;
     fs.flush(attr.ino, h.fh).await.unwrap();
     fs.release(attr.ino, h.fh).await.unwrap();
     assert_eq!(
@@ -790,16 +781,7 @@ async fn a_failed_unlink_of_a_file_being_written_loses_nothing() {
     fs.fsync(attr.ino, h.fh).await.unwrap();
     // Rewritten from the start: nothing of the object is needed any more, so the unlink
     // deletes it rather than keeping a copy for the descriptor.
-    fs.setattr(
-        attr.ino,
-        Some(h.fh),
-        SetAttr {
-            size: Some(0),
-            ..SetAttr::default()
-        },
-    )
-    .await
-    .unwrap();
+    set_size(&fs, attr.ino, h.fh, 0).await;
     fs.write(attr.ino, h.fh, 0, Bytes::from_static(b"second"))
         .await
         .unwrap();

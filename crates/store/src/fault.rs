@@ -72,19 +72,26 @@ impl FaultStore {
         self.parts_started.load(Ordering::Relaxed)
     }
 
-    fn part_started(&self, upload_id: &str) -> PartRequest {
+    /// [`Self::wrap`] for a part request of `upload_id`, counted while it runs.
+    async fn wrap_part<F>(&self, op: Op, upload_id: &str, call: F) -> StoreResult<String>
+    where
+        F: std::future::Future<Output = StoreResult<String>> + Send,
+    {
         self.parts_started.fetch_add(1, Ordering::Relaxed);
         *self
             .parts_running
             .lock()
             .entry(upload_id.to_string())
             .or_default() += 1;
-        PartRequest {
+        let mut request = PartRequest {
             upload_id: upload_id.to_string(),
             running: self.parts_running.clone(),
             cancelled: self.parts_cancelled.clone(),
             returned: false,
-        }
+        };
+        let r = self.wrap(op, call).await;
+        request.returned = true;
+        r
     }
 
     /// Injects `fault` on calls of `op`, after `skip` clean calls, `times` times (None: always).
@@ -204,15 +211,12 @@ impl ObjectStore for FaultStore {
         part_number: u32,
         body: Bytes,
     ) -> StoreResult<String> {
-        let mut request = self.part_started(upload_id);
-        let r = self
-            .wrap(
-                Op::UploadPart,
-                self.inner.upload_part(key, upload_id, part_number, body),
-            )
-            .await;
-        request.returned = true;
-        r
+        self.wrap_part(
+            Op::UploadPart,
+            upload_id,
+            self.inner.upload_part(key, upload_id, part_number, body),
+        )
+        .await
     }
     async fn upload_part_copy(
         &self,
@@ -222,16 +226,13 @@ impl ObjectStore for FaultStore {
         src_key: &str,
         range: Range<u64>,
     ) -> StoreResult<String> {
-        let mut request = self.part_started(upload_id);
-        let r = self
-            .wrap(
-                Op::UploadPartCopy,
-                self.inner
-                    .upload_part_copy(key, upload_id, part_number, src_key, range),
-            )
-            .await;
-        request.returned = true;
-        r
+        self.wrap_part(
+            Op::UploadPartCopy,
+            upload_id,
+            self.inner
+                .upload_part_copy(key, upload_id, part_number, src_key, range),
+        )
+        .await
     }
     async fn complete_multipart(
         &self,
