@@ -4,8 +4,8 @@
 //! process, so plain mistakes fail before forking. Then (unless `-f`) the process forks while it
 //! is still single-threaded; the child sets up logging and the tokio runtime, builds the store,
 //! checks bucket access, mounts, and reports readiness. It then waits for SIGTERM/SIGINT/SIGHUP
-//! or for the mount to disappear (external `umount`), publishes files still being written
-//! (`Fs::shutdown`), unmounts and exits.
+//! or for the mount to disappear (external `umount`), unmounts (lazily while files are open:
+//! each is published at its own close), cleans up (`Fs::shutdown`) and exits.
 
 use crate::args::MountArgs;
 use crate::config::{parse_source, Settings, Source};
@@ -323,14 +323,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     if let Some(r) = readiness {
         r.ready();
     }
-    let code = rt.block_on(wait_and_shutdown(&fs, &handle, &*store, &journal));
-    let code = match handle.unmount() {
-        Ok(()) => code,
-        Err(e) => {
-            error!("unmount {}: {e}", plan.mountpoint.display());
-            1
-        }
-    };
+    let code = rt.block_on(wait_and_shutdown(&fs, handle, &*store, &journal));
     log_metrics(&metrics, &retry_metrics);
     let (left, kept) = (journal.live(), journal.temporaries());
     if left.is_empty() && kept.is_empty() {
@@ -356,12 +349,14 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     code
 }
 
-/// Waits for a signal or an external unmount, then publishes open files. A second signal
-/// stops waiting for them and aborts their uploads, naming each file that was not stored.
-/// Returns the exit code.
+/// Waits for a signal or an external unmount, then unmounts. Files still open keep being
+/// served through the lazily detached mount, and each is published at its own close or
+/// fsync (publishing them now would put half-written content under their keys); the daemon
+/// exits when the last is closed. A second signal stops waiting and aborts their uploads,
+/// naming each file that was not stored. Returns the exit code.
 async fn wait_and_shutdown(
     fs: &Fs,
-    handle: &MountHandle,
+    handle: MountHandle,
     store: &dyn ObjectStore,
     journal: &UploadJournal,
 ) -> i32 {
@@ -374,7 +369,7 @@ async fn wait_and_shutdown(
         _ => {
             error!("cannot install signal handlers; waiting for an external unmount");
             handle.unmounted().await;
-            return publish(fs).await;
+            return unmount(handle).await.max(clean_up(fs).await);
         }
     };
     tokio::select! {
@@ -384,13 +379,30 @@ async fn wait_and_shutdown(
         _ = handle.unmounted() => info!("{} was unmounted", handle.mountpoint().display()),
     }
     let second = tokio::select! {
-        code = publish(fs) => return code,
+        code = unmount(handle) => return code.max(clean_up(fs).await),
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     };
-    warn!("second signal ({second}): not waiting for uploads; aborting them");
+    warn!("second signal ({second}): not waiting for open files; aborting their uploads");
     abort_open_uploads(store, journal).await;
     1
+}
+
+/// Unmounts, waiting (on a blocking thread) until the last open file of a busy mount is
+/// closed; returns the exit code.
+async fn unmount(handle: MountHandle) -> i32 {
+    let mountpoint = handle.mountpoint().display().to_string();
+    match tokio::task::spawn_blocking(move || handle.unmount()).await {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
+            error!("unmount {mountpoint}: {e}");
+            1
+        }
+        Err(e) => {
+            error!("unmount {mountpoint}: {e}");
+            1
+        }
+    }
 }
 
 /// Aborts every multipart upload still open, logging each file that is therefore not stored.
@@ -482,11 +494,11 @@ async fn recover_uploads(store: &dyn ObjectStore, settings: &Settings, target: &
     }
 }
 
-/// Publishes files still being written; returns the exit code.
-async fn publish(fs: &Fs) -> i32 {
+/// Cleans up once the mount is gone; returns the exit code.
+async fn clean_up(fs: &Fs) -> i32 {
     let failed = fs.shutdown().await;
     if failed > 0 {
-        error!("{failed} file(s) still being written could not be uploaded");
+        error!("{failed} file(s) were not stored");
         1
     } else {
         0

@@ -97,10 +97,10 @@ pub fn render(prev: Option<&Sample>, cur: &Sample, secs: f64) -> String {
         get(cur, "bucketfs_uploads_in_flight")
     );
     out += &format!(
-        "files        {:.0} published{unit}   {:.0} failed{unit}   {:.0} early (read back before close){unit}\n",
+        "files        {:.0} published{unit}   {:.0} failed{unit}   {:.0} unreadable streamed{unit}\n",
         delta("bucketfs_files_published_total"),
         delta("bucketfs_publish_errors_total"),
-        delta("bucketfs_early_publishes_total")
+        delta("bucketfs_unreadable_streamed_total")
     );
     out
 }

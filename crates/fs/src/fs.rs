@@ -971,9 +971,10 @@ impl Fs {
         Ok(true)
     }
 
-    /// Copies what the store holds of open file `ino` at `path` (its object, and parts
-    /// streamed to an open upload, which are completed first) server-side to a new hidden
-    /// key under [`UNLINKED_DIR`], for its descriptors to read once the name is gone or taken.
+    /// Copies what the store holds of open file `ino` at `path` (its object; streamed parts
+    /// have local copies, and publishing them would put half-written content under the
+    /// name) server-side to a new hidden key under [`UNLINKED_DIR`], for its descriptors to
+    /// read once the name is gone or taken.
     /// Returns that path and the copy's ETag, or None, having copied nothing, when all its
     /// bytes are local anyway. The object stays where it is.
     async fn copy_for_descriptors(
@@ -983,10 +984,9 @@ impl Fs {
         mut st: Option<&mut WriteState>,
         in_store: bool,
     ) -> FsResult<Option<(String, String)>> {
-        let streamed = st.as_ref().is_some_and(|st| st.holds_streamed_bytes());
         // A file truncated or rewritten since it was opened needs nothing from its object.
         let reads_object = in_store && st.as_ref().is_none_or(|st| st.reads_base());
-        if !reads_object && !streamed {
+        if !reads_object {
             return Ok(None);
         }
         // Unique across mounts sharing the bucket: inode numbers repeat, clocks and pids less so.
@@ -997,15 +997,11 @@ impl Fs {
         let hidden = format!("{UNLINKED_DIR}/{ino}-{}-{stamp:x}", std::process::id());
         self.check_key_len(&hidden)?;
         let (src, dst) = (self.key(path), self.key(&hidden));
-        if let (Some(st), true) = (st.as_mut(), streamed) {
-            // Those bytes can only be read back from a completed object.
-            st.publish().await?;
-        }
         let what = format!("keeping {src} as {dst} for its open descriptors");
         let size = match self.store.head(&src).await {
             Ok(o) => o.size,
             // Deleted behind our back: nothing left to keep.
-            Err(StoreError::NotFound(_)) if !streamed => return Ok(None),
+            Err(StoreError::NotFound(_)) => return Ok(None),
             Err(e) => return Err(log_store_err(&what, e)),
         };
         self.copy_object(&src, &dst, size, None).await?;
@@ -1270,43 +1266,70 @@ impl Fs {
         }
     }
 
-    /// Publishes what is written of a file (state `st`) and moves its object from `path` to
-    /// `new_path`; returns the new object's ETag.
+    /// Moves the object of a file from `path` to `new_path`; returns the new object's ETag.
+    /// A file being written (state `st`) is not published here: what it holds is half
+    /// written, and its upload belongs to the old key. The upload is aborted and the state
+    /// goes on under the new key (close sends the streamed parts again, from their local
+    /// copies); the file's previous complete object, if any, moves with the name, else the
+    /// new name has no object until close. Either way each key holds a complete object or
+    /// none, whenever the daemon dies.
     async fn move_object(
         &self,
         path: &str,
         new_path: &str,
         size: u64,
-        mut st: Option<&mut WriteState>,
+        st: Option<&mut WriteState>,
     ) -> FsResult<Option<String>> {
         let (src, dst) = (self.key(path), self.key(new_path));
-        let size = match st.as_mut() {
-            Some(st) => {
-                st.publish().await?;
-                st.size()
-            }
-            None => size,
+        let Some(st) = st else {
+            self.copy_object(&src, &dst, size, None).await?;
+            self.store
+                .delete(&src)
+                .await
+                .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
+            // The copy has an ETag of its own (a multipart source's never carries over):
+            // readers pin it with If-Match, so learn it now.
+            return Ok(self.store.head(&dst).await.ok().and_then(|o| o.etag));
         };
-        self.copy_object(&src, &dst, size, None).await?;
-        self.store
-            .delete(&src)
-            .await
-            .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
-        // The copy has an ETag of its own (a multipart source's never carries over): readers
-        // pin it with If-Match, so learn it now.
-        let new = self.store.head(&dst).await.ok();
-        if let Some(st) = st {
-            let base = new
-                .as_ref()
-                .and_then(|o| o.etag.clone().map(|etag| Base { etag, size: o.size }));
-            st.rebase(dst, base);
+        st.leave_key(&src)?;
+        let what = format!("rename {src} to {dst}");
+        let old = match self.store.head(&src).await {
+            Ok(o) => Some(o),
+            Err(StoreError::NotFound(_)) => None,
+            Err(e) => return Err(log_store_err(&what, e)),
+        };
+        let etag = match &old {
+            Some(o) => {
+                self.copy_object(&src, &dst, o.size, None).await?;
+                // Learnt before the source goes: the state reads its base from the copy.
+                match self.store.head(&dst).await {
+                    Ok(o) => o.etag,
+                    Err(e) => return Err(log_store_err(&what, e)),
+                }
+            }
+            None => {
+                // The name's old object (a file replaced) is gone; this one comes at close.
+                self.store
+                    .delete(&dst)
+                    .await
+                    .map_err(|e| log_store_err(&what, e))?;
+                None
+            }
+        };
+        if old.is_some() {
+            self.store
+                .delete(&src)
+                .await
+                .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
         }
-        Ok(new.and_then(|o| o.etag))
+        st.move_to(dst, etag.clone()).await;
+        Ok(etag)
     }
 
     /// Moves every object under the directory: copies all, then deletes the sources.
     async fn rename_dir(&self, path: &str, new_path: &str, replace: bool) -> FsResult<()> {
-        // Files being written below go up first so that their objects move with the rest.
+        // Files being written below are not published (their content is half written): their
+        // complete objects, if any, move with the rest, and they go on under the new keys.
         let writes: Vec<Arc<OpenWrite>> = {
             let t = self.table.lock();
             t.descendants(path)
@@ -1315,7 +1338,8 @@ impl Fs {
                 .collect()
         };
         for w in &writes {
-            w.state.lock().await.publish().await?;
+            let st = w.state.lock().await;
+            st.leave_key(&st.key)?;
         }
         let (src, dst) = (self.dir_key(path), self.dir_key(new_path));
         // Directories made below must be in the bucket to be listed and moved.
@@ -1410,13 +1434,8 @@ impl Fs {
         };
         for (p, w) in below {
             let key = self.key(&p);
-            let base = self
-                .store
-                .head(&key)
-                .await
-                .ok()
-                .and_then(|o| o.etag.map(|etag| Base { etag, size: o.size }));
-            w.state.lock().await.rebase(key, base);
+            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+            w.state.lock().await.move_to(key, etag).await;
         }
         Ok(())
     }
@@ -1832,20 +1851,23 @@ impl Fs {
         Ok(())
     }
 
-    /// Publishes every file still being written (unmount, SIGTERM). Returns how many failed.
+    /// The last step once the mount is gone (SIGTERM waits for every descriptor to close,
+    /// and each close publishes its own file). A file still being written now was never
+    /// closed: what it holds is half written, so it is not published (that would put it
+    /// under the file's key); its upload is aborted and it is named. Returns how many files
+    /// were not stored.
     pub async fn shutdown(&self) -> usize {
         let writes = self.table.lock().all_writes();
         let mut failed = 0;
         for w in writes {
             let mut st = w.state.lock().await;
             if st.has_changes_to_publish() {
-                match st.publish().await {
-                    Ok(()) => tracing::info!("{}: uploaded at shutdown", st.key),
-                    Err(e) => {
-                        tracing::error!("{}: upload at shutdown failed: {e}", st.key);
-                        failed += 1;
-                    }
-                }
+                tracing::error!(
+                    "{}: still open for writing when the mount went away; the file was NOT \
+                     stored",
+                    st.key
+                );
+                failed += 1;
             }
             st.abort_stream().await;
         }

@@ -26,9 +26,9 @@ pub struct FsMetrics {
     pub files_published: AtomicU64,
     /// Publishes that failed and were reported to close/fsync.
     pub publish_errors: AtomicU64,
-    /// Publishes before close because a file read back (or partly rewrote) bytes that only
-    /// an uploaded part held.
-    pub early_publishes: AtomicU64,
+    /// Reads or rewrites refused (`EIO`) because only an uploaded part held the bytes (their
+    /// local copy failed).
+    pub unreadable_streamed: AtomicU64,
     /// Bytes written to local staging files (what a write costs the local disk).
     pub staged_bytes: AtomicU64,
 }
@@ -73,9 +73,9 @@ impl FsMetrics {
                 &self.publish_errors,
             ),
             (
-                "bucketfs_early_publishes_total",
+                "bucketfs_unreadable_streamed_total",
                 "counter",
-                &self.early_publishes,
+                &self.unreadable_streamed,
             ),
             ("bucketfs_staged_bytes_total", "counter", &self.staged_bytes),
         ];

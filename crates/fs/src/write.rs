@@ -3,12 +3,12 @@
 //! Written bytes are tracked as dirty extents over a *base* (the object as it was when the file
 //! was opened, if any). A sequential stream of appends fills an in-memory *tail* buffer, one
 //! part at a time: a full tail uploads straight from memory, and a small file never touches
-//! the disk at all. A streamed part keeps no local copy (a local copy would double the disk
-//! traffic of a big write and need its size free under `cache_dir`), except the first part,
-//! where formats patch their headers. Reading back, or partly rewriting, bytes that only an
-//! uploaded part holds publishes the file first, as fsync would (S3 cannot read a part of an
-//! unfinished upload); from then on the file's streamed parts are copied locally too. Any
-//! other write goes to a sparse local staging file under `cache_dir`, and each part that
+//! the disk at all. Every streamed part is also copied to the staging file, in the background
+//! from the same buffer: S3 cannot read a part of an unfinished upload, and publishing the
+//! file to read it back would put half-written content under its key. Bytes whose copy failed
+//! (a full disk) are held only by their uploaded part: reading or partly rewriting them fails
+//! with `EIO` (the writer's appends go on), and only the writer's own close/fsync publishes
+//! them. Any other write goes to a sparse local staging file under `cache_dir`, and each part that
 //! becomes completely written there uploads in the background too, so close only sends what
 //! is left. At publish, unchanged part-sized ranges
 //! of the base are copied server-side (UploadPartCopy), and only parts holding new bytes are
@@ -333,12 +333,9 @@ pub struct WriteState {
     /// Background copies of uploaded tails into the staging file; settled before the staging
     /// file is read or written.
     spills: Vec<(Range<u64>, JoinHandle<std::io::Result<()>>)>,
-    /// Bytes that only a part of the open upload holds (streamed without a local copy, or
-    /// whose copy failed): anything that needs them publishes first (see [`Self::recover`]).
+    /// Bytes that only a part of the open upload holds (their local copy failed): unreadable
+    /// until a publish (see [`Self::recover`]).
     uploaded_only: Extents,
-    /// Streamed parts get a local copy: the file has read back or rewritten streamed bytes,
-    /// so it may again.
-    keep_local: bool,
     dirty: Extents,
     /// Bytes whose current content is in the staging file: what was written (`dirty`) plus
     /// what was fetched or published since. Reads and uploads take these from disk.
@@ -395,7 +392,6 @@ impl WriteState {
             tail: None,
             spills: Vec::new(),
             uploaded_only: Extents::default(),
-            keep_local: false,
             dirty: Extents::default(),
             local: Extents::default(),
             generations: BTreeMap::new(),
@@ -560,9 +556,9 @@ impl WriteState {
         Ok(())
     }
 
-    /// The tail holds a whole part: upload it from memory. The first part, and every part of
-    /// a file that has read back streamed bytes, is also copied to the staging file in the
-    /// background; any other part is then held only by the upload.
+    /// The tail holds a whole part: upload it from memory, and copy it to the staging file in
+    /// the background from the same buffer, for reads and rewrites before publish. Where the
+    /// staging file cannot be had, the part is held only by the upload (the write goes on).
     async fn ship_tail(&mut self) -> FsResult<()> {
         if self.unlinked {
             // Never published: keep the bytes for reads through open descriptors.
@@ -575,20 +571,13 @@ impl WriteState {
         else {
             return Ok(());
         };
-        let local_copy = i == 0 || self.keep_local;
-        let prepared = match self.start_stream().await {
-            Ok(()) if local_copy => self.staging().map(Some),
-            Ok(()) => Ok(None),
-            Err(e) => Err(e),
-        };
-        let staging = match prepared {
-            Ok(f) => f,
-            Err(e) => {
-                // Keep the bytes (on disk, or else still in the tail): publish sends them.
-                let _ = self.spill_tail().await;
-                return Err(e);
-            }
-        };
+        if let Err(e) = self.start_stream().await {
+            // Keep the bytes (on disk, or else still in the tail): publish sends them.
+            let _ = self.spill_tail().await;
+            return Err(e);
+        }
+        let staging = self.staging().ok();
+        self.reap_spills();
         self.wait_for_upload_slot().await;
         let Some(tail) = self.tail.take() else {
             return Ok(());
@@ -612,6 +601,11 @@ impl WriteState {
                 self.local.insert(r);
             }
             None => {
+                tracing::warn!(
+                    "{}: no staging file for bytes {r:?}: only their upload holds them, \
+                     unreadable until close",
+                    self.key
+                );
                 // Older bytes of this range may be staged; they are stale now.
                 self.local.remove(r.clone());
                 self.uploaded_only.insert(r);
@@ -626,11 +620,33 @@ impl WriteState {
     async fn settle_spills(&mut self) {
         for (r, task) in std::mem::take(&mut self.spills) {
             let outcome = task.await.map_err(std::io::Error::other).and_then(|x| x);
-            if let Err(e) = outcome {
-                tracing::warn!("{}: staging copy of {r:?} failed: {e}", self.key);
-                self.local.remove(r.clone());
-                self.uploaded_only.insert(r);
+            self.spilled(r, outcome);
+        }
+    }
+
+    /// Records the copies into the staging file that have finished, without waiting.
+    fn reap_spills(&mut self) {
+        let mut running = Vec::new();
+        for (r, mut task) in std::mem::take(&mut self.spills) {
+            match (&mut task).now_or_never() {
+                Some(outcome) => {
+                    self.spilled(r, outcome.map_err(std::io::Error::other).and_then(|x| x))
+                }
+                None => running.push((r, task)),
             }
+        }
+        self.spills = running;
+    }
+
+    fn spilled(&mut self, r: Range<u64>, outcome: std::io::Result<()>) {
+        if let Err(e) = outcome {
+            tracing::warn!(
+                "{}: staging copy of bytes {r:?} failed: {e}; only their upload holds them, \
+                 unreadable until close",
+                self.key
+            );
+            self.local.remove(r.clone());
+            self.uploaded_only.insert(r);
         }
     }
 
@@ -866,29 +882,32 @@ impl WriteState {
         l.bounds(l.index_of(r.start)).start..l.bounds(l.index_of(r.end - 1)).end
     }
 
-    /// Makes the bytes of `r` available to read: where only an uploaded part holds some of
-    /// them, publishes the file as it is now (as fsync would), so they come from the object.
-    /// The file's later parts keep local copies, so that this is not repeated part by part.
+    /// Checks that the bytes of `r` can be had. Those whose local copy failed are held only
+    /// by an uploaded part, which S3 cannot read before the upload completes; publishing
+    /// here would put half-written content under the file's key, so this is `EIO` until the
+    /// writer's own close or fsync publishes them.
     async fn recover(&mut self, r: Range<u64>) -> FsResult<()> {
-        if r.is_empty() || !self.uploaded_only.intersects(&r) {
+        if r.is_empty() {
             return Ok(());
         }
-        self.keep_local = true;
-        if self.unlinked {
-            // Unlink publishes streamed bytes before it lets go of the name (see
-            // `Fs::hide_open_file`), so this is a guard: nothing may go up under that name.
-            tracing::warn!(
-                "{}: bytes {r:?} were streamed before the file was unlinked: unreadable",
-                self.key
-            );
-            return Err(FsError::EIO);
+        // A copy still being made decides whether its bytes are local.
+        if self
+            .spills
+            .iter()
+            .any(|(s, _)| s.start < r.end && r.start < s.end)
+        {
+            self.settle_spills().await;
         }
-        tracing::debug!(
-            "{}: bytes {r:?} are only in uploaded parts: publishing",
+        if !self.uploaded_only.intersects(&r) {
+            return Ok(());
+        }
+        tracing::warn!(
+            "{}: bytes {r:?} are only in uploaded parts (their local copy failed): EIO until \
+             the file is closed",
             self.key
         );
-        inc(&self.cfg.metrics.early_publishes);
-        self.publish().await
+        inc(&self.cfg.metrics.unreadable_streamed);
+        Err(FsError::EIO)
     }
 
     /// Bytes `range` of the current content. Base bytes not at hand yet are fetched in
@@ -1248,11 +1267,32 @@ impl WriteState {
         }
     }
 
-    /// The object now lives under `key` (rename) with this ETag and size, all published.
-    pub fn rebase(&mut self, key: String, base: Option<Base>) {
+    /// Whether the file can move to another key before it is published (rename): not when
+    /// some written bytes are only in its upload (their local copy failed), which belongs to
+    /// `key` and cannot be read back. Publishing them would put half-written content there.
+    pub fn leave_key(&self, key: &str) -> FsResult<()> {
+        if self.uploaded_only.is_empty() {
+            return Ok(());
+        }
+        tracing::warn!(
+            "rename of {key}: some of its written bytes are only in its upload (their local \
+             copy failed); close the file first"
+        );
+        Err(FsError::EIO)
+    }
+
+    /// The file's name moved to `key` (rename) before it was published: the open upload
+    /// belonged to the old key and is aborted, so publish sends every part again (from the
+    /// local copies, see [`Self::leave_key`]). `etag` is that of the copy of the base object
+    /// under `key`, if the file has one.
+    pub async fn move_to(&mut self, key: String, etag: Option<String>) {
+        self.settle_spills().await;
+        self.abort_stream().await;
+        self.generations.clear();
         self.key = key;
-        self.base_len = base.as_ref().map_or(0, |b| b.size);
-        self.base = base;
+        if let (Some(b), Some(etag)) = (&mut self.base, etag) {
+            b.etag = etag;
+        }
     }
 }
 

@@ -1862,35 +1862,116 @@ async fn write_open(fs: &Fs, name: &str, data: &[u8]) -> (u64, u64) {
     (a.ino, h.fh)
 }
 
-/// A streamed part has no local copy beyond the first: the disk sees one part, not the file.
-/// Reading back streamed bytes publishes the file (as fsync), once: later parts are copied.
+/// Every streamed part is also copied to the staging file, so reading it back before close
+/// needs no request and publishes nothing: the key never holds a half-written file.
 #[tokio::test]
-async fn streamed_parts_are_not_copied_to_disk_until_read_back() {
+async fn streamed_parts_are_read_back_locally_without_publishing() {
     let e = env();
     let mut data = random(23 * MIB as usize, 70);
     let (ino, fh) = write_open(&e.fs, "big", &data).await;
-    // Parts 1-4 (5 MiB each) went up; only part 1 was staged, and nothing is visible.
-    assert_eq!(counter(&e.fs, |m| &m.staged_bytes), 5 * MIB);
-    assert!(e.mem.head("big").await.is_err());
-    // Bytes of part 3 are only in the upload: the read publishes, then reads them back.
-    let b = e.fs.read(ino, fh, 12 * MIB, 1 << 20).await.unwrap();
-    assert_eq!(&b[..], &data[12 * MIB as usize..13 * MIB as usize]);
-    assert_eq!(counter(&e.fs, |m| &m.early_publishes), 1);
-    assert_eq!(object(&e.mem, "big").await, data);
-    // Writing on: the next parts are staged as they go up, so reading them sends nothing.
+    // Parts 1-4 (5 MiB each) went up, each copied to the staging file; nothing is visible.
+    assert_eq!(counter(&e.fs, |m| &m.staged_bytes), 20 * MIB);
+    let gets = e.metrics.requests(Op::Get);
+    for at in [0, 7 * MIB, 12 * MIB, 19 * MIB + 4095, 22 * MIB] {
+        let b = e.fs.read(ino, fh, at, 1 << 20).await.unwrap();
+        assert_eq!(&b[..], &data[at as usize..at as usize + b.len()], "at {at}");
+    }
+    assert!(e.mem.head("big").await.is_err(), "published for a read");
+    assert_eq!(e.metrics.requests(Op::Get), gets);
+    assert_eq!(e.metrics.requests(Op::Put), 0);
+    assert_eq!(e.metrics.requests(Op::CompleteMultipart), 0);
     let more = random(10 * MIB as usize, 71);
     write_mib(&e.fs, ino, fh, 23 * MIB, &more).await;
     data.extend_from_slice(&more);
-    let staged = counter(&e.fs, |m| &m.staged_bytes);
-    assert!(staged >= 5 * MIB + 7 * MIB, "{staged}");
-    let gets = e.metrics.requests(Op::Get);
     let b = e.fs.read(ino, fh, 26 * MIB, 1 << 20).await.unwrap();
     assert_eq!(&b[..], &data[26 * MIB as usize..27 * MIB as usize]);
-    assert_eq!(counter(&e.fs, |m| &m.early_publishes), 1);
-    assert_eq!(e.metrics.requests(Op::Get), gets);
+    assert!(e.mem.head("big").await.is_err(), "published for a read");
     e.fs.flush(ino, fh).await.unwrap();
     e.fs.release(ino, fh).await.unwrap();
     assert_eq!(object(&e.mem, "big").await, data);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+/// The fs over `store` with a cache dir that does not exist: no staging file can be made,
+/// as on a full disk.
+fn fs_without_staging(store: Arc<dyn ObjectStore>) -> (Arc<Fs>, tempfile::TempDir) {
+    let cache = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        cache_dir: cache.path().join("missing"),
+        ..config(&cache)
+    };
+    (Fs::new(store, cfg), cache)
+}
+
+/// Where a streamed part cannot be copied locally, its bytes are only in the upload: a read
+/// of them (and a rename of the file) is EIO, and nothing is published before close; the
+/// writer goes on, and close stores every byte.
+#[tokio::test]
+async fn bytes_only_an_upload_holds_are_eio_never_published() {
+    let mem = Arc::new(MemoryStore::new());
+    let (fs, _cache) = fs_without_staging(mem.clone());
+    let mut data = random(23 * MIB as usize, 78);
+    let (ino, fh) = write_open(&fs, "f", &data).await;
+    assert_eq!(fs.read(ino, fh, 7 * MIB, 4096).await, Err(FsError::EIO));
+    assert_eq!(
+        fs.rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("g"), 0)
+            .await,
+        Err(FsError::EIO)
+    );
+    assert!(mem.keys().is_empty(), "{:?}", mem.keys());
+    assert_eq!(counter(&fs, |m| &m.unreadable_streamed), 1);
+    // The tail (bytes after the last full part) still reads.
+    let b = fs.read(ino, fh, 21 * MIB, 4096).await.unwrap();
+    assert_eq!(&b[..], &data[21 * MIB as usize..21 * MIB as usize + 4096]);
+    let more = random(7 * MIB as usize, 79);
+    write_mib(&fs, ino, fh, 23 * MIB, &more).await;
+    data.extend_from_slice(&more);
+    fs.flush(ino, fh).await.unwrap();
+    fs.release(ino, fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, data);
+    assert_eq!(mem.pending_uploads(), 0);
+}
+
+/// Rename of a file being written publishes nothing: the old name is gone at once, the
+/// file's previous complete object moves to the new name (a new file has none there until
+/// close), the upload of the old key is aborted, and close stores the whole file under the
+/// new name, streamed parts sent again from their local copies.
+#[tokio::test]
+async fn rename_of_a_file_being_written_publishes_nothing() {
+    let e = env();
+    let old = random(3 * MIB as usize, 80);
+    put(&e.mem, "a", &old).await;
+    put(&e.mem, "taken", b"replaced").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let h =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    let mut data = random(13 * MIB as usize, 81);
+    write_mib(&e.fs, a.ino, h.fh, 0, &data).await;
+    let (n, nh) = write_open(&e.fs, "n", &random(12 * MIB as usize, 82)).await;
+    e.fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .unwrap();
+    e.fs.rename(ROOT_INO, OsStr::new("n"), ROOT_INO, OsStr::new("taken"), 0)
+        .await
+        .unwrap();
+    assert_eq!(e.mem.keys(), ["b"]);
+    assert_eq!(object(&e.mem, "b").await, old);
+    assert_eq!(e.mem.pending_uploads(), 0);
+    let more = random(4 * MIB as usize, 83);
+    write_mib(&e.fs, a.ino, h.fh, 13 * MIB, &more).await;
+    data.extend_from_slice(&more);
+    assert_eq!(object(&e.mem, "b").await, old);
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "b").await, data);
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("b")).await.unwrap();
+    assert_eq!(attr.size, data.len() as u64);
+    e.fs.flush(n, nh).await.unwrap();
+    e.fs.release(n, nh).await.unwrap();
+    assert_eq!(object(&e.mem, "taken").await, random(12 * MIB as usize, 82));
+    assert_eq!(e.mem.keys(), ["b", "taken"]);
     assert_eq!(e.mem.pending_uploads(), 0);
 }
 
@@ -1921,12 +2002,13 @@ async fn rewriting_or_cutting_a_streamed_part_keeps_its_other_bytes() {
     assert_eq!(e.mem.pending_uploads(), 0);
 }
 
-/// A publish that fails while the upload holds the only copy of some bytes keeps the upload:
-/// the next fsync completes it with nothing lost.
+/// A publish that fails while the upload holds the only copy of some bytes (their local copy
+/// failed) keeps the upload: the next fsync completes it with nothing lost.
 #[tokio::test]
 async fn a_failed_publish_keeps_the_upload_holding_streamed_bytes() {
     let mem = Arc::new(MemoryStore::new());
-    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let (fs, _cache) = fs_without_staging(faulty.clone());
     faulty.inject(
         Op::CompleteMultipart,
         0,
@@ -1951,9 +2033,9 @@ fn hidden_keys(mem: &MemoryStore) -> Vec<String> {
         .collect()
 }
 
-/// An open file unlinked after some of its parts were streamed (so only the open upload held
-/// them) stays whole for its descriptor: unlink completes the upload and moves the object to
-/// a hidden key. Later writes stay local; the last close deletes the hidden object.
+/// An open file unlinked after some of its parts were streamed stays whole for its
+/// descriptor: the parts have local copies, so nothing is published or kept in the bucket,
+/// and the upload is aborted. Later writes stay local.
 #[tokio::test]
 async fn an_unlinked_open_file_keeps_its_streamed_bytes() {
     let e = env();
@@ -1965,8 +2047,7 @@ async fn an_unlinked_open_file_keeps_its_streamed_bytes() {
         e.fs.lookup(ROOT_INO, OsStr::new("gone")).await,
         Err(FsError::ENOENT)
     );
-    assert!(!e.mem.keys().contains(&"gone".to_string()));
-    assert_eq!(hidden_keys(&e.mem).len(), 1, "{:?}", e.mem.keys());
+    assert!(e.mem.keys().is_empty(), "{:?}", e.mem.keys());
     assert_eq!(
         list(&e.fs, ROOT_INO).await,
         [".", ".."],
