@@ -981,7 +981,7 @@ impl Fs {
         &self,
         ino: Ino,
         path: &str,
-        mut st: Option<&mut WriteState>,
+        st: Option<&mut WriteState>,
         in_store: bool,
     ) -> FsResult<Option<(String, String)>> {
         // A file truncated or rewritten since it was opened needs nothing from its object.

@@ -1242,11 +1242,6 @@ impl WriteState {
         }
     }
 
-    /// Some bytes are held only by parts of the open upload (see [`Self::recover`]).
-    pub fn holds_streamed_bytes(&self) -> bool {
-        !self.uploaded_only.is_empty()
-    }
-
     /// Whether some current byte can only be read from the base object in the store (neither
     /// written since nor fetched into the staging file). False after `O_TRUNC`.
     pub fn reads_base(&self) -> bool {
