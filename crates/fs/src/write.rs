@@ -8,13 +8,13 @@
 //! file to read it back would put half-written content under its key. Bytes whose copy failed
 //! (a full disk) are held only by their uploaded part: reading or partly rewriting them fails
 //! with `EIO` (the writer's appends go on), and only the writer's own close/fsync publishes
-//! them. Any other write goes to a sparse local staging file under `cache_dir`, and each part that
-//! becomes completely written there uploads in the background too, so close only sends what
-//! is left. At publish, unchanged part-sized ranges
-//! of the base are copied server-side (UploadPartCopy), and only parts holding new bytes are
-//! sent, so an append or an overwrite in the middle of a large object sends kilobytes, not the
-//! object. Small results go up as one PUT. Nothing is visible in the bucket until a publish
-//! completes; a failed publish aborts its multipart upload and returns the error.
+//! them. Any other write goes to a sparse local staging file under `cache_dir`, and each part
+//! that becomes completely written there uploads in the background too, so close only sends
+//! what is left. At publish, unchanged part-sized ranges of the base are copied server-side
+//! (UploadPartCopy), and only parts holding new bytes are sent, so an append or an overwrite
+//! in the middle of a large object sends kilobytes, not the object. Small results go up as
+//! one PUT. Nothing is visible in the bucket until a publish completes; a failed publish
+//! aborts its multipart upload and returns the error.
 
 use crate::aligned::{AlignedBuf, ALIGN};
 use crate::budget::{MemoryBudget, Reservation};
