@@ -384,7 +384,12 @@ async fn wait_and_shutdown(
         _ = int.recv() => "SIGINT",
     };
     warn!("second signal ({second}): not waiting for open files; aborting their uploads");
-    abort_open_uploads(store, journal).await;
+    let uploading = abort_open_uploads(store, journal).await;
+    for key in fs.files_not_stored() {
+        if !uploading.contains(&key) {
+            error!("{key}: still open for writing at shutdown; the file was NOT stored");
+        }
+    }
     1
 }
 
@@ -405,10 +410,12 @@ async fn unmount(handle: MountHandle) -> i32 {
     }
 }
 
-/// Aborts every multipart upload still open, logging each file that is therefore not stored.
-async fn abort_open_uploads(store: &dyn ObjectStore, journal: &UploadJournal) {
-    for (key, id) in journal.live() {
-        match tokio::time::timeout(ABORT_TIMEOUT, store.abort_multipart(&key, &id)).await {
+/// Aborts every multipart upload still open, logging each file that is therefore not stored;
+/// returns their keys.
+async fn abort_open_uploads(store: &dyn ObjectStore, journal: &UploadJournal) -> Vec<String> {
+    let live = journal.live();
+    for (key, id) in &live {
+        match tokio::time::timeout(ABORT_TIMEOUT, store.abort_multipart(key, id)).await {
             Ok(Ok(())) => error!("{key}: upload aborted at shutdown; the file was NOT stored"),
             Ok(Err(e)) => error!(
                 "{key}: upload not stored, and aborting it failed ({e}); the next mount aborts it"
@@ -418,6 +425,7 @@ async fn abort_open_uploads(store: &dyn ObjectStore, journal: &UploadJournal) {
             ),
         }
     }
+    live.into_iter().map(|(key, _)| key).collect()
 }
 
 /// Where upload journals live: a private directory per user under the cache dir.

@@ -285,17 +285,23 @@ fn second_sigterm_aborts_uploads_and_names_the_files_not_stored() {
     let mut w = ForeignWriter::start();
     w.open("s", &m.join("slow.bin"));
     assert_eq!(w.cmd("fill s 32"), "ok");
+    // A small file still open has no upload: it is named too.
+    w.open("t", &m.join("small.txt"));
+    assert_eq!(w.cmd("text t unfinished"), "ok");
     m.signal(libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(500));
     m.signal(libc::SIGTERM);
-    wait_for("the abort message", Duration::from_secs(60), || {
-        m.log()
-            .contains("slow.bin: upload aborted at shutdown; the file was NOT stored")
+    wait_for("the abort messages", Duration::from_secs(60), || {
+        let l = m.log();
+        l.contains("slow.bin: upload aborted at shutdown; the file was NOT stored")
+            && l.contains("small.txt: still open for writing at shutdown; the file was NOT stored")
     });
-    drop(w);
+    // The daemon exits without waiting for the writer's descriptors.
     let st = m.wait_exit(Duration::from_secs(60));
     assert!(st.is_some_and(|s| !s.success()), "exit {st:?}: {}", m.log());
+    drop(w);
     assert!(s3.head(&b, "slow.bin").is_none());
+    assert!(s3.head(&b, "small.txt").is_none());
     assert!(
         s3.list_multipart_uploads(&b).is_empty(),
         "{:?}",

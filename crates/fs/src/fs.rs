@@ -1851,6 +1851,19 @@ impl Fs {
         Ok(())
     }
 
+    /// Keys of the files being written with something not stored yet, for the second signal
+    /// to name (without waiting: a file busy publishing has its upload named already).
+    pub fn files_not_stored(&self) -> Vec<String> {
+        let writes = self.table.lock().all_writes();
+        writes
+            .iter()
+            .filter_map(|w| {
+                let st = w.state.try_lock().ok()?;
+                st.has_changes_to_publish().then(|| st.key.clone())
+            })
+            .collect()
+    }
+
     /// The last step once the mount is gone (SIGTERM waits for every descriptor to close,
     /// and each close publishes its own file). A file still being written now was never
     /// closed: what it holds is half written, so it is not published (that would put it

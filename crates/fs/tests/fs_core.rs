@@ -1975,6 +1975,44 @@ async fn rename_of_a_file_being_written_publishes_nothing() {
     assert_eq!(e.mem.pending_uploads(), 0);
 }
 
+/// A directory renamed while files below it are being written publishes none of them: the
+/// complete objects move, a file rewritten over one keeps it under the new name until close,
+/// and close stores each file complete under its new key.
+#[tokio::test]
+async fn rename_of_a_directory_with_files_being_written_publishes_nothing() {
+    let e = env();
+    let old = random(2 * MIB as usize, 84);
+    put(&e.mem, "d/old", &old).await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let o = e.fs.lookup(d.ino, OsStr::new("old")).await.unwrap();
+    let oh =
+        e.fs.open(o.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    let rewritten = random(12 * MIB as usize, 85);
+    write_mib(&e.fs, o.ino, oh.fh, 0, &rewritten).await;
+    let (n, nh) =
+        e.fs.create(d.ino, OsStr::new("new"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    let fresh = random(11 * MIB as usize, 86);
+    write_mib(&e.fs, n.ino, nh.fh, 0, &fresh).await;
+    e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("e"), 0)
+        .await
+        .unwrap();
+    assert_eq!(e.mem.keys(), ["e/", "e/old"]);
+    assert_eq!(object(&e.mem, "e/old").await, old);
+    assert_eq!(e.mem.pending_uploads(), 0);
+    for (ino, fh) in [(o.ino, oh.fh), (n.ino, nh.fh)] {
+        e.fs.flush(ino, fh).await.unwrap();
+        e.fs.release(ino, fh).await.unwrap();
+    }
+    assert_eq!(object(&e.mem, "e/old").await, rewritten);
+    assert_eq!(object(&e.mem, "e/new").await, fresh);
+    assert_eq!(e.mem.keys(), ["e/", "e/new", "e/old"]);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
 /// A small rewrite inside a streamed part, and a truncate cutting one, keep every other byte.
 #[tokio::test]
 async fn rewriting_or_cutting_a_streamed_part_keeps_its_other_bytes() {
