@@ -51,15 +51,16 @@ url=URL (= endpoint_url), use_path_request_style (= force_path_style). Generic m
 
 LOGGING: to --log-file if given; else to syslog with --syslog; else to stderr with
 --foreground; else (in the background) to syslog through /dev/log, or to
-/tmp/bucketfs-<PID>.log when there is no /dev/log. RUST_LOG overrides --log-level with a
-tracing filter. Credentials are never logged.
+STATE_DIR/logs/bucketfs-<PID>.log (mode 0600, directory 0700) when there is no /dev/log.
+RUST_LOG overrides --log-level with a tracing filter. Credentials are never logged.
 
 STARTUP: without -f, bucketfs returns only once the mount is ready (exit 0) or has failed
 (a one-line message on stderr, exit 1). It checks the mount point (exists, is a directory, is
-empty; a dead FUSE mount left by a crash is unmounted) and, for S3, that the bucket exists and
-the credentials can list it. On SIGTERM/SIGINT/SIGHUP it publishes files still being written,
-unmounts and exits (a busy mount point is detached lazily and served until its last user
-leaves); it also exits when the mount point is unmounted externally (bucketfs umount, umount).
+empty, is not already a mount point unless --allow-stacking; a dead FUSE mount left by a
+crash is unmounted) and, for S3, that the bucket exists and the credentials can list it. On
+SIGTERM/SIGINT/SIGHUP it publishes files still being written, unmounts and exits (a busy
+mount point is detached lazily and served until its last user leaves); it also exits when
+the mount point is unmounted externally (bucketfs umount, umount).
 
 FSTAB:
   s3://bucket/prefix  /mnt/data  bucketfs  _netdev,allow_other,config=/etc/bucketfs.toml  0 0
@@ -283,6 +284,11 @@ pub struct MountArgs {
     #[arg(long)]
     pub nonempty: bool,
 
+    /// Mount even if the mount point is already a mount point (of any file system, a live
+    /// bucketfs included): the new mount stacks over it and hides it. Default: refused.
+    #[arg(long)]
+    pub allow_stacking: bool,
+
     /// Multipart part size for uploads and for each prefetch request, in bytes or with a
     /// K/M/G suffix (powers of 1024): 8M, 16MiB, 8388608. 5M to 5G. [default: 8M]
     #[arg(
@@ -332,6 +338,18 @@ pub struct MountArgs {
         env = "BUCKETFS_CACHE_DIR"
     )]
     pub cache_dir: Option<String>,
+
+    /// Private directory (0700) for the upload journals that let the next mount clean up after
+    /// a crash, and for the background log when there is no syslog. Keep it on a persistent
+    /// disk. [default: /var/lib/bucketfs for root, else $XDG_STATE_HOME/bucketfs or
+    /// ~/.local/state/bucketfs]
+    #[arg(
+        long,
+        value_name = "DIR",
+        hide_env_values = true,
+        env = "BUCKETFS_STATE_DIR"
+    )]
+    pub state_dir: Option<String>,
 
     /// Most objects a directory rename may copy; renaming a bigger directory fails with EXDEV
     /// (mv then falls back to copying). [default: 10000]
@@ -483,7 +501,7 @@ impl MountArgs {
             s.apply_file(path)?;
         }
         s.apply_mount_options(&self.options)?;
-        let values: [(&str, &Option<String>); 24] = [
+        let values: [(&str, &Option<String>); 25] = [
             ("ca_bundle", &self.ca_bundle),
             ("retry_timeout", &self.retry_timeout),
             ("list_metadata", &self.list_metadata),
@@ -500,6 +518,7 @@ impl MountArgs {
             ("negative_ttl", &self.negative_ttl),
             ("stat_cache_size", &self.stat_cache_size),
             ("cache_dir", &self.cache_dir),
+            ("state_dir", &self.state_dir),
             ("max_dir_rename", &self.max_dir_rename),
             ("upload_concurrency", &self.upload_concurrency),
             ("max_memory", &self.max_memory),
@@ -520,6 +539,7 @@ impl MountArgs {
             ("read_only", self.read_only),
             ("allow_other", self.allow_other),
             ("nonempty", self.nonempty),
+            ("allow_stacking", self.allow_stacking),
             ("syslog", self.syslog),
             ("no_verify_ssl", self.no_verify_ssl),
             ("unsigned_payload", self.unsigned_payload),

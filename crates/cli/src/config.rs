@@ -59,11 +59,15 @@ pub struct Settings {
     pub dir_mode: u16,
     pub allow_other: bool,
     pub nonempty: bool,
+    /// Mount even where a file system is already mounted (stacking over it).
+    pub allow_stacking: bool,
     pub part_size: u64,
     pub stat_ttl: Duration,
     pub negative_ttl: Duration,
     pub stat_cache_size: usize,
     pub cache_dir: PathBuf,
+    /// Upload journals and the background log; `None`: the default (see `run::state_dir`).
+    pub state_dir: Option<PathBuf>,
     pub max_dir_rename: usize,
     pub upload_concurrency: usize,
     pub max_memory: u64,
@@ -111,11 +115,13 @@ impl fmt::Debug for Settings {
             .field("dir_mode", &format_args!("{:o}", self.dir_mode))
             .field("allow_other", &self.allow_other)
             .field("nonempty", &self.nonempty)
+            .field("allow_stacking", &self.allow_stacking)
             .field("part_size", &self.part_size)
             .field("stat_ttl", &self.stat_ttl)
             .field("negative_ttl", &self.negative_ttl)
             .field("stat_cache_size", &self.stat_cache_size)
             .field("cache_dir", &self.cache_dir)
+            .field("state_dir", &self.state_dir)
             .field("max_dir_rename", &self.max_dir_rename)
             .field("upload_concurrency", &self.upload_concurrency)
             .field("max_memory", &self.max_memory)
@@ -156,11 +162,13 @@ impl Default for Settings {
             dir_mode: fs.dir_mode,
             allow_other: false,
             nonempty: false,
+            allow_stacking: false,
             part_size: fs.part_size,
             stat_ttl: fs.stat_ttl,
             negative_ttl: fs.negative_ttl,
             stat_cache_size: fs.stat_cache_size,
             cache_dir: fs.cache_dir,
+            state_dir: None,
             max_dir_rename: fs.max_dir_rename_objects,
             upload_concurrency: fs.upload_concurrency,
             max_memory: fs.max_memory,
@@ -224,11 +232,13 @@ const KEYS: &[(&str, Kind, Scope)] = &[
     ("dir_mode", Kind::Value, Scope::All),
     ("allow_other", Kind::Bool, Scope::All),
     ("nonempty", Kind::Bool, Scope::All),
+    ("allow_stacking", Kind::Bool, Scope::All),
     ("part_size", Kind::Value, Scope::All),
     ("stat_ttl", Kind::Value, Scope::All),
     ("negative_ttl", Kind::Value, Scope::All),
     ("stat_cache_size", Kind::Value, Scope::All),
     ("cache_dir", Kind::Value, Scope::All),
+    ("state_dir", Kind::Value, Scope::All),
     ("max_dir_rename", Kind::Value, Scope::All),
     ("upload_concurrency", Kind::Value, Scope::All),
     ("max_memory", Kind::Value, Scope::All),
@@ -474,6 +484,7 @@ impl Settings {
             "dir_mode" => self.dir_mode = parse_mode(v)?,
             "allow_other" => self.allow_other = parse_bool(v)?,
             "nonempty" => self.nonempty = parse_bool(v)?,
+            "allow_stacking" => self.allow_stacking = parse_bool(v)?,
             "part_size" => {
                 let n = parse_size(v)?;
                 if !(MIN_PART..=MAX_PART).contains(&n) {
@@ -487,6 +498,7 @@ impl Settings {
             "negative_ttl" => self.negative_ttl = parse_duration(v)?,
             "stat_cache_size" => self.stat_cache_size = parse_count(v, 0, 100_000_000)?,
             "cache_dir" => self.cache_dir = PathBuf::from(non_empty(v, "path")?),
+            "state_dir" => self.state_dir = Some(PathBuf::from(non_empty(v, "path")?)),
             "max_dir_rename" => self.max_dir_rename = parse_count(v, 0, usize::MAX)?,
             "upload_concurrency" => self.upload_concurrency = parse_count(v, 1, 256)?,
             "max_memory" => {

@@ -1,8 +1,10 @@
 //! Logging setup: tracing-subscriber to stderr, a file, or syslog.
 //!
 //! Where logs go: `--log-file` if given; else syslog with `--syslog`; else stderr in the
-//! foreground; else (background) syslog through `/dev/log`, or `/tmp/bucketfs-<pid>.log` when
-//! there is no syslog socket. `RUST_LOG` overrides the level with a full tracing filter. Chatty
+//! foreground; else (background) syslog through `/dev/log`, or
+//! `<state dir>/logs/bucketfs-<pid>.log` when there is no syslog socket. Log files are never
+//! opened through a symlink (at their last component) and are created 0600; the automatic one
+//! is created fresh in a 0700 directory. `RUST_LOG` overrides the level with a full tracing filter. Chatty
 //! dependencies (AWS SDK, HTTP stack, fuser) are held at `error` (`info` at debug level) unless
 //! the level is `trace`.
 //! The `log` records of fuser are bridged into tracing.
@@ -30,8 +32,14 @@ pub enum LogTarget {
 }
 
 impl LogTarget {
-    /// Picks the target from the settings (see the module docs).
-    pub fn choose(log_file: Option<&Path>, syslog: bool, foreground: bool) -> LogTarget {
+    /// Picks the target from the settings (see the module docs); `log_dir` is the private
+    /// directory of the automatic log file.
+    pub fn choose(
+        log_file: Option<&Path>,
+        syslog: bool,
+        foreground: bool,
+        log_dir: &Path,
+    ) -> LogTarget {
         if let Some(f) = log_file {
             LogTarget::File(f.to_path_buf())
         } else if syslog {
@@ -44,10 +52,7 @@ impl LogTarget {
         {
             LogTarget::Syslog
         } else {
-            LogTarget::File(PathBuf::from(format!(
-                "/tmp/bucketfs-{}.log",
-                std::process::id()
-            )))
+            LogTarget::File(log_dir.join(format!("bucketfs-{}.log", std::process::id())))
         }
     }
 }
@@ -102,11 +107,7 @@ pub fn init(level: LogLevel, target: &LogTarget) -> Result<(), String> {
     let r = match target {
         LogTarget::Stderr => builder.with_writer(io::stderr).try_init(),
         LogTarget::File(path) => {
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .map_err(|e| format!("log file {}: {e}", path.display()))?;
+            let f = open_log(path).map_err(|e| format!("log file {}: {e}", path.display()))?;
             builder
                 .with_ansi(false)
                 .with_writer(Mutex::new(f))
@@ -124,6 +125,26 @@ pub fn init(level: LogLevel, target: &LogTarget) -> Result<(), String> {
         }
     };
     r.map_err(|e| format!("cannot set up logging: {e}"))
+}
+
+/// Opens a log file for appending: never through a symlink (a planted link could point a root
+/// daemon's log at any file), created 0600. A fresh name is created exclusively; an existing
+/// file (a name reused by a later pid in the private log directory, or a `--log-file`) is
+/// appended to.
+pub fn open_log(path: &Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let open = |excl: bool| {
+        let mut o = std::fs::OpenOptions::new();
+        o.append(true).mode(0o600).custom_flags(libc::O_NOFOLLOW);
+        if excl {
+            o.create_new(true);
+        }
+        o.open(path)
+    };
+    match open(true) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => open(false),
+        r => r,
+    }
 }
 
 /// Makes one [`SyslogLine`] per event.
@@ -212,12 +233,34 @@ mod tests {
 
     #[test]
     fn target_choice() {
+        let d = Path::new("/d");
         assert_eq!(
-            LogTarget::choose(Some(Path::new("/x.log")), true, true),
+            LogTarget::choose(Some(Path::new("/x.log")), true, true, d),
             LogTarget::File("/x.log".into())
         );
-        assert_eq!(LogTarget::choose(None, true, true), LogTarget::Syslog);
-        assert_eq!(LogTarget::choose(None, false, true), LogTarget::Stderr);
+        assert_eq!(LogTarget::choose(None, true, true, d), LogTarget::Syslog);
+        assert_eq!(LogTarget::choose(None, false, true, d), LogTarget::Stderr);
+    }
+
+    #[test]
+    fn log_files_are_private_and_never_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        let link = dir.path().join("link.log");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        let e = open_log(&link).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        let log = dir.path().join("new.log");
+        let mut f = open_log(&log).unwrap();
+        writeln!(f, "a").unwrap();
+        let mut f = open_log(&log).unwrap();
+        writeln!(f, "b").unwrap();
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "a\nb\n");
+        let mode = std::fs::metadata(&log).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
     }
 
     #[test]

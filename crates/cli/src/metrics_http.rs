@@ -10,8 +10,11 @@ use bucketfs_store::retry::RetryMetrics;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+use tracing::warn;
 
 /// Everything a mount counts, rendered on demand.
 #[derive(Clone)]
@@ -65,33 +68,117 @@ impl Counters {
     }
 }
 
+/// Connections one endpoint serves at once. Beyond it the endpoint stops accepting: further
+/// clients wait in the kernel's listen queue, which costs the daemon no descriptor.
+pub const MAX_CONNECTIONS: usize = 64;
+/// Longest a client may take to send its request head (or to take the answer).
+pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pauses after a failed `accept` (EMFILE, ENFILE, ENOMEM...), doubling up to the last:
+/// the failed connection stays queued, so retrying at once would spin.
+const ACCEPT_BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_secs(1));
+
+/// Accepts connections of one endpoint under [`MAX_CONNECTIONS`], with a backoff on errors,
+/// and runs `serve` for each one holding a slot.
+async fn accept_loop<S, A, F>(name: &'static str, mut accept: A, serve: S)
+where
+    A: FnMut() -> F,
+    F: std::future::Future<Output = std::io::Result<S::Conn>>,
+    S: Serve,
+{
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut backoff = ACCEPT_BACKOFF.0;
+    let mut warned = false;
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        match accept().await {
+            Ok(conn) => {
+                backoff = ACCEPT_BACKOFF.0;
+                let serve = serve.clone();
+                tokio::spawn(async move {
+                    serve.serve(conn).await;
+                    drop(slot);
+                });
+            }
+            Err(e) => {
+                if !warned {
+                    warn!("{name}: accept failed ({e}); backing off");
+                    warned = true;
+                }
+                drop(slot);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF.1);
+            }
+        }
+    }
+}
+
+/// What one endpoint does with an accepted connection.
+trait Serve: Clone + Send + 'static {
+    type Conn: Send + 'static;
+    fn serve(self, conn: Self::Conn) -> impl std::future::Future<Output = ()> + Send;
+}
+
+#[derive(Clone)]
+struct HttpServe(Counters);
+
+impl Serve for HttpServe {
+    type Conn = TcpStream;
+    async fn serve(self, mut sock: TcpStream) {
+        let mut buf = [0u8; 2048];
+        // An idle or trickling client gives up its slot after IO_TIMEOUT.
+        let n = match tokio::time::timeout(IO_TIMEOUT, read_head(&mut sock, &mut buf)).await {
+            Ok(n) => n,
+            Err(_) => return,
+        };
+        let req = String::from_utf8_lossy(&buf[..n]);
+        let path = req.split_whitespace().nth(1).unwrap_or("");
+        let (status, body) = if path == "/metrics" || path == "/" {
+            ("200 OK", self.0.text())
+        } else {
+            ("404 Not Found", "not found\n".to_string())
+        };
+        let head = format!(
+            "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let _ = tokio::time::timeout(IO_TIMEOUT, async {
+            sock.write_all(head.as_bytes()).await?;
+            sock.write_all(body.as_bytes()).await
+        })
+        .await;
+    }
+}
+
+/// Reads until the end of the request head, a full buffer or EOF; returns the bytes read.
+async fn read_head(sock: &mut TcpStream, buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    while n < buf.len() {
+        match sock.read(&mut buf[n..]).await {
+            Ok(0) | Err(_) => break,
+            Ok(m) => n += m,
+        }
+        if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") || buf[..n].ends_with(b"\n\n") {
+            break;
+        }
+    }
+    n
+}
+
 /// Binds `addr` (fails at startup with a clear message if it cannot) and serves forever.
 pub async fn serve_http(addr: SocketAddr, counters: Counters) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tokio::spawn(async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                continue;
-            };
-            let counters = counters.clone();
-            tokio::spawn(async move {
-                let mut buf = [0u8; 2048];
-                let n = sock.read(&mut buf).await.unwrap_or(0);
-                let req = String::from_utf8_lossy(&buf[..n]);
-                let path = req.split_whitespace().nth(1).unwrap_or("");
-                let (status, body) = if path == "/metrics" || path == "/" {
-                    ("200 OK", counters.text())
-                } else {
-                    ("404 Not Found", "not found\n".to_string())
-                };
-                let head = format!(
-                    "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n",
-                    body.len()
-                );
-                let _ = sock.write_all(head.as_bytes()).await;
-                let _ = sock.write_all(body.as_bytes()).await;
-            });
-        }
+        accept_loop(
+            "metrics endpoint",
+            {
+                let l = &listener;
+                move || async move { l.accept().await.map(|(s, _)| s) }
+            },
+            HttpServe(counters),
+        )
+        .await
     });
     Ok(())
 }
@@ -115,22 +202,56 @@ pub fn stats_socket(mountpoint: &Path) -> PathBuf {
     dir.join(format!("{h:016x}.sock"))
 }
 
+#[derive(Clone)]
+struct SocketServe(Counters);
+
+impl Serve for SocketServe {
+    type Conn = UnixStream;
+    async fn serve(self, mut sock: UnixStream) {
+        let text = self.0.text();
+        let _ = tokio::time::timeout(IO_TIMEOUT, sock.write_all(text.as_bytes())).await;
+    }
+}
+
+/// Creates (or checks) the socket's directory: it must be a real directory of this user that
+/// nobody else can enter, or another user could swap the socket for their own.
+fn private_socket_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let md = std::fs::symlink_metadata(dir)?;
+    // SAFETY: getuid cannot fail.
+    if !md.is_dir() || md.uid() != unsafe { libc::getuid() } {
+        return Err(std::io::Error::other(format!(
+            "{} is not a directory of this user (owner {})",
+            dir.display(),
+            md.uid()
+        )));
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
 /// Serves the counters on the stats socket until the returned guard is dropped.
 pub fn serve_socket(path: &Path, counters: Counters) -> std::io::Result<SocketGuard> {
+    use std::os::unix::fs::PermissionsExt;
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        private_socket_dir(dir)?;
     }
     let _ = std::fs::remove_file(path); // left by a daemon that was killed
     let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     let task = tokio::spawn(async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                continue;
-            };
-            let _ = sock.write_all(counters.text().as_bytes()).await;
-        }
+        accept_loop(
+            "stats socket",
+            {
+                let l = &listener;
+                move || async move { l.accept().await.map(|(s, _)| s) }
+            },
+            SocketServe(counters),
+        )
+        .await
     });
     Ok(SocketGuard {
         path: path.to_path_buf(),

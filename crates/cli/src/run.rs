@@ -77,7 +77,7 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     let mut settings = args.settings()?;
     let target = target_of(&args.source, &settings)?;
     let mountpoint = absolute(&args.mountpoint);
-    check_mountpoint(&mountpoint, settings.nonempty)?;
+    check_mountpoint(&mountpoint, settings.nonempty, settings.allow_stacking)?;
     if let Target::Local { dir } = &target {
         if mountpoint.starts_with(dir) {
             return Err(format!(
@@ -93,6 +93,15 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
         .map_err(|e| format!("cache dir {}: {e}", settings.cache_dir.display()))?;
     if let Some(f) = &settings.log_file {
         settings.log_file = Some(absolute(f));
+    }
+    let state = match &settings.state_dir {
+        Some(d) => absolute(d),
+        None => default_state_dir()?,
+    };
+    settings.state_dir = Some(state.clone());
+    private_state_dir(&state)?;
+    for sub in [JOURNAL_SUBDIR, LOG_SUBDIR] {
+        private_dir(&state.join(sub))?;
     }
     if let Some(ca) = &settings.ca_bundle {
         if settings.no_verify_ssl {
@@ -164,7 +173,7 @@ fn check_local_source(dir: &Path) -> Result<PathBuf, String> {
     }
 }
 
-fn check_mountpoint(mp: &Path, nonempty: bool) -> Result<(), String> {
+fn check_mountpoint(mp: &Path, nonempty: bool, allow_stacking: bool) -> Result<(), String> {
     let md = match std::fs::metadata(mp) {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             // A FUSE daemon died without unmounting: clear the corpse and go on.
@@ -194,6 +203,19 @@ fn check_mountpoint(mp: &Path, nonempty: bool) -> Result<(), String> {
     if !md.is_dir() {
         return Err(format!("mount point {} is not a directory", mp.display()));
     }
+    if !allow_stacking {
+        // A second mount would hide the first one (and its open files) without a word.
+        let real = mp.canonicalize().unwrap_or_else(|_| mp.to_path_buf());
+        if let Some(m) = bucketfs_fuse::mount_info(&real) {
+            return Err(format!(
+                "mount point {} is already a mount point ({} {}): unmount it first, or give \
+                 --allow-stacking to mount over it",
+                mp.display(),
+                m.fstype,
+                m.source
+            ));
+        }
+    }
     if !nonempty {
         let mut entries = std::fs::read_dir(mp)
             .map_err(|e| format!("cannot read mount point {}: {e}", mp.display()))?;
@@ -210,7 +232,12 @@ fn check_mountpoint(mp: &Path, nonempty: bool) -> Result<(), String> {
 /// Everything after the fork: returns the exit code.
 fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     let s = &plan.settings;
-    let target = LogTarget::choose(s.log_file.as_deref(), s.syslog, s.foreground);
+    let target = LogTarget::choose(
+        s.log_file.as_deref(),
+        s.syslog,
+        s.foreground,
+        &state_dir(s).join(LOG_SUBDIR),
+    );
     // The automatic log file of a daemon that never started only repeats the error the user
     // was shown: remove it so failed mounts leave nothing behind.
     let auto_log = match (&target, &s.log_file) {
@@ -230,6 +257,11 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     };
     if let Err(msg) = logging::init(s.log_level, &target) {
         return report_failure(readiness, msg);
+    }
+    match raise_open_files_limit() {
+        Ok(Some((old, new))) => info!("open files limit raised from {old} to {new}"),
+        Ok(None) => {}
+        Err(e) => warn!("cannot raise the open files limit: {e}"),
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -428,62 +460,222 @@ async fn abort_open_uploads(store: &dyn ObjectStore, journal: &UploadJournal) ->
     live.into_iter().map(|(key, _)| key).collect()
 }
 
-/// Where upload journals live: a private directory per user under the cache dir.
-fn journal_dir(settings: &Settings) -> PathBuf {
+/// Subdirectories of the state directory.
+const JOURNAL_SUBDIR: &str = "journal";
+const LOG_SUBDIR: &str = "logs";
+
+/// The state directory when none is given: `/var/lib/bucketfs` for root, else
+/// `$XDG_STATE_HOME/bucketfs` or `~/.local/state/bucketfs`. Persistent, unlike the cache dir
+/// (often a tmpfs), so the journals of a crash outlive a reboot.
+fn default_state_dir() -> Result<PathBuf, String> {
     // SAFETY: getuid cannot fail.
-    let uid = unsafe { libc::getuid() };
-    settings.cache_dir.join(format!("bucketfs-journal-{uid}"))
+    if unsafe { libc::getuid() } == 0 {
+        return Ok(PathBuf::from("/var/lib/bucketfs"));
+    }
+    let abs = |v: Option<std::ffi::OsString>| v.map(PathBuf::from).filter(|p| p.is_absolute());
+    if let Some(x) = abs(std::env::var_os("XDG_STATE_HOME")) {
+        return Ok(x.join("bucketfs"));
+    }
+    if let Some(h) = abs(std::env::var_os("HOME")) {
+        return Ok(h.join(".local/state/bucketfs"));
+    }
+    Err("no state directory: HOME is not set; give --state-dir DIR".into())
 }
 
-/// The identity of the bucket (or directory) for journal file names.
-fn journal_tag(settings: &Settings, target: &Target) -> String {
-    let id = match target {
-        Target::S3 { bucket, .. } => format!(
-            "s3://{bucket} at {}",
-            settings.endpoint_url.as_deref().unwrap_or("aws")
-        ),
-        Target::Local { dir } => dir.display().to_string(),
-    };
-    journal::journal_tag(&id)
+/// The state directory `plan` settled on.
+fn state_dir(settings: &Settings) -> PathBuf {
+    settings.state_dir.clone().expect("set by plan")
 }
 
-/// Creates the journal directory if needed and checks that it is ours alone: a directory
-/// someone else controls could be read, or could plant journals that make us abort uploads.
-fn private_journal_dir(settings: &Settings) -> Result<PathBuf, String> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-    let dir = journal_dir(settings);
+fn uid() -> u32 {
+    // SAFETY: getuid cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// Whether `dir` is a real directory of this user that nobody else can enter (`mask` 0o077)
+/// or change (`mask` 0o022).
+fn owned_by_us(dir: &Path, mask: u32) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    if md.is_dir() && md.uid() == uid() && md.mode() & mask == 0 {
+        return Ok(());
+    }
+    Err(format!(
+        "{} is not private to this user ({}owner {}, mode {:04o}); remove it, chmod 700 it or \
+         give another --state-dir",
+        dir.display(),
+        if md.is_dir() { "" } else { "not a directory, " },
+        md.uid(),
+        md.mode() & 0o7777
+    ))
+}
+
+fn create_private(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
-        .create(&dir)
-        .map_err(|e| format!("upload journal directory {}: {e}", dir.display()))?;
-    let md = std::fs::symlink_metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // SAFETY: getuid cannot fail.
-    if !md.is_dir() || md.uid() != unsafe { libc::getuid() } || md.mode() & 0o077 != 0 {
-        return Err(format!(
-            "upload journal directory {} is not private to this user (owner {}, mode {:04o}); \
-             remove it or choose another --cache-dir",
-            dir.display(),
-            md.uid(),
-            md.mode() & 0o7777
-        ));
+        .create(dir)
+        .map_err(|e| format!("state directory {}: {e}", dir.display()))
+}
+
+/// The state directory: created 0700 if missing; ours and writable by nobody else.
+fn private_state_dir(dir: &Path) -> Result<(), String> {
+    create_private(dir)?;
+    owned_by_us(dir, 0o022)
+}
+
+/// A subdirectory of the state directory: ours alone (0700). Another user who could read the
+/// journals or the log, or plant journals that make us abort uploads, must not get in.
+fn private_dir(dir: &Path) -> Result<(), String> {
+    create_private(dir)?;
+    owned_by_us(dir, 0o077)
+}
+
+/// The bucket a journal belongs to, without the endpoint: the journals of a bucket are found
+/// however the endpoint was spelled (the store line inside tells stores apart).
+fn journal_tag(target: &Target) -> String {
+    match target {
+        Target::S3 { bucket, .. } => journal::journal_tag(&format!("s3://{bucket}")),
+        Target::Local { dir } => journal::journal_tag(&dir.display().to_string()),
     }
-    Ok(dir)
+}
+
+/// The store the bucket is on, as this mount spells it (recorded in the journal).
+fn store_of(settings: &Settings, target: &Target) -> String {
+    match target {
+        Target::S3 { .. } => settings.endpoint_url.clone().unwrap_or_else(|| "aws".into()),
+        Target::Local { .. } => "local".into(),
+    }
+}
+
+/// Whether two endpoint URLs reach the same server: same scheme, port and path, and the same
+/// host name or a host address in common (`localhost` and `127.0.0.1` are one store).
+fn same_endpoint(a: &str, b: &str) -> bool {
+    use std::collections::HashSet;
+    use std::net::{IpAddr, ToSocketAddrs};
+    if a == b {
+        return true;
+    }
+    let (Some(pa), Some(pb)) = (split_endpoint(a), split_endpoint(b)) else {
+        return false;
+    };
+    if (pa.0, pa.2, &pa.3) != (pb.0, pb.2, &pb.3) {
+        return false;
+    }
+    if pa.1 == pb.1 {
+        return true;
+    }
+    let addrs = |host: &str, port: u16| -> HashSet<IpAddr> {
+        (host, port)
+            .to_socket_addrs()
+            .map(|it| it.map(|sa| sa.ip()).collect())
+            .unwrap_or_default()
+    };
+    !addrs(&pa.1, pa.2).is_disjoint(&addrs(&pb.1, pb.2))
+}
+
+/// `(scheme, host, port, path)` of an endpoint URL, lower-cased, default port filled in.
+fn split_endpoint(url: &str) -> Option<(&'static str, String, u16, String)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let (scheme, default_port) = match scheme.to_ascii_lowercase().as_str() {
+        "http" => ("http", 80),
+        "https" => ("https", 443),
+        _ => return None,
+    };
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let authority = authority.rsplit('@').next()?;
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(v6) => {
+            let (h, after) = v6.split_once(']')?;
+            (h, after.strip_prefix(':'))
+        }
+        None => match authority.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (authority, None),
+        },
+    };
+    let port = match port {
+        Some(p) => p.parse().ok()?,
+        None => default_port,
+    };
+    Some((
+        scheme,
+        host.to_ascii_lowercase(),
+        port,
+        path.trim_end_matches('/').to_string(),
+    ))
 }
 
 fn open_journal(settings: &Settings, target: &Target) -> Result<Arc<UploadJournal>, String> {
-    let dir = private_journal_dir(settings)?;
-    let j = UploadJournal::open(&dir, &journal_tag(settings, target))
+    let dir = state_dir(settings).join(JOURNAL_SUBDIR);
+    private_dir(&dir)?;
+    let j = UploadJournal::open_for_store(&dir, &journal_tag(target), &store_of(settings, target))
         .map_err(|e| format!("upload journal in {}: {e}", dir.display()))?;
     Ok(Arc::new(j))
 }
 
-/// Aborts the uploads that dead daemons of this bucket left open (see the journal module).
+/// Where bucketfs before the state directory kept its journals (`CACHE_DIR/bucketfs-journal-UID`
+/// of this and of the default cache dir), if such a directory is private to this user.
+fn legacy_journal_dirs(settings: &Settings) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for cache in [
+        settings.cache_dir.clone(),
+        std::env::temp_dir(),
+        PathBuf::from("/tmp"),
+    ] {
+        let d = cache.join(format!("bucketfs-journal-{}", uid()));
+        if !dirs.contains(&d) && owned_by_us(&d, 0o077).is_ok() {
+            dirs.push(d);
+        }
+    }
+    dirs
+}
+
+/// The first 60 characters of the old tag (`s3://BUCKET at ENDPOINT` made a file name), which
+/// every endpoint spelling shares.
+fn legacy_tag_start(id: &str) -> String {
+    id.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .take(60)
+        .collect()
+}
+
+/// Aborts the uploads that dead daemons of this bucket left open (see the journal module): in
+/// the state directory, and in the journal directories of older versions.
 async fn recover_uploads(store: &dyn ObjectStore, settings: &Settings, target: &Target) {
-    let Ok(dir) = private_journal_dir(settings) else {
-        return; // open_journal reports it
+    let dir = state_dir(settings).join(JOURNAL_SUBDIR);
+    let ours = store_of(settings, target);
+    // Journals say which store they are of; the old ones only in their name.
+    let this_store = |_: &str, recorded: Option<&str>| {
+        recorded.is_some_and(|r| r == ours || same_endpoint(r, &ours))
     };
-    match journal::recover(store, &dir, &journal_tag(settings, target)).await {
+    let (legacy_start, legacy_exact) = match target {
+        Target::S3 { bucket, .. } => {
+            let exact = journal::journal_tag(&format!("s3://{bucket} at {ours}"));
+            (legacy_tag_start(&format!("s3://{bucket} at ")), exact)
+        }
+        Target::Local { .. } => {
+            let t = journal_tag(target);
+            (format!("{t}."), t)
+        }
+    };
+    let legacy_this_store =
+        |name: &str, _: Option<&str>| name.starts_with(&format!("{legacy_exact}."));
+    let legacy = legacy_journal_dirs(settings);
+    let mut scopes = vec![journal::Scope {
+        dir: &dir,
+        name_prefix: format!("{}.", journal_tag(target)),
+        this_store: &this_store,
+    }];
+    for d in &legacy {
+        scopes.push(journal::Scope {
+            dir: d,
+            name_prefix: legacy_start.clone(),
+            this_store: &legacy_this_store,
+        });
+    }
+    match journal::recover_in(store, &scopes).await {
         Ok(r) => {
             for (key, _) in &r.aborted {
                 warn!("{key}: aborted the upload a previous bucketfs left open when it died");
@@ -500,6 +692,37 @@ async fn recover_uploads(store: &dyn ObjectStore, settings: &Settings, target: &
         }
         Err(e) => warn!("upload journals in {}: {e}", dir.display()),
     }
+}
+
+/// Raises the soft limit of open files to the hard limit (often 1024 of 4096 or more): every
+/// open file, staging file and store connection is a descriptor. Returns `(old, new)` if raised.
+fn raise_open_files_limit() -> std::io::Result<Option<(u64, u64)>> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid out pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut want = lim.rlim_max;
+    if want == libc::RLIM_INFINITY {
+        // The kernel refuses more than fs.nr_open.
+        want = std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(1 << 20);
+    }
+    if lim.rlim_cur >= want {
+        return Ok(None);
+    }
+    let old = lim.rlim_cur;
+    lim.rlim_cur = want;
+    // SAFETY: `lim` is a valid rlimit.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(Some((old, want)))
 }
 
 /// Cleans up once the mount is gone; returns the exit code.
@@ -726,16 +949,46 @@ mod tests {
     }
 
     #[test]
+    fn endpoint_spellings() {
+        assert!(same_endpoint(
+            "http://127.0.0.1:9000",
+            "http://localhost:9000"
+        ));
+        assert!(same_endpoint("http://LocalHost:9000/", "http://localhost:9000"));
+        assert!(same_endpoint(
+            "https://s3.example.com",
+            "https://s3.example.com:443"
+        ));
+        assert!(!same_endpoint(
+            "http://127.0.0.1:9000",
+            "http://127.0.0.1:9001"
+        ));
+        assert!(!same_endpoint(
+            "http://127.0.0.1:9000",
+            "https://127.0.0.1:9000"
+        ));
+        assert!(!same_endpoint("http://127.0.0.1:9000", "aws"));
+        assert_eq!(
+            split_endpoint("http://[::1]:9000/x/"),
+            Some(("http", "::1".to_string(), 9000, "x".to_string()))
+        );
+    }
+
+    #[test]
     fn mountpoint_checks() {
         let d = tempfile::tempdir().unwrap();
-        assert!(check_mountpoint(d.path(), false).is_ok());
+        assert!(check_mountpoint(d.path(), false, false).is_ok());
         std::fs::write(d.path().join("f"), b"x").unwrap();
-        let e = check_mountpoint(d.path(), false).unwrap_err();
+        let e = check_mountpoint(d.path(), false, false).unwrap_err();
         assert!(e.contains("is not empty"), "{e}");
-        assert!(check_mountpoint(d.path(), true).is_ok());
-        let e = check_mountpoint(&d.path().join("f"), false).unwrap_err();
+        assert!(check_mountpoint(d.path(), true, false).is_ok());
+        let e = check_mountpoint(&d.path().join("f"), false, false).unwrap_err();
         assert!(e.contains("is not a directory"), "{e}");
-        let e = check_mountpoint(&d.path().join("nope"), false).unwrap_err();
+        let e = check_mountpoint(&d.path().join("nope"), false, false).unwrap_err();
         assert!(e.contains("does not exist"), "{e}");
+        // `/` is a mount point everywhere.
+        let e = check_mountpoint(Path::new("/"), true, false).unwrap_err();
+        assert!(e.contains("is already a mount point"), "{e}");
+        assert!(check_mountpoint(Path::new("/"), true, true).is_ok());
     }
 }

@@ -28,7 +28,7 @@ fn mount_args(source: &str, mp: &Path, extra: &[String]) -> Vec<OsString> {
 }
 
 /// Connection flags for the test MinIO, plus a log file in the test's temp dir (a daemon
-/// without a log file and without /dev/log would log to /tmp/bucketfs-PID.log).
+/// without a log file and without /dev/log would log to STATE_DIR/logs/bucketfs-PID.log).
 fn daemon_args(dir: &tempfile::TempDir) -> Vec<String> {
     let mut a = s3_args();
     a.push("--log-file".into());

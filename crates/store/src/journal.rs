@@ -6,14 +6,18 @@
 //! `+ <upload id> <key>` (hex-encoded, so any key fits on a line, then `fdatasync`), and every
 //! upload it completes or aborts as `- <upload id>`. The journal is the file
 //! `<dir>/<tag>.<pid>.journal` (mode 0600, in a 0700 directory); `tag` names the bucket, so
-//! only mounts of the same bucket recover each other's uploads. The daemon holds an exclusive
-//! `flock` on its journal while it lives: a journal whose lock can be taken belongs to a dead
-//! daemon.
+//! only mounts of the same bucket recover each other's uploads. Its first line (`s <store>`,
+//! [`UploadJournal::open_for_store`]) records which store the bucket is on, as the mount
+//! spelled it. The daemon holds an exclusive `flock` on its journal while it lives: a journal
+//! whose lock can be taken belongs to a dead daemon.
 //!
-//! [`recover`] runs at startup, before the mount: for every dead journal of this tag it aborts
-//! the uploads that were started and never finished (an abort of an upload that did complete
-//! answers `NoSuchUpload`, which counts as done), then removes the journal. A journal whose
-//! aborts fail (the store is down) is kept for the next mount.
+//! [`recover`] runs at startup, before the mount: for every dead journal of this bucket it
+//! aborts the uploads that were started and never finished, then removes the journal. If the
+//! journal is of this very store (the caller decides, whatever the spelling), an abort that
+//! answers `NoSuchUpload` (the upload did complete) counts as done. Otherwise (the same bucket
+//! name on another store, or a journal that cannot say) only uploads this store lists under
+//! their key with their exact id are aborted, and the rest is kept for a mount of that store.
+//! A journal whose aborts fail (the store is down) is kept for the next mount.
 //!
 //! Only uploads this program started are touched; other clients' uploads under the same prefix
 //! are never aborted.
@@ -76,6 +80,8 @@ pub struct UploadJournal {
 
 struct JournalInner {
     file: File,
+    /// The `s <store>` line every version of the file starts with (empty: none).
+    header: String,
     /// upload id -> key of uploads started and not finished.
     live: BTreeMap<String, String>,
     /// Temporary objects written and not yet deleted.
@@ -100,6 +106,10 @@ impl JournalInner {
             // Or the next line would land after a hole of zeros and not parse.
             self.file.seek(SeekFrom::Start(0))?;
             self.len = 0;
+            let header = std::mem::take(&mut self.header);
+            let r = self.append(&header, true);
+            self.header = header;
+            r?;
             return Ok(true);
         }
         Ok(false)
@@ -124,6 +134,12 @@ fn create_dir(dir: &Path) -> io::Result<()> {
 impl UploadJournal {
     /// Creates the journal of this process for `tag` in `dir` and locks it.
     pub fn open(dir: &Path, tag: &str) -> io::Result<Self> {
+        Self::open_for_store(dir, tag, "")
+    }
+
+    /// [`UploadJournal::open`], recording `store` (the endpoint, as the mount spells it) so that
+    /// recovery can tell this store from another one holding a bucket of the same name.
+    pub fn open_for_store(dir: &Path, tag: &str, store: &str) -> io::Result<Self> {
         create_dir(dir)?;
         let path = dir.join(format!("{tag}.{}{SUFFIX}", std::process::id()));
         let file = OpenOptions::new()
@@ -133,14 +149,21 @@ impl UploadJournal {
             .mode(0o600)
             .open(&path)?;
         lock(&file, true)?;
+        let mut inner = JournalInner {
+            file,
+            header: String::new(),
+            live: BTreeMap::new(),
+            temporaries: BTreeSet::new(),
+            len: 0,
+        };
+        if !store.is_empty() {
+            inner.header = store_line(store);
+            let header = inner.header.clone();
+            inner.append(&header, true)?;
+        }
         Ok(Self {
             path,
-            inner: Mutex::new(JournalInner {
-                file,
-                live: BTreeMap::new(),
-                temporaries: BTreeSet::new(),
-                len: 0,
-            }),
+            inner: Mutex::new(inner),
         })
     }
 
@@ -267,6 +290,42 @@ pub fn parse_journal(text: &str) -> Leftovers {
     }
 }
 
+fn store_line(store: &str) -> String {
+    format!("s {}\n", hex::encode(store))
+}
+
+/// The store a journal's text records (its `s` line), if any.
+pub fn journal_store(text: &str) -> Option<String> {
+    text.lines().find_map(|l| {
+        let h = l.strip_prefix("s ")?;
+        String::from_utf8(hex::decode(h).ok()?).ok()
+    })
+}
+
+/// Journal text holding `left` (and the store line), for a dead journal that keeps part of
+/// what it recorded.
+fn journal_text(store: Option<&str>, left: &Leftovers) -> String {
+    let mut t = store.map(store_line).unwrap_or_default();
+    for (key, id) in &left.uploads {
+        t += &format!("+ {} {}\n", hex::encode(id), hex::encode(key));
+    }
+    for key in &left.temporaries {
+        t += &format!("t {}\n", hex::encode(key));
+    }
+    t
+}
+
+/// Which dead journals a mount recovers (see [`recover_in`]).
+pub struct Scope<'a> {
+    pub dir: &'a Path,
+    /// Journals whose file name starts with this are of this mount's bucket name.
+    pub name_prefix: String,
+    /// Whether the journal with this file name and recorded store (its `s` line) was written
+    /// by a mount of this very store. Then whatever the store no longer holds is done;
+    /// otherwise it is kept (it may be on the other store).
+    pub this_store: &'a (dyn Fn(&str, Option<&str>) -> bool + Sync),
+}
+
 /// What [`recover`] did.
 #[derive(Debug, Default)]
 pub struct Recovery {
@@ -283,66 +342,129 @@ pub struct Recovery {
 }
 
 /// Aborts the uploads and deletes the temporary objects left by dead daemons of `tag` in
-/// `dir` (see the module docs). Call it
-/// before [`UploadJournal::open`]: a dead daemon may have had this process's pid.
+/// `dir`, all of this store (see the module docs). Call it before [`UploadJournal::open`]: a
+/// dead daemon may have had this process's pid.
 pub async fn recover(store: &dyn ObjectStore, dir: &Path, tag: &str) -> io::Result<Recovery> {
-    let mut rec = Recovery::default();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(rec),
-        Err(e) => return Err(e),
+    let scope = Scope {
+        dir,
+        name_prefix: format!("{tag}."),
+        this_store: &|_, _| true,
     };
-    for entry in entries {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.starts_with(&format!("{tag}.")) || !name.ends_with(SUFFIX) {
-            continue;
-        }
-        let path = entry.path();
-        let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) else {
-            continue;
+    recover_in(store, &[scope]).await
+}
+
+/// [`recover`] for the dead journals of each scope (see the module docs). A directory that
+/// does not exist has none.
+pub async fn recover_in(store: &dyn ObjectStore, scopes: &[Scope<'_>]) -> io::Result<Recovery> {
+    let mut rec = Recovery::default();
+    for scope in scopes {
+        let entries = match std::fs::read_dir(scope.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
         };
-        if !lock(&file, false)? {
-            continue; // its daemon is alive
-        }
-        rec.journals += 1;
-        let mut text = String::new();
-        for line in BufReader::new(&file).lines() {
-            match line {
-                Ok(l) => {
-                    text.push_str(&l);
-                    text.push('\n');
-                }
-                Err(_) => break,
+        for entry in entries {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.starts_with(&scope.name_prefix) || !name.ends_with(SUFFIX) {
+                continue;
             }
+            recover_journal(store, &entry.path(), &name, scope, &mut rec).await?;
         }
-        let mut all_done = true;
-        let left = parse_journal(&text);
-        for (key, id) in left.uploads {
-            match store.abort_multipart(&key, &id).await {
-                Ok(()) => rec.aborted.push((key, id)),
-                Err(e) if e.is_not_found() => rec.aborted.push((key, id)),
-                Err(e) => {
-                    all_done = false;
-                    rec.failed.push((key, id, e.to_string()));
-                }
-            }
-        }
-        for key in left.temporaries {
-            match store.delete(&key).await {
-                Ok(()) => rec.deleted.push(key),
-                Err(e) => {
-                    all_done = false;
-                    rec.failed_deletes.push((key, e.to_string()));
-                }
-            }
-        }
-        if all_done {
-            std::fs::remove_file(&path)?;
-        }
-        drop(file); // unlocks
     }
     Ok(rec)
+}
+
+/// Recovers one journal file if its daemon is dead.
+async fn recover_journal(
+    store: &dyn ObjectStore,
+    path: &Path,
+    name: &str,
+    scope: &Scope<'_>,
+    rec: &mut Recovery,
+) -> io::Result<()> {
+    let Ok(mut file) = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+    else {
+        return Ok(());
+    };
+    if !lock(&file, false)? {
+        return Ok(()); // its daemon is alive
+    }
+    rec.journals += 1;
+    let mut text = String::new();
+    for line in BufReader::new(&file).lines() {
+        match line {
+            Ok(l) => {
+                text.push_str(&l);
+                text.push('\n');
+            }
+            Err(_) => break,
+        }
+    }
+    let recorded = journal_store(&text);
+    let this_store = (scope.this_store)(name, recorded.as_deref());
+    let mut kept = Leftovers::default();
+    let left = parse_journal(&text);
+    for (key, id) in left.uploads {
+        if !this_store {
+            // Abort only what this store shows is that upload; the rest may be another store's.
+            match store.list_multipart_uploads(&key).await {
+                Ok(ups) if ups.iter().any(|u| u.key == key && u.upload_id == id) => {}
+                Ok(_) => {
+                    kept.uploads.push((key, id));
+                    continue;
+                }
+                Err(e) => {
+                    rec.failed.push((key.clone(), id.clone(), e.to_string()));
+                    kept.uploads.push((key, id));
+                    continue;
+                }
+            }
+        }
+        match store.abort_multipart(&key, &id).await {
+            Ok(()) => rec.aborted.push((key, id)),
+            Err(e) if e.is_not_found() => rec.aborted.push((key, id)),
+            Err(e) => {
+                rec.failed.push((key.clone(), id.clone(), e.to_string()));
+                kept.uploads.push((key, id));
+            }
+        }
+    }
+    for key in left.temporaries {
+        if !this_store {
+            // Hidden copies are named after their daemon: one this store holds is that one.
+            match store.head(&key).await {
+                Ok(_) => {}
+                Err(e) => {
+                    if !e.is_not_found() {
+                        rec.failed_deletes.push((key.clone(), e.to_string()));
+                    }
+                    kept.temporaries.push(key);
+                    continue;
+                }
+            }
+        }
+        match store.delete(&key).await {
+            Ok(()) => rec.deleted.push(key),
+            Err(e) => {
+                rec.failed_deletes.push((key.clone(), e.to_string()));
+                kept.temporaries.push(key);
+            }
+        }
+    }
+    if kept == Leftovers::default() {
+        std::fs::remove_file(path)?;
+    } else {
+        file.set_len(0)?;
+        file.seek(SeekFrom::Start(0))?;
+        file.write_all(journal_text(recorded.as_deref(), &kept).as_bytes())?;
+        file.sync_data()?;
+    }
+    Ok(()) // dropping the file unlocks it
 }
 
 /// A store that journals the multipart uploads going through it, and the temporary objects
@@ -719,6 +841,76 @@ mod tests {
         assert_eq!(rec.aborted.len(), 1);
         assert_eq!(mem.pending_uploads(), 0);
         assert!(!dir.path().join(format!("t.999999999{SUFFIX}")).exists());
+    }
+
+    #[tokio::test]
+    async fn a_journal_of_another_store_keeps_what_this_store_does_not_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemoryStore::new());
+        let meta = UserMeta::new();
+        let here = mem.create_multipart("k1", &meta).await.unwrap();
+        mem.put("t1", Bytes::from_static(b"x"), &meta).await.unwrap();
+        let theirs = mem.create_multipart("k1", &meta).await.unwrap();
+        let lines = format!(
+            "s {}\n+ {} {}\n+ {} {}\nt {}\nt {}\n",
+            hex::encode("http://a:9000"),
+            hex::encode(&here),
+            hex::encode("k1"),
+            hex::encode("elsewhere"),
+            hex::encode("k2"),
+            hex::encode("t1"),
+            hex::encode("t2"),
+        );
+        dead_journal(dir.path(), "t", &lines);
+        let other = |_: &str, s: Option<&str>| s == Some("http://b:9000");
+        let scope = Scope {
+            dir: dir.path(),
+            name_prefix: "t.".into(),
+            this_store: &other,
+        };
+        let rec = recover_in(&*mem, &[scope]).await.unwrap();
+        // What this store holds under the journal's ids goes; nobody else's upload is touched.
+        assert_eq!(rec.aborted, vec![("k1".to_string(), here)]);
+        assert_eq!(rec.deleted, vec!["t1".to_string()]);
+        assert!(rec.failed.is_empty() && rec.failed_deletes.is_empty(), "{rec:?}");
+        let left: Vec<_> = mem
+            .list_multipart_uploads("")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|u| u.upload_id)
+            .collect();
+        assert_eq!(left, vec![theirs]);
+        // The rest stays for a mount of the journal's own store.
+        let path = dir.path().join(format!("t.999999999{SUFFIX}"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(journal_store(&text).as_deref(), Some("http://a:9000"));
+        assert_eq!(
+            parse_journal(&text),
+            Leftovers {
+                uploads: vec![("k2".to_string(), "elsewhere".to_string())],
+                temporaries: vec!["t2".to_string()],
+            }
+        );
+        let rec = recover(&*mem, dir.path(), "t").await.unwrap();
+        assert_eq!(rec.aborted.len(), 1);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn the_store_line_survives_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = UploadJournal::open_for_store(dir.path(), "t", "http://h:1").unwrap();
+        let long = "k".repeat(1000);
+        for i in 0..COMPACT_AT / 4000 + 8 {
+            j.keeping(&format!("{long}{i}")).unwrap();
+            j.dropped(&format!("{long}{i}")).unwrap();
+        }
+        j.started("k", "id").unwrap();
+        let text = std::fs::read_to_string(j.path()).unwrap();
+        assert!(text.len() < 1000, "not compacted: {} bytes", text.len());
+        assert_eq!(journal_store(&text).as_deref(), Some("http://h:1"));
+        assert_eq!(parse_journal(&text).uploads.len(), 1);
     }
 
     #[tokio::test]

@@ -1,0 +1,437 @@
+//! What a local user can do to a mount from outside it, through real mounts against MinIO:
+//! flood the endpoints the daemon serves, plant symlinks where its log goes, remount a
+//! crashed bucket under another spelling or cache dir, stack a second mount over a live one.
+//! See docs/reliability.md ("Local users and the host").
+
+mod common;
+
+use common::*;
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn create_upload(bucket: &str, key: &str) -> String {
+    let s3 = s3();
+    s3.block_on(
+        s3.client
+            .create_multipart_upload()
+            .bucket(bucket)
+            .key(key)
+            .send(),
+    )
+    .unwrap()
+    .upload_id()
+    .unwrap()
+    .to_string()
+}
+
+fn creds() -> Vec<(&'static str, String)> {
+    vec![
+        ("AWS_ACCESS_KEY_ID", env().access_key.clone()),
+        ("AWS_SECRET_ACCESS_KEY", env().secret_key.clone()),
+    ]
+}
+
+/// `bucketfs mount SOURCE MP [args]` in the background (returns once ready or failed).
+fn mount_bg(source: &str, mp: &Path, args: &[String], envs: &[(&str, String)]) -> CliRun {
+    let mut argv: Vec<OsString> = vec!["mount".into(), source.into(), mp.into()];
+    argv.extend(s3_args().into_iter().map(OsString::from));
+    argv.extend(args.iter().map(OsString::from));
+    let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    run_cli(&argv, &envs, Some(mp), Duration::from_secs(60))
+}
+
+/// Unmounts a background mount at `mp` and waits for its daemon `pid` to exit.
+fn unmount_bg(mp: &Path, pid: Option<u32>) {
+    force_unmount(mp);
+    wait_gone(pid);
+}
+
+/// Waits (up to 30 s) for a background daemon to exit after its unmount.
+fn wait_gone(pid: Option<u32>) {
+    if let Some(pid) = pid {
+        let gone = || !Path::new(&format!("/proc/{pid}")).exists();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !gone() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// How many file systems are mounted at `mp` (stacked mounts count each).
+fn mounts_at(mp: &Path) -> usize {
+    let want = mp.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some(want.as_str()))
+        .count()
+}
+
+/// User + system CPU time of `pid` so far.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces) start at field 3.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<u64> = rest
+        .split(' ')
+        .skip(11)
+        .take(2)
+        .map(|v| v.parse().unwrap())
+        .collect();
+    // SAFETY: sysconf has no memory arguments.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis((f[0] + f[1]) * 1000 / hz)
+}
+
+/// `(soft, hard)` open-files limit of `pid`, from /proc/PID/limits.
+fn nofile_limits(pid: u32) -> (String, String) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let w: Vec<&str> = line.split_whitespace().collect();
+    (w[3].to_string(), w[4].to_string())
+}
+
+/// Runs `f` (which spawns a daemon) with this process's soft open-files limit at `soft`, the
+/// usual default, so the daemon starts with it as it would from a login shell.
+fn with_soft_nofile<T>(soft: u64, f: impl FnOnce() -> T) -> T {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _g = LOCK.lock().unwrap();
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid out pointer / valid rlimit.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    let old = lim;
+    lim.rlim_cur = soft.min(lim.rlim_max);
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+    let r = f();
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &old) };
+    r
+}
+
+/// Issue 18, item 3: 1,100 idle connections to `--metrics-addr` used to take every descriptor
+/// of a daemon started under the usual soft limit of 1,024 (other users' writes then failed
+/// with EMFILE) and set its accept loop spinning. Now the endpoint serves at most 64
+/// connections, drops idle ones after 5 s, backs off on accept errors, and the daemon runs
+/// with its soft limit raised to the hard one.
+#[test]
+fn a_flood_of_idle_connections_leaves_the_daemon_bounded_and_writable() {
+    let s3 = s3();
+    let b = s3.new_bucket("flood");
+    let addr = free_local_addr();
+    let m = with_soft_nofile(1024, || {
+        MountSpec::s3(&b, "")
+            .arg("--metrics-addr")
+            .arg(&addr)
+            .mount()
+    });
+    let pid = m.daemon_pid().unwrap();
+    let mut problems = Vec::new();
+    let (soft, hard) = nofile_limits(pid);
+    if soft != hard {
+        problems.push(format!("open files limit not raised: soft {soft}, hard {hard}"));
+    }
+    let fds_before = m.fd_count();
+
+    // The attack: 1,100 connections that never send a byte.
+    let target: std::net::SocketAddr = addr.parse().unwrap();
+    let conns: Vec<TcpStream> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..11)
+            .map(|_| {
+                sc.spawn(move || {
+                    (0..100)
+                        .filter_map(|_| {
+                            TcpStream::connect_timeout(&target, Duration::from_millis(500)).ok()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let cpu0 = cpu_time(pid);
+    let t0 = Instant::now();
+    // Other users' writes during the attack: 16 files at once, each its own upload.
+    let data = pattern::bytes(7, 2 * MIB);
+    let write_errors: Vec<String> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..16)
+            .map(|i| {
+                let p = m.join(format!("w{i}.bin"));
+                let data = &data;
+                sc.spawn(move || {
+                    let mut f = std::fs::File::create(&p).map_err(|e| format!("create: {e}"))?;
+                    f.write_all(data).map_err(|e| format!("write: {e}"))?;
+                    f.sync_all().map_err(|e| format!("fsync: {e}"))?;
+                    close_checked(f).map_err(|e| format!("close: {e}"))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .filter_map(|h| h.join().unwrap().err())
+            .collect()
+    });
+    let mut fds_peak = m.fd_count();
+    while t0.elapsed() < Duration::from_secs(3) {
+        fds_peak = fds_peak.max(m.fd_count());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let busy = cpu_time(pid) - cpu0;
+    let secs = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "flood: {} of 1,100 connections made; daemon fds {fds_before} before, {fds_peak} at \
+         most under attack; CPU {:.0} ms in {secs:.1} s; open files limit {soft}/{hard}; \
+         {} write errors",
+        conns.len(),
+        busy.as_millis(),
+        write_errors.len()
+    );
+    if conns.len() < 1000 {
+        problems.push(format!("only {} connections made", conns.len()));
+    }
+    if fds_peak > fds_before + 64 + 24 {
+        problems.push(format!(
+            "descriptors not bounded: {fds_before} before, {fds_peak} under attack"
+        ));
+    }
+    if busy.as_secs_f64() > 0.25 * secs {
+        problems.push(format!(
+            "daemon busy under an idle flood: {} ms CPU in {secs:.1} s",
+            busy.as_millis()
+        ));
+    }
+    if !write_errors.is_empty() {
+        problems.push(format!("writes failed: {write_errors:?}"));
+    }
+    for i in 0..16 {
+        if s3.head(&b, &format!("w{i}.bin")).map(|h| h.size) != Some(2 * MIB as u64) {
+            problems.push(format!("w{i}.bin not stored"));
+        }
+    }
+    // An idle connection is closed by the daemon after its 5 s read timeout.
+    let mut idle = conns.into_iter().next().unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
+    let mut buf = [0u8; 16];
+    match idle.read(&mut buf) {
+        Ok(0) => {}
+        r => problems.push(format!("an idle connection was not closed within 8 s: {r:?}")),
+    }
+    drop(idle);
+    assert!(problems.is_empty(), "{problems:#?}");
+    // Once the flood is gone, the endpoint answers again (the other connections were dropped
+    // with the vector above).
+    assert_eq!(metric(&addr, "bucketfs_store_retries_total"), 0);
+}
+
+/// Plants `/tmp/bucketfs-<pid>.log -> victim` for the next pids, as `nobody` would; returns
+/// the links made.
+fn plant_log_symlinks(victim: &Path, count: u32) -> Vec<PathBuf> {
+    let last: u32 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let mut links = Vec::new();
+    for i in 1..=count {
+        let pid = (last + i) % max;
+        let l = PathBuf::from(format!("/tmp/bucketfs-{pid}.log"));
+        if std::os::unix::fs::symlink(victim, &l).is_ok() {
+            std::os::unix::fs::lchown(&l, Some(65534), Some(65534)).unwrap();
+            links.push(l);
+        }
+    }
+    links
+}
+
+/// Issue 18, item 4: without /dev/log the background daemon appended its log to the
+/// predictable `/tmp/bucketfs-<PID>.log`, through symlinks, created 0644: a user's planted
+/// link pointed the root daemon's log into any root-owned file. Now the log is a fresh 0600
+/// file in the state directory's 0700 `logs/`, never opened through a symlink, and a
+/// `--log-file` that is a symlink is refused.
+#[test]
+fn the_background_log_is_private_and_cannot_be_redirected() {
+    assert!(
+        !Path::new("/dev/log").exists(),
+        "this test needs a machine without /dev/log (the daemon would log to syslog)"
+    );
+    let s3 = s3();
+    let b = s3.new_bucket("logsym");
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "root's file\n").unwrap();
+    let state = dir.path().join("state");
+    let mp = dir.path().join("mnt");
+    std::fs::create_dir(&mp).unwrap();
+    let mut envs = creds();
+    envs.push(("BUCKETFS_STATE_DIR", state.display().to_string()));
+
+    let links = plant_log_symlinks(&victim, 2000);
+    let run = mount_bg(&format!("s3://{b}"), &mp, &[], &envs);
+    let pid = processes_mentioning(&mp.display().to_string()).first().copied();
+    let log = pid.map(|p| state.join(format!("logs/bucketfs-{p}.log")));
+    let log_text = log
+        .as_ref()
+        .and_then(|l| std::fs::read_to_string(l).ok())
+        .unwrap_or_default();
+    let log_mode = log
+        .as_ref()
+        .and_then(|l| std::fs::symlink_metadata(l).ok())
+        .map(|m| (m.mode() & 0o7777, m.file_type().is_file()));
+    let dir_mode = std::fs::metadata(state.join("logs")).map(|m| m.mode() & 0o7777);
+    unmount_bg(&mp, pid);
+    for l in &links {
+        let _ = std::fs::remove_file(l);
+    }
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{run:?}");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root's file\n");
+    assert!(pid.is_some(), "no daemon found for {}", mp.display());
+    assert_eq!(log_mode, Some((0o600, true)), "log {log:?}");
+    assert_eq!(dir_mode.ok(), Some(0o700));
+    assert!(log_text.contains("ready"), "log {log:?}: {log_text}");
+
+    // --log-file through a symlink: refused before anything is written.
+    let link = dir.path().join("link.log");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let args = vec!["--log-file".to_string(), link.display().to_string()];
+    let run = mount_bg(&format!("s3://{b}"), &mp, &args, &envs);
+    let pid = processes_mentioning(&mp.display().to_string()).first().copied();
+    if is_mounted(&mp) {
+        unmount_bg(&mp, pid);
+    }
+    assert_eq!(run.status.and_then(|s| s.code()), Some(1), "{run:?}");
+    assert!(run.stderr.contains("log file"), "{}", run.stderr);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root's file\n");
+    // A new --log-file is created 0600.
+    let own = dir.path().join("own.log");
+    let args = vec!["--log-file".to_string(), own.display().to_string()];
+    let run = mount_bg(&format!("s3://{b}"), &mp, &args, &envs);
+    let pid = processes_mentioning(&mp.display().to_string()).first().copied();
+    unmount_bg(&mp, pid);
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{run:?}");
+    let mode = std::fs::metadata(&own).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+/// Issue 18, item 5: the upload journal was keyed on the exact endpoint string and kept in
+/// --cache-dir, so a remount as `localhost` instead of `127.0.0.1`, or with another cache
+/// dir (or after a reboot wiped a tmpfs), never aborted a dead daemon's upload. Now it lives
+/// in the state directory, keyed on the bucket, and the endpoint spelling does not matter.
+#[test]
+fn a_crashed_upload_is_aborted_whatever_the_endpoint_spelling_or_cache_dir() {
+    let s3 = s3();
+    let b = s3.new_bucket("respell");
+    let foreign = create_upload(&b, "someone-else.bin");
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state").display().to_string();
+    let spec = |endpoint: &str, cache: &str| {
+        let mut spec = MountSpec::s3(&b, "");
+        spec.args = vec![
+            "--endpoint-url".into(),
+            endpoint.into(),
+            "--force-path-style".into(),
+            "--region".into(),
+            "us-east-1".into(),
+            "--cache-dir".into(),
+            dir.path().join(cache).display().to_string(),
+        ];
+        spec.envs.push(("BUCKETFS_STATE_DIR".into(), state.clone()));
+        spec
+    };
+    let numeric = env().endpoint.clone();
+    assert!(numeric.contains("127.0.0.1"), "{numeric}");
+    let named = numeric.replace("127.0.0.1", "localhost");
+
+    let mut m = spec(&numeric, "cache-a").mount();
+    let mut w = ForeignWriter::start();
+    w.open("big", &m.join("big.bin"));
+    assert_eq!(w.cmd("fill big 24"), "ok");
+    wait_for("the streamed upload", Duration::from_secs(30), || {
+        s3.list_multipart_uploads(&b)
+            .iter()
+            .any(|(k, _)| k == "big.bin")
+    });
+    m.kill9();
+    drop(w);
+    assert_eq!(s3.list_multipart_uploads(&b).len(), 2);
+
+    let m2 = spec(&named, "cache-b").mount();
+    let after = s3.list_multipart_uploads(&b);
+    assert_eq!(
+        after,
+        vec![("someone-else.bin".to_string(), foreign)],
+        "the dead daemon's upload must be aborted, the foreign one kept; log:\n{}",
+        m2.log()
+    );
+    assert!(
+        m2.log()
+            .contains("big.bin: aborted the upload a previous bucketfs left open"),
+        "{}",
+        m2.log()
+    );
+    drop(m);
+}
+
+/// Issue 18, item 6: `bucketfs mount` on a directory that is already a live mount (of an
+/// empty bucket, so the emptiness check passed) silently stacked a second file system over
+/// it. Now it is refused with one line, unless --allow-stacking.
+#[test]
+fn mounting_over_a_live_mount_is_refused_unless_asked() {
+    let s3 = s3();
+    let b1 = s3.new_bucket("stack1");
+    let b2 = s3.new_bucket("stack2");
+    let m = MountSpec::s3(&b1, "").mount();
+    let mp = m.path().to_path_buf();
+    let envs = creds();
+    let second = mount_bg(&format!("s3://{b2}"), &mp, &[], &envs);
+    let stacked = mounts_at(&mp);
+    if stacked > 1 {
+        let pid = processes_mentioning(&format!("s3://{b2}")).first().copied();
+        // Unmount the top mount only.
+        run("fusermount3", &["-u", &mp.display().to_string()]);
+        wait_gone(pid);
+    }
+    assert_eq!(stacked, 1, "a second mount was stacked: {second:?}");
+    assert_eq!(second.status.and_then(|s| s.code()), Some(1), "{second:?}");
+    assert_eq!(second.stderr.lines().count(), 1, "{}", second.stderr);
+    assert!(
+        second.stderr.contains("is already a mount point")
+            && second.stderr.contains("--allow-stacking"),
+        "{}",
+        second.stderr
+    );
+
+    // Asked for, it stacks; unmounting the top one leaves the first mount serving.
+    let args = vec!["--allow-stacking".to_string()];
+    let run2 = mount_bg(&format!("s3://{b2}"), &mp, &args, &envs);
+    assert_eq!(run2.status.and_then(|s| s.code()), Some(0), "{run2:?}");
+    assert_eq!(mounts_at(&mp), 2);
+    let pid = processes_mentioning(&format!("s3://{b2}")).first().copied();
+    run("fusermount3", &["-u", &mp.display().to_string()]);
+    wait_gone(pid);
+    assert_eq!(mounts_at(&mp), 1);
+    write_file(&m.join("still.txt"), b"first mount");
+    drop(m);
+    assert_eq!(s3.get(&b1, "still.txt").as_deref(), Some(&b"first mount"[..]));
+}
