@@ -150,11 +150,11 @@ fn a_flood_of_idle_connections_leaves_the_daemon_bounded_and_writable() {
     }
     let fds_before = m.fd_count();
 
-    // The attack: 1,100 connections that never send a byte.
+    // The attack: 1,200 connections that never send a byte.
     let target: std::net::SocketAddr = addr.parse().unwrap();
     let started = Instant::now();
     let conns: Vec<TcpStream> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..110)
+        let hs: Vec<_> = (0..120)
             .map(|_| {
                 sc.spawn(move || {
                     (0..10)
@@ -198,7 +198,7 @@ fn a_flood_of_idle_connections_leaves_the_daemon_bounded_and_writable() {
     let busy = cpu_time(pid) - cpu0;
     let secs = t0.elapsed().as_secs_f64();
     eprintln!(
-        "flood: {} of 1,100 connections made; daemon fds {fds_before} before, {fds_peak} at \
+        "flood: {} of 1,200 connections made; daemon fds {fds_before} before, {fds_peak} at \
          most under attack; CPU {:.0} ms in {secs:.1} s; open files limit {soft}/{hard}; \
          {} write errors",
         conns.len(),
