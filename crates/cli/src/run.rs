@@ -544,7 +544,10 @@ fn journal_tag(target: &Target) -> String {
 /// The store the bucket is on, as this mount spells it (recorded in the journal).
 fn store_of(settings: &Settings, target: &Target) -> String {
     match target {
-        Target::S3 { .. } => settings.endpoint_url.clone().unwrap_or_else(|| "aws".into()),
+        Target::S3 { .. } => settings
+            .endpoint_url
+            .clone()
+            .unwrap_or_else(|| "aws".into()),
         Target::Local { .. } => "local".into(),
     }
 }
@@ -954,7 +957,10 @@ mod tests {
             "http://127.0.0.1:9000",
             "http://localhost:9000"
         ));
-        assert!(same_endpoint("http://LocalHost:9000/", "http://localhost:9000"));
+        assert!(same_endpoint(
+            "http://LocalHost:9000/",
+            "http://localhost:9000"
+        ));
         assert!(same_endpoint(
             "https://s3.example.com",
             "https://s3.example.com:443"

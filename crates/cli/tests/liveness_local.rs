@@ -146,7 +146,9 @@ fn a_flood_of_idle_connections_leaves_the_daemon_bounded_and_writable() {
     let mut problems = Vec::new();
     let (soft, hard) = nofile_limits(pid);
     if soft != hard {
-        problems.push(format!("open files limit not raised: soft {soft}, hard {hard}"));
+        problems.push(format!(
+            "open files limit not raised: soft {soft}, hard {hard}"
+        ));
     }
     let fds_before = m.fd_count();
 
@@ -167,7 +169,10 @@ fn a_flood_of_idle_connections_leaves_the_daemon_bounded_and_writable() {
             .collect();
         hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
-    eprintln!("flood: connecting took {:.1} s", started.elapsed().as_secs_f64());
+    eprintln!(
+        "flood: connecting took {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     std::thread::sleep(Duration::from_secs(1));
     let cpu0 = cpu_time(pid);
     let t0 = Instant::now();
@@ -235,7 +240,9 @@ fn a_flood_of_idle_connections_leaves_the_daemon_bounded_and_writable() {
     let mut buf = [0u8; 16];
     match idle.read(&mut buf) {
         Ok(0) => {}
-        r => problems.push(format!("an idle connection was not closed within 8 s: {r:?}")),
+        r => problems.push(format!(
+            "an idle connection was not closed within 8 s: {r:?}"
+        )),
     }
     drop(idle);
     assert!(problems.is_empty(), "{problems:#?}");
@@ -293,7 +300,9 @@ fn the_background_log_is_private_and_cannot_be_redirected() {
 
     let links = plant_log_symlinks(&victim, 2000);
     let run = mount_bg(&format!("s3://{b}"), &mp, &[], &envs);
-    let pid = processes_mentioning(&mp.display().to_string()).first().copied();
+    let pid = processes_mentioning(&mp.display().to_string())
+        .first()
+        .copied();
     let log = pid.map(|p| state.join(format!("logs/bucketfs-{p}.log")));
     let log_text = log
         .as_ref()
@@ -320,7 +329,9 @@ fn the_background_log_is_private_and_cannot_be_redirected() {
     std::os::unix::fs::symlink(&victim, &link).unwrap();
     let args = vec!["--log-file".to_string(), link.display().to_string()];
     let run = mount_bg(&format!("s3://{b}"), &mp, &args, &envs);
-    let pid = processes_mentioning(&mp.display().to_string()).first().copied();
+    let pid = processes_mentioning(&mp.display().to_string())
+        .first()
+        .copied();
     if is_mounted(&mp) {
         unmount_bg(&mp, pid);
     }
@@ -331,7 +342,9 @@ fn the_background_log_is_private_and_cannot_be_redirected() {
     let own = dir.path().join("own.log");
     let args = vec!["--log-file".to_string(), own.display().to_string()];
     let run = mount_bg(&format!("s3://{b}"), &mp, &args, &envs);
-    let pid = processes_mentioning(&mp.display().to_string()).first().copied();
+    let pid = processes_mentioning(&mp.display().to_string())
+        .first()
+        .copied();
     unmount_bg(&mp, pid);
     assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{run:?}");
     let mode = std::fs::metadata(&own).unwrap().permissions().mode();

@@ -849,7 +849,9 @@ mod tests {
         let mem = Arc::new(MemoryStore::new());
         let meta = UserMeta::new();
         let here = mem.create_multipart("k1", &meta).await.unwrap();
-        mem.put("t1", Bytes::from_static(b"x"), &meta).await.unwrap();
+        mem.put("t1", Bytes::from_static(b"x"), &meta)
+            .await
+            .unwrap();
         let theirs = mem.create_multipart("k1", &meta).await.unwrap();
         let lines = format!(
             "s {}\n+ {} {}\n+ {} {}\nt {}\nt {}\n",
@@ -872,7 +874,10 @@ mod tests {
         // What this store holds under the journal's ids goes; nobody else's upload is touched.
         assert_eq!(rec.aborted, vec![("k1".to_string(), here)]);
         assert_eq!(rec.deleted, vec!["t1".to_string()]);
-        assert!(rec.failed.is_empty() && rec.failed_deletes.is_empty(), "{rec:?}");
+        assert!(
+            rec.failed.is_empty() && rec.failed_deletes.is_empty(),
+            "{rec:?}"
+        );
         let left: Vec<_> = mem
             .list_multipart_uploads("")
             .await
