@@ -1,19 +1,25 @@
 //! One global memory budget for prefetched data and part buffers (`--max-memory`).
 //!
 //! Every buffer that holds file data for longer than one request takes a [`Reservation`]
-//! first. Readers ask with [`MemoryBudget::try_reserve`] for read-ahead, so when the budget is
-//! full their windows simply stop growing; the bytes a read needs right now, and the parts a
-//! writer uploads, wait in [`MemoryBudget::reserve`] until memory is returned. The daemon
-//! therefore never holds more than the budget in these buffers, and never fails with ENOMEM.
-//! Writers' in-memory part buffers can live as long as a file is open, so they only take
-//! memory with [`MemoryBudget::try_reserve_lasting`], which keeps them within half the budget
-//! (a writer that gets none stages on disk): the rest is always given back, so nobody waits
-//! forever.
+//! first. Readers ask with [`MemoryBudget::try_buffer`] for read-ahead, so when the budget is
+//! full their windows simply stop growing. Writers' in-memory part buffers can live as long as
+//! a file is open, so they only take memory with [`MemoryBudget::try_reserve_lasting`], which
+//! keeps them within half the budget (a writer that gets none stages on disk).
+//!
+//! Nothing a handle holds can starve the others. What readers fetched ahead of their readers
+//! (prefetch, a small file's body once read) is *reclaimable*: each reader registers as a
+//! [`Reclaim`] holder, and whoever must wait for memory first takes it back from the holders
+//! used longest ago (a paused reader's window goes, and shrinks). The bytes a read needs
+//! right now ([`MemoryBudget::demand_buffer`]) then wait at most [`DEMAND_WAIT`]; after that
+//! they come from a small overdraft beyond the budget ([`overdraft_for`]), which only such
+//! reads use, each for the length of one request. Writers' short reservations
+//! ([`MemoryBudget::reserve`]) wait for memory that in-flight requests return. So the daemon's
+//! buffers stay within the budget plus the overdraft, and no wait lasts longer than the
+//! requests holding the memory.
 //!
 //! The budget also keeps a cache of blocks readers fetched but did not hand to the kernel
 //! (the rest of a random read's 128 KiB block, a stream's chunks when the reader jumps away or
-//! closes), up to a quarter of the budget. It is the first thing given back: a reservation that
-//! would wait evicts cached blocks first, so the cache can never starve a reader or a writer.
+//! closes), up to a quarter of the budget. It is the first thing given back.
 //!
 //! Readers' buffers come from the budget's [`Pool`], which reuses freed ones within the budget
 //! instead of leaving them to the allocator (see there why).
@@ -25,20 +31,63 @@ use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 /// Accounting granularity: the pool's buffer size step, so a buffer is exactly its reservation.
 const UNIT: u64 = STEP as u64;
 
+/// Longest a read waits for budget memory before it takes it from the overdraft.
+pub const DEMAND_WAIT: Duration = Duration::from_millis(500);
+/// While waiting, holders are asked again this often (memory may have been re-taken).
+const RECLAIM_EVERY: Duration = Duration::from_millis(50);
+
+/// Memory reads may take beyond the budget when it stays full for [`DEMAND_WAIT`]: a
+/// sixteenth of it, at least 4 MiB (a few reads of the kernel's largest request).
+pub fn overdraft_for(budget: u64) -> u64 {
+    (budget / 16).max(4 << 20)
+}
+
+/// Something holding budget memory it can give back at once: a reader's fetched-ahead chunks.
+pub trait Reclaim: Send + Sync {
+    /// Drops what it holds beyond the read in progress; returns the bytes dropped.
+    fn reclaim(&self) -> u64;
+    /// Whether it holds anything it could give back.
+    fn holds(&self) -> bool;
+    /// When it was last read from (the longest unused gives back first).
+    fn last_use(&self) -> Instant;
+}
+
 pub struct MemoryBudget {
     sem: Arc<Semaphore>,
     units: u64,
+    /// Memory reads take beyond the budget as a last resort (see [`overdraft_for`]).
+    overdraft: Arc<Semaphore>,
+    overdraft_units: u64,
+    /// Readers whose prefetch can be taken back.
+    holders: Mutex<Holders>,
     /// Bytes held in [`MemoryBudget::try_reserve_lasting`] reservations.
     lasting: Arc<AtomicU64>,
     metrics: Arc<FsMetrics>,
     cache: Mutex<BlockCache>,
     pool: Arc<Pool>,
+}
+
+/// Registered holders; closed readers' entries are dropped now and then.
+#[derive(Default)]
+struct Holders {
+    list: Vec<Weak<dyn Reclaim>>,
+    /// Length at which closed readers' entries are pruned next.
+    prune_at: usize,
+}
+
+impl Holders {
+    fn prune(&mut self) {
+        self.list.retain(|w| w.strong_count() > 0);
+        self.prune_at = (self.list.len() * 2).max(1024);
+    }
 }
 
 /// Identifies the content of a cached block: object key and ETag.
@@ -95,10 +144,14 @@ impl MemoryBudget {
         let units = (bytes / UNIT).clamp(1, Semaphore::MAX_PERMITS as u64);
         metrics.budget_bytes.store(units * UNIT, Ordering::Relaxed);
         let sem = Arc::new(Semaphore::new(units as usize));
+        let overdraft_units = overdraft_for(units * UNIT) / UNIT;
         Arc::new(Self {
             pool: Pool::new(sem.clone(), units * UNIT),
             sem,
             units,
+            overdraft: Arc::new(Semaphore::new(overdraft_units as usize)),
+            overdraft_units,
+            holders: Mutex::default(),
             lasting: Arc::default(),
             metrics,
             cache: Mutex::new(BlockCache::default()),
@@ -139,24 +192,106 @@ impl MemoryBudget {
     }
 
     /// [`MemoryBudget::reserve`] for a pool buffer: the pool trims itself once it has handed
-    /// out a kept buffer for this memory (trimming first could unmap that very buffer).
+    /// out a kept buffer for this memory (trimming first could unmap that very buffer). Takes
+    /// back cached blocks and readers' prefetch before it waits.
     async fn reserve_untrimmed(&self, bytes: u64) -> Reservation {
         let units = self.units_for(bytes);
+        if let Some(r) = self.try_or_reclaim(units, bytes) {
+            return r;
+        }
+        loop {
+            let acquire = self.sem.clone().acquire_many_owned(units);
+            if let Ok(permit) = tokio::time::timeout(RECLAIM_EVERY, acquire).await {
+                return self.wrap(permit.expect("the budget semaphore is never closed"), bytes);
+            }
+            // Prefetch may have taken what was freed meanwhile: ask again.
+            if let Some(r) = self.try_or_reclaim(units, bytes) {
+                return r;
+            }
+        }
+    }
+
+    /// The memory now if it is free, or once cached blocks and then readers' prefetch (the
+    /// longest unused first) are given back.
+    fn try_or_reclaim(&self, units: u32, bytes: u64) -> Option<Reservation> {
         loop {
             if let Ok(permit) = self.sem.clone().try_acquire_many_owned(units) {
-                return self.wrap(permit, bytes);
+                return Some(self.wrap(permit, bytes));
             }
             if !self.cache.lock().evict_one() {
                 break;
             }
         }
-        let permit = self
-            .sem
-            .clone()
-            .acquire_many_owned(units)
-            .await
-            .expect("the budget semaphore is never closed");
-        self.wrap(permit, bytes)
+        self.reclaim(u64::from(units) * UNIT);
+        let permit = self.sem.clone().try_acquire_many_owned(units).ok()?;
+        Some(self.wrap(permit, bytes))
+    }
+
+    /// Takes back readers' prefetch, the longest unused first, until `want` bytes (and at
+    /// least a sixteenth of the budget, so that the next waits need no search) are dropped.
+    /// Memory of fetches still in flight returns when their tasks end.
+    fn reclaim(&self, want: u64) -> u64 {
+        let mut live: Vec<(Instant, Arc<dyn Reclaim>)> = {
+            let mut h = self.holders.lock();
+            h.prune();
+            h.list
+                .iter()
+                .filter_map(Weak::upgrade)
+                .filter(|r| r.holds())
+                .map(|r| (r.last_use(), r))
+                .collect()
+        };
+        live.sort_by_key(|(t, _)| *t);
+        let want = want.max(self.units * UNIT / 16);
+        let mut freed = 0;
+        for (_, r) in live {
+            if freed >= want {
+                break;
+            }
+            freed += r.reclaim();
+        }
+        freed
+    }
+
+    /// Registers a holder of reclaimable memory (kept as a weak reference).
+    pub fn register(&self, holder: Weak<dyn Reclaim>) {
+        let mut h = self.holders.lock();
+        if h.list.len() >= h.prune_at {
+            h.prune();
+        }
+        h.list.push(holder);
+    }
+
+    /// A buffer for bytes a read needs right now. It never waits for long: cached blocks and
+    /// readers' prefetch are taken back first; if the budget stays full for [`DEMAND_WAIT`]
+    /// (its memory is in requests still running), the buffer comes from the overdraft
+    /// instead, or from whichever of the two frees memory first.
+    pub async fn demand_buffer(&self, len: u64) -> PoolBuf {
+        let units = self.units_for(len);
+        let start = Instant::now();
+        let mem = loop {
+            if let Some(r) = self.try_or_reclaim(units, len) {
+                break r;
+            }
+            let acquire = self.sem.clone().acquire_many_owned(units);
+            if let Ok(p) = tokio::time::timeout(RECLAIM_EVERY, acquire).await {
+                break self.wrap(p.expect("the budget semaphore is never closed"), len);
+            }
+            if start.elapsed() < DEMAND_WAIT {
+                continue;
+            }
+            let over = (units as u64).min(self.overdraft_units) as u32;
+            tokio::select! {
+                p = self.sem.clone().acquire_many_owned(units) => {
+                    break self.wrap(p.expect("the budget semaphore is never closed"), len);
+                }
+                p = self.overdraft.clone().acquire_many_owned(over) => {
+                    tracing::debug!("memory budget full for {DEMAND_WAIT:?}: a read of {len} bytes uses the overdraft");
+                    break self.wrap(p.expect("the overdraft semaphore is never closed"), len);
+                }
+            }
+        };
+        self.pool.take(len as usize, mem)
     }
 
     /// A buffer for `len` bytes of file data, if that much memory is free now. It holds the
@@ -438,6 +573,72 @@ mod tests {
         assert!(held(&b) <= 1 << 20);
         drop(got);
         assert_eq!(b.available(), 1 << 20);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_demand_read_never_waits_longer_than_its_bound() {
+        let m = Arc::new(FsMetrics::default());
+        let b = MemoryBudget::new(4 << 20, m.clone());
+        // All of it held by requests that do not end (nothing to reclaim).
+        let all = b.try_reserve(4 << 20).unwrap();
+        let start = Instant::now();
+        let got = b.demand_buffer(1 << 20).await;
+        let waited = start.elapsed();
+        assert!(waited >= DEMAND_WAIT && waited < DEMAND_WAIT * 2, "{waited:?}");
+        // From the overdraft: over the budget by at most that.
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 5 << 20);
+        assert!(FsMetrics::get(&m.buffer_bytes) <= (4 << 20) + overdraft_for(4 << 20));
+        drop((got, all));
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 0);
+        assert_eq!(b.available(), 4 << 20);
+        assert_eq!(b.overdraft.available_permits() as u64, overdraft_for(4 << 20) / UNIT);
+    }
+
+    struct Holder {
+        mem: Mutex<Vec<Reservation>>,
+        used: Instant,
+    }
+
+    impl Reclaim for Holder {
+        fn reclaim(&self) -> u64 {
+            let v = std::mem::take(&mut *self.mem.lock());
+            v.iter().map(|r| r.bytes).sum()
+        }
+        fn holds(&self) -> bool {
+            !self.mem.lock().is_empty()
+        }
+        fn last_use(&self) -> Instant {
+            self.used
+        }
+    }
+
+    #[tokio::test]
+    async fn waiting_reservations_take_back_the_longest_unused_prefetch() {
+        let b = MemoryBudget::new(4 << 20, Arc::new(FsMetrics::default()));
+        let now = Instant::now();
+        let holders: Vec<Arc<Holder>> = (0..4)
+            .map(|i| {
+                let h = Arc::new(Holder {
+                    mem: Mutex::new(vec![b.try_reserve(1 << 20).unwrap()]),
+                    used: now - Duration::from_secs(10 - i),
+                });
+                let weak = Arc::downgrade(&h);
+                b.register(weak);
+                h
+            })
+            .collect();
+        assert_eq!(b.available(), 0);
+        // A writer's reservation and a read both get memory at once, from the oldest holders.
+        let w = tokio::time::timeout(Duration::from_millis(100), b.reserve(1 << 20))
+            .await
+            .expect("no wait");
+        assert!(!holders[0].holds() && holders[3].holds());
+        let r = tokio::time::timeout(Duration::from_millis(100), b.demand_buffer(1 << 20))
+            .await
+            .expect("no wait");
+        assert!(!holders[1].holds() && holders[3].holds());
+        drop((w, r, holders));
+        assert_eq!(b.available(), 4 << 20);
     }
 
     #[tokio::test]

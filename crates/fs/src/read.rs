@@ -10,16 +10,20 @@
 //! that cache). Files no larger than one part come in a single GET. Chunks take their memory from the global budget; prefetch only uses memory that
 //! is free, so under pressure windows shrink instead of the daemon growing.
 
-use crate::budget::MemoryBudget;
+use crate::budget::{MemoryBudget, Reclaim};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::metrics::{inc, FsMetrics};
 use crate::pool::PoolBuf;
 use bucketfs_store::ObjectStore;
 use bytes::{Bytes, BytesMut};
+use futures::future::{BoxFuture, FutureExt, Shared};
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use tokio::task::JoinHandle;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
 
 /// First window of a sequential stream.
 const MIN_WINDOW: u64 = 1024 * 1024;
@@ -38,31 +42,97 @@ pub struct ReadConfig {
     pub metrics: Arc<FsMetrics>,
 }
 
-enum ChunkData {
-    Pending(JoinHandle<FsResult<Bytes>>),
-    Ready(Bytes),
-}
+/// A chunk's bytes once fetched; shared so a read can wait for them without holding the
+/// queue's lock (which the budget takes to reclaim chunks).
+type ChunkData = Shared<BoxFuture<'static, FsResult<Bytes>>>;
 
 struct Chunk {
     range: Range<u64>,
     data: ChunkData,
+    task: AbortHandle,
     /// Bytes of it handed to the kernel so far (counting repeats).
     served: u64,
 }
 
 impl Chunk {
-    async fn bytes(&mut self) -> FsResult<Bytes> {
-        if let ChunkData::Pending(task) = &mut self.data {
-            let b = task.await.map_err(|_| FsError::EIO)??;
-            if (b.len() as u64) < self.range.end - self.range.start {
-                return Err(FsError::EIO);
+    fn ready(&self) -> Option<Bytes> {
+        match self.data.peek() {
+            Some(Ok(b)) => Some(b.clone()),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        // A fetch nobody waits for any more: its buffer goes back now.
+        self.task.abort();
+    }
+}
+
+/// A reader's chunks: consecutive, covering `[chunks[0].range.start, next)`.
+struct Queue {
+    chunks: VecDeque<Chunk>,
+    next: u64,
+    /// The bytes the read in progress asks for: never reclaimed.
+    pinned: Option<Range<u64>>,
+}
+
+impl Queue {
+    fn covered(&self) -> Range<u64> {
+        match self.chunks.front() {
+            Some(c) => c.range.start..self.next,
+            None => self.next..self.next,
+        }
+    }
+}
+
+/// The part of a reader the budget reaches to take its prefetch back.
+struct Held {
+    queue: Mutex<Queue>,
+    last_use: Mutex<Instant>,
+    /// Chunks were taken back since the last read: the window starts over.
+    reclaimed: AtomicBool,
+}
+
+impl Reclaim for Held {
+    fn reclaim(&self) -> u64 {
+        let dropped: Vec<Chunk> = {
+            let mut q = self.queue.lock();
+            let mut out = Vec::new();
+            match q.pinned.clone() {
+                None => out.extend(q.chunks.drain(..)),
+                Some(p) => {
+                    while q.chunks.back().is_some_and(|c| c.range.start >= p.end) {
+                        out.extend(q.chunks.pop_back());
+                    }
+                    while q.chunks.front().is_some_and(|c| c.range.end <= p.start) {
+                        out.extend(q.chunks.pop_front());
+                    }
+                    if let Some(c) = q.chunks.back() {
+                        q.next = c.range.end;
+                    }
+                }
             }
-            self.data = ChunkData::Ready(b);
+            out
+        };
+        if !dropped.is_empty() {
+            self.reclaimed.store(true, Ordering::Relaxed);
         }
-        match &self.data {
-            ChunkData::Ready(b) => Ok(b.clone()),
-            ChunkData::Pending(_) => unreachable!("resolved above"),
-        }
+        // Dropped outside the lock (their buffers go back to the pool).
+        dropped.iter().map(|c| c.range.end - c.range.start).sum()
+    }
+
+    fn holds(&self) -> bool {
+        let q = self.queue.lock();
+        q.chunks.iter().any(|c| match &q.pinned {
+            Some(p) => c.range.end <= p.start || c.range.start >= p.end,
+            None => true,
+        })
+    }
+
+    fn last_use(&self) -> Instant {
+        *self.last_use.lock()
     }
 }
 
@@ -72,23 +142,13 @@ impl Drop for Reader {
     }
 }
 
-impl Drop for Chunk {
-    fn drop(&mut self) {
-        if let ChunkData::Pending(t) = &self.data {
-            t.abort();
-        }
-    }
-}
-
 pub struct Reader {
     store: Arc<dyn ObjectStore>,
     cfg: Arc<ReadConfig>,
     key: String,
     etag: Option<String>,
     size: u64,
-    /// Consecutive chunks covering `[chunks[0].range.start, next)`.
-    chunks: VecDeque<Chunk>,
-    next: u64,
+    held: Arc<Held>,
     window: u64,
     last_end: Option<u64>,
     /// Opened with `O_DIRECT`: the kernel keeps no page cache of what it reads.
@@ -110,14 +170,24 @@ impl Reader {
         size: u64,
         direct: bool,
     ) -> Self {
+        let held = Arc::new(Held {
+            queue: Mutex::new(Queue {
+                chunks: VecDeque::new(),
+                next: 0,
+                pinned: None,
+            }),
+            last_use: Mutex::new(Instant::now()),
+            reclaimed: AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&held);
+        cfg.budget.register(weak);
         Self {
             store,
             cfg,
             key,
             etag,
             size,
-            chunks: VecDeque::new(),
-            next: 0,
+            held,
             window: MIN_WINDOW,
             last_end: None,
             direct,
@@ -131,41 +201,53 @@ impl Reader {
         &self.key
     }
 
-    fn covered(&self) -> Range<u64> {
-        match self.chunks.front() {
-            Some(c) => c.range.start..self.next,
-            None => self.next..self.next,
-        }
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.held.queue.lock()
     }
 
     fn small_file(&self) -> bool {
         self.size <= self.cfg.part_size
     }
 
-    /// Starts fetching `range` into `buf`, a budget buffer of its length.
-    fn push(&mut self, range: Range<u64>, buf: PoolBuf) {
+    /// Starts fetching `buf.len()` bytes (cut at the end of the object) at the queue's end
+    /// into `buf`, a budget buffer.
+    fn push(&self, len: u64, buf: PoolBuf) {
+        let mut q = self.queue();
+        let range = q.next..(q.next + len).min(self.size);
         let (store, key, etag) = (self.store.clone(), self.key.clone(), self.etag.clone());
         let r = range.clone();
         let task = tokio::spawn(async move { fetch(&*store, &key, r, etag.as_deref(), buf).await });
-        self.next = range.end;
-        self.chunks.push_back(Chunk {
+        let abort = task.abort_handle();
+        let want = range.end - range.start;
+        let data = async move {
+            let b = task.await.map_err(|_| FsError::EIO)??;
+            if (b.len() as u64) < want {
+                return Err(FsError::EIO);
+            }
+            Ok(b)
+        }
+        .boxed()
+        .shared();
+        q.next = range.end;
+        q.chunks.push_back(Chunk {
             range,
-            data: ChunkData::Pending(task),
+            data,
+            task: abort,
             served: 0,
         });
     }
 
-    /// Size of the next chunk to request at `self.next`.
-    fn chunk_len(&self, sequential: bool, want_end: u64) -> u64 {
-        let left = self.size - self.next;
+    /// Size of the next chunk to request at `next`.
+    fn chunk_len(&self, next: u64, sequential: bool, want_end: u64) -> u64 {
+        let left = self.size - next;
         let len = if self.small_file() {
             left
         } else if sequential {
             self.window.clamp(MIN_WINDOW, self.cfg.part_size)
         } else {
-            (want_end - self.next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD
+            (want_end - next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD
         };
-        len.max(want_end.saturating_sub(self.next)).min(left)
+        len.max(want_end.saturating_sub(next)).min(left)
     }
 
     pub async fn read(&mut self, offset: u64, len: u32) -> FsResult<Bytes> {
@@ -173,14 +255,18 @@ impl Reader {
         if offset >= end {
             return Ok(Bytes::new());
         }
+        *self.held.last_use.lock() = Instant::now();
         let m = self.cfg.metrics.clone();
+        // Its prefetch was taken for another read while it paused: start small again.
+        if self.held.reclaimed.swap(false, Ordering::Relaxed) {
+            self.window = MIN_WINDOW;
+        }
         // Sequential: right where the last read ended, or a small jump (the kernel reorders
         // its readahead) to bytes this stream already requested.
+        let covered = self.queue().covered();
         let sequential = self.last_end.is_some_and(|l| {
             offset == l
-                || (offset + SEQ_SLACK >= l
-                    && offset <= l + SEQ_SLACK
-                    && self.covered().contains(&offset))
+                || (offset + SEQ_SLACK >= l && offset <= l + SEQ_SLACK && covered.contains(&offset))
         });
         if sequential {
             self.window = (self.window * 2).min(self.cfg.max_window.max(MIN_WINDOW));
@@ -198,26 +284,32 @@ impl Reader {
 
         // A stream's chunks well behind its reader are consumed: dropped, or kept in the
         // block cache for a direct reader on its second pass. A random reader's go there below.
-        while sequential
-            && self
-                .chunks
-                .front()
-                .is_some_and(|c| c.range.end + KEEP_BEHIND <= offset)
-        {
-            if let Some(c) = self.chunks.pop_front() {
+        if sequential {
+            let mut behind = Vec::new();
+            {
+                let mut q = self.queue();
+                while q
+                    .chunks
+                    .front()
+                    .is_some_and(|c| c.range.end + KEEP_BEHIND <= offset)
+                {
+                    behind.extend(q.chunks.pop_front());
+                }
+            }
+            for c in behind {
                 if self.rereading {
                     self.retire(c);
                 }
             }
         }
-        let hit = self.covered().contains(&offset);
+        let hit = self.queue().covered().contains(&offset);
         if !hit {
             self.retire_chunks();
             if let Some(b) = self.cached_block(offset, end) {
                 inc(&m.read_hits);
                 return Ok(b);
             }
-            self.next = if self.small_file() {
+            self.queue().next = if self.small_file() {
                 0
             } else if sequential {
                 offset
@@ -226,24 +318,53 @@ impl Reader {
             };
         }
         inc(if hit { &m.read_hits } else { &m.read_misses });
-        // What this read needs and is not requested yet: wait for memory if we must.
-        while self.next < end {
-            let len = self.chunk_len(sequential, end);
+        // From here the bytes this read asks for are the reader's own: nobody reclaims them.
+        self.queue().pinned = Some(offset..end);
+        let r = self.fill_and_collect(offset, end, sequential).await;
+        self.queue().pinned = None;
+        r
+    }
+
+    async fn fill_and_collect(&mut self, offset: u64, end: u64, sequential: bool) -> FsResult<Bytes> {
+        // What this read needs and is not requested yet: never waits long (see
+        // `MemoryBudget::demand_buffer`). With no memory free, only the blocks it touches.
+        loop {
+            let next = self.queue().next;
+            if next >= end {
+                break;
+            }
+            let len = self.chunk_len(next, sequential, end);
             let buf = match self.cfg.budget.try_buffer(len) {
                 Some(b) => b,
-                None => self.cfg.budget.buffer(len).await,
+                None => {
+                    let mut q = self.queue();
+                    if q.chunks.is_empty() && q.next < offset {
+                        // A small file's whole body would start before the read: skip ahead.
+                        q.next = offset - offset % RANDOM_READAHEAD;
+                    }
+                    let next = q.next;
+                    drop(q);
+                    let len = ((end - next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD)
+                        .min(self.size - next);
+                    self.cfg.budget.demand_buffer(len).await
+                }
             };
-            self.push(self.next..self.next + len, buf);
+            let len = buf.as_ref().len() as u64;
+            self.push(len, buf);
         }
         // Read-ahead for a sequential reader: only with memory that is free now.
         if sequential || self.small_file() {
             let target = (end + self.window).min(self.size);
-            while self.next < target {
-                let len = self.chunk_len(true, self.next);
+            loop {
+                let next = self.queue().next;
+                if next >= target {
+                    break;
+                }
+                let len = self.chunk_len(next, true, next);
                 let Some(buf) = self.cfg.budget.try_buffer(len) else {
                     break;
                 };
-                self.push(self.next..self.next + len, buf);
+                self.push(len, buf);
             }
         }
         self.collect(offset, end).await
@@ -253,7 +374,8 @@ impl Reader {
     /// are dropped; see [`Reader::retire`] for which), so a reader coming back to them, or
     /// the next open, finds them.
     fn retire_chunks(&mut self) {
-        for c in std::mem::take(&mut self.chunks) {
+        let chunks = std::mem::take(&mut self.queue().chunks);
+        for c in chunks {
             self.retire(c);
         }
     }
@@ -267,10 +389,8 @@ impl Reader {
         if !self.direct && c.served >= c.range.end - c.range.start {
             return;
         }
-        if let ChunkData::Ready(b) = &c.data {
-            self.cfg
-                .budget
-                .cache_block(&self.key, etag, c.range.clone(), b.clone());
+        if let Some(b) = c.ready() {
+            self.cfg.budget.cache_block(&self.key, etag, c.range.clone(), b);
         }
     }
 
@@ -284,35 +404,38 @@ impl Reader {
     async fn collect(&mut self, offset: u64, end: u64) -> FsResult<Bytes> {
         let mut out: Option<BytesMut> = None;
         let mut pos = offset;
-        let mut i = self
-            .chunks
-            .iter()
-            .position(|c| c.range.contains(&offset))
-            .ok_or(FsError::EIO)?;
         while pos < end {
-            let chunk = self.chunks.get_mut(i).ok_or(FsError::EIO)?;
-            let data = match chunk.bytes().await {
+            let (data, range) = {
+                let mut q = self.queue();
+                let chunk = q
+                    .chunks
+                    .iter_mut()
+                    .find(|c| c.range.contains(&pos))
+                    .ok_or(FsError::EIO)?;
+                let to = end.min(chunk.range.end);
+                chunk.served += to - pos;
+                (chunk.data.clone(), chunk.range.clone())
+            };
+            let data = match data.await {
                 Ok(d) => d,
                 Err(e) => {
                     // Forget the failed chunk and everything after it; a retry refetches.
-                    self.chunks.truncate(i);
-                    self.next = self.chunks.back().map_or(offset, |c| c.range.end);
-                    if self.chunks.is_empty() {
-                        self.next = offset;
+                    let mut q = self.queue();
+                    while q.chunks.back().is_some_and(|c| c.range.start >= range.start) {
+                        q.chunks.pop_back();
                     }
+                    q.next = q.chunks.back().map_or(offset, |c| c.range.end);
                     return Err(e);
                 }
             };
-            let from = (pos - chunk.range.start) as usize;
-            let to = (end.min(chunk.range.end) - chunk.range.start) as usize;
-            chunk.served += (to - from) as u64;
-            if pos == offset && end <= chunk.range.end {
+            let from = (pos - range.start) as usize;
+            let to = (end.min(range.end) - range.start) as usize;
+            if pos == offset && end <= range.end {
                 return Ok(data.slice(from..to)); // the whole answer in one chunk: no copy
             }
             out.get_or_insert_with(|| BytesMut::with_capacity((end - offset) as usize))
                 .extend_from_slice(&data[from..to]);
-            pos = chunk.range.start + to as u64;
-            i += 1;
+            pos = range.start + to as u64;
         }
         Ok(out.map(BytesMut::freeze).unwrap_or_default())
     }
@@ -403,6 +526,48 @@ mod tests {
             assert_eq!(cfg.budget.available(), 8 * MIB);
             assert!(cfg.budget.pooled() > 0);
         }
+    }
+
+    #[tokio::test]
+    async fn readers_holding_the_whole_budget_do_not_stop_other_reads() {
+        // 1 MiB budget: 16 units. Forty small files read and kept open, each holding its
+        // body's unit, then a stream that paused with its window full.
+        let (store, cfg, data, etag) = setup(MIB, 24 * MIB as usize).await;
+        for i in 0..40 {
+            store
+                .put(&format!("s{i}"), Bytes::from(vec![i as u8; 6]), &Default::default())
+                .await
+                .unwrap();
+        }
+        let mut small = Vec::new();
+        for i in 0..40u8 {
+            let mut r = Reader::new(store.clone(), cfg.clone(), format!("s{i}"), None, 6, false);
+            let b = tokio::time::timeout(std::time::Duration::from_secs(2), r.read(0, 4096))
+                .await
+                .expect("a small file's read must not wait for the others");
+            assert_eq!(&b.unwrap()[..], &[i; 6]);
+            small.push(r);
+        }
+        let mut big = Reader::new(
+            store.clone(),
+            cfg.clone(),
+            "f".into(),
+            Some(etag),
+            data.len() as u64,
+            false,
+        );
+        for pos in (0..4 * MIB).step_by(128 * 1024) {
+            let b = big.read(pos, 128 * 1024).await.unwrap();
+            assert_eq!(&b[..], &data[pos as usize..(pos + 128 * 1024) as usize]);
+        }
+        // The stream paused; small readers come back, and the stream resumes.
+        for (i, r) in small.iter_mut().enumerate() {
+            let b = r.read(0, 4096).await.unwrap();
+            assert_eq!(&b[..], &[i as u8; 6]);
+        }
+        let b = big.read(4 * MIB, 128 * 1024).await.unwrap();
+        assert_eq!(&b[..], &data[4 * MIB as usize..(4 * MIB + 128 * 1024) as usize]);
+        assert!(FsMetrics::get(&cfg.metrics.buffer_bytes) <= MIB + crate::budget::overdraft_for(MIB));
     }
 
     #[tokio::test]

@@ -1,0 +1,293 @@
+//! The memory budget never deadlocks, and it bounds the daemon's memory (issue 18, item 1).
+//!
+//! * Paused readers whose prefetch fills the budget do not stop another process's `cat`.
+//! * One process holding many small files open after reading each does not stop its own next
+//!   read, nor anyone else's.
+//! * Many concurrent writers keep the daemon's peak RSS within the budget plus the stated
+//!   overhead (docs/reliability.md, "Memory").
+//!
+//! Every operation that could hang runs with a deadline: a hang fails the test, it does not
+//! hang the suite (the mount guard's unmount then unblocks the stuck threads).
+
+mod common;
+
+use common::*;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A read that takes longer than this counts as hung.
+const LIMIT: Duration = Duration::from_secs(10);
+
+/// `cat path` in a process of its own, which must finish within `limit`; its output.
+fn cat_within(path: &Path, limit: Duration) -> Result<Vec<u8>, String> {
+    let out = std::env::temp_dir().join(format!(
+        "bucketfs-cat-{}-{}",
+        std::process::id(),
+        unique_bucket_name("c")
+    ));
+    let mut child = Command::new("cat")
+        .arg(path)
+        .stdout(File::create(&out).unwrap())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            let data = std::fs::read(&out).unwrap_or_default();
+            let _ = std::fs::remove_file(&out);
+            return if st.success() {
+                Ok(data)
+            } else {
+                Err(format!("cat {} failed: {st}", path.display()))
+            };
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = std::fs::remove_file(&out);
+            return Err(format!(
+                "cat {} still running after {limit:?}: hung",
+                path.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `f` on a thread of its own; `Err` if it has not finished within `limit` (the thread
+/// is left behind, stuck in the mount until the test's unmount unblocks it).
+fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .map_err(|_| format!("{what}: not done after {limit:?}: hung"))
+}
+
+fn raise_nofile(want: u64) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on this process with a valid struct.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        if r.rlim_cur < want {
+            r.rlim_cur = want.min(r.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+/// Six readers read the start of big files and pause with them open; their prefetch fills
+/// the budget. Another process's `cat` of a small file must still finish, and so must the
+/// readers' own next reads (each reader's window started over).
+#[test]
+fn paused_readers_holding_the_budget_do_not_stop_a_cat() {
+    const READERS: u64 = 6;
+    const FILE: usize = 48 * MIB;
+    const READ: usize = 16 * MIB;
+    let s3 = s3();
+    let b = s3.new_bucket("paused");
+    let body = pattern::bytes(7, FILE);
+    let mut objects: Vec<(String, Vec<u8>)> = (0..READERS)
+        .map(|i| (format!("big{i}"), body.clone()))
+        .collect();
+    objects.push(("small".into(), b"hello\n".to_vec()));
+    s3.put_many(&b, objects, 4);
+    drop(body);
+    let metrics = free_local_addr();
+    let m = MountSpec::s3(&b, "")
+        .arg("--max-memory")
+        .arg("64M")
+        .arg("--metrics-addr")
+        .arg(&metrics)
+        .watchdog(Duration::from_secs(300))
+        .mount();
+    let budget = metric(&metrics, "bucketfs_budget_bytes");
+
+    // Each reader reads 16 MiB and keeps its file open: its window has grown well past what
+    // the budget can give six readers.
+    let mut open = Vec::new();
+    for i in 0..READERS {
+        let path = m.join(format!("big{i}"));
+        let r = within(LIMIT * 3, &format!("reader {i}"), move || {
+            let mut f = File::open(&path).unwrap();
+            let mut buf = vec![0u8; READ];
+            f.read_exact(&mut buf).map(|_| (f, buf))
+        });
+        let (f, buf) = r.unwrap_or_else(|e| panic!("{e}")).unwrap();
+        pattern::check_slice(&buf, 7, READ as u64).unwrap();
+        open.push(f);
+    }
+    // The prefetch settles with the budget (nearly) all taken.
+    let start = Instant::now();
+    let mut held = 0;
+    while start.elapsed() < Duration::from_secs(5) {
+        held = metric(&metrics, "bucketfs_buffer_bytes");
+        if held + 8 * MIB as u64 >= budget {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        held + 8 * MIB as u64 >= budget,
+        "paused readers hold {held} of a {budget}-byte budget: the test needs it full"
+    );
+
+    let got = cat_within(&m.join("small"), LIMIT).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(got, b"hello\n");
+    // Still within the budget plus its overdraft, and the paused readers read on correctly.
+    assert!(metric(&metrics, "bucketfs_buffer_bytes") <= budget + budget / 16 + 4 * MIB as u64);
+    for (i, mut f) in open.into_iter().enumerate() {
+        let r = within(LIMIT, &format!("reader {i} again"), move || {
+            let mut buf = vec![0u8; 2 * MIB];
+            f.read_exact(&mut buf).map(|_| buf)
+        });
+        let buf = r.unwrap_or_else(|e| panic!("{e}")).unwrap();
+        let want = &pattern::bytes(7, READ + 2 * MIB)[READ..];
+        assert!(buf == want, "reader {i}: wrong bytes after its pause");
+    }
+}
+
+/// One process opens many small files and reads each without closing any. Each holds a
+/// small file's body (one 64 KiB budget unit); far more files than the budget has units
+/// must all read, and meanwhile a `cat` of another file works. 1,500 files at 64M (1,024
+/// units) show what 5,000 at 256M (4,096 units) would, in a fifth of the time.
+#[test]
+fn many_open_small_files_do_not_exhaust_the_budget() {
+    const FILES: usize = 1500;
+    raise_nofile(FILES as u64 + 256);
+    let s3 = s3();
+    let b = s3.new_bucket("manysmall");
+    let objects: Vec<(String, Vec<u8>)> = (0..FILES)
+        .map(|i| (format!("d/f{i:05}"), format!("file {i}\n").into_bytes()))
+        .chain([("other".to_string(), b"other\n".to_vec())])
+        .collect();
+    s3.put_many(&b, objects, 32);
+    let metrics = free_local_addr();
+    let m = MountSpec::s3(&b, "")
+        .arg("--max-memory")
+        .arg("64M")
+        .arg("--metrics-addr")
+        .arg(&metrics)
+        .watchdog(Duration::from_secs(300))
+        .mount();
+    let budget = metric(&metrics, "bucketfs_budget_bytes");
+    assert!(
+        (FILES as u64) * 64 * 1024 > budget * 5 / 4,
+        "more files than budget units"
+    );
+
+    let root: PathBuf = m.path().to_path_buf();
+    let (tx, rx) = mpsc::channel::<usize>();
+    // The opener reports each file read; it keeps them all open until told to stop.
+    let (stop_tx, stop_rx) = mpsc::channel::<()>();
+    let opener = std::thread::spawn(move || {
+        let mut open = Vec::new();
+        for i in 0..FILES {
+            let mut f = File::open(root.join(format!("d/f{i:05}"))).unwrap();
+            let mut s = String::new();
+            f.read_to_string(&mut s).unwrap();
+            assert_eq!(s, format!("file {i}\n"));
+            open.push(f);
+            let _ = tx.send(i);
+        }
+        let _ = stop_rx.recv();
+        drop(open);
+    });
+    let mut done = 0;
+    let mut checked_cat = false;
+    loop {
+        match rx.recv_timeout(LIMIT) {
+            Ok(i) => done = i + 1,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                panic!("the read of open file {} hung ({done} read)", done + 1)
+            }
+        }
+        if done == FILES {
+            break;
+        }
+        // Once the budget is full of open files' bodies, another process still reads.
+        if !checked_cat && done as u64 * 64 * 1024 >= budget + 64 * MIB as u64 {
+            let got = cat_within(&m.join("other"), LIMIT).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(got, b"other\n");
+            checked_cat = true;
+        }
+    }
+    assert_eq!(done, FILES, "the opener failed");
+    assert!(checked_cat);
+    assert!(metric(&metrics, "bucketfs_buffer_bytes") <= budget + budget / 16 + 4 * MIB as u64);
+    let _ = stop_tx.send(());
+    opener.join().unwrap();
+}
+
+/// Many writers at once: the daemon's peak RSS stays within the budget plus the overhead
+/// docs/reliability.md states, and every file is stored exactly.
+#[test]
+fn many_writers_stay_within_the_memory_bound() {
+    let writers: u64 = std::env::var("BUCKETFS_WRITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let size_mib: u64 = std::env::var("BUCKETFS_WRITER_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let budget_mib: u64 = std::env::var("BUCKETFS_WRITER_BUDGET_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
+    let s3 = s3();
+    let b = s3.new_bucket("writers");
+    let m = MountSpec::s3(&b, "")
+        .arg("--max-memory")
+        .arg(&format!("{budget_mib}M"))
+        .watchdog(Duration::from_secs(600))
+        .mount();
+    let (base, _) = m.rss_kib();
+    let threads: Vec<_> = (0..writers)
+        .map(|i| {
+            let path = m.join(format!("w{i}"));
+            std::thread::spawn(move || {
+                let mut f = File::create(&path).unwrap();
+                pattern::write(&mut f, 100 + i, size_mib * MIB as u64).unwrap();
+                f.flush().unwrap();
+                close_checked(f).unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let (_, hwm) = m.rss_kib();
+    let peak_mib = hwm / 1024;
+    let bound = budget_mib + OVERHEAD_MIB;
+    eprintln!(
+        "{writers} writers x {size_mib} MiB at --max-memory {budget_mib}M: peak RSS {peak_mib} MiB \
+         (at start {} MiB), bound {bound} MiB",
+        base / 1024
+    );
+    for i in 0..writers {
+        let got = s3.get(&b, &format!("w{i}")).expect("stored");
+        pattern::check_slice(&got, 100 + i, size_mib * MIB as u64)
+            .unwrap_or_else(|e| panic!("w{i}: {e}"));
+    }
+    assert!(
+        peak_mib <= bound,
+        "peak RSS {peak_mib} MiB over the budget {budget_mib} MiB + {OVERHEAD_MIB} MiB overhead"
+    );
+}
+
+/// What the daemon may hold beyond `--max-memory` (docs/reliability.md, "Memory").
+const OVERHEAD_MIB: u64 = 64;
