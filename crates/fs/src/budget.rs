@@ -253,6 +253,11 @@ impl MemoryBudget {
         freed
     }
 
+    fn overdrawn(&self, permit: OwnedSemaphorePermit, len: u64) -> Reservation {
+        tracing::debug!("memory budget full for {DEMAND_WAIT:?}: a read of {len} bytes overdraws");
+        self.wrap(permit, len)
+    }
+
     /// Registers a holder of reclaimable memory (kept as a weak reference).
     pub fn register(&self, holder: Weak<dyn Reclaim>) {
         let mut h = self.holders.lock();
@@ -268,27 +273,31 @@ impl MemoryBudget {
     /// instead, or from whichever of the two frees memory first.
     pub async fn demand_buffer(&self, len: u64) -> PoolBuf {
         let units = self.units_for(len);
+        let over = u64::from(units).min(self.overdraft_units) as u32;
         let start = Instant::now();
         let mem = loop {
             if let Some(r) = self.try_or_reclaim(units, len) {
                 break r;
             }
-            let acquire = self.sem.clone().acquire_many_owned(units);
-            if let Ok(p) = tokio::time::timeout(RECLAIM_EVERY, acquire).await {
-                break self.wrap(p.expect("the budget semaphore is never closed"), len);
-            }
-            if start.elapsed() < DEMAND_WAIT {
-                continue;
-            }
-            let over = (units as u64).min(self.overdraft_units) as u32;
-            tokio::select! {
-                p = self.sem.clone().acquire_many_owned(units) => {
-                    break self.wrap(p.expect("the budget semaphore is never closed"), len);
+            let overdrawn = start.elapsed() >= DEMAND_WAIT;
+            if overdrawn {
+                if let Ok(p) = self.overdraft.clone().try_acquire_many_owned(over) {
+                    break self.overdrawn(p, len);
                 }
-                p = self.overdraft.clone().acquire_many_owned(over) => {
-                    tracing::debug!("memory budget full for {DEMAND_WAIT:?}: a read of {len} bytes uses the overdraft");
-                    break self.wrap(p.expect("the overdraft semaphore is never closed"), len);
+            }
+            // Waits for either, and takes back prefetch again every RECLAIM_EVERY.
+            let wait = async {
+                tokio::select! {
+                    p = self.sem.clone().acquire_many_owned(units) => {
+                        self.wrap(p.expect("the budget semaphore is never closed"), len)
+                    }
+                    p = self.overdraft.clone().acquire_many_owned(over), if overdrawn => {
+                        self.overdrawn(p.expect("the overdraft semaphore is never closed"), len)
+                    }
                 }
+            };
+            if let Ok(r) = tokio::time::timeout(RECLAIM_EVERY, wait).await {
+                break r;
             }
         };
         self.pool.take(len as usize, mem)

@@ -337,13 +337,14 @@ impl Reader {
             let buf = match self.cfg.budget.try_buffer(len) {
                 Some(b) => b,
                 None => {
-                    let mut q = self.queue();
-                    if q.chunks.is_empty() && q.next < offset {
-                        // A small file's whole body would start before the read: skip ahead.
-                        q.next = offset - offset % RANDOM_READAHEAD;
-                    }
-                    let next = q.next;
-                    drop(q);
+                    let next = {
+                        let mut q = self.queue();
+                        if q.chunks.is_empty() && q.next < offset {
+                            // A small file's whole body would start before the read: skip ahead.
+                            q.next = offset - offset % RANDOM_READAHEAD;
+                        }
+                        q.next
+                    };
                     let len = ((end - next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD)
                         .min(self.size - next);
                     self.cfg.budget.demand_buffer(len).await
