@@ -157,6 +157,8 @@ fn paused_readers_holding_the_budget_do_not_stop_a_cat() {
         let want = &pattern::bytes(7, READ + 2 * MIB)[READ..];
         assert!(buf == want, "reader {i}: wrong bytes after its pause");
     }
+    drop(m);
+    s3.remove_bucket(&b);
 }
 
 /// One process opens many small files and reads each without closing any. Each holds a
@@ -230,10 +232,15 @@ fn many_open_small_files_do_not_exhaust_the_budget() {
     assert!(metric(&metrics, "bucketfs_buffer_bytes") <= budget + budget / 16 + 4 * MIB as u64);
     let _ = stop_tx.send(());
     opener.join().unwrap();
+    drop(m);
+    s3.remove_bucket(&b);
 }
 
 /// Many writers at once: the daemon's peak RSS stays within the budget plus the overhead
-/// docs/reliability.md states, and every file is stored exactly.
+/// docs/reliability.md states, and every file is stored exactly. The size (64 x 64
+/// MiB at 256M, about 45 s here): smaller runs do not tell the old code (464 MiB) from the
+/// bound reliably. `BUCKETFS_WRITERS`, `BUCKETFS_WRITER_MIB`, `BUCKETFS_WRITER_BUDGET_MIB`
+/// change it.
 #[test]
 fn many_writers_stay_within_the_memory_bound() {
     let writers: u64 = std::env::var("BUCKETFS_WRITERS")
@@ -243,11 +250,11 @@ fn many_writers_stay_within_the_memory_bound() {
     let size_mib: u64 = std::env::var("BUCKETFS_WRITER_MIB")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(16);
+        .unwrap_or(64);
     let budget_mib: u64 = std::env::var("BUCKETFS_WRITER_BUDGET_MIB")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(128);
+        .unwrap_or(256);
     let s3 = s3();
     let b = s3.new_bucket("writers");
     let m = MountSpec::s3(&b, "")
@@ -283,6 +290,8 @@ fn many_writers_stay_within_the_memory_bound() {
         pattern::check_slice(&got, 100 + i, size_mib * MIB as u64)
             .unwrap_or_else(|e| panic!("w{i}: {e}"));
     }
+    drop(m);
+    s3.remove_bucket(&b); // 4 GiB: give the disk back
     assert!(
         peak_mib <= bound,
         "peak RSS {peak_mib} MiB over the budget {budget_mib} MiB + {OVERHEAD_MIB} MiB overhead"
@@ -290,4 +299,4 @@ fn many_writers_stay_within_the_memory_bound() {
 }
 
 /// What the daemon may hold beyond `--max-memory` (docs/reliability.md, "Memory").
-const OVERHEAD_MIB: u64 = 64;
+const OVERHEAD_MIB: u64 = 128;

@@ -593,14 +593,20 @@ mod tests {
         let start = Instant::now();
         let got = b.demand_buffer(1 << 20).await;
         let waited = start.elapsed();
-        assert!(waited >= DEMAND_WAIT && waited < DEMAND_WAIT * 2, "{waited:?}");
+        assert!(
+            waited >= DEMAND_WAIT && waited < DEMAND_WAIT * 2,
+            "{waited:?}"
+        );
         // From the overdraft: over the budget by at most that.
         assert_eq!(FsMetrics::get(&m.buffer_bytes), 5 << 20);
         assert!(FsMetrics::get(&m.buffer_bytes) <= (4 << 20) + overdraft_for(4 << 20));
         drop((got, all));
         assert_eq!(FsMetrics::get(&m.buffer_bytes), 0);
         assert_eq!(b.available(), 4 << 20);
-        assert_eq!(b.overdraft.available_permits() as u64, overdraft_for(4 << 20) / UNIT);
+        assert_eq!(
+            b.overdraft.available_permits() as u64,
+            overdraft_for(4 << 20) / UNIT
+        );
     }
 
     struct Holder {

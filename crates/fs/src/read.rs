@@ -325,7 +325,12 @@ impl Reader {
         r
     }
 
-    async fn fill_and_collect(&mut self, offset: u64, end: u64, sequential: bool) -> FsResult<Bytes> {
+    async fn fill_and_collect(
+        &mut self,
+        offset: u64,
+        end: u64,
+        sequential: bool,
+    ) -> FsResult<Bytes> {
         // What this read needs and is not requested yet: never waits long (see
         // `MemoryBudget::demand_buffer`). With no memory free, only the blocks it touches.
         loop {
@@ -391,7 +396,9 @@ impl Reader {
             return;
         }
         if let Some(b) = c.ready() {
-            self.cfg.budget.cache_block(&self.key, etag, c.range.clone(), b);
+            self.cfg
+                .budget
+                .cache_block(&self.key, etag, c.range.clone(), b);
         }
     }
 
@@ -422,7 +429,11 @@ impl Reader {
                 Err(e) => {
                     // Forget the failed chunk and everything after it; a retry refetches.
                     let mut q = self.queue();
-                    while q.chunks.back().is_some_and(|c| c.range.start >= range.start) {
+                    while q
+                        .chunks
+                        .back()
+                        .is_some_and(|c| c.range.start >= range.start)
+                    {
                         q.chunks.pop_back();
                     }
                     q.next = q.chunks.back().map_or(offset, |c| c.range.end);
@@ -536,7 +547,11 @@ mod tests {
         let (store, cfg, data, etag) = setup(MIB, 24 * MIB as usize).await;
         for i in 0..40 {
             store
-                .put(&format!("s{i}"), Bytes::from(vec![i as u8; 6]), &Default::default())
+                .put(
+                    &format!("s{i}"),
+                    Bytes::from(vec![i as u8; 6]),
+                    &Default::default(),
+                )
                 .await
                 .unwrap();
         }
@@ -567,8 +582,13 @@ mod tests {
             assert_eq!(&b[..], &[i as u8; 6]);
         }
         let b = big.read(4 * MIB, 128 * 1024).await.unwrap();
-        assert_eq!(&b[..], &data[4 * MIB as usize..(4 * MIB + 128 * 1024) as usize]);
-        assert!(FsMetrics::get(&cfg.metrics.buffer_bytes) <= MIB + crate::budget::overdraft_for(MIB));
+        assert_eq!(
+            &b[..],
+            &data[4 * MIB as usize..(4 * MIB + 128 * 1024) as usize]
+        );
+        assert!(
+            FsMetrics::get(&cfg.metrics.buffer_bytes) <= MIB + crate::budget::overdraft_for(MIB)
+        );
     }
 
     #[tokio::test]
