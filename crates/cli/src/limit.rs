@@ -87,7 +87,10 @@ pub async fn measure(
         .try_collect()
         .await;
     let completed = match uploaded {
-        Ok(p) => store.complete_multipart(key, &id, &p).await.map(|_| ()),
+        Ok(p) => store
+            .complete_multipart(key, &id, &p, None)
+            .await
+            .map(|_| ()),
         Err(e) => Err(e),
     };
     if let Err(e) = completed {

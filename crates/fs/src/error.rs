@@ -24,6 +24,8 @@ impl FsError {
     pub const EFBIG: FsError = FsError(libc::EFBIG);
     pub const ENOTSUP: FsError = FsError(libc::ENOTSUP);
     pub const ELOOP: FsError = FsError(libc::ELOOP);
+    /// The object changed in the store since the file was opened (see `write.rs`).
+    pub const ESTALE: FsError = FsError(libc::ESTALE);
 }
 
 impl fmt::Display for FsError {

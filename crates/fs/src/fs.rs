@@ -596,7 +596,8 @@ impl Fs {
                 }
                 st.changed = true;
             } else {
-                self.store_meta(ino, kind, &path, size, &new_user).await?;
+                self.store_meta(ino, kind, &path, size, &new_user, etag.as_deref())
+                    .await?;
             }
         }
         let mut t = self.table.lock();
@@ -612,7 +613,8 @@ impl Fs {
         Ok(Self::current_attr(i))
     }
 
-    /// Replaces the user metadata of a stored object (CopyObject onto itself).
+    /// Replaces the user metadata of a stored object (CopyObject onto itself), pinned to
+    /// `etag`, the version this mount knows: never over another client's newer one.
     async fn store_meta(
         &self,
         ino: Ino,
@@ -620,6 +622,7 @@ impl Fs {
         path: &str,
         size: u64,
         user: &UserMeta,
+        etag: Option<&str>,
     ) -> FsResult<()> {
         if kind == FileKind::Dir {
             if path.is_empty() && self.cfg.prefix.is_empty() {
@@ -638,7 +641,13 @@ impl Fs {
             return Ok(());
         }
         let key = self.key(path);
-        self.copy_object(&key, &key, size, Some(user)).await?;
+        let copied = self.copy_object(&key, &key, size, Some(user), etag).await;
+        if copied == Err(FsError::ESTALE) {
+            // Another client's version is there now: the next lookup (the kernel retries a
+            // chmod once after ESTALE) sees it, and the change applies to it.
+            let _ = self.refresh(ino);
+        }
+        copied?;
         let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
         if let Some(i) = self.table.lock().get_mut(ino) {
             i.etag = etag;
@@ -646,21 +655,35 @@ impl Fs {
         Ok(())
     }
 
-    /// Server-side copy of any size; `meta` replaces the user metadata when given.
+    /// Server-side copy of any size; `meta` replaces the user metadata when given. With
+    /// `src_etag`, every request copies from that version of `src` only, and a copy onto
+    /// itself lands only over it, so the copy is never a mix of two versions nor written
+    /// over another client's: a mismatch is ESTALE.
     async fn copy_object(
         &self,
         src: &str,
         dst: &str,
         size: u64,
         meta: Option<&UserMeta>,
+        src_etag: Option<&str>,
     ) -> FsResult<()> {
         let what = format!("copy {src} to {dst}");
+        let fail = |e: StoreError| match e {
+            StoreError::PreconditionFailed(_) => {
+                tracing::warn!(
+                    "{src}: changed by another client since this mount last saw it; {what} \
+                     refused (ESTALE), the other client's version is kept: {e}"
+                );
+                FsError::ESTALE
+            }
+            e => log_store_err(&what, e),
+        };
         if size <= MAX_COPY_OBJECT_SIZE {
             return self
                 .store
-                .copy(src, dst, meta)
+                .copy(src, dst, meta, src_etag)
                 .await
-                .map_err(|e| log_store_err(&what, e));
+                .map_err(fail);
         }
         let meta = match meta {
             Some(m) => m.clone(),
@@ -689,7 +712,10 @@ impl Fs {
                 let id = id.clone();
                 async move {
                     let n = i as u32 + 1;
-                    let etag = self.store.upload_part_copy(dst, &id, n, src, r).await?;
+                    let etag = self
+                        .store
+                        .upload_part_copy(dst, &id, n, src, r, src_etag)
+                        .await?;
                     Ok(CompletedPart {
                         part_number: n,
                         etag,
@@ -699,10 +725,12 @@ impl Fs {
             })
             .collect();
         let parts = run_parts(jobs, self.wcfg.upload_concurrency).await;
+        // Onto itself (chmod of a huge file): only over the version copied.
+        let dst_etag = src_etag.filter(|_| src == dst);
         let done = match parts {
             Ok(p) => self
                 .store
-                .complete_multipart(dst, &id, &p)
+                .complete_multipart(dst, &id, &p, dst_etag)
                 .await
                 .map(|_| ()),
             Err(e) => Err(e),
@@ -711,7 +739,7 @@ impl Fs {
             if self.store.abort_multipart(dst, &id).await.is_err() {
                 self.wcfg.orphans.add(dst.to_string(), id);
             }
-            return Err(log_store_err(&what, e));
+            return Err(fail(e));
         }
         Ok(())
     }
@@ -998,13 +1026,14 @@ impl Fs {
         self.check_key_len(&hidden)?;
         let (src, dst) = (self.key(path), self.key(&hidden));
         let what = format!("keeping {src} as {dst} for its open descriptors");
-        let size = match self.store.head(&src).await {
-            Ok(o) => o.size,
+        let (size, etag) = match self.store.head(&src).await {
+            Ok(o) => (o.size, o.etag),
             // Deleted behind our back: nothing left to keep.
             Err(StoreError::NotFound(_)) => return Ok(None),
             Err(e) => return Err(log_store_err(&what, e)),
         };
-        self.copy_object(&src, &dst, size, None).await?;
+        self.copy_object(&src, &dst, size, None, etag.as_deref())
+            .await?;
         // Readers pin the copy's own ETag with If-Match.
         let e = match self.store.head(&dst).await.map(|o| o.etag) {
             Ok(Some(etag)) => return Ok(Some((hidden, etag))),
@@ -1141,10 +1170,16 @@ impl Fs {
         if target.is_some() && flags & libc::RENAME_NOREPLACE != 0 {
             return Err(FsError::EEXIST);
         }
-        let (kind, path, size, write) = {
+        let (kind, path, size, write, etag) = {
             let t = self.table.lock();
             let i = t.get(src).ok_or(FsError::ENOENT)?;
-            (i.kind, i.path.clone(), i.attr.size, i.write.clone())
+            (
+                i.kind,
+                i.path.clone(),
+                i.attr.size,
+                i.write.clone(),
+                i.etag.clone(),
+            )
         };
         let new_path = join(&new_parent_path, &new_name_s);
         self.check_key_len(&new_path)?;
@@ -1185,8 +1220,15 @@ impl Fs {
             self.rename_dir(&path, &new_path, target.is_some()).await?;
             None
         } else {
-            self.rename_file(&path, &new_path, size, (src, write), replaced)
-                .await?
+            let moved = self
+                .rename_file(&path, &new_path, (size, etag), (src, write), replaced)
+                .await;
+            if moved == Err(FsError::ESTALE) {
+                // Another client's version is there now: the next lookup (the kernel retries
+                // the rename once after ESTALE) sees it.
+                let _ = self.refresh(src);
+            }
+            moved?
         };
         self.lookups.forget(&path);
         self.lookups.forget(&new_path);
@@ -1226,7 +1268,7 @@ impl Fs {
         &self,
         path: &str,
         new_path: &str,
-        size: u64,
+        version: (u64, Option<String>),
         src: (Ino, Option<Arc<OpenWrite>>),
         replaced: Option<Replaced>,
     ) -> FsResult<Option<String>> {
@@ -1248,7 +1290,7 @@ impl Fs {
             None => None,
         };
         let moved = self
-            .move_object(path, new_path, size, guard.as_deref_mut())
+            .move_object(path, new_path, version, guard.as_deref_mut())
             .await;
         match (moved, &replaced) {
             (Err(e), _) => {
@@ -1272,17 +1314,20 @@ impl Fs {
     /// goes on under the new key (close sends the streamed parts again, from their local
     /// copies); the file's previous complete object, if any, moves with the name, else the
     /// new name has no object until close. Either way each key holds a complete object or
-    /// none, whenever the daemon dies.
+    /// none, whenever the daemon dies. The copy is pinned to the version the file was looked
+    /// up on (`version`: size and ETag), or its state is based on.
     async fn move_object(
         &self,
         path: &str,
         new_path: &str,
-        size: u64,
+        version: (u64, Option<String>),
         st: Option<&mut WriteState>,
     ) -> FsResult<Option<String>> {
         let (src, dst) = (self.key(path), self.key(new_path));
         let Some(st) = st else {
-            self.copy_object(&src, &dst, size, None).await?;
+            let (size, etag) = version;
+            self.copy_object(&src, &dst, size, None, etag.as_deref())
+                .await?;
             self.store
                 .delete(&src)
                 .await
@@ -1300,7 +1345,10 @@ impl Fs {
         };
         let etag = match &old {
             Some(o) => {
-                self.copy_object(&src, &dst, o.size, None).await?;
+                // The state reads its base from the copy: it must be that base, whole.
+                let pin = st.base_etag().map(str::to_string);
+                self.copy_object(&src, &dst, o.size, None, pin.as_deref())
+                    .await?;
                 // Learnt before the source goes: the state reads its base from the copy.
                 match self.store.head(&dst).await {
                     Ok(o) => o.etag,
@@ -1385,7 +1433,12 @@ impl Fs {
             .iter()
             .map(|o| {
                 let to = format!("{dst}{}", &o.key[src.len()..]);
-                async move { self.copy_object(&o.key, &to, o.size, None).await }.boxed()
+                // Each object as listed: its size and version go together.
+                async move {
+                    self.copy_object(&o.key, &to, o.size, None, o.etag.as_deref())
+                        .await
+                }
+                .boxed()
             })
             .collect();
         // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
@@ -1690,7 +1743,12 @@ impl Fs {
         if !st.has_changes_to_publish() {
             return Ok(());
         }
-        st.publish().await?;
+        if let Err(e) = st.publish().await {
+            if e == FsError::ESTALE {
+                self.changed_elsewhere(ino);
+            }
+            return Err(e);
+        }
         let (etag, size, meta) = (
             st.base_etag().map(str::to_string),
             st.size(),
@@ -1699,6 +1757,16 @@ impl Fs {
         drop(st);
         self.published(ino, etag, size, meta);
         Ok(())
+    }
+
+    /// Another client replaced or deleted the object of `ino` (a publish of it was refused):
+    /// what this mount knows of it is stale, so the next lookup asks the store again.
+    fn changed_elsewhere(&self, ino: Ino) {
+        let mut t = self.table.lock();
+        if let Some(i) = t.get_mut(ino) {
+            self.lookups.forget(&i.path);
+            i.fetched = self.stale_instant().or(i.fetched);
+        }
     }
 
     /// The object of `ino` is now in the store with this ETag, size and metadata.

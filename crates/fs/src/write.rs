@@ -15,6 +15,10 @@
 //! in the middle of a large object sends kilobytes, not the object. Small results go up as
 //! one PUT. Nothing is visible in the bucket until a publish completes; a failed publish
 //! aborts its multipart upload and returns the error.
+//!
+//! A publish that keeps bytes of the base is pinned to the base's ETag: its part copies and
+//! GETs, and its PUT or CompleteMultipartUpload (`If-Match`). Another client's version written
+//! meanwhile refuses it (ESTALE) and stays whole; a whole rewrite is not pinned.
 
 use crate::aligned::{AlignedBuf, ALIGN};
 use crate::budget::{MemoryBudget, Reservation};
@@ -351,6 +355,9 @@ pub struct WriteState {
     pub unlinked: bool,
     /// The last publish failed (and its caller was told) and nothing changed since.
     pub failed: bool,
+    /// A publish was refused because another client changed the object (ESTALE): a content
+    /// that keeps bytes of the base can never be published (and its streamed parts are gone).
+    conflict: bool,
     pub mtime: SystemTime,
 }
 
@@ -400,6 +407,7 @@ impl WriteState {
             changed: false,
             unlinked: false,
             failed: false,
+            conflict: false,
             mtime: SystemTime::now(),
         }
     }
@@ -1039,6 +1047,10 @@ impl WriteState {
         if !self.has_changes_to_publish() {
             return Ok(());
         }
+        if self.conflict && self.publish_condition().is_some() {
+            // Said already, with the log line; nothing to ask the store.
+            return Err(FsError::ESTALE);
+        }
         let size = self.size();
         mtime_into(&mut self.meta, self.mtime);
         self.settle_spills().await;
@@ -1050,6 +1062,7 @@ impl WriteState {
             self.publish_multipart(size).await
         };
         self.failed = result.is_err();
+        self.conflict = result == Err(FsError::ESTALE);
         inc(if result.is_ok() {
             &self.cfg.metrics.files_published
         } else {
@@ -1096,10 +1109,39 @@ impl WriteState {
     }
 
     async fn put_whole(&self, body: Bytes) -> FsResult<String> {
+        let pin = self.publish_condition();
         self.store
-            .put(&self.key, body, &self.meta)
+            .put_if(&self.key, body, &self.meta, pin)
             .await
-            .map_err(|e| log_store_err(&format!("upload {}", self.key), e))
+            .map_err(|e| self.publish_err(&format!("upload {}", self.key), e, pin.is_some()))
+    }
+
+    /// The ETag the published object must replace (`If-Match`): the base's, when the new
+    /// content keeps any of its bytes (a partial rewrite: append, pwrite, truncate/extend).
+    /// A whole rewrite keeps nothing of it and replaces whatever is there (last writer wins).
+    fn publish_condition(&self) -> Option<&str> {
+        let keeps_base = self
+            .dirty
+            .segments(0..self.base_len)
+            .any(|(_, dirty)| !dirty);
+        self.base_etag().filter(|_| keeps_base)
+    }
+
+    /// A publish step failed. Under a pin, a failed precondition or a missing object means
+    /// another client replaced or deleted the object since this file's base was read: the
+    /// publish is refused (ESTALE), and the other version stays.
+    fn publish_err(&self, what: &str, e: StoreError, pinned: bool) -> FsError {
+        match e {
+            StoreError::PreconditionFailed(_) | StoreError::NotFound(_) if pinned => {
+                tracing::warn!(
+                    "{}: changed by another client since this file was opened; not published \
+                     (ESTALE), the other client's version is kept ({what}: {e})",
+                    self.key
+                );
+                FsError::ESTALE
+            }
+            e => log_store_err(what, e),
+        }
     }
 
     async fn publish_multipart(&mut self, size: u64) -> FsResult<String> {
@@ -1112,28 +1154,36 @@ impl WriteState {
         match self.send_parts(&parts).await {
             Ok(completed) => {
                 let id = self.stream.as_ref().expect("stream").upload_id.clone();
-                match self.store.complete_multipart(&key, &id, &completed).await {
+                let pin = self.publish_condition().map(str::to_string);
+                let done = self
+                    .store
+                    .complete_multipart(&key, &id, &completed, pin.as_deref())
+                    .await;
+                match done {
                     Ok(etag) => {
                         self.stream = None;
                         Ok(etag)
                     }
                     Err(e) => {
-                        self.drop_failed_stream().await;
-                        Err(log_store_err(&format!("complete upload of {key}"), e))
+                        let what = format!("complete upload of {key}");
+                        let e = self.publish_err(&what, e, pin.is_some());
+                        self.drop_failed_stream(e).await;
+                        Err(e)
                     }
                 }
             }
             Err(e) => {
-                self.drop_failed_stream().await;
+                self.drop_failed_stream(e).await;
                 Err(e)
             }
         }
     }
 
-    /// After a failed publish: the upload is aborted, unless it holds bytes found nowhere
-    /// else; then it stays for the next try (and is aborted when the file is dropped).
-    async fn drop_failed_stream(&mut self) {
-        if self.uploaded_only.is_empty() {
+    /// After a publish failed with `e`: the upload is aborted, unless it holds bytes found
+    /// nowhere else and a later try may work; then it stays for that try (and is aborted
+    /// when the file is dropped). After a conflict (ESTALE) no try can work.
+    async fn drop_failed_stream(&mut self, e: FsError) {
+        if self.uploaded_only.is_empty() || e == FsError::ESTALE {
             self.abort_stream().await;
         }
     }
@@ -1210,12 +1260,13 @@ impl WriteState {
     ) -> FsResult<String> {
         let what = format!("upload part {number} of {}", self.key);
         if kept.is_none() && r.end <= self.base_len && !self.dirty.intersects(&r) {
-            // Untouched since the base was uploaded: copy it server-side.
+            // Untouched since the base was uploaded: copy it server-side, from the base only.
+            let pin = self.base_etag();
             return self
                 .store
-                .upload_part_copy(&self.key, upload_id, number, &self.key, r)
+                .upload_part_copy(&self.key, upload_id, number, &self.key, r, pin)
                 .await
-                .map_err(|e| log_store_err(&what, e));
+                .map_err(|e| self.publish_err(&what, e, pin.is_some()));
         }
         let (body, _mem) = match kept {
             // Its budget is held by the slot that kept it.

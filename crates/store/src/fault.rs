@@ -197,8 +197,15 @@ impl ObjectStore for FaultStore {
         )
         .await
     }
-    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
-        self.wrap(Op::Put, self.inner.put(key, body, meta)).await
+    async fn put_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
+        self.wrap(Op::Put, self.inner.put_if(key, body, meta, if_match))
+            .await
     }
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
         self.wrap(Op::CreateMultipart, self.inner.create_multipart(key, meta))
@@ -225,12 +232,13 @@ impl ObjectStore for FaultStore {
         part_number: u32,
         src_key: &str,
         range: Range<u64>,
+        src_if_match: Option<&str>,
     ) -> StoreResult<String> {
         self.wrap_part(
             Op::UploadPartCopy,
             upload_id,
             self.inner
-                .upload_part_copy(key, upload_id, part_number, src_key, range),
+                .upload_part_copy(key, upload_id, part_number, src_key, range, src_if_match),
         )
         .await
     }
@@ -239,10 +247,12 @@ impl ObjectStore for FaultStore {
         key: &str,
         upload_id: &str,
         parts: &[CompletedPart],
+        if_match: Option<&str>,
     ) -> StoreResult<String> {
         self.wrap(
             Op::CompleteMultipart,
-            self.inner.complete_multipart(key, upload_id, parts),
+            self.inner
+                .complete_multipart(key, upload_id, parts, if_match),
         )
         .await
     }
@@ -260,9 +270,18 @@ impl ObjectStore for FaultStore {
         self.wrap(Op::ListMultipart, self.inner.list_multipart_uploads(prefix))
             .await
     }
-    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
-        self.wrap(Op::Copy, self.inner.copy(src_key, dst_key, meta))
-            .await
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> StoreResult<()> {
+        self.wrap(
+            Op::Copy,
+            self.inner.copy(src_key, dst_key, meta, src_if_match),
+        )
+        .await
     }
     async fn delete(&self, key: &str) -> StoreResult<()> {
         self.wrap(Op::Delete, self.inner.delete(key)).await

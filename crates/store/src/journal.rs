@@ -555,9 +555,15 @@ impl ObjectStore for JournalStore {
     ) -> StoreResult<usize> {
         self.inner.get_range_into(key, range, if_match, dst).await
     }
-    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+    async fn put_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
         self.keeping(key)?;
-        self.inner.put(key, body, meta).await
+        self.inner.put_if(key, body, meta, if_match).await
     }
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
         self.keeping(key)?;
@@ -588,9 +594,10 @@ impl ObjectStore for JournalStore {
         part_number: u32,
         src_key: &str,
         range: Range<u64>,
+        src_if_match: Option<&str>,
     ) -> StoreResult<String> {
         self.inner
-            .upload_part_copy(key, upload_id, part_number, src_key, range)
+            .upload_part_copy(key, upload_id, part_number, src_key, range, src_if_match)
             .await
     }
     async fn complete_multipart(
@@ -598,8 +605,12 @@ impl ObjectStore for JournalStore {
         key: &str,
         upload_id: &str,
         parts: &[CompletedPart],
+        if_match: Option<&str>,
     ) -> StoreResult<String> {
-        let r = self.inner.complete_multipart(key, upload_id, parts).await;
+        let r = self
+            .inner
+            .complete_multipart(key, upload_id, parts, if_match)
+            .await;
         if r.is_ok() {
             self.finished(key, upload_id);
         }
@@ -615,9 +626,15 @@ impl ObjectStore for JournalStore {
     async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
         self.inner.list_multipart_uploads(prefix).await
     }
-    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> StoreResult<()> {
         self.keeping(dst_key)?;
-        self.inner.copy(src_key, dst_key, meta).await
+        self.inner.copy(src_key, dst_key, meta, src_if_match).await
     }
     async fn delete(&self, key: &str) -> StoreResult<()> {
         self.inner.delete(key).await?;
@@ -753,8 +770,8 @@ mod tests {
             .await
             .unwrap();
         // Copied away (an unlink of an open file), one copy deleted again (its last close).
-        js.copy("p/f", "p/.tmp/1", None).await.unwrap();
-        js.copy("p/f", "p/.tmp/2", None).await.unwrap();
+        js.copy("p/f", "p/.tmp/1", None, None).await.unwrap();
+        js.copy("p/f", "p/.tmp/2", None, None).await.unwrap();
         js.put("p/.tmp/3", Bytes::from_static(b"x"), &meta)
             .await
             .unwrap();
@@ -940,6 +957,7 @@ mod tests {
                 part_number: 1,
                 etag: e,
             }],
+            None,
         )
         .await
         .unwrap();

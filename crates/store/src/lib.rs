@@ -61,7 +61,21 @@ pub trait ObjectStore: Send + Sync + 'static {
     }
 
     /// PUT of a whole object with user metadata. Returns the new ETag.
-    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String>;
+    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+        self.put_if(key, body, meta, None).await
+    }
+
+    /// [`ObjectStore::put`] that, with `if_match`, replaces the object only while it still has
+    /// that ETag (S3 `If-Match`): [`StoreError::PreconditionFailed`] when it has another,
+    /// [`StoreError::NotFound`] when it is gone. This is how a file rewritten in part is
+    /// published only over the version it was built from.
+    async fn put_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> StoreResult<String>;
 
     /// Starts a multipart upload whose object will carry `meta`. Returns the upload id.
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String>;
@@ -75,7 +89,10 @@ pub trait ObjectStore: Send + Sync + 'static {
         body: Bytes,
     ) -> StoreResult<String>;
 
-    /// Uploads part `part_number` by copying `range` of `src_key` server-side.
+    /// Uploads part `part_number` by copying `range` of `src_key` server-side. With
+    /// `src_if_match`, only from the source version with that ETag (S3
+    /// `x-amz-copy-source-if-match`): [`StoreError::PreconditionFailed`] otherwise, so a new
+    /// version is never built from parts of two.
     async fn upload_part_copy(
         &self,
         key: &str,
@@ -83,14 +100,18 @@ pub trait ObjectStore: Send + Sync + 'static {
         part_number: u32,
         src_key: &str,
         range: Range<u64>,
+        src_if_match: Option<&str>,
     ) -> StoreResult<String>;
 
-    /// Completes a multipart upload from its parts, in order. Returns the new ETag.
+    /// Completes a multipart upload from its parts, in order. Returns the new ETag. With
+    /// `if_match`, only while the object still has that ETag, as [`ObjectStore::put_if`];
+    /// the upload then stays open (abort it).
     async fn complete_multipart(
         &self,
         key: &str,
         upload_id: &str,
         parts: &[CompletedPart],
+        if_match: Option<&str>,
     ) -> StoreResult<String>;
 
     /// Aborts a multipart upload and frees its parts.
@@ -100,8 +121,18 @@ pub trait ObjectStore: Send + Sync + 'static {
     async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>>;
 
     /// Server-side copy (objects up to 5 GiB). `meta: None` keeps the source's user metadata,
-    /// `Some` replaces it (this is how chmod/utimens change an object in place).
-    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()>;
+    /// `Some` replaces it (this is how chmod/utimens change an object in place). With
+    /// `src_if_match`, only from the source version with that ETag
+    /// (`x-amz-copy-source-if-match`); a copy onto itself then also asks the destination to
+    /// still have it (`If-Match`, where the store honours it), so it never lands over a
+    /// version another client wrote meanwhile.
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> StoreResult<()>;
 
     /// DELETE. Deleting a missing key succeeds, as in S3.
     async fn delete(&self, key: &str) -> StoreResult<()>;

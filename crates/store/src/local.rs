@@ -31,6 +31,9 @@ pub struct LocalStore {
 struct Inner {
     root: PathBuf,
     seq: AtomicU64,
+    /// Held from the ETag check of a conditional publish to its rename, and by every other
+    /// publish, so that none lands between the two (within this process).
+    publishing: parking_lot::Mutex<()>,
 }
 
 impl LocalStore {
@@ -52,6 +55,7 @@ impl LocalStore {
             inner: Arc::new(Inner {
                 root,
                 seq: AtomicU64::new(0),
+                publishing: parking_lot::Mutex::new(()),
             }),
         })
     }
@@ -220,9 +224,21 @@ impl Inner {
         Ok(())
     }
 
-    /// Moves a finished temp file into place as `key` with `meta`.
-    fn publish(&self, tmp: &Path, key: &str, meta: &UserMeta) -> StoreResult<String> {
+    /// Moves a finished temp file into place as `key` with `meta`, if `key` still has ETag
+    /// `if_match` (S3 `If-Match`).
+    fn publish(
+        &self,
+        tmp: &Path,
+        key: &str,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
         let dst = self.path(key)?;
+        let _publishing = self.publishing.lock();
+        if let Err(e) = self.check_etag(key, if_match) {
+            let _ = fs::remove_file(tmp);
+            return Err(e);
+        }
         if key.ends_with('/') {
             fs::create_dir_all(&dst)?;
             let _ = fs::remove_file(tmp);
@@ -241,6 +257,31 @@ impl Inner {
         Ok(etag_of(&fs::metadata(&dst)?))
     }
 
+    /// S3's `If-Match` on `key`: not found when it is gone, failed when its ETag differs.
+    fn check_etag(&self, key: &str, if_match: Option<&str>) -> StoreResult<()> {
+        let Some(tag) = if_match else {
+            return Ok(());
+        };
+        let (_, md) = self.object_md(key)?;
+        if etag_of(&md) != tag {
+            return Err(StoreError::PreconditionFailed(key.to_string()));
+        }
+        Ok(())
+    }
+
+    /// Opens object `key` for a copy, if it has ETag `if_match`. The check is made on the
+    /// open file, so the bytes copied are those of the version checked even if a publish
+    /// renames another file over the key meanwhile.
+    fn open_source(&self, key: &str, if_match: Option<&str>) -> StoreResult<(File, fs::Metadata)> {
+        let (p, _) = self.object_md(key)?;
+        let f = File::open(&p).map_err(|_| StoreError::NotFound(key.to_string()))?;
+        let md = f.metadata()?;
+        if if_match.is_some_and(|tag| tag != etag_of(&md)) {
+            return Err(StoreError::PreconditionFailed(key.to_string()));
+        }
+        Ok((f, md))
+    }
+
     fn write_tmp(&self, data: &[u8]) -> StoreResult<PathBuf> {
         let tmp = self.tmp_path();
         let mut f = File::create(&tmp)?;
@@ -249,14 +290,7 @@ impl Inner {
     }
 
     fn read_range(&self, path: &Path, range: Range<u64>) -> StoreResult<Bytes> {
-        let mut f = File::open(path)?;
-        let len = f.metadata()?.len();
-        let start = range.start.min(len);
-        let end = range.end.min(len).max(start);
-        let mut buf = vec![0u8; (end - start) as usize];
-        f.seek(SeekFrom::Start(start))?;
-        f.read_exact(&mut buf)?;
-        Ok(Bytes::from(buf))
+        read_range_of(File::open(path)?, range)
     }
 
     /// Every key under the directory part of `prefix` that starts with `prefix`, sorted.
@@ -330,6 +364,16 @@ impl Inner {
     }
 }
 
+fn read_range_of(mut f: File, range: Range<u64>) -> StoreResult<Bytes> {
+    let len = f.metadata()?.len();
+    let start = range.start.min(len);
+    let end = range.end.min(len).max(start);
+    let mut buf = vec![0u8; (end - start) as usize];
+    f.seek(SeekFrom::Start(start))?;
+    f.read_exact(&mut buf)?;
+    Ok(Bytes::from(buf))
+}
+
 fn meta_of(key: &str, md: &fs::Metadata) -> ObjectMeta {
     ObjectMeta {
         key: key.to_string(),
@@ -382,13 +426,20 @@ impl ObjectStore for LocalStore {
         .await
     }
 
-    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+    async fn put_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
         let key = key.to_string();
         let meta = meta.clone();
+        let if_match = if_match.map(str::to_string);
         self.run(move |s| {
             s.path(&key)?;
             let tmp = s.write_tmp(&body)?;
-            s.publish(&tmp, &key, &meta)
+            s.publish(&tmp, &key, &meta, if_match.as_deref())
         })
         .await
     }
@@ -438,15 +489,17 @@ impl ObjectStore for LocalStore {
         part_number: u32,
         src_key: &str,
         range: Range<u64>,
+        src_if_match: Option<&str>,
     ) -> StoreResult<String> {
         let src_key = src_key.to_string();
+        let src_if_match = src_if_match.map(str::to_string);
         let data = self
             .run(move |s| {
-                let (p, md) = s.object_md(&src_key)?;
+                let (f, md) = s.open_source(&src_key, src_if_match.as_deref())?;
                 if range.end > md.len() || range.start >= range.end {
                     return Err(StoreError::Invalid(format!("bad copy range {range:?}")));
                 }
-                s.read_range(&p, range)
+                read_range_of(f, range)
             })
             .await?;
         self.upload_part(key, upload_id, part_number, data).await
@@ -457,12 +510,17 @@ impl ObjectStore for LocalStore {
         key: &str,
         upload_id: &str,
         parts: &[CompletedPart],
+        if_match: Option<&str>,
     ) -> StoreResult<String> {
         let key = key.to_string();
         let upload_id = upload_id.to_string();
         let parts = parts.to_vec();
+        let if_match = if_match.map(str::to_string);
         self.run(move |s| {
             let dir = s.upload_dir(&upload_id)?;
+            // Checked again when the result is renamed into place; this first check saves
+            // assembling an object that cannot be published.
+            s.check_etag(&key, if_match.as_deref())?;
             let meta = read_xattrs(&dir.join("key"))?;
             let tmp = s.tmp_path();
             let mut out = File::create(&tmp)?;
@@ -486,7 +544,8 @@ impl ObjectStore for LocalStore {
                 std::io::copy(&mut File::open(&p)?, &mut out)?;
             }
             drop(out);
-            let etag = s.publish(&tmp, &key, &meta)?;
+            // As S3: a failed precondition leaves the upload open.
+            let etag = s.publish(&tmp, &key, &meta, if_match.as_deref())?;
             fs::remove_dir_all(&dir)?;
             Ok(etag)
         })
@@ -524,24 +583,38 @@ impl ObjectStore for LocalStore {
         .await
     }
 
-    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> StoreResult<()> {
         let src_key = src_key.to_string();
         let dst_key = dst_key.to_string();
         let meta = meta.cloned();
+        let src_if_match = src_if_match.map(str::to_string);
         self.run(move |s| {
             let (p, md) = s.object_md(&src_key)?;
+            s.path(&dst_key)?;
+            let tmp = s.tmp_path();
+            let meta = if md.is_dir() {
+                s.check_etag(&src_key, src_if_match.as_deref())?;
+                File::create(&tmp)?;
+                meta
+            } else {
+                // From the open source, whose ETag (and so version) was checked.
+                let (mut f, _) = s.open_source(&src_key, src_if_match.as_deref())?;
+                let mut out = File::create(&tmp)?;
+                std::io::copy(&mut f, &mut out)?;
+                meta
+            };
             let meta = match meta {
                 Some(m) => m,
                 None => read_xattrs(&p)?,
             };
-            s.path(&dst_key)?;
-            let tmp = s.tmp_path();
-            if md.is_dir() {
-                File::create(&tmp)?;
-            } else {
-                fs::copy(&p, &tmp)?;
-            }
-            s.publish(&tmp, &dst_key, &meta)?;
+            let dst_if_match = src_if_match.as_deref().filter(|_| src_key == dst_key);
+            s.publish(&tmp, &dst_key, &meta, dst_if_match)?;
             Ok(())
         })
         .await
@@ -605,8 +678,63 @@ impl ObjectStore for LocalStore {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Every condition of the trait, as S3 has them, on `s` (shared by the in-process stores).
+    pub(crate) async fn check_conditions(s: &dyn ObjectStore) {
+        let none = UserMeta::new();
+        let body = |b: &'static [u8]| Bytes::from_static(b);
+        let old = s.put("k", body(b"old"), &none).await.unwrap();
+        let pf = |r: StoreResult<String>| matches!(r, Err(StoreError::PreconditionFailed(_)));
+        // PUT If-Match.
+        assert!(pf(s.put_if("k", body(b"x"), &none, Some("\"nope\"")).await));
+        assert!(s
+            .put_if("gone", body(b"x"), &none, Some(&old))
+            .await
+            .unwrap_err()
+            .is_not_found());
+        let cur = s
+            .put_if("k", body(b"cur"), &none, Some(&old))
+            .await
+            .unwrap();
+        // Copies from a pinned source, onto another key and onto itself.
+        let copy = |dst: &'static str, tag: String| async move {
+            s.copy("k", dst, Some(&UserMeta::new()), Some(&tag))
+                .await
+                .map(|()| String::new())
+        };
+        assert!(pf(copy("k2", old.clone()).await));
+        assert!(pf(copy("k", old.clone()).await));
+        copy("k2", cur.clone()).await.unwrap();
+        copy("k", cur.clone()).await.unwrap();
+        let cur = s.head("k").await.unwrap().etag.unwrap();
+        // Part copies and Complete If-Match; a refused Complete leaves the upload open.
+        let id = s.create_multipart("k", &none).await.unwrap();
+        assert!(pf(s
+            .upload_part_copy("k", &id, 1, "k", 0..2, Some(&old))
+            .await));
+        let e1 = s
+            .upload_part_copy("k", &id, 1, "k", 0..2, Some(&cur))
+            .await
+            .unwrap();
+        let parts = [CompletedPart {
+            part_number: 1,
+            etag: e1,
+        }];
+        assert!(pf(s.complete_multipart("k", &id, &parts, Some(&old)).await));
+        assert_eq!(s.list_multipart_uploads("").await.unwrap().len(), 1);
+        s.complete_multipart("k", &id, &parts, Some(&cur))
+            .await
+            .unwrap();
+        assert_eq!(&s.get_range("k", 0..9, None).await.unwrap()[..], b"cu");
+    }
+
+    #[tokio::test]
+    async fn conditions_are_honoured() {
+        let dir = tempfile::tempdir().unwrap();
+        check_conditions(&LocalStore::open(dir.path()).unwrap()).await;
+    }
 
     #[tokio::test]
     async fn put_head_list_roundtrip() {
@@ -676,6 +804,7 @@ mod tests {
                     etag: e2,
                 },
             ],
+            None,
         )
         .await
         .unwrap();

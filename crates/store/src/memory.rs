@@ -66,19 +66,20 @@ impl MemoryStore {
         self.inner.lock().objects.keys().cloned().collect()
     }
 
-    fn insert(&self, key: &str, data: Bytes, meta: UserMeta) -> String {
-        self.insert_with_etag(key, data, meta, None)
-    }
-
-    fn insert_with_etag(
+    /// Stores `data` as `key` if it still has ETag `if_match` (checked under the same lock,
+    /// as a store would do it atomically).
+    fn insert(
         &self,
         key: &str,
         data: Bytes,
         meta: UserMeta,
         etag: Option<String>,
-    ) -> String {
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
         let etag = etag.unwrap_or_else(|| etag_of(&data));
-        self.inner.lock().objects.insert(
+        let mut inner = self.inner.lock();
+        check_etag(inner.objects.get(key), key, if_match)?;
+        inner.objects.insert(
             key.to_string(),
             Object {
                 data,
@@ -87,7 +88,7 @@ impl MemoryStore {
                 modified: SystemTime::now(),
             },
         );
-        etag
+        Ok(etag)
     }
 
     fn get(&self, key: &str) -> StoreResult<Object> {
@@ -97,6 +98,18 @@ impl MemoryStore {
             .get(key)
             .cloned()
             .ok_or_else(|| StoreError::NotFound(key.to_string()))
+    }
+}
+
+/// S3's `If-Match`: a missing object is not found, another ETag fails the precondition.
+fn check_etag(o: Option<&Object>, key: &str, if_match: Option<&str>) -> StoreResult<()> {
+    let Some(tag) = if_match else {
+        return Ok(());
+    };
+    match o {
+        None => Err(StoreError::NotFound(key.to_string())),
+        Some(o) if o.etag != tag => Err(StoreError::PreconditionFailed(key.to_string())),
+        Some(_) => Ok(()),
     }
 }
 
@@ -125,19 +138,21 @@ impl ObjectStore for MemoryStore {
         if_match: Option<&str>,
     ) -> StoreResult<Bytes> {
         let o = self.get(key)?;
-        if let Some(tag) = if_match {
-            if tag != o.etag {
-                return Err(StoreError::PreconditionFailed(key.to_string()));
-            }
-        }
+        check_etag(Some(&o), key, if_match)?;
         let len = o.data.len() as u64;
         let start = range.start.min(len) as usize;
         let end = range.end.min(len) as usize;
         Ok(o.data.slice(start..end.max(start)))
     }
 
-    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
-        Ok(self.insert(key, body, meta.clone()))
+    async fn put_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
+        self.insert(key, body, meta.clone(), None, if_match)
     }
 
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
@@ -180,8 +195,10 @@ impl ObjectStore for MemoryStore {
         part_number: u32,
         src_key: &str,
         range: Range<u64>,
+        src_if_match: Option<&str>,
     ) -> StoreResult<String> {
         let src = self.get(src_key)?;
+        check_etag(Some(&src), src_key, src_if_match)?;
         if range.end > src.data.len() as u64 || range.start >= range.end {
             return Err(StoreError::Invalid(format!("bad copy range {range:?}")));
         }
@@ -194,9 +211,12 @@ impl ObjectStore for MemoryStore {
         key: &str,
         upload_id: &str,
         parts: &[CompletedPart],
+        if_match: Option<&str>,
     ) -> StoreResult<String> {
         let up = {
             let mut inner = self.inner.lock();
+            // As S3: a failed precondition leaves the upload open.
+            check_etag(inner.objects.get(key), key, if_match)?;
             inner
                 .uploads
                 .remove(upload_id)
@@ -221,7 +241,7 @@ impl ObjectStore for MemoryStore {
         }
         // S3's multipart ETag: md5 of the parts' md5s, then "-<number of parts>".
         let etag = crate::retry::multipart_etag(parts);
-        Ok(self.insert_with_etag(key, buf.freeze(), up.meta, etag))
+        self.insert(key, buf.freeze(), up.meta, etag, if_match)
     }
 
     async fn abort_multipart(&self, _key: &str, upload_id: &str) -> StoreResult<()> {
@@ -244,10 +264,18 @@ impl ObjectStore for MemoryStore {
             .collect())
     }
 
-    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> StoreResult<()> {
         let src = self.get(src_key)?;
+        check_etag(Some(&src), src_key, src_if_match)?;
         let meta = meta.cloned().unwrap_or(src.meta);
-        self.insert(dst_key, src.data, meta);
+        let dst_if_match = src_if_match.filter(|_| src_key == dst_key);
+        self.insert(dst_key, src.data, meta, None, dst_if_match)?;
         Ok(())
     }
 
@@ -289,5 +317,15 @@ impl ObjectStore for MemoryStore {
             from.after_key(),
             max_keys,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn conditions_are_honoured() {
+        crate::local::tests::check_conditions(&MemoryStore::new()).await;
     }
 }

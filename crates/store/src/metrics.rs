@@ -201,9 +201,15 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         r
     }
 
-    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
+    async fn put_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
         let n = body.len() as u64;
-        let r = self.inner.put(key, body, meta).await;
+        let r = self.inner.put_if(key, body, meta, if_match).await;
         self.metrics.count(Op::Put, &r);
         self.metrics.bytes_up.fetch_add(n, Ordering::Relaxed);
         r
@@ -239,10 +245,11 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         part_number: u32,
         src_key: &str,
         range: Range<u64>,
+        src_if_match: Option<&str>,
     ) -> StoreResult<String> {
         let r = self
             .inner
-            .upload_part_copy(key, upload_id, part_number, src_key, range)
+            .upload_part_copy(key, upload_id, part_number, src_key, range, src_if_match)
             .await;
         self.metrics.count(Op::UploadPartCopy, &r);
         r
@@ -253,8 +260,12 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         key: &str,
         upload_id: &str,
         parts: &[CompletedPart],
+        if_match: Option<&str>,
     ) -> StoreResult<String> {
-        let r = self.inner.complete_multipart(key, upload_id, parts).await;
+        let r = self
+            .inner
+            .complete_multipart(key, upload_id, parts, if_match)
+            .await;
         self.metrics.count(Op::CompleteMultipart, &r);
         r
     }
@@ -271,8 +282,14 @@ impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
         r
     }
 
-    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
-        let r = self.inner.copy(src_key, dst_key, meta).await;
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> StoreResult<()> {
+        let r = self.inner.copy(src_key, dst_key, meta, src_if_match).await;
         self.metrics.count(Op::Copy, &r);
         r
     }

@@ -25,7 +25,10 @@
 //! wrapper then HEADs the key and accepts the object only if its ETag is the multipart ETag of
 //! exactly the parts it completed (`md5(md5(part 1) ‖ … ‖ md5(part n))-n`); otherwise it
 //! reports the original transient error, so the caller never believes in an object that is not
-//! the one it uploaded. A CreateMultipartUpload whose answer was lost leaves an upload the
+//! the one it uploaded. A conditional PUT or CompleteMultipartUpload (`If-Match`) whose first
+//! attempt landed and lost its answer gets `PreconditionFailed` on the repeat (the object now
+//! has the new ETag): the same HEAD tells that apart from another writer's version. A
+//! CreateMultipartUpload whose answer was lost leaves an upload the
 //! caller never learns about; see `docs/reliability.md`.
 
 use crate::*;
@@ -237,6 +240,57 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
     }
 }
 
+/// Remembers the first transient failure of a call's attempts.
+fn note_transient<T>(first: &Mutex<Option<StoreError>>, r: &StoreResult<T>) {
+    if let Err(e) = r {
+        if e.is_transient() {
+            first.lock().get_or_insert_with(|| e.clone());
+        }
+    }
+}
+
+impl<S: ObjectStore + ?Sized> RetryStore<S> {
+    /// A write to `key` ended in `r` (not found, or a failed precondition) after an earlier
+    /// attempt failed transiently (`lost`): that attempt may have landed and lost its answer.
+    /// It did if the object now has `expected`, the ETag our request gives it; otherwise the
+    /// original failure stands (transient), or `r` when no attempt failed before.
+    async fn lost_answer(
+        &self,
+        what: &str,
+        key: &str,
+        lost: &Mutex<Option<StoreError>>,
+        expected: Option<String>,
+        r: StoreResult<String>,
+    ) -> StoreResult<String> {
+        let Some(lost) = lost.lock().take() else {
+            return r; // no attempt failed before: the answer stands
+        };
+        let Err(now) = r else {
+            return r;
+        };
+        match self.head(key).await {
+            Ok(obj) if expected.is_some() && obj.etag == expected => {
+                tracing::info!(
+                    "{what}: the answer to an attempt was lost ({lost}), but the object has \
+                     the ETag of our request: done"
+                );
+                Ok(obj.etag.unwrap_or_default())
+            }
+            _ => {
+                tracing::warn!(
+                    "{what}: an attempt failed ({lost}) and the retry said {now}; the object \
+                     does not carry our request's ETag, so the write is reported as failed"
+                );
+                Err(match now {
+                    // Another writer's version: a conflict, whatever happened before.
+                    StoreError::PreconditionFailed(_) => now,
+                    _ => lost,
+                })
+            }
+        }
+    }
+}
+
 /// The ETag S3 gives an object completed from parts with these ETags (MD5s, quoted or not):
 /// `"md5(md5(p1) ‖ … ‖ md5(pn))-n"`. `None` when a part ETag is not a plain MD5.
 pub fn multipart_etag(parts: &[CompletedPart]) -> Option<String> {
@@ -292,11 +346,28 @@ impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
         .await
     }
 
-    async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
-        self.retry(&format!("PUT {key}"), || {
-            self.inner.put(key, body.clone(), meta)
-        })
-        .await
+    async fn put_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
+        let what = format!("PUT {key}");
+        let lost = Mutex::new(None);
+        let r = self
+            .retry(&what, || async {
+                let r = self.inner.put_if(key, body.clone(), meta, if_match).await;
+                note_transient(&lost, &r);
+                r
+            })
+            .await;
+        if !matches!(r, Err(StoreError::PreconditionFailed(_))) {
+            return r;
+        }
+        // A single PUT's ETag is the MD5 of its body (on stores that say so).
+        let ours = format!("\"{}\"", hex::encode(Md5::digest(&body)));
+        self.lost_answer(&what, key, &lost, Some(ours), r).await
     }
 
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
@@ -327,10 +398,17 @@ impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
         part_number: u32,
         src_key: &str,
         range: Range<u64>,
+        src_if_match: Option<&str>,
     ) -> StoreResult<String> {
         self.retry(&format!("UploadPartCopy {key} #{part_number}"), || {
-            self.inner
-                .upload_part_copy(key, upload_id, part_number, src_key, range.clone())
+            self.inner.upload_part_copy(
+                key,
+                upload_id,
+                part_number,
+                src_key,
+                range.clone(),
+                src_if_match,
+            )
         })
         .await
     }
@@ -340,45 +418,28 @@ impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
         key: &str,
         upload_id: &str,
         parts: &[CompletedPart],
+        if_match: Option<&str>,
     ) -> StoreResult<String> {
         let what = format!("CompleteMultipartUpload {key}");
-        let first_error: Mutex<Option<StoreError>> = Mutex::new(None);
+        let lost = Mutex::new(None);
         let r = self
             .retry(&what, || async {
-                let r = self.inner.complete_multipart(key, upload_id, parts).await;
-                if let Err(e) = &r {
-                    if e.is_transient() {
-                        first_error.lock().get_or_insert_with(|| e.clone());
-                    }
-                }
+                let r = self
+                    .inner
+                    .complete_multipart(key, upload_id, parts, if_match)
+                    .await;
+                note_transient(&lost, &r);
                 r
             })
             .await;
-        let Err(StoreError::NotFound(nf)) = &r else {
+        if !matches!(
+            r,
+            Err(StoreError::NotFound(_) | StoreError::PreconditionFailed(_))
+        ) {
             return r;
-        };
-        let Some(lost) = first_error.lock().take() else {
-            return r; // no attempt failed before: the upload really is unknown
-        };
-        // An earlier attempt may have completed the upload and lost its answer.
-        let expected = multipart_etag(parts);
-        match self.head(key).await {
-            Ok(obj) if expected.is_some() && obj.etag == expected => {
-                tracing::info!(
-                    "{what}: the answer to an attempt was lost ({lost}), but the object has \
-                     the ETag of our parts: completed"
-                );
-                Ok(obj.etag.unwrap_or_default())
-            }
-            _ => {
-                tracing::warn!(
-                    "{what}: an attempt failed ({lost}) and the retry found no upload ({nf}); \
-                     the object does not carry our parts' ETag, so the upload is reported as \
-                     failed"
-                );
-                Err(lost)
-            }
         }
+        self.lost_answer(&what, key, &lost, multipart_etag(parts), r)
+            .await
     }
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
@@ -395,9 +456,15 @@ impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
         .await
     }
 
-    async fn copy(&self, src_key: &str, dst_key: &str, meta: Option<&UserMeta>) -> StoreResult<()> {
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> StoreResult<()> {
         self.retry(&format!("CopyObject {src_key} -> {dst_key}"), || {
-            self.inner.copy(src_key, dst_key, meta)
+            self.inner.copy(src_key, dst_key, meta, src_if_match)
         })
         .await
     }
@@ -614,7 +681,10 @@ mod tests {
         ];
         // The first attempt completes the upload, then the connection drops.
         fault.inject(Op::CompleteMultipart, 0, Some(1), Fault::DropAfter);
-        let etag = retry.complete_multipart("big", &id, &parts).await.unwrap();
+        let etag = retry
+            .complete_multipart("big", &id, &parts, None)
+            .await
+            .unwrap();
         assert_eq!(Some(etag), multipart_etag(&parts));
         assert_eq!(mem.head("big").await.unwrap().size, 2 * MIN_PART_SIZE);
         assert_eq!(mem.pending_uploads(), 0);
@@ -647,13 +717,13 @@ mod tests {
             .await
             .unwrap();
         let e = retry
-            .complete_multipart("big", &id, &parts)
+            .complete_multipart("big", &id, &parts, None)
             .await
             .unwrap_err();
         assert!(e.is_transient(), "{e}");
         // And with no earlier failure, NoSuchUpload stays NotFound.
         let e = retry
-            .complete_multipart("big", "nope", &parts)
+            .complete_multipart("big", "nope", &parts, None)
             .await
             .unwrap_err();
         assert!(e.is_not_found(), "{e}");
