@@ -74,9 +74,10 @@ async fn open(fs: &Fs, name: &str, flags: i32) -> (u64, u64) {
 #[tokio::test]
 async fn an_append_racing_a_replace_fails_and_keeps_the_other_version() {
     let e = env();
-    put(&e.mem, "f", &random(16 * MIB, 1), &[]).await;
+    // On a part boundary (5 MiB parts here), so no base byte needs a GET: three copies.
+    put(&e.mem, "f", &random(15 * MIB, 1), &[]).await;
     let (ino, fh) = open(&e.fs, "f", libc::O_WRONLY | libc::O_APPEND).await;
-    write_at(&e.fs, ino, fh, 16 * MIB, &random(8 * MIB, 2)).await;
+    write_at(&e.fs, ino, fh, 15 * MIB, &random(8 * MIB, 2)).await;
     let other = random(16 * MIB, 3);
     put(&e.mem, "f", &other, &[]).await;
     // Before: parts copied from the other version + our 8 MiB, and close said 0.
@@ -225,9 +226,9 @@ async fn a_rename_copies_only_the_version_it_looked_up() {
 #[tokio::test]
 async fn a_rename_of_a_file_being_rewritten_racing_a_replace_fails() {
     let e = env();
-    put(&e.mem, "a", &random(16 * MIB, 1), &[]).await;
+    put(&e.mem, "a", &random(15 * MIB, 1), &[]).await;
     let (ino, fh) = open(&e.fs, "a", libc::O_WRONLY | libc::O_APPEND).await;
-    write_at(&e.fs, ino, fh, 16 * MIB, &random(8 * MIB, 2)).await;
+    write_at(&e.fs, ino, fh, 15 * MIB, &random(8 * MIB, 2)).await;
     let other = random(16 * MIB, 3);
     put(&e.mem, "a", &other, &[]).await;
     // The object the rename moves must be the file's base: refused, and so is the close.
