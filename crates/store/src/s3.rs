@@ -741,8 +741,8 @@ impl ObjectStore for S3Store {
             .copy_source(copy_source(&self.bucket, src_key))
             .set_copy_source_if_match(src_if_match.map(str::to_string));
         if src_key == dst_key {
-            // Honoured by AWS; MinIO ignores it, leaving only its own copy step between the
-            // source check and the write.
+            // For stores that honour it; MinIO ignores it, leaving only its own copy step
+            // between the source check and the write.
             req = req.set_if_match(src_if_match.map(str::to_string));
         }
         if let Some(m) = meta {
