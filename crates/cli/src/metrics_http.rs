@@ -50,8 +50,19 @@ impl Counters {
             ),
             (
                 "bucketfs_store_outages_total",
-                "Periods longer than the retry budget without a successful store call",
+                "Outages: no progress of the store for the retry budget, or failures for that \
+                 long without a success",
                 &r.outages,
+            ),
+            (
+                "bucketfs_store_stalls_total",
+                "Store request attempts cut for making no progress",
+                &r.stalls,
+            ),
+            (
+                "bucketfs_store_fast_failed_total",
+                "Store calls failed at once during an outage",
+                &r.fast_failed,
             ),
         ] {
             s += &format!(

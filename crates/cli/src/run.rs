@@ -800,6 +800,11 @@ pub(crate) async fn open_store(
         }
     };
     let retry = RetryStore::new(store, policy);
+    // Only the S3 backend reports the bytes it moves; a local directory does not stall.
+    let retry = match target {
+        Target::S3 { .. } => retry.cutting_stalls(),
+        Target::Local { .. } => retry,
+    };
     let retry_metrics = retry.metrics();
     Ok((Arc::new(retry), metrics, retry_metrics))
 }

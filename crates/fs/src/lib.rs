@@ -22,6 +22,7 @@ mod pool;
 mod read;
 mod write;
 
+pub use bucketfs_store::liveness::within_operation;
 pub use budget::default_budget;
 pub use config::FsConfig;
 pub use error::{FsError, FsResult};

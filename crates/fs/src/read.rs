@@ -453,12 +453,10 @@ impl Reader {
     }
 }
 
-/// Attempts of one ranged GET. The SDK retries failed requests, but not a body that breaks
-/// off mid-transfer; those are retried here, from the same offset.
-const FETCH_ATTEMPTS: u32 = 4;
-
 /// Fetches `range` into `buf`; the result is the buffer's filled part (short at the end of
-/// the object). On failure the buffer goes back to the pool.
+/// the object). On failure the buffer goes back to the pool. The store retries (a body cut
+/// off mid-transfer included) within the operation's stall bound; a second layer of retries
+/// here would only stretch that bound.
 async fn fetch(
     store: &dyn ObjectStore,
     key: &str,
@@ -466,20 +464,12 @@ async fn fetch(
     etag: Option<&str>,
     mut buf: PoolBuf,
 ) -> FsResult<Bytes> {
-    let mut attempt = 1;
-    loop {
-        match store
-            .get_range_into(key, range.clone(), etag, buf.as_mut_slice())
-            .await
-        {
-            Ok(n) => return Ok(buf.freeze(n)),
-            Err(e) if e.is_transient() && attempt < FETCH_ATTEMPTS => {
-                tracing::debug!("read {key} attempt {attempt}: {e}; retrying");
-                tokio::time::sleep(std::time::Duration::from_millis(100 << attempt)).await;
-                attempt += 1;
-            }
-            Err(e) => return Err(log_store_err(&format!("read {key}"), e)),
-        }
+    match store
+        .get_range_into(key, range, etag, buf.as_mut_slice())
+        .await
+    {
+        Ok(n) => Ok(buf.freeze(n)),
+        Err(e) => Err(log_store_err(&format!("read {key}"), e)),
     }
 }
 

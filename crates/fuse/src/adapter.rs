@@ -137,7 +137,8 @@ impl FuseFs {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        self.rt.spawn(fut);
+        // One request is one operation: its store calls share one stall deadline.
+        self.rt.spawn(bucketfs_fs::within_operation(fut));
     }
 
     fn reply_entry(fs: &Fs, op: &'static str, r: Result<Attr, FsError>, reply: ReplyEntry) {

@@ -9,6 +9,7 @@ pub mod fault;
 pub mod journal;
 pub mod list_meta;
 pub mod listing;
+pub mod liveness;
 pub mod local;
 pub mod memory;
 pub mod metrics;
@@ -16,6 +17,7 @@ pub mod retry;
 pub mod s3;
 pub mod tls;
 pub mod types;
+pub mod wire;
 
 pub use error::{StoreError, StoreResult};
 pub use types::*;

@@ -31,6 +31,7 @@
 //! CreateMultipartUpload whose answer was lost leaves an upload the
 //! caller never learns about; see `docs/reliability.md`.
 
+use crate::liveness::{operation_start, AttemptProgress, Clock};
 use crate::*;
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -41,11 +42,15 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::Notify;
 
 /// How long and how often to retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
-    /// No attempt starts later than this after the call's first failure. Zero: no retries.
+    /// The stall bound (`--retry-timeout`): a call fails once neither it nor any other
+    /// request to the store has made progress for this long since the operation it serves
+    /// started, and an attempt is cut after this long without a byte of its own. Zero: no
+    /// retries, no bound of our own (the backend's timeouts only) and no breaker.
     pub max_elapsed: Duration,
     /// Backoff before the second attempt (before jitter); doubles after each attempt.
     pub initial_backoff: Duration,
@@ -65,6 +70,11 @@ impl Default for RetryPolicy {
         }
     }
 }
+
+/// Longest wait for an answer to a probe of a store the breaker has found down.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause between two probes.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 
 impl RetryPolicy {
     /// A policy that never retries.
@@ -88,6 +98,11 @@ impl RetryPolicy {
         let jitter = rand::thread_rng().gen_range(0..=half.as_micros() as u64);
         half + Duration::from_micros(jitter)
     }
+
+    /// How long a probe of a store found down may wait for its answer.
+    pub fn probe_timeout(&self) -> Duration {
+        self.max_elapsed.min(PROBE_TIMEOUT)
+    }
 }
 
 /// Counters of what the retry layer did.
@@ -99,10 +114,13 @@ pub struct RetryMetrics {
     pub gave_up: AtomicU64,
     /// Calls that failed on their first attempt, then succeeded on a retry.
     pub recovered: AtomicU64,
-    /// Outages: periods with failures and no success, longer than `max_elapsed`.
+    /// Outages: the store made no progress for `max_elapsed` while calls waited on it, or
+    /// failed for that long without a success.
     pub outages: AtomicU64,
-    /// Calls that got a single attempt because an outage was in progress.
+    /// Calls that failed at once because an outage was in progress.
     pub fast_failed: AtomicU64,
+    /// Attempts cut for making no progress.
+    pub stalls: AtomicU64,
 }
 
 impl RetryMetrics {
@@ -115,110 +133,239 @@ impl RetryMetrics {
 struct Breaker {
     /// When the current run of failures started (None: the last call succeeded).
     failing_since: Option<Instant>,
-    /// The run is longer than the budget and has been reported.
-    outage: bool,
+    /// When the outage in progress was declared (None: the store is taken to be up).
+    outage: Option<Instant>,
+    /// A probe task is running.
+    probing: bool,
+}
+
+/// What the retry layer shares with its probe task.
+struct Shared {
+    breaker: Mutex<Breaker>,
+    /// The last progress of any request (a body byte, an answer's head, a success).
+    progress: Arc<Clock>,
+    /// Woken when an outage is declared: attempts in flight stop waiting.
+    opened: Notify,
+    metrics: Arc<RetryMetrics>,
+    describe: String,
+}
+
+impl Shared {
+    fn succeeded(&self) {
+        self.progress.tick();
+        let mut b = self.breaker.lock();
+        b.failing_since = None;
+        if let Some(since) = b.outage.take() {
+            tracing::warn!(
+                "{}: reachable again after {:.1} s of outage",
+                self.describe,
+                since.elapsed().as_secs_f64()
+            );
+        }
+    }
+
+    fn in_outage(&self) -> bool {
+        self.breaker.lock().outage.is_some()
+    }
 }
 
 pub struct RetryStore<S: ?Sized = dyn ObjectStore> {
     inner: Arc<S>,
     policy: RetryPolicy,
-    breaker: Mutex<Breaker>,
-    metrics: Arc<RetryMetrics>,
+    shared: Arc<Shared>,
+    /// Attempts are watched for progress and cut when they make none (see
+    /// [`RetryStore::cutting_stalls`]).
+    cut_stalls: bool,
+}
+
+/// Why an attempt was cut.
+enum Cut {
+    /// No progress of the store for the budget since the operation started.
+    Stalled,
+    /// No byte of this attempt for the budget (while other requests made progress).
+    Idle,
+    /// An outage was declared while it waited.
+    Outage,
 }
 
 impl<S: ObjectStore + ?Sized> RetryStore<S> {
     pub fn new(inner: Arc<S>, policy: RetryPolicy) -> Self {
+        let describe = inner.describe();
         Self {
             inner,
             policy,
-            breaker: Mutex::new(Breaker::default()),
-            metrics: Arc::new(RetryMetrics::default()),
+            shared: Arc::new(Shared {
+                breaker: Mutex::new(Breaker::default()),
+                progress: Arc::new(Clock::new()),
+                opened: Notify::new(),
+                metrics: Arc::new(RetryMetrics::default()),
+                describe,
+            }),
+            cut_stalls: false,
         }
     }
 
+    /// Cuts attempts that make no progress: for a store that reports the bytes it moves
+    /// ([`crate::liveness`]; the S3 backend does). A store that does not (a local directory)
+    /// would have every long request taken for a stall.
+    pub fn cutting_stalls(mut self) -> Self {
+        self.cut_stalls = true;
+        self
+    }
+
     pub fn metrics(&self) -> Arc<RetryMetrics> {
-        self.metrics.clone()
+        self.shared.metrics.clone()
     }
 
     pub fn policy(&self) -> RetryPolicy {
         self.policy
     }
 
-    fn succeeded(&self) {
-        let mut b = self.breaker.lock();
-        if let Some(since) = b.failing_since.take() {
-            if b.outage {
-                tracing::warn!(
-                    "{}: reachable again after {:.1} s of failures",
-                    self.inner.describe(),
-                    since.elapsed().as_secs_f64()
-                );
+    /// When a call of the operation that started at `start` fails for lack of progress:
+    /// the budget after the later of that start and the store's last progress.
+    fn deadline(&self, start: Instant) -> Instant {
+        start.max(self.shared.progress.last()) + self.policy.max_elapsed
+    }
+
+    /// Records a transient failure; declares an outage when the store has made no progress
+    /// for the budget (`stalled`) or has failed for that long without a success. Returns
+    /// whether an outage is in progress.
+    fn failed(&self, e: &StoreError, stalled: bool) -> bool {
+        let mut b = self.shared.breaker.lock();
+        let since = *b.failing_since.get_or_insert_with(Instant::now);
+        if b.outage.is_none() && (stalled || since.elapsed() > self.policy.max_elapsed) {
+            b.outage = Some(Instant::now());
+            self.shared.metrics.outages.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "{}: no progress for {:.1} s ({e}); calls now fail at once until a probe \
+                 gets an answer",
+                self.shared.describe,
+                self.policy.max_elapsed.as_secs_f64()
+            );
+            if stalled {
+                // Nothing moved for the budget: no attempt in flight is making progress.
+                self.shared.opened.notify_waiters();
+            }
+            if !b.probing {
+                b.probing = true;
+                tokio::spawn(probe(
+                    Arc::downgrade(&self.shared),
+                    self.inner.clone(),
+                    self.policy.probe_timeout(),
+                ));
             }
         }
-        b.outage = false;
+        b.outage.is_some()
     }
 
-    /// Records a transient failure; returns whether an outage (longer than the budget) is in
-    /// progress.
-    fn failed(&self, e: &StoreError) -> bool {
-        let mut b = self.breaker.lock();
-        let since = *b.failing_since.get_or_insert_with(Instant::now);
-        if !b.outage && since.elapsed() > self.policy.max_elapsed {
-            b.outage = true;
-            self.metrics.outages.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                "{}: failing for {:.1} s ({e}); calls now fail after one attempt until it \
-                 answers again",
-                self.inner.describe(),
-                since.elapsed().as_secs_f64()
-            );
+    /// Runs one attempt, cut when the store has made no progress for the budget since
+    /// `start`, when the attempt has moved no byte for the budget, or when an outage is
+    /// declared.
+    async fn attempt<T>(
+        &self,
+        start: Instant,
+        fut: impl Future<Output = StoreResult<T>>,
+    ) -> Result<StoreResult<T>, Cut> {
+        let progress = AttemptProgress::new(self.shared.progress.clone());
+        if !self.cut_stalls {
+            return Ok(progress.scope(fut).await);
         }
-        b.outage
+        let opened = self.shared.opened.notified();
+        tokio::pin!(opened);
+        let run = progress.scope(fut);
+        tokio::pin!(run);
+        loop {
+            let (stall_at, idle_at) = (
+                self.deadline(start),
+                progress.own.last() + self.policy.max_elapsed,
+            );
+            let now = Instant::now();
+            if now >= stall_at {
+                return Err(Cut::Stalled);
+            }
+            if now >= idle_at {
+                return Err(Cut::Idle);
+            }
+            tokio::select! {
+                r = &mut run => return Ok(r),
+                _ = &mut opened => return Err(Cut::Outage),
+                // Progress may have moved both: look again.
+                _ = tokio::time::sleep_until(stall_at.min(idle_at).into()) => {}
+            }
+        }
     }
 
-    fn in_outage(&self) -> bool {
-        self.breaker.lock().outage
-    }
-
-    /// Runs `call` until it succeeds, fails permanently, or the budget is spent.
+    /// Runs `call` until it succeeds, fails permanently, or the operation's budget is spent.
     async fn retry<T, F, Fut>(&self, what: &str, mut call: F) -> StoreResult<T>
     where
         F: FnMut() -> Fut + Send,
         Fut: Future<Output = StoreResult<T>> + Send,
         T: Send,
     {
-        let start = Instant::now();
-        let mut first_failure = None;
-        let single = self.in_outage();
-        if single {
-            self.metrics.fast_failed.fetch_add(1, Ordering::Relaxed);
+        if self.policy.max_elapsed.is_zero() {
+            return call().await;
         }
+        let begun = Instant::now();
+        let start = operation_start().unwrap_or(begun).min(begun);
+        if self.shared.in_outage() {
+            self.shared
+                .metrics
+                .fast_failed
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::Transient(format!(
+                "{what}: {} made no progress for {} s; failing at once until it answers",
+                self.shared.describe,
+                self.policy.max_elapsed.as_secs_f64()
+            )));
+        }
+        let mut first_failure = None;
         let mut attempt = 1u32;
         loop {
-            match call().await {
+            let result = match self.attempt(start, call()).await {
+                Ok(r) => r,
+                Err(cut) => {
+                    let why = match cut {
+                        Cut::Stalled => format!(
+                            "no progress for {} s",
+                            self.policy.max_elapsed.as_secs_f64()
+                        ),
+                        Cut::Idle => format!(
+                            "no byte for {} s on this request",
+                            self.policy.max_elapsed.as_secs_f64()
+                        ),
+                        Cut::Outage => "the store is in an outage".to_string(),
+                    };
+                    self.shared.metrics.stalls.fetch_add(1, Ordering::Relaxed);
+                    Err(StoreError::Transient(format!("{what}: cut: {why}")))
+                }
+            };
+            match result {
                 Ok(v) => {
-                    self.succeeded();
+                    self.shared.succeeded();
                     if attempt > 1 {
-                        self.metrics.recovered.fetch_add(1, Ordering::Relaxed);
+                        self.shared
+                            .metrics
+                            .recovered
+                            .fetch_add(1, Ordering::Relaxed);
                         tracing::debug!("{what}: succeeded on attempt {attempt}");
                     }
                     return Ok(v);
                 }
                 Err(e) if e.is_transient() => {
-                    let outage = self.failed(&e);
+                    let now = Instant::now();
+                    let stalled = now >= self.deadline(start);
+                    let outage = self.failed(&e, stalled);
                     let wait = self.policy.backoff(attempt);
-                    let failing = *first_failure.get_or_insert_with(Instant::now);
-                    let out_of_budget = single
-                        || outage
+                    let failing = *first_failure.get_or_insert(now);
+                    let out_of_budget = outage
                         || attempt >= self.policy.max_attempts
-                        || failing.elapsed() + wait > self.policy.max_elapsed;
+                        || failing.elapsed() + wait > self.policy.max_elapsed
+                        || now + wait >= self.deadline(start);
                     if out_of_budget {
-                        if attempt > 1 || !single {
-                            self.metrics.gave_up.fetch_add(1, Ordering::Relaxed);
-                        }
+                        self.shared.metrics.gave_up.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(
                             "{what}: giving up after {attempt} attempt(s) in {:.1} s: {e}",
-                            start.elapsed().as_secs_f64()
+                            begun.elapsed().as_secs_f64()
                         );
                         return Err(e);
                     }
@@ -226,13 +373,13 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
                         "{what}: attempt {attempt} failed ({e}); retrying in {} ms",
                         wait.as_millis()
                     );
-                    self.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    self.shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
                     tokio::time::sleep(wait).await;
                     attempt += 1;
                 }
                 Err(e) => {
                     // A permanent answer is still an answer: the store is reachable.
-                    self.succeeded();
+                    self.shared.succeeded();
                     return Err(e);
                 }
             }
@@ -287,6 +434,43 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
                     _ => lost,
                 })
             }
+        }
+    }
+}
+
+/// Asks a store found down for the smallest listing, every [`PROBE_INTERVAL`], until any
+/// answer comes (an error such as 403 is an answer too): that ends the outage. One probe at
+/// a time, each cut after `timeout`; stops when the retry layer is gone.
+async fn probe<S: ObjectStore + ?Sized>(
+    shared: std::sync::Weak<Shared>,
+    inner: Arc<S>,
+    timeout: Duration,
+) {
+    loop {
+        {
+            let Some(sh) = shared.upgrade() else { return };
+            let mut b = sh.breaker.lock();
+            if b.outage.is_none() {
+                b.probing = false;
+                return;
+            }
+        }
+        tokio::time::sleep(PROBE_INTERVAL).await;
+        let r = tokio::time::timeout(
+            timeout,
+            inner.list("", Some("/"), ListFrom::Start, 1, ListDetail::Plain),
+        )
+        .await;
+        let Some(sh) = shared.upgrade() else { return };
+        match r {
+            Ok(Ok(_)) => sh.succeeded(),
+            Ok(Err(e)) if !e.is_transient() => sh.succeeded(),
+            Ok(Err(e)) => tracing::debug!("{}: probe failed: {e}", sh.describe),
+            Err(_) => tracing::debug!(
+                "{}: probe got no answer in {:.1} s",
+                sh.describe,
+                timeout.as_secs_f64()
+            ),
         }
     }
 }
@@ -594,9 +778,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_budget_starts_at_the_first_failure() {
+    async fn a_slow_failure_is_retried_while_the_store_makes_progress() {
         // The first attempt takes longer than the whole budget and then fails (a request that
-        // waited for a connection, or a slow answer cut off): it is still retried.
+        // waited for a connection behind busy ones): other calls succeeding meanwhile are
+        // progress, so it is still retried.
         let mem = Arc::new(MemoryStore::new());
         let failing = Arc::new(FaultStore::new(mem.clone()));
         failing.inject(Op::Head, 0, Some(1), transient());
@@ -607,13 +792,136 @@ mod tests {
             Some(1),
             Fault::Delay(Duration::from_millis(400)),
         );
-        let retry = RetryStore::new(slow as Arc<dyn ObjectStore>, quick(300));
+        let retry = Arc::new(RetryStore::new(slow as Arc<dyn ObjectStore>, quick(300)));
         mem.put("k", Bytes::from_static(b"abc"), &UserMeta::new())
             .await
             .unwrap();
+        let busy = tokio::spawn({
+            let retry = retry.clone();
+            async move {
+                for _ in 0..8 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    retry
+                        .list("", None, ListFrom::Start, 1, ListDetail::Plain)
+                        .await
+                        .unwrap();
+                }
+            }
+        });
         assert_eq!(retry.head("k").await.unwrap().size, 3);
+        busy.await.unwrap();
         assert_eq!(RetryMetrics::get(&retry.metrics().retries), 1);
         assert_eq!(RetryMetrics::get(&retry.metrics().recovered), 1);
+    }
+
+    fn hanging(policy: RetryPolicy) -> (Arc<MemoryStore>, Arc<FaultStore>, RetryStore) {
+        let (mem, fault, retry) = setup(policy);
+        fault.inject(Op::Head, 0, None, Fault::Delay(Duration::from_secs(3600)));
+        fault.inject(Op::List, 0, None, Fault::Delay(Duration::from_secs(3600)));
+        (mem, fault, retry.cutting_stalls())
+    }
+
+    #[tokio::test]
+    async fn one_operation_has_one_deadline_from_its_start() {
+        let (_mem, _fault, retry) = hanging(quick(300));
+        let t = Instant::now();
+        // The operation spends 200 ms before its first store call, then makes three calls
+        // to a store that never answers: it fails 300 ms after it started, not after each.
+        crate::liveness::within_operation(async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            for _ in 0..3 {
+                assert!(retry.head("k").await.unwrap_err().is_transient());
+            }
+        })
+        .await;
+        let took = t.elapsed();
+        assert!(
+            (Duration::from_millis(290)..Duration::from_millis(450)).contains(&took),
+            "{took:?}"
+        );
+        let m = retry.metrics();
+        assert_eq!(RetryMetrics::get(&m.outages), 1);
+        assert_eq!(RetryMetrics::get(&m.fast_failed), 2);
+        // Calls in flight when the outage is declared stop waiting, and later calls fail at
+        // once while it lasts.
+        let t = Instant::now();
+        for _ in 0..10 {
+            retry.head("k").await.unwrap_err();
+        }
+        assert!(t.elapsed() < Duration::from_millis(20), "{:?}", t.elapsed());
+    }
+
+    #[tokio::test]
+    async fn calls_waiting_when_the_outage_is_declared_stop_at_once() {
+        let (_mem, _fault, retry) = hanging(quick(300));
+        let retry = Arc::new(retry);
+        let t = Instant::now();
+        let late = tokio::spawn({
+            let retry = retry.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                let e = retry.head("k").await.unwrap_err();
+                (e, Instant::now())
+            }
+        });
+        retry.head("k").await.unwrap_err();
+        let (e, ended) = late.await.unwrap();
+        // The second call started 150 ms later but ended with the outage, not 300 ms later.
+        assert!(e.is_transient());
+        assert!(ended - t < Duration::from_millis(400), "{:?}", ended - t);
+    }
+
+    #[tokio::test]
+    async fn a_slow_attempt_that_makes_progress_is_not_cut() {
+        let (_mem, _fault, retry) = setup(quick(200));
+        let retry = retry.cutting_stalls();
+        let t = Instant::now();
+        // One second of transfer, a byte every 50 ms: five times the budget, never idle.
+        let r = retry
+            .retry("slow", || async {
+                for _ in 0..20 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    crate::liveness::tick();
+                }
+                Ok(7)
+            })
+            .await;
+        assert_eq!(r.unwrap(), 7);
+        assert!(t.elapsed() >= Duration::from_secs(1));
+        assert_eq!(RetryMetrics::get(&retry.metrics().stalls), 0);
+        // The same attempt stopping halfway is cut 200 ms after its last byte.
+        let t = Instant::now();
+        let r: StoreResult<()> = retry
+            .retry("stops", || async {
+                for _ in 0..5 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    crate::liveness::tick();
+                }
+                std::future::pending().await
+            })
+            .await;
+        assert!(r.unwrap_err().is_transient());
+        let took = t.elapsed();
+        assert!(
+            (Duration::from_millis(440)..Duration::from_millis(600)).contains(&took),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_probe_ends_the_outage_when_the_store_answers() {
+        let (mem, fault, retry) = hanging(quick(200));
+        mem.put("k", Bytes::new(), &UserMeta::new()).await.unwrap();
+        retry.head("k").await.unwrap_err();
+        assert!(retry.head("k").await.unwrap_err().is_transient());
+        fault.clear();
+        // The next probe (one a second) gets an answer and ends the outage.
+        let t = Instant::now();
+        while retry.head("k").await.is_err() {
+            assert!(t.elapsed() < Duration::from_secs(3), "still failing");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(RetryMetrics::get(&retry.metrics().outages), 1);
     }
 
     #[tokio::test]
@@ -648,9 +956,13 @@ mod tests {
         let m = retry.metrics();
         assert_eq!(RetryMetrics::get(&m.outages), 1);
         assert!(RetryMetrics::get(&m.fast_failed) >= 10);
-        // The store comes back: the next call succeeds and closes the outage.
+        // The store comes back: the next probe (one a second) ends the outage.
         fault.clear();
-        retry.head("k").await.unwrap();
+        let t = Instant::now();
+        while retry.head("k").await.is_err() {
+            assert!(t.elapsed() < Duration::from_secs(3), "still failing");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         fault.inject(Op::Head, 0, Some(2), transient());
         retry.head("k").await.unwrap();
         assert_eq!(RetryMetrics::get(&m.recovered), 1);

@@ -290,7 +290,8 @@ impl S3Store {
                     .with_initial_backoff(Duration::from_millis(200))
                     .with_max_backoff(Duration::from_secs(5))
             })
-            .timeout_config(timeouts(ATTEMPT_BASE));
+            .timeout_config(timeouts(ATTEMPT_BASE))
+            .interceptor(crate::wire::Progress);
         if sdk.region().is_none() {
             b = b.region(Region::new("us-east-1"));
         }
@@ -315,7 +316,10 @@ impl S3Store {
     /// the reading of the body), so requests in flight, and with them open connections,
     /// never exceed the configured number. A slot is never held while waiting for another.
     async fn slot(&self) -> SemaphorePermit<'_> {
-        self.slots.acquire().await
+        let slot = self.slots.acquire().await;
+        // Time spent queueing behind other requests is not this request's stall.
+        crate::liveness::restart_idle();
+        slot
     }
 
     /// The request bound, for its gauges.

@@ -1,7 +1,7 @@
 //! A TCP proxy in front of MinIO that injects the network faults a real server cannot be made
 //! to produce on demand: latency and low bandwidth (a slow server), connections reset in the
-//! middle of a response body, every open connection dropped at once, and `503 SlowDown`
-//! answers. Mount through [`FaultProxy::endpoint`] instead of the MinIO endpoint.
+//! middle of a response body, every open connection dropped at once, `503 SlowDown`
+//! answers, and a stall (requests read, never answered). Mount through [`FaultProxy::endpoint`] instead of the MinIO endpoint.
 //!
 //! It only ever connects to the loopback address it was given, and stops (closing every
 //! connection) when dropped.
@@ -25,6 +25,8 @@ struct State {
     cut_after: AtomicU64,
     /// This many upcoming new connections get `503 SlowDown` and are closed.
     slowdowns_left: AtomicU64,
+    /// Stalled: every request is read and never answered (see [`FaultProxy::stall`]).
+    stalled: AtomicBool,
     /// Counters.
     pub connections: AtomicU64,
     pub cuts: AtomicU64,
@@ -109,6 +111,17 @@ impl FaultProxy {
         self.reset_all();
     }
 
+    /// A store that accepts connections and never answers. On: new connections are accepted
+    /// and read, never forwarded; open ones stop forwarding either way, for good (what they
+    /// carry from now on is read and dropped). Off: those connections are closed (a client
+    /// that reused one would wait forever) and new ones are served again.
+    pub fn stall(&self, on: bool) {
+        self.state.stalled.store(on, Ordering::SeqCst);
+        if !on {
+            self.reset_all();
+        }
+    }
+
     pub fn connections(&self) -> u64 {
         self.state.connections.load(Ordering::SeqCst)
     }
@@ -162,6 +175,13 @@ fn serve(mut client: TcpStream, upstream: SocketAddr, st: Arc<State>) {
         std::thread::sleep(Duration::from_millis(50));
         return;
     }
+    if st.stalled.load(Ordering::SeqCst) {
+        // Read whatever comes until the connection is closed or reset; answer nothing.
+        st.open.lock().unwrap().push(client.try_clone().unwrap());
+        let mut buf = vec![0u8; 64 * 1024];
+        while matches!(client.read(&mut buf), Ok(n) if n > 0) {}
+        return;
+    }
     let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(5)) else {
         return; // upstream down: the client sees the connection close
     };
@@ -183,12 +203,26 @@ fn pump(mut from: TcpStream, mut to: TcpStream, st: &State, generation: u64, dow
     let mut buf = vec![0u8; 64 * 1024];
     let mut sent = 0u64;
     let mut cut_at: Option<u64> = None;
+    let mut frozen = false;
     loop {
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
         if st.generation.load(Ordering::SeqCst) != generation || st.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        frozen |= st.stalled.load(Ordering::SeqCst);
+        if frozen {
+            if !downstream {
+                continue; // the request is read and dropped
+            }
+            // The answer is held until the connection is reset.
+            while st.generation.load(Ordering::SeqCst) == generation
+                && !st.stop.load(Ordering::SeqCst)
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             break;
         }
         if downstream && cut_at.is_none() && take(&st.cuts_left) {
