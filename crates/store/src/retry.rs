@@ -353,9 +353,11 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
                 }
                 Err(e) if e.is_transient() => {
                     let now = Instant::now();
-                    let stalled = now >= self.deadline(start);
-                    let outage = self.failed(&e, stalled);
                     let wait = self.policy.backoff(attempt);
+                    // No time left for another attempt before the deadline: the store has
+                    // made no progress for (all but a backoff of) the budget.
+                    let stalled = now + wait >= self.deadline(start);
+                    let outage = self.failed(&e, stalled);
                     let failing = *first_failure.get_or_insert(now);
                     let out_of_budget = outage
                         || attempt >= self.policy.max_attempts

@@ -27,6 +27,10 @@ struct State {
     slowdowns_left: AtomicU64,
     /// Stalled: every request is read and never answered (see [`FaultProxy::stall`]).
     stalled: AtomicBool,
+    /// Bytes read and dropped while stalled.
+    pub swallowed: AtomicU64,
+    /// When the last of them came.
+    last_swallowed: Mutex<Option<std::time::Instant>>,
     /// Counters.
     pub connections: AtomicU64,
     pub cuts: AtomicU64,
@@ -122,6 +126,16 @@ impl FaultProxy {
         }
     }
 
+    /// Bytes of requests read and dropped while stalled.
+    pub fn swallowed(&self) -> u64 {
+        self.state.swallowed.load(Ordering::SeqCst)
+    }
+
+    /// When the last byte was read and dropped while stalled.
+    pub fn last_swallowed(&self) -> Option<std::time::Instant> {
+        *self.state.last_swallowed.lock().unwrap()
+    }
+
     pub fn connections(&self) -> u64 {
         self.state.connections.load(Ordering::SeqCst)
     }
@@ -148,6 +162,11 @@ impl Drop for FaultProxy {
 fn take(c: &AtomicU64) -> bool {
     c.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
         .is_ok()
+}
+
+fn swallow(st: &State, n: usize) {
+    st.swallowed.fetch_add(n as u64, Ordering::SeqCst);
+    *st.last_swallowed.lock().unwrap() = Some(std::time::Instant::now());
 }
 
 fn serve(mut client: TcpStream, upstream: SocketAddr, st: Arc<State>) {
@@ -179,7 +198,9 @@ fn serve(mut client: TcpStream, upstream: SocketAddr, st: Arc<State>) {
         // Read whatever comes until the connection is closed or reset; answer nothing.
         st.open.lock().unwrap().push(client.try_clone().unwrap());
         let mut buf = vec![0u8; 64 * 1024];
-        while matches!(client.read(&mut buf), Ok(n) if n > 0) {}
+        while let Ok(n @ 1..) = client.read(&mut buf) {
+            swallow(&st, n);
+        }
         return;
     }
     let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(5)) else {
@@ -215,6 +236,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, st: &State, generation: u64, dow
         frozen |= st.stalled.load(Ordering::SeqCst);
         if frozen {
             if !downstream {
+                swallow(&st, n);
                 continue; // the request is read and dropped
             }
             // The answer is held until the connection is reset.
