@@ -236,7 +236,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, st: &State, generation: u64, dow
         frozen |= st.stalled.load(Ordering::SeqCst);
         if frozen {
             if !downstream {
-                swallow(&st, n);
+                swallow(st, n);
                 continue; // the request is read and dropped
             }
             // The answer is held until the connection is reset.
