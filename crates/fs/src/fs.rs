@@ -31,7 +31,6 @@ use futures::FutureExt;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::hash::{Hash, Hasher};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -173,12 +172,6 @@ pub struct Fs {
 
 fn now() -> SystemTime {
     SystemTime::now()
-}
-
-fn synthetic_ino(path: &str) -> Ino {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    path.hash(&mut h);
-    h.finish() | (1 << 63)
 }
 
 /// The name at the mount root that holds files unlinked while open: never a file's.
@@ -379,7 +372,7 @@ impl Fs {
                 return Self::current_attr(i);
             }
         }
-        let ino = t.alloc();
+        let ino = t.ino_for(&path);
         let attr = self.policy.attr_of_object(ino, f.kind, &f.obj);
         let mut i = Inode::new(ino, parent, name.to_string(), path, f.kind, attr.clone());
         i.etag = f.obj.etag;
@@ -784,7 +777,7 @@ impl Fs {
         self.lookups.forget(&path);
         self.note_added(parent, name);
         let mut t = self.table.lock();
-        let ino = t.alloc();
+        let ino = t.ino_for(&path);
         let attr = self.policy.attr(ino, kind, size, pm, Some(now()));
         let mut i = Inode::new(ino, parent, name.to_string(), path, kind, attr.clone());
         if local_only {
@@ -968,7 +961,7 @@ impl Fs {
         }
         drop(guard);
         self.lookups.forget(&path);
-        self.table.lock().detach(ino);
+        self.table.lock().removed(ino);
         Ok(())
     }
 
@@ -1062,7 +1055,7 @@ impl Fs {
         }
         let closed = {
             let mut t = self.table.lock();
-            t.detach(ino);
+            t.removed(ino);
             match (kept, t.get_mut(ino)) {
                 (Some((hidden, etag)), Some(i)) => {
                     i.path = hidden.clone();
@@ -1135,7 +1128,7 @@ impl Fs {
             .map_err(|e| log_store_err(&format!("rmdir {key}"), e))?;
         self.lookups.forget(&path);
         self.lookups.forget_below(&path);
-        self.table.lock().detach(ino);
+        self.table.lock().removed(ino);
         Ok(())
     }
 
@@ -1872,7 +1865,7 @@ impl Fs {
             }
             if never_stored {
                 // Created here and never uploaded: the file does not exist.
-                t.detach(ino);
+                t.removed(ino);
             }
             t.maybe_drop(ino);
         }

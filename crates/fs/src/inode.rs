@@ -2,14 +2,17 @@
 //! attributes last learned for it.
 //!
 //! An inode lives while the kernel holds lookups on it or a handle is open; `forget` and the
-//! last `release` drop it. Paths are relative to the mount prefix, without a trailing `/`; the
-//! root is the empty path.
+//! last `release` drop it. Its number outlives it (see [`Origins`]): the next lookup of the same
+//! file gives the same `st_ino`. Paths are relative to the mount prefix, without a trailing
+//! `/`; the root is the empty path.
 
 use crate::meta::{Attr, FileKind};
 use crate::write::WriteState;
 use bucketfs_store::UserMeta;
 use bytes::Bytes;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::ops::Bound;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
@@ -117,7 +120,9 @@ impl Inode {
 pub struct InodeTable {
     inodes: HashMap<Ino, Inode>,
     children: HashMap<(Ino, String), Ino>,
+    /// The next fresh number (see [`Origins`]); hashed numbers have the top bit set instead.
     next: Ino,
+    origins: Origins,
 }
 
 impl InodeTable {
@@ -142,10 +147,25 @@ impl InodeTable {
         self.children.get(&(parent, name.to_string())).copied()
     }
 
-    pub fn alloc(&mut self) -> Ino {
-        let ino = self.next;
-        self.next += 1;
-        ino
+    /// The number of a file found or made at `path` that has no inode here now: the number it
+    /// had before the kernel forgot it, if it had one. Never one an inode here holds.
+    pub fn ino_for(&mut self, path: &str) -> Ino {
+        let origin = self.origins.origin(path, &mut self.next);
+        let ino = ino_of_origin(&origin);
+        if !self.inodes.contains_key(&ino) {
+            return ino;
+        }
+        // A file still held under that number (unlinked but open, replaced by one of another
+        // type, or a hash collision): this one starts an origin of its own.
+        self.origins.fresh(path, &mut self.next)
+    }
+
+    /// The number readdir shows for `name` in `parent` at `path`: the one lookup gives.
+    pub fn entry_ino(&mut self, parent: Ino, name: &str, path: &str) -> Ino {
+        match self.child(parent, name) {
+            Some(ino) => ino,
+            None => self.ino_for(path),
+        }
     }
 
     /// Adds `inode` as `name` in its parent, replacing whatever was there.
@@ -171,8 +191,26 @@ impl InodeTable {
         self.maybe_drop(ino);
     }
 
-    /// Removes the entry `name` of `parent`, if any.
+    /// `ino` was deleted (unlink, rmdir, or a file that was never stored): its number and those
+    /// of anything that was below it need not be kept any more.
+    pub fn removed(&mut self, ino: Ino) {
+        if let Some(i) = self.inodes.get(&ino) {
+            // Still its parent's entry: not already replaced by a rename or a new file.
+            if self.children.get(&(i.parent, i.name.clone())) == Some(&ino) {
+                let path = i.path.clone();
+                self.origins.remove_tree(&path);
+            }
+        }
+        self.detach(ino);
+    }
+
+    /// The store says `name` of `parent` does not exist (any more): drops its entry, if any,
+    /// and the numbers kept for it.
     pub fn remove_child(&mut self, parent: Ino, name: &str) {
+        if let Some(p) = self.inodes.get(&parent) {
+            let path = join(&p.path, name);
+            self.origins.remove_tree(&path);
+        }
         if let Some(ino) = self.child(parent, name) {
             self.detach(ino);
         }
@@ -220,6 +258,13 @@ impl InodeTable {
         };
         let old_key = (i.parent, i.name.clone());
         let old_path = i.path.clone();
+        let new_path = join(parent_path, name);
+        // The file keeps its number, and a directory's descendants theirs, under the new name.
+        let mut origin = self.origins.origin(&old_path, &mut self.next);
+        if ino_of_origin(&origin) != ino {
+            origin = fresh_origin(ino);
+        }
+        self.origins.rename(&old_path, &new_path, origin);
         if self.children.get(&old_key) == Some(&ino) {
             self.children.remove(&old_key);
         }
@@ -228,7 +273,6 @@ impl InodeTable {
                 self.detach(replaced);
             }
         }
-        let new_path = join(parent_path, name);
         if let Some(i) = self.inodes.get_mut(&ino) {
             i.parent = parent;
             i.name = name.to_string();
@@ -273,6 +317,162 @@ impl InodeTable {
 
     pub fn len(&self) -> usize {
         self.inodes.len()
+    }
+}
+
+/// Bytes [`Origins`] keeps at most (about 100,000 files renamed from and to 100-byte paths).
+const MAX_ORIGIN_BYTES: usize = 64 << 20;
+/// What one kept path costs beyond its strings (map nodes, the eviction order).
+const ORIGIN_OVERHEAD: usize = 96;
+
+/// Inode numbers that survive forget. A path's number is a hash of its *origin*: the path it
+/// had when this mount first numbered it. For almost every file that is the path itself, so
+/// nothing is stored and a file the kernel forgot gets its number back at the next lookup.
+/// Stored are only the exceptions: a path renamed here keeps the origin it had (and, being a
+/// prefix, so do the paths below a renamed directory), and a path whose origin belongs to
+/// another file still known (a renamed one, or an inode still held under that number) starts
+/// a fresh one, `"\0#<number>"` (no name holds NUL). An exception is dropped when its path is
+/// deleted; past [`MAX_ORIGIN_BYTES`] the oldest is dropped (that path's number changes after
+/// its next forget; numbers stay unique).
+#[derive(Default)]
+struct Origins {
+    /// Path -> its origin and when it was stored.
+    of: BTreeMap<String, (String, u64)>,
+    /// Origin -> the path that holds it (the reverse of `of`).
+    held: HashMap<String, String>,
+    /// Stored when -> path, oldest first.
+    order: BTreeMap<u64, String>,
+    seq: u64,
+    bytes: usize,
+}
+
+/// What [`Origins`] spends on one stored path (it holds the path three times, the origin twice).
+fn cost(path: &str, origin: &str) -> usize {
+    3 * path.len() + 2 * origin.len() + ORIGIN_OVERHEAD
+}
+
+fn fresh_origin(ino: Ino) -> String {
+    format!("\0#{ino:x}")
+}
+
+/// The number of an origin: a fresh one's own, else a hash with the top bit set (fresh
+/// numbers count up from 2, so the two never meet).
+fn ino_of_origin(origin: &str) -> Ino {
+    if let Some(n) = origin.strip_prefix("\0#") {
+        if let Ok(ino) = Ino::from_str_radix(n, 16) {
+            return ino;
+        }
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    origin.hash(&mut h);
+    h.finish() | (1 << 63)
+}
+
+impl Origins {
+    /// The origin of `path`, walking down from the root: a stored one where there is one,
+    /// else the parent's origin joined with the name, unless another path holds that (then a
+    /// fresh one, stored).
+    fn origin(&mut self, path: &str, next: &mut Ino) -> String {
+        if self.of.is_empty() {
+            // Nothing renamed: every path is its own origin.
+            return path.to_string();
+        }
+        let mut origin = String::new();
+        let mut end = 0;
+        for name in path.split('/') {
+            end += name.len();
+            let at = &path[..end];
+            match self.of.get(at) {
+                Some((o, _)) => origin.clone_from(o),
+                None => {
+                    origin = join(&origin, name);
+                    if self.held.contains_key(&origin) {
+                        origin = fresh_origin(self.fresh(at, next));
+                    }
+                }
+            }
+            end += 1;
+        }
+        origin
+    }
+
+    /// Gives `path` a fresh origin; returns its number.
+    fn fresh(&mut self, path: &str, next: &mut Ino) -> Ino {
+        let ino = *next;
+        *next += 1;
+        self.set(path.to_string(), fresh_origin(ino));
+        ino
+    }
+
+    fn set(&mut self, path: String, origin: String) {
+        self.remove(&path);
+        if origin == path {
+            return;
+        }
+        self.seq += 1;
+        self.bytes += cost(&path, &origin);
+        self.held.insert(origin.clone(), path.clone());
+        self.order.insert(self.seq, path.clone());
+        self.of.insert(path, (origin, self.seq));
+        while self.bytes > MAX_ORIGIN_BYTES {
+            let Some((_, oldest)) = self.order.pop_first() else {
+                break;
+            };
+            self.remove(&oldest);
+        }
+    }
+
+    fn remove(&mut self, path: &str) {
+        if let Some((origin, seq)) = self.of.remove(path) {
+            self.bytes -= cost(path, &origin);
+            self.order.remove(&seq);
+            if self.held.get(&origin).is_some_and(|p| p == path) {
+                self.held.remove(&origin);
+            }
+        }
+    }
+
+    /// Stored paths at and below `path`.
+    fn tree(&self, path: &str) -> Vec<String> {
+        let below = format!("{path}/");
+        let mut v: Vec<String> = self
+            .of
+            .range::<str, _>((Bound::Included(below.as_str()), Bound::Unbounded))
+            .take_while(|(p, _)| p.starts_with(&below))
+            .map(|(p, _)| p.clone())
+            .collect();
+        if self.of.contains_key(path) {
+            v.push(path.to_string());
+        }
+        v
+    }
+
+    fn remove_tree(&mut self, path: &str) {
+        if self.of.is_empty() {
+            return;
+        }
+        for p in self.tree(path) {
+            self.remove(&p);
+        }
+    }
+
+    /// `old` (with origin `origin`) is now `new`: what was at `new` is gone, and what is
+    /// stored below `old` moves below `new`.
+    fn rename(&mut self, old: &str, new: &str, origin: String) {
+        self.remove_tree(new);
+        for p in self.tree(old) {
+            if p == old {
+                self.remove(&p);
+                continue;
+            }
+            let (o, seq) = self.of.remove(&p).expect("listed");
+            let moved = format!("{new}{}", &p[old.len()..]);
+            self.bytes = self.bytes + cost(&moved, &o) - cost(&p, &o);
+            self.held.insert(o.clone(), moved.clone());
+            self.order.insert(seq, moved.clone());
+            self.of.insert(moved, (o, seq));
+        }
+        self.set(new.to_string(), origin);
     }
 }
 

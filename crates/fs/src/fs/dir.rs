@@ -82,11 +82,12 @@ impl DirStream {
         }
     }
 
-    fn push(&mut self, name: &str, kind: FileKind) {
+    /// Adds an entry; `ino` is what a lookup of it gives (see [`InodeTable::entry_ino`]).
+    fn push(&mut self, name: &str, kind: FileKind, ino: Ino) {
         let n = self.entries.len();
         self.index.insert(name.to_string(), n);
         self.entries.push(DirEntry {
-            ino: synthetic_ino(&join(&self.path, name)),
+            ino,
             next_offset: n as i64 + 1,
             kind,
             name: name.to_string(),
@@ -283,18 +284,23 @@ impl Fs {
         };
         let at_root = st.prefix.len() == self.cfg.prefix.len();
         for (name, found) in page_entries(&page, st.prefix.len(), at_root) {
+            let path = join(&st.path, name);
             if found.kind == FileKind::Dir {
                 match st.index.get(name) {
                     Some(&i) => st.entries[i].kind = FileKind::Dir, // a directory wins
-                    None => st.push(name, FileKind::Dir),
+                    None => {
+                        let ino = self.table.lock().entry_ino(st.ino, name, &path);
+                        st.push(name, FileKind::Dir, ino)
+                    }
                 }
             } else if st.index.contains_key(name) {
                 continue;
             } else {
                 // With user metadata the mode tells symlinks from files; without, a file.
-                st.push(name, found.kind);
+                let ino = self.table.lock().entry_ino(st.ino, name, &path);
+                st.push(name, found.kind, ino);
             }
-            self.lookups.listed(&join(&st.path, name), found, epoch);
+            self.lookups.listed(&path, found, epoch);
         }
         if let Some(t) = page.next_continuation {
             st.from = ListFrom::Token(t);
@@ -305,8 +311,8 @@ impl Fs {
         for c in t.children_of(st.ino) {
             // Created here and not uploaded yet: show it anyway.
             if (c.fetched.is_none() || c.write.is_some()) && !st.index.contains_key(&c.name) {
-                let (name, kind) = (c.name.clone(), c.kind);
-                st.push(&name, kind);
+                let (name, kind, ino) = (c.name.clone(), c.kind, c.ino);
+                st.push(&name, kind, ino);
             }
         }
         let mut names: Vec<String> = std::mem::take(&mut st.index).into_keys().collect();
