@@ -1,13 +1,14 @@
 //! The S3 backend on `aws-sdk-s3`: Amazon S3, Alibaba OSS, MinIO, Ceph RGW and any other
 //! S3-compatible store.
 
+use crate::list_encoding::{decode, SanitizeListing};
 use crate::list_meta::{ListCapture, ListMetadata};
 use crate::*;
 use async_trait::async_trait;
 use aws_sdk_s3::config::{Credentials, Region};
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
-use aws_sdk_s3::types::{CompletedMultipartUpload, MetadataDirective};
+use aws_sdk_s3::types::{CompletedMultipartUpload, EncodingType, MetadataDirective};
 use aws_sdk_s3::Client;
 use aws_smithy_types::date_time::DateTime as SmithyTime;
 use bytes::Bytes;
@@ -336,10 +337,10 @@ impl S3Store {
         }
     }
 
-    /// A LIST request, asking for user metadata when `detail` wants it and
-    /// [`Self::lists_metadata`], and with an interceptor when its answer must be looked at
-    /// (metadata to parse, or the server to detect). The query parameter is added before
-    /// signing, so it is signed like the rest.
+    /// A LIST request, url-encoded (see [`crate::list_encoding`]), asking for user metadata
+    /// when `detail` wants it and [`Self::lists_metadata`], and with an interceptor when its
+    /// answer must be looked at (metadata to parse, or the server to detect). The query
+    /// parameter is added before signing, so it is signed like the rest.
     fn list_request(
         &self,
         req: aws_sdk_s3::operation::list_objects_v2::builders::ListObjectsV2FluentBuilder,
@@ -355,7 +356,10 @@ impl S3Store {
         let want = detail == ListDetail::UserMeta && self.lists_metadata();
         let detect = self.list_metadata == ListMetadata::Auto
             && self.server.load(Ordering::Relaxed) == SERVER_UNKNOWN;
-        let mut req = req.customize();
+        let mut req = req
+            .encoding_type(EncodingType::Url)
+            .customize()
+            .interceptor(SanitizeListing);
         if want {
             req = req.mutate_request(|r| {
                 let uri = crate::list_meta::with_query_param(r.uri());
@@ -704,15 +708,27 @@ impl ObjectStore for S3Store {
                 .list_multipart_uploads()
                 .bucket(&self.bucket)
                 .prefix(prefix)
+                .encoding_type(EncodingType::Url)
                 .set_key_marker(key_marker.take())
                 .set_upload_id_marker(id_marker.take())
+                .customize()
+                .interceptor(SanitizeListing)
                 .send()
                 .await
                 .map_err(|e| map_err(&format!("uploads under {prefix:?}"), e))?;
+            let url = page.encoding_type() == Some(&EncodingType::Url);
+            let dec = |s: &str| if url { decode(s) } else { Some(s.to_string()) };
             for u in page.uploads() {
-                if let (Some(k), Some(id)) = (u.key(), u.upload_id()) {
+                let key = u.key().and_then(|k| {
+                    let d = dec(k);
+                    if d.is_none() {
+                        tracing::warn!("uploads under {prefix:?}: key {k:?} is not UTF-8: skipped");
+                    }
+                    d
+                });
+                if let (Some(k), Some(id)) = (key, u.upload_id()) {
                     out.push(MultipartUpload {
-                        key: k.to_string(),
+                        key: k,
                         upload_id: id.to_string(),
                         initiated: system_time(u.initiated()),
                     });
@@ -721,7 +737,7 @@ impl ObjectStore for S3Store {
             if page.is_truncated() != Some(true) {
                 return Ok(out);
             }
-            key_marker = page.next_key_marker().map(str::to_string);
+            key_marker = page.next_key_marker().and_then(dec);
             id_marker = page.next_upload_id_marker().map(str::to_string);
             if key_marker.is_none() {
                 return Ok(out);
@@ -829,16 +845,29 @@ impl ObjectStore for S3Store {
             None => Vec::new(),
         }
         .into_iter();
-        Ok(ListPage {
+        // Keys come url-encoded unless the store ignored the parameter. One that does not
+        // decode to a key under `prefix` is skipped, never the page (and never sliced wrong).
+        let url = out.encoding_type() == Some(&EncodingType::Url);
+        let mut skipped = Vec::new();
+        let mut dec = |s: &str| {
+            let d = if url { decode(s) } else { Some(s.to_string()) };
+            let d = d.filter(|d| d.starts_with(prefix));
+            if d.is_none() {
+                skipped.push(s.to_string());
+            }
+            d
+        };
+        let page = ListPage {
             objects: out
                 .contents()
                 .iter()
                 .filter_map(|o| {
                     let listed = metas.next();
-                    let key = o.key()?;
-                    let user = listed.and_then(|(k, u)| if k == key { u } else { None });
+                    let raw = o.key()?;
+                    // Both as the answer spelled them.
+                    let user = listed.and_then(|(k, u)| if k == raw { u } else { None });
                     Some(ObjectMeta {
-                        key: key.to_string(),
+                        key: dec(raw)?,
                         size: o.size().unwrap_or(0).max(0) as u64,
                         etag: norm_etag(o.e_tag()),
                         last_modified: system_time(o.last_modified()),
@@ -850,14 +879,22 @@ impl ObjectStore for S3Store {
             common_prefixes: out
                 .common_prefixes()
                 .iter()
-                .filter_map(|p| p.prefix().map(str::to_string))
+                .filter_map(|p| p.prefix().and_then(&mut dec))
                 .collect(),
             next_continuation: if out.is_truncated() == Some(true) {
                 out.next_continuation_token().map(str::to_string)
             } else {
                 None
             },
-        })
+        };
+        if !skipped.is_empty() {
+            tracing::warn!(
+                "list {prefix:?}: {} key(s) not UTF-8 or not under the prefix once decoded, \
+                 skipped: {skipped:?}",
+                skipped.len()
+            );
+        }
+        Ok(page)
     }
 }
 
@@ -966,6 +1003,105 @@ mod tests {
             "{waiting} requests waiting at most"
         );
         assert_eq!((slots.in_use(), slots.waiting()), (0, 0), "all settled");
+    }
+
+    /// A plain-HTTP server that answers every request with `body` (as XML, status 200).
+    fn fixed_server(body: &'static [u8]) -> String {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(conn.try_clone().unwrap());
+                    loop {
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            match reader.read_line(&mut line) {
+                                Ok(0) | Err(_) => return,
+                                Ok(_) if line == "\r\n" => break,
+                                Ok(_) => {}
+                            }
+                        }
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n\
+                             Content-Length: {}\r\n\r\n",
+                            body.len()
+                        );
+                        if conn.write_all(head.as_bytes()).is_err() || conn.write_all(body).is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        url
+    }
+
+    async fn list_from(body: &'static [u8]) -> StoreResult<ListPage> {
+        let store = S3Store::new(&S3Config {
+            bucket: "b".into(),
+            endpoint_url: Some(fixed_server(body)),
+            region: Some("us-east-1".into()),
+            force_path_style: true,
+            access_key_id: Some("k".into()),
+            secret_access_key: Some("s".into()),
+            max_attempts: 1,
+            ..S3Config::default()
+        })
+        .await
+        .unwrap();
+        store
+            .list("d/", Some("/"), ListFrom::Start, 1000, ListDetail::Plain)
+            .await
+    }
+
+    fn keys(p: &ListPage) -> Vec<&str> {
+        p.objects.iter().map(|o| o.key.as_str()).collect()
+    }
+
+    /// A store that ignores `encoding-type=url` and sends control characters raw (XML 1.0
+    /// cannot carry them): the page is read whole, with those keys exact.
+    #[tokio::test]
+    async fn a_listing_with_raw_control_characters_is_read_whole() {
+        let page = list_from(
+            b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult><Name>b</Name>\
+              <Prefix>d/</Prefix><IsTruncated>false</IsTruncated>\
+              <Contents><Key>d/a</Key><Size>1</Size></Contents>\
+              <Contents><Key>d/b\x08\x0b\x0c\x0e\x1b\x1f</Key><Size>2</Size></Contents>\
+              <Contents><Key>d/c%41+</Key><Size>3</Size></Contents>\
+              <CommonPrefixes><Prefix>d/s\x1b/</Prefix></CommonPrefixes></ListBucketResult>",
+        )
+        .await
+        .unwrap();
+        assert_eq!(keys(&page), ["d/a", "d/b\x08\x0b\x0c\x0e\x1b\x1f", "d/c%41+"]);
+        assert_eq!(page.objects[1].size, 2);
+        assert_eq!(page.common_prefixes, ["d/s\x1b/"]);
+    }
+
+    /// A url-encoded page: every key and prefix decoded; one key that decodes to bytes no
+    /// key can hold (not UTF-8) is skipped, and the rest of the page is there.
+    #[tokio::test]
+    async fn a_url_encoded_listing_is_decoded_and_a_bad_key_skipped() {
+        let page = list_from(
+            b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult><Name>b</Name>\
+              <Prefix>d%2F</Prefix><IsTruncated>true</IsTruncated>\
+              <NextContinuationToken>t+%2F</NextContinuationToken>\
+              <Contents><Key>d/a%08b%0Bc%1Fd</Key><Size>1</Size></Contents>\
+              <Contents><Key>d/bad%FF</Key><Size>1</Size></Contents>\
+              <Contents><Key>d/sp+ace%2Bplus%25</Key><Size>1</Size></Contents>\
+              <CommonPrefixes><Prefix>d/sub%1B/</Prefix></CommonPrefixes>\
+              <EncodingType>url</EncodingType></ListBucketResult>",
+        )
+        .await
+        .unwrap();
+        assert_eq!(keys(&page), ["d/a\x08b\x0bc\x1fd", "d/sp ace+plus%"]);
+        assert_eq!(page.common_prefixes, ["d/sub\x1b/"]);
+        // The token is opaque, never encoded.
+        assert_eq!(page.next_continuation.as_deref(), Some("t+%2F"));
     }
 
     #[test]
