@@ -95,7 +95,15 @@ async fn numbers_survive_forget_and_follow_renames() {
         put(&e.mem, k).await;
     }
     let base = e.fs.inode_count();
-    let paths = ["d", "d/a", "d/sub", "d/sub/b", "d/sub/deep", "d/sub/deep/c", "top"];
+    let paths = [
+        "d",
+        "d/a",
+        "d/sub",
+        "d/sub/b",
+        "d/sub/deep",
+        "d/sub/deep/c",
+        "top",
+    ];
     let mut first = HashMap::new();
     for p in paths {
         first.insert(p, ino_of(&e.fs, p).await);
@@ -123,7 +131,11 @@ async fn numbers_survive_forget_and_follow_renames() {
     assert_eq!(a2[1], first["d/a"]);
     forget(&e.fs, &a);
     forget(&e.fs, &a2);
-    assert_eq!(ino_of(&e.fs, "d/a2").await, first["d/a"], "renamed, forgotten");
+    assert_eq!(
+        ino_of(&e.fs, "d/a2").await,
+        first["d/a"],
+        "renamed, forgotten"
+    );
 
     // A directory renamed: it and everything below keep theirs, looked up since or not.
     let d = walk(&e.fs, "d").await;
@@ -145,23 +157,23 @@ async fn numbers_survive_forget_and_follow_renames() {
     forget(&e.fs, &e_ino);
 
     // New files where the renamed ones were get numbers of their own.
-    let nd = e
-        .fs
-        .mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME)
-        .await
-        .unwrap();
-    let na = e
-        .fs
-        .mkdir(nd.ino, OsStr::new("a"), 0o755, 0, ME)
-        .await
-        .unwrap();
-    let nsub = e
-        .fs
-        .mkdir(nd.ino, OsStr::new("sub"), 0o755, 0, ME)
-        .await
-        .unwrap();
+    let nd =
+        e.fs.mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME)
+            .await
+            .unwrap();
+    let na =
+        e.fs.mkdir(nd.ino, OsStr::new("a"), 0o755, 0, ME)
+            .await
+            .unwrap();
+    let nsub =
+        e.fs.mkdir(nd.ino, OsStr::new("sub"), 0o755, 0, ME)
+            .await
+            .unwrap();
     for n in [nd.ino, na.ino, nsub.ino] {
-        assert!(!distinct.contains(&n), "a new file took a number in use: {n}");
+        assert!(
+            !distinct.contains(&n),
+            "a new file took a number in use: {n}"
+        );
     }
     assert_eq!(ino_of(&e.fs, "e/sub").await, first["d/sub"]);
     e.fs.forget(nsub.ino, 1);
@@ -197,11 +209,10 @@ async fn a_new_file_never_takes_a_number_still_held() {
     // Unlinked while open: still held under its number.
     let h = e.fs.open(x, libc::O_RDONLY).await.unwrap();
     e.fs.unlink(ROOT_INO, OsStr::new("x")).await.unwrap();
-    let (new, h2) = e
-        .fs
-        .create(ROOT_INO, OsStr::new("x"), 0o644, 0, libc::O_WRONLY, ME)
-        .await
-        .unwrap();
+    let (new, h2) =
+        e.fs.create(ROOT_INO, OsStr::new("x"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
     assert_ne!(new.ino, x, "the new x took the number of the open one");
     e.fs.release(new.ino, h2.fh).await.unwrap();
     e.fs.forget(new.ino, 1);

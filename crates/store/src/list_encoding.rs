@@ -180,6 +180,9 @@ mod tests {
     #[test]
     fn sanitize_escapes_what_xml_cannot_carry() {
         let raw = Bytes::from(b"<K>a\x08b\x1f\xef\xbf\xbe\xff</K>".to_vec());
-        assert_eq!(&sanitize(raw)[..], "<K>a&#8;b&#31;&#65534;\u{fffd}</K>".as_bytes());
+        assert_eq!(
+            &sanitize(raw)[..],
+            "<K>a&#8;b&#31;&#65534;\u{fffd}</K>".as_bytes()
+        );
     }
 }

@@ -1077,7 +1077,10 @@ mod tests {
         )
         .await
         .unwrap();
-        assert_eq!(keys(&page), ["d/a", "d/b\x08\x0b\x0c\x0e\x1b\x1f", "d/c%41+"]);
+        assert_eq!(
+            keys(&page),
+            ["d/a", "d/b\x08\x0b\x0c\x0e\x1b\x1f", "d/c%41+"]
+        );
         assert_eq!(page.objects[1].size, 2);
         assert_eq!(page.common_prefixes, ["d/s\x1b/"]);
     }
