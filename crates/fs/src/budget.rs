@@ -311,6 +311,7 @@ impl MemoryBudget {
     }
 
     /// A buffer for `len` bytes of file data, waiting for the memory if it must.
+    #[cfg(test)]
     pub async fn buffer(&self, len: u64) -> PoolBuf {
         let mem = self.reserve_untrimmed(len).await;
         self.pool.take(len as usize, mem)

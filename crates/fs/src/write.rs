@@ -745,12 +745,10 @@ impl WriteState {
             let generation = self.generations.get(&i).copied().unwrap_or(0);
             self.start_stream().await?;
             self.wait_for_upload_slot().await;
-            // A pool buffer, not the allocator's: a part-sized allocation freed by one thread
-            // stays in glibc's arenas (the budget's pool keeps or unmaps it).
-            let buf = self.cfg.budget.buffer(r.end - r.start).await;
+            let mem = self.cfg.budget.reserve(r.end - r.start).await;
             let staging = self.staging()?;
-            let body = read_into(&staging, r, buf).await?;
-            self.spawn_part_upload(i, generation, body, Arc::default())
+            let body = read_at(&staging, r).await?;
+            self.spawn_part_upload(i, generation, body, Arc::new(vec![mem]))
                 .await;
         }
         Ok(())
@@ -1396,29 +1394,6 @@ async fn read_at(staging: &Arc<File>, r: Range<u64>) -> FsResult<Bytes> {
             done += n;
         }
         Ok::<_, std::io::Error>(Bytes::from(buf))
-    })
-    .await
-    .map_err(|_| FsError::EIO)?
-    .map_err(io_err)
-}
-
-/// `r` of the staging file into `buf` (a budget buffer of its length, which holds the memory).
-async fn read_into(staging: &Arc<File>, r: Range<u64>, mut buf: PoolBuf) -> FsResult<Bytes> {
-    let staging = staging.clone();
-    tokio::task::spawn_blocking(move || {
-        let dst = buf.as_mut_slice();
-        let mut done = 0;
-        while done < dst.len() {
-            let n = staging.read_at(&mut dst[done..], r.start + done as u64)?;
-            if n == 0 {
-                // A hole at the end of a sparse file reads as zeros (a reused buffer is not).
-                dst[done..].fill(0);
-                break;
-            }
-            done += n;
-        }
-        let len = dst.len();
-        Ok::<_, std::io::Error>(buf.freeze(len))
     })
     .await
     .map_err(|_| FsError::EIO)?
