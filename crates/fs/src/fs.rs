@@ -111,6 +111,9 @@ const ORPHAN_RETRY: Duration = Duration::from_secs(5);
 struct FileHandle {
     ino: Ino,
     flags: i32,
+    /// Opened with the kernel's cached pages kept: it may have handed out bytes this handle
+    /// never read through the fs.
+    keep_cache: bool,
     reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
     write: Option<Arc<OpenWrite>>,
 }
@@ -168,7 +171,16 @@ pub struct Fs {
     dir_misses: Mutex<HashMap<Ino, DirMisses>>,
     /// Directory markers mkdir has not finished uploading.
     markers: PendingMarkers,
+    /// See [`Fs::on_stale_cache`].
+    stale_cache: Mutex<Option<StaleCache>>,
 }
+
+/// Called with an inode whose kernel-cached attributes are of an older version.
+pub type StaleCache = Box<dyn Fn(Ino) + Send + Sync>;
+
+/// Times a fresh descriptor learns a newer version before its read gives up with ESTALE
+/// (the object keeps changing under it).
+const REPIN_TRIES: u32 = 3;
 
 fn now() -> SystemTime {
     SystemTime::now()
@@ -241,6 +253,7 @@ impl Fs {
             lookups: Lookups::new(store_for_lookups, prefix_for_lookups, cache_limits),
             dir_misses: Mutex::new(HashMap::new()),
             markers: PendingMarkers::new(store_for_markers),
+            stale_cache: Mutex::new(None),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(Self::retry_orphans_forever(Arc::downgrade(&fs)));
@@ -363,7 +376,12 @@ impl Fs {
         if let Some(ino) = t.child(parent, name) {
             let i = t.get_mut(ino).expect("child in table");
             if i.kind == f.kind {
-                i.attr = self.policy.attr_of_object(ino, f.kind, &f.obj);
+                let mut a = self.policy.attr_of_object(ino, f.kind, &f.obj);
+                if f.kind == FileKind::Dir && i.attr.mtime > a.mtime {
+                    // Changed here since its marker was stored (see `dir_changed`).
+                    (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
+                }
+                i.attr = a;
                 i.etag = f.obj.etag.clone();
                 i.user = f.obj.user;
                 i.has_marker = f.has_marker;
@@ -496,114 +514,188 @@ impl Fs {
     }
 
     /// chmod/chown/utimens/truncate. `fh` is set for ftruncate/futimens on an open file.
+    ///
+    /// The change is stored, or queued in the file's live write state, before this returns. A
+    /// state whose last close is retiring it is never used: its publish is over and nothing
+    /// would publish the change (see [`WriteState::retired`]).
     pub async fn setattr(&self, ino: Ino, _fh: Option<u64>, set: SetAttr) -> FsResult<Attr> {
         self.check_writable()?;
-        let (kind, path, write, open_handles, etag, size, user) = {
+        let (kind, path, mut write) = {
             let t = self.table.lock();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
-            (
-                i.kind,
-                i.path.clone(),
-                i.write.clone(),
-                i.open_handles,
-                i.etag.clone(),
-                i.attr.size,
-                i.user.clone(),
-            )
+            (i.kind, i.path.clone(), i.write.clone())
         };
-        self.lookups.forget(&path);
-        let meta_change = set.mode.is_some()
-            || set.uid.is_some()
-            || set.gid.is_some()
-            || set.atime.is_some()
-            || set.mtime.is_some();
-        let mut pm = PosixMeta::from_user(&user);
-        {
-            let t = self.table.lock();
-            if let Some(i) = t.get(ino) {
-                // Fill in what the object lacks from what stat shows, so it is stored whole.
-                pm.mode.get_or_insert(kind.mode_bits() | i.attr.perm as u32);
-                pm.uid.get_or_insert(i.attr.uid);
-                pm.gid.get_or_insert(i.attr.gid);
-                pm.mtime.get_or_insert(i.attr.mtime);
-            }
-        }
-        if let Some(m) = set.mode {
-            pm.mode = Some(kind.mode_bits() | (m & 0o7777));
-        }
-        if set.uid.is_some() {
-            pm.uid = set.uid;
-        }
-        if set.gid.is_some() {
-            pm.gid = set.gid;
-        }
-        if set.mtime.is_some() {
-            pm.mtime = set.mtime;
-        }
-        if set.atime.is_some() {
-            pm.atime = set.atime;
-        }
-        let mut new_user = user.clone();
-        pm.write_into(&mut new_user);
-
-        if let Some(new_size) = set.size {
+        if set.size.is_some() {
             match kind {
                 FileKind::Dir => return Err(FsError::EISDIR),
                 FileKind::Symlink => return Err(FsError::EINVAL),
                 FileKind::File => {}
             }
-            let (w, temporary) = match write {
-                Some(w) => (w, false),
-                None => {
-                    let base = etag.clone().map(|etag| Base { etag, size });
-                    (self.new_write(&path, base, user.clone())?, true)
-                }
-            };
+        }
+        self.lookups.forget(&path);
+        while let Some(w) = write.take() {
             let mut st = w.state.lock().await;
-            st.truncate(new_size).await?;
-            if meta_change {
-                st.meta = new_user.clone();
-                if let Some(t) = set.mtime {
-                    st.mtime = t;
-                }
-                st.changed = true;
-            }
-            if temporary || open_handles == 0 {
-                // truncate(2) on a path: nobody will close it, publish now.
-                st.publish().await?;
-                let (etag, size, meta) = (
-                    st.base_etag().map(str::to_string),
-                    st.size(),
-                    st.meta.clone(),
-                );
+            if st.retired {
                 drop(st);
-                self.published(ino, etag, size, meta);
+                write = self
+                    .table
+                    .lock()
+                    .get(ino)
+                    .ok_or(FsError::ENOENT)?
+                    .write
+                    .clone();
+                continue;
             }
-        } else if meta_change {
-            if let Some(w) = write {
-                // Being written: the metadata goes up with the content at close.
-                let mut st = w.state.lock().await;
-                st.meta = new_user.clone();
-                if let Some(t) = set.mtime {
-                    st.mtime = t;
+            // truncate(2) on a path nobody has open: nobody will close it, publish now.
+            let open = self.table.lock().get(ino).map_or(0, |i| i.open_handles);
+            return self
+                .setattr_state(ino, kind, &mut st, &set, open == 0)
+                .await;
+        }
+        let (etag, size, user) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (i.etag.clone(), i.attr.size, i.user.clone())
+        };
+        if set.size.is_some() {
+            // A state of its own, published now.
+            let base = etag.map(|etag| Base { etag, size });
+            let w = self.new_write(&path, base, user)?;
+            let mut st = w.state.lock().await;
+            return self.setattr_state(ino, kind, &mut st, &set, true).await;
+        }
+        let Some(change) = Self::meta_change(kind, &set) else {
+            return self.getattr(ino).await;
+        };
+        let mut new_user = user;
+        self.filled_meta(ino, kind, &new_user)?
+            .write_into(&mut new_user);
+        change.write_into(&mut new_user);
+        self.store_meta(ino, kind, &path, size, &new_user, etag.as_deref())
+            .await?;
+        // A writer that opened the file meanwhile took the old metadata: its publish must
+        // carry the change too, and build on the object as it is now.
+        let (write, new_etag) = {
+            let t = self.table.lock();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (i.write.clone(), i.etag.clone())
+        };
+        if let Some(w) = write {
+            let mut st = w.state.lock().await;
+            if !st.retired {
+                change.write_into(&mut st.meta);
+                if let (Some(old), Some(new)) = (etag.as_deref(), new_etag) {
+                    st.restamp_base(old, new);
                 }
-                st.changed = true;
-            } else {
-                self.store_meta(ino, kind, &path, size, &new_user, etag.as_deref())
-                    .await?;
             }
         }
         let mut t = self.table.lock();
         let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
-        if meta_change {
-            i.user = new_user;
-            let fetched = i.fetched;
-            let mut a = self.policy.attr(ino, kind, i.attr.size, &pm, Some(now()));
-            a.size = i.attr.size;
-            i.attr = a;
-            i.fetched = fetched;
-        }
+        let pm = PosixMeta::from_user(&new_user);
+        i.attr = self.policy.attr(ino, kind, i.attr.size, &pm, Some(now()));
+        i.user = new_user;
         Ok(Self::current_attr(i))
+    }
+
+    /// Applies `set` to file `ino` through its write state `st` (held locked), and publishes
+    /// at once when `publish` says so.
+    async fn setattr_state(
+        &self,
+        ino: Ino,
+        kind: FileKind,
+        st: &mut WriteState,
+        set: &SetAttr,
+        publish: bool,
+    ) -> FsResult<Attr> {
+        let old_size = st.size();
+        if let Some(n) = set.size {
+            st.truncate(n).await?;
+        }
+        let resized = st.size() != old_size;
+        let change = Self::meta_change(kind, set);
+        if let Some(c) = &change {
+            let filled = self.filled_meta(ino, kind, &st.meta)?;
+            filled.write_into(&mut st.meta);
+            c.write_into(&mut st.meta);
+            if c.mtime.is_some() {
+                st.mtime = c.mtime;
+            }
+            st.changed = true;
+        }
+        if publish && st.has_changes_to_publish() {
+            st.publish().await?;
+            self.published(ino, st);
+        } else if change.is_some() || resized {
+            // What stat shows now is what the close will store.
+            let mut pm = PosixMeta::from_user(&st.meta);
+            if st.mtime.is_some() {
+                pm.mtime = st.mtime;
+            }
+            let mut t = self.table.lock();
+            let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+            i.attr = self.policy.attr(ino, kind, st.size(), &pm, Some(now()));
+            i.user = st.meta.clone();
+        }
+        let t = self.table.lock();
+        let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        let mut a = Self::current_attr(i);
+        a.size = st.size();
+        Ok(a)
+    }
+
+    /// The metadata fields `set` changes (`None`: only the size, or nothing).
+    fn meta_change(kind: FileKind, set: &SetAttr) -> Option<PosixMeta> {
+        let c = PosixMeta {
+            mode: set.mode.map(|m| kind.mode_bits() | (m & 0o7777)),
+            uid: set.uid,
+            gid: set.gid,
+            mtime: set.mtime,
+            atime: set.atime,
+        };
+        (c != PosixMeta::default()).then_some(c)
+    }
+
+    /// The metadata `user` describes, with what it lacks taken from what stat shows for
+    /// `ino`, so that it is stored whole.
+    fn filled_meta(&self, ino: Ino, kind: FileKind, user: &UserMeta) -> FsResult<PosixMeta> {
+        let mut pm = PosixMeta::from_user(user);
+        let t = self.table.lock();
+        let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        pm.mode.get_or_insert(kind.mode_bits() | i.attr.perm as u32);
+        pm.uid.get_or_insert(i.attr.uid);
+        pm.gid.get_or_insert(i.attr.gid);
+        pm.mtime.get_or_insert(i.attr.mtime);
+        Ok(pm)
+    }
+
+    /// The S_ISUID/S_ISGID bits a write by an unprivileged caller clears from file `ino`, as
+    /// the kernel does for local files (S_ISGID only with group execute); 0 when none.
+    pub fn suid_bits(&self, ino: Ino) -> u32 {
+        let t = self.table.lock();
+        let Some(i) = t.get(ino).filter(|i| i.kind == FileKind::File) else {
+            return 0;
+        };
+        let perm = i.attr.perm as u32;
+        let mut kill = perm & libc::S_ISUID;
+        if perm & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
+            kill |= libc::S_ISGID;
+        }
+        kill
+    }
+
+    /// Clears the bits [`Fs::suid_bits`] names (the kernel asks this with a write by a caller
+    /// without CAP_FSETID, `FUSE_WRITE_KILL_SUIDGID`); stored like a chmod.
+    pub async fn kill_suid(&self, ino: Ino) -> FsResult<()> {
+        let kill = self.suid_bits(ino);
+        if kill == 0 {
+            return Ok(());
+        }
+        let perm = self.table.lock().get(ino).map_or(0, |i| i.attr.perm as u32);
+        let set = SetAttr {
+            mode: Some(perm & !kill),
+            ..SetAttr::default()
+        };
+        self.setattr(ino, None, set).await.map(|_| ())
     }
 
     /// Replaces the user metadata of a stored object (CopyObject onto itself), pinned to
@@ -776,6 +868,7 @@ impl Fs {
     ) -> (Ino, Attr) {
         self.lookups.forget(&path);
         self.note_added(parent, name);
+        self.dir_changed(parent);
         let mut t = self.table.lock();
         let ino = t.ino_for(&path);
         let attr = self.policy.attr(ino, kind, size, pm, Some(now()));
@@ -789,6 +882,17 @@ impl Fs {
         i.lookups = 1;
         t.insert(i);
         (ino, attr)
+    }
+
+    /// An entry of directory `dir` was added or removed here: its mtime and ctime are now.
+    /// Kept in memory only (storing them would cost a request per entry); [`Self::remember`]
+    /// never moves them back.
+    fn dir_changed(&self, dir: Ino) {
+        if let Some(i) = self.table.lock().get_mut(dir) {
+            let t = now();
+            i.attr.mtime = t;
+            i.attr.ctime = t;
+        }
     }
 
     /// Name check, read-only check, and the parent's path, for calls that add an entry.
@@ -946,6 +1050,7 @@ impl Fs {
         {
             drop(guard);
             self.lookups.forget(&path);
+            self.dir_changed(parent);
             return Ok(());
         }
         if in_store {
@@ -962,6 +1067,7 @@ impl Fs {
         drop(guard);
         self.lookups.forget(&path);
         self.table.lock().removed(ino);
+        self.dir_changed(parent);
         Ok(())
     }
 
@@ -1129,6 +1235,7 @@ impl Fs {
         self.lookups.forget(&path);
         self.lookups.forget_below(&path);
         self.table.lock().removed(ino);
+        self.dir_changed(parent);
         Ok(())
     }
 
@@ -1229,6 +1336,8 @@ impl Fs {
             self.lookups.forget_below(&path);
         }
         self.note_added(new_parent, &new_name_s);
+        self.dir_changed(parent);
+        self.dir_changed(new_parent);
         let mut t = self.table.lock();
         t.rename(src, new_parent, &new_name_s, &new_parent_path);
         if let Some(i) = t.get_mut(src) {
@@ -1559,11 +1668,18 @@ impl Fs {
             (write, keep)
         };
         if let (Some(w), true) = (&write, flags & libc::O_TRUNC != 0) {
-            w.state.lock().await.truncate(0).await?;
+            let trunc = SetAttr {
+                size: Some(0),
+                ..SetAttr::default()
+            };
+            let mut st = w.state.lock().await;
+            self.setattr_state(ino, FileKind::File, &mut st, &trunc, false)
+                .await?;
         }
         let fh = self.add_handle(Handle::File(FileHandle {
             ino,
             flags,
+            keep_cache,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             write,
         }));
@@ -1605,6 +1721,7 @@ impl Fs {
         let fh = self.add_handle(Handle::File(FileHandle {
             ino,
             flags,
+            keep_cache: false,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             write: Some(w),
         }));
@@ -1629,6 +1746,7 @@ impl Fs {
     pub async fn read(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
         let handle = self.file_handle(ino, fh)?;
         let (reader, direct) = (handle.reader, handle.flags & libc::O_DIRECT != 0);
+        let kernel_pages = handle.keep_cache;
         let (write, path, etag, file_size) = {
             let t = self.table.lock();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
@@ -1639,23 +1757,81 @@ impl Fs {
             let mut st = w.state.lock().await;
             return st.read(offset..offset.saturating_add(size as u64)).await;
         }
-        let mut r = reader.lock().await;
+        let mut slot = reader.lock().await;
         let key = self.key(&path);
-        if r.as_ref().is_some_and(|r| r.key() != key) {
+        if slot.as_ref().is_some_and(|r| r.key() != key) {
             // Renamed while open: read the object under its new key.
-            *r = None;
+            *slot = None;
         }
-        let r = r.get_or_insert_with(|| {
-            Reader::new(
-                self.store.clone(),
-                self.rcfg.clone(),
-                key,
-                etag,
-                file_size,
-                direct,
-            )
-        });
-        r.read(offset, size).await
+        let new_reader = |etag, size| {
+            let (store, cfg) = (self.store.clone(), self.rcfg.clone());
+            Reader::new(store, cfg, key.clone(), etag, size, direct)
+        };
+        let r = slot.get_or_insert_with(|| new_reader(etag, file_size));
+        let got = r.read(offset, size).await;
+        if got != Err(FsError::ESTALE) {
+            return got;
+        }
+        // The object changed after this mount last looked at it (the ETag it had is older).
+        // A descriptor that has read nothing yet, opened without the kernel's cached pages,
+        // gets everything it reads from here: it reads the object as it is now. Any other
+        // may have been given bytes of the old version: ESTALE, and the next open starts
+        // from the new one.
+        let fresh = !r.has_served() && !kernel_pages;
+        let mut tries = 0;
+        let mut grew = false;
+        let got = loop {
+            tries += 1;
+            let (etag, len, longer) = self.repin(ino, &key).await?;
+            grew |= longer;
+            if !fresh {
+                break Err(FsError::ESTALE);
+            }
+            *r = new_reader(etag, len);
+            match r.read(offset, size).await {
+                Err(e) if e == FsError::ESTALE && tries < REPIN_TRIES => continue,
+                other => break other,
+            }
+        };
+        if grew {
+            // The kernel stops reading at the size it knows (a short read shrinks that by
+            // itself): make it ask again before it next reads past it.
+            if let Some(f) = self.stale_cache.lock().as_ref() {
+                f(ino);
+            }
+        }
+        got
+    }
+
+    /// Learns the object of open file `ino` (at `key`) as it is now in the store, after a
+    /// read found it changed: its ETag, its size, and whether that is more than stat showed.
+    async fn repin(&self, ino: Ino, key: &str) -> FsResult<(Option<String>, u64, bool)> {
+        let obj = match self.store.head(key).await {
+            Ok(o) => o,
+            Err(StoreError::NotFound(_)) => return Err(FsError::ESTALE),
+            Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
+        };
+        let mut grew = false;
+        let mut t = self.table.lock();
+        if let Some(i) = t.get_mut(ino) {
+            if i.write.is_none() && self.key(&i.path) == key {
+                self.lookups.forget(&i.path);
+                grew = obj.size > i.attr.size;
+                i.attr = self.policy.attr_of_object(ino, i.kind, &obj);
+                i.etag = obj.etag.clone();
+                i.user = obj.user.clone();
+                i.fetched = Some(Instant::now());
+                // Pages the kernel keeps may be of either version: the next open drops them.
+                i.cached_etag = None;
+            }
+        }
+        Ok((obj.etag, obj.size, grew))
+    }
+
+    /// Registers what tells the kernel that its cached attributes of an inode are out of
+    /// date (a read found the object grew under another client's change).
+    pub fn on_stale_cache(&self, f: Option<StaleCache>) {
+        *self.stale_cache.lock() = f;
     }
 
     /// Writes all of `data` at `offset` and returns its length.
@@ -1742,13 +1918,7 @@ impl Fs {
             }
             return Err(e);
         }
-        let (etag, size, meta) = (
-            st.base_etag().map(str::to_string),
-            st.size(),
-            st.meta.clone(),
-        );
-        drop(st);
-        self.published(ino, etag, size, meta);
+        self.published(ino, &st);
         Ok(())
     }
 
@@ -1762,15 +1932,16 @@ impl Fs {
         }
     }
 
-    /// The object of `ino` is now in the store with this ETag, size and metadata.
-    fn published(&self, ino: Ino, etag: Option<String>, size: u64, user: UserMeta) {
+    /// The object of `ino` is now in the store as write state `st` (held locked, so that no
+    /// setattr queued after the publish is overwritten here) says.
+    fn published(&self, ino: Ino, st: &WriteState) {
         let mut t = self.table.lock();
         if let Some(i) = t.get_mut(ino) {
             self.lookups.forget(&i.path);
-            let pm = PosixMeta::from_user(&user);
-            i.attr = self.policy.attr(ino, i.kind, size, &pm, Some(now()));
-            i.etag = etag;
-            i.user = user;
+            let pm = PosixMeta::from_user(&st.meta);
+            i.attr = self.policy.attr(ino, i.kind, st.size(), &pm, Some(now()));
+            i.etag = st.base_etag().map(str::to_string);
+            i.user = st.meta.clone();
             i.fetched = Some(Instant::now());
         }
     }
@@ -1823,42 +1994,30 @@ impl Fs {
             return Ok(());
         }
         let w = write.expect("writer handle");
-        let (result, unlinked) = {
-            let mut st = w.state.lock().await;
-            let r = if st.has_changes_to_publish() && !st.failed {
-                // Normally flush already published; this catches a flush that never came.
-                let r = st.publish().await;
-                if let Err(e) = &r {
-                    tracing::error!("{}: data not uploaded and now lost: {e}", st.key);
-                }
-                r.map(|_| {
-                    (
-                        st.base_etag().map(str::to_string),
-                        st.size(),
-                        st.meta.clone(),
-                    )
-                })
-            } else {
-                if st.failed {
-                    tracing::error!("{}: closed after a failed upload; data not stored", st.key);
-                }
-                Err(FsError::EBADF)
-            };
-            st.abort_stream().await;
-            (r, st.unlinked)
-        };
-        if let Ok((etag, size, meta)) = result {
-            self.published(ino, etag, size, meta);
+        let mut st = w.state.lock().await;
+        if st.has_changes_to_publish() && !st.failed {
+            // Normally flush already published; this catches a flush that never came.
+            match st.publish().await {
+                Ok(()) => self.published(ino, &st),
+                Err(e) => tracing::error!("{}: data not uploaded and now lost: {e}", st.key),
+            }
+        } else if st.failed {
+            tracing::error!("{}: closed after a failed upload; data not stored", st.key);
         }
+        st.abort_stream().await;
         {
+            // Still under the state's lock: a setattr waiting for it sees the state retired
+            // and stores its change itself, instead of queueing it where nothing publishes.
             let mut t = self.table.lock();
             let mut never_stored = false;
             if let Some(i) = t.get_mut(ino) {
-                if i.writers == 0 {
+                let ours = i.write.as_ref().is_some_and(|x| Arc::ptr_eq(x, &w));
+                if i.writers == 0 && ours {
                     // An unlinked file's bytes may exist nowhere else: its readers read them
                     // from the state until the last close.
-                    if !unlinked || i.open_handles == 0 {
+                    if !st.unlinked || i.open_handles == 0 {
                         i.write = None;
+                        st.retired = true;
                     }
                     never_stored = i.fetched.is_none();
                 }
@@ -1869,6 +2028,7 @@ impl Fs {
             }
             t.maybe_drop(ino);
         }
+        drop(st);
         if let Some(path) = hidden {
             self.delete_hidden(path).await;
         }

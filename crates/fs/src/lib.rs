@@ -26,7 +26,7 @@ pub use bucketfs_store::liveness::within_operation;
 pub use budget::default_budget;
 pub use config::FsConfig;
 pub use error::{FsError, FsResult};
-pub use fs::{Caller, DirEntry, Fs, OpenReply, SetAttr, StatFs};
+pub use fs::{Caller, DirEntry, Fs, OpenReply, SetAttr, StaleCache, StatFs};
 pub use inode::{Ino, ROOT_INO};
 pub use meta::{Attr, FileKind};
 pub use metrics::FsMetrics;

@@ -159,6 +159,9 @@ pub struct Reader {
     rereading: bool,
     /// End of the furthest read so far.
     high_water: u64,
+    /// Some bytes went to the caller: from then on a changed object is `ESTALE`, never
+    /// another version's bytes.
+    served: bool,
 }
 
 impl Reader {
@@ -193,6 +196,7 @@ impl Reader {
             direct,
             rereading: false,
             high_water: 0,
+            served: false,
         }
     }
 
@@ -203,6 +207,11 @@ impl Reader {
 
     fn queue(&self) -> MutexGuard<'_, Queue> {
         self.held.queue.lock()
+    }
+
+    /// Whether any byte of its version went to the caller yet.
+    pub fn has_served(&self) -> bool {
+        self.served
     }
 
     fn small_file(&self) -> bool {
@@ -307,6 +316,7 @@ impl Reader {
             self.retire_chunks();
             if let Some(b) = self.cached_block(offset, end) {
                 inc(&m.read_hits);
+                self.served = true;
                 return Ok(b);
             }
             self.queue().next = if self.small_file() {
@@ -373,7 +383,9 @@ impl Reader {
                 self.push(len, buf);
             }
         }
-        self.collect(offset, end).await
+        let got = self.collect(offset, end).await;
+        self.served |= got.is_ok();
+        got
     }
 
     /// Hands the stream's fetched chunks to the budget's block cache (chunks still in flight

@@ -358,7 +358,12 @@ pub struct WriteState {
     /// A publish was refused because another client changed the object (ESTALE): a content
     /// that keeps bytes of the base can never be published (and its streamed parts are gone).
     conflict: bool,
-    pub mtime: SystemTime,
+    /// The mtime to publish; `None` keeps the one in `meta` (nothing written since open, so
+    /// a chmod or an atime-only utimens through the descriptor leaves the stored mtime).
+    pub mtime: Option<SystemTime>,
+    /// The last writer closed and the inode dropped this state: nothing publishes it any
+    /// more, so a change made to it would be lost (see `Fs::setattr`).
+    pub retired: bool,
 }
 
 /// Whether `len` bytes at `offset` end within the largest object S3 allows.
@@ -408,7 +413,8 @@ impl WriteState {
             unlinked: false,
             failed: false,
             conflict: false,
-            mtime: SystemTime::now(),
+            mtime: None,
+            retired: false,
         }
     }
 
@@ -507,7 +513,7 @@ impl WriteState {
     fn touch(&mut self) {
         self.changed = true;
         self.failed = false;
-        self.mtime = SystemTime::now();
+        self.mtime = Some(SystemTime::now());
     }
 
     /// Bookkeeping of bytes `r` just written.
@@ -1050,7 +1056,9 @@ impl WriteState {
             return Err(FsError::ESTALE);
         }
         let size = self.size();
-        mtime_into(&mut self.meta, self.mtime);
+        if let Some(t) = self.mtime {
+            mtime_into(&mut self.meta, t);
+        }
         self.settle_spills().await;
         // Bytes only the open upload holds can only be published by completing it.
         let result = if size <= self.cfg.layout.part_size && self.uploaded_only.is_empty() {
@@ -1310,6 +1318,14 @@ impl WriteState {
         self.key = key;
         if let Some(b) = &mut self.base {
             b.etag = etag;
+        }
+    }
+
+    /// The base object's metadata was replaced in place (a chmod by CopyObject), which can
+    /// give it a new ETag (`new`, was `old`): the same bytes, so keep building on them.
+    pub fn restamp_base(&mut self, old: &str, new: String) {
+        if let Some(b) = self.base.as_mut().filter(|b| b.etag == old) {
+            b.etag = new;
         }
     }
 

@@ -10,7 +10,7 @@ use bucketfs_fs::{Appended, Attr, Caller, FileKind, Fs, FsError, SetAttr};
 use bytes::Bytes;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
-    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    KernelConfig, LockOwner, Notifier, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
     ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
     Request, TimeOrNow, WriteFlags,
 };
@@ -19,7 +19,7 @@ use std::ffi::OsStr;
 use std::future::Future;
 use std::io;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
@@ -100,6 +100,24 @@ pub(crate) struct FuseFs {
     done: watch::Sender<bool>,
     /// Handles open for writing and the process (thread group) that opened each.
     writers: Arc<Mutex<HashMap<u64, u32>>>,
+    /// The session's notifier, set once the session runs; owned here so that it goes (with
+    /// its /dev/fuse descriptor) when the session ends.
+    notifier: Arc<OnceLock<Notifier>>,
+}
+
+/// Tells the kernel that its attributes of `ino` are of an older version (see
+/// [`Fs::on_stale_cache`]), so that its next read past the size it knows asks for them.
+/// Called while a read of `ino` waits for its reply: invalidating attributes only locks no
+/// page, so it cannot wait for that read.
+fn invalidate_attr(notifier: &std::sync::Weak<OnceLock<Notifier>>, ino: u64) {
+    let Some(cell) = notifier.upgrade() else {
+        return;
+    };
+    if let Some(n) = cell.get() {
+        if let Err(e) = n.inval_inode(INodeNo(ino), -1, 0) {
+            debug!("invalidating attributes of inode {ino}: {e}");
+        }
+    }
 }
 
 /// The process (thread-group id) of the task `pid` that sent a request; `None` when it is
@@ -114,12 +132,21 @@ fn process_of(pid: u32) -> Option<u32> {
 
 impl FuseFs {
     pub(crate) fn new(fs: Arc<Fs>, rt: Handle, done: watch::Sender<bool>) -> Self {
+        let notifier: Arc<OnceLock<Notifier>> = Arc::default();
+        let weak = Arc::downgrade(&notifier);
+        fs.on_stale_cache(Some(Box::new(move |ino| invalidate_attr(&weak, ino))));
         Self {
             fs,
             rt,
             done,
             writers: Arc::default(),
+            notifier,
         }
+    }
+
+    /// Where [`crate::mount`] puts the session's notifier once it runs.
+    pub(crate) fn notifier_slot(&self) -> Arc<OnceLock<Notifier>> {
+        self.notifier.clone()
     }
 
     /// Whether a flush of `fh` by task `pid` is a close by another process than the one that
@@ -421,13 +448,28 @@ impl Filesystem for FuseFs {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         let fs = self.fs.clone();
         let n = data.len() as u32;
+        // A writer without CAP_FSETID clears set-id bits. The kernel does it itself (by a
+        // setattr) for writes through the page cache; a direct-I/O write only carries this flag.
+        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) && fs.suid_bits(ino.0) != 0 {
+            let data = Bytes::copy_from_slice(data);
+            return self.spawn(async move {
+                let r = match fs.kill_suid(ino.0).await {
+                    Ok(()) => fs.write(ino.0, fh.0, offset, data).await,
+                    Err(e) => Err(e),
+                };
+                match r {
+                    Ok(n) => reply.written(n),
+                    Err(e) => reply.error(errno("write", e)),
+                }
+            });
+        }
         match fs.write_now(ino.0, fh.0, offset, data) {
             Some(Appended::Yes) => return reply.written(n),
             Some(_) => {

@@ -99,7 +99,9 @@ pub fn mount(
     cfg.n_threads = Some(opts.n_threads.max(1));
     cfg.clone_fd = true;
 
+    let notifier = adapter.notifier_slot();
     let session = fuser::spawn_mount(adapter, mountpoint, &cfg)?;
+    let _ = notifier.set(session.notifier());
     let mountpoint = absolute(mountpoint);
     info!(
         "mounted {} at {} ({} FUSE threads{}{})",
