@@ -69,6 +69,7 @@ need_pkgs=()
 command -v fusermount3 >/dev/null 2>&1 || need_pkgs+=(fuse3)
 command -v fio >/dev/null 2>&1 || need_pkgs+=(fio)
 command -v sysbench >/dev/null 2>&1 || need_pkgs+=(sysbench)
+command -v rsync >/dev/null 2>&1 || need_pkgs+=(rsync)
 for p in libfuse3-dev pkg-config; do
     dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
