@@ -9,15 +9,7 @@ use common::*;
 use std::fs::{self, File};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
-use std::time::{Duration, Instant};
-
-fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+use std::time::Duration;
 
 /// 5 MiB parts: a 20 MiB write streams 4 of them.
 fn mount_5m(bucket: &str) -> Mount {

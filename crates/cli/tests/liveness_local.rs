@@ -14,29 +14,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn create_upload(bucket: &str, key: &str) -> String {
-    let s3 = s3();
-    s3.block_on(
-        s3.client
-            .create_multipart_upload()
-            .bucket(bucket)
-            .key(key)
-            .send(),
-    )
-    .unwrap()
-    .upload_id()
-    .unwrap()
-    .to_string()
-}
-
 fn creds() -> Vec<(&'static str, String)> {
     vec![
         ("AWS_ACCESS_KEY_ID", env().access_key.clone()),

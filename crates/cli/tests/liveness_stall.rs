@@ -28,25 +28,10 @@ const FAST: Duration = Duration::from_millis(1000);
 /// Past this a call is taken for hung (the old code took 30 s and more).
 const GUARD: Duration = Duration::from_secs(60);
 
-fn minio_addr() -> String {
-    env()
-        .endpoint
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .to_string()
-}
-
 fn mount_via(bucket: &str, proxy: &FaultProxy) -> Mount {
-    let mut spec = MountSpec::s3(bucket, "");
-    spec.args = vec![
-        "--endpoint-url".into(),
-        proxy.endpoint(),
-        "--force-path-style".into(),
-        "--region".into(),
-        "us-east-1".into(),
-        "--retry-timeout".into(),
-        format!("{}", T.as_secs()),
-    ];
+    let mut spec = via_proxy(bucket, proxy);
+    spec.args
+        .extend(["--retry-timeout".into(), format!("{}", T.as_secs())]);
     spec.watchdog(Duration::from_secs(300)).mount()
 }
 

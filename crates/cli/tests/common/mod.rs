@@ -1608,3 +1608,50 @@ impl Drop for ForeignWriter {
         let _ = self.child.wait();
     }
 }
+
+/// Polls `f` every 50 ms until it holds; panics after `limit`.
+pub fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Starts a multipart upload directly through S3 (as another client, or a dead daemon, would).
+pub fn create_upload(bucket: &str, key: &str) -> String {
+    let s3 = s3();
+    s3.block_on(
+        s3.client
+            .create_multipart_upload()
+            .bucket(bucket)
+            .key(key)
+            .send(),
+    )
+    .unwrap()
+    .upload_id()
+    .unwrap()
+    .to_string()
+}
+
+/// MinIO's `host:port`, for proxies in front of it.
+pub fn minio_addr() -> String {
+    env()
+        .endpoint
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string()
+}
+
+/// A mount of `bucket` through `proxy`.
+pub fn via_proxy(bucket: &str, proxy: &proxy::FaultProxy) -> MountSpec {
+    let mut spec = MountSpec::s3(bucket, "");
+    spec.args = vec![
+        "--endpoint-url".into(),
+        proxy.endpoint(),
+        "--force-path-style".into(),
+        "--region".into(),
+        "us-east-1".into(),
+    ];
+    spec
+}
