@@ -1,25 +1,24 @@
 //! The file system: every operation the kernel can ask for, as an async call on [`Fs`].
 //!
 //! Paths map to keys by [`crate::names`]; attributes by [`crate::meta`]; reads go through
-//! [`crate::read::Reader`], writes through [`crate::write::WriteState`]. Locks on the inode
+//! [`crate::files::read::Reader`], writes through [`crate::files::write::WriteState`]. Locks on the inode
 //! and handle tables are never held across a store request.
 
 use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
-use crate::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
-use crate::lookup::{page_entries, CacheLimits, Found, Lookups, LIST_PAGE};
+use crate::files::read::{ReadConfig, Reader};
+use crate::files::write::{Appended, Base, Orphans, PartLayout, WriteConfig, WriteState};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
-use crate::names::{check_name, UNLINKED_DIR};
+use crate::namespace::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
+use crate::namespace::lookup::{page_entries, CacheLimits, Found, Lookups, LIST_PAGE};
+use crate::namespace::markers::PendingMarkers;
+use crate::namespace::names::{check_name, UNLINKED_DIR};
 use crate::parts::run_parts;
-use crate::read::{ReadConfig, Reader};
-use crate::write::{Appended, Base, Orphans, PartLayout, WriteConfig, WriteState};
 use dir::{DirMisses, DirStream, ListingSays};
-use markers::PendingMarkers;
 
 mod dir;
-mod markers;
 use bucketfs_store::{
     CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError, UserMeta,
     MAX_COPY_OBJECT_SIZE,
@@ -2044,7 +2043,7 @@ impl Fs {
             files: 1 << 32,
             ffree: 1 << 32,
             bsize: 4096,
-            namelen: crate::names::NAME_MAX as u32,
+            namelen: crate::namespace::names::NAME_MAX as u32,
             frsize: 4096,
         }
     }

@@ -23,7 +23,7 @@
 use crate::aligned::{AlignedBuf, ALIGN};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
-use crate::extents::Extents;
+use crate::files::extents::Extents;
 use crate::metrics::{inc, inc_by, FsMetrics};
 use crate::parts::run_parts;
 use crate::pool::PoolBuf;

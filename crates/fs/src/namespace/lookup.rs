@@ -17,9 +17,9 @@
 //! kept for a short while so the listing starts without a request ([`Lookups::take_page`]).
 
 use crate::error::{log_store_err, FsError, FsResult};
-use crate::inode::join;
 use crate::meta::{FileKind, PosixMeta};
-use crate::names::{listable, UNLINKED_DIR};
+use crate::namespace::inode::join;
+use crate::namespace::names::{listable, UNLINKED_DIR};
 use bucketfs_store::{ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, StoreError};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};

@@ -6,8 +6,8 @@
 //! file gives the same `st_ino`. Paths are relative to the mount prefix, without a trailing
 //! `/`; the root is the empty path.
 
+use crate::files::write::WriteState;
 use crate::meta::{Attr, FileKind};
-use crate::write::WriteState;
 use bucketfs_store::UserMeta;
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -77,7 +77,7 @@ pub struct Inode {
     pub listing: Option<DirListing>,
     /// Removed from its directory while still referenced.
     pub unlinked: bool,
-    /// Unlinked while open: `path` is now a hidden one (see [`crate::names::UNLINKED_DIR`])
+    /// Unlinked while open: `path` is now a hidden one (see [`crate::namespace::names::UNLINKED_DIR`])
     /// whose object the last close deletes.
     pub hidden: bool,
 }

@@ -8,8 +8,15 @@
 //! unmount. A marker whose upload failed is sent again by the next of those, which reports
 //! EIO if that fails too, so a failure is never silent.
 
-use super::*;
-use futures::future::Shared;
+use crate::error::{FsError, FsResult};
+use bucketfs_store::{ObjectStore, UserMeta};
+use bytes::Bytes;
+use futures::future::{BoxFuture, Shared};
+use futures::FutureExt;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 type Upload = Shared<BoxFuture<'static, Result<(), String>>>;
 
@@ -20,14 +27,14 @@ enum Marker {
     Failed(UserMeta),
 }
 
-pub(super) struct PendingMarkers {
+pub struct PendingMarkers {
     store: Arc<dyn ObjectStore>,
     markers: Arc<Mutex<HashMap<String, Marker>>>,
     next_id: AtomicU64,
 }
 
 impl PendingMarkers {
-    pub(super) fn new(store: Arc<dyn ObjectStore>) -> Self {
+    pub fn new(store: Arc<dyn ObjectStore>) -> Self {
         Self {
             store,
             markers: Arc::default(),
@@ -36,7 +43,7 @@ impl PendingMarkers {
     }
 
     /// Starts uploading marker `key` with `meta`.
-    pub(super) fn start(&self, key: String, meta: UserMeta) {
+    pub fn start(&self, key: String, meta: UserMeta) {
         // The upload runs in a task of its own; its handle is only for waiters.
         drop(self.upload(key, meta));
     }
@@ -84,7 +91,7 @@ impl PendingMarkers {
 
     /// Returns once marker `key` is in the bucket (at once when none is pending); EIO if its
     /// upload failed, after one more try for a marker that had failed before.
-    pub(super) async fn wait(&self, key: &str) -> FsResult<()> {
+    pub async fn wait(&self, key: &str) -> FsResult<()> {
         let pending = self.markers.lock().get(key).map(|m| match m {
             Marker::Uploading { upload, .. } => Ok(upload.clone()),
             Marker::Failed(meta) => Err(meta.clone()),
@@ -99,7 +106,7 @@ impl PendingMarkers {
 
     /// [`Self::wait`] for every pending marker whose key starts with `prefix` (the directory
     /// itself and all below it). The first failure is returned after all were waited for.
-    pub(super) async fn wait_below(&self, prefix: &str) -> FsResult<()> {
+    pub async fn wait_below(&self, prefix: &str) -> FsResult<()> {
         let keys: Vec<String> = {
             let m = self.markers.lock();
             if m.is_empty() {
@@ -121,7 +128,7 @@ impl PendingMarkers {
 
     /// Drops marker `key` from the pending set (the directory is being removed): waits for an
     /// upload in flight, whatever its outcome, so that a DELETE cannot overtake it.
-    pub(super) async fn settle(&self, key: &str) {
+    pub async fn settle(&self, key: &str) {
         let upload = match self.markers.lock().remove(key) {
             Some(Marker::Uploading { upload, .. }) => upload,
             _ => return,
@@ -131,14 +138,14 @@ impl PendingMarkers {
 
     /// Whether a marker strictly below `prefix` is not in the bucket yet (uploading or
     /// failed): a directory made there still exists.
-    pub(super) fn any_below(&self, prefix: &str) -> bool {
+    pub fn any_below(&self, prefix: &str) -> bool {
         let m = self.markers.lock();
         m.keys()
             .any(|k| k.len() > prefix.len() && k.starts_with(prefix))
     }
 
     /// Markers not yet in the bucket.
-    pub(super) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.markers.lock().len()
     }
 }
