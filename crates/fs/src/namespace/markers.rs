@@ -156,6 +156,7 @@ mod tests {
     use bucketfs_store::fault::{Fault, FaultStore};
     use bucketfs_store::memory::MemoryStore;
     use bucketfs_store::metrics::Op;
+    use bucketfs_store::StoreError;
 
     /// Markers over a memory store whose next `times` PUTs fail.
     fn failing_puts(times: u64) -> (Arc<MemoryStore>, PendingMarkers) {
