@@ -2,39 +2,15 @@
 //! renames of it or of a directory above it, and readdir shows the number lookup gives. Two files
 //! known at once never share a number. In-process against the memory store.
 
-use bucketfs_fs::{Caller, Fs, FsConfig, ROOT_INO};
+mod support;
+
+use bucketfs_fs::{Fs, ROOT_INO};
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::{ObjectStore, UserMeta};
 use bytes::Bytes;
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
-use std::sync::Arc;
-
-const ME: Caller = Caller {
-    uid: 1000,
-    gid: 100,
-};
-
-struct Env {
-    fs: Arc<Fs>,
-    mem: Arc<MemoryStore>,
-    _cache: tempfile::TempDir,
-}
-
-fn env() -> Env {
-    let mem = Arc::new(MemoryStore::new());
-    let cache = tempfile::tempdir().unwrap();
-    let cfg = FsConfig {
-        cache_dir: cache.path().to_path_buf(),
-        ..FsConfig::default()
-    };
-    let fs = Fs::new(mem.clone() as Arc<dyn ObjectStore>, cfg);
-    Env {
-        fs,
-        mem,
-        _cache: cache,
-    }
-}
+use support::{env, ME};
 
 async fn put(mem: &MemoryStore, key: &str) {
     mem.put(key, Bytes::from_static(b"x"), &UserMeta::new())

@@ -7,6 +7,8 @@
 //!
 //! `PROPTEST_CASES` sets the number of sequences (default 24).
 
+mod support;
+
 use bucketfs_fs::{Caller, Fs, FsConfig, SetAttr, ROOT_INO};
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::{ObjectStore, UserMeta};
@@ -14,6 +16,7 @@ use bytes::Bytes;
 use proptest::prelude::*;
 use std::ffi::OsStr;
 use std::sync::Arc;
+use support::object;
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
@@ -66,11 +69,6 @@ fn fill(n: u64, seed: u8) -> Vec<u8> {
 
 fn at(fraction: u8, size: u64) -> u64 {
     size * fraction as u64 / 64
-}
-
-async fn object(mem: &MemoryStore, key: &str) -> Vec<u8> {
-    let m = mem.head(key).await.unwrap();
-    mem.get_range(key, 0..m.size, None).await.unwrap().to_vec()
 }
 
 fn run(base: Option<u64>, budget: u64, steps: Vec<Step>) -> Result<(), TestCaseError> {

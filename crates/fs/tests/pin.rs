@@ -3,37 +3,15 @@
 //! replaced the object meanwhile, and the other client's version stays whole. A whole
 //! rewrite stays last-writer-wins. In-process, against the memory store.
 
-use bucketfs_fs::{Fs, FsConfig, FsError, SetAttr, ROOT_INO};
+mod support;
+
+use bucketfs_fs::{Fs, FsError, SetAttr, ROOT_INO};
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::{ObjectStore, UserMeta};
 use bytes::Bytes;
 use rand::{RngCore, SeedableRng};
 use std::ffi::OsStr;
-use std::sync::Arc;
-
-const MIB: u64 = 1024 * 1024;
-
-struct Env {
-    fs: Arc<Fs>,
-    mem: Arc<MemoryStore>,
-    _cache: tempfile::TempDir,
-}
-
-fn env() -> Env {
-    let mem = Arc::new(MemoryStore::new());
-    let cache = tempfile::tempdir().unwrap();
-    let cfg = FsConfig {
-        part_size: 5 * MIB,
-        cache_dir: cache.path().to_path_buf(),
-        ..FsConfig::default()
-    };
-    let fs = Fs::new(mem.clone(), cfg);
-    Env {
-        fs,
-        mem,
-        _cache: cache,
-    }
-}
+use support::{env, object, write_mib, MIB};
 
 fn random(n: u64, seed: u64) -> Vec<u8> {
     let mut v = vec![0u8; n as usize];
@@ -51,20 +29,6 @@ async fn put(mem: &MemoryStore, key: &str, data: &[u8], meta: &[(&str, &str)]) {
         .unwrap();
 }
 
-async fn object(mem: &MemoryStore, key: &str) -> Vec<u8> {
-    let m = mem.head(key).await.unwrap();
-    mem.get_range(key, 0..m.size, None).await.unwrap().to_vec()
-}
-
-/// Writes `data` at `at` in 1 MiB writes.
-async fn write_at(fs: &Fs, ino: u64, fh: u64, at: u64, data: &[u8]) {
-    for (i, c) in data.chunks(MIB as usize).enumerate() {
-        fs.write(ino, fh, at + i as u64 * MIB, Bytes::copy_from_slice(c))
-            .await
-            .unwrap();
-    }
-}
-
 /// Opens `name` (looked up in the root) with `flags`: (ino, fh).
 async fn open(fs: &Fs, name: &str, flags: i32) -> (u64, u64) {
     let a = fs.lookup(ROOT_INO, OsStr::new(name)).await.unwrap();
@@ -77,7 +41,7 @@ async fn an_append_racing_a_replace_fails_and_keeps_the_other_version() {
     // On a part boundary (5 MiB parts here), so no base byte needs a GET: three copies.
     put(&e.mem, "f", &random(15 * MIB, 1), &[]).await;
     let (ino, fh) = open(&e.fs, "f", libc::O_WRONLY | libc::O_APPEND).await;
-    write_at(&e.fs, ino, fh, 15 * MIB, &random(8 * MIB, 2)).await;
+    write_mib(&e.fs, ino, fh, 15 * MIB, &random(8 * MIB, 2)).await;
     let other = random(16 * MIB, 3);
     put(&e.mem, "f", &other, &[]).await;
     // Before: parts copied from the other version + our 8 MiB, and close said 0.
@@ -96,7 +60,7 @@ async fn a_rewritten_part_racing_a_replace_fails_and_keeps_the_other_version() {
     put(&e.mem, "f", &random(15 * MIB, 1), &[]).await;
     let (ino, fh) = open(&e.fs, "f", libc::O_WRONLY).await;
     // One whole part in the middle: streamed as it is written, the rest copied at close.
-    write_at(&e.fs, ino, fh, 5 * MIB, &random(5 * MIB, 2)).await;
+    write_mib(&e.fs, ino, fh, 5 * MIB, &random(5 * MIB, 2)).await;
     let other = random(15 * MIB, 3);
     put(&e.mem, "f", &other, &[]).await;
     assert_eq!(e.fs.fsync(ino, fh).await, Err(FsError(libc::ESTALE)));
@@ -169,7 +133,7 @@ async fn a_whole_rewrite_is_last_writer_wins() {
     put(&e.mem, "f", &random(12 * MIB, 1), &[]).await;
     let (ino, fh) = open(&e.fs, "f", libc::O_WRONLY | libc::O_TRUNC).await;
     let ours = random(12 * MIB, 2);
-    write_at(&e.fs, ino, fh, 0, &ours).await;
+    write_mib(&e.fs, ino, fh, 0, &ours).await;
     put(&e.mem, "f", b"other client", &[]).await;
     e.fs.flush(ino, fh).await.unwrap();
     e.fs.release(ino, fh).await.unwrap();
@@ -228,7 +192,7 @@ async fn a_rename_of_a_file_being_rewritten_racing_a_replace_fails() {
     let e = env();
     put(&e.mem, "a", &random(15 * MIB, 1), &[]).await;
     let (ino, fh) = open(&e.fs, "a", libc::O_WRONLY | libc::O_APPEND).await;
-    write_at(&e.fs, ino, fh, 15 * MIB, &random(8 * MIB, 2)).await;
+    write_mib(&e.fs, ino, fh, 15 * MIB, &random(8 * MIB, 2)).await;
     let other = random(16 * MIB, 3);
     put(&e.mem, "a", &other, &[]).await;
     // The object the rename moves must be the file's base: refused, and so is the close.

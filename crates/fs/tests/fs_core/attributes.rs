@@ -1,0 +1,150 @@
+//! Attributes, symlinks, inode lifetime, read-only mounts and name limits.
+
+use crate::support::{config, env, object, put, read_all, write_file, ME};
+use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
+use bucketfs_store::memory::MemoryStore;
+use bucketfs_store::ObjectStore;
+use std::ffi::OsStr;
+use std::sync::Arc;
+
+#[tokio::test]
+async fn symlink_is_stored_like_s3fs() {
+    let e = env();
+    let a =
+        e.fs.symlink(
+            ROOT_INO,
+            OsStr::new("ln"),
+            std::path::Path::new("../target"),
+            ME,
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.kind, FileKind::Symlink);
+    assert_eq!(object(&e.mem, "ln").await, b"../target");
+    let m = e.mem.head("ln").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFLNK | 0o777).to_string());
+    // A fresh mount reads it back from the store.
+    let cache = tempfile::tempdir().unwrap();
+    let fs2 = Fs::new(e.mem.clone(), config(&cache));
+    let l = fs2.lookup(ROOT_INO, OsStr::new("ln")).await.unwrap();
+    assert_eq!(l.kind, FileKind::Symlink);
+    assert_eq!(&fs2.readlink(l.ino).await.unwrap()[..], b"../target");
+}
+
+#[tokio::test]
+async fn chmod_chown_utimens_persist_in_metadata() {
+    let e = env();
+    put(&e.mem, "m", b"data").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("m")).await.unwrap();
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000);
+    let a =
+        e.fs.setattr(
+            a.ino,
+            None,
+            SetAttr {
+                mode: Some(0o751),
+                uid: Some(42),
+                gid: Some(43),
+                mtime: Some(t),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((a.perm, a.uid, a.gid, a.mtime), (0o751, 42, 43, t));
+    let m = e.mem.head("m").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o751).to_string());
+    assert_eq!(m.user["mtime"], "1000000000");
+    assert_eq!(object(&e.mem, "m").await, b"data");
+    let cache = tempfile::tempdir().unwrap();
+    let fs2 = Fs::new(e.mem.clone(), config(&cache));
+    let b = fs2.lookup(ROOT_INO, OsStr::new("m")).await.unwrap();
+    assert_eq!((b.perm, b.uid, b.gid, b.mtime), (0o751, 42, 43, t));
+}
+
+#[tokio::test]
+async fn forget_drops_inodes() {
+    let e = env();
+    put(&e.mem, "a", b"1").await;
+    let base = e.fs.inode_count();
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    assert_eq!(e.fs.inode_count(), base + 1);
+    e.fs.forget(a.ino, 1);
+    assert_eq!(e.fs.inode_count(), base + 1);
+    e.fs.forget(a.ino, 1);
+    assert_eq!(e.fs.inode_count(), base);
+}
+
+#[tokio::test]
+async fn read_only_refuses_changes() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "a", b"1").await;
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            read_only: true,
+            ..config(&cache)
+        },
+    );
+    let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    assert_eq!(
+        fs.open(a.ino, libc::O_WRONLY).await.err(),
+        Some(FsError::EROFS)
+    );
+    assert_eq!(
+        fs.mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME).await,
+        Err(FsError::EROFS)
+    );
+    assert_eq!(
+        fs.unlink(ROOT_INO, OsStr::new("a")).await,
+        Err(FsError::EROFS)
+    );
+}
+
+#[tokio::test]
+async fn names_over_255_bytes_are_refused() {
+    let e = env();
+    let long = "n".repeat(256);
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new(&long)).await,
+        Err(FsError::ENAMETOOLONG)
+    );
+    let ok = "n".repeat(255);
+    write_file(&e.fs, &ok, b"x").await;
+    assert_eq!(read_all(&e.fs, &ok).await, b"x");
+}
+
+#[tokio::test]
+async fn paths_whose_key_exceeds_1024_bytes_are_refused() {
+    let e = env();
+    let mut dir = ROOT_INO;
+    // Four levels of 250-byte names: the fifth name pushes the key past 1,024 bytes.
+    for i in 0..4 {
+        let name = format!("{i}").repeat(250);
+        dir =
+            e.fs.mkdir(dir, OsStr::new(&name), 0o755, 0, ME)
+                .await
+                .unwrap()
+                .ino;
+    }
+    assert_eq!(
+        e.fs.create(
+            dir,
+            OsStr::new(&"x".repeat(30)),
+            0o644,
+            0,
+            libc::O_WRONLY,
+            ME
+        )
+        .await
+        .err(),
+        Some(FsError::ENAMETOOLONG)
+    );
+    assert!(e
+        .fs
+        .create(dir, OsStr::new("ok"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .is_ok());
+}

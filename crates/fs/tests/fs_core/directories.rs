@@ -1,0 +1,681 @@
+//! Directories, listings and lookups: markers, prefixes, statahead, readdirplus, request counts.
+
+use crate::support::{config, env, env_on, faulty_fs, list, put, random, write_file, Env, ME};
+use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, ROOT_INO};
+use bucketfs_store::fault::Fault;
+use bucketfs_store::memory::MemoryStore;
+use bucketfs_store::metrics::Op;
+use bucketfs_store::ObjectStore;
+use bucketfs_store::{StoreError, UserMeta};
+use bytes::Bytes;
+use std::ffi::OsStr;
+use std::sync::Arc;
+
+/// s3fs-style metadata of a file with permissions `perm` and mtime `secs`.
+fn file_meta(perm: u32, secs: u64) -> UserMeta {
+    [
+        ("mode", (libc::S_IFREG | perm).to_string()),
+        ("uid", "1234".to_string()),
+        ("gid", "5678".to_string()),
+        ("mtime", secs.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+#[tokio::test]
+async fn directories_markers_and_implied_prefixes() {
+    let e = env();
+    put(&e.mem, "implied/x/y.txt", b"y").await;
+    put(&e.mem, "top.txt", b"top").await;
+    let d =
+        e.fs.mkdir(ROOT_INO, OsStr::new("made"), 0o750, 0, ME)
+            .await
+            .unwrap();
+    assert_eq!(d.kind, FileKind::Dir);
+    // The marker goes up in the background; fsync of the parent waits for it.
+    e.fs.fsyncdir(ROOT_INO).await.unwrap();
+    let m = e.mem.head("made/").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o750).to_string());
+    let (f, h) =
+        e.fs.create(d.ino, OsStr::new("new"), 0o600, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    // Not uploaded yet, but listed.
+    let names = list(&e.fs, d.ino).await;
+    assert_eq!(names, [".", "..", "new"]);
+    assert_eq!(
+        e.fs.rmdir(ROOT_INO, OsStr::new("made")).await,
+        Err(FsError::ENOTEMPTY)
+    );
+    e.fs.flush(f.ino, h.fh).await.unwrap();
+    e.fs.release(f.ino, h.fh).await.unwrap();
+    assert!(e.mem.head("made/new").await.is_ok());
+
+    let root = list(&e.fs, ROOT_INO).await;
+    assert_eq!(root, [".", "..", "implied", "made", "top.txt"]);
+    let i = e.fs.lookup(ROOT_INO, OsStr::new("implied")).await.unwrap();
+    assert_eq!(i.kind, FileKind::Dir);
+    let x = e.fs.lookup(i.ino, OsStr::new("x")).await.unwrap();
+    let y = e.fs.lookup(x.ino, OsStr::new("y.txt")).await.unwrap();
+    assert_eq!((y.kind, y.size), (FileKind::File, 1));
+
+    e.fs.unlink(d.ino, OsStr::new("new")).await.unwrap();
+    e.fs.rmdir(ROOT_INO, OsStr::new("made")).await.unwrap();
+    assert!(e.mem.keys().iter().all(|k| !k.starts_with("made")));
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new("made")).await,
+        Err(FsError::ENOENT)
+    );
+}
+
+/// mkdir answers before its marker is stored; whatever needs the marker waits for it, and a
+/// marker that could not be stored is reported (EIO) and sent again, never lost silently.
+#[tokio::test]
+async fn directory_markers_go_up_in_the_background_and_failures_are_reported() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let slow = std::time::Duration::from_millis(300);
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(slow));
+    let t0 = std::time::Instant::now();
+    let a = fs
+        .mkdir(ROOT_INO, OsStr::new("a"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    assert!(t0.elapsed() < slow, "mkdir waited for its marker");
+    assert!(mem.head("a/").await.is_err(), "not up yet");
+    // A listing of the parent shows it from the bucket: it waits for the marker.
+    let fh = fs.opendir(ROOT_INO).await.unwrap();
+    let names: Vec<String> = fs
+        .readdir(ROOT_INO, fh, 0)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert!(names.contains(&"a".to_string()), "{names:?}");
+    assert!(mem.head("a/").await.is_ok());
+
+    // A marker that cannot be stored: mkdir still succeeds, fsync of the parent says EIO.
+    let down = || Fault::Error(StoreError::Transient("connection refused".into()));
+    faulty.inject(Op::Put, 0, Some(2), down());
+    let b = fs
+        .mkdir(a.ino, OsStr::new("b"), 0o700, 0, ME)
+        .await
+        .unwrap();
+    assert_eq!(fs.fsyncdir(a.ino).await, Err(FsError::EIO));
+    // The next fsync sends it again (the second injected failure), and then once the store is
+    // back it lands, with its mode.
+    assert_eq!(fs.fsyncdir(a.ino).await, Err(FsError::EIO));
+    fs.fsyncdir(a.ino).await.unwrap();
+    let m = mem.head("a/b/").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o700).to_string());
+
+    // rmdir of a directory whose marker is still in flight: the DELETE comes after the PUT,
+    // so no marker is left behind.
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(slow));
+    fs.mkdir(b.ino, OsStr::new("c"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    fs.rmdir(b.ino, OsStr::new("c")).await.unwrap();
+    tokio::time::sleep(slow).await;
+    assert!(mem.head("a/b/c/").await.is_err(), "marker resurrected");
+
+    // A directory whose new subdirectory's marker is still in flight is not empty.
+    faulty.inject(Op::Put, 0, Some(2), Fault::Delay(slow));
+    let e = fs
+        .mkdir(b.ino, OsStr::new("e"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    fs.mkdir(e.ino, OsStr::new("sub"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    assert_eq!(
+        fs.rmdir(b.ino, OsStr::new("e")).await,
+        Err(FsError::ENOTEMPTY)
+    );
+
+    // Unmount (shutdown) stores every marker still pending.
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(slow));
+    fs.mkdir(b.ino, OsStr::new("d"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    assert_eq!(fs.shutdown().await, 0);
+    assert!(mem.head("a/b/d/").await.is_ok());
+}
+
+#[tokio::test]
+async fn prefix_mount_sees_only_its_prefix() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "outside", b"o").await;
+    put(&mem, "p/q/inside", b"i").await;
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            prefix: "p/q/".into(),
+            ..config(&cache)
+        },
+    );
+    assert_eq!(list(&fs, ROOT_INO).await, [".", "..", "inside"]);
+    write_file(&fs, "new", b"n").await;
+    assert!(mem.head("p/q/new").await.is_ok());
+}
+
+#[tokio::test]
+async fn ls_l_costs_one_list_and_one_head_per_file_with_statahead() {
+    let e = env();
+    for i in 0..300 {
+        put(&e.mem, &format!("d/f{i:04}"), b"x").await;
+    }
+    let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let names = list(&e.fs, d.ino).await;
+    assert_eq!(names.len(), 302);
+    // The lookup's LIST fetched the page the listing then used.
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 1);
+    let before = (before.0, e.metrics.requests(Op::Head));
+    // Stat every entry in order, as ls -l does.
+    for n in &names[2..] {
+        let a = e.fs.lookup(d.ino, OsStr::new(n)).await.unwrap();
+        assert_eq!(a.size, 1);
+    }
+    // No LIST per file, one HEAD per file (statahead fetched most of them in the background).
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 1);
+    let heads = e.metrics.requests(Op::Head) - before.1;
+    assert!((300..=310).contains(&heads), "{heads} HEADs for 300 files");
+    // Names the listing does not have are answered without a request.
+    let total = e.metrics.total_requests();
+    assert_eq!(
+        e.fs.lookup(d.ino, OsStr::new("missing")).await,
+        Err(FsError::ENOENT)
+    );
+    assert_eq!(e.metrics.total_requests(), total);
+}
+
+#[tokio::test]
+async fn ls_l_with_metadata_in_the_listing_sends_no_head() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    let t0 = 1_600_000_000u64;
+    for i in 0..300u32 {
+        let meta = file_meta(0o600 + (i % 64), t0 + i as u64);
+        e.mem
+            .put(&format!("d/f{i:04}"), Bytes::from_static(b"xy"), &meta)
+            .await
+            .unwrap();
+    }
+    let link: UserMeta = [("mode".to_string(), (libc::S_IFLNK | 0o777).to_string())].into();
+    e.mem
+        .put("d/link", Bytes::from_static(b"f0000"), &link)
+        .await
+        .unwrap();
+    put(&e.mem, "d/plain", b"foreign").await; // no metadata at all
+    let marker: UserMeta = [("mode".to_string(), (libc::S_IFDIR | 0o710).to_string())].into();
+    e.mem.put("d/sub/", Bytes::new(), &marker).await.unwrap();
+    put(&e.mem, "d/sub/inner", b"").await;
+
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::List), 1);
+    let before = e.metrics.total_requests();
+    let heads = e.metrics.requests(Op::Head);
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    let entries = e.fs.readdir(d.ino, fh, 0).await.unwrap();
+    e.fs.releasedir(d.ino, fh);
+    assert_eq!(entries.len(), 2 + 303);
+    // The kind of a symlink shows in the listing itself.
+    let kind = |n: &str| entries.iter().find(|e| e.name == n).unwrap().kind;
+    assert_eq!(kind("link"), FileKind::Symlink);
+    assert_eq!(kind("f0007"), FileKind::File);
+    assert_eq!(kind("sub"), FileKind::Dir);
+    // The listing's page came with the lookup of d.
+    assert_eq!(e.metrics.requests(Op::List), 1);
+    // Stat every file as ls -l does: all from the listing, no HEAD.
+    for i in 0..300u32 {
+        let a =
+            e.fs.lookup(d.ino, OsStr::new(&format!("f{i:04}")))
+                .await
+                .unwrap();
+        assert_eq!(a.kind, FileKind::File);
+        assert_eq!(a.size, 2);
+        assert_eq!(a.perm as u32, 0o600 + (i % 64), "f{i:04}");
+        assert_eq!((a.uid, a.gid), (1234, 5678));
+        assert_eq!(
+            a.mtime,
+            std::time::UNIX_EPOCH + std::time::Duration::from_secs(t0 + i as u64)
+        );
+    }
+    let l = e.fs.lookup(d.ino, OsStr::new("link")).await.unwrap();
+    assert_eq!(l.kind, FileKind::Symlink);
+    let p = e.fs.lookup(d.ino, OsStr::new("plain")).await.unwrap();
+    assert_eq!((p.kind, p.perm), (FileKind::File, 0o644));
+    assert_eq!(
+        e.metrics.total_requests() - before,
+        0,
+        "the lookup's LIST was all"
+    );
+    assert_eq!(e.metrics.requests(Op::Head), heads);
+    // A listed subdirectory costs one LIST, which also carries its marker's metadata.
+    let s = e.fs.lookup(d.ino, OsStr::new("sub")).await.unwrap();
+    assert_eq!((s.kind, s.perm), (FileKind::Dir, 0o710));
+    assert_eq!(e.metrics.total_requests() - before, 1);
+    assert_eq!(e.metrics.requests(Op::Head), heads);
+    // The target of a symlink is its body: one GET.
+    assert_eq!(&e.fs.readlink(l.ino).await.unwrap()[..], b"f0000");
+    assert_eq!(e.metrics.requests(Op::Get), 1);
+}
+
+#[tokio::test]
+async fn walks_that_stat_no_file_list_without_metadata_until_files_are_stat_ed() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    for d in 0..6 {
+        for i in 0..100 {
+            e.mem
+                .put(
+                    &format!("d{d}/f{i:03}"),
+                    Bytes::from_static(b"x"),
+                    &file_meta(0o640, 1_600_000_000),
+                )
+                .await
+                .unwrap();
+        }
+    }
+    let mut dirs = Vec::new();
+    for d in 0..5 {
+        let a =
+            e.fs.lookup(ROOT_INO, OsStr::new(&format!("d{d}")))
+                .await
+                .unwrap();
+        // A walk like `find`: the directory is listed, its files are not stat'ed.
+        assert_eq!(list(&e.fs, a.ino).await.len(), 102);
+        dirs.push(a.ino);
+    }
+    let stat_all = |ino: u64| {
+        let fs = e.fs.clone();
+        async move {
+            for i in 0..100 {
+                let a = fs
+                    .lookup(ino, OsStr::new(&format!("f{i:03}")))
+                    .await
+                    .unwrap();
+                assert_eq!(a.perm, 0o640);
+            }
+        }
+    };
+    // The first directory was listed with metadata; after its 100 unused entries the others
+    // were listed without, so their files need a HEAD each (statahead).
+    let heads = e.metrics.requests(Op::Head);
+    stat_all(dirs[4]).await;
+    let after = e.metrics.requests(Op::Head);
+    assert!(after - heads >= 100, "{} HEADs", after - heads);
+    stat_all(dirs[0]).await;
+    assert_eq!(e.metrics.requests(Op::Head), after);
+    // Listed files were stat'ed: the next listing carries the metadata again.
+    let d5 = e.fs.lookup(ROOT_INO, OsStr::new("d5")).await.unwrap();
+    let after = e.metrics.requests(Op::Head);
+    assert_eq!(list(&e.fs, d5.ino).await.len(), 102);
+    stat_all(d5.ino).await;
+    assert_eq!(e.metrics.requests(Op::Head), after);
+}
+
+#[tokio::test]
+async fn listed_subdirectories_cost_no_head_of_the_name() {
+    // A store whose listings have no metadata: the subdirectory's marker needs a HEAD, but
+    // the name itself (which the listing says is a directory) is not HEADed as a file.
+    let e = env();
+    let marker: UserMeta = [("mode".to_string(), (libc::S_IFDIR | 0o750).to_string())].into();
+    e.mem.put("sub/", Bytes::new(), &marker).await.unwrap();
+    put(&e.mem, "implied/x", b"").await;
+    let names = list(&e.fs, ROOT_INO).await;
+    assert_eq!(names, [".", "..", "implied", "sub"]);
+    let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+    let s = e.fs.lookup(ROOT_INO, OsStr::new("sub")).await.unwrap();
+    assert_eq!((s.kind, s.perm), (FileKind::Dir, 0o750));
+    let i = e.fs.lookup(ROOT_INO, OsStr::new("implied")).await.unwrap();
+    assert_eq!((i.kind, i.perm), (FileKind::Dir, 0o755));
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 2);
+    assert_eq!(
+        e.metrics.requests(Op::Head) - before.1,
+        1,
+        "the marker of sub"
+    );
+}
+
+#[tokio::test]
+async fn a_listed_directory_that_became_a_file_is_found() {
+    let e = env();
+    put(&e.mem, "x/y", b"").await;
+    assert_eq!(list(&e.fs, ROOT_INO).await, [".", "..", "x"]);
+    // Another client replaces the directory with a file before the stat.
+    e.mem.delete("x/y").await.unwrap();
+    put(&e.mem, "x", b"now a file").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("x")).await.unwrap();
+    assert_eq!((a.kind, a.size), (FileKind::File, 10));
+}
+
+#[tokio::test]
+async fn creating_files_in_a_new_directory_sends_only_puts() {
+    let e = env();
+    let d =
+        e.fs.mkdir(ROOT_INO, OsStr::new("new"), 0o755, 0, ME)
+            .await
+            .unwrap();
+    e.fs.fsyncdir(ROOT_INO).await.unwrap();
+    let before = e.metrics.total_requests();
+    for i in 0..100 {
+        let name = format!("f{i}");
+        // The kernel looks a name up before creating it.
+        assert_eq!(
+            e.fs.lookup(d.ino, OsStr::new(&name)).await,
+            Err(FsError::ENOENT)
+        );
+        let (a, h) =
+            e.fs.create(d.ino, OsStr::new(&name), 0o644, 0, libc::O_WRONLY, ME)
+                .await
+                .unwrap();
+        e.fs.write(a.ino, h.fh, 0, Bytes::from(random(128 * 1024, i)))
+            .await
+            .unwrap();
+        e.fs.flush(a.ino, h.fh).await.unwrap();
+        e.fs.release(a.ino, h.fh).await.unwrap();
+    }
+    assert_eq!(e.metrics.total_requests() - before, 100);
+    assert_eq!(e.metrics.requests(Op::Put), 101);
+    // And they are all there.
+    assert_eq!(list(&e.fs, d.ino).await.len(), 102);
+}
+
+#[tokio::test]
+async fn big_directories_stream_page_by_page() {
+    let e = env();
+    for i in 0..2500 {
+        put(&e.mem, &format!("big/{i:05}"), b"").await;
+    }
+    put(&e.mem, "big/sub/x", b"").await;
+    let before = e.metrics.requests(Op::List);
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    let first = e.fs.readdir(d.ino, fh, 0).await.unwrap();
+    // The first answer needs only the first page (which the lookup fetched).
+    assert_eq!(e.metrics.requests(Op::List) - before, 1);
+    assert!(first.len() >= 100);
+    e.fs.releasedir(d.ino, fh);
+    let names = list(&e.fs, d.ino).await;
+    assert_eq!(names.len(), 2 + 2501);
+    assert!(names.contains(&"sub".to_string()));
+}
+
+/// An application opening the files of a cold directory by name (no readdir): after a few
+/// misses the directory is listed once, and the other names, present or not, cost nothing.
+#[tokio::test]
+async fn lookups_of_many_names_in_one_directory_list_it_once() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    for i in 0..40u32 {
+        let meta = file_meta(0o640, 1_600_000_000 + i as u64);
+        e.mem
+            .put(&format!("d/f{i:02}"), Bytes::from_static(b"abc"), &meta)
+            .await
+            .unwrap();
+    }
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let before = e.metrics.total_requests();
+    for i in 0..40u32 {
+        let a =
+            e.fs.lookup(d.ino, OsStr::new(&format!("f{i:02}")))
+                .await
+                .unwrap();
+        assert_eq!((a.size, a.perm), (3, 0o640), "f{i:02}");
+    }
+    // Names that do not exist: answered by the listing too.
+    for n in ["nope", "f99"] {
+        assert_eq!(
+            e.fs.lookup(d.ino, OsStr::new(n)).await.unwrap_err(),
+            FsError::ENOENT
+        );
+    }
+    // Two names probed (HEAD + LIST each), then the rest answered by a listing whose page
+    // the lookup of d had fetched already.
+    assert_eq!(e.metrics.total_requests() - before, 2 * 2);
+}
+
+/// A single lookup in a cold directory still probes just its name: no listing of a
+/// directory that may be huge. The page the directory's lookup fetched showed `f3` as a
+/// file (this store lists no metadata), so only its HEAD is needed, not LIST `f3/`.
+#[tokio::test]
+async fn a_lone_lookup_does_not_list_the_directory() {
+    let e = env();
+    for i in 0..5u32 {
+        put(&e.mem, &format!("d/f{i}"), b"x").await;
+    }
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let lists = e.metrics.requests(Op::List);
+    e.fs.lookup(d.ino, OsStr::new("f3")).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::Head), 2, "HEAD d, HEAD f3");
+    assert_eq!(e.metrics.requests(Op::List), lists, "HEAD f3 only");
+}
+
+/// readdirplus entries: attributes a listing carried are complete (no request, one lookup
+/// each); an entry listed without metadata is registered stale, so its stat asks the store and
+/// a symlink the listing could not tell from a file gets its true type.
+#[tokio::test]
+async fn readdirplus_entries_are_complete_only_with_metadata() {
+    for with_meta in [true, false] {
+        let e = env_on(if with_meta {
+            MemoryStore::with_list_metadata()
+        } else {
+            MemoryStore::new()
+        });
+        e.mem
+            .put(
+                "d/f",
+                Bytes::from_static(b"abc"),
+                &file_meta(0o600, 1_600_000_000),
+            )
+            .await
+            .unwrap();
+        let link: UserMeta = [("mode".to_string(), (libc::S_IFLNK | 0o777).to_string())].into();
+        e.mem
+            .put("d/l", Bytes::from_static(b"f"), &link)
+            .await
+            .unwrap();
+        let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+        let fh = e.fs.opendir(d.ino).await.unwrap();
+        let entries = e.fs.readdir(d.ino, fh, 0).await.unwrap();
+        e.fs.releasedir(d.ino, fh);
+        let inodes = e.fs.inode_count();
+        let before = e.metrics.total_requests();
+        let mut got = std::collections::HashMap::new();
+        for ent in &entries {
+            let (attr, complete) = e.fs.plus_entry(d.ino, ent).unwrap();
+            got.insert(ent.name.clone(), (attr, complete));
+        }
+        assert_eq!(
+            e.metrics.total_requests(),
+            before,
+            "no request for readdirplus"
+        );
+        assert_eq!(e.fs.inode_count(), inodes + 2, "f and l registered");
+        let (f, f_complete) = &got["f"];
+        let (l, l_complete) = &got["l"];
+        assert_eq!((*f_complete, *l_complete), (with_meta, with_meta));
+        if with_meta {
+            assert_eq!((f.perm, f.size), (0o600, 3));
+            assert_eq!(l.kind, FileKind::Symlink);
+        }
+        // Each entry counted one lookup: forgetting it once drops the inode.
+        e.fs.forget(f.ino, 1);
+        assert_eq!(e.fs.inode_count(), inodes + 1);
+        // A stat after readdirplus: free with metadata, else one HEAD; the symlink's type is
+        // right either way.
+        let s = e.fs.getattr(l.ino).await;
+        let l2 = e.fs.lookup(d.ino, OsStr::new("l")).await.unwrap();
+        assert_eq!(l2.kind, FileKind::Symlink);
+        if with_meta {
+            assert_eq!(s.unwrap().kind, FileKind::Symlink);
+            assert_eq!(e.metrics.total_requests(), before);
+        } else {
+            assert!(e.metrics.requests(Op::Head) >= 1);
+        }
+    }
+}
+
+/// Lets background statahead finish (the memory store answers at once).
+async fn settle() {
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+}
+
+/// One stat of a name in a listed directory (`ls -l dir` after a listing of its parent) stats
+/// nothing else; the second lookup from the same listing starts statahead.
+#[tokio::test]
+async fn statahead_starts_at_the_second_lookup_from_a_listing() {
+    let e = env();
+    for d in ["a", "b", "c"] {
+        put(&e.mem, &format!("{d}/x"), b"x").await;
+    }
+    for i in 0..10 {
+        put(&e.mem, &format!("f{i}"), b"x").await;
+    }
+    assert_eq!(list(&e.fs, ROOT_INO).await.len(), 2 + 13);
+    let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    assert_eq!(a.kind, FileKind::Dir);
+    settle().await;
+    let sent = (
+        e.metrics.requests(Op::List) - before.0,
+        e.metrics.requests(Op::Head) - before.1,
+    );
+    assert_eq!(sent, (1, 0), "LIST a/ only, not b/ and c/ too");
+    // The second lookup: the names after it are stat'ed ahead (c, f0..f9 after b).
+    e.fs.lookup(ROOT_INO, OsStr::new("b")).await.unwrap();
+    settle().await;
+    assert_eq!(e.metrics.requests(Op::List) - before.0, 3, "a/, b/ and c/");
+    assert_eq!(e.metrics.requests(Op::Head) - before.1, 10, "f0..f9");
+    let total = e.metrics.total_requests();
+    for i in 0..10 {
+        e.fs.lookup(ROOT_INO, OsStr::new(&format!("f{i}")))
+            .await
+            .unwrap();
+    }
+    e.fs.lookup(ROOT_INO, OsStr::new("c")).await.unwrap();
+    assert_eq!(e.metrics.total_requests(), total, "all stat'ed ahead");
+}
+
+/// Marker `d/` with metadata and 300 files, on a store whose listings carry metadata.
+async fn dir_with_marker(e: &Env) {
+    let marker: UserMeta = [("mode".to_string(), (libc::S_IFDIR | 0o750).to_string())].into();
+    e.mem.put("d/", Bytes::new(), &marker).await.unwrap();
+    for i in 0..300u32 {
+        e.mem
+            .put(
+                &format!("d/f{i:04}"),
+                Bytes::from_static(b"xy"),
+                &file_meta(0o640, 1_600_000_000),
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// `ls -l d` on a cold mount: the lookup of d lists it from its marker with a full page, and
+/// the listing and the stats of its entries are served from that page: one LIST in all.
+#[tokio::test]
+async fn stat_of_a_directory_then_its_listing_is_one_list() {
+    for parent_listed in [false, true] {
+        let e = env_on(MemoryStore::with_list_metadata());
+        dir_with_marker(&e).await;
+        if parent_listed {
+            assert_eq!(list(&e.fs, ROOT_INO).await, [".", "..", "d"]);
+        }
+        let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Head));
+        let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+        assert_eq!(
+            (d.kind, d.perm),
+            (FileKind::Dir, 0o750),
+            "the marker's mode"
+        );
+        let names = list(&e.fs, d.ino).await;
+        assert_eq!(names.len(), 2 + 300, "the marker is no entry");
+        assert_eq!(names[2], "f0000");
+        for n in &names[2..] {
+            let a = e.fs.lookup(d.ino, OsStr::new(n)).await.unwrap();
+            assert_eq!((a.perm, a.size), (0o640, 2));
+        }
+        settle().await;
+        let lists = e.metrics.requests(Op::List) - before.0;
+        let heads = e.metrics.requests(Op::Head) - before.1;
+        // Not listed by its parent, d's type is unknown: HEAD d goes with the LIST.
+        let want_heads = if parent_listed { 0 } else { 1 };
+        assert_eq!(
+            (lists, heads),
+            (1, want_heads),
+            "parent listed: {parent_listed}"
+        );
+        // The page is used once: the next listing asks the store.
+        assert_eq!(list(&e.fs, d.ino).await.len(), 302);
+        assert_eq!(e.metrics.requests(Op::List) - before.0, 2);
+    }
+}
+
+/// Changes made here between the lookup of a directory and its listing show in the listing:
+/// the page the lookup fetched predates them and is not used.
+#[tokio::test]
+async fn changes_after_a_directory_lookup_show_in_its_listing() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    dir_with_marker(&e).await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let (f, h) =
+        e.fs.create(d.ino, OsStr::new("new"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    e.fs.unlink(d.ino, OsStr::new("f0001")).await.unwrap();
+    let lists = e.metrics.requests(Op::List);
+    let names = list(&e.fs, d.ino).await;
+    assert!(
+        names.contains(&"new".to_string()),
+        "created here, not stored yet"
+    );
+    assert!(!names.contains(&"f0001".to_string()), "removed here");
+    assert_eq!(names.len(), 2 + 300);
+    assert_eq!(e.metrics.requests(Op::List) - lists, 1, "listed again");
+    e.fs.flush(f.ino, h.fh).await.unwrap();
+    e.fs.release(f.ino, h.fh).await.unwrap();
+
+    // A change elsewhere in this mount makes the page stale as well (the epoch is global).
+    let e = env_on(MemoryStore::with_list_metadata());
+    dir_with_marker(&e).await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    write_file(&e.fs, "elsewhere", b"x").await;
+    let lists = e.metrics.requests(Op::List);
+    assert_eq!(list(&e.fs, d.ino).await.len(), 302);
+    assert_eq!(e.metrics.requests(Op::List) - lists, 1);
+}
+
+/// A directory made here whose marker is still on its way when its parent is looked up: the
+/// page that lookup would fetch lacks it, so none is kept, and the listing shows it.
+#[tokio::test]
+async fn a_directory_lookup_keeps_no_page_while_a_marker_below_is_pending() {
+    let mem = Arc::new(MemoryStore::with_list_metadata());
+    put(&mem, "d/f", b"x").await;
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    faulty.inject(
+        Op::Put,
+        0,
+        Some(1),
+        Fault::Delay(std::time::Duration::from_millis(300)),
+    );
+    fs.mkdir(d.ino, OsStr::new("sub"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    // d's attributes are asked again (as after its TTL): a new lookup of it from the store.
+    fs.refresh(d.ino).unwrap();
+    let d2 = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!(d2.ino, d.ino);
+    assert!(
+        mem.head("d/sub/").await.is_err(),
+        "the marker is not up yet"
+    );
+    let mut names = list(&fs, d.ino).await;
+    names.sort();
+    assert_eq!(names, [".", "..", "f", "sub"]);
+}

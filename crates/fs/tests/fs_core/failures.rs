@@ -1,0 +1,312 @@
+//! Store and local failures (fault store, missing staging dir): reported, retried, nothing lost.
+
+use crate::support::{
+    config, counter, faulty_fs, object, put, random, read_all, write_file, write_mib, write_open,
+    ME, MIB,
+};
+use bucketfs_fs::{Fs, FsConfig, FsError, SetAttr, ROOT_INO};
+use bucketfs_store::fault::{Fault, FaultStore};
+use bucketfs_store::memory::MemoryStore;
+use bucketfs_store::metrics::Op;
+use bucketfs_store::{ObjectStore, StoreError};
+use bytes::Bytes;
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `ftruncate` of open file `ino` to `size`.
+async fn set_size(fs: &Fs, ino: u64, fh: u64, size: u64) {
+    let set = SetAttr {
+        size: Some(size),
+        ..SetAttr::default()
+    };
+    fs.setattr(ino, Some(fh), set).await.unwrap();
+}
+
+#[tokio::test]
+async fn failed_upload_is_reported_and_leaves_nothing() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    faulty.inject(
+        Op::UploadPart,
+        2,
+        None,
+        Fault::Error(StoreError::Transient("connection reset".into())),
+    );
+    let data = random(20 * MIB as usize, 9);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("doomed"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    write_mib(&fs, attr.ino, h.fh, 0, &data).await;
+    assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert!(mem.head("doomed").await.is_err());
+    // The file never reached the bucket, so it does not exist.
+    faulty.clear();
+    assert_eq!(
+        fs.lookup(ROOT_INO, OsStr::new("doomed")).await,
+        Err(FsError::ENOENT)
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert_eq!(mem.pending_uploads(), 0);
+}
+
+/// A publish whose part fails while other parts are being sent: those are waited for, not
+/// dropped, before the upload is aborted (a dropped part the server already has may be
+/// stored after the abort, and kept: MinIO then lists the upload again).
+#[tokio::test]
+async fn a_failed_publish_aborts_only_after_its_running_parts_return() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("sparse"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    // Extended, not written: nothing streams, all 8 parts go at publish, 8 at a time.
+    let size = 40 * MIB;
+    set_size(&fs, attr.ino, h.fh, size).await;
+    faulty.inject(
+        Op::UploadPart,
+        2,
+        Some(1),
+        Fault::Error(StoreError::Transient("connection reset".into())),
+    );
+    faulty.inject(
+        Op::UploadPart,
+        0,
+        None,
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
+    // The failing third request and the two before it, still in their delay.
+    assert!(faulty.parts_started() >= 3, "{}", faulty.parts_started());
+    assert_eq!(faulty.parts_cancelled(), 0, "part requests dropped");
+    assert_eq!(
+        faulty.aborts_racing_parts(),
+        0,
+        "abort sent with parts running"
+    );
+    assert_eq!(mem.pending_uploads(), 0);
+    fs.release(attr.ino, h.fh).await.unwrap();
+}
+
+/// An upload given up while parts of it are on their way (the file shrank below a part and
+/// goes up in one PUT) is aborted after they return.
+#[tokio::test]
+async fn an_abandoned_upload_is_aborted_only_after_its_running_parts_return() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    faulty.inject(
+        Op::UploadPart,
+        0,
+        None,
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    let data = random(7 * MIB as usize, 31);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("shrunk"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    // The first 5 MiB part is on its way when the file is cut to 1 MiB and closed.
+    write_mib(&fs, attr.ino, h.fh, 0, &data).await;
+    set_size(&fs, attr.ino, h.fh, MIB).await;
+    fs.flush(attr.ino, h.fh).await.unwrap();
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(
+        faulty.parts_started(),
+        1,
+        "the first part was not on its way"
+    );
+    assert_eq!(faulty.parts_cancelled(), 0, "part requests dropped");
+    assert_eq!(
+        faulty.aborts_racing_parts(),
+        0,
+        "abort sent with parts running"
+    );
+    assert_eq!(mem.pending_uploads(), 0);
+    assert_eq!(object(&mem, "shrunk").await, &data[..MIB as usize]);
+}
+
+/// A streamed part whose upload fails once is sent again at close: the first part from its
+/// staged copy, a later part (no local copy) from the bytes its failed upload handed back.
+#[tokio::test]
+async fn transient_part_failure_is_resent_at_close() {
+    for part in [0, 2] {
+        let mem = Arc::new(MemoryStore::new());
+        let (faulty, fs, _cache) = faulty_fs(&mem);
+        faulty.inject(
+            Op::UploadPart,
+            part,
+            Some(1),
+            Fault::Error(StoreError::Transient("503".into())),
+        );
+        let data = random(23 * MIB as usize, 10 + part);
+        write_file(&fs, "ok", &data).await;
+        assert_eq!(object(&mem, "ok").await, data, "part {part}");
+        assert_eq!(mem.pending_uploads(), 0);
+    }
+}
+
+/// An unlink whose DeleteObject fails changes nothing: the file open for writing keeps its
+/// name and what was written since its last publish goes up at close.
+#[tokio::test]
+async fn a_failed_unlink_of_a_file_being_written_loses_nothing() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("log"), 0o644, 0, libc::O_RDWR, ME)
+        .await
+        .unwrap();
+    fs.write(attr.ino, h.fh, 0, Bytes::from_static(b"first "))
+        .await
+        .unwrap();
+    fs.fsync(attr.ino, h.fh).await.unwrap();
+    // Rewritten from the start: nothing of the object is needed any more, so the unlink
+    // deletes it rather than keeping a copy for the descriptor.
+    set_size(&fs, attr.ino, h.fh, 0).await;
+    fs.write(attr.ino, h.fh, 0, Bytes::from_static(b"second"))
+        .await
+        .unwrap();
+    faulty.inject(
+        Op::Delete,
+        0,
+        Some(1),
+        Fault::Error(StoreError::Transient("connection reset".into())),
+    );
+    assert_eq!(
+        fs.unlink(ROOT_INO, OsStr::new("log")).await,
+        Err(FsError::EIO)
+    );
+    fs.flush(attr.ino, h.fh).await.unwrap();
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "log").await, b"second");
+    assert!(fs.lookup(ROOT_INO, OsStr::new("log")).await.is_ok());
+}
+
+#[tokio::test]
+async fn broken_read_is_retried_from_the_same_offset() {
+    let mem = Arc::new(MemoryStore::new());
+    let data = random(3 * MIB as usize, 11);
+    put(&mem, "r", &data).await;
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    faulty.inject(Op::Get, 1, Some(2), Fault::DropAfter);
+    assert_eq!(read_all(&fs, "r").await, data);
+}
+
+#[tokio::test]
+async fn abort_that_fails_is_retried_at_shutdown() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let down = || Fault::Error(StoreError::Transient("connection refused".into()));
+    faulty.inject(Op::UploadPart, 1, None, down());
+    faulty.inject(Op::AbortMultipart, 0, None, down());
+    let data = random(12 * MIB as usize, 12);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("x"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    write_mib(&fs, attr.ino, h.fh, 0, &data).await;
+    assert_eq!(fs.flush(attr.ino, h.fh).await, Err(FsError::EIO));
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(mem.pending_uploads(), 1);
+    assert_eq!(fs.pending_aborts(), 1);
+    // The store comes back; shutdown cleans up.
+    faulty.clear();
+    fs.shutdown().await;
+    assert_eq!(mem.pending_uploads(), 0);
+    assert!(mem.head("x").await.is_err());
+}
+
+/// When the staging file cannot be written (here: the cache dir is gone), a write that needs
+/// it fails, and the bytes acknowledged before it, still in memory, are not lost.
+#[tokio::test]
+async fn a_failed_staging_write_keeps_the_bytes_already_written() {
+    let mem = Arc::new(MemoryStore::new());
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            cache_dir: cache.path().join("missing"),
+            ..config(&cache)
+        },
+    );
+    let (a, h) = fs
+        .create(ROOT_INO, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.write(a.ino, h.fh, 0, Bytes::from_static(b"hello"))
+        .await
+        .unwrap();
+    // Not an append: it needs the staging file, which cannot be made.
+    assert!(fs
+        .write(a.ino, h.fh, 100, Bytes::from_static(b"X"))
+        .await
+        .is_err());
+    fs.flush(a.ino, h.fh).await.unwrap();
+    fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, b"hello");
+}
+
+/// The fs over `store` with a cache dir that does not exist: no staging file can be made,
+/// as on a full disk.
+fn fs_without_staging(store: Arc<dyn ObjectStore>) -> (Arc<Fs>, tempfile::TempDir) {
+    let cache = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        cache_dir: cache.path().join("missing"),
+        ..config(&cache)
+    };
+    (Fs::new(store, cfg), cache)
+}
+
+/// Where a streamed part cannot be copied locally, its bytes are only in the upload: a read
+/// of them (and a rename of the file) is EIO, and nothing is published before close; the
+/// writer goes on, and close stores every byte.
+#[tokio::test]
+async fn bytes_only_an_upload_holds_are_eio_never_published() {
+    let mem = Arc::new(MemoryStore::new());
+    let (fs, _cache) = fs_without_staging(mem.clone());
+    let mut data = random(23 * MIB as usize, 78);
+    let (ino, fh) = write_open(&fs, "f", &data).await;
+    assert_eq!(fs.read(ino, fh, 7 * MIB, 4096).await, Err(FsError::EIO));
+    assert_eq!(
+        fs.rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("g"), 0)
+            .await,
+        Err(FsError::EIO)
+    );
+    assert!(mem.keys().is_empty(), "{:?}", mem.keys());
+    assert_eq!(counter(&fs, |m| &m.unreadable_streamed), 1);
+    // The tail (bytes after the last full part) still reads.
+    let b = fs.read(ino, fh, 21 * MIB, 4096).await.unwrap();
+    assert_eq!(&b[..], &data[21 * MIB as usize..21 * MIB as usize + 4096]);
+    let more = random(7 * MIB as usize, 79);
+    write_mib(&fs, ino, fh, 23 * MIB, &more).await;
+    data.extend_from_slice(&more);
+    fs.flush(ino, fh).await.unwrap();
+    fs.release(ino, fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, data);
+    assert_eq!(mem.pending_uploads(), 0);
+}
+
+/// A publish that fails while the upload holds the only copy of some bytes (their local copy
+/// failed) keeps the upload: the next fsync completes it with nothing lost.
+#[tokio::test]
+async fn a_failed_publish_keeps_the_upload_holding_streamed_bytes() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let (fs, _cache) = fs_without_staging(faulty.clone());
+    faulty.inject(
+        Op::CompleteMultipart,
+        0,
+        Some(1),
+        Fault::Error(StoreError::Transient("503".into())),
+    );
+    let data = random(23 * MIB as usize, 74);
+    let (ino, fh) = write_open(&fs, "f", &data).await;
+    assert_eq!(fs.fsync(ino, fh).await, Err(FsError::EIO));
+    assert_eq!(mem.pending_uploads(), 1);
+    fs.fsync(ino, fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, data);
+    fs.release(ino, fh).await.unwrap();
+    assert_eq!(mem.pending_uploads(), 0);
+}

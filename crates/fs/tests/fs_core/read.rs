@@ -1,0 +1,96 @@
+//! Reads: GET sizes, readahead, block reuse and the page cache.
+
+use crate::support::{env, put, random, MIB};
+use bucketfs_fs::{Fs, ROOT_INO};
+use bucketfs_store::metrics::Op;
+use bytes::Bytes;
+use rand::{Rng, SeedableRng};
+use std::ffi::OsStr;
+
+/// Reads `name` with `chunk`-sized reads at the given offsets, checking each against `data`.
+async fn read_at(fs: &Fs, name: &str, data: &[u8], offsets: &[u64], chunk: u32) {
+    let attr = fs.lookup(ROOT_INO, OsStr::new(name)).await.unwrap();
+    let h = fs.open(attr.ino, libc::O_RDONLY).await.unwrap();
+    for &off in offsets {
+        let b = fs.read(attr.ino, h.fh, off, chunk).await.unwrap();
+        let end = (off as usize + chunk as usize).min(data.len());
+        assert_eq!(&b[..], &data[off as usize..end], "at {off}");
+    }
+    fs.release(attr.ino, h.fh).await.unwrap();
+    fs.forget(attr.ino, 1);
+}
+
+#[tokio::test]
+async fn sequential_reads_become_part_sized_gets() {
+    let e = env();
+    let data = random(41 * MIB as usize, 20);
+    put(&e.mem, "seq", &data).await;
+    let offsets: Vec<u64> = (0..data.len() as u64).step_by(128 * 1024).collect();
+    read_at(&e.fs, "seq", &data, &offsets, 128 * 1024).await;
+    // The window grows quickly to 5 MiB parts: a handful of GETs, not one per read.
+    let gets = e.metrics.requests(Op::Get);
+    assert!(gets <= 14, "{gets} GETs for 41 MiB");
+    assert!(e.metrics.bytes_down() <= data.len() as u64 + 4 * MIB);
+}
+
+#[tokio::test]
+async fn random_reads_fetch_little_more_than_asked() {
+    let e = env();
+    let data = random(40 * MIB as usize, 21);
+    put(&e.mem, "rnd", &data).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(22);
+    let offsets: Vec<u64> = (0..50)
+        .map(|_| rng.gen_range(0..data.len() as u64 - 4096))
+        .collect();
+    read_at(&e.fs, "rnd", &data, &offsets, 4096).await;
+    let per_read = e.metrics.bytes_down() / offsets.len() as u64;
+    assert!(
+        per_read <= 256 * 1024,
+        "{per_read} bytes fetched per 4 KiB read"
+    );
+}
+
+#[tokio::test]
+async fn unchanged_files_keep_the_page_cache() {
+    let e = env();
+    put(&e.mem, "k", b"v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let h1 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!h1.keep_cache);
+    e.fs.release(a.ino, h1.fh).await.unwrap();
+    let h2 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(h2.keep_cache);
+    e.fs.release(a.ino, h2.fh).await.unwrap();
+    // Rewritten here: the cached pages are stale.
+    let w =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    e.fs.flush(a.ino, w.fh).await.unwrap();
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    let h3 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!h3.keep_cache);
+    assert_eq!(&e.fs.read(a.ino, h3.fh, 0, 10).await.unwrap()[..], b"v2");
+    e.fs.release(a.ino, h3.fh).await.unwrap();
+}
+
+#[tokio::test]
+async fn random_reads_reuse_recently_fetched_blocks() {
+    let e = env();
+    let data = random(16 * MIB as usize, 40);
+    put(&e.mem, "r16", &data).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+    let offsets: Vec<u64> = (0..2000)
+        .map(|_| rng.gen_range(0..(data.len() as u64 - 16384)) / 16384 * 16384)
+        .collect();
+    read_at(&e.fs, "r16", &data, &offsets, 16384).await;
+    // Blocks of 128 KiB are fetched once and kept: at most one GET per block of the file.
+    let gets = e.metrics.requests(Op::Get);
+    assert!(
+        gets <= 16 * 8 + 8,
+        "{gets} GETs for 2,000 random 16 KiB reads of 16 MiB"
+    );
+}

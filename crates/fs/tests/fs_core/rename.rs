@@ -1,0 +1,252 @@
+//! Renames of files and directories, open or being written.
+
+use crate::support::{
+    config, env, hidden_keys, list, object, put, random, write_file, write_mib, write_open, ME, MIB,
+};
+use bucketfs_fs::{Fs, FsConfig, FsError, ROOT_INO};
+use bucketfs_store::memory::MemoryStore;
+use bucketfs_store::ObjectStore;
+use bytes::Bytes;
+use std::ffi::OsStr;
+use std::sync::Arc;
+
+#[tokio::test]
+async fn rename_file_and_directory() {
+    let e = env();
+    put(&e.mem, "d/a", b"a").await;
+    put(&e.mem, "d/sub/b", b"b").await;
+    put(&e.mem, "f", b"file").await;
+    put(&e.mem, "g", b"old").await;
+    e.fs.rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("g"), 0)
+        .await
+        .unwrap();
+    assert_eq!(object(&e.mem, "g").await, b"file");
+    assert!(e.mem.head("f").await.is_err());
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("e"), 0)
+        .await
+        .unwrap();
+    let keys = e.mem.keys();
+    assert!(keys.contains(&"e/a".to_string()) && keys.contains(&"e/sub/b".to_string()));
+    assert!(keys.iter().all(|k| !k.starts_with("d/")));
+    // The inode the kernel holds now names the new path.
+    let sub = e.fs.lookup(d.ino, OsStr::new("sub")).await.unwrap();
+    let b = e.fs.lookup(sub.ino, OsStr::new("b")).await.unwrap();
+    assert_eq!(b.size, 1);
+    assert_eq!(
+        e.fs.rename(ROOT_INO, OsStr::new("g"), ROOT_INO, OsStr::new("e"), 0)
+            .await,
+        Err(FsError::EISDIR)
+    );
+    assert_eq!(
+        e.fs.rename(
+            ROOT_INO,
+            OsStr::new("e"),
+            ROOT_INO,
+            OsStr::new("g"),
+            libc::RENAME_NOREPLACE
+        )
+        .await,
+        Err(FsError::EEXIST)
+    );
+}
+
+#[tokio::test]
+async fn directory_rename_limit_gives_exdev() {
+    let mem = Arc::new(MemoryStore::new());
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            max_dir_rename_objects: 3,
+            ..config(&cache)
+        },
+    );
+    for i in 0..5 {
+        put(&mem, &format!("big/{i}"), b"x").await;
+    }
+    assert_eq!(
+        fs.rename(ROOT_INO, OsStr::new("big"), ROOT_INO, OsStr::new("b2"), 0)
+            .await,
+        Err(FsError::EXDEV)
+    );
+    assert_eq!(mem.keys().len(), 5);
+}
+
+#[tokio::test]
+async fn directory_rename_on_the_local_store_leaves_no_old_directory() {
+    let root = tempfile::tempdir().unwrap();
+    let local = Arc::new(bucketfs_store::local::LocalStore::open(root.path()).unwrap());
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(local, config(&cache));
+    let d = fs
+        .mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    let e = fs
+        .mkdir(d.ino, OsStr::new("e"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    let (f, h) = fs
+        .create(e.ino, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.write(f.ino, h.fh, 0, Bytes::from_static(b"content"))
+        .await
+        .unwrap();
+    fs.flush(f.ino, h.fh).await.unwrap();
+    fs.release(f.ino, h.fh).await.unwrap();
+    fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+        .await
+        .unwrap();
+    assert!(!root.path().join("d").exists());
+    assert_eq!(
+        std::fs::read(root.path().join("d2/e/f")).unwrap(),
+        b"content"
+    );
+    assert_eq!(list(&fs, ROOT_INO).await, [".", "..", "d2"]);
+}
+
+#[tokio::test]
+async fn an_open_file_keeps_reading_after_a_rename() {
+    let e = env();
+    let data = random(12 * MIB as usize, 50);
+    put(&e.mem, "a", &data).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let first = e.fs.read(a.ino, h.fh, 0, 1 << 20).await.unwrap();
+    assert_eq!(&first[..], &data[..1 << 20]);
+    e.fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .unwrap();
+    let later = e.fs.read(a.ino, h.fh, 9 << 20, 1 << 20).await.unwrap();
+    assert_eq!(&later[..], &data[9 << 20..10 << 20]);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+}
+
+/// Rename of a file being written publishes nothing: the old name is gone at once, the
+/// file's previous complete object moves to the new name (a new file has none there until
+/// close), the upload of the old key is aborted, and close stores the whole file under the
+/// new name, streamed parts sent again from their local copies.
+#[tokio::test]
+async fn rename_of_a_file_being_written_publishes_nothing() {
+    let e = env();
+    let old = random(3 * MIB as usize, 80);
+    put(&e.mem, "a", &old).await;
+    put(&e.mem, "taken", b"replaced").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let h =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    let mut data = random(13 * MIB as usize, 81);
+    write_mib(&e.fs, a.ino, h.fh, 0, &data).await;
+    let (n, nh) = write_open(&e.fs, "n", &random(12 * MIB as usize, 82)).await;
+    e.fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .unwrap();
+    e.fs.rename(ROOT_INO, OsStr::new("n"), ROOT_INO, OsStr::new("taken"), 0)
+        .await
+        .unwrap();
+    assert_eq!(e.mem.keys(), ["b"]);
+    assert_eq!(object(&e.mem, "b").await, old);
+    assert_eq!(e.mem.pending_uploads(), 0);
+    let more = random(4 * MIB as usize, 83);
+    write_mib(&e.fs, a.ino, h.fh, 13 * MIB, &more).await;
+    data.extend_from_slice(&more);
+    assert_eq!(object(&e.mem, "b").await, old);
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "b").await, data);
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("b")).await.unwrap();
+    assert_eq!(attr.size, data.len() as u64);
+    e.fs.flush(n, nh).await.unwrap();
+    e.fs.release(n, nh).await.unwrap();
+    assert_eq!(object(&e.mem, "taken").await, random(12 * MIB as usize, 82));
+    assert_eq!(e.mem.keys(), ["b", "taken"]);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+/// A directory renamed while files below it are being written publishes none of them: the
+/// complete objects move, a file rewritten over one keeps it under the new name until close,
+/// and close stores each file complete under its new key.
+#[tokio::test]
+async fn rename_of_a_directory_with_files_being_written_publishes_nothing() {
+    let e = env();
+    let old = random(2 * MIB as usize, 84);
+    put(&e.mem, "d/old", &old).await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let o = e.fs.lookup(d.ino, OsStr::new("old")).await.unwrap();
+    let oh =
+        e.fs.open(o.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    let rewritten = random(12 * MIB as usize, 85);
+    write_mib(&e.fs, o.ino, oh.fh, 0, &rewritten).await;
+    let (n, nh) =
+        e.fs.create(d.ino, OsStr::new("new"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    let fresh = random(11 * MIB as usize, 86);
+    write_mib(&e.fs, n.ino, nh.fh, 0, &fresh).await;
+    e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("e"), 0)
+        .await
+        .unwrap();
+    assert_eq!(e.mem.keys(), ["e/", "e/old"]);
+    assert_eq!(object(&e.mem, "e/old").await, old);
+    assert_eq!(e.mem.pending_uploads(), 0);
+    for (ino, fh) in [(o.ino, oh.fh), (n.ino, nh.fh)] {
+        e.fs.flush(ino, fh).await.unwrap();
+        e.fs.release(ino, fh).await.unwrap();
+    }
+    assert_eq!(object(&e.mem, "e/old").await, rewritten);
+    assert_eq!(object(&e.mem, "e/new").await, fresh);
+    assert_eq!(e.mem.keys(), ["e/", "e/new", "e/old"]);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+/// A file renamed over one still open here replaces it for good, as on a local disk (the
+/// "write a temp file, rename it over" save): the open file's descriptors keep reading and
+/// writing their own bytes, and its last close does not publish them over the new file.
+#[tokio::test]
+async fn renaming_over_an_open_file_keeps_it_for_its_descriptors() {
+    let e = env();
+    let mut old = random(3 * MIB as usize, 79);
+    put(&e.mem, "cfg", &old).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("cfg")).await.unwrap();
+    let w = e.fs.open(a.ino, libc::O_RDWR).await.unwrap();
+    let r = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"edit"))
+        .await
+        .unwrap();
+    old[..4].copy_from_slice(b"edit");
+    write_file(&e.fs, "cfg.tmp", b"new content").await;
+    e.fs.rename(
+        ROOT_INO,
+        OsStr::new("cfg.tmp"),
+        ROOT_INO,
+        OsStr::new("cfg"),
+        0,
+    )
+    .await
+    .unwrap();
+    assert_eq!(object(&e.mem, "cfg").await, b"new content");
+    assert_eq!(hidden_keys(&e.mem).len(), 1, "{:?}", e.mem.keys());
+    let head = e.fs.read(a.ino, r.fh, 0, MIB as u32).await.unwrap();
+    assert_eq!(&head[..], &old[..MIB as usize]);
+    e.fs.write(a.ino, w.fh, MIB, Bytes::from_static(b"more"))
+        .await
+        .unwrap();
+    old[MIB as usize..MIB as usize + 4].copy_from_slice(b"more");
+    e.fs.flush(a.ino, w.fh).await.unwrap();
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    for off in [MIB, 2 * MIB] {
+        let b = e.fs.read(a.ino, r.fh, off, MIB as u32).await.unwrap();
+        assert_eq!(&b[..], &old[off as usize..(off + MIB) as usize], "at {off}");
+    }
+    e.fs.release(a.ino, r.fh).await.unwrap();
+    assert_eq!(e.mem.keys(), vec!["cfg".to_string()]);
+    assert_eq!(object(&e.mem, "cfg").await, b"new content");
+    let now = e.fs.lookup(ROOT_INO, OsStr::new("cfg")).await.unwrap();
+    assert_eq!(now.size, 11);
+}

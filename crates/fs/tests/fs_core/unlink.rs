@@ -1,0 +1,188 @@
+//! Unlinks of open files and the hidden directory that keeps them.
+
+use crate::support::{
+    env, hidden_keys, list, object, put, random, write_file, write_mib, write_open, ME, MIB,
+};
+use bucketfs_fs::{FsError, ROOT_INO};
+use bucketfs_store::metrics::Op;
+use bytes::Bytes;
+use std::ffi::OsStr;
+
+#[tokio::test]
+async fn unlinked_open_file_is_not_resurrected_at_close() {
+    let e = env();
+    let (attr, h) =
+        e.fs.create(ROOT_INO, OsStr::new("tmp"), 0o644, 0, libc::O_RDWR, ME)
+            .await
+            .unwrap();
+    e.fs.write(attr.ino, h.fh, 0, Bytes::from_static(b"scratch"))
+        .await
+        .unwrap();
+    e.fs.unlink(ROOT_INO, OsStr::new("tmp")).await.unwrap();
+    // Still readable through the open descriptor.
+    assert_eq!(
+        &e.fs.read(attr.ino, h.fh, 0, 100).await.unwrap()[..],
+        b"scratch"
+    );
+    e.fs.flush(attr.ino, h.fh).await.unwrap();
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    assert!(e.mem.keys().is_empty());
+}
+
+/// An open file unlinked after some of its parts were streamed stays whole for its
+/// descriptor: the parts have local copies, so nothing is published or kept in the bucket,
+/// and the upload is aborted. Later writes stay local.
+#[tokio::test]
+async fn an_unlinked_open_file_keeps_its_streamed_bytes() {
+    let e = env();
+    let mut data = random(23 * MIB as usize, 75);
+    let (ino, fh) = write_open(&e.fs, "gone", &data).await;
+    assert_eq!(e.mem.pending_uploads(), 1, "parts are being streamed");
+    e.fs.unlink(ROOT_INO, OsStr::new("gone")).await.unwrap();
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new("gone")).await,
+        Err(FsError::ENOENT)
+    );
+    assert!(e.mem.keys().is_empty(), "{:?}", e.mem.keys());
+    assert_eq!(
+        list(&e.fs, ROOT_INO).await,
+        [".", ".."],
+        "the hidden directory is not listed"
+    );
+    assert_eq!(e.mem.pending_uploads(), 0);
+    let uploads = e.metrics.requests(Op::UploadPart);
+    let puts = e.metrics.requests(Op::Put);
+    let more = random(12 * MIB as usize, 76);
+    write_mib(&e.fs, ino, fh, 23 * MIB, &more).await;
+    data.extend_from_slice(&more);
+    for off in [0, 6 * MIB, 12 * MIB, 20 * MIB, 26 * MIB, 34 * MIB] {
+        let b = e.fs.read(ino, fh, off, 1 << 20).await.unwrap();
+        assert!(!b.is_empty());
+        assert_eq!(
+            &b[..],
+            &data[off as usize..off as usize + b.len()],
+            "at {off}"
+        );
+    }
+    // Nothing written after the unlink goes up.
+    e.fs.flush(ino, fh).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::UploadPart), uploads);
+    assert_eq!(e.metrics.requests(Op::Put), puts);
+    e.fs.release(ino, fh).await.unwrap();
+    assert!(e.mem.keys().is_empty(), "{:?}", e.mem.keys());
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+/// A stored file open for reading, then unlinked (by this descriptor's owner or anyone else
+/// on the mount), reads on to the end, as POSIX promises; its name is gone at once.
+#[tokio::test]
+async fn an_unlinked_file_open_for_reading_reads_on() {
+    let e = env();
+    let data = random(3 * MIB as usize, 77);
+    put(&e.mem, "in", &data).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("in")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let first = e.fs.read(a.ino, h.fh, 0, 1 << 20).await.unwrap();
+    assert_eq!(&first[..], &data[..MIB as usize]);
+    e.fs.unlink(ROOT_INO, OsStr::new("in")).await.unwrap();
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new("in")).await,
+        Err(FsError::ENOENT)
+    );
+    assert_eq!(hidden_keys(&e.mem).len(), 1, "{:?}", e.mem.keys());
+    // A new file may take the name while the old one is still open.
+    write_file(&e.fs, "in", b"new").await;
+    let mut rest = Vec::new();
+    loop {
+        let b =
+            e.fs.read(a.ino, h.fh, MIB + rest.len() as u64, 1 << 20)
+                .await
+                .unwrap();
+        if b.is_empty() {
+            break;
+        }
+        rest.extend_from_slice(&b);
+    }
+    assert_eq!(&rest[..], &data[MIB as usize..]);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(e.mem.keys(), vec!["in".to_string()]);
+    assert_eq!(object(&e.mem, "in").await, b"new");
+}
+
+/// Unlinking a file nobody has open, or whose bytes are all local, copies nothing.
+#[tokio::test]
+async fn unlink_copies_only_for_open_files_with_stored_bytes() {
+    let e = env();
+    put(&e.mem, "closed", b"x").await;
+    e.fs.lookup(ROOT_INO, OsStr::new("closed")).await.unwrap();
+    e.fs.unlink(ROOT_INO, OsStr::new("closed")).await.unwrap();
+    let (a, h) =
+        e.fs.create(ROOT_INO, OsStr::new("new"), 0o644, 0, libc::O_RDWR, ME)
+            .await
+            .unwrap();
+    e.fs.write(a.ino, h.fh, 0, Bytes::from_static(b"local"))
+        .await
+        .unwrap();
+    e.fs.unlink(ROOT_INO, OsStr::new("new")).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, h.fh, 0, 10).await.unwrap()[..], b"local");
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::Copy), 0);
+    assert!(e.mem.keys().is_empty());
+}
+
+/// A stored file opened with `O_TRUNC` needs nothing from its object: unlinking it while
+/// open deletes the object without copying it, and a reader of the file still reads what the
+/// writer wrote after the writer's last close.
+#[tokio::test]
+async fn an_unlinked_truncated_file_is_not_copied_and_reads_on() {
+    let e = env();
+    put(&e.mem, "log", &random(3 * MIB as usize, 78)).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("log")).await.unwrap();
+    let w =
+        e.fs.open(a.ino, libc::O_RDWR | libc::O_TRUNC)
+            .await
+            .unwrap();
+    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"fresh"))
+        .await
+        .unwrap();
+    let r = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    e.fs.unlink(ROOT_INO, OsStr::new("log")).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::Copy), 0);
+    assert!(e.mem.keys().is_empty(), "{:?}", e.mem.keys());
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, r.fh, 0, 100).await.unwrap()[..], b"fresh");
+    e.fs.release(a.ino, r.fh).await.unwrap();
+    assert!(e.mem.keys().is_empty(), "{:?}", e.mem.keys());
+    assert_eq!(e.metrics.requests(Op::Put), 0);
+}
+
+/// The hidden directory's name is reserved at the root only.
+#[tokio::test]
+async fn the_hidden_directory_name_is_reserved_at_the_root() {
+    let e = env();
+    let name = OsStr::new(".bucketfs-unlinked");
+    put(&e.mem, ".bucketfs-unlinked/7-00", b"x").await;
+    assert_eq!(e.fs.lookup(ROOT_INO, name).await, Err(FsError::ENOENT));
+    assert_eq!(list(&e.fs, ROOT_INO).await, [".", ".."]);
+    assert_eq!(
+        e.fs.create(ROOT_INO, name, 0o644, 0, libc::O_RDWR, ME)
+            .await
+            .err(),
+        Some(FsError::EPERM)
+    );
+    assert_eq!(
+        e.fs.mkdir(ROOT_INO, name, 0o755, 0, ME).await.err(),
+        Some(FsError::EPERM)
+    );
+    let d =
+        e.fs.mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME)
+            .await
+            .unwrap();
+    let (a, h) =
+        e.fs.create(d.ino, name, 0o644, 0, libc::O_RDWR, ME)
+            .await
+            .unwrap();
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(list(&e.fs, d.ino).await, [".", "..", ".bucketfs-unlinked"]);
+}

@@ -1,0 +1,385 @@
+//! Writes and publishing: single PUTs, streamed parts, appends, truncates, fsync.
+
+use crate::support::{
+    counter, env, object, put, random, read_all, write_file, write_mib, write_open, ME, MIB,
+};
+use bucketfs_fs::{Appended, FsError, SetAttr, ROOT_INO};
+use bucketfs_store::metrics::Op;
+use bucketfs_store::ObjectStore;
+use bytes::Bytes;
+use rand::{Rng, SeedableRng};
+use std::ffi::OsStr;
+
+#[tokio::test]
+async fn small_file_is_one_put_with_s3fs_metadata() {
+    let e = env();
+    let data = random(128 * 1024, 1);
+    write_file(&e.fs, "a.bin", &data).await;
+    assert_eq!(e.metrics.requests(Op::Put), 1);
+    assert_eq!(e.metrics.requests(Op::CreateMultipart), 0);
+    assert_eq!(object(&e.mem, "a.bin").await, data);
+    let m = e.mem.head("a.bin").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o644).to_string());
+    assert_eq!(m.user["uid"], "1000");
+    assert_eq!(m.user["gid"], "100");
+    assert!(m.user["mtime"].parse::<f64>().unwrap() > 1.6e9);
+    assert_eq!(read_all(&e.fs, "a.bin").await, data);
+}
+
+#[tokio::test]
+async fn empty_file_is_published() {
+    let e = env();
+    write_file(&e.fs, "empty", &[]).await;
+    assert_eq!(object(&e.mem, "empty").await, Vec::<u8>::new());
+}
+
+#[tokio::test]
+async fn sequential_write_streams_parts_before_close() {
+    let e = env();
+    let data = random(23 * MIB as usize + 7, 2);
+    let (attr, open) =
+        e.fs.create(ROOT_INO, OsStr::new("big"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    write_mib(&e.fs, attr.ino, open.fh, 0, &data).await;
+    // Four full 5 MiB parts went up while writing; nothing is visible yet.
+    assert_eq!(e.mem.pending_uploads(), 1);
+    assert!(e.mem.head("big").await.is_err());
+    e.fs.flush(attr.ino, open.fh).await.unwrap();
+    e.fs.release(attr.ino, open.fh).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::UploadPart), 5);
+    assert_eq!(e.mem.pending_uploads(), 0);
+    assert_eq!(object(&e.mem, "big").await, data);
+    assert_eq!(read_all(&e.fs, "big").await, data);
+    // Every byte was sent exactly once.
+    assert_eq!(e.metrics.bytes_up(), data.len() as u64);
+}
+
+#[tokio::test]
+async fn writes_done_in_the_calling_thread_stream_like_the_others() {
+    let e = env();
+    let data = random(23 * MIB as usize + 7, 5);
+    let (attr, open) =
+        e.fs.create(ROOT_INO, OsStr::new("big"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    // 1 MiB writes, except one odd-sized pair around the second part boundary, which the
+    // calling thread cannot take (it crosses the part's end) and the async path then does.
+    let mut cuts: Vec<usize> = (0..=23).map(|m| m * MIB as usize).collect();
+    cuts.retain(|&c| c != 10 * MIB as usize);
+    cuts.push(10 * MIB as usize + 4096);
+    cuts.push(data.len());
+    cuts.sort();
+    let (mut now, mut full, mut later) = (0, 0, 0);
+    for w in cuts.windows(2) {
+        let chunk = &data[w[0]..w[1]];
+        match e.fs.write_now(attr.ino, open.fh, w[0] as u64, chunk) {
+            Some(Appended::Yes) => now += 1,
+            Some(Appended::PartFull) => {
+                full += 1;
+                e.fs.ship_part(attr.ino, open.fh).await.unwrap();
+            }
+            Some(Appended::No) => unreachable!("write_now answers None instead"),
+            None => {
+                later += 1;
+                e.fs.write(
+                    attr.ino,
+                    open.fh,
+                    w[0] as u64,
+                    Bytes::copy_from_slice(chunk),
+                )
+                .await
+                .unwrap();
+            }
+        }
+    }
+    // Parts 1, 3 and 4 were filled in the calling thread; part 2's boundary write was not.
+    assert_eq!(full, 3);
+    assert_eq!(later, 1);
+    assert_eq!(now + full + later, cuts.len() - 1);
+    assert_eq!(e.mem.pending_uploads(), 1);
+    assert!(e.mem.head("big").await.is_err());
+    e.fs.flush(attr.ino, open.fh).await.unwrap();
+    e.fs.release(attr.ino, open.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "big").await, data);
+    assert_eq!(e.metrics.requests(Op::UploadPart), 5);
+    // Every byte was sent exactly once: no part went through the staging file again.
+    assert_eq!(e.metrics.bytes_up(), data.len() as u64);
+}
+
+#[tokio::test]
+async fn fsync_with_nothing_to_upload_is_answered_at_once() {
+    let e = env();
+    put(&e.mem, "ro", b"old").await;
+    let ro = e.fs.lookup(ROOT_INO, OsStr::new("ro")).await.unwrap();
+    let h = e.fs.open(ro.ino, libc::O_RDONLY).await.unwrap();
+    assert!(matches!(e.fs.publish_now(ro.ino, h.fh), Some(Ok(()))));
+    assert!(matches!(
+        e.fs.publish_now(ro.ino, h.fh + 1000),
+        Some(Err(FsError::EBADF))
+    ));
+
+    // A new file must reach the store at its first flush, even empty: not answered here.
+    let (attr, open) =
+        e.fs.create(ROOT_INO, OsStr::new("w"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    assert!(e.fs.publish_now(attr.ino, open.fh).is_none());
+    e.fs.fsync(attr.ino, open.fh).await.unwrap();
+    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Some(Ok(()))));
+    // A write makes it dirty again; once published, clean again with no further request.
+    e.fs.write(attr.ino, open.fh, 0, Bytes::from_static(b"new"))
+        .await
+        .unwrap();
+    assert!(e.fs.publish_now(attr.ino, open.fh).is_none());
+    e.fs.fsync(attr.ino, open.fh).await.unwrap();
+    let puts = e.metrics.requests(Op::Put);
+    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Some(Ok(()))));
+    e.fs.flush(attr.ino, open.fh).await.unwrap();
+    assert_eq!(e.metrics.requests(Op::Put), puts);
+    assert_eq!(object(&e.mem, "w").await, b"new");
+}
+
+#[tokio::test]
+async fn truncate_to_the_same_size_sends_nothing() {
+    let e = env();
+    let data = random(11 * MIB as usize, 6);
+    put(&e.mem, "same", &data).await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("same")).await.unwrap();
+    let h = e.fs.open(attr.ino, libc::O_WRONLY).await.unwrap();
+    let before = e.metrics.total_requests();
+    let size = |n| SetAttr {
+        size: Some(n),
+        ..Default::default()
+    };
+    e.fs.setattr(attr.ino, Some(h.fh), size(data.len() as u64))
+        .await
+        .unwrap();
+    e.fs.flush(attr.ino, h.fh).await.unwrap();
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    // Re-publishing would have copied all three parts server-side.
+    assert_eq!(e.metrics.total_requests(), before);
+    // truncate(2) by path to the same size, with a chmod: only the metadata changes.
+    let a =
+        e.fs.setattr(
+            attr.ino,
+            None,
+            SetAttr {
+                mode: Some(0o600),
+                ..size(data.len() as u64)
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.perm & 0o777, 0o600);
+    let m = e.mem.head("same").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
+    assert_eq!(object(&e.mem, "same").await, data);
+}
+
+#[tokio::test]
+async fn append_to_large_object_copies_unchanged_parts() {
+    let e = env();
+    let mut data = random(21 * MIB as usize, 3);
+    put(&e.mem, "log", &data).await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("log")).await.unwrap();
+    let h =
+        e.fs.open(attr.ino, libc::O_WRONLY | libc::O_APPEND)
+            .await
+            .unwrap();
+    let tail = random(1024, 4);
+    e.fs.write(attr.ino, h.fh, 0, Bytes::copy_from_slice(&tail))
+        .await
+        .unwrap();
+    let up_before = e.metrics.bytes_up();
+    e.fs.flush(attr.ino, h.fh).await.unwrap();
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    data.extend_from_slice(&tail);
+    assert_eq!(object(&e.mem, "log").await, data);
+    // Parts 1-4 copied server-side; only the last 1 MiB + 1 KiB part was sent.
+    assert_eq!(e.metrics.requests(Op::UploadPartCopy), 4);
+    assert!(e.metrics.bytes_up() - up_before < 2 * MIB);
+}
+
+#[tokio::test]
+async fn random_writes_and_truncates_match_a_model() {
+    let e = env();
+    let mut model = random(12 * MIB as usize, 5);
+    put(&e.mem, "f", &model).await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = e.fs.open(attr.ino, libc::O_RDWR).await.unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+    for step in 0..40 {
+        if step % 7 == 3 {
+            let n = rng.gen_range(0..16 * MIB as usize);
+            model.resize(n, 0);
+            e.fs.setattr(
+                attr.ino,
+                Some(h.fh),
+                SetAttr {
+                    size: Some(n as u64),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        } else {
+            let off = rng.gen_range(0..14 * MIB as usize);
+            let len = rng.gen_range(1..300_000);
+            let buf = random(len, step);
+            if model.len() < off + len {
+                model.resize(off + len, 0);
+            }
+            model[off..off + len].copy_from_slice(&buf);
+            e.fs.write(attr.ino, h.fh, off as u64, Bytes::from(buf))
+                .await
+                .unwrap();
+        }
+        if step % 10 == 9 {
+            // Reads through the handle see staged and clean bytes together.
+            let off = rng.gen_range(0..model.len().max(1));
+            let got =
+                e.fs.read(attr.ino, h.fh, off as u64, 200_000)
+                    .await
+                    .unwrap();
+            let end = (off + 200_000).min(model.len());
+            assert_eq!(&got[..], &model[off.min(end)..end]);
+            e.fs.fsync(attr.ino, h.fh).await.unwrap();
+            assert_eq!(object(&e.mem, "f").await, model);
+        }
+    }
+    e.fs.flush(attr.ino, h.fh).await.unwrap();
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "f").await, model);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+#[tokio::test]
+async fn truncate_by_path_publishes_at_once() {
+    let e = env();
+    put(&e.mem, "t", b"hello world").await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("t")).await.unwrap();
+    let a =
+        e.fs.setattr(
+            attr.ino,
+            None,
+            SetAttr {
+                size: Some(5),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(a.size, 5);
+    assert_eq!(object(&e.mem, "t").await, b"hello");
+}
+
+#[tokio::test]
+async fn overwriting_an_existing_file_from_the_start_streams_too() {
+    let e = env();
+    put(&e.mem, "o", &random(30 * MIB as usize, 30)).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("o")).await.unwrap();
+    // No O_TRUNC: the object is the base, but every part is rewritten whole.
+    let h = e.fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+    let data = random(30 * MIB as usize, 31);
+    write_mib(&e.fs, a.ino, h.fh, 0, &data).await;
+    // Parts started going up while writing (the multipart upload is open).
+    assert_eq!(e.mem.pending_uploads(), 1);
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "o").await, data);
+    assert_eq!(e.metrics.requests(Op::UploadPartCopy), 0);
+    assert_eq!(e.metrics.bytes_up(), data.len() as u64);
+}
+
+#[tokio::test]
+async fn files_open_for_writing_keep_fetched_and_published_bytes_on_disk() {
+    let e = env();
+    let mut model = random(MIB as usize, 60);
+    put(&e.mem, "db", &model).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("db")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDWR).await.unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(61);
+    // Random 16 KiB reads (as sysbench does on files it opens O_RDWR).
+    for _ in 0..200 {
+        let off = rng.gen_range(0..64u64) * 16384;
+        let b = e.fs.read(a.ino, h.fh, off, 16384).await.unwrap();
+        assert_eq!(&b[..], &model[off as usize..off as usize + 16384]);
+    }
+    // 1 MiB in 128 KiB blocks: at most 8 GETs, however many reads.
+    assert!(e.metrics.requests(Op::Get) <= 8);
+    // Random writes, each followed by fsync: after the first upload nothing is fetched again.
+    for i in 0..30 {
+        let off = rng.gen_range(0..64usize) * 16384;
+        let buf = random(16384, 100 + i);
+        model[off..off + 16384].copy_from_slice(&buf);
+        e.fs.write(a.ino, h.fh, off as u64, Bytes::from(buf))
+            .await
+            .unwrap();
+        e.fs.fsync(a.ino, h.fh).await.unwrap();
+    }
+    assert!(
+        e.metrics.requests(Op::Get) <= 8,
+        "{}",
+        e.metrics.requests(Op::Get)
+    );
+    assert_eq!(object(&e.mem, "db").await, model);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+}
+
+/// Every streamed part is also copied to the staging file, so reading it back before close
+/// needs no request and publishes nothing: the key never holds a half-written file.
+#[tokio::test]
+async fn streamed_parts_are_read_back_locally_without_publishing() {
+    let e = env();
+    let mut data = random(23 * MIB as usize, 70);
+    let (ino, fh) = write_open(&e.fs, "big", &data).await;
+    // Parts 1-4 (5 MiB each) went up, each copied to the staging file; nothing is visible.
+    assert_eq!(counter(&e.fs, |m| &m.staged_bytes), 20 * MIB);
+    let gets = e.metrics.requests(Op::Get);
+    for at in [0, 7 * MIB, 12 * MIB, 19 * MIB + 4095, 22 * MIB] {
+        let b = e.fs.read(ino, fh, at, 1 << 20).await.unwrap();
+        assert_eq!(&b[..], &data[at as usize..at as usize + b.len()], "at {at}");
+    }
+    assert!(e.mem.head("big").await.is_err(), "published for a read");
+    assert_eq!(e.metrics.requests(Op::Get), gets);
+    assert_eq!(e.metrics.requests(Op::Put), 0);
+    assert_eq!(e.metrics.requests(Op::CompleteMultipart), 0);
+    let more = random(10 * MIB as usize, 71);
+    write_mib(&e.fs, ino, fh, 23 * MIB, &more).await;
+    data.extend_from_slice(&more);
+    let b = e.fs.read(ino, fh, 26 * MIB, 1 << 20).await.unwrap();
+    assert_eq!(&b[..], &data[26 * MIB as usize..27 * MIB as usize]);
+    assert!(e.mem.head("big").await.is_err(), "published for a read");
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    assert_eq!(object(&e.mem, "big").await, data);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+/// A small rewrite inside a streamed part, and a truncate cutting one, keep every other byte.
+#[tokio::test]
+async fn rewriting_or_cutting_a_streamed_part_keeps_its_other_bytes() {
+    let e = env();
+    let mut data = random(23 * MIB as usize, 72);
+    let (ino, fh) = write_open(&e.fs, "f", &data).await;
+    e.fs.write(ino, fh, 7 * MIB + 3, Bytes::from_static(b"patched"))
+        .await
+        .unwrap();
+    data[7 * MIB as usize + 3..7 * MIB as usize + 10].copy_from_slice(b"patched");
+    e.fs.setattr(
+        ino,
+        Some(fh),
+        SetAttr {
+            size: Some(17 * MIB + 5),
+            ..SetAttr::default()
+        },
+    )
+    .await
+    .unwrap();
+    data.truncate(17 * MIB as usize + 5);
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    assert_eq!(object(&e.mem, "f").await, data);
+    assert_eq!(e.mem.pending_uploads(), 0);
+}
