@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""bucketfs benchmark runner: the scenarios of ../shared/BENCHMARKS.md against bucketfs and every
+"""bucketfs benchmark runner: the scenarios of bench/BENCHMARKS.md against bucketfs and every
 peer FUSE-over-S3 tool found, on one MinIO, plus the store limit (`bucketfs bench`).
 
   python3 bench/run.py --size smoke --systems bucketfs          # CI smoke test (< 2 min)

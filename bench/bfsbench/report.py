@@ -116,6 +116,10 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     L: list[str] = []
     L.append(f"# bucketfs benchmark results ({meta['size']} size)\n")
     L.append(f"Command: `{meta['command']}`\n")
+    # RESULTS.md sits beside the spec; a report in an --out directory names it.
+    spec = "[BENCHMARKS.md](BENCHMARKS.md)" if plots_rel == "results" else "`bench/BENCHMARKS.md`"
+    L.append(f"Scenarios and the published figures to compare with: {spec}; how each figure is measured: "
+             f"{'[README.md](README.md)' if plots_rel == 'results' else '`bench/README.md`'}.\n")
     L.append(f"- Date: {meta['date']}, {meta['repeat']} repeat(s) of every measurement, medians shown.")
     h = meta["host"]
     split = meta.get("cpu_split")

@@ -1,4 +1,4 @@
-"""Scenario sizes for each --size. `published` follows ../shared/BENCHMARKS.md; `ci` fits a 2-core
+"""Scenario sizes for each --size. `published` follows bench/BENCHMARKS.md; `ci` fits a 2-core
 box in minutes per system; `smoke` only checks that every scenario still runs."""
 
 KiB = 1024
