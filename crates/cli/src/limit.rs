@@ -9,7 +9,7 @@ use crate::args::BenchArgs;
 use crate::config::parse_size;
 use crate::run::{open_store, target_of, Target};
 use bucketfs_store::metrics::{Op, StoreMetrics};
-use bucketfs_store::{CompletedPart, ObjectStore, StoreError};
+use bucketfs_store::{CompletedPart, ObjectStore, StoreError, Uploads};
 use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
 use std::sync::Arc;
@@ -69,13 +69,15 @@ pub async fn measure(
     let before = (metrics.requests(Op::UploadPart), metrics.requests(Op::Get));
 
     let started = Instant::now();
-    let id = store.create_multipart(key, &Default::default()).await?;
+    let mut upload = Uploads::new(store.clone())
+        .create(key, &Default::default())
+        .await?;
     let uploaded: Result<Vec<CompletedPart>, StoreError> = stream::iter(ranges.clone())
         .map(|(n, r)| {
-            let (store, body, id) = (store.clone(), body.clone(), id.clone());
+            let (upload, body) = (&upload, body.clone());
             async move {
-                let etag = store
-                    .upload_part(key, &id, n, body.slice(0..(r.end - r.start) as usize))
+                let etag = upload
+                    .part(n, body.slice(0..(r.end - r.start) as usize))
                     .await?;
                 Ok(CompletedPart {
                     part_number: n,
@@ -87,14 +89,11 @@ pub async fn measure(
         .try_collect()
         .await;
     let completed = match uploaded {
-        Ok(p) => store
-            .complete_multipart(key, &id, &p, None)
-            .await
-            .map(|_| ()),
+        Ok(p) => upload.complete(&p, None).await.map(|_| ()),
         Err(e) => Err(e),
     };
     if let Err(e) = completed {
-        let _ = store.abort_multipart(key, &id).await;
+        let _ = upload.abort().await;
         return Err(e);
     }
     let put_secs = started.elapsed().as_secs_f64();

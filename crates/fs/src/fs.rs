@@ -8,20 +8,19 @@ use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::files::read::{ReadConfig, Reader};
-use crate::files::write::{Appended, Base, Orphans, PartLayout, WriteConfig, WriteState};
+use crate::files::write::{Appended, Base, PartLayout, WriteConfig, WriteState};
 use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
 use crate::metrics::{inc, FsMetrics};
 use crate::namespace::inode::{join, DirListing, Ino, Inode, InodeTable, OpenWrite, ROOT_INO};
 use crate::namespace::lookup::{page_entries, CacheLimits, Found, Lookups, LIST_PAGE};
 use crate::namespace::markers::PendingMarkers;
 use crate::namespace::names::{check_name, UNLINKED_DIR};
-use crate::parts::run_parts;
 use dir::{DirMisses, DirStream, ListingSays};
 
 mod dir;
 use bucketfs_store::{
-    CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError, UserMeta,
-    MAX_COPY_OBJECT_SIZE,
+    run_bounded, CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError, Uploads,
+    UserMeta, MAX_COPY_OBJECT_SIZE,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -236,7 +235,7 @@ impl Fs {
                 part_size: cfg.part_size.max(bucketfs_store::MIN_PART_SIZE),
             },
             upload_concurrency: cfg.upload_concurrency.max(1),
-            orphans: Arc::new(Orphans::default()),
+            uploads: Uploads::new(store.clone()),
             metrics,
             budget,
         });
@@ -265,8 +264,8 @@ impl Fs {
         loop {
             tokio::time::sleep(ORPHAN_RETRY).await;
             let Some(fs) = fs.upgrade() else { return };
-            if fs.wcfg.orphans.len() > 0 {
-                fs.wcfg.orphans.retry(&*fs.store).await;
+            if fs.wcfg.uploads.pending_aborts() > 0 {
+                fs.wcfg.uploads.retry_aborts().await;
             }
         }
     }
@@ -278,7 +277,7 @@ impl Fs {
 
     /// Multipart uploads this mount could not abort yet.
     pub fn pending_aborts(&self) -> usize {
-        self.wcfg.orphans.len()
+        self.wcfg.uploads.pending_aborts()
     }
 
     pub fn config(&self) -> &FsConfig {
@@ -779,9 +778,10 @@ impl Fs {
                     .user
             }
         };
-        let id = self
-            .store
-            .create_multipart(dst, &meta)
+        let mut upload = self
+            .wcfg
+            .uploads
+            .create(dst, &meta)
             .await
             .map_err(|e| log_store_err(&what, e))?;
         let ranges: Vec<_> = (0..size.div_ceil(COPY_PART_SIZE))
@@ -793,13 +793,10 @@ impl Fs {
             .into_iter()
             .enumerate()
             .map(|(i, r)| {
-                let id = id.clone();
+                let upload = &upload;
                 async move {
                     let n = i as u32 + 1;
-                    let etag = self
-                        .store
-                        .upload_part_copy(dst, &id, n, src, r, src_etag)
-                        .await?;
+                    let etag = upload.copy_part(n, src, r, src_etag).await?;
                     Ok(CompletedPart {
                         part_number: n,
                         etag,
@@ -808,21 +805,16 @@ impl Fs {
                 .boxed()
             })
             .collect();
-        let parts = run_parts(jobs, self.wcfg.upload_concurrency).await;
+        let parts = run_bounded(jobs, self.wcfg.upload_concurrency).await;
         // Onto itself (chmod of a huge file): only over the version copied.
         let dst_etag = src_etag.filter(|_| src == dst);
         let done = match parts {
-            Ok(p) => self
-                .store
-                .complete_multipart(dst, &id, &p, dst_etag)
-                .await
-                .map(|_| ()),
+            Ok(p) => upload.complete(&p, dst_etag).await.map(|_| ()),
             Err(e) => Err(e),
         };
         if let Err(e) = done {
-            if self.store.abort_multipart(dst, &id).await.is_err() {
-                self.wcfg.orphans.add(dst.to_string(), id);
-            }
+            // A failed abort stays on the orphan list, retried later.
+            let _ = upload.abort().await;
             return Err(fail(e));
         }
         Ok(())
@@ -1544,7 +1536,7 @@ impl Fs {
             .collect();
         // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
         // would skip its abort.
-        run_parts(copies, RENAME_CONCURRENCY).await?;
+        run_bounded(copies, RENAME_CONCURRENCY).await?;
         // Objects first, then directory markers deepest first, so that a store where a
         // marker is a real directory (the local one) can remove it once it is empty.
         let (mut markers, files): (Vec<&ObjectMeta>, Vec<&ObjectMeta>) =
@@ -2112,8 +2104,8 @@ impl Fs {
             tracing::error!("directory markers not stored at shutdown: {e}");
             failed += self.markers.len();
         }
-        self.wcfg.orphans.retry(&*self.store).await;
-        let left = self.wcfg.orphans.len();
+        self.wcfg.uploads.retry_aborts().await;
+        let left = self.wcfg.uploads.pending_aborts();
         if left > 0 {
             tracing::error!("{left} multipart uploads could not be aborted");
         }

@@ -15,7 +15,6 @@ mod fs;
 mod meta;
 mod metrics;
 mod namespace;
-mod parts;
 mod pool;
 
 pub use bucketfs_store::liveness::within_operation;

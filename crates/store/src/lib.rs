@@ -18,10 +18,12 @@ pub mod retry;
 pub mod s3;
 pub mod tls;
 pub mod types;
+pub mod upload;
 pub mod wire;
 
 pub use error::{StoreError, StoreResult};
 pub use types::*;
+pub use upload::{run_bounded, PartRequest, Upload, Uploads};
 
 use async_trait::async_trait;
 use bytes::Bytes;

@@ -25,9 +25,10 @@ use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::files::extents::Extents;
 use crate::metrics::{inc, inc_by, FsMetrics};
-use crate::parts::run_parts;
 use crate::pool::PoolBuf;
-use bucketfs_store::{CompletedPart, ObjectStore, StoreError, UserMeta, MAX_PARTS};
+use bucketfs_store::{
+    run_bounded, CompletedPart, ObjectStore, StoreError, Upload, Uploads, UserMeta, MAX_PARTS,
+};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -259,61 +260,22 @@ type PartBody = (Bytes, Arc<Vec<Reservation>>);
 /// local copy, its bytes (so that a failure loses nothing).
 type PartOutcome = Result<String, (StoreError, Option<PartBody>)>;
 
-/// An open multipart upload fed while the file is being written.
+/// An open multipart upload fed while the file is being written. Dropped unfinished (its
+/// handles are gone and publish failed or was never reached), the upload aborts itself once
+/// its running parts are done, so no parts are left behind.
 struct Stream {
-    upload_id: String,
+    upload: Upload,
     slots: BTreeMap<u64, PartSlot>,
-}
-
-impl Stream {
-    /// Waits for the part uploads still running (whatever their outcome: the upload is being
-    /// given up); returns the upload id, to abort.
-    async fn settle_uploads(self) -> String {
-        for slot in self.slots.into_values() {
-            if let PartSlot::Uploading { task, .. } = slot {
-                let _ = task.await;
-            }
-        }
-        self.upload_id
-    }
 }
 
 pub struct WriteConfig {
     pub layout: PartLayout,
     pub upload_concurrency: usize,
-    /// Multipart uploads whose abort failed (the store was down); retried until it works.
-    pub orphans: Arc<Orphans>,
+    /// Creates the multipart uploads, and retries the aborts that failed (the store was down).
+    pub uploads: Arc<Uploads>,
     pub metrics: Arc<FsMetrics>,
     /// Part buffers take their memory from here (writers wait when it is full).
     pub budget: Arc<MemoryBudget>,
-}
-
-/// Uploads to abort later: `(key, upload id)`.
-#[derive(Default)]
-pub struct Orphans(parking_lot::Mutex<Vec<(String, String)>>);
-
-impl Orphans {
-    pub fn add(&self, key: String, upload_id: String) {
-        self.0.lock().push((key, upload_id));
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.lock().len()
-    }
-
-    /// Tries to abort every orphan once; keeps those that still fail.
-    pub async fn retry(&self, store: &dyn ObjectStore) {
-        let todo = std::mem::take(&mut *self.0.lock());
-        for (key, id) in todo {
-            match store.abort_multipart(&key, &id).await {
-                Ok(()) => tracing::info!("aborted leftover upload of {key}"),
-                Err(e) => {
-                    tracing::debug!("abort of leftover upload of {key} failed again: {e}");
-                    self.add(key, id);
-                }
-            }
-        }
-    }
 }
 
 /// Everything written to one inode and not yet published.
@@ -763,13 +725,14 @@ impl WriteState {
     /// Opens the multipart upload parts stream into, if not open yet.
     async fn start_stream(&mut self) -> FsResult<()> {
         if self.stream.is_none() {
-            let id = self
-                .store
-                .create_multipart(&self.key, &self.meta)
+            let upload = self
+                .cfg
+                .uploads
+                .create(&self.key, &self.meta)
                 .await
                 .map_err(|e| log_store_err(&format!("start upload of {}", self.key), e))?;
             self.stream = Some(Stream {
-                upload_id: id,
+                upload,
                 slots: BTreeMap::new(),
             });
         }
@@ -788,16 +751,12 @@ impl WriteState {
         mem: Arc<Vec<Reservation>>,
     ) {
         self.settle_part(i).await;
-        let store = self.store.clone();
-        let key = self.key.clone();
         let stream = self.stream.as_mut().expect("stream started");
-        let id = stream.upload_id.clone();
+        let part = stream.upload.part(i as u32 + 1, body.clone());
         let metrics = self.cfg.metrics.clone();
         let task = tokio::spawn(async move {
             metrics.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
-            let r = store
-                .upload_part(&key, &id, i as u32 + 1, body.clone())
-                .await;
+            let r = part.await;
             metrics.uploads_in_flight.fetch_sub(1, Ordering::Relaxed);
             // On failure the bytes come back: they may be nowhere else.
             r.map_err(|e| (e, Some((body, mem))))
@@ -1159,12 +1118,9 @@ impl WriteState {
         self.start_stream().await?;
         match self.send_parts(&parts).await {
             Ok(completed) => {
-                let id = self.stream.as_ref().expect("stream").upload_id.clone();
                 let pin = self.publish_condition().map(str::to_string);
-                let done = self
-                    .store
-                    .complete_multipart(&key, &id, &completed, pin.as_deref())
-                    .await;
+                let stream = self.stream.as_mut().expect("stream");
+                let done = stream.upload.complete(&completed, pin.as_deref()).await;
                 match done {
                     Ok(etag) => {
                         self.stream = None;
@@ -1205,7 +1161,7 @@ impl WriteState {
             self.settle_part(i).await;
         }
         let stream = self.stream.as_ref().expect("stream");
-        let upload_id = stream.upload_id.clone();
+        let upload = &stream.upload;
         // Parts uploaded early and unchanged since are kept; failed ones whose bytes are
         // nowhere else are sent from memory.
         let mut reuse: BTreeMap<u64, String> = BTreeMap::new();
@@ -1237,12 +1193,11 @@ impl WriteState {
             .map(|(i, r)| {
                 let reused = reuse.get(&(i as u64)).cloned();
                 let kept = resend.get(&(i as u64)).cloned();
-                let upload_id = upload_id.clone();
                 async move {
                     let number = i as u32 + 1;
                     let etag = match reused {
                         Some(etag) => etag,
-                        None => this.send_part(&upload_id, number, r.clone(), kept).await?,
+                        None => this.send_part(upload, number, r.clone(), kept).await?,
                     };
                     Ok::<_, FsError>(CompletedPart {
                         part_number: number,
@@ -1252,14 +1207,14 @@ impl WriteState {
                 .boxed()
             })
             .collect();
-        run_parts(jobs, self.cfg.upload_concurrency).await
+        run_bounded(jobs, self.cfg.upload_concurrency).await
     }
 
     /// One part at publish: `kept` (the bytes of a failed early upload) if given, else copied
     /// from the base when untouched, else sent.
     async fn send_part(
         &self,
-        upload_id: &str,
+        upload: &Upload,
         number: u32,
         r: Range<u64>,
         kept: Option<Bytes>,
@@ -1268,9 +1223,8 @@ impl WriteState {
         if kept.is_none() && r.end <= self.base_len && !self.dirty.intersects(&r) {
             // Untouched since the base was uploaded: copy it server-side, from the base only.
             let pin = self.base_etag();
-            return self
-                .store
-                .upload_part_copy(&self.key, upload_id, number, &self.key, r, pin)
+            return upload
+                .copy_part(number, &self.key, r, pin)
                 .await
                 .map_err(|e| self.publish_err(&what, e, pin.is_some()));
         }
@@ -1282,21 +1236,18 @@ impl WriteState {
                 (self.assemble(r).await?, Some(mem))
             }
         };
-        self.store
-            .upload_part(&self.key, upload_id, number, body)
+        upload
+            .part(number, body)
             .await
             .map_err(|e| log_store_err(&what, e))
     }
 
-    /// Aborts the multipart upload in progress, if any. Part uploads still running are
-    /// waited for, not cancelled: one the server already has could land after the abort and
-    /// be kept (see `parts.rs`).
+    /// Aborts the multipart upload in progress, if any, once its running part uploads are
+    /// done (see `bucketfs_store::upload`).
     pub async fn abort_stream(&mut self) {
         if let Some(stream) = self.stream.take() {
-            let upload_id = stream.settle_uploads().await;
-            if let Err(e) = self.store.abort_multipart(&self.key, &upload_id).await {
+            if let Err(e) = stream.upload.abort().await {
                 tracing::warn!("abort upload of {}: {e}; will retry", self.key);
-                self.cfg.orphans.add(self.key.clone(), upload_id);
             }
         }
     }
@@ -1422,29 +1373,6 @@ fn mtime_into(meta: &mut UserMeta, t: SystemTime) {
         ..Default::default()
     };
     pm.write_into(meta);
-}
-
-impl Drop for WriteState {
-    fn drop(&mut self) {
-        // A state dropped with an upload open (its handles are gone and publish failed or was
-        // never reached): abort it in the background so no parts are left behind.
-        if let Some(stream) = self.stream.take() {
-            let store = self.store.clone();
-            let key = self.key.clone();
-            let orphans = self.cfg.orphans.clone();
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => {
-                    rt.spawn(async move {
-                        let upload_id = stream.settle_uploads().await;
-                        if store.abort_multipart(&key, &upload_id).await.is_err() {
-                            orphans.add(key, upload_id);
-                        }
-                    });
-                }
-                Err(_) => orphans.add(key, stream.upload_id),
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,403 @@
+//! The multipart protocol, written once: an [`Upload`] is created, fed parts (sent or copied
+//! server-side), then completed or aborted. Every caller (the write path, copies over the
+//! CopyObject limit, the bench) goes through it.
+//!
+//! Why part requests run as tasks the upload counts, and why a failure waits for the running
+//! ones: a dropped request whose body the server already has may still store its part after
+//! the caller has aborted the upload; S3 then keeps (and bills) that part, and MinIO lists the
+//! upload again. So a part request, once started, runs to its end even if its caller stops
+//! waiting, and [`Upload::abort`] (or the drop of an upload never finished) waits for every
+//! running one before it asks the store. [`run_bounded`] runs a batch the same way: the first
+//! failure stops new requests and is returned once the running ones are done.
+//!
+//! An abort that fails (the store is down) leaves the upload on its [`Uploads`]' orphan list,
+//! which [`Uploads::retry_aborts`] works through.
+
+use crate::{CompletedPart, ObjectStore, StoreError, StoreResult, UserMeta};
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::sync::Notify;
+
+/// The multipart uploads made through one store, and those of them whose abort failed.
+pub struct Uploads {
+    store: Arc<dyn ObjectStore>,
+    /// `(key, upload id)` to abort later.
+    orphans: parking_lot::Mutex<Vec<(String, String)>>,
+}
+
+impl Uploads {
+    pub fn new(store: Arc<dyn ObjectStore>) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            orphans: parking_lot::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Starts a multipart upload of `key` whose object will carry `meta`.
+    pub async fn create(self: &Arc<Self>, key: &str, meta: &UserMeta) -> StoreResult<Upload> {
+        let id = self.store.create_multipart(key, meta).await?;
+        Ok(Upload {
+            shared: Arc::new(Shared {
+                uploads: self.clone(),
+                key: key.to_string(),
+                id,
+                running: AtomicUsize::new(0),
+                idle: Notify::new(),
+            }),
+            finished: false,
+        })
+    }
+
+    /// Uploads whose abort failed and is still to be retried.
+    pub fn pending_aborts(&self) -> usize {
+        self.orphans.lock().len()
+    }
+
+    /// Tries every failed abort once more; keeps those that still fail.
+    pub async fn retry_aborts(&self) {
+        let todo = std::mem::take(&mut *self.orphans.lock());
+        for (key, id) in todo {
+            match self.store.abort_multipart(&key, &id).await {
+                Ok(()) => tracing::info!("aborted leftover upload of {key}"),
+                Err(e) => {
+                    tracing::debug!("abort of leftover upload of {key} failed again: {e}");
+                    self.orphans.lock().push((key, id));
+                }
+            }
+        }
+    }
+}
+
+struct Shared {
+    uploads: Arc<Uploads>,
+    key: String,
+    id: String,
+    /// Part requests started and not finished.
+    running: AtomicUsize,
+    /// Signalled when `running` drops to zero.
+    idle: Notify,
+}
+
+impl Shared {
+    fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.uploads.store
+    }
+
+    /// Starts `request` as a task counted in `running`, so that an abort can wait for it.
+    fn start<F>(self: &Arc<Self>, request: F) -> PartRequest
+    where
+        F: Future<Output = StoreResult<String>> + Send + 'static,
+    {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        let shared = self.clone();
+        PartRequest(tokio::spawn(async move {
+            let r = request.await;
+            if shared.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+                shared.idle.notify_waiters();
+            }
+            r
+        }))
+    }
+
+    async fn wait_idle(&self) {
+        loop {
+            let idle = self.idle.notified();
+            if self.running.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+
+    /// Waits for the running parts, then aborts; a failed abort goes on the orphan list.
+    async fn abort(&self) -> StoreResult<()> {
+        self.wait_idle().await;
+        let r = self.store().abort_multipart(&self.key, &self.id).await;
+        if r.is_err() {
+            self.uploads
+                .orphans
+                .lock()
+                .push((self.key.clone(), self.id.clone()));
+        }
+        r
+    }
+}
+
+/// One multipart upload in progress. Drop it without [`Upload::complete`] or
+/// [`Upload::abort`] and it is aborted in the background (after its running parts).
+pub struct Upload {
+    shared: Arc<Shared>,
+    /// Completed or aborted: nothing left to do at drop.
+    finished: bool,
+}
+
+/// A part request under way; it runs to its end even if this is dropped. Gives the part's
+/// ETag.
+pub struct PartRequest(tokio::task::JoinHandle<StoreResult<String>>);
+
+impl Future for PartRequest {
+    type Output = StoreResult<String>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0).poll(cx).map(|r| {
+            r.unwrap_or_else(|e| Err(StoreError::Other(format!("part request failed: {e}"))))
+        })
+    }
+}
+
+impl Upload {
+    pub fn key(&self) -> &str {
+        &self.shared.key
+    }
+
+    pub fn id(&self) -> &str {
+        &self.shared.id
+    }
+
+    /// Starts uploading part `number` (1-based) now.
+    pub fn part(&self, number: u32, body: Bytes) -> PartRequest {
+        let s = self.shared.clone();
+        self.shared
+            .start(async move { s.store().upload_part(&s.key, &s.id, number, body).await })
+    }
+
+    /// Starts copying `range` of `src` server-side as part `number` now, only from the
+    /// version with ETag `src_if_match` when given (see [`ObjectStore::upload_part_copy`]).
+    pub fn copy_part(
+        &self,
+        number: u32,
+        src: &str,
+        range: Range<u64>,
+        src_if_match: Option<&str>,
+    ) -> PartRequest {
+        let s = self.shared.clone();
+        let (src, pin) = (src.to_string(), src_if_match.map(str::to_string));
+        self.shared.start(async move {
+            s.store()
+                .upload_part_copy(&s.key, &s.id, number, &src, range, pin.as_deref())
+                .await
+        })
+    }
+
+    /// Completes the upload from `parts`, in order; returns the new ETag. With `if_match`,
+    /// only while the object still has that ETag. On failure the upload stays open: abort it
+    /// (or drop it).
+    pub async fn complete(
+        &mut self,
+        parts: &[CompletedPart],
+        if_match: Option<&str>,
+    ) -> StoreResult<String> {
+        let s = &self.shared;
+        let etag = s
+            .store()
+            .complete_multipart(&s.key, &s.id, parts, if_match)
+            .await?;
+        self.finished = true;
+        Ok(etag)
+    }
+
+    /// Aborts the upload once its running parts are done. If the store refuses, the upload
+    /// is kept for [`Uploads::retry_aborts`] and the error returned (to log).
+    pub async fn abort(mut self) -> StoreResult<()> {
+        self.finished = true;
+        self.shared.abort().await
+    }
+}
+
+impl Drop for Upload {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        let shared = self.shared.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let _ = shared.abort().await;
+                });
+            }
+            Err(_) => shared
+                .uploads
+                .orphans
+                .lock()
+                .push((shared.key.clone(), shared.id.clone())),
+        }
+    }
+}
+
+/// Runs `jobs` with at most `limit` at a time and returns their results in order, or the
+/// first error once every job already started has finished (see the module docs).
+pub async fn run_bounded<T, E>(
+    jobs: Vec<BoxFuture<'_, Result<T, E>>>,
+    limit: usize,
+) -> Result<Vec<T>, E> {
+    let total = jobs.len();
+    let mut waiting = jobs.into_iter().enumerate();
+    let mut running = FuturesUnordered::new();
+    let mut done: Vec<Option<T>> = (0..total).map(|_| None).collect();
+    let mut first_error = None;
+    loop {
+        while first_error.is_none() && running.len() < limit.max(1) {
+            let Some((i, job)) = waiting.next() else {
+                break;
+            };
+            running.push(async move { (i, job.await) });
+        }
+        match running.next().await {
+            None => break,
+            Some((i, Ok(v))) => done[i] = Some(v),
+            Some((_, Err(e))) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(done
+            .into_iter()
+            .map(|v| v.expect("every job ran"))
+            .collect()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fault::{Fault, FaultStore};
+    use crate::memory::MemoryStore;
+    use crate::metrics::Op;
+    use futures::FutureExt;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn results_come_in_order_with_the_bound_kept() {
+        let running = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
+        let jobs: Vec<BoxFuture<'_, Result<usize, ()>>> = (0..10)
+            .map(|i| {
+                let (running, peak) = (running.clone(), peak.clone());
+                async move {
+                    let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                    peak.fetch_max(now, Ordering::SeqCst);
+                    // Later jobs finish first, so order is not completion order.
+                    tokio::time::sleep(Duration::from_millis(20 - i as u64)).await;
+                    running.fetch_sub(1, Ordering::SeqCst);
+                    Ok(i)
+                }
+                .boxed()
+            })
+            .collect();
+        assert_eq!(run_bounded(jobs, 3).await, Ok((0..10).collect()));
+        assert_eq!(peak.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_failure_waits_for_running_jobs_and_starts_no_more() {
+        let finished = Arc::new(AtomicUsize::new(0));
+        let started = Arc::new(AtomicUsize::new(0));
+        let jobs: Vec<BoxFuture<'_, Result<(), usize>>> = (0..10)
+            .map(|i| {
+                let (finished, started) = (finished.clone(), started.clone());
+                async move {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    if i == 0 {
+                        return Err(0);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    finished.fetch_add(1, Ordering::SeqCst);
+                    Ok(())
+                }
+                .boxed()
+            })
+            .collect();
+        assert_eq!(run_bounded(jobs, 3).await, Err(0));
+        // Jobs 1 and 2 were running when job 0 failed: both ran to the end; none after.
+        assert_eq!(started.load(Ordering::SeqCst), 3);
+        assert_eq!(finished.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_upload_completes_from_sent_and_copied_parts() {
+        let mem = Arc::new(MemoryStore::new());
+        let meta = UserMeta::new();
+        mem.put("src", Bytes::from_static(b"0123456789"), &meta)
+            .await
+            .unwrap();
+        let uploads = Uploads::new(mem.clone());
+        let mut up = uploads.create("dst", &meta).await.unwrap();
+        let first = Bytes::from(vec![b'a'; 5 << 20]);
+        let a = up.part(1, first).await.unwrap();
+        let b = up.copy_part(2, "src", 2..5, None).await.unwrap();
+        let parts = [
+            CompletedPart {
+                part_number: 1,
+                etag: a,
+            },
+            CompletedPart {
+                part_number: 2,
+                etag: b,
+            },
+        ];
+        up.complete(&parts, None).await.unwrap();
+        drop(up);
+        tokio::task::yield_now().await;
+        let got = mem.get_range("dst", (5 << 20) - 1..6 << 20, None).await;
+        assert_eq!(got.unwrap(), "a234");
+        assert_eq!(mem.pending_uploads(), 0);
+    }
+
+    /// A part whose caller gave up still runs; the abort comes after it, so no part lands on
+    /// an aborted upload. A dropped upload is aborted the same way.
+    #[tokio::test]
+    async fn abort_and_drop_wait_for_running_parts() {
+        let mem = Arc::new(MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let uploads = Uploads::new(fault.clone());
+        let meta = UserMeta::new();
+        for abandon in [false, true] {
+            fault.inject(
+                Op::UploadPart,
+                0,
+                Some(1),
+                Fault::Delay(Duration::from_millis(100)),
+            );
+            let up = uploads.create("k", &meta).await.unwrap();
+            drop(up.part(1, Bytes::from_static(b"x")));
+            let started = std::time::Instant::now();
+            if abandon {
+                drop(up);
+                while mem.pending_uploads() > 0 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            } else {
+                up.abort().await.unwrap();
+            }
+            assert!(started.elapsed() >= Duration::from_millis(90));
+            assert_eq!(mem.pending_uploads(), 0);
+            assert_eq!(fault.aborts_racing_parts(), 0);
+            assert_eq!(fault.parts_cancelled(), 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_abort_is_retried() {
+        let mem = Arc::new(MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let uploads = Uploads::new(fault.clone());
+        let up = uploads.create("k", &UserMeta::new()).await.unwrap();
+        let down = Fault::Error(StoreError::Transient("down".into()));
+        fault.inject(Op::AbortMultipart, 0, Some(1), down);
+        assert!(up.abort().await.is_err());
+        assert_eq!(uploads.pending_aborts(), 1);
+        assert_eq!(mem.pending_uploads(), 1);
+        uploads.retry_aborts().await;
+        assert_eq!(uploads.pending_aborts(), 0);
+        assert_eq!(mem.pending_uploads(), 0);
+    }
+}
