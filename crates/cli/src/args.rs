@@ -5,7 +5,7 @@
 //! its `-o` spelling and its config-file key accept exactly the same values.
 
 use crate::config::{Origin, Settings};
-use clap::builder::FalseyValueParser;
+use crate::options::SettingArgs;
 use clap::{Args, Parser, Subcommand};
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -13,7 +13,7 @@ use std::path::PathBuf;
 const ABOUT: &str = "Mount an S3 bucket (or a local directory used as a bucket) as a POSIX \
                      directory";
 
-const MOUNT_AFTER_HELP: &str = "\
+pub(crate) const MOUNT_AFTER_HELP: &str = "\
 SOURCE:
   s3://BUCKET[/PREFIX]   a bucket on Amazon S3 or any S3-compatible service (MinIO, Alibaba OSS,
                          Ceph RGW, ...); with PREFIX the mount shows only keys under PREFIX/.
@@ -196,292 +196,9 @@ pub struct MountArgs {
     /// Where to mount it: an existing, empty directory.
     pub mountpoint: PathBuf,
 
-    /// Stay in the foreground (log to stderr unless --log-file/--syslog). Default: run in the
-    /// background once the mount is ready.
-    #[arg(short, long)]
-    pub foreground: bool,
-
-    /// Config file: TOML (key = value) or ossfs 2.0 style (--key=value lines). Flags override it.
-    #[arg(
-        short,
-        long,
-        value_name = "FILE",
-        hide_env_values = true,
-        env = "BUCKETFS_CONFIG"
-    )]
-    pub config: Option<PathBuf>,
-
-    /// S3 endpoint, e.g. http://127.0.0.1:9000 or https://oss-cn-hangzhou.aliyuncs.com (a
-    /// bare host gets https://). Default: AWS S3.
-    #[arg(
-        long,
-        value_name = "URL",
-        hide_env_values = true,
-        env = "BUCKETFS_ENDPOINT_URL"
-    )]
-    pub endpoint_url: Option<String>,
-
-    /// S3 region used for signing. Default: from the AWS profile/environment, else us-east-1.
-    #[arg(
-        long,
-        value_name = "REGION",
-        hide_env_values = true,
-        env = "BUCKETFS_REGION"
-    )]
-    pub region: Option<String>,
-
-    /// Address buckets as ENDPOINT/BUCKET (MinIO, Ceph) instead of BUCKET.ENDPOINT (AWS, OSS).
-    #[arg(long, hide_env_values = true, env = "BUCKETFS_FORCE_PATH_STYLE", value_parser = FalseyValueParser::new())]
-    pub force_path_style: bool,
-
-    /// Named AWS profile from ~/.aws/config and ~/.aws/credentials (like AWS_PROFILE).
-    #[arg(
-        long,
-        value_name = "NAME",
-        hide_env_values = true,
-        env = "BUCKETFS_PROFILE"
-    )]
-    pub profile: Option<String>,
-
-    /// Mount read-only: writes fail with EROFS.
-    #[arg(long, hide_env_values = true, env = "BUCKETFS_READ_ONLY", value_parser = FalseyValueParser::new())]
-    pub read_only: bool,
-
-    /// Owner uid of every file and directory (overrides stored metadata). Default: objects
-    /// without uid metadata belong to the user who mounts.
-    #[arg(long, value_name = "UID", hide_env_values = true, env = "BUCKETFS_UID")]
-    pub uid: Option<String>,
-
-    /// Group gid of every file and directory (overrides stored metadata). Default: objects
-    /// without gid metadata get the group of the user who mounts.
-    #[arg(long, value_name = "GID", hide_env_values = true, env = "BUCKETFS_GID")]
-    pub gid: Option<String>,
-
-    /// Permission bits (octal) of files that have no mode metadata. [default: 0644]
-    #[arg(
-        long,
-        value_name = "OCTAL",
-        hide_env_values = true,
-        env = "BUCKETFS_FILE_MODE"
-    )]
-    pub file_mode: Option<String>,
-
-    /// Permission bits (octal) of directories that have no mode metadata. [default: 0755]
-    #[arg(
-        long,
-        value_name = "OCTAL",
-        hide_env_values = true,
-        env = "BUCKETFS_DIR_MODE"
-    )]
-    pub dir_mode: Option<String>,
-
-    /// Let other users use the mount (non-root needs user_allow_other in /etc/fuse.conf).
-    /// Permissions are checked by the kernel against each entry's mode and owner.
-    #[arg(long, hide_env_values = true, env = "BUCKETFS_ALLOW_OTHER", value_parser = FalseyValueParser::new())]
-    pub allow_other: bool,
-
-    /// Mount even if the mount point is not empty (its contents are hidden while mounted).
-    #[arg(long)]
-    pub nonempty: bool,
-
-    /// Mount even if the mount point is already a mount point (of any file system, a live
-    /// bucketfs included): the new mount stacks over it and hides it. Default: refused.
-    #[arg(long)]
-    pub allow_stacking: bool,
-
-    /// Multipart part size for uploads and for each prefetch request, in bytes or with a
-    /// K/M/G suffix (powers of 1024): 8M, 16MiB, 8388608. 5M to 5G. [default: 8M]
-    #[arg(
-        long,
-        value_name = "SIZE",
-        hide_env_values = true,
-        env = "BUCKETFS_PART_SIZE"
-    )]
-    pub part_size: Option<String>,
-
-    /// How long file attributes and directory entries are cached, in seconds (0.5, 5) or
-    /// with a unit (500ms, 2m). Changes made by other clients show up after this. [default: 5]
-    #[arg(
-        long,
-        value_name = "SECONDS",
-        hide_env_values = true,
-        env = "BUCKETFS_STAT_TTL"
-    )]
-    pub stat_ttl: Option<String>,
-
-    /// How long a name the bucket does not have is remembered as missing (same formats as
-    /// --stat-ttl; 0 asks the store every time). Another client's new file shows up after
-    /// this. [default: 5]
-    #[arg(
-        long,
-        value_name = "SECONDS",
-        hide_env_values = true,
-        env = "BUCKETFS_NEGATIVE_TTL"
-    )]
-    pub negative_ttl: Option<String>,
-
-    /// Most paths the stat cache remembers (attributes, file/directory type, missing names);
-    /// each costs about 200 bytes. [default: 200000]
-    #[arg(
-        long,
-        value_name = "N",
-        hide_env_values = true,
-        env = "BUCKETFS_STAT_CACHE_SIZE"
-    )]
-    pub stat_cache_size: Option<String>,
-
-    /// Directory for staging files of random writes and rewrites. [default: $TMPDIR or /tmp]
-    #[arg(
-        long,
-        value_name = "DIR",
-        hide_env_values = true,
-        env = "BUCKETFS_CACHE_DIR"
-    )]
-    pub cache_dir: Option<String>,
-
-    /// Private directory (0700) for the upload journals that let the next mount clean up after
-    /// a crash, and for the background log when there is no syslog. Keep it on a persistent
-    /// disk. [default: /var/lib/bucketfs for root, else $XDG_STATE_HOME/bucketfs or
-    /// ~/.local/state/bucketfs]
-    #[arg(
-        long,
-        value_name = "DIR",
-        hide_env_values = true,
-        env = "BUCKETFS_STATE_DIR"
-    )]
-    pub state_dir: Option<String>,
-
-    /// Most objects a directory rename may copy; renaming a bigger directory fails with EXDEV
-    /// (mv then falls back to copying). [default: 10000]
-    #[arg(
-        long,
-        value_name = "OBJECTS",
-        hide_env_values = true,
-        env = "BUCKETFS_MAX_DIR_RENAME"
-    )]
-    pub max_dir_rename: Option<String>,
-
-    /// Parts of one file uploaded at the same time (1-256). [default: 8]
-    #[arg(
-        long,
-        value_name = "N",
-        hide_env_values = true,
-        env = "BUCKETFS_UPLOAD_CONCURRENCY"
-    )]
-    pub upload_concurrency: Option<String>,
-
-    /// Memory for prefetched data and upload buffers of all files together (K/M/G). When it
-    /// is full, read-ahead shrinks and writers wait; the daemon does not grow past it.
-    /// [default: an eighth of RAM, 256M to 4G]
-    #[arg(
-        long,
-        value_name = "SIZE",
-        hide_env_values = true,
-        env = "BUCKETFS_MAX_MEMORY"
-    )]
-    pub max_memory: Option<String>,
-
-    /// Most data one sequential reader prefetches ahead of itself (K/M/G). [default: 64M]
-    #[arg(
-        long,
-        value_name = "SIZE",
-        hide_env_values = true,
-        env = "BUCKETFS_MAX_PREFETCH"
-    )]
-    pub max_prefetch: Option<String>,
-
-    /// FUSE request threads (1-64). [default: 4]
-    #[arg(
-        long,
-        value_name = "N",
-        hide_env_values = true,
-        env = "BUCKETFS_FUSE_THREADS"
-    )]
-    pub fuse_threads: Option<String>,
-
-    /// Serve request/byte counters in the Prometheus text format at http://ADDR/metrics
-    /// (e.g. 127.0.0.1:9100). Default: off.
-    #[arg(
-        long,
-        value_name = "ADDR",
-        hide_env_values = true,
-        env = "BUCKETFS_METRICS_ADDR"
-    )]
-    pub metrics_addr: Option<String>,
-
-    /// Append the log to this file (default: see LOGGING in --help).
-    #[arg(
-        long,
-        value_name = "PATH",
-        hide_env_values = true,
-        env = "BUCKETFS_LOG_FILE"
-    )]
-    pub log_file: Option<String>,
-
-    /// Log level: error, warn, info, debug or trace. [default: info]
-    #[arg(
-        long,
-        value_name = "LEVEL",
-        hide_env_values = true,
-        env = "BUCKETFS_LOG_LEVEL"
-    )]
-    pub log_level: Option<String>,
-
-    /// Log to syslog (/dev/log, facility daemon) instead of stderr or a file.
-    #[arg(long)]
-    pub syslog: bool,
-
-    /// PEM file of the CA certificates to trust for HTTPS instead of the system's (a private
-    /// CA of MinIO, Ceph or a proxy).
-    #[arg(
-        long,
-        value_name = "FILE",
-        hide_env_values = true,
-        env = "BUCKETFS_CA_BUNDLE"
-    )]
-    pub ca_bundle: Option<String>,
-
-    /// Do not verify the server's HTTPS certificate. Anyone on the network path can then read
-    /// and change the traffic, credentials included: use --ca-bundle instead where possible.
-    #[arg(long)]
-    pub no_verify_ssl: bool,
-
-    /// Send upload bodies as UNSIGNED-PAYLOAD instead of signing their SHA-256 (a quarter of
-    /// an upload's CPU). Default: unsigned over HTTPS (TLS protects the body), signed over
-    /// plain HTTP; `unsigned_payload = false` in the config file forces signing.
-    #[arg(long)]
-    pub unsigned_payload: bool,
-
-    /// How long a failing S3 request is retried (with exponential backoff and jitter) before
-    /// the file operation fails with EIO; 0 turns retries off. [default: 30]
-    #[arg(
-        long,
-        value_name = "SECONDS",
-        hide_env_values = true,
-        env = "BUCKETFS_RETRY_TIMEOUT"
-    )]
-    pub retry_timeout: Option<String>,
-
-    /// Whether directory listings ask for user metadata (mode, owner, mtime) so that `ls -l`
-    /// needs no HEAD per file: auto (only when the server is MinIO, which supports it), on,
-    /// or off. [default: auto]
-    #[arg(
-        long,
-        value_name = "auto|on|off",
-        hide_env_values = true,
-        env = "BUCKETFS_LIST_METADATA"
-    )]
-    pub list_metadata: Option<String>,
-
-    /// Most S3 requests in flight at once (1-4096), and so most connections open to the
-    /// store. Further requests wait for one to finish. [default: 128]
-    #[arg(
-        long,
-        value_name = "N",
-        hide_env_values = true,
-        env = "BUCKETFS_MAX_CONNECTIONS"
-    )]
-    pub max_connections: Option<String>,
+    /// The settings' flags, made from [`crate::options::OPTIONS`].
+    #[command(flatten)]
+    pub flags: SettingArgs,
 
     /// Mount options, comma-separated, as in /etc/fstab: any config key as key=value or a bare
     /// boolean key, plus ro and config=FILE (e.g. -o allow_other,ro,part_size=16M). Repeatable.
@@ -494,6 +211,7 @@ impl MountArgs {
     pub fn settings(&self) -> Result<Settings, String> {
         let mut s = Settings::default();
         let config = self
+            .flags
             .config
             .clone()
             .or_else(|| crate::config::config_from_mount_options(&self.options));
@@ -501,53 +219,8 @@ impl MountArgs {
             s.apply_file(path)?;
         }
         s.apply_mount_options(&self.options)?;
-        let values: [(&str, &Option<String>); 25] = [
-            ("ca_bundle", &self.ca_bundle),
-            ("retry_timeout", &self.retry_timeout),
-            ("list_metadata", &self.list_metadata),
-            ("max_connections", &self.max_connections),
-            ("endpoint_url", &self.endpoint_url),
-            ("region", &self.region),
-            ("profile", &self.profile),
-            ("uid", &self.uid),
-            ("gid", &self.gid),
-            ("file_mode", &self.file_mode),
-            ("dir_mode", &self.dir_mode),
-            ("part_size", &self.part_size),
-            ("stat_ttl", &self.stat_ttl),
-            ("negative_ttl", &self.negative_ttl),
-            ("stat_cache_size", &self.stat_cache_size),
-            ("cache_dir", &self.cache_dir),
-            ("state_dir", &self.state_dir),
-            ("max_dir_rename", &self.max_dir_rename),
-            ("upload_concurrency", &self.upload_concurrency),
-            ("max_memory", &self.max_memory),
-            ("max_prefetch", &self.max_prefetch),
-            ("fuse_threads", &self.fuse_threads),
-            ("metrics_addr", &self.metrics_addr),
-            ("log_file", &self.log_file),
-            ("log_level", &self.log_level),
-        ];
-        for (key, v) in values {
-            if let Some(v) = v {
-                s.apply(key, Some(v), Origin::Flag)?;
-            }
-        }
-        let flags = [
-            ("foreground", self.foreground),
-            ("force_path_style", self.force_path_style),
-            ("read_only", self.read_only),
-            ("allow_other", self.allow_other),
-            ("nonempty", self.nonempty),
-            ("allow_stacking", self.allow_stacking),
-            ("syslog", self.syslog),
-            ("no_verify_ssl", self.no_verify_ssl),
-            ("unsigned_payload", self.unsigned_payload),
-        ];
-        for (key, on) in flags {
-            if on {
-                s.apply(key, None, Origin::Flag)?;
-            }
+        for (key, v) in &self.flags.given {
+            s.apply(key, v.as_deref(), Origin::Flag)?;
         }
         Ok(s)
     }

@@ -12,6 +12,7 @@
 //! others. Credentials are accepted only from the config file (and the AWS SDK's own chain),
 //! never from flags or `-o`, which show up in `ps` and `/etc/fstab`.
 
+use crate::options::{setting, Kind, OptionSpec, Scope, IGNORED_MOUNT_OPTIONS};
 use bucketfs_fs::FsConfig;
 use bucketfs_store::list_meta::ListMetadata;
 use std::fmt;
@@ -203,104 +204,15 @@ pub enum Origin<'a> {
     Opt,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Bool,
-    Value,
-}
-
-/// Who may set a key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Scope {
-    /// Flags, `-o` and the config file.
-    All,
-    /// The config file only (credentials; bucket and prefix).
-    FileOnly,
-}
-
-/// The known keys: canonical name, kind, scope.
-const KEYS: &[(&str, Kind, Scope)] = &[
-    ("foreground", Kind::Bool, Scope::All),
-    ("endpoint_url", Kind::Value, Scope::All),
-    ("region", Kind::Value, Scope::All),
-    ("force_path_style", Kind::Bool, Scope::All),
-    ("profile", Kind::Value, Scope::All),
-    ("read_only", Kind::Bool, Scope::All),
-    ("uid", Kind::Value, Scope::All),
-    ("gid", Kind::Value, Scope::All),
-    ("file_mode", Kind::Value, Scope::All),
-    ("dir_mode", Kind::Value, Scope::All),
-    ("allow_other", Kind::Bool, Scope::All),
-    ("nonempty", Kind::Bool, Scope::All),
-    ("allow_stacking", Kind::Bool, Scope::All),
-    ("part_size", Kind::Value, Scope::All),
-    ("stat_ttl", Kind::Value, Scope::All),
-    ("negative_ttl", Kind::Value, Scope::All),
-    ("stat_cache_size", Kind::Value, Scope::All),
-    ("cache_dir", Kind::Value, Scope::All),
-    ("state_dir", Kind::Value, Scope::All),
-    ("max_dir_rename", Kind::Value, Scope::All),
-    ("upload_concurrency", Kind::Value, Scope::All),
-    ("max_memory", Kind::Value, Scope::All),
-    ("max_prefetch", Kind::Value, Scope::All),
-    ("fuse_threads", Kind::Value, Scope::All),
-    ("metrics_addr", Kind::Value, Scope::All),
-    ("log_file", Kind::Value, Scope::All),
-    ("log_level", Kind::Value, Scope::All),
-    ("syslog", Kind::Bool, Scope::All),
-    ("ca_bundle", Kind::Value, Scope::All),
-    ("no_verify_ssl", Kind::Bool, Scope::All),
-    ("unsigned_payload", Kind::Bool, Scope::All),
-    ("retry_timeout", Kind::Value, Scope::All),
-    ("list_metadata", Kind::Value, Scope::All),
-    ("max_connections", Kind::Value, Scope::All),
-    ("bucket", Kind::Value, Scope::FileOnly),
-    ("prefix", Kind::Value, Scope::FileOnly),
-    ("access_key_id", Kind::Value, Scope::FileOnly),
-    ("secret_access_key", Kind::Value, Scope::FileOnly),
-    ("session_token", Kind::Value, Scope::FileOnly),
-];
-
 const CREDENTIAL_KEYS: &[&str] = &["access_key_id", "secret_access_key", "session_token"];
 
 /// Generic mount(8)/fstab options that mean nothing to bucketfs and are accepted silently.
 fn ignored_mount_option(key: &str) -> bool {
-    matches!(
-        key,
-        "rw" | "defaults"
-            | "auto"
-            | "noauto"
-            | "user"
-            | "nouser"
-            | "users"
-            | "owner"
-            | "group"
-            | "_netdev"
-            | "nofail"
-            | "suid"
-            | "nosuid"
-            | "dev"
-            | "nodev"
-            | "exec"
-            | "noexec"
-            | "async"
-            | "atime"
-            | "noatime"
-            | "relatime"
-            | "norelatime"
-            | "strictatime"
-            | "diratime"
-            | "nodiratime"
-            | "comment"
-    ) || key.starts_with("x-")
+    IGNORED_MOUNT_OPTIONS.contains(&key) || key.starts_with("x-")
 }
 
 fn canonical(key: &str) -> String {
     key.trim().replace('-', "_").to_ascii_lowercase()
-}
-
-fn lookup_key(key: &str) -> Option<(&'static str, Kind, Scope)> {
-    KEYS.iter().find(|(k, _, _)| *k == key).copied()
 }
 
 pub fn parse_bool(s: &str) -> Result<bool, String> {
@@ -447,7 +359,13 @@ impl Settings {
             Origin::Flag => format!("--{}: {msg}", ckey.replace('_', "-")),
             Origin::Opt => format!("-o {ckey}: {msg}"),
         };
-        let Some((name, kind, scope)) = lookup_key(&ckey) else {
+        let Some(&OptionSpec {
+            key: name,
+            kind,
+            scope,
+            ..
+        }) = setting(&ckey)
+        else {
             return Err(unknown());
         };
         if scope == Scope::FileOnly && !matches!(origin, Origin::File(_)) {
@@ -695,7 +613,7 @@ fn parse_toml(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, 
 }
 
 /// ossfs 2.0 key names and the bucketfs keys they mean.
-const OSSFS_KEYS: &[(&str, &str)] = &[
+pub(crate) const OSSFS_KEYS: &[(&str, &str)] = &[
     ("oss_endpoint", "endpoint_url"),
     ("oss_bucket", "bucket"),
     ("oss_bucket_prefix", "prefix"),
@@ -742,7 +660,7 @@ fn parse_ossfs(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>,
         match mapped {
             Some(b) => out.push((b, value)),
             // bucketfs's own keys are accepted too; unknown ones fail in `apply`.
-            None if lookup_key(&ck).is_some() => out.push((ck, value)),
+            None if setting(&ck).is_some() => out.push((ck, value)),
             None => return Err(format!("config {}: unknown key \"{key}\"", path.display())),
         }
     }
@@ -978,6 +896,14 @@ mod tests {
             e,
             "--list-metadata: \"sometimes\" is not one of auto, on, off"
         );
+    }
+
+    /// Every setting of the table has a setter (`set` panics on a key it does not know).
+    #[test]
+    fn every_setting_of_the_table_can_be_set() {
+        for o in crate::options::OPTIONS.iter().filter(|o| o.is_setting()) {
+            let _ = Settings::default().set(o.key, "1");
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! a config file never appears in an error. `fuzz/` has cargo-fuzz targets for longer runs.
 
 use crate::config::*;
+use crate::options::OPTIONS;
 use proptest::prelude::*;
 use std::io::Write;
 use std::path::Path;
@@ -14,45 +15,24 @@ fn one_line(e: &str) -> bool {
     !e.contains('\n') && !e.is_empty()
 }
 
-/// Config-file-like text: known keys, near-miss keys and junk, with odd values.
+/// Config-file-like text: every key of the table, ossfs keys, near-miss keys and junk, with
+/// odd values.
 fn config_text() -> impl Strategy<Value = String> {
     let key = prop_oneof![
-        prop::sample::select(vec![
-            "endpoint_url",
-            "region",
-            "part_size",
-            "stat_ttl",
-            "negative_ttl",
-            "stat_cache_size",
-            "file_mode",
-            "dir_mode",
-            "uid",
-            "gid",
-            "upload_concurrency",
-            "fuse_threads",
-            "max_memory",
-            "log_level",
-            "read_only",
-            "allow_other",
-            "bucket",
-            "prefix",
-            "access_key_id",
-            "secret_access_key",
-            "session_token",
-            "retry_timeout",
-            "list_metadata",
-            "max_connections",
-            "ca_bundle",
-            "no_verify_ssl",
-            "cache_dir",
-            "metrics_addr",
-            "oss_endpoint",
-            "oss_access_key_secret",
-            "log_dir",
-            "part-size",
-            "PART_SIZE",
-            "bogus",
-        ])
+        prop::sample::select(
+            OPTIONS
+                .iter()
+                .map(|o| o.key)
+                .chain([
+                    "oss_endpoint",
+                    "oss_access_key_secret",
+                    "log_dir",
+                    "part-size",
+                    "PART_SIZE",
+                    "bogus",
+                ])
+                .collect::<Vec<_>>(),
+        )
         .prop_map(str::to_string),
         "[a-z_\\-]{0,12}",
     ];

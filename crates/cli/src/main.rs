@@ -1,9 +1,10 @@
 //! `bucketfs`: the command-line front end (`bucketfs mount`, `bucketfs umount`, and the
 //! `mount.bucketfs` helper form when the binary is invoked under that name).
 //!
-//! Modules: [`args`] (command-line syntax), [`config`] (settings from the config file, `-o`
-//! and flags), [`daemon`] (fork + readiness pipe), [`logging`], [`run`] (checks, store, mount,
-//! run loop). Every failure is one line `bucketfs: <message>` on stderr and exit code 1.
+//! Modules: [`args`] (command-line syntax), [`options`] (the one list of settings), [`config`]
+//! (settings from the config file, `-o` and flags), [`daemon`] (fork + readiness pipe),
+//! [`logging`], [`run`] (checks, store, mount, run loop). Every failure is one line
+//! `bucketfs: <message>` on stderr and exit code 1.
 
 mod args;
 mod config;
@@ -13,6 +14,7 @@ mod daemon;
 mod limit;
 mod logging;
 mod metrics_http;
+mod options;
 mod run;
 mod stats;
 
