@@ -355,6 +355,33 @@ mod tests {
         assert!(s.read_only && s.allow_other);
     }
 
+    /// `bench` takes some of mount's settings by key: each is a setting of the table.
+    #[test]
+    fn bench_flags_are_settings() {
+        let cli = Cli::try_parse_from([
+            "bucketfs",
+            "bench",
+            "s3://b",
+            "--endpoint-url",
+            "http://h:9000",
+            "--region",
+            "r",
+            "--force-path-style",
+            "--profile",
+            "p",
+            "--part-size",
+            "16M",
+            "--unsigned-payload",
+        ])
+        .unwrap();
+        let Command::Bench(b) = cli.command else {
+            panic!()
+        };
+        let s = b.settings().unwrap();
+        assert_eq!(s.part_size, 16 << 20);
+        assert!(s.force_path_style && s.unsigned_payload == Some(true));
+    }
+
     #[test]
     fn no_credential_flags() {
         let r = Cli::try_parse_from([

@@ -898,11 +898,18 @@ mod tests {
         );
     }
 
-    /// Every setting of the table has a setter (`set` panics on a key it does not know).
+    /// Every setting of the table has a setter (`set` panics on a key it does not know) and
+    /// shows in the settings' Debug output (logged at startup).
     #[test]
-    fn every_setting_of_the_table_can_be_set() {
+    fn every_setting_of_the_table_can_be_set_and_shown() {
+        let shown = format!("{:?}", Settings::default());
         for o in crate::options::OPTIONS.iter().filter(|o| o.is_setting()) {
             let _ = Settings::default().set(o.key, "1");
+            assert!(
+                shown.contains(&format!(" {}: ", o.key)),
+                "{} not in {shown}",
+                o.key
+            );
         }
     }
 
