@@ -168,7 +168,11 @@ impl Drop for PartRequest {
 }
 
 #[async_trait]
-impl ObjectStore for FaultStore {
+impl crate::layer::StoreLayer for FaultStore {
+    type Inner = dyn ObjectStore;
+    fn inner(&self) -> &Self::Inner {
+        &*self.inner
+    }
     fn describe(&self) -> String {
         format!("faulty {}", self.inner.describe())
     }

@@ -531,29 +531,10 @@ impl JournalStore {
 }
 
 #[async_trait]
-impl ObjectStore for JournalStore {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
-        self.inner.head(key).await
-    }
-    async fn get_range(
-        &self,
-        key: &str,
-        range: Range<u64>,
-        if_match: Option<&str>,
-    ) -> StoreResult<Bytes> {
-        self.inner.get_range(key, range, if_match).await
-    }
-    async fn get_range_into(
-        &self,
-        key: &str,
-        range: Range<u64>,
-        if_match: Option<&str>,
-        dst: &mut [u8],
-    ) -> StoreResult<usize> {
-        self.inner.get_range_into(key, range, if_match, dst).await
+impl crate::layer::StoreLayer for JournalStore {
+    type Inner = dyn ObjectStore;
+    fn inner(&self) -> &Self::Inner {
+        &*self.inner
     }
     async fn put_if(
         &self,
@@ -575,30 +556,6 @@ impl ObjectStore for JournalStore {
             return Err(self.journal_failed(e));
         }
         Ok(id)
-    }
-    async fn upload_part(
-        &self,
-        key: &str,
-        upload_id: &str,
-        part_number: u32,
-        body: Bytes,
-    ) -> StoreResult<String> {
-        self.inner
-            .upload_part(key, upload_id, part_number, body)
-            .await
-    }
-    async fn upload_part_copy(
-        &self,
-        key: &str,
-        upload_id: &str,
-        part_number: u32,
-        src_key: &str,
-        range: Range<u64>,
-        src_if_match: Option<&str>,
-    ) -> StoreResult<String> {
-        self.inner
-            .upload_part_copy(key, upload_id, part_number, src_key, range, src_if_match)
-            .await
     }
     async fn complete_multipart(
         &self,
@@ -623,9 +580,6 @@ impl ObjectStore for JournalStore {
         }
         r
     }
-    async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
-        self.inner.list_multipart_uploads(prefix).await
-    }
     async fn copy(
         &self,
         src_key: &str,
@@ -647,18 +601,6 @@ impl ObjectStore for JournalStore {
             }
         }
         Ok(())
-    }
-    async fn list(
-        &self,
-        prefix: &str,
-        delimiter: Option<&str>,
-        from: ListFrom,
-        max_keys: usize,
-        detail: ListDetail,
-    ) -> StoreResult<ListPage> {
-        self.inner
-            .list(prefix, delimiter, from, max_keys, detail)
-            .await
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod error;
 pub mod fault;
 pub mod journal;
+pub mod layer;
 pub mod list_encoding;
 pub mod list_meta;
 pub mod listing;

@@ -157,9 +157,10 @@ impl<S: ObjectStore + ?Sized> MeteredStore<S> {
 }
 
 #[async_trait]
-impl<S: ObjectStore + ?Sized> ObjectStore for MeteredStore<S> {
-    fn describe(&self) -> String {
-        self.inner.describe()
+impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for MeteredStore<S> {
+    type Inner = S;
+    fn inner(&self) -> &S {
+        &self.inner
     }
 
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {

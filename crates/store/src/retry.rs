@@ -492,9 +492,10 @@ pub fn multipart_etag(parts: &[CompletedPart]) -> Option<String> {
 }
 
 #[async_trait]
-impl<S: ObjectStore + ?Sized> ObjectStore for RetryStore<S> {
-    fn describe(&self) -> String {
-        self.inner.describe()
+impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
+    type Inner = S;
+    fn inner(&self) -> &S {
+        &self.inner
     }
 
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
