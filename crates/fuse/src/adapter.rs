@@ -6,8 +6,7 @@
 //! are `Send`). Errors are errnos (`FsError(e)` → `reply.error(Errno::from_i32(e))`); a panic in
 //! a task drops its reply, which fuser answers with `EIO`.
 
-use bucketfs_fs::{Appended, Attr, Caller, FileKind, Fs, FsError, SetAttr};
-use bytes::Bytes;
+use bucketfs_fs::{Attr, Caller, FileKind, Fs, FsError, Now, SetAttr};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, Notifier, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
@@ -453,42 +452,19 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let fs = self.fs.clone();
-        let n = data.len() as u32;
         // A writer without CAP_FSETID clears set-id bits. The kernel does it itself (by a
         // setattr) for writes through the page cache; a direct-I/O write only carries this flag.
-        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) && fs.suid_bits(ino.0) != 0 {
-            let data = Bytes::copy_from_slice(data);
-            return self.spawn(async move {
-                let r = match fs.kill_suid(ino.0).await {
-                    Ok(()) => fs.write(ino.0, fh.0, offset, data).await,
-                    Err(e) => Err(e),
-                };
-                match r {
+        let kill_suid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        match self.fs.write_now(ino.0, fh.0, offset, data, kill_suid) {
+            Now::Done(Ok(n)) => reply.written(n),
+            Now::Done(Err(e)) => reply.error(errno("write", e)),
+            Now::Later(task) => self.spawn(async move {
+                match task.await {
                     Ok(n) => reply.written(n),
                     Err(e) => reply.error(errno("write", e)),
                 }
-            });
+            }),
         }
-        match fs.write_now(ino.0, fh.0, offset, data) {
-            Some(Appended::Yes) => return reply.written(n),
-            Some(_) => {
-                return self.spawn(async move {
-                    match fs.ship_part(ino.0, fh.0).await {
-                        Ok(()) => reply.written(n),
-                        Err(e) => reply.error(errno("write", e)),
-                    }
-                })
-            }
-            None => {}
-        }
-        let data = Bytes::copy_from_slice(data);
-        self.spawn(async move {
-            match fs.write(ino.0, fh.0, offset, data).await {
-                Ok(n) => reply.written(n),
-                Err(e) => reply.error(errno("write", e)),
-            }
-        });
     }
 
     fn flush(
@@ -508,13 +484,12 @@ impl Filesystem for FuseFs {
             reply.ok();
             return;
         }
-        if let Some(r) = self.fs.publish_now(ino.0, fh.0) {
-            return Self::reply_empty("flush", r, reply);
+        match self.fs.publish_now(ino.0, fh.0) {
+            Now::Done(r) => Self::reply_empty("flush", r, reply),
+            Now::Later(task) => self.spawn(async move {
+                Self::reply_empty("flush", task.await, reply);
+            }),
         }
-        let fs = self.fs.clone();
-        self.spawn(async move {
-            Self::reply_empty("flush", fs.flush(ino.0, fh.0).await, reply);
-        });
     }
 
     fn release(
@@ -542,13 +517,12 @@ impl Filesystem for FuseFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        if let Some(r) = self.fs.publish_now(ino.0, fh.0) {
-            return Self::reply_empty("fsync", r, reply);
+        match self.fs.publish_now(ino.0, fh.0) {
+            Now::Done(r) => Self::reply_empty("fsync", r, reply),
+            Now::Later(task) => self.spawn(async move {
+                Self::reply_empty("fsync", task.await, reply);
+            }),
         }
-        let fs = self.fs.clone();
-        self.spawn(async move {
-            Self::reply_empty("fsync", fs.fsync(ino.0, fh.0).await, reply);
-        });
     }
 
     fn fsyncdir(

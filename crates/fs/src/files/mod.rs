@@ -1,6 +1,257 @@
-//! What an open file's bytes are: the read path of a handle and the write state of a file
-//! open for writing (its dirty extents, staging file and streaming upload).
+//! What an open file's bytes are: the one place that answers it.
+//!
+//! [`OpenFiles`] owns the open-file registry: each handle (its flags and its [`read::Reader`],
+//! which has its own prefetch window and uses the budget's block cache) and, per inode open
+//! for writing, the one [`write::WriteState`] its writers share (dirty extents over the
+//! object it was opened on, the staging file, the streaming upload). It knows nothing of
+//! paths or the inode table: the caller says which key a state writes, and tells the
+//! namespace what a publish stored.
+//!
+//! Lock order: the namespace's inode table may be held while this registry's locks are taken,
+//! never the reverse; a write state's own lock is taken with neither held.
 
 pub mod extents;
 pub mod read;
 pub mod write;
+
+use crate::budget::MemoryBudget;
+use crate::config::FsConfig;
+use crate::error::{FsError, FsResult};
+use crate::metrics::FsMetrics;
+use crate::namespace::inode::Ino;
+use bucketfs_store::{ObjectStore, Uploads, UserMeta};
+use parking_lot::Mutex;
+use read::{ReadConfig, Reader};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use write::{Appended, Base, PartLayout, WriteConfig, WriteState};
+
+/// A file open for writing: its shared write state and its size (readable without the lock).
+pub struct OpenWrite {
+    pub state: tokio::sync::Mutex<WriteState>,
+    pub size: Arc<AtomicU64>,
+}
+
+/// One open descriptor of a file.
+#[derive(Clone)]
+pub struct FileHandle {
+    pub ino: Ino,
+    /// The open(2) flags.
+    pub flags: i32,
+    /// Opened with the kernel's cached pages kept: it may have handed out bytes this handle
+    /// never read through the fs.
+    pub keep_cache: bool,
+    pub reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
+    /// The inode's write state, when opened for writing.
+    pub write: Option<Arc<OpenWrite>>,
+}
+
+impl FileHandle {
+    /// Where a write of this handle at `offset` lands in a file of `size` bytes.
+    pub fn write_offset(&self, offset: u64, size: u64) -> u64 {
+        if self.flags & libc::O_APPEND != 0 {
+            size
+        } else {
+            offset
+        }
+    }
+}
+
+/// The write state an inode's writers share, and how many of them are open.
+struct Writing {
+    write: Arc<OpenWrite>,
+    writers: u64,
+}
+
+pub struct OpenFiles {
+    store: Arc<dyn ObjectStore>,
+    wcfg: Arc<WriteConfig>,
+    rcfg: Arc<ReadConfig>,
+    cache_dir: PathBuf,
+    handles: Mutex<HashMap<u64, FileHandle>>,
+    writes: Mutex<HashMap<Ino, Writing>>,
+    next_fh: AtomicU64,
+}
+
+impl OpenFiles {
+    pub fn new(store: Arc<dyn ObjectStore>, cfg: &FsConfig, metrics: Arc<FsMetrics>) -> Self {
+        let budget = MemoryBudget::new(cfg.max_memory, metrics.clone());
+        let part_size = cfg.part_size.max(bucketfs_store::MIN_PART_SIZE);
+        let rcfg = Arc::new(ReadConfig {
+            part_size,
+            max_window: cfg.max_prefetch,
+            budget: budget.clone(),
+            metrics: metrics.clone(),
+        });
+        let wcfg = Arc::new(WriteConfig {
+            layout: PartLayout { part_size },
+            upload_concurrency: cfg.upload_concurrency.max(1),
+            uploads: Uploads::new(store.clone()),
+            metrics,
+            budget,
+        });
+        Self {
+            store,
+            wcfg,
+            rcfg,
+            cache_dir: cfg.cache_dir.clone(),
+            handles: Mutex::new(HashMap::new()),
+            writes: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+        }
+    }
+
+    pub fn metrics(&self) -> &Arc<FsMetrics> {
+        &self.wcfg.metrics
+    }
+
+    /// The multipart uploads of this mount, and those whose abort failed.
+    pub fn uploads(&self) -> &Arc<Uploads> {
+        &self.wcfg.uploads
+    }
+
+    /// Requests in flight at once for one upload (and for the parts of one large copy).
+    pub fn upload_concurrency(&self) -> usize {
+        self.wcfg.upload_concurrency
+    }
+
+    /// A write state of the object at `key` as `base` says it is (None: a new or empty
+    /// file), whose publish stores `user` metadata. Not registered: see [`Self::add_writer`].
+    pub fn new_write(&self, key: String, base: Option<Base>, user: UserMeta) -> Arc<OpenWrite> {
+        let size = Arc::new(AtomicU64::new(0));
+        let st = WriteState::new(
+            self.store.clone(),
+            self.wcfg.clone(),
+            key,
+            base,
+            user,
+            &self.cache_dir,
+            size.clone(),
+        );
+        Arc::new(OpenWrite {
+            state: tokio::sync::Mutex::new(st),
+            size,
+        })
+    }
+
+    /// A reader of the object at `key`, pinned to `etag`, of `size` bytes.
+    pub fn new_reader(&self, key: String, etag: Option<String>, size: u64, direct: bool) -> Reader {
+        Reader::new(
+            self.store.clone(),
+            self.rcfg.clone(),
+            key,
+            etag,
+            size,
+            direct,
+        )
+    }
+
+    /// One more writer of `ino`: its registered write state, or the one `make` gives.
+    pub fn add_writer(&self, ino: Ino, make: impl FnOnce() -> Arc<OpenWrite>) -> Arc<OpenWrite> {
+        let mut w = self.writes.lock();
+        let e = w.entry(ino).or_insert_with(|| Writing {
+            write: make(),
+            writers: 0,
+        });
+        e.writers += 1;
+        e.write.clone()
+    }
+
+    /// One writer of `ino` closed; returns how many are left.
+    pub fn drop_writer(&self, ino: Ino) -> u64 {
+        let mut w = self.writes.lock();
+        w.get_mut(&ino).map_or(0, |e| {
+            e.writers = e.writers.saturating_sub(1);
+            e.writers
+        })
+    }
+
+    /// Whether `write` is `ino`'s registered write state and no writer has it open.
+    pub fn is_sole(&self, ino: Ino, write: &Arc<OpenWrite>) -> bool {
+        let w = self.writes.lock();
+        w.get(&ino)
+            .is_some_and(|e| e.writers == 0 && Arc::ptr_eq(&e.write, write))
+    }
+
+    /// Unregisters `ino`'s write state, whatever it is.
+    pub fn forget_write(&self, ino: Ino) {
+        self.writes.lock().remove(&ino);
+    }
+
+    /// The write state of `ino`, if a writer has it open (or its readers still need it).
+    pub fn write_of(&self, ino: Ino) -> Option<Arc<OpenWrite>> {
+        self.writes.lock().get(&ino).map(|e| e.write.clone())
+    }
+
+    /// The size of `ino` as its write state has it now, if it is being written.
+    pub fn live_size(&self, ino: Ino) -> Option<u64> {
+        let w = self.writes.lock();
+        w.get(&ino).map(|e| e.write.size.load(Ordering::Relaxed))
+    }
+
+    /// Every registered write state.
+    pub fn all_writes(&self) -> Vec<Arc<OpenWrite>> {
+        self.writes
+            .lock()
+            .values()
+            .map(|e| e.write.clone())
+            .collect()
+    }
+
+    /// Registers an open descriptor; returns its handle number.
+    pub fn add_handle(&self, h: FileHandle) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.handles.lock().insert(fh, h);
+        fh
+    }
+
+    /// The open file `fh`, which must be a handle of `ino`.
+    pub fn handle(&self, ino: Ino, fh: u64) -> FsResult<FileHandle> {
+        match self.handles.lock().get(&fh) {
+            Some(h) if h.ino == ino => Ok(h.clone()),
+            _ => Err(FsError::EBADF),
+        }
+    }
+
+    pub fn remove_handle(&self, fh: u64) -> Option<FileHandle> {
+        self.handles.lock().remove(&fh)
+    }
+
+    /// An append the calling thread finishes itself, straight from the kernel's buffer (see
+    /// [`WriteState::append_now`]). `Appended::No`: nothing was done (not such an append, or
+    /// the state is busy: an upload being started, a publish).
+    pub fn append_now(&self, h: &FileHandle, offset: u64, data: &[u8]) -> Appended {
+        let Some(w) = &h.write else {
+            return Appended::No;
+        };
+        let Ok(mut st) = w.state.try_lock() else {
+            return Appended::No;
+        };
+        let at = h.write_offset(offset, st.size());
+        st.append_now(at, data)
+    }
+
+    /// Whether handle `h` has nothing to publish, known without waiting (`None`: its state
+    /// is busy).
+    pub fn nothing_to_publish(&self, h: &FileHandle) -> Option<bool> {
+        let Some(w) = &h.write else {
+            return Some(true);
+        };
+        let st = w.state.try_lock().ok()?;
+        Some(!st.has_changes_to_publish())
+    }
+
+    /// Keys of the files being written with something not stored yet (without waiting: a
+    /// file busy publishing has its upload named already).
+    pub fn not_stored(&self) -> Vec<String> {
+        self.all_writes()
+            .iter()
+            .filter_map(|w| {
+                let st = w.state.try_lock().ok()?;
+                st.has_changes_to_publish().then(|| st.key.clone())
+            })
+            .collect()
+    }
+}

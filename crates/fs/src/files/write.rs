@@ -278,6 +278,22 @@ pub struct WriteConfig {
     pub budget: Arc<MemoryBudget>,
 }
 
+/// Where a write state is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Nothing differs from the bucket.
+    Clean,
+    /// Content or metadata differs from the bucket: the next publish stores it.
+    Changed,
+    /// The last publish failed (its caller was told) and nothing changed since; the next
+    /// publish tries again.
+    Failed,
+    /// Unlinked, or renamed over: never published again.
+    Unlinked,
+    /// Dropped by the registry after its last writer closed: nothing publishes it.
+    Retired,
+}
+
 /// Everything written to one inode and not yet published.
 pub struct WriteState {
     store: Arc<dyn ObjectStore>,
@@ -311,21 +327,13 @@ pub struct WriteState {
     stream: Option<Stream>,
     /// User metadata the published object carries.
     pub meta: UserMeta,
-    /// Something (content or metadata) differs from the bucket.
-    pub changed: bool,
-    /// The file was unlinked: never publish it.
-    pub unlinked: bool,
-    /// The last publish failed (and its caller was told) and nothing changed since.
-    pub failed: bool,
+    phase: Phase,
     /// A publish was refused because another client changed the object (ESTALE): a content
     /// that keeps bytes of the base can never be published (and its streamed parts are gone).
     conflict: bool,
     /// The mtime to publish; `None` keeps the one in `meta` (nothing written since open, so
     /// a chmod or an atime-only utimens through the descriptor leaves the stored mtime).
     pub mtime: Option<SystemTime>,
-    /// The last writer closed and the inode dropped this state: nothing publishes it any
-    /// more, so a change made to it would be lost (see `Fs::setattr`).
-    pub retired: bool,
 }
 
 /// Whether `len` bytes at `offset` end within the largest object S3 allows.
@@ -371,12 +379,9 @@ impl WriteState {
             generations: BTreeMap::new(),
             stream: None,
             meta,
-            changed: false,
-            unlinked: false,
-            failed: false,
+            phase: Phase::Clean,
             conflict: false,
             mtime: None,
-            retired: false,
         }
     }
 
@@ -473,8 +478,7 @@ impl WriteState {
     /// The content changes now: it differs from the bucket, and an earlier failed publish
     /// no longer describes it.
     fn touch(&mut self) {
-        self.changed = true;
-        self.failed = false;
+        self.mark_changed();
         self.mtime = Some(SystemTime::now());
     }
 
@@ -494,7 +498,7 @@ impl WriteState {
         if let Some(t) = &self.tail {
             return at == t.end() && at < t.part_end;
         }
-        if self.unlinked {
+        if self.phase == Phase::Unlinked {
             return false;
         }
         let layout = self.cfg.layout;
@@ -536,7 +540,7 @@ impl WriteState {
     /// the background from the same buffer, for reads and rewrites before publish. Where the
     /// staging file cannot be had, the part is held only by the upload (the write goes on).
     async fn ship_tail(&mut self) -> FsResult<()> {
-        if self.unlinked {
+        if self.phase == Phase::Unlinked {
             // Never published: keep the bytes for reads through open descriptors.
             return self.spill_tail().await;
         }
@@ -699,7 +703,7 @@ impl WriteState {
     /// bytes are all new needs nothing from the base, so a rewrite of an existing file streams
     /// too; parts are laid out the same way whatever is copied or sent.
     async fn stream_full_parts(&mut self, touched: Range<u64>) -> FsResult<()> {
-        if self.unlinked {
+        if self.phase == Phase::Unlinked {
             return Ok(());
         }
         let layout = self.cfg.layout;
@@ -1000,7 +1004,40 @@ impl WriteState {
     /// Something changed since the last publish, and the file can still be published (an
     /// unlinked file never is).
     pub fn has_changes_to_publish(&self) -> bool {
-        self.changed && !self.unlinked
+        matches!(self.phase, Phase::Changed | Phase::Failed)
+    }
+
+    /// Something (content or metadata) now differs from the bucket.
+    pub fn mark_changed(&mut self) {
+        if matches!(self.phase, Phase::Clean | Phase::Failed) {
+            self.phase = Phase::Changed;
+        }
+    }
+
+    /// The last publish failed (and its caller was told) and nothing changed since.
+    pub fn failed(&self) -> bool {
+        self.phase == Phase::Failed
+    }
+
+    /// The file was unlinked, or another renamed over it: it is never published again.
+    pub fn unlink(&mut self) {
+        if self.phase != Phase::Retired {
+            self.phase = Phase::Unlinked;
+        }
+    }
+
+    pub fn is_unlinked(&self) -> bool {
+        self.phase == Phase::Unlinked
+    }
+
+    /// The last writer closed and the registry dropped this state: nothing publishes it any
+    /// more, so a change made to it would be lost (see `Fs::setattr`).
+    pub fn retire(&mut self) {
+        self.phase = Phase::Retired;
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.phase == Phase::Retired
     }
 
     /// Uploads the current content as the object, if anything changed. On success the file is
@@ -1026,7 +1063,11 @@ impl WriteState {
         } else {
             self.publish_multipart(size).await
         };
-        self.failed = result.is_err();
+        self.phase = if result.is_ok() {
+            Phase::Clean
+        } else {
+            Phase::Failed
+        };
         self.conflict = result == Err(FsError::ESTALE);
         inc(if result.is_ok() {
             &self.cfg.metrics.files_published
@@ -1041,7 +1082,6 @@ impl WriteState {
                 self.generations.clear();
                 // Bytes only an uploaded part held are in the new object now.
                 self.uploaded_only.clear();
-                self.changed = false;
                 // What is on disk (`local`) and in the tail equals the new object: keep it for
                 // later reads.
                 Ok(())

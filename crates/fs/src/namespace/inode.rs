@@ -6,15 +6,12 @@
 //! file gives the same `st_ino`. Paths are relative to the mount prefix, without a trailing
 //! `/`; the root is the empty path.
 
-use crate::files::write::WriteState;
 use crate::meta::{Attr, FileKind};
 use bucketfs_store::UserMeta;
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::ops::Bound;
-use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
 use std::time::Instant;
 
 /// An inode number as the kernel sees it.
@@ -45,12 +42,6 @@ impl DirListing {
     }
 }
 
-/// A file open for writing: its shared dirty state and its size (readable without the lock).
-pub struct OpenWrite {
-    pub state: tokio::sync::Mutex<WriteState>,
-    pub size: Arc<AtomicU64>,
-}
-
 pub struct Inode {
     pub ino: Ino,
     pub parent: Ino,
@@ -70,9 +61,9 @@ pub struct Inode {
     pub cached_etag: Option<String>,
     pub lookups: u64,
     pub open_handles: u64,
-    /// Open handles that may write (they share `write`).
-    pub writers: u64,
-    pub write: Option<Arc<OpenWrite>>,
+    /// A write state of this mount holds the file's content and attributes (see
+    /// [`crate::files`]): they are newer than the store's, and the inode stays.
+    pub writing: bool,
     /// Directories: the last complete listing.
     pub listing: Option<DirListing>,
     /// Removed from its directory while still referenced.
@@ -108,8 +99,7 @@ impl Inode {
             listing: None,
             lookups: 0,
             open_handles: 0,
-            writers: 0,
-            write: None,
+            writing: false,
             unlinked: false,
             hidden: false,
         }
@@ -221,7 +211,7 @@ impl InodeTable {
         let Some(i) = self.inodes.get(&ino) else {
             return;
         };
-        if ino == ROOT_INO || i.lookups > 0 || i.open_handles > 0 || i.write.is_some() {
+        if ino == ROOT_INO || i.lookups > 0 || i.open_handles > 0 || i.writing {
             return;
         }
         let key = (i.parent, i.name.clone());
@@ -305,13 +295,6 @@ impl InodeTable {
         self.inodes
             .values()
             .filter(|i| i.parent == parent && i.ino != ROOT_INO && !i.unlinked)
-            .collect()
-    }
-
-    pub fn all_writes(&self) -> Vec<Arc<OpenWrite>> {
-        self.inodes
-            .values()
-            .filter_map(|i| i.write.clone())
             .collect()
     }
 

@@ -1,7 +1,453 @@
-//! What is at each path: the inode table, the stat cache and listings, directory markers
-//! and the mapping between file names and object keys.
+//! What is at each path: the one place that answers it, under one freshness rule.
+//!
+//! [`Namespace`] owns the inode table ([`inode`]), the stat cache with its single-flight
+//! probes, statahead and kept listing pages ([`lookup`]), the listings readdir streams and
+//! the negative entries a complete one leaves ([`listing`]), the directory markers still on
+//! their way ([`markers`]) and the rule mapping names to keys ([`names`]). It knows nothing of
+//! open files' bytes: an inode whose content a write state of this mount holds is only marked
+//! [`inode::Inode::writing`], and whoever asks for its size asks [`crate::files`].
+//!
+//! The freshness rule: what the store said of a path is believed for the stat TTL
+//! ([`Namespace::fresh`]); after that, or once [`Namespace::refresh`] or a change made here
+//! marks it stale, the next lookup asks the store again. Inodes being written here are always
+//! fresh (this mount has the newer version).
 
 pub mod inode;
+pub mod listing;
 pub mod lookup;
 pub mod markers;
 pub mod names;
+
+use crate::error::{log_store_err, FsError, FsResult};
+use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
+use crate::metrics::{inc, FsMetrics};
+use bucketfs_store::{ListDetail, ListFrom, ObjectStore};
+use inode::{join, Ino, Inode, InodeTable, ROOT_INO};
+use listing::{DirMisses, DirStream, ListingSays};
+use lookup::{CacheLimits, Found, Lookups};
+use markers::PendingMarkers;
+use names::{check_name, UNLINKED_DIR};
+use parking_lot::{Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// Longest object key S3 accepts, in bytes.
+const MAX_KEY_LEN: usize = 1024;
+
+/// The name at the mount root that holds files unlinked while open: never a file's.
+pub fn is_reserved(parent: Ino, name: &str) -> bool {
+    parent == ROOT_INO && name == UNLINKED_DIR
+}
+
+pub struct Namespace {
+    store: Arc<dyn ObjectStore>,
+    /// Key prefix of the mount root (empty or ending in `/`).
+    prefix: String,
+    pub policy: AttrPolicy,
+    ttl: Duration,
+    metrics: Arc<FsMetrics>,
+    table: Mutex<InodeTable>,
+    /// Stat cache, single-flight probes and statahead.
+    pub lookups: Arc<Lookups>,
+    /// Lookup misses per directory without a listing (see [`Namespace::list_for_lookups`]).
+    dir_misses: Mutex<HashMap<Ino, DirMisses>>,
+    /// Directory markers mkdir has not finished uploading.
+    pub markers: PendingMarkers,
+    /// Open directory listings by handle.
+    dirs: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirStream>>>>,
+    next_dir_fh: AtomicU64,
+}
+
+impl Namespace {
+    pub fn new(
+        store: Arc<dyn ObjectStore>,
+        prefix: String,
+        policy: AttrPolicy,
+        limits: CacheLimits,
+        metrics: Arc<FsMetrics>,
+    ) -> Self {
+        let root_attr = policy.attr(
+            ROOT_INO,
+            FileKind::Dir,
+            0,
+            &PosixMeta::default(),
+            Some(SystemTime::now()),
+        );
+        let mut root = Inode::new(
+            ROOT_INO,
+            ROOT_INO,
+            String::new(),
+            String::new(),
+            FileKind::Dir,
+            root_attr,
+        );
+        root.lookups = 1;
+        Self {
+            lookups: Lookups::new(store.clone(), prefix.clone(), limits),
+            markers: PendingMarkers::new(store.clone()),
+            store,
+            prefix,
+            policy,
+            ttl: limits.ttl,
+            metrics,
+            table: Mutex::new(InodeTable::new(root)),
+            dir_misses: Mutex::new(HashMap::new()),
+            dirs: Mutex::new(HashMap::new()),
+            // Apart from file handles' numbers, so that one is never taken for the other.
+            next_dir_fh: AtomicU64::new(1 << 62),
+        }
+    }
+
+    /// The inode table, for changes that must see several inodes at once. Never held across
+    /// a store request or another lock.
+    pub fn table(&self) -> MutexGuard<'_, InodeTable> {
+        self.table.lock()
+    }
+
+    /// Runs `f` on inode `ino`, if it is known.
+    pub fn with<T>(&self, ino: Ino, f: impl FnOnce(&mut Inode) -> T) -> Option<T> {
+        self.table.lock().get_mut(ino).map(f)
+    }
+
+    /// Number of inodes the table holds (for tests of forget).
+    pub fn inode_count(&self) -> usize {
+        self.table.lock().len()
+    }
+
+    // ---- keys ----
+
+    pub fn key(&self, path: &str) -> String {
+        format!("{}{path}", self.prefix)
+    }
+
+    /// Key prefix of a directory's children (and its marker's key).
+    pub fn dir_key(&self, path: &str) -> String {
+        if path.is_empty() {
+            self.prefix.clone()
+        } else {
+            format!("{}{path}/", self.prefix)
+        }
+    }
+
+    /// Whether `path` is the mount root of a mount without a prefix (no marker object).
+    pub fn is_bucket_root(&self, path: &str) -> bool {
+        path.is_empty() && self.prefix.is_empty()
+    }
+
+    /// S3 keys are at most 1,024 bytes; a path whose key (or directory marker) would be longer
+    /// cannot be stored.
+    pub fn check_key_len(&self, path: &str) -> FsResult<()> {
+        if self.dir_key(path).len() > MAX_KEY_LEN {
+            Err(FsError::ENAMETOOLONG)
+        } else {
+            Ok(())
+        }
+    }
+
+    // ---- freshness ----
+
+    /// A fetch time old enough that `fresh` says no: marks attributes to be asked again.
+    pub fn stale_instant(&self) -> Option<Instant> {
+        Instant::now().checked_sub(self.ttl + Duration::from_secs(1))
+    }
+
+    pub fn fresh(&self, fetched: Option<Instant>) -> bool {
+        fetched.is_none_or(|t| t.elapsed() < self.ttl)
+    }
+
+    /// Attributes of `ino` answerable without the store: the root, a directory, an unlinked
+    /// file, one being written here, or one fetched within the TTL. `None`: ask the store.
+    pub fn known_attr(&self, ino: Ino) -> FsResult<Option<Attr>> {
+        let t = self.table.lock();
+        let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        if ino == ROOT_INO
+            || i.kind == FileKind::Dir
+            || i.unlinked
+            || i.writing
+            || self.fresh(i.fetched)
+        {
+            inc(&self.metrics.attr_hits);
+            return Ok(Some(i.attr.clone()));
+        }
+        Ok(None)
+    }
+
+    /// Where `ino` is: its parent and name.
+    pub fn place(&self, ino: Ino) -> FsResult<(Ino, String)> {
+        let t = self.table.lock();
+        let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        Ok((i.parent, i.name.clone()))
+    }
+
+    /// The attributes last recorded for `ino`.
+    pub fn attr(&self, ino: Ino) -> FsResult<Attr> {
+        let t = self.table.lock();
+        t.get(ino).map(|i| i.attr.clone()).ok_or(FsError::ENOENT)
+    }
+
+    /// Path of a directory inode.
+    pub fn dir_path(&self, ino: Ino) -> FsResult<String> {
+        let t = self.table.lock();
+        let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        if i.kind != FileKind::Dir {
+            return Err(FsError::ENOTDIR);
+        }
+        Ok(i.path.clone())
+    }
+
+    // ---- asking the store what a path is ----
+
+    /// Records what the store said about `name` in `parent`; returns the inode's attributes.
+    pub fn remember(&self, parent: Ino, name: &str, path: String, f: Found, lookups: u64) -> Attr {
+        let mut t = self.table.lock();
+        if let Some(ino) = t.child(parent, name) {
+            let i = t.get_mut(ino).expect("child in table");
+            if i.kind == f.kind {
+                let mut a = self.policy.attr_of_object(ino, f.kind, &f.obj);
+                if f.kind == FileKind::Dir && i.attr.mtime > a.mtime {
+                    // Changed here since its marker was stored (see `dir_changed`).
+                    (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
+                }
+                i.attr = a;
+                i.etag = f.obj.etag.clone();
+                i.user = f.obj.user;
+                i.has_marker = f.has_marker;
+                i.fetched = Some(Instant::now());
+                i.lookups += lookups;
+                return i.attr.clone();
+            }
+        }
+        let ino = t.ino_for(&path);
+        let attr = self.policy.attr_of_object(ino, f.kind, &f.obj);
+        let mut i = Inode::new(ino, parent, name.to_string(), path, f.kind, attr.clone());
+        i.etag = f.obj.etag;
+        i.user = f.obj.user;
+        i.has_marker = f.has_marker;
+        i.lookups = lookups;
+        t.insert(i);
+        attr
+    }
+
+    /// Finds `name` in `parent`, from the table while fresh, else from the store; adds
+    /// `lookups` references to the inode. The size of a file being written is the one
+    /// recorded here, not its live one.
+    pub async fn resolve(&self, parent: Ino, name: &OsStr, lookups: u64) -> FsResult<Attr> {
+        let name = check_name(name)?;
+        if is_reserved(parent, name) {
+            return Err(FsError::ENOENT);
+        }
+        let parent_path = self.dir_path(parent)?;
+        {
+            let mut t = self.table.lock();
+            if let Some(ino) = t.child(parent, name) {
+                let i = t.get_mut(ino).expect("child in table");
+                if self.fresh(i.fetched) || i.writing {
+                    i.lookups += lookups;
+                    inc(&self.metrics.attr_hits);
+                    return Ok(i.attr.clone());
+                }
+            }
+        }
+        inc(&self.metrics.attr_misses);
+        let path = join(&parent_path, name);
+        let mut cached = self.lookups.cached_complete(&path);
+        let mut says = self.listing_says(parent, name);
+        if matches!(says, ListingSays::Unknown)
+            && !self.lookups.known(&path)
+            && self.list_for_lookups(parent, &parent_path).await
+        {
+            cached = self.lookups.cached_complete(&path);
+            says = self.listing_says(parent, name);
+        }
+        match says {
+            ListingSays::Absent if !cached => {
+                // A fresh complete listing of the parent does not have it.
+                inc(&self.metrics.attr_hits);
+                return Err(FsError::ENOENT);
+            }
+            ListingSays::Present { window, far_end } => {
+                // Keep the window full: refill on a miss, or when its far end is not
+                // fetched yet, so the reader never catches up with the statahead. Only then
+                // are the window's names copied out of the listing.
+                let far_behind =
+                    far_end.is_some_and(|n| !self.lookups.known(&join(&parent_path, &n)));
+                if !cached || far_behind {
+                    let ahead = self.listing_names(parent, window, &parent_path);
+                    // Pages fetched ahead could lack a directory whose marker is on its way.
+                    self.lookups.statahead(ahead, self.markers.len() == 0);
+                }
+            }
+            _ => {}
+        }
+        // A directory made here whose marker is not up yet would look absent.
+        let dir_key = self.dir_key(&path);
+        self.markers.wait(&dir_key).await?;
+        // The kernel's lookup of a directory usually comes before its listing: let a LIST of
+        // it fetch the first page too. Not while a directory made here below is not in the
+        // bucket yet (the page would lack it); the epoch is read first, so one made after
+        // the check invalidates the page.
+        let epoch = self.lookups.epoch();
+        let stat = if lookups > 0 && !self.markers.any_below(&dir_key) {
+            self.lookups.stat_before_listing(&path, epoch).await
+        } else {
+            self.lookups.stat(&path).await
+        };
+        match stat.map(|(f, _)| f) {
+            Ok(f) => Ok(self.remember(parent, name, path, f, lookups)),
+            Err(e) => {
+                if e == FsError::ENOENT {
+                    self.table.lock().remove_child(parent, name);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Resolves an existing entry for a call that changes it; returns its inode number.
+    pub async fn existing(&self, parent: Ino, name: &OsStr) -> FsResult<Ino> {
+        self.resolve(parent, name, 0).await?;
+        let name = check_name(name)?;
+        self.table.lock().child(parent, name).ok_or(FsError::ENOENT)
+    }
+
+    /// The kernel dropped `nlookup` references to `ino`.
+    pub fn forget(&self, ino: Ino, nlookup: u64) {
+        self.table.lock().forget(ino, nlookup);
+    }
+
+    /// Adds one lookup reference (for entries returned by readdirplus).
+    pub fn add_lookup(&self, ino: Ino) {
+        if let Some(i) = self.table.lock().get_mut(ino) {
+            i.lookups += 1;
+        }
+    }
+
+    // ---- entries made and removed here ----
+
+    /// The checked name and the parent's path, for calls that add an entry.
+    pub fn prepare_new(&self, parent: Ino, name: &OsStr) -> FsResult<(String, String)> {
+        let name = check_name(name)?.to_string();
+        if is_reserved(parent, &name) {
+            return Err(FsError::EPERM);
+        }
+        let parent_path = self.dir_path(parent)?;
+        if self.table.lock().child(parent, &name).is_some() {
+            return Err(FsError::EEXIST);
+        }
+        self.check_key_len(&join(&parent_path, &name))?;
+        Ok((name, parent_path))
+    }
+
+    /// Adds a new inode that was just created in the store (or locally, `local_only`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_new(
+        &self,
+        parent: Ino,
+        name: &str,
+        path: String,
+        kind: FileKind,
+        pm: &PosixMeta,
+        size: u64,
+        etag: Option<String>,
+        local_only: bool,
+    ) -> (Ino, Attr) {
+        self.lookups.forget(&path);
+        self.note_added(parent, name);
+        self.dir_changed(parent);
+        let mut t = self.table.lock();
+        let ino = t.ino_for(&path);
+        let attr = self
+            .policy
+            .attr(ino, kind, size, pm, Some(SystemTime::now()));
+        let mut i = Inode::new(ino, parent, name.to_string(), path, kind, attr.clone());
+        if local_only {
+            i.fetched = None;
+        }
+        i.etag = etag;
+        i.user = pm.to_user();
+        i.has_marker = kind == FileKind::Dir;
+        i.lookups = 1;
+        t.insert(i);
+        (ino, attr)
+    }
+
+    /// An entry of directory `dir` was added or removed here: its mtime and ctime are now.
+    /// Kept in memory only (storing them would cost a request per entry); [`Self::remember`]
+    /// never moves them back.
+    pub fn dir_changed(&self, dir: Ino) {
+        if let Some(i) = self.table.lock().get_mut(dir) {
+            let t = SystemTime::now();
+            i.attr.mtime = t;
+            i.attr.ctime = t;
+        }
+    }
+
+    /// `ino` at `path` was deleted from directory `parent`.
+    pub fn removed(&self, parent: Ino, ino: Ino, path: &str) {
+        self.lookups.forget(path);
+        self.table.lock().removed(ino);
+        self.dir_changed(parent);
+    }
+
+    /// Whether a directory holds anything (in the store or created here and not yet uploaded).
+    pub async fn dir_is_empty(&self, ino: Ino, path: &str) -> FsResult<bool> {
+        if !self
+            .table
+            .lock()
+            .children_of(ino)
+            .iter()
+            .all(|c| c.fetched.is_some())
+        {
+            return Ok(false);
+        }
+        let dir_key = self.dir_key(path);
+        if self.markers.any_below(&dir_key) {
+            // A subdirectory made here whose marker is not in the bucket (yet).
+            return Ok(false);
+        }
+        let page = self
+            .store
+            .list(&dir_key, None, ListFrom::Start, 2, ListDetail::Plain)
+            .await
+            .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+        Ok(page.objects.iter().all(|o| o.key == dir_key) && page.common_prefixes.is_empty())
+    }
+
+    // ---- what this mount knows going stale ----
+
+    /// Another client replaced or deleted the object of `ino`: what this mount knows of it
+    /// is stale, so the next lookup asks the store again.
+    pub fn changed_elsewhere(&self, ino: Ino) {
+        let mut t = self.table.lock();
+        if let Some(i) = t.get_mut(ino) {
+            self.lookups.forget(&i.path);
+            i.fetched = self.stale_instant().or(i.fetched);
+        }
+    }
+
+    /// Forgets what this mount cached about `ino` (and, for a directory, its listing), so the
+    /// next access asks the store: how a user forces another client's change to show now.
+    pub fn refresh(&self, ino: Ino) -> FsResult<()> {
+        let mut t = self.table.lock();
+        let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+        let (path, parent, kind) = (i.path.clone(), i.parent, i.kind);
+        if !i.writing && ino != ROOT_INO {
+            let stale = self.stale_instant();
+            i.fetched = stale.or(i.fetched);
+        }
+        i.listing = None;
+        if let Some(p) = t.get_mut(parent) {
+            p.listing = None;
+        }
+        drop(t);
+        self.lookups.forget(&path);
+        if kind == FileKind::Dir {
+            // Including names cached as missing.
+            self.lookups.forget_below(&path);
+        }
+        Ok(())
+    }
+}

@@ -3,7 +3,7 @@
 use crate::support::{
     counter, env, object, put, random, read_all, write_file, write_mib, write_open, ME, MIB,
 };
-use bucketfs_fs::{Appended, FsError, SetAttr, ROOT_INO};
+use bucketfs_fs::{FsError, Now, SetAttr, ROOT_INO};
 use bucketfs_store::metrics::Op;
 use bucketfs_store::ObjectStore;
 use bytes::Bytes;
@@ -70,33 +70,24 @@ async fn writes_done_in_the_calling_thread_stream_like_the_others() {
     cuts.push(10 * MIB as usize + 4096);
     cuts.push(data.len());
     cuts.sort();
-    let (mut now, mut full, mut later) = (0, 0, 0);
+    let (mut now, mut later) = (0, Vec::new());
     for w in cuts.windows(2) {
         let chunk = &data[w[0]..w[1]];
-        match e.fs.write_now(attr.ino, open.fh, w[0] as u64, chunk) {
-            Some(Appended::Yes) => now += 1,
-            Some(Appended::PartFull) => {
-                full += 1;
-                e.fs.ship_part(attr.ino, open.fh).await.unwrap();
+        match e.fs.write_now(attr.ino, open.fh, w[0] as u64, chunk, false) {
+            Now::Done(r) => {
+                r.unwrap();
+                now += 1;
             }
-            Some(Appended::No) => unreachable!("write_now answers None instead"),
-            None => {
-                later += 1;
-                e.fs.write(
-                    attr.ino,
-                    open.fh,
-                    w[0] as u64,
-                    Bytes::copy_from_slice(chunk),
-                )
-                .await
-                .unwrap();
+            Now::Later(task) => {
+                task.await.unwrap();
+                later.push(w[0] as u64 / MIB);
             }
         }
     }
-    // Parts 1, 3 and 4 were filled in the calling thread; part 2's boundary write was not.
-    assert_eq!(full, 3);
-    assert_eq!(later, 1);
-    assert_eq!(now + full + later, cuts.len() - 1);
+    // The writes that fill parts 1, 3 and 4 were appended in the calling thread and their
+    // parts shipped by the task; part 2's boundary write (at 9 MiB) was all the task's.
+    assert_eq!(later, [4, 9, 14, 19]);
+    assert_eq!(now + later.len(), cuts.len() - 1);
     assert_eq!(e.mem.pending_uploads(), 1);
     assert!(e.mem.head("big").await.is_err());
     e.fs.flush(attr.ino, open.fh).await.unwrap();
@@ -113,10 +104,10 @@ async fn fsync_with_nothing_to_upload_is_answered_at_once() {
     put(&e.mem, "ro", b"old").await;
     let ro = e.fs.lookup(ROOT_INO, OsStr::new("ro")).await.unwrap();
     let h = e.fs.open(ro.ino, libc::O_RDONLY).await.unwrap();
-    assert!(matches!(e.fs.publish_now(ro.ino, h.fh), Some(Ok(()))));
+    assert!(matches!(e.fs.publish_now(ro.ino, h.fh), Now::Done(Ok(()))));
     assert!(matches!(
         e.fs.publish_now(ro.ino, h.fh + 1000),
-        Some(Err(FsError::EBADF))
+        Now::Done(Err(FsError::EBADF))
     ));
 
     // A new file must reach the store at its first flush, even empty: not answered here.
@@ -124,17 +115,23 @@ async fn fsync_with_nothing_to_upload_is_answered_at_once() {
         e.fs.create(ROOT_INO, OsStr::new("w"), 0o644, 0, libc::O_WRONLY, ME)
             .await
             .unwrap();
-    assert!(e.fs.publish_now(attr.ino, open.fh).is_none());
+    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Now::Later(_)));
     e.fs.fsync(attr.ino, open.fh).await.unwrap();
-    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Some(Ok(()))));
+    assert!(matches!(
+        e.fs.publish_now(attr.ino, open.fh),
+        Now::Done(Ok(()))
+    ));
     // A write makes it dirty again; once published, clean again with no further request.
     e.fs.write(attr.ino, open.fh, 0, Bytes::from_static(b"new"))
         .await
         .unwrap();
-    assert!(e.fs.publish_now(attr.ino, open.fh).is_none());
+    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Now::Later(_)));
     e.fs.fsync(attr.ino, open.fh).await.unwrap();
     let puts = e.metrics.requests(Op::Put);
-    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Some(Ok(()))));
+    assert!(matches!(
+        e.fs.publish_now(attr.ino, open.fh),
+        Now::Done(Ok(()))
+    ));
     e.fs.flush(attr.ino, open.fh).await.unwrap();
     assert_eq!(e.metrics.requests(Op::Put), puts);
     assert_eq!(object(&e.mem, "w").await, b"new");

@@ -1,12 +1,38 @@
 //! Directories: listings streamed page by page to readdir, the listing each complete pass
 //! leaves for negative lookups and statahead, and what a cached listing says about a name.
 
-use super::*;
+use super::inode::{join, DirListing, Ino};
+use super::lookup::{page_entries, Found, LIST_PAGE};
+use super::Namespace;
+use crate::error::{log_store_err, FsError, FsResult};
+use crate::meta::{Attr, FileKind, PosixMeta};
+use bucketfs_store::{ListDetail, ListFrom, ObjectMeta};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One directory entry as `readdir` returns it.
+#[derive(Debug, Clone)]
+pub struct DirEntry {
+    pub ino: Ino,
+    /// Cookie of the entry after this one: pass it back to continue the listing.
+    pub next_offset: i64,
+    pub kind: FileKind,
+    pub name: String,
+}
+
+impl DirEntry {
+    /// `.` or `..`: not a lookup of anything when handed to the kernel.
+    pub fn is_dot(&self) -> bool {
+        self.name == "." || self.name == ".."
+    }
+}
 
 /// Names after a looked-up one that statahead stats in the background.
 const STATAHEAD_WINDOW: usize = 256;
 
-pub(super) enum ListingSays {
+pub enum ListingSays {
     Unknown,
     Absent,
     /// Present; `window` indexes the names that follow it (the statahead window, empty at
@@ -23,7 +49,7 @@ const LIST_AFTER_MISSES: u32 = 3;
 const MAX_TRACKED_DIRS: usize = 4096;
 
 /// Lookups that missed in one directory lacking a listing, and the listing made for them.
-pub(super) struct DirMisses {
+pub struct DirMisses {
     since: Instant,
     count: u32,
     listing: Option<Arc<tokio::sync::OnceCell<()>>>,
@@ -43,7 +69,7 @@ impl DirMisses {
 const READDIR_BATCH: usize = 512;
 
 /// A directory being listed: the entries so far and where the LIST continues.
-pub(super) struct DirStream {
+pub struct DirStream {
     ino: Ino,
     path: String,
     prefix: String,
@@ -95,17 +121,17 @@ impl DirStream {
     }
 }
 
-impl Fs {
+impl Namespace {
     /// What the parent's cached listing says about `name`. The first lookup of a name it
     /// shows gets an empty statahead window: one stat in a listed directory (`ls -l dir`
     /// after a listing of its parent, `cd`) is no sign that its neighbours come next, and
     /// stat'ing them would cost a request each. From the second on, it is.
-    pub(super) fn listing_says(&self, parent: Ino, name: &str) -> ListingSays {
+    pub fn listing_says(&self, parent: Ino, name: &str) -> ListingSays {
         let mut t = self.table.lock();
         let Some(l) = t.get_mut(parent).and_then(|p| p.listing.as_mut()) else {
             return ListingSays::Unknown;
         };
-        if l.at.elapsed() >= self.cfg.stat_ttl {
+        if l.at.elapsed() >= self.ttl {
             return ListingSays::Unknown;
         }
         match l.names.binary_search_by(|n| n.as_str().cmp(name)) {
@@ -127,7 +153,7 @@ impl Fs {
     }
 
     /// Paths of the names at `window` in the cached listing of `parent`.
-    pub(super) fn listing_names(
+    pub fn listing_names(
         &self,
         parent: Ino,
         window: std::ops::Range<usize>,
@@ -142,7 +168,7 @@ impl Fs {
     }
 
     /// Notes that `name` now exists in directory `parent` (its cached listing lacks it).
-    pub(super) fn note_added(&self, parent: Ino, name: &str) {
+    pub fn note_added(&self, parent: Ino, name: &str) {
         if let Some(l) = self
             .table
             .lock()
@@ -158,9 +184,9 @@ impl Fs {
     /// with user metadata where the store has it, then answers them all from the cache,
     /// instead of a HEAD and a LIST per name. Returns whether such a listing was made (or
     /// awaited, when another lookup started it); false leaves the lookup to probe its name.
-    pub(super) async fn list_for_lookups(&self, parent: Ino, parent_path: &str) -> bool {
+    pub async fn list_for_lookups(&self, parent: Ino, parent_path: &str) -> bool {
         let gate = {
-            let ttl = self.cfg.stat_ttl;
+            let ttl = self.ttl;
             let mut all = self.dir_misses.lock();
             if all.len() >= MAX_TRACKED_DIRS {
                 all.retain(|_, m| m.since.elapsed() < ttl);
@@ -221,15 +247,15 @@ impl Fs {
             .collect();
         let prefix = self.dir_key(&path);
         let stream = DirStream::new(ino, path, prefix, self.lookups.list_detail(), entries);
-        Ok(self.add_handle(Handle::Dir(Arc::new(tokio::sync::Mutex::new(stream)))))
+        let fh = self.next_dir_fh.fetch_add(1, Ordering::Relaxed);
+        let stream = Arc::new(tokio::sync::Mutex::new(stream));
+        self.dirs.lock().insert(fh, stream);
+        Ok(fh)
     }
 
     /// Entries after cookie `offset` (0 = from the start, including `.` and `..`).
-    pub async fn readdir(&self, _ino: Ino, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
-        let stream = match self.handles.lock().get(&fh) {
-            Some(Handle::Dir(s)) => s.clone(),
-            _ => return Err(FsError::EBADF),
-        };
+    pub async fn readdir(&self, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
+        let stream = self.dirs.lock().get(&fh).cloned().ok_or(FsError::EBADF)?;
         let mut st = stream.lock().await;
         let from = offset.max(0) as usize;
         // Past the dots at least, so the first answer carries a page of names.
@@ -282,7 +308,7 @@ impl Fs {
                 (page, epoch)
             }
         };
-        let at_root = st.prefix.len() == self.cfg.prefix.len();
+        let at_root = st.prefix.len() == self.prefix.len();
         for (name, found) in page_entries(&page, st.prefix.len(), at_root) {
             let path = join(&st.path, name);
             if found.kind == FileKind::Dir {
@@ -310,7 +336,7 @@ impl Fs {
         let mut t = self.table.lock();
         for c in t.children_of(st.ino) {
             // Created here and not uploaded yet: show it anyway.
-            if (c.fetched.is_none() || c.write.is_some()) && !st.index.contains_key(&c.name) {
+            if (c.fetched.is_none() || c.writing) && !st.index.contains_key(&c.name) {
                 let (name, kind, ino) = (c.name.clone(), c.kind, c.ino);
                 st.push(&name, kind, ino);
             }
@@ -337,7 +363,7 @@ impl Fs {
     pub fn plus_entry(&self, dir: Ino, e: &DirEntry) -> Option<(Attr, bool)> {
         if e.is_dot() {
             let t = self.table.lock();
-            let attr = t.get(e.ino).map(Self::current_attr).unwrap_or_else(|| {
+            let attr = t.get(e.ino).map(|i| i.attr.clone()).unwrap_or_else(|| {
                 self.policy
                     .attr(e.ino, FileKind::Dir, 0, &PosixMeta::default(), None)
             });
@@ -346,9 +372,9 @@ impl Fs {
         let path = {
             let mut t = self.table.lock();
             if let Some(i) = t.child(dir, &e.name).and_then(|c| t.get_mut(c)) {
-                if self.fresh(i.fetched) || i.write.is_some() {
+                if self.fresh(i.fetched) || i.writing {
                     i.lookups += 1;
-                    return Some((Self::current_attr(i), true));
+                    return Some((i.attr.clone(), true));
                 }
             }
             join(&t.get(dir)?.path, &e.name)
@@ -364,7 +390,7 @@ impl Fs {
         let attr = self.remember(dir, &e.name, path, found, 1);
         if !complete {
             // Not fresh: the next stat or lookup of it asks the store.
-            let stale = Instant::now().checked_sub(self.cfg.stat_ttl + Duration::from_secs(1));
+            let stale = self.stale_instant();
             if let Some(i) = self.table.lock().get_mut(attr.ino) {
                 i.fetched = stale.or(i.fetched);
             }
@@ -372,7 +398,7 @@ impl Fs {
         Some((attr, complete))
     }
 
-    pub fn releasedir(&self, _ino: Ino, fh: u64) {
-        self.handles.lock().remove(&fh);
+    pub fn releasedir(&self, fh: u64) {
+        self.dirs.lock().remove(&fh);
     }
 }

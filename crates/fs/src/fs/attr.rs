@@ -1,0 +1,237 @@
+use super::*;
+
+impl Fs {
+    /// chmod/chown/utimens/truncate. `fh` is set for ftruncate/futimens on an open file.
+    ///
+    /// The change is stored, or queued in the file's live write state, before this returns. A
+    /// state whose last close is retiring it is never used: its publish is over and nothing
+    /// would publish the change (see [`WriteState::retire`]).
+    pub async fn setattr(&self, ino: Ino, _fh: Option<u64>, set: SetAttr) -> FsResult<Attr> {
+        self.check_writable()?;
+        let (kind, path) = {
+            let t = self.ns.table();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (i.kind, i.path.clone())
+        };
+        let mut write = self.files.write_of(ino);
+        if set.size.is_some() {
+            match kind {
+                FileKind::Dir => return Err(FsError::EISDIR),
+                FileKind::Symlink => return Err(FsError::EINVAL),
+                FileKind::File => {}
+            }
+        }
+        self.ns.lookups.forget(&path);
+        while let Some(w) = write.take() {
+            let mut st = w.state.lock().await;
+            if st.is_retired() {
+                drop(st);
+                self.ns.attr(ino)?;
+                write = self.files.write_of(ino);
+                continue;
+            }
+            // truncate(2) on a path nobody has open: nobody will close it, publish now.
+            let open = self.ns.table().get(ino).map_or(0, |i| i.open_handles);
+            return self
+                .setattr_state(ino, kind, &mut st, &set, open == 0)
+                .await;
+        }
+        let (etag, size, user) = {
+            let t = self.ns.table();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (i.etag.clone(), i.attr.size, i.user.clone())
+        };
+        if set.size.is_some() {
+            // A state of its own, published now.
+            let base = etag.map(|etag| Base { etag, size });
+            let w = self.files.new_write(self.ns.key(&path), base, user);
+            let mut st = w.state.lock().await;
+            return self.setattr_state(ino, kind, &mut st, &set, true).await;
+        }
+        let Some(change) = Self::meta_change(kind, &set) else {
+            return self.getattr(ino).await;
+        };
+        let mut new_user = user;
+        self.filled_meta(ino, kind, &new_user)?
+            .write_into(&mut new_user);
+        change.write_into(&mut new_user);
+        self.store_meta(ino, kind, &path, size, &new_user, etag.as_deref())
+            .await?;
+        // A writer that opened the file meanwhile took the old metadata: its publish must
+        // carry the change too, and build on the object as it is now.
+        let new_etag = self
+            .ns
+            .table()
+            .get(ino)
+            .ok_or(FsError::ENOENT)?
+            .etag
+            .clone();
+        let write = self.files.write_of(ino);
+        if let Some(w) = write {
+            let mut st = w.state.lock().await;
+            if !st.is_retired() {
+                change.write_into(&mut st.meta);
+                if let (Some(old), Some(new)) = (etag.as_deref(), new_etag) {
+                    st.restamp_base(old, new);
+                }
+            }
+        }
+        let mut t = self.ns.table();
+        let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+        let pm = PosixMeta::from_user(&new_user);
+        i.attr = self
+            .ns
+            .policy
+            .attr(ino, kind, i.attr.size, &pm, Some(now()));
+        i.user = new_user;
+        Ok(self.current_attr(i))
+    }
+
+    /// Applies `set` to file `ino` through its write state `st` (held locked), and publishes
+    /// at once when `publish` says so.
+    pub(super) async fn setattr_state(
+        &self,
+        ino: Ino,
+        kind: FileKind,
+        st: &mut WriteState,
+        set: &SetAttr,
+        publish: bool,
+    ) -> FsResult<Attr> {
+        let old_size = st.size();
+        if let Some(n) = set.size {
+            st.truncate(n).await?;
+        }
+        let resized = st.size() != old_size;
+        let change = Self::meta_change(kind, set);
+        if let Some(c) = &change {
+            let filled = self.filled_meta(ino, kind, &st.meta)?;
+            filled.write_into(&mut st.meta);
+            c.write_into(&mut st.meta);
+            if c.mtime.is_some() {
+                st.mtime = c.mtime;
+            }
+            st.mark_changed();
+        }
+        if publish && st.has_changes_to_publish() {
+            st.publish().await?;
+            self.published(ino, st);
+        } else if change.is_some() || resized {
+            // What stat shows now is what the close will store.
+            let mut pm = PosixMeta::from_user(&st.meta);
+            if st.mtime.is_some() {
+                pm.mtime = st.mtime;
+            }
+            let mut t = self.ns.table();
+            let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+            i.attr = self.ns.policy.attr(ino, kind, st.size(), &pm, Some(now()));
+            i.user = st.meta.clone();
+        }
+        let t = self.ns.table();
+        let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        let mut a = self.current_attr(i);
+        a.size = st.size();
+        Ok(a)
+    }
+
+    /// The metadata fields `set` changes (`None`: only the size, or nothing).
+    pub(super) fn meta_change(kind: FileKind, set: &SetAttr) -> Option<PosixMeta> {
+        let c = PosixMeta {
+            mode: set.mode.map(|m| kind.mode_bits() | (m & 0o7777)),
+            uid: set.uid,
+            gid: set.gid,
+            mtime: set.mtime,
+            atime: set.atime,
+        };
+        (c != PosixMeta::default()).then_some(c)
+    }
+
+    /// The metadata `user` describes, with what it lacks taken from what stat shows for
+    /// `ino`, so that it is stored whole.
+    pub(super) fn filled_meta(
+        &self,
+        ino: Ino,
+        kind: FileKind,
+        user: &UserMeta,
+    ) -> FsResult<PosixMeta> {
+        let mut pm = PosixMeta::from_user(user);
+        let t = self.ns.table();
+        let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        pm.mode.get_or_insert(kind.mode_bits() | i.attr.perm as u32);
+        pm.uid.get_or_insert(i.attr.uid);
+        pm.gid.get_or_insert(i.attr.gid);
+        pm.mtime.get_or_insert(i.attr.mtime);
+        Ok(pm)
+    }
+
+    /// The S_ISUID/S_ISGID bits a write by an unprivileged caller clears from file `ino`, as
+    /// the kernel does for local files (S_ISGID only with group execute); 0 when none.
+    pub fn suid_bits(&self, ino: Ino) -> u32 {
+        let t = self.ns.table();
+        let Some(i) = t.get(ino).filter(|i| i.kind == FileKind::File) else {
+            return 0;
+        };
+        let perm = i.attr.perm as u32;
+        let mut kill = perm & libc::S_ISUID;
+        if perm & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
+            kill |= libc::S_ISGID;
+        }
+        kill
+    }
+
+    /// Clears the bits [`Fs::suid_bits`] names (the kernel asks this with a write by a caller
+    /// without CAP_FSETID, `FUSE_WRITE_KILL_SUIDGID`); stored like a chmod.
+    pub async fn kill_suid(&self, ino: Ino) -> FsResult<()> {
+        let kill = self.suid_bits(ino);
+        if kill == 0 {
+            return Ok(());
+        }
+        let perm = self.ns.table().get(ino).map_or(0, |i| i.attr.perm as u32);
+        let set = SetAttr {
+            mode: Some(perm & !kill),
+            ..SetAttr::default()
+        };
+        self.setattr(ino, None, set).await.map(|_| ())
+    }
+
+    /// Replaces the user metadata of a stored object (CopyObject onto itself), pinned to
+    /// `etag`, the version this mount knows: never over another client's newer one.
+    pub(super) async fn store_meta(
+        &self,
+        ino: Ino,
+        kind: FileKind,
+        path: &str,
+        size: u64,
+        user: &UserMeta,
+        etag: Option<&str>,
+    ) -> FsResult<()> {
+        if kind == FileKind::Dir {
+            if self.ns.is_bucket_root(path) {
+                return Ok(()); // the bucket root has no object to carry metadata
+            }
+            let key = self.ns.dir_key(path);
+            // mkdir's marker must not land after this one.
+            self.ns.markers.settle(&key).await;
+            self.store
+                .put(&key, Bytes::new(), user)
+                .await
+                .map_err(|e| log_store_err(&format!("set metadata of {key}"), e))?;
+            if let Some(i) = self.ns.table().get_mut(ino) {
+                i.has_marker = true;
+            }
+            return Ok(());
+        }
+        let key = self.ns.key(path);
+        let copied = self.copy_object(&key, &key, size, Some(user), etag).await;
+        if copied == Err(FsError::ESTALE) {
+            // Another client's version is there now: the next lookup (the kernel retries a
+            // chmod once after ESTALE) sees it, and the change applies to it.
+            let _ = self.ns.refresh(ino);
+        }
+        copied?;
+        let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+        if let Some(i) = self.ns.table().get_mut(ino) {
+            i.etag = etag;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,200 @@
+use super::*;
+
+impl Fs {
+    pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
+        self.check_writable()?;
+        let ino = self.ns.existing(parent, name).await?;
+        let (kind, path, in_store, open) = {
+            let t = self.ns.table();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (
+                i.kind,
+                i.path.clone(),
+                i.fetched.is_some(),
+                i.open_handles > 0,
+            )
+        };
+        let write = self.files.write_of(ino);
+        if kind == FileKind::Dir {
+            return Err(FsError::EISDIR);
+        }
+        // One hold of the write state's lock for the whole unlink, so no write or publish
+        // changes what it decides (keep a copy or not, delete or not) before it acts. The
+        // object goes before the state is marked unlinked: a failed delete leaves the file as
+        // it was, to be published at close.
+        let mut guard = match &write {
+            Some(w) => Some(w.state.lock().await),
+            None => None,
+        };
+        // Published since the table was read: the object exists.
+        let in_store = in_store || guard.as_ref().is_some_and(|st| st.base_etag().is_some());
+        if open
+            && self
+                .hide_open_file(ino, &path, guard.as_deref_mut(), in_store)
+                .await?
+        {
+            drop(guard);
+            self.ns.lookups.forget(&path);
+            self.ns.dir_changed(parent);
+            return Ok(());
+        }
+        if in_store {
+            let key = self.ns.key(&path);
+            self.store
+                .delete(&key)
+                .await
+                .map_err(|e| log_store_err(&format!("unlink {key}"), e))?;
+        }
+        if let Some(st) = guard.as_deref_mut() {
+            st.unlink();
+            st.abort_stream().await;
+        }
+        drop(guard);
+        self.ns.removed(parent, ino, &path);
+        Ok(())
+    }
+
+    /// Unlinks file `ino`, still open here, without losing what its descriptors may read
+    /// (POSIX keeps an unlinked file until its last close). Bytes that only the store holds
+    /// move to a hidden key (see [`Self::copy_for_descriptors`]; copy, then delete), which
+    /// the last close deletes. Returns false, having done nothing, when all its bytes are
+    /// local anyway. `st` is its write state, locked by the caller.
+    pub(super) async fn hide_open_file(
+        &self,
+        ino: Ino,
+        path: &str,
+        mut st: Option<&mut WriteState>,
+        in_store: bool,
+    ) -> FsResult<bool> {
+        let Some(kept) = self
+            .copy_for_descriptors(ino, path, st.as_deref_mut(), in_store)
+            .await?
+        else {
+            return Ok(false);
+        };
+        let src = self.ns.key(path);
+        if let Err(e) = self.store.delete(&src).await {
+            self.delete_hidden(kept.0).await;
+            return Err(log_store_err(&format!("unlink {src}"), e));
+        }
+        self.retire_open_file(ino, st, Some(kept)).await;
+        Ok(true)
+    }
+
+    /// Copies what the store holds of open file `ino` at `path` (its object; streamed parts
+    /// have local copies, and publishing them would put half-written content under the
+    /// name) server-side to a new hidden key under [`UNLINKED_DIR`], for its descriptors to
+    /// read once the name is gone or taken.
+    /// Returns that path and the copy's ETag, or None, having copied nothing, when all its
+    /// bytes are local anyway. The object stays where it is.
+    pub(super) async fn copy_for_descriptors(
+        &self,
+        ino: Ino,
+        path: &str,
+        st: Option<&mut WriteState>,
+        in_store: bool,
+    ) -> FsResult<Option<(String, String)>> {
+        // A file truncated or rewritten since it was opened needs nothing from its object.
+        let reads_object = in_store && st.as_ref().is_none_or(|st| st.reads_base());
+        if !reads_object {
+            return Ok(None);
+        }
+        // Unique across mounts sharing the bucket: inode numbers repeat, clocks and pids less so.
+        let stamp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let hidden = format!("{UNLINKED_DIR}/{ino}-{}-{stamp:x}", std::process::id());
+        self.ns.check_key_len(&hidden)?;
+        let (src, dst) = (self.ns.key(path), self.ns.key(&hidden));
+        let what = format!("keeping {src} as {dst} for its open descriptors");
+        let (size, etag) = match self.store.head(&src).await {
+            Ok(o) => (o.size, o.etag),
+            // Deleted behind our back: nothing left to keep.
+            Err(StoreError::NotFound(_)) => return Ok(None),
+            Err(e) => return Err(log_store_err(&what, e)),
+        };
+        self.copy_object(&src, &dst, size, None, etag.as_deref())
+            .await?;
+        // Readers pin the copy's own ETag with If-Match.
+        let e = match self.store.head(&dst).await.map(|o| o.etag) {
+            Ok(Some(etag)) => return Ok(Some((hidden, etag))),
+            Ok(None) => StoreError::Other(format!("no ETag for {dst}")),
+            Err(e) => e,
+        };
+        self.delete_hidden(hidden).await;
+        Err(log_store_err(&what, e))
+    }
+
+    /// The last step of unlinking open file `ino`, or of renaming another file over it: its
+    /// name is gone, its state never publishes again, and with `kept` (the hidden copy of
+    /// [`Self::copy_for_descriptors`]) its descriptors read that copy until the last close.
+    pub(super) async fn retire_open_file(
+        &self,
+        ino: Ino,
+        st: Option<&mut WriteState>,
+        kept: Option<(String, String)>,
+    ) {
+        if let Some(st) = st {
+            st.unlink();
+            st.abort_stream().await;
+            if let Some((hidden, etag)) = &kept {
+                st.move_base(self.ns.key(hidden), etag.clone());
+            }
+        }
+        let closed = {
+            let mut t = self.ns.table();
+            t.removed(ino);
+            match (kept, t.get_mut(ino)) {
+                (Some((hidden, etag)), Some(i)) => {
+                    i.path = hidden.clone();
+                    i.etag = Some(etag);
+                    // The last close came while the object was moving: it could not delete it.
+                    i.hidden = i.open_handles > 0;
+                    (!i.hidden).then_some(hidden)
+                }
+                (Some((hidden, _)), None) => Some(hidden),
+                (None, _) => None,
+            }
+        };
+        if let Some(hidden) = closed {
+            self.delete_hidden(hidden).await;
+        }
+    }
+
+    /// Deletes the hidden object of a file unlinked while open (see [`Self::hide_open_file`]),
+    /// once nothing has it open any more.
+    pub(super) async fn delete_hidden(&self, path: String) {
+        let key = self.ns.key(&path);
+        if let Err(e) = self.store.delete(&key).await {
+            tracing::warn!("{key}: object of a file unlinked while open not deleted: {e}");
+        }
+    }
+
+    pub async fn rmdir(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
+        self.check_writable()?;
+        let ino = self.ns.existing(parent, name).await?;
+        let (kind, path) = {
+            let t = self.ns.table();
+            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            (i.kind, i.path.clone())
+        };
+        if kind != FileKind::Dir {
+            return Err(FsError::ENOTDIR);
+        }
+        if !self.ns.dir_is_empty(ino, &path).await? {
+            return Err(FsError::ENOTEMPTY);
+        }
+        let key = self.ns.dir_key(&path);
+        self.ns.markers.settle(&key).await;
+        self.store
+            .delete(&key)
+            .await
+            .map_err(|e| log_store_err(&format!("rmdir {key}"), e))?;
+        self.ns.lookups.forget(&path);
+        self.ns.lookups.forget_below(&path);
+        self.ns.table().removed(ino);
+        self.ns.dir_changed(parent);
+        Ok(())
+    }
+}

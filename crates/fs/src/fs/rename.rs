@@ -1,0 +1,389 @@
+use super::*;
+
+/// A file still open here whose name a rename takes (see [`Fs::rename_file`]).
+pub(super) struct Replaced {
+    ino: Ino,
+    write: Option<Arc<OpenWrite>>,
+    in_store: bool,
+}
+
+type StateGuard<'a> = tokio::sync::MutexGuard<'a, WriteState>;
+
+/// Locks the write states of two files in inode order, so that two renames crossing each
+/// other cannot deadlock.
+async fn lock_in_order<'a>(
+    a: (Ino, Option<&'a OpenWrite>),
+    b: Option<(Ino, Option<&'a OpenWrite>)>,
+) -> (Option<StateGuard<'a>>, Option<StateGuard<'a>>) {
+    async fn lock(w: Option<&OpenWrite>) -> Option<StateGuard<'_>> {
+        match w {
+            Some(w) => Some(w.state.lock().await),
+            None => None,
+        }
+    }
+    let Some((b_ino, b)) = b else {
+        return (lock(a.1).await, None);
+    };
+    if a.0 <= b_ino {
+        let ga = lock(a.1).await;
+        (ga, lock(b).await)
+    } else {
+        let gb = lock(b).await;
+        (lock(a.1).await, gb)
+    }
+}
+
+impl Fs {
+    /// `flags` are renameat2 flags (`RENAME_NOREPLACE` is honoured, `RENAME_EXCHANGE` is not
+    /// supported).
+    pub async fn rename(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        new_parent: Ino,
+        new_name: &OsStr,
+        flags: u32,
+    ) -> FsResult<()> {
+        self.check_writable()?;
+        if flags & libc::RENAME_EXCHANGE != 0 {
+            return Err(FsError::EINVAL);
+        }
+        let new_name_s = check_name(new_name)?.to_string();
+        if is_reserved(new_parent, &new_name_s) {
+            return Err(FsError::EPERM);
+        }
+        let new_parent_path = self.ns.dir_path(new_parent)?;
+        let src = self.ns.existing(parent, name).await?;
+        let target = match self.ns.existing(new_parent, new_name).await {
+            Ok(t) => Some(t),
+            Err(e) if e == FsError::ENOENT => None,
+            Err(e) => return Err(e),
+        };
+        if target == Some(src) {
+            return Ok(());
+        }
+        if target.is_some() && flags & libc::RENAME_NOREPLACE != 0 {
+            return Err(FsError::EEXIST);
+        }
+        let (kind, path, size, etag) = {
+            let t = self.ns.table();
+            let i = t.get(src).ok_or(FsError::ENOENT)?;
+            (i.kind, i.path.clone(), i.attr.size, i.etag.clone())
+        };
+        let write = self.files.write_of(src);
+        let new_path = join(&new_parent_path, &new_name_s);
+        self.ns.check_key_len(&new_path)?;
+        let mut replaced = None;
+        if let Some(t) = target {
+            let (tkind, tpath, open, in_store) = {
+                let tb = self.ns.table();
+                let i = tb.get(t).ok_or(FsError::ENOENT)?;
+                (
+                    i.kind,
+                    i.path.clone(),
+                    i.open_handles > 0,
+                    i.fetched.is_some(),
+                )
+            };
+            let twrite = self.files.write_of(t);
+            match (kind == FileKind::Dir, tkind == FileKind::Dir) {
+                (true, false) => return Err(FsError::ENOTDIR),
+                (false, true) => return Err(FsError::EISDIR),
+                (true, true) => {
+                    if !self.ns.dir_is_empty(t, &tpath).await? {
+                        return Err(FsError::ENOTEMPTY);
+                    }
+                }
+                (false, false) => {
+                    if open {
+                        replaced = Some(Replaced {
+                            ino: t,
+                            write: twrite,
+                            in_store,
+                        });
+                    }
+                }
+            }
+        }
+        let new_etag = if kind == FileKind::Dir {
+            self.rename_dir(&path, &new_path, target.is_some()).await?;
+            None
+        } else {
+            let moved = self
+                .rename_file(&path, &new_path, (size, etag), (src, write), replaced)
+                .await;
+            if moved == Err(FsError::ESTALE) {
+                // Another client's version is there now: the next lookup (the kernel retries
+                // the rename once after ESTALE) sees it.
+                let _ = self.ns.refresh(src);
+            }
+            moved?
+        };
+        self.ns.lookups.forget(&path);
+        self.ns.lookups.forget(&new_path);
+        if kind == FileKind::Dir {
+            self.ns.lookups.forget_below(&path);
+        }
+        self.ns.note_added(new_parent, &new_name_s);
+        self.ns.dir_changed(parent);
+        self.ns.dir_changed(new_parent);
+        let mut t = self.ns.table();
+        t.rename(src, new_parent, &new_name_s, &new_parent_path);
+        if let Some(i) = t.get_mut(src) {
+            i.attr.ctime = now();
+            if kind != FileKind::Dir {
+                i.etag = new_etag;
+            }
+        }
+        if kind == FileKind::Dir {
+            // Every object below was copied: their ETags are unknown until asked again.
+            let stale = self.ns.stale_instant();
+            for d in t.descendants(&new_path) {
+                if let Some(i) = t.get_mut(d) {
+                    if !i.writing {
+                        i.etag = None;
+                        i.fetched = stale.or(i.fetched);
+                    }
+                }
+            }
+        }
+        t.maybe_drop(src);
+        Ok(())
+    }
+
+    /// Moves file `src` (its inode and write state) from `path` to `new_path`. The file whose
+    /// name it takes, if still open here (`replaced`), keeps its bytes for its descriptors, as
+    /// an unlinked one does (see [`Self::hide_open_file`]), and never publishes over the new
+    /// object.
+    pub(super) async fn rename_file(
+        &self,
+        path: &str,
+        new_path: &str,
+        version: (u64, Option<String>),
+        src: (Ino, Option<Arc<OpenWrite>>),
+        replaced: Option<Replaced>,
+    ) -> FsResult<Option<String>> {
+        let (mut guard, mut replaced_guard) = lock_in_order(
+            (src.0, src.1.as_deref()),
+            replaced.as_ref().map(|r| (r.ino, r.write.as_deref())),
+        )
+        .await;
+        let kept = match &replaced {
+            Some(r) => {
+                self.copy_for_descriptors(
+                    r.ino,
+                    new_path,
+                    replaced_guard.as_deref_mut(),
+                    r.in_store,
+                )
+                .await?
+            }
+            None => None,
+        };
+        let moved = self
+            .move_object(path, new_path, version, guard.as_deref_mut())
+            .await;
+        match (moved, &replaced) {
+            (Err(e), _) => {
+                if let Some((hidden, _)) = kept {
+                    self.delete_hidden(hidden).await;
+                }
+                Err(e)
+            }
+            (Ok(etag), Some(r)) => {
+                self.retire_open_file(r.ino, replaced_guard.as_deref_mut(), kept)
+                    .await;
+                Ok(etag)
+            }
+            (Ok(etag), None) => Ok(etag),
+        }
+    }
+
+    /// Moves the object of a file from `path` to `new_path`; returns the new object's ETag.
+    /// A file being written (state `st`) is not published here: what it holds is half
+    /// written, and its upload belongs to the old key. The upload is aborted and the state
+    /// goes on under the new key (close sends the streamed parts again, from their local
+    /// copies); the file's previous complete object, if any, moves with the name, else the
+    /// new name has no object until close. Either way each key holds a complete object or
+    /// none, whenever the daemon dies. The copy is pinned to the version the file was looked
+    /// up on (`version`: size and ETag), or its state is based on.
+    pub(super) async fn move_object(
+        &self,
+        path: &str,
+        new_path: &str,
+        version: (u64, Option<String>),
+        st: Option<&mut WriteState>,
+    ) -> FsResult<Option<String>> {
+        let (src, dst) = (self.ns.key(path), self.ns.key(new_path));
+        let Some(st) = st else {
+            let (size, etag) = version;
+            self.copy_object(&src, &dst, size, None, etag.as_deref())
+                .await?;
+            self.store
+                .delete(&src)
+                .await
+                .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
+            // The copy has an ETag of its own (a multipart source's never carries over):
+            // readers pin it with If-Match, so learn it now.
+            return Ok(self.store.head(&dst).await.ok().and_then(|o| o.etag));
+        };
+        st.leave_key(&src)?;
+        let what = format!("rename {src} to {dst}");
+        let old = match self.store.head(&src).await {
+            Ok(o) => Some(o),
+            Err(StoreError::NotFound(_)) => None,
+            Err(e) => return Err(log_store_err(&what, e)),
+        };
+        let etag = match &old {
+            Some(o) => {
+                // The state reads its base from the copy: it must be that base, whole.
+                let pin = st.base_etag().map(str::to_string);
+                self.copy_object(&src, &dst, o.size, None, pin.as_deref())
+                    .await?;
+                // Learnt before the source goes: the state reads its base from the copy.
+                match self.store.head(&dst).await {
+                    Ok(o) => o.etag,
+                    Err(e) => return Err(log_store_err(&what, e)),
+                }
+            }
+            None => {
+                // The name's old object (a file replaced) is gone; this one comes at close.
+                self.store
+                    .delete(&dst)
+                    .await
+                    .map_err(|e| log_store_err(&what, e))?;
+                None
+            }
+        };
+        if old.is_some() {
+            self.store
+                .delete(&src)
+                .await
+                .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
+        }
+        st.move_to(dst, etag.clone()).await;
+        Ok(etag)
+    }
+
+    /// Moves every object under the directory: copies all, then deletes the sources.
+    pub(super) async fn rename_dir(
+        &self,
+        path: &str,
+        new_path: &str,
+        replace: bool,
+    ) -> FsResult<()> {
+        // Files being written below are not published (their content is half written): their
+        // complete objects, if any, move with the rest, and they go on under the new keys.
+        let writes: Vec<Arc<OpenWrite>> = {
+            let t = self.ns.table();
+            t.descendants(path)
+                .into_iter()
+                .filter_map(|d| self.files.write_of(d))
+                .collect()
+        };
+        for w in &writes {
+            let st = w.state.lock().await;
+            st.leave_key(&st.key)?;
+        }
+        let (src, dst) = (self.ns.dir_key(path), self.ns.dir_key(new_path));
+        // Directories made below must be in the bucket to be listed and moved.
+        self.ns.markers.wait_below(&src).await?;
+        if replace {
+            self.ns.markers.settle(&dst).await;
+        }
+        let mut objects = Vec::new();
+        let mut from = ListFrom::Start;
+        loop {
+            let page = self
+                .store
+                .list(&src, None, from, 1000, ListDetail::Plain)
+                .await
+                .map_err(|e| log_store_err(&format!("list {src}"), e))?;
+            objects.extend(page.objects);
+            if objects.len() > self.cfg.max_dir_rename_objects {
+                tracing::info!(
+                    "rename of {src}: more than {} objects, returning EXDEV",
+                    self.cfg.max_dir_rename_objects
+                );
+                return Err(FsError::EXDEV);
+            }
+            match page.next_continuation {
+                Some(t) => from = ListFrom::Token(t),
+                None => break,
+            }
+        }
+        if replace {
+            self.store
+                .delete(&dst)
+                .await
+                .map_err(|e| log_store_err(&format!("delete {dst}"), e))?;
+        }
+        if !objects.iter().any(|o| o.key == src) {
+            // An implied directory: give the new one a marker so it exists even if empty.
+            self.store
+                .put(&dst, Bytes::new(), &UserMeta::new())
+                .await
+                .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
+        }
+        let copies: Vec<BoxFuture<'_, FsResult<()>>> = objects
+            .iter()
+            .map(|o| {
+                let to = format!("{dst}{}", &o.key[src.len()..]);
+                // Each object as listed: its size and version go together.
+                async move {
+                    self.copy_object(&o.key, &to, o.size, None, o.etag.as_deref())
+                        .await
+                }
+                .boxed()
+            })
+            .collect();
+        // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
+        // would skip its abort.
+        run_bounded(copies, RENAME_CONCURRENCY).await?;
+        // Objects first, then directory markers deepest first, so that a store where a
+        // marker is a real directory (the local one) can remove it once it is empty.
+        let (mut markers, files): (Vec<&ObjectMeta>, Vec<&ObjectMeta>) =
+            objects.iter().partition(|o| o.key.ends_with('/'));
+        let deletes: Vec<BoxFuture<'_, FsResult<()>>> = files
+            .into_iter()
+            .map(|o| {
+                async move {
+                    self.store
+                        .delete(&o.key)
+                        .await
+                        .map_err(|e| log_store_err(&format!("delete {}", o.key), e))
+                }
+                .boxed()
+            })
+            .collect();
+        stream::iter(deletes)
+            .buffer_unordered(RENAME_CONCURRENCY)
+            .try_collect::<Vec<()>>()
+            .await?;
+        markers.sort_by(|a, b| b.key.cmp(&a.key));
+        for m in markers {
+            self.store
+                .delete(&m.key)
+                .await
+                .map_err(|e| log_store_err(&format!("delete {}", m.key), e))?;
+        }
+        // Re-point files still open for writing at their new keys.
+        let below: Vec<(String, Arc<OpenWrite>)> = {
+            let t = self.ns.table();
+            t.descendants(path)
+                .into_iter()
+                .filter_map(|d| {
+                    let i = t.get(d)?;
+                    let w = self.files.write_of(d)?;
+                    Some((format!("{new_path}{}", &i.path[path.len()..]), w))
+                })
+                .collect()
+        };
+        for (p, w) in below {
+            let key = self.ns.key(&p);
+            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+            w.state.lock().await.move_to(key, etag).await;
+        }
+        Ok(())
+    }
+}
