@@ -22,7 +22,6 @@ pub use budget::default_budget;
 pub use config::FsConfig;
 pub use error::{FsError, FsResult};
 pub use fs::{Caller, DirEntry, Fs, Now, OpenReply, SetAttr, StaleCache, StatFs};
-pub use meta::{Attr, FileKind};
+pub use meta::{Attr, FileKind, Ino, ROOT_INO};
 pub use metrics::FsMetrics;
-pub use namespace::inode::{Ino, ROOT_INO};
 pub use namespace::names::{normalize_prefix, unlinked_key_prefix, NAME_MAX};

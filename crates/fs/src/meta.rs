@@ -7,6 +7,12 @@
 use bucketfs_store::{ObjectMeta, UserMeta};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// An inode number as the kernel sees it.
+pub type Ino = u64;
+
+/// The mount root.
+pub const ROOT_INO: Ino = 1;
+
 pub const META_MODE: &str = "mode";
 pub const META_UID: &str = "uid";
 pub const META_GID: &str = "gid";
@@ -34,7 +40,7 @@ impl FileKind {
 /// What `stat` shows for one inode.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Attr {
-    pub ino: u64,
+    pub ino: Ino,
     pub kind: FileKind,
     pub size: u64,
     /// Permission bits only (no type bits).

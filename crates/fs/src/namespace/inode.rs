@@ -6,19 +6,13 @@
 //! file gives the same `st_ino`. Paths are relative to the mount prefix, without a trailing
 //! `/`; the root is the empty path.
 
-use crate::meta::{Attr, FileKind};
+use crate::meta::{Attr, FileKind, Ino, ROOT_INO};
 use bucketfs_store::UserMeta;
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::ops::Bound;
 use std::time::Instant;
-
-/// An inode number as the kernel sees it.
-pub type Ino = u64;
-
-/// The mount root.
-pub const ROOT_INO: Ino = 1;
 
 /// The names a complete listing of a directory showed, for negative lookups and statahead.
 pub struct DirListing {

@@ -1,11 +1,11 @@
 //! Directories: listings streamed page by page to readdir, the listing each complete pass
 //! leaves for negative lookups and statahead, and what a cached listing says about a name.
 
-use super::inode::{join, DirListing, Ino};
+use super::inode::{join, DirListing};
 use super::lookup::{page_entries, Found, LIST_PAGE};
 use super::Namespace;
 use crate::error::{log_store_err, FsError, FsResult};
-use crate::meta::{Attr, FileKind, PosixMeta};
+use crate::meta::{Attr, FileKind, Ino, PosixMeta};
 use bucketfs_store::{ListDetail, ListFrom, ObjectMeta};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

@@ -19,10 +19,10 @@ pub mod markers;
 pub mod names;
 
 use crate::error::{log_store_err, FsError, FsResult};
-use crate::meta::{Attr, AttrPolicy, FileKind, PosixMeta};
+use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta, ROOT_INO};
 use crate::metrics::{inc, FsMetrics};
 use bucketfs_store::{ListDetail, ListFrom, ObjectStore};
-use inode::{join, Ino, Inode, InodeTable, ROOT_INO};
+use inode::{join, Inode, InodeTable};
 use listing::{DirMisses, DirStream, ListingSays};
 use lookup::{CacheLimits, Found, Lookups};
 use markers::PendingMarkers;
