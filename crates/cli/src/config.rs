@@ -20,10 +20,6 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Smallest and largest multipart part S3 accepts.
-const MIN_PART: u64 = 5 * 1024 * 1024;
-const MAX_PART: u64 = 5 * 1024 * 1024 * 1024;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogLevel {
     Error,
@@ -405,7 +401,9 @@ impl Settings {
             "allow_stacking" => self.allow_stacking = parse_bool(v)?,
             "part_size" => {
                 let n = parse_size(v)?;
-                if !(MIN_PART..=MAX_PART).contains(&n) {
+                // Checked before any store is open: S3's sizes, which every store here keeps.
+                let limits = bucketfs_store::StoreLimits::S3;
+                if !(limits.min_part..=limits.max_part).contains(&n) {
                     return Err(format!(
                         "part size {v} is out of range (5 MiB to 5 GiB, the S3 limits)"
                     ));

@@ -54,7 +54,7 @@ pub async fn measure(
     key: &str,
     opts: &LimitOptions,
 ) -> Result<LimitResult, StoreError> {
-    let part = opts.part_size.max(bucketfs_store::MIN_PART_SIZE);
+    let part = opts.part_size.max(store.limits().min_part);
     let parts = opts.size.div_ceil(part).max(1);
     // One buffer of incompressible bytes, shared by every part (no copy per request).
     let body = Bytes::from(pseudo_random(part as usize));

@@ -23,8 +23,7 @@ mod remove;
 mod rename;
 
 use bucketfs_store::{
-    run_bounded, CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError,
-    UserMeta, MAX_COPY_OBJECT_SIZE,
+    run_bounded, CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError, UserMeta,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -271,7 +270,7 @@ impl Fs {
             }
             e => log_store_err(&what, e),
         };
-        if size <= MAX_COPY_OBJECT_SIZE {
+        if size <= self.store.limits().max_copy_object {
             return self
                 .store
                 .copy(src, dst, meta, src_etag)

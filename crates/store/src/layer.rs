@@ -26,6 +26,10 @@ pub trait StoreLayer: Send + Sync + 'static {
         self.inner().describe()
     }
 
+    fn limits(&self) -> StoreLimits {
+        self.inner().limits()
+    }
+
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
         self.inner().head(key).await
     }
@@ -144,6 +148,10 @@ pub trait StoreLayer: Send + Sync + 'static {
 impl<L: StoreLayer> ObjectStore for L {
     fn describe(&self) -> String {
         StoreLayer::describe(self)
+    }
+
+    fn limits(&self) -> StoreLimits {
+        StoreLayer::limits(self)
     }
 
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {

@@ -36,6 +36,11 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// A short name for logs and errors, such as `s3://bucket` or `/srv/data`.
     fn describe(&self) -> String;
 
+    /// The sizes this store accepts (parts, copies, objects). Every backend here keeps S3's.
+    fn limits(&self) -> StoreLimits {
+        StoreLimits::S3
+    }
+
     /// HEAD: size, ETag, mtime and user metadata of one object.
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta>;
 
@@ -157,9 +162,28 @@ pub trait ObjectStore: Send + Sync + 'static {
     ) -> StoreResult<ListPage>;
 }
 
-/// Largest object a single CopyObject may copy.
-pub const MAX_COPY_OBJECT_SIZE: u64 = 5 * 1024 * 1024 * 1024;
-/// Smallest part a multipart upload accepts (except the last one).
-pub const MIN_PART_SIZE: u64 = 5 * 1024 * 1024;
-/// Most parts one multipart upload may have.
-pub const MAX_PARTS: u32 = 10_000;
+/// The sizes a store accepts: what a multipart upload, a copy and an object may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreLimits {
+    /// Smallest part a multipart upload accepts (except the last one).
+    pub min_part: u64,
+    /// Largest part.
+    pub max_part: u64,
+    /// Most parts one multipart upload may have.
+    pub max_parts: u32,
+    /// Largest object a single CopyObject may copy.
+    pub max_copy_object: u64,
+    /// Largest object.
+    pub max_object: u64,
+}
+
+impl StoreLimits {
+    /// Amazon S3's, which every S3-compatible store here accepts.
+    pub const S3: StoreLimits = StoreLimits {
+        min_part: 5 << 20,
+        max_part: 5 << 30,
+        max_parts: 10_000,
+        max_copy_object: 5 << 30,
+        max_object: 5 << 40,
+    };
+}

@@ -516,6 +516,7 @@ impl ObjectStore for LocalStore {
         let upload_id = upload_id.to_string();
         let parts = parts.to_vec();
         let if_match = if_match.map(str::to_string);
+        let min_part = self.limits().min_part;
         self.run(move |s| {
             let dir = s.upload_dir(&upload_id)?;
             // Checked again when the result is renamed into place; this first check saves
@@ -535,7 +536,7 @@ impl ObjectStore for LocalStore {
                         part.part_number
                     )));
                 }
-                if i + 1 < parts.len() && md.len() < MIN_PART_SIZE {
+                if i + 1 < parts.len() && md.len() < min_part {
                     return Err(StoreError::Invalid(format!(
                         "part {} smaller than 5 MiB",
                         part.part_number
@@ -784,7 +785,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = LocalStore::open(dir.path()).unwrap();
         let id = s.create_multipart("big", &UserMeta::new()).await.unwrap();
-        let p1 = vec![1u8; MIN_PART_SIZE as usize];
+        let p1 = vec![1u8; StoreLimits::S3.min_part as usize];
         let e1 = s.upload_part("big", &id, 1, Bytes::from(p1)).await.unwrap();
         let e2 = s
             .upload_part("big", &id, 2, Bytes::from_static(b"tail"))
@@ -808,7 +809,10 @@ pub(crate) mod tests {
         )
         .await
         .unwrap();
-        assert_eq!(s.head("big").await.unwrap().size, MIN_PART_SIZE + 4);
+        assert_eq!(
+            s.head("big").await.unwrap().size,
+            StoreLimits::S3.min_part + 4
+        );
         assert!(s.list_multipart_uploads("").await.unwrap().is_empty());
     }
 }

@@ -231,7 +231,7 @@ impl ObjectStore for MemoryStore {
             if *etag != p.etag {
                 return Err(StoreError::Invalid(format!("part {} etag", p.part_number)));
             }
-            if i + 1 < parts.len() && (data.len() as u64) < MIN_PART_SIZE {
+            if i + 1 < parts.len() && (data.len() as u64) < self.limits().min_part {
                 return Err(StoreError::Invalid(format!(
                     "part {} smaller than 5 MiB",
                     p.part_number

@@ -978,7 +978,7 @@ mod tests {
             .create_multipart("big", &UserMeta::new())
             .await
             .unwrap();
-        let part = Bytes::from(vec![7u8; MIN_PART_SIZE as usize]);
+        let part = Bytes::from(vec![7u8; StoreLimits::S3.min_part as usize]);
         let e1 = retry
             .upload_part("big", &id, 1, part.clone())
             .await
@@ -1001,7 +1001,10 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(Some(etag), multipart_etag(&parts));
-        assert_eq!(mem.head("big").await.unwrap().size, 2 * MIN_PART_SIZE);
+        assert_eq!(
+            mem.head("big").await.unwrap().size,
+            2 * StoreLimits::S3.min_part
+        );
         assert_eq!(mem.pending_uploads(), 0);
     }
 

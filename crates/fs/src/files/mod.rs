@@ -78,7 +78,8 @@ pub struct OpenFiles {
 impl OpenFiles {
     pub fn new(store: Arc<dyn ObjectStore>, cfg: &FsConfig, metrics: Arc<FsMetrics>) -> Self {
         let budget = MemoryBudget::new(cfg.max_memory, metrics.clone());
-        let part_size = cfg.part_size.max(bucketfs_store::MIN_PART_SIZE);
+        let limits = store.limits();
+        let part_size = cfg.part_size.max(limits.min_part);
         let rcfg = Arc::new(ReadConfig {
             part_size,
             max_window: cfg.max_prefetch,
@@ -89,6 +90,7 @@ impl OpenFiles {
             layout: PartLayout { part_size },
             upload_concurrency: cfg.upload_concurrency.max(1),
             uploads: Uploads::new(store.clone()),
+            limits,
             metrics,
             budget,
         });

@@ -27,7 +27,7 @@ use crate::files::extents::Extents;
 use crate::metrics::{inc, inc_by, FsMetrics};
 use crate::pool::PoolBuf;
 use bucketfs_store::{
-    run_bounded, CompletedPart, ObjectStore, StoreError, Upload, Uploads, UserMeta, MAX_PARTS,
+    run_bounded, CompletedPart, ObjectStore, StoreError, StoreLimits, Upload, Uploads, UserMeta,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -41,9 +41,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 use tokio::task::JoinHandle;
-
-/// Largest object S3 allows (5 TiB).
-pub const MAX_OBJECT_SIZE: u64 = 5 * 1024 * 1024 * 1024 * 1024;
 
 /// Where each part of a multipart object starts and ends. Parts are `part_size` bytes for the
 /// first 1,000, then double every 1,000 parts, so 10,000 parts reach the 5 TiB object limit
@@ -273,6 +270,8 @@ pub struct WriteConfig {
     pub upload_concurrency: usize,
     /// Creates the multipart uploads, and retries the aborts that failed (the store was down).
     pub uploads: Arc<Uploads>,
+    /// The store's sizes: parts per upload, largest object and copy.
+    pub limits: StoreLimits,
     pub metrics: Arc<FsMetrics>,
     /// Part buffers take their memory from here (writers wait when it is full).
     pub budget: Arc<MemoryBudget>,
@@ -336,11 +335,11 @@ pub struct WriteState {
     pub mtime: Option<SystemTime>,
 }
 
-/// Whether `len` bytes at `offset` end within the largest object S3 allows.
-fn fits_object(offset: u64, len: usize) -> bool {
+/// Whether `len` bytes at `offset` end within the largest object the store allows.
+fn fits_object(limits: &StoreLimits, offset: u64, len: usize) -> bool {
     offset
         .checked_add(len as u64)
-        .is_some_and(|e| e <= MAX_OBJECT_SIZE)
+        .is_some_and(|e| e <= limits.max_object)
 }
 
 fn io_err(e: std::io::Error) -> FsError {
@@ -405,7 +404,7 @@ impl WriteState {
 
     /// Writes `data` at `offset`.
     pub async fn write(&mut self, offset: u64, mut data: Bytes) -> FsResult<()> {
-        if !fits_object(offset, data.len()) {
+        if !fits_object(&self.cfg.limits, offset, data.len()) {
             return Err(FsError::EFBIG);
         }
         if data.is_empty() {
@@ -447,7 +446,7 @@ impl WriteState {
     /// an owned one first (a third of the user-space copying of a sequential write).
     pub fn append_now(&mut self, at: u64, data: &[u8]) -> Appended {
         let full_tail = self.tail.as_ref().is_some_and(Tail::is_full);
-        if data.is_empty() || !fits_object(at, data.len()) || full_tail {
+        if data.is_empty() || !fits_object(&self.cfg.limits, at, data.len()) || full_tail {
             return Appended::No;
         }
         if !self.tail_takes(at) {
@@ -506,7 +505,10 @@ impl WriteState {
         let part = layout.bounds(i);
         // The last possible part is never streamed: leave it to the staging path. Nor is a
         // part whose old bytes only the upload holds (the slow path recovers them first).
-        if at != part.start || i + 1 >= MAX_PARTS as u64 || self.uploaded_only.intersects(&part) {
+        if at != part.start
+            || i + 1 >= self.cfg.limits.max_parts as u64
+            || self.uploaded_only.intersects(&part)
+        {
             return false;
         }
         self.tail = Some(Tail {
@@ -661,7 +663,7 @@ impl WriteState {
 
     /// Sets the size (truncate/extend).
     pub async fn truncate(&mut self, size: u64) -> FsResult<()> {
-        if size > MAX_OBJECT_SIZE {
+        if size > self.cfg.limits.max_object {
             return Err(FsError::EFBIG);
         }
         let old = self.size();
@@ -711,7 +713,10 @@ impl WriteState {
         let last = layout.index_of(touched.end - 1);
         for i in first..=last {
             let r = layout.bounds(i);
-            if i + 1 >= MAX_PARTS as u64 || !self.dirty.covers(&r) || !self.local.covers(&r) {
+            if i + 1 >= self.cfg.limits.max_parts as u64
+                || !self.dirty.covers(&r)
+                || !self.local.covers(&r)
+            {
                 continue;
             }
             let generation = self.generations.get(&i).copied().unwrap_or(0);
@@ -1152,7 +1157,7 @@ impl WriteState {
     async fn publish_multipart(&mut self, size: u64) -> FsResult<String> {
         let key = self.key.clone();
         let parts = self.cfg.layout.parts(size);
-        if parts.len() > MAX_PARTS as usize {
+        if parts.len() > self.cfg.limits.max_parts as usize {
             return Err(FsError::EFBIG);
         }
         self.start_stream().await?;
@@ -1437,6 +1442,6 @@ mod tests {
         assert_eq!(l.parts(20), vec![0..8, 8..16, 16..20]);
         // With 8 MiB parts, 10,000 parts cover the 5 TiB maximum object.
         let big = PartLayout { part_size: 8 << 20 };
-        assert!(big.bounds(9999).end >= MAX_OBJECT_SIZE);
+        assert!(big.bounds(9999).end >= StoreLimits::S3.max_object);
     }
 }
