@@ -34,7 +34,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Who is making a call (from the FUSE request header); owns what it creates.
 #[derive(Debug, Clone, Copy)]
@@ -634,20 +634,7 @@ impl Fs {
             Err(StoreError::NotFound(_)) => return Err(FsError::ESTALE),
             Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
         };
-        let mut grew = false;
-        let mut t = self.ns.table();
-        if let Some(i) = t.get_mut(ino) {
-            if !i.writing && self.ns.key(&i.path) == key {
-                self.ns.lookups.forget(&i.path);
-                grew = obj.size > i.attr.size;
-                i.attr = self.ns.policy.attr_of_object(ino, i.kind, &obj);
-                i.etag = obj.etag.clone();
-                i.user = obj.user.clone();
-                i.fetched = Some(Instant::now());
-                // Pages the kernel keeps may be of either version: the next open drops them.
-                i.cached_etag = None;
-            }
-        }
+        let grew = self.ns.learned(ino, key, &obj);
         Ok((obj.etag, obj.size, grew))
     }
 
@@ -758,18 +745,8 @@ impl Fs {
     /// The object of `ino` is now in the store as write state `st` (held locked, so that no
     /// setattr queued after the publish is overwritten here) says.
     fn published(&self, ino: Ino, st: &WriteState) {
-        let mut t = self.ns.table();
-        if let Some(i) = t.get_mut(ino) {
-            self.ns.lookups.forget(&i.path);
-            let pm = PosixMeta::from_user(&st.meta);
-            i.attr = self
-                .ns
-                .policy
-                .attr(ino, i.kind, st.size(), &pm, Some(now()));
-            i.etag = st.base_etag().map(str::to_string);
-            i.user = st.meta.clone();
-            i.fetched = Some(Instant::now());
-        }
+        let etag = st.base_etag().map(str::to_string);
+        self.ns.stored(ino, st.size(), etag, st.meta.clone());
     }
 
     /// close(2) of one descriptor: publishes what was written and reports a failed upload.

@@ -21,7 +21,7 @@ impl Fs {
                 FileKind::File => {}
             }
         }
-        self.ns.lookups.forget(&path);
+        self.ns.changing(&path);
         while let Some(w) = write.take() {
             let mut st = w.state.lock().await;
             if st.is_retired() {

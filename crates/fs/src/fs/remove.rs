@@ -34,8 +34,7 @@ impl Fs {
                 .await?
         {
             drop(guard);
-            self.ns.lookups.forget(&path);
-            self.ns.dir_changed(parent);
+            self.ns.hidden(parent, &path);
             return Ok(());
         }
         if in_store {
@@ -191,10 +190,7 @@ impl Fs {
             .delete(&key)
             .await
             .map_err(|e| log_store_err(&format!("rmdir {key}"), e))?;
-        self.ns.lookups.forget(&path);
-        self.ns.lookups.forget_below(&path);
-        self.ns.table().removed(ino);
-        self.ns.dir_changed(parent);
+        self.ns.removed(parent, ino, &path);
         Ok(())
     }
 }

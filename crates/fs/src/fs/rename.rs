@@ -119,35 +119,8 @@ impl Fs {
             }
             moved?
         };
-        self.ns.lookups.forget(&path);
-        self.ns.lookups.forget(&new_path);
-        if kind == FileKind::Dir {
-            self.ns.lookups.forget_below(&path);
-        }
-        self.ns.note_added(new_parent, &new_name_s);
-        self.ns.dir_changed(parent);
-        self.ns.dir_changed(new_parent);
-        let mut t = self.ns.table();
-        t.rename(src, new_parent, &new_name_s, &new_parent_path);
-        if let Some(i) = t.get_mut(src) {
-            i.attr.ctime = now();
-            if kind != FileKind::Dir {
-                i.etag = new_etag;
-            }
-        }
-        if kind == FileKind::Dir {
-            // Every object below was copied: their ETags are unknown until asked again.
-            let stale = self.ns.stale_instant();
-            for d in t.descendants(&new_path) {
-                if let Some(i) = t.get_mut(d) {
-                    if !i.writing {
-                        i.etag = None;
-                        i.fetched = stale.or(i.fetched);
-                    }
-                }
-            }
-        }
-        t.maybe_drop(src);
+        self.ns
+            .renamed(src, (parent, &path), (new_parent, &new_name_s), new_etag);
         Ok(())
     }
 

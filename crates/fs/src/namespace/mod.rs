@@ -21,7 +21,7 @@ pub mod names;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta, ROOT_INO};
 use crate::metrics::{inc, FsMetrics};
-use bucketfs_store::{ListDetail, ListFrom, ObjectStore};
+use bucketfs_store::{ListDetail, ListFrom, ObjectMeta, ObjectStore, UserMeta};
 use inode::{join, Inode, InodeTable};
 use listing::{DirMisses, DirStream, ListingSays};
 use lookup::{CacheLimits, Found, Lookups};
@@ -51,7 +51,7 @@ pub struct Namespace {
     metrics: Arc<FsMetrics>,
     table: Mutex<InodeTable>,
     /// Stat cache, single-flight probes and statahead.
-    pub lookups: Arc<Lookups>,
+    lookups: Arc<Lookups>,
     /// Lookup misses per directory without a listing (see [`Namespace::list_for_lookups`]).
     dir_misses: Mutex<HashMap<Ino, DirMisses>>,
     /// Directory markers mkdir has not finished uploading.
@@ -385,11 +385,100 @@ impl Namespace {
         }
     }
 
-    /// `ino` at `path` was deleted from directory `parent`.
+    /// `ino` at `path` was deleted from directory `parent` (a directory: and all below it).
     pub fn removed(&self, parent: Ino, ino: Ino, path: &str) {
         self.lookups.forget(path);
+        self.lookups.forget_below(path);
         self.table.lock().removed(ino);
         self.dir_changed(parent);
+    }
+
+    /// The name `path` in `parent` of a file still open here is gone; the inode stays (its
+    /// path now names the hidden copy its descriptors read).
+    pub fn hidden(&self, parent: Ino, path: &str) {
+        self.lookups.forget(path);
+        self.dir_changed(parent);
+    }
+
+    /// `path` is about to change here (chmod, truncate...): what the stat cache says of it
+    /// goes.
+    pub fn changing(&self, path: &str) {
+        self.lookups.forget(path);
+    }
+
+    /// `ino`, at `from` (parent and path), now is `to` (parent and name) in the store; a
+    /// file's object there has ETag `etag` (`None`: ask).
+    pub fn renamed(&self, ino: Ino, from: (Ino, &str), to: (Ino, &str), etag: Option<String>) {
+        let ((parent, path), (new_parent, new_name)) = (from, to);
+        let Ok(new_parent_path) = self.dir_path(new_parent) else {
+            return;
+        };
+        let new_path = join(&new_parent_path, new_name);
+        self.lookups.forget(path);
+        self.lookups.forget(&new_path);
+        self.lookups.forget_below(path);
+        self.note_added(new_parent, new_name);
+        self.dir_changed(parent);
+        self.dir_changed(new_parent);
+        let mut t = self.table.lock();
+        t.rename(ino, new_parent, new_name, &new_parent_path);
+        let Some(i) = t.get_mut(ino) else {
+            return;
+        };
+        i.attr.ctime = SystemTime::now();
+        if i.kind != FileKind::Dir {
+            i.etag = etag;
+        } else {
+            // Every object below was copied: their ETags are unknown until asked again.
+            let stale = self.stale_instant();
+            for d in t.descendants(&new_path) {
+                if let Some(i) = t.get_mut(d) {
+                    if !i.writing {
+                        i.etag = None;
+                        i.fetched = stale.or(i.fetched);
+                    }
+                }
+            }
+        }
+        t.maybe_drop(ino);
+    }
+
+    /// The object of file `ino` is now in the store with `size` bytes, ETag `etag` and `user`
+    /// metadata, as this mount stored it.
+    pub fn stored(&self, ino: Ino, size: u64, etag: Option<String>, user: UserMeta) {
+        let mut t = self.table.lock();
+        if let Some(i) = t.get_mut(ino) {
+            self.lookups.forget(&i.path);
+            let pm = PosixMeta::from_user(&user);
+            i.attr = self
+                .policy
+                .attr(ino, i.kind, size, &pm, Some(SystemTime::now()));
+            i.etag = etag;
+            i.user = user;
+            i.fetched = Some(Instant::now());
+        }
+    }
+
+    /// The object at `key` of open file `ino` is `obj` now (a read found it changed).
+    /// Recorded unless the file is being written here or moved; returns whether it is larger
+    /// than stat showed.
+    pub fn learned(&self, ino: Ino, key: &str, obj: &ObjectMeta) -> bool {
+        let mut t = self.table.lock();
+        let Some(i) = t.get_mut(ino) else {
+            return false;
+        };
+        if i.writing || self.key(&i.path) != key {
+            return false;
+        }
+        self.lookups.forget(&i.path);
+        let grew = obj.size > i.attr.size;
+        i.attr = self.policy.attr_of_object(ino, i.kind, obj);
+        i.etag = obj.etag.clone();
+        i.user = obj.user.clone();
+        i.fetched = Some(Instant::now());
+        // Pages the kernel keeps may be of either version: the next open drops them.
+        i.cached_etag = None;
+        grew
     }
 
     /// Whether a directory holds anything (in the store or created here and not yet uploaded).
