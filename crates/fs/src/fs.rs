@@ -529,8 +529,10 @@ impl Fs {
     ) -> FsResult<(Attr, OpenReply)> {
         let (name, parent_path) = match self.prepare_new(parent, name) {
             Err(e) if e == FsError::EEXIST && flags & libc::O_EXCL == 0 => {
+                // Made meanwhile (by another process on this mount): open(2) opens it, and
+                // truncates it only when asked to.
                 let ino = self.ns.existing(parent, name).await?;
-                let reply = self.open(ino, flags | libc::O_TRUNC).await?;
+                let reply = self.open(ino, flags).await?;
                 self.add_lookup(ino);
                 return Ok((self.getattr(ino).await?, reply));
             }

@@ -33,6 +33,42 @@ async fn empty_file_is_published() {
     assert_eq!(object(&e.mem, "empty").await, Vec::<u8>::new());
 }
 
+/// Two processes on this mount create the same new name at once: the kernel sends both a
+/// create (the name was missing for both lookups). The second finds the file the first made
+/// and opens it, as open(2) with O_CREAT and without O_TRUNC does: what the first wrote stays.
+#[tokio::test]
+async fn a_racing_create_without_o_trunc_keeps_what_the_first_wrote() {
+    let e = env();
+    let name = OsStr::new("race");
+    let flags = libc::O_WRONLY | libc::O_CREAT;
+    let (a, first) =
+        e.fs.create(ROOT_INO, name, 0o644, 0, flags, ME)
+            .await
+            .unwrap();
+    e.fs.write(a.ino, first.fh, 0, Bytes::from_static(b"first writer"))
+        .await
+        .unwrap();
+    let (b, second) =
+        e.fs.create(ROOT_INO, name, 0o644, 0, flags, ME)
+            .await
+            .unwrap();
+    assert_eq!(a.ino, b.ino);
+    assert_eq!(b.size, 12, "the second create truncated the file");
+    for fh in [first.fh, second.fh] {
+        e.fs.flush(a.ino, fh).await.unwrap();
+        e.fs.release(a.ino, fh).await.unwrap();
+    }
+    assert_eq!(object(&e.mem, "race").await, b"first writer");
+    // With O_TRUNC, the second create does truncate, as open(2) would.
+    let (_, third) =
+        e.fs.create(ROOT_INO, name, 0o644, 0, flags | libc::O_TRUNC, ME)
+            .await
+            .unwrap();
+    e.fs.flush(a.ino, third.fh).await.unwrap();
+    e.fs.release(a.ino, third.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "race").await, b"");
+}
+
 #[tokio::test]
 async fn sequential_write_streams_parts_before_close() {
     let e = env();
