@@ -14,7 +14,7 @@ use crate::logging::{self, LogTarget};
 use crate::metrics_http::{serve_http, serve_socket, stats_socket, Counters};
 use bucketfs_fs::{normalize_prefix, unlinked_key_prefix, Fs};
 use bucketfs_fuse::{absolute, MountHandle, MountOptions};
-use bucketfs_store::journal::{self, JournalStore, UploadJournal};
+use bucketfs_store::crash::{Bucket, JournalDirs, Left, MountJournal, ShutdownAbort};
 use bucketfs_store::local::LocalStore;
 use bucketfs_store::metrics::{MeteredStore, StoreMetrics};
 use bucketfs_store::retry::{RetryMetrics, RetryPolicy, RetryStore};
@@ -30,8 +30,6 @@ use tracing::{error, info, warn};
 /// Attempts per S3 request inside the SDK: 1, because [`RetryStore`] does the retrying
 /// (bounded in time, with jitter and an outage breaker).
 const S3_MAX_ATTEMPTS: u32 = 1;
-/// Longest wait for aborting open uploads after a second SIGTERM/SIGINT.
-const ABORT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Longest the startup access check may take before the endpoint counts as unreachable.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -279,20 +277,17 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     if s.no_verify_ssl {
         warn!("--no-verify-ssl: server certificates are not verified");
     }
-    // Uploads left open by a daemon of this bucket that died are aborted before we start;
-    // ours are journaled from now on.
-    rt.block_on(recover_uploads(&*store, s, &plan.target));
-    let journal = match open_journal(s, &plan.target) {
-        Ok(j) => j,
-        Err(msg) => return report_failure(readiness, msg),
-    };
     let prefix = match &plan.target {
         Target::S3 { prefix, .. } => prefix.clone(),
         Target::Local { .. } => String::new(),
     };
-    let store: Arc<dyn ObjectStore> = Arc::new(
-        JournalStore::new(store, journal.clone()).with_temporaries(unlinked_key_prefix(&prefix)),
-    );
+    // Uploads left open by a daemon of this bucket that died are aborted before we start;
+    // ours are journaled from now on.
+    let journal = match rt.block_on(open_journal(store, s, &plan.target, &prefix)) {
+        Ok(j) => j,
+        Err(msg) => return report_failure(readiness, msg),
+    };
+    let store = journal.store().clone();
 
     let fs = rt.block_on(async { Fs::new(store.clone(), s.fs_config(prefix)) });
     let weak = Arc::downgrade(&fs);
@@ -355,25 +350,23 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     if let Some(r) = readiness {
         r.ready();
     }
-    let code = rt.block_on(wait_and_shutdown(&fs, handle, &*store, &journal));
+    let code = rt.block_on(wait_and_shutdown(&fs, handle, &journal));
     log_metrics(&metrics, &retry_metrics);
-    let (left, kept) = (journal.live(), journal.temporaries());
-    if left.is_empty() && kept.is_empty() {
-        let _ = journal.remove();
-    }
-    if !left.is_empty() {
+    let Left {
+        uploads: left,
+        temporaries: kept,
+    } = journal.close();
+    if left > 0 {
         warn!(
-            "{} multipart upload(s) could not be aborted; the next mount of this bucket aborts \
-             them (journal {})",
-            left.len(),
+            "{left} multipart upload(s) could not be aborted; the next mount of this bucket \
+             aborts them (journal {})",
             journal.path().display()
         );
     }
-    if !kept.is_empty() {
+    if kept > 0 {
         warn!(
-            "{} object(s) of files unlinked while open could not be deleted; the next mount \
+            "{kept} object(s) of files unlinked while open could not be deleted; the next mount \
              of this bucket deletes them (journal {})",
-            kept.len(),
             journal.path().display()
         );
     }
@@ -386,12 +379,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
 /// fsync (publishing them now would put half-written content under their keys); the daemon
 /// exits when the last is closed. A second signal stops waiting and aborts their uploads,
 /// naming each file that was not stored. Returns the exit code.
-async fn wait_and_shutdown(
-    fs: &Fs,
-    handle: MountHandle,
-    store: &dyn ObjectStore,
-    journal: &UploadJournal,
-) -> i32 {
+async fn wait_and_shutdown(fs: &Fs, handle: MountHandle, journal: &MountJournal) -> i32 {
     let (mut term, mut int, mut hup) = match (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
@@ -416,7 +404,21 @@ async fn wait_and_shutdown(
         _ = int.recv() => "SIGINT",
     };
     warn!("second signal ({second}): not waiting for open files; aborting their uploads");
-    let uploading = abort_open_uploads(store, journal).await;
+    let mut uploading = Vec::new();
+    for (key, what) in journal.abort_open_uploads().await {
+        match what {
+            ShutdownAbort::Aborted => {
+                error!("{key}: upload aborted at shutdown; the file was NOT stored")
+            }
+            ShutdownAbort::Failed(e) => error!(
+                "{key}: upload not stored, and aborting it failed ({e}); the next mount aborts it"
+            ),
+            ShutdownAbort::TimedOut => error!(
+                "{key}: upload not stored, and aborting it timed out; the next mount aborts it"
+            ),
+        }
+        uploading.push(key);
+    }
     for key in fs.files_not_stored() {
         if !uploading.contains(&key) {
             error!("{key}: still open for writing at shutdown; the file was NOT stored");
@@ -440,24 +442,6 @@ async fn unmount(handle: MountHandle) -> i32 {
             1
         }
     }
-}
-
-/// Aborts every multipart upload still open, logging each file that is therefore not stored;
-/// returns their keys.
-async fn abort_open_uploads(store: &dyn ObjectStore, journal: &UploadJournal) -> Vec<String> {
-    let live = journal.live();
-    for (key, id) in &live {
-        match tokio::time::timeout(ABORT_TIMEOUT, store.abort_multipart(key, id)).await {
-            Ok(Ok(())) => error!("{key}: upload aborted at shutdown; the file was NOT stored"),
-            Ok(Err(e)) => error!(
-                "{key}: upload not stored, and aborting it failed ({e}); the next mount aborts it"
-            ),
-            Err(_) => error!(
-                "{key}: upload not stored, and aborting it timed out; the next mount aborts it"
-            ),
-        }
-    }
-    live.into_iter().map(|(key, _)| key).collect()
 }
 
 /// Subdirectories of the state directory.
@@ -532,90 +516,47 @@ fn private_dir(dir: &Path) -> Result<(), String> {
     owned_by_us(dir, 0o077)
 }
 
-/// The bucket a journal belongs to, without the endpoint: the journals of a bucket are found
-/// however the endpoint was spelled (the store line inside tells stores apart).
-fn journal_tag(target: &Target) -> String {
-    match target {
-        Target::S3 { bucket, .. } => journal::journal_tag(&format!("s3://{bucket}")),
-        Target::Local { dir } => journal::journal_tag(&dir.display().to_string()),
-    }
-}
-
-/// The store the bucket is on, as this mount spells it (recorded in the journal).
-fn store_of(settings: &Settings, target: &Target) -> String {
-    match target {
-        Target::S3 { .. } => settings
-            .endpoint_url
-            .clone()
-            .unwrap_or_else(|| "aws".into()),
-        Target::Local { .. } => "local".into(),
-    }
-}
-
-/// Whether two endpoint URLs reach the same server: same scheme, port and path, and the same
-/// host name or a host address in common (`localhost` and `127.0.0.1` are one store).
-fn same_endpoint(a: &str, b: &str) -> bool {
-    use std::collections::HashSet;
-    use std::net::{IpAddr, ToSocketAddrs};
-    if a == b {
-        return true;
-    }
-    let (Some(pa), Some(pb)) = (split_endpoint(a), split_endpoint(b)) else {
-        return false;
-    };
-    if (pa.0, pa.2, &pa.3) != (pb.0, pb.2, &pb.3) {
-        return false;
-    }
-    if pa.1 == pb.1 {
-        return true;
-    }
-    let addrs = |host: &str, port: u16| -> HashSet<IpAddr> {
-        (host, port)
-            .to_socket_addrs()
-            .map(|it| it.map(|sa| sa.ip()).collect())
-            .unwrap_or_default()
-    };
-    !addrs(&pa.1, pa.2).is_disjoint(&addrs(&pb.1, pb.2))
-}
-
-/// `(scheme, host, port, path)` of an endpoint URL, lower-cased, default port filled in.
-fn split_endpoint(url: &str) -> Option<(&'static str, String, u16, String)> {
-    let (scheme, rest) = url.split_once("://")?;
-    let (scheme, default_port) = match scheme.to_ascii_lowercase().as_str() {
-        "http" => ("http", 80),
-        "https" => ("https", 443),
-        _ => return None,
-    };
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let authority = authority.rsplit('@').next()?;
-    let (host, port) = match authority.strip_prefix('[') {
-        Some(v6) => {
-            let (h, after) = v6.split_once(']')?;
-            (h, after.strip_prefix(':'))
-        }
-        None => match authority.rsplit_once(':') {
-            Some((h, p)) => (h, Some(p)),
-            None => (authority, None),
-        },
-    };
-    let port = match port {
-        Some(p) => p.parse().ok()?,
-        None => default_port,
-    };
-    Some((
-        scheme,
-        host.to_ascii_lowercase(),
-        port,
-        path.trim_end_matches('/').to_string(),
-    ))
-}
-
-fn open_journal(settings: &Settings, target: &Target) -> Result<Arc<UploadJournal>, String> {
+/// Cleans up what dead daemons of this bucket left (in the state directory, and in the
+/// journal directories of older versions), then opens this daemon's journal.
+async fn open_journal(
+    store: Arc<dyn ObjectStore>,
+    settings: &Settings,
+    target: &Target,
+    prefix: &str,
+) -> Result<MountJournal, String> {
     let dir = state_dir(settings).join(JOURNAL_SUBDIR);
     private_dir(&dir)?;
-    let j = UploadJournal::open_for_store(&dir, &journal_tag(target), &store_of(settings, target))
-        .map_err(|e| format!("upload journal in {}: {e}", dir.display()))?;
-    Ok(Arc::new(j))
+    let bucket = match target {
+        Target::S3 { bucket, .. } => Bucket::S3 {
+            bucket: bucket.clone(),
+            endpoint: settings.endpoint_url.clone(),
+        },
+        Target::Local { dir } => Bucket::Local { dir: dir.clone() },
+    };
+    let dirs = JournalDirs {
+        dir,
+        legacy: legacy_journal_dirs(settings),
+    };
+    let (journal, recovery) =
+        MountJournal::open(store, &bucket, &dirs, unlinked_key_prefix(prefix)).await?;
+    match recovery {
+        Ok(r) => {
+            for (key, _) in &r.aborted {
+                warn!("{key}: aborted the upload a previous bucketfs left open when it died");
+            }
+            for (key, _, e) in &r.failed {
+                warn!("{key}: could not abort the upload a previous bucketfs left open: {e}");
+            }
+            for key in &r.deleted {
+                warn!("{key}: deleted the copy of an unlinked file a previous bucketfs left");
+            }
+            for (key, e) in &r.failed_deletes {
+                warn!("{key}: could not delete the copy of an unlinked file a previous bucketfs left: {e}");
+            }
+        }
+        Err(e) => warn!("upload journals in {}: {e}", dirs.dir.display()),
+    }
+    Ok(journal)
 }
 
 /// Where bucketfs before the state directory kept its journals (`CACHE_DIR/bucketfs-journal-UID`
@@ -633,68 +574,6 @@ fn legacy_journal_dirs(settings: &Settings) -> Vec<PathBuf> {
         }
     }
     dirs
-}
-
-/// The first 60 characters of the old tag (`s3://BUCKET at ENDPOINT` made a file name), which
-/// every endpoint spelling shares.
-fn legacy_tag_start(id: &str) -> String {
-    id.chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-        .take(60)
-        .collect()
-}
-
-/// Aborts the uploads that dead daemons of this bucket left open (see the journal module): in
-/// the state directory, and in the journal directories of older versions.
-async fn recover_uploads(store: &dyn ObjectStore, settings: &Settings, target: &Target) {
-    let dir = state_dir(settings).join(JOURNAL_SUBDIR);
-    let ours = store_of(settings, target);
-    // Journals say which store they are of; the old ones only in their name.
-    let this_store = |_: &str, recorded: Option<&str>| {
-        recorded.is_some_and(|r| r == ours || same_endpoint(r, &ours))
-    };
-    let (legacy_start, legacy_exact) = match target {
-        Target::S3 { bucket, .. } => {
-            let exact = journal::journal_tag(&format!("s3://{bucket} at {ours}"));
-            (legacy_tag_start(&format!("s3://{bucket} at ")), exact)
-        }
-        Target::Local { .. } => {
-            let t = journal_tag(target);
-            (format!("{t}."), t)
-        }
-    };
-    let legacy_this_store =
-        |name: &str, _: Option<&str>| name.starts_with(&format!("{legacy_exact}."));
-    let legacy = legacy_journal_dirs(settings);
-    let mut scopes = vec![journal::Scope {
-        dir: &dir,
-        name_prefix: format!("{}.", journal_tag(target)),
-        this_store: &this_store,
-    }];
-    for d in &legacy {
-        scopes.push(journal::Scope {
-            dir: d,
-            name_prefix: legacy_start.clone(),
-            this_store: &legacy_this_store,
-        });
-    }
-    match journal::recover_in(store, &scopes).await {
-        Ok(r) => {
-            for (key, _) in &r.aborted {
-                warn!("{key}: aborted the upload a previous bucketfs left open when it died");
-            }
-            for (key, _, e) in &r.failed {
-                warn!("{key}: could not abort the upload a previous bucketfs left open: {e}");
-            }
-            for key in &r.deleted {
-                warn!("{key}: deleted the copy of an unlinked file a previous bucketfs left");
-            }
-            for (key, e) in &r.failed_deletes {
-                warn!("{key}: could not delete the copy of an unlinked file a previous bucketfs left: {e}");
-            }
-        }
-        Err(e) => warn!("upload journals in {}: {e}", dir.display()),
-    }
 }
 
 /// Raises the soft limit of open files to the hard limit (often 1024 of 4096 or more): every
@@ -953,35 +832,6 @@ mod tests {
                  (DispatchFailure(DispatchFailure { source: x }))"
             ),
             "dispatch failure: io error: Connection refused (os error 111)"
-        );
-    }
-
-    #[test]
-    fn endpoint_spellings() {
-        assert!(same_endpoint(
-            "http://127.0.0.1:9000",
-            "http://localhost:9000"
-        ));
-        assert!(same_endpoint(
-            "http://LocalHost:9000/",
-            "http://localhost:9000"
-        ));
-        assert!(same_endpoint(
-            "https://s3.example.com",
-            "https://s3.example.com:443"
-        ));
-        assert!(!same_endpoint(
-            "http://127.0.0.1:9000",
-            "http://127.0.0.1:9001"
-        ));
-        assert!(!same_endpoint(
-            "http://127.0.0.1:9000",
-            "https://127.0.0.1:9000"
-        ));
-        assert!(!same_endpoint("http://127.0.0.1:9000", "aws"));
-        assert_eq!(
-            split_endpoint("http://[::1]:9000/x/"),
-            Some(("http", "::1".to_string(), 9000, "x".to_string()))
         );
     }
 

@@ -1,0 +1,346 @@
+//! A mount's crash cleanup, as one policy: at startup, what dead daemons of the same bucket
+//! left (open uploads, temporary objects) is cleaned up from their journals; then this
+//! daemon's own journal is opened and the store wrapped so everything it starts is recorded
+//! ([`MountJournal::open`]). At shutdown, uploads still open can be aborted
+//! ([`MountJournal::abort_open_uploads`]) and the journal is removed if nothing is left
+//! ([`MountJournal::close`]); what is left is cleaned up by the next mount.
+//!
+//! Journals are named after the bucket alone (however the endpoint is spelled); the store a
+//! journal was written on is the line inside it, compared by [`same_endpoint`]. Journals of
+//! older versions (named after bucket and endpoint, in other directories) are recovered too.
+//! The caller chooses the directories and prints what happened.
+
+use crate::journal::{self, JournalStore, Recovery, Scope, UploadJournal};
+use crate::{ObjectStore, StoreError};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long one abort at shutdown may take before the daemon gives up on it (the next mount
+/// aborts it).
+const ABORT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// The bucket a mount is of, and the store it is on.
+#[derive(Debug, Clone)]
+pub enum Bucket {
+    /// `endpoint`: the endpoint URL as the mount spells it; `None` is AWS.
+    S3 {
+        bucket: String,
+        endpoint: Option<String>,
+    },
+    /// A local directory used as a bucket.
+    Local { dir: PathBuf },
+}
+
+impl Bucket {
+    /// The journal file name fragment: the bucket without the endpoint, so the journals of a
+    /// bucket are found however the endpoint was spelled (the store line inside tells stores
+    /// apart).
+    fn tag(&self) -> String {
+        match self {
+            Bucket::S3 { bucket, .. } => journal::journal_tag(&format!("s3://{bucket}")),
+            Bucket::Local { dir } => journal::journal_tag(&dir.display().to_string()),
+        }
+    }
+
+    /// The store the bucket is on, as this mount spells it (recorded in the journal).
+    fn store(&self) -> String {
+        match self {
+            Bucket::S3 { endpoint, .. } => endpoint.clone().unwrap_or_else(|| "aws".into()),
+            Bucket::Local { .. } => "local".into(),
+        }
+    }
+}
+
+/// Where the journals are: this version's directory, and those older versions used.
+#[derive(Debug, Clone)]
+pub struct JournalDirs {
+    pub dir: PathBuf,
+    pub legacy: Vec<PathBuf>,
+}
+
+/// What became of one upload aborted at shutdown.
+#[derive(Debug)]
+pub enum ShutdownAbort {
+    Aborted,
+    Failed(StoreError),
+    TimedOut,
+}
+
+/// What a mount leaves for the next one at [`MountJournal::close`].
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Left {
+    pub uploads: usize,
+    pub temporaries: usize,
+}
+
+/// The live daemon's journal and the store that records into it.
+pub struct MountJournal {
+    journal: Arc<UploadJournal>,
+    store: Arc<dyn ObjectStore>,
+}
+
+impl MountJournal {
+    /// Cleans up after the dead daemons of `bucket` (see the module docs), then opens this
+    /// daemon's journal in `dirs.dir` and wraps `store` to record into it; objects written
+    /// under `temporaries` are journaled as temporary. Returns the journal and the recovery
+    /// (an error there does not stop the mount: what could not be read is kept for the next
+    /// one). An error opening the journal does.
+    pub async fn open(
+        store: Arc<dyn ObjectStore>,
+        bucket: &Bucket,
+        dirs: &JournalDirs,
+        temporaries: String,
+    ) -> Result<(Self, io::Result<Recovery>), String> {
+        // Before our own journal exists: a dead daemon may have had this process's pid.
+        let recovery = recover(&*store, bucket, dirs).await;
+        let journal = UploadJournal::open_for_store(&dirs.dir, &bucket.tag(), &bucket.store())
+            .map_err(|e| format!("upload journal in {}: {e}", dirs.dir.display()))?;
+        let journal = Arc::new(journal);
+        let store: Arc<dyn ObjectStore> =
+            Arc::new(JournalStore::new(store, journal.clone()).with_temporaries(temporaries));
+        Ok((Self { journal, store }, recovery))
+    }
+
+    /// The store to use: everything it starts is journaled.
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
+    }
+
+    pub fn path(&self) -> &Path {
+        self.journal.path()
+    }
+
+    /// Aborts every upload still open (a shutdown that does not wait for open files), each
+    /// within a time bound; returns each key and what became of its upload.
+    pub async fn abort_open_uploads(&self) -> Vec<(String, ShutdownAbort)> {
+        let mut out = Vec::new();
+        for (key, id) in self.journal.live() {
+            let r = tokio::time::timeout(ABORT_TIMEOUT, self.store.abort_multipart(&key, &id));
+            let what = match r.await {
+                Ok(Ok(())) => ShutdownAbort::Aborted,
+                Ok(Err(e)) => ShutdownAbort::Failed(e),
+                Err(_) => ShutdownAbort::TimedOut,
+            };
+            out.push((key, what));
+        }
+        out
+    }
+
+    /// The end of the mount: the journal is removed if nothing is left in it; otherwise it
+    /// stays for the next mount, and what it holds is returned.
+    pub fn close(&self) -> Left {
+        let left = Left {
+            uploads: self.journal.live().len(),
+            temporaries: self.journal.temporaries().len(),
+        };
+        if left == Left::default() {
+            let _ = self.journal.remove();
+        }
+        left
+    }
+}
+
+/// Recovers the dead journals of `bucket`: in `dirs.dir` by the store line inside them, in
+/// the legacy directories by their name.
+async fn recover(
+    store: &dyn ObjectStore,
+    bucket: &Bucket,
+    dirs: &JournalDirs,
+) -> io::Result<Recovery> {
+    let ours = bucket.store();
+    // Journals say which store they are of; the old ones only in their name.
+    let this_store = |_: &str, recorded: Option<&str>| {
+        recorded.is_some_and(|r| r == ours || same_endpoint(r, &ours))
+    };
+    let (legacy_start, legacy_exact) = match bucket {
+        Bucket::S3 { bucket, .. } => {
+            let exact = journal::journal_tag(&format!("s3://{bucket} at {ours}"));
+            (legacy_tag_start(&format!("s3://{bucket} at ")), exact)
+        }
+        Bucket::Local { .. } => {
+            let t = bucket.tag();
+            (format!("{t}."), t)
+        }
+    };
+    let legacy_this_store =
+        |name: &str, _: Option<&str>| name.starts_with(&format!("{legacy_exact}."));
+    let mut scopes = vec![Scope {
+        dir: &dirs.dir,
+        name_prefix: format!("{}.", bucket.tag()),
+        this_store: &this_store,
+    }];
+    for d in &dirs.legacy {
+        scopes.push(Scope {
+            dir: d,
+            name_prefix: legacy_start.clone(),
+            this_store: &legacy_this_store,
+        });
+    }
+    journal::recover_in(store, &scopes).await
+}
+
+/// The first 60 characters of the old tag (`s3://BUCKET at ENDPOINT` made a file name), which
+/// every endpoint spelling shares.
+fn legacy_tag_start(id: &str) -> String {
+    id.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .take(60)
+        .collect()
+}
+
+/// Whether two endpoint URLs reach the same server: same scheme, port and path, and the same
+/// host name or a host address in common (`localhost` and `127.0.0.1` are one store).
+pub fn same_endpoint(a: &str, b: &str) -> bool {
+    use std::collections::HashSet;
+    use std::net::{IpAddr, ToSocketAddrs};
+    if a == b {
+        return true;
+    }
+    let (Some(pa), Some(pb)) = (split_endpoint(a), split_endpoint(b)) else {
+        return false;
+    };
+    if (pa.0, pa.2, &pa.3) != (pb.0, pb.2, &pb.3) {
+        return false;
+    }
+    if pa.1 == pb.1 {
+        return true;
+    }
+    let addrs = |host: &str, port: u16| -> HashSet<IpAddr> {
+        (host, port)
+            .to_socket_addrs()
+            .map(|it| it.map(|sa| sa.ip()).collect())
+            .unwrap_or_default()
+    };
+    !addrs(&pa.1, pa.2).is_disjoint(&addrs(&pb.1, pb.2))
+}
+
+/// `(scheme, host, port, path)` of an endpoint URL, lower-cased, default port filled in.
+fn split_endpoint(url: &str) -> Option<(&'static str, String, u16, String)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let (scheme, default_port) = match scheme.to_ascii_lowercase().as_str() {
+        "http" => ("http", 80),
+        "https" => ("https", 443),
+        _ => return None,
+    };
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let authority = authority.rsplit('@').next()?;
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(v6) => {
+            let (h, after) = v6.split_once(']')?;
+            (h, after.strip_prefix(':'))
+        }
+        None => match authority.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (authority, None),
+        },
+    };
+    let port = match port {
+        Some(p) => p.parse().ok()?,
+        None => default_port,
+    };
+    Some((
+        scheme,
+        host.to_ascii_lowercase(),
+        port,
+        path.trim_end_matches('/').to_string(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemoryStore;
+    use crate::UserMeta;
+
+    #[test]
+    fn endpoint_spellings() {
+        assert!(same_endpoint(
+            "http://127.0.0.1:9000",
+            "http://localhost:9000"
+        ));
+        assert!(same_endpoint(
+            "http://LocalHost:9000/",
+            "http://localhost:9000"
+        ));
+        assert!(same_endpoint(
+            "https://s3.example.com",
+            "https://s3.example.com:443"
+        ));
+        assert!(!same_endpoint(
+            "http://127.0.0.1:9000",
+            "http://127.0.0.1:9001"
+        ));
+        assert!(!same_endpoint(
+            "http://127.0.0.1:9000",
+            "https://127.0.0.1:9000"
+        ));
+        assert!(!same_endpoint("http://127.0.0.1:9000", "aws"));
+        assert_eq!(
+            split_endpoint("http://[::1]:9000/x/"),
+            Some(("http", "::1".to_string(), 9000, "x".to_string()))
+        );
+    }
+
+    /// A daemon dies with an upload open; the next mount of the bucket (the endpoint spelled
+    /// another way) aborts it, and a clean shutdown leaves no journal.
+    #[tokio::test]
+    async fn the_next_mount_cleans_up_and_a_clean_one_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let dirs = JournalDirs {
+            dir: dir.path().join("journal"),
+            legacy: vec![],
+        };
+        let mem = Arc::new(MemoryStore::new());
+        let bucket = |endpoint: &str| Bucket::S3 {
+            bucket: "b".into(),
+            endpoint: Some(endpoint.into()),
+        };
+        let (first, rec) = MountJournal::open(
+            mem.clone(),
+            &bucket("http://127.0.0.1:9"),
+            &dirs,
+            "t/".into(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(rec.unwrap().journals, 0);
+        let id = first
+            .store()
+            .create_multipart("k", &UserMeta::new())
+            .await
+            .unwrap();
+        assert_eq!(
+            first.close(),
+            Left {
+                uploads: 1,
+                temporaries: 0
+            }
+        );
+        // Dead: its journal stays, unlocked.
+        let path = first.path().to_path_buf();
+        drop(first);
+        assert!(path.exists());
+        let (second, rec) = MountJournal::open(
+            mem.clone(),
+            &bucket("http://localhost:9"),
+            &dirs,
+            "t/".into(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(rec.unwrap().aborted, vec![("k".to_string(), id)]);
+        assert_eq!(mem.pending_uploads(), 0);
+        // An upload open at shutdown is aborted through the journal, which then goes.
+        second
+            .store()
+            .create_multipart("k2", &UserMeta::new())
+            .await
+            .unwrap();
+        let aborted = second.abort_open_uploads().await;
+        assert!(matches!(&aborted[..], [(k, ShutdownAbort::Aborted)] if k == "k2"));
+        assert_eq!(second.close(), Left::default());
+        assert!(!second.path().exists());
+    }
+}
