@@ -36,9 +36,18 @@ impl fmt::Display for FsError {
 
 impl std::error::Error for FsError {}
 
+/// The errno a file-system call that hit a store error returns.
 impl From<StoreError> for FsError {
     fn from(e: StoreError) -> Self {
-        FsError(e.errno())
+        FsError(match e {
+            StoreError::NotFound(_) => libc::ENOENT,
+            StoreError::PreconditionFailed(_) => libc::ESTALE,
+            StoreError::AccessDenied(_) => libc::EACCES,
+            StoreError::NoSuchBucket(_) => libc::ENODEV,
+            StoreError::NoSpace(_) => libc::ENOSPC,
+            StoreError::Invalid(_) => libc::EINVAL,
+            StoreError::Transient(_) | StoreError::Other(_) => libc::EIO,
+        })
     }
 }
 
@@ -55,4 +64,26 @@ pub(crate) fn log_store_err(op: &str, e: StoreError) -> FsError {
         _ => tracing::warn!("{op}: {e}"),
     }
     e.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_errors_become_errnos() {
+        let cases = [
+            (StoreError::NotFound("k".into()), FsError::ENOENT),
+            (StoreError::PreconditionFailed("k".into()), FsError::ESTALE),
+            (StoreError::AccessDenied("k".into()), FsError(libc::EACCES)),
+            (StoreError::NoSuchBucket("b".into()), FsError(libc::ENODEV)),
+            (StoreError::NoSpace("k".into()), FsError(libc::ENOSPC)),
+            (StoreError::Invalid("k".into()), FsError::EINVAL),
+            (StoreError::Transient("k".into()), FsError::EIO),
+            (StoreError::Other("k".into()), FsError::EIO),
+        ];
+        for (e, errno) in cases {
+            assert_eq!(FsError::from(e), errno);
+        }
+    }
 }

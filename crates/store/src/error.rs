@@ -33,19 +33,6 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// The errno a file-system call that hit this error should return.
-    pub fn errno(&self) -> i32 {
-        match self {
-            StoreError::NotFound(_) => libc::ENOENT,
-            StoreError::PreconditionFailed(_) => libc::ESTALE,
-            StoreError::AccessDenied(_) => libc::EACCES,
-            StoreError::NoSuchBucket(_) => libc::ENODEV,
-            StoreError::NoSpace(_) => libc::ENOSPC,
-            StoreError::Invalid(_) => libc::EINVAL,
-            StoreError::Transient(_) | StoreError::Other(_) => libc::EIO,
-        }
-    }
-
     pub fn is_not_found(&self) -> bool {
         matches!(self, StoreError::NotFound(_))
     }
