@@ -33,6 +33,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
+use tokio::runtime::Handle;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
@@ -47,6 +48,12 @@ const RECLAIM_EVERY: Duration = Duration::from_millis(50);
 /// Memory reads may take beyond the budget when it stays full for [`DEMAND_WAIT`]: a
 /// sixteenth of it, at least 4 MiB (a few reads of the kernel's largest request).
 pub fn overdraft_for(budget: u64) -> u64 {
+    (budget / 16).max(4 << 20)
+}
+
+/// Memory for the copies of write requests on their way to a file's part buffer or staging
+/// file: a sixteenth of the budget, at least 4 MiB (four of the kernel's largest writes).
+pub fn request_area_for(budget: u64) -> u64 {
     (budget / 16).max(4 << 20)
 }
 
@@ -73,6 +80,12 @@ pub struct MemoryBudget {
     metrics: Arc<FsMetrics>,
     cache: Mutex<BlockCache>,
     pool: Arc<Pool>,
+    /// Memory for copies of write requests (see [`MemoryBudget::request_buffer`]), beside the
+    /// budget, and the pool of its buffers.
+    requests: Arc<Semaphore>,
+    request_pool: Arc<Pool>,
+    /// The runtime a FUSE thread waits in for request memory.
+    rt: Option<Handle>,
 }
 
 /// Registered holders; closed readers' entries are dropped now and then.
@@ -145,7 +158,13 @@ impl MemoryBudget {
         metrics.budget_bytes.store(units * UNIT, Ordering::Relaxed);
         let sem = Arc::new(Semaphore::new(units as usize));
         let overdraft_units = overdraft_for(units * UNIT) / UNIT;
+        let requests = Arc::new(Semaphore::new(
+            request_area_for(units * UNIT) as usize / STEP,
+        ));
         Arc::new(Self {
+            request_pool: Pool::new(requests.clone(), request_area_for(units * UNIT)),
+            rt: Handle::try_current().ok(),
+            requests,
             pool: Pool::new(sem.clone(), units * UNIT),
             sem,
             units,
@@ -176,6 +195,7 @@ impl MemoryBudget {
     }
 
     /// Waits until `bytes` are free and takes them, evicting cached blocks before waiting.
+    #[cfg(test)]
     pub async fn reserve(&self, bytes: u64) -> Reservation {
         let r = self.reserve_untrimmed(bytes).await;
         // Reserved plus pooled memory stays within the budget.
@@ -272,23 +292,39 @@ impl MemoryBudget {
     /// (its memory is in requests still running), the buffer comes from the overdraft
     /// instead, or from whichever of the two frees memory first.
     pub async fn demand_buffer(&self, len: u64) -> PoolBuf {
-        let units = self.units_for(len);
+        let mem = self.demand(&self.sem, len, true).await;
+        self.pool.take(len as usize, mem)
+    }
+
+    /// Memory from `sem` (the budget, or the request area) for bytes needed right now: taken
+    /// back from prefetch first if `reclaim`, from the overdraft after [`DEMAND_WAIT`].
+    async fn demand(&self, sem: &Arc<Semaphore>, len: u64, reclaim: bool) -> Reservation {
+        let total = if reclaim {
+            self.units
+        } else {
+            request_area_for(self.units * UNIT) / UNIT
+        };
+        let units = len.div_ceil(UNIT).clamp(1, total) as u32;
         let over = u64::from(units).min(self.overdraft_units) as u32;
         let start = Instant::now();
-        let mem = loop {
-            if let Some(r) = self.try_or_reclaim(units, len) {
-                break r;
+        loop {
+            if reclaim {
+                if let Some(r) = self.try_or_reclaim(units, len) {
+                    return r;
+                }
+            } else if let Ok(p) = sem.clone().try_acquire_many_owned(units) {
+                return self.wrap(p, len);
             }
             let overdrawn = start.elapsed() >= DEMAND_WAIT;
             if overdrawn {
                 if let Ok(p) = self.overdraft.clone().try_acquire_many_owned(over) {
-                    break self.overdrawn(p, len);
+                    return self.overdrawn(p, len);
                 }
             }
             // Waits for either, and takes back prefetch again every RECLAIM_EVERY.
             let wait = async {
                 tokio::select! {
-                    p = self.sem.clone().acquire_many_owned(units) => {
+                    p = sem.clone().acquire_many_owned(units) => {
                         self.wrap(p.expect("the budget semaphore is never closed"), len)
                     }
                     p = self.overdraft.clone().acquire_many_owned(over), if overdrawn => {
@@ -297,10 +333,40 @@ impl MemoryBudget {
                 }
             };
             if let Ok(r) = tokio::time::timeout(RECLAIM_EVERY, wait).await {
-                break r;
+                return r;
             }
-        };
-        self.pool.take(len as usize, mem)
+        }
+    }
+
+    /// A buffer for a copy of a write request's `len` bytes, free now. Such copies live from
+    /// the FUSE thread until the bytes are in a part buffer or the staging file; they take
+    /// memory from an area of their own ([`request_area_for`]), so that writers' parts in
+    /// flight filling the budget do not stall every write.
+    pub fn try_request_buffer(&self, len: u64) -> Option<PoolBuf> {
+        let units = len
+            .div_ceil(UNIT)
+            .clamp(1, request_area_for(self.units * UNIT) / UNIT) as u32;
+        let p = self.requests.clone().try_acquire_many_owned(units).ok()?;
+        Some(self.request_pool.take(len as usize, self.wrap(p, len)))
+    }
+
+    /// [`MemoryBudget::request_buffer`] for a thread outside the runtime (a FUSE thread),
+    /// which it blocks while it waits; `None` on a runtime thread, which must not block.
+    pub fn request_buffer_blocking(&self, len: u64) -> Option<PoolBuf> {
+        if let Some(b) = self.try_request_buffer(len) {
+            return Some(b);
+        }
+        if Handle::try_current().is_ok() {
+            return None;
+        }
+        Some(self.rt.as_ref()?.block_on(self.request_buffer(len)))
+    }
+
+    /// [`MemoryBudget::try_request_buffer`], waiting for the area's memory (copies return it
+    /// once their bytes are stored), and after [`DEMAND_WAIT`] taking the overdraft instead.
+    pub async fn request_buffer(&self, len: u64) -> PoolBuf {
+        let mem = self.demand(&self.requests, len, false).await;
+        self.request_pool.take(len as usize, mem)
     }
 
     /// A buffer for `len` bytes of file data, if that much memory is free now. It holds the
@@ -310,8 +376,8 @@ impl MemoryBudget {
         Some(self.pool.take(len as usize, mem))
     }
 
-    /// A buffer for `len` bytes of file data, waiting for the memory if it must.
-    #[cfg(test)]
+    /// A buffer for `len` bytes of file data, waiting for the memory if it must (memory that
+    /// requests in flight return).
     pub async fn buffer(&self, len: u64) -> PoolBuf {
         let mem = self.reserve_untrimmed(len).await;
         self.pool.take(len as usize, mem)

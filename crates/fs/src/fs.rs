@@ -677,7 +677,7 @@ impl Fs {
     ) -> Now<FsResult<u32>> {
         let n = data.len() as u32;
         if kill_suid && self.suid_bits(ino) != 0 {
-            let (fs, data) = (self.clone(), Bytes::copy_from_slice(data));
+            let (fs, data) = (self.clone(), self.files.copy_write(data));
             return Now::Later(Box::pin(async move {
                 fs.kill_suid(ino).await?;
                 fs.write(ino, fh, offset, data).await
@@ -700,7 +700,7 @@ impl Fs {
                 Ok(n)
             })),
             Appended::No => {
-                let data = Bytes::copy_from_slice(data);
+                let data = self.files.copy_write(data);
                 Now::Later(Box::pin(
                     async move { fs.write(ino, fh, offset, data).await },
                 ))

@@ -299,11 +299,29 @@ impl PoolBuf {
         self.region.as_mut().expect("live buffer").slice_mut(len)
     }
 
+    /// The memory it holds, apart from the buffer from now on: its holder decides how long
+    /// that memory counts (a part's upload: until its request ends, although a store may keep
+    /// the bytes longer), while the mapping goes back to the pool when the last clone of its
+    /// bytes is dropped.
+    pub fn split_mem(mut self) -> (PoolBuf, Reservation) {
+        let mem = self
+            .mem
+            .take()
+            .expect("a buffer holds its memory until split");
+        (self, mem)
+    }
+
     /// Its first `filled` bytes as [`Bytes`] without a copy; the buffer (and its memory)
     /// goes back when the last clone or slice is dropped.
     pub fn freeze(mut self, filled: usize) -> Bytes {
         self.len = filled.min(self.len);
         Bytes::from_owner(self)
+    }
+}
+
+impl AsMut<[u8]> for PoolBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
     }
 }
 

@@ -20,6 +20,7 @@ use crate::error::{FsError, FsResult};
 use crate::meta::Ino;
 use crate::metrics::FsMetrics;
 use bucketfs_store::{ObjectStore, Uploads, UserMeta};
+use bytes::Bytes;
 use parking_lot::Mutex;
 use read::{ReadConfig, Reader};
 use std::collections::HashMap;
@@ -219,6 +220,23 @@ impl OpenFiles {
 
     pub fn remove_handle(&self, fh: u64) -> Option<FileHandle> {
         self.handles.lock().remove(&fh)
+    }
+
+    /// A copy of a write request's bytes out of the kernel's buffer, for a write the calling
+    /// (FUSE) thread cannot finish itself, in memory of the budget's request area. When all
+    /// of it is taken by copies still on their way to storage, this thread waits for one to
+    /// be stored (a copy is freed when its bytes reach the tail or the staging file, with no
+    /// network wait), at most [`crate::budget::DEMAND_WAIT`] before it takes the overdraft;
+    /// so copies stay within a stated bound however many processes write at once.
+    pub fn copy_write(&self, data: &[u8]) -> Bytes {
+        match self.wcfg.budget.request_buffer_blocking(data.len() as u64) {
+            Some(mut buf) => {
+                buf.as_mut_slice().copy_from_slice(data);
+                buf.freeze(data.len())
+            }
+            // Called on a runtime thread (tests), which must not block.
+            None => Bytes::copy_from_slice(data),
+        }
     }
 
     /// An append the calling thread finishes itself, straight from the kernel's buffer (see

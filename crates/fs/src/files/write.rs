@@ -147,11 +147,15 @@ impl TailBuf {
         }
     }
 
-    /// The bytes, without a copy, and the memory they hold (the pool buffer holds its own).
+    /// The bytes, without a copy, and the memory they hold (whose holder returns it when the
+    /// part is sent and copied, even if a store keeps the bytes).
     fn freeze(self) -> (Bytes, Vec<Reservation>) {
         match self {
             TailBuf::Small { buf, mem, .. } => (buf.freeze(), mem),
-            TailBuf::Part { buf, filled } => (buf.freeze(filled), Vec::new()),
+            TailBuf::Part { buf, filled } => {
+                let (buf, mem) = buf.split_mem();
+                (buf.freeze(filled), vec![mem])
+            }
         }
     }
 }
@@ -722,9 +726,11 @@ impl WriteState {
             let generation = self.generations.get(&i).copied().unwrap_or(0);
             self.start_stream().await?;
             self.wait_for_upload_slot().await;
-            let mem = self.cfg.budget.reserve(r.end - r.start).await;
+            // A pool buffer (not the allocator's, see pool.rs), its memory held by the upload.
+            let (buf, mem) = self.cfg.budget.buffer(r.end - r.start).await.split_mem();
             let staging = self.staging()?;
-            let body = read_at(&staging, r).await?;
+            let len = (r.end - r.start) as usize;
+            let body = read_into(&staging, r, buf, 0).await?.freeze(len);
             self.spawn_part_upload(i, generation, body, Arc::new(vec![mem]))
                 .await;
         }
@@ -980,22 +986,33 @@ impl WriteState {
     /// The current content of `range`, which must lie within the file; background staging
     /// copies must be settled.
     async fn assemble(&self, range: Range<u64>) -> FsResult<Bytes> {
-        let mut buf = vec![0u8; (range.end - range.start) as usize];
+        let buf = vec![0u8; (range.end - range.start) as usize];
+        Ok(Bytes::from(self.assemble_into(range, buf).await?))
+    }
+
+    /// [`Self::assemble`] into `buf` (as long as `range`, its old bytes overwritten).
+    async fn assemble_into<B>(&self, range: Range<u64>, mut buf: B) -> FsResult<B>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
         for (seg, src) in self.sources(range.clone()) {
             let at = (seg.start - range.start) as usize;
-            let dst = &mut buf[at..at + (seg.end - seg.start) as usize];
+            let n = (seg.end - seg.start) as usize;
             match src {
                 Source::Staging => {
                     let staging = self.staging.as_ref().expect("local bytes are staged");
-                    dst.copy_from_slice(&read_at(staging, seg).await?);
+                    buf = read_into(staging, seg, buf, at).await?;
                 }
                 Source::Tail => {
                     let t = self.tail.as_ref().expect("a tail source");
                     let from = (seg.start - t.start) as usize;
-                    dst.copy_from_slice(&t.buf.as_slice()[from..from + dst.len()]);
+                    buf.as_mut()[at..at + n].copy_from_slice(&t.buf.as_slice()[from..from + n]);
                 }
-                Source::Base => dst.copy_from_slice(&self.get_base(seg).await?),
-                Source::Zeros => {}
+                Source::Base => {
+                    let data = self.get_base(seg).await?;
+                    buf.as_mut()[at..at + n].copy_from_slice(&data);
+                }
+                Source::Zeros => buf.as_mut()[at..at + n].fill(0),
                 Source::Uploaded => {
                     // Callers recover these first; this is an upload that failed for good.
                     tracing::warn!("{}: bytes {seg:?} are only in a failed upload", self.key);
@@ -1003,7 +1020,7 @@ impl WriteState {
                 }
             }
         }
-        Ok(Bytes::from(buf))
+        Ok(buf)
     }
 
     /// Something changed since the last publish, and the file can still be published (an
@@ -1277,8 +1294,9 @@ impl WriteState {
             // Its budget is held by the slot that kept it.
             Some(body) => (body, None),
             None => {
-                let mem = self.cfg.budget.reserve(r.end - r.start).await;
-                (self.assemble(r).await?, Some(mem))
+                let len = (r.end - r.start) as usize;
+                let (buf, mem) = self.cfg.budget.buffer(len as u64).await.split_mem();
+                (self.assemble_into(r, buf).await?.freeze(len), Some(mem))
             }
         };
         upload
@@ -1393,19 +1411,25 @@ async fn write_at(staging: &Arc<File>, offset: u64, data: Bytes) -> FsResult<()>
         .map_err(io_err)
 }
 
-async fn read_at(staging: &Arc<File>, r: Range<u64>) -> FsResult<Bytes> {
+/// Reads bytes `r` of the staging file into `buf` at `at`; a hole at the end of the sparse
+/// file reads as zeros.
+async fn read_into<B>(staging: &Arc<File>, r: Range<u64>, mut buf: B, at: usize) -> FsResult<B>
+where
+    B: AsMut<[u8]> + Send + 'static,
+{
     let staging = staging.clone();
     tokio::task::spawn_blocking(move || {
-        let mut buf = vec![0u8; (r.end - r.start) as usize];
+        let dst = &mut buf.as_mut()[at..at + (r.end - r.start) as usize];
         let mut done = 0;
-        while done < buf.len() {
-            let n = staging.read_at(&mut buf[done..], r.start + done as u64)?;
+        while done < dst.len() {
+            let n = staging.read_at(&mut dst[done..], r.start + done as u64)?;
             if n == 0 {
-                break; // a hole at the end of a sparse file reads as zeros
+                dst[done..].fill(0);
+                break;
             }
             done += n;
         }
-        Ok::<_, std::io::Error>(Bytes::from(buf))
+        Ok::<_, std::io::Error>(buf)
     })
     .await
     .map_err(|_| FsError::EIO)?
