@@ -676,6 +676,60 @@ mod tests {
         );
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn write_copies_have_their_own_area_and_a_bounded_wait() {
+        let m = Arc::new(FsMetrics::default());
+        let b = MemoryBudget::new(64 << 20, m.clone());
+        let area = request_area_for(64 << 20);
+        assert_eq!(area, 4 << 20);
+        // Parts in flight holding the whole budget do not stop a copy.
+        let all = b.try_reserve(64 << 20).unwrap();
+        let copies: Vec<_> = (0..4)
+            .map(|_| b.try_request_buffer(1 << 20).unwrap())
+            .collect();
+        assert!(b.try_request_buffer(1 << 20).is_none(), "the area is full");
+        // A copy freed serves the next one waiting, with its buffer kept for reuse.
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            async move { b.request_buffer(1 << 20).await }
+        });
+        tokio::task::yield_now().await;
+        let mut copies = copies.into_iter();
+        drop(copies.next());
+        let got = tokio::time::timeout(Duration::from_millis(100), waiter)
+            .await
+            .expect("served by the freed copy")
+            .unwrap();
+        // With the area full for good, a copy waits DEMAND_WAIT, then takes the overdraft.
+        let start = Instant::now();
+        let over = b.request_buffer(1 << 20).await;
+        assert!(start.elapsed() >= DEMAND_WAIT && start.elapsed() < DEMAND_WAIT * 2);
+        assert_eq!(
+            FsMetrics::get(&m.buffer_bytes),
+            (64 << 20) + area + (1 << 20)
+        );
+        drop((all, got, over, copies));
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 0);
+        assert_eq!(b.requests.available_permits() as u64 * UNIT, area);
+    }
+
+    #[test]
+    fn split_memory_returns_when_its_holder_drops_it() {
+        let b = MemoryBudget::new(4 << 20, Arc::new(FsMetrics::default()));
+        let (buf, mem) = b.try_buffer(1 << 20).unwrap().split_mem();
+        let bytes = buf.freeze(1 << 20);
+        let kept = bytes.clone(); // a store keeping the part's bytes
+        drop((bytes, mem)); // the upload ended
+        assert_eq!(
+            b.available(),
+            4 << 20,
+            "the memory is back although the bytes live"
+        );
+        assert_eq!(kept.len(), 1 << 20);
+        drop(kept);
+        assert_eq!(b.pooled(), 1 << 20, "the mapping goes back to the pool");
+    }
+
     struct Holder {
         mem: Mutex<Vec<Reservation>>,
         used: Instant,
