@@ -21,8 +21,15 @@
 //! (the rest of a random read's 128 KiB block, a stream's chunks when the reader jumps away or
 //! closes), up to a quarter of the budget. It is the first thing given back.
 //!
-//! Readers' buffers come from the budget's [`Pool`], which reuses freed ones within the budget
-//! instead of leaving them to the allocator (see there why).
+//! Copies of write requests, from the FUSE thread until their bytes are in a part buffer or
+//! the staging file, take memory from a *request area* beside the budget
+//! ([`request_area_for`]), so that parts in flight filling the budget do not stall every
+//! write; when the area is full a copy waits for one ahead to be stored, at most
+//! [`DEMAND_WAIT`], then takes the overdraft.
+//!
+//! Buffers of file data (readers' chunks, writers' parts, request copies) come from the
+//! budget's [`Pool`]s, which reuse freed ones within the budget instead of leaving them to the
+//! allocator (see there why).
 
 use crate::metrics::FsMetrics;
 use crate::pool::{Pool, PoolBuf, STEP};
