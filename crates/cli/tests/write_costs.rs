@@ -156,3 +156,35 @@ fn a_streamed_write_stages_its_parts_and_its_bytes_read_back_before_close() {
     assert!(s3.get(&b, "big").unwrap() == data);
     drop(r);
 }
+
+/// A shell's `cmd > f` opens the file, duplicates the descriptor onto stdout and closes the
+/// first one before the command writes: that close stores nothing (a duplicate stays open),
+/// and the last one stores the file, so it costs one PUT, not an empty one and then another.
+/// A single descriptor's close (`touch`) still stores the empty file before close returns.
+#[test]
+fn a_shell_redirect_stores_the_file_once() {
+    let b = s3().new_bucket("redirect");
+    let m = Mount::s3(&b);
+    let f = m.join("f");
+    let puts = |before: &std::collections::HashMap<String, u64>| {
+        let sent = requests_between(before, &store_requests(m.path()));
+        (sent.get("put").copied().unwrap_or(0), sent)
+    };
+    let before = store_requests(m.path());
+    run("sh", &["-c", &format!("echo x > '{}'", f.display())]);
+    let (n, sent) = puts(&before);
+    assert_eq!(n, 1, "new file: {sent:?}");
+    assert_eq!(s3().get(&b, "f").as_deref(), Some(&b"x\n"[..]));
+    // Over an existing file (O_TRUNC): one PUT as well.
+    let before = store_requests(m.path());
+    run("sh", &["-c", &format!("echo yy > '{}'", f.display())]);
+    let (n, sent) = puts(&before);
+    assert_eq!(n, 1, "existing file: {sent:?}");
+    assert_eq!(s3().get(&b, "f").as_deref(), Some(&b"yy\n"[..]));
+    // One descriptor: the empty file is in the bucket when touch returns.
+    let before = store_requests(m.path());
+    run("touch", &[&m.join("empty").display().to_string()]);
+    assert_eq!(s3().get(&b, "empty").as_deref(), Some(&b""[..]));
+    let (n, sent) = puts(&before);
+    assert_eq!(n, 1, "touch: {sent:?}");
+}

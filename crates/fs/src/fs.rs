@@ -725,6 +725,19 @@ impl Fs {
         Now::Later(Box::pin(async move { fs.publish_handle(ino, fh).await }))
     }
 
+    /// Whether a close of handle `fh` would only store an empty file (created or truncated
+    /// here, nothing written yet) that no other handle has open. Such a close may be left to
+    /// the next one while the closing process still holds a duplicate of the descriptor: a
+    /// shell's `echo x > f` opens, duplicates and closes before writing, and the empty object
+    /// that close would store is replaced at once (two PUTs for one file).
+    pub fn close_stores_only_emptiness(&self, ino: Ino, fh: u64) -> bool {
+        let Ok(h) = self.files.handle(ino, fh) else {
+            return false;
+        };
+        let sole = self.ns.with(ino, |i| i.open_handles == 1).unwrap_or(false);
+        sole && self.files.only_emptied(&h)
+    }
+
     /// Uploads what this handle's file holds and records the new object.
     async fn publish_handle(&self, ino: Ino, fh: u64) -> FsResult<()> {
         let Some(w) = self.files.handle(ino, fh)?.write else {

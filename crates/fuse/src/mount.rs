@@ -100,9 +100,13 @@ pub fn mount(
     cfg.clone_fd = true;
 
     let notifier = adapter.notifier_slot();
+    let mount_id = adapter.mount_id_slot();
     let session = fuser::spawn_mount(adapter, mountpoint, &cfg)?;
     let _ = notifier.set(session.notifier());
     let mountpoint = absolute(mountpoint);
+    if let Some(m) = mount_info(&mountpoint).filter(MountInfo::is_fuse) {
+        let _ = mount_id.set(m.id);
+    }
     info!(
         "mounted {} at {} ({} FUSE threads{}{})",
         opts.fsname,
@@ -253,6 +257,8 @@ fn fusermount_unmount(mountpoint: &Path, lazy: bool) -> io::Result<()> {
 /// One line of `/proc/self/mountinfo`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountInfo {
+    /// The kernel's id of the mount (`mnt_id` in /proc/PID/fdinfo).
+    pub id: u64,
     /// `major:minor` of the mounted file system.
     pub dev: String,
     pub mountpoint: PathBuf,
@@ -295,6 +301,7 @@ fn parse_mountinfo_line(line: &str) -> Option<MountInfo> {
     let left: Vec<&str> = parts.next()?.split(' ').collect();
     let right: Vec<&str> = parts.next()?.split(' ').collect();
     Some(MountInfo {
+        id: left.first()?.parse().ok()?,
         dev: left.get(2)?.to_string(),
         mountpoint: PathBuf::from(unescape(left.get(4)?)),
         fstype: right.first()?.to_string(),

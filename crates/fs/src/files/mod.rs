@@ -263,6 +263,17 @@ impl OpenFiles {
         Some(!st.has_changes_to_publish())
     }
 
+    /// Whether all handle `h` would publish now is an empty file (created or truncated,
+    /// nothing written since), known without waiting.
+    pub fn only_emptied(&self, h: &FileHandle) -> bool {
+        let Some(w) = &h.write else {
+            return false;
+        };
+        w.state
+            .try_lock()
+            .is_ok_and(|st| st.has_changes_to_publish() && st.size() == 0)
+    }
+
     /// Keys of the files being written with something not stored yet (without waiting: a
     /// file busy publishing has its upload named already).
     pub fn not_stored(&self) -> Vec<String> {
