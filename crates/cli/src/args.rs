@@ -34,8 +34,9 @@ CONFIG FILE (-c FILE or -o config=FILE), either format:
                --oss_bucket=BUCKET   --oss_bucket_prefix=PREFIX
                --oss_access_key_id=...   --oss_access_key_secret=...
                --ro   --allow_other   --log_dir=DIR   --log_level=info
-               --oss_region=R   --attr_timeout=SECONDS (= stat_ttl); bucketfs's own keys
-               also work as --key=value (e.g. --force_path_style, --part_size=16M)
+               --upload_buffer_size=BYTES ... (every ossfs 2.0 option: docs/migration.md);
+               bucketfs's own keys also work as --key=value (e.g. --force_path_style)
+  With a file that names the bucket, MOUNTPOINT alone is enough: mount /mnt/oss -c ossfs2.conf
   Keys only the file may hold: bucket, prefix, access_key_id, secret_access_key, session_token.
   Unknown keys are errors. A file holding credentials must not be readable by group or others.
 
@@ -94,6 +95,17 @@ pub enum Command {
     /// Make the mount forget what it cached about PATHs (attributes, directory listings), so
     /// changes made by other clients show now instead of after --stat-ttl.
     Refresh(RefreshArgs),
+    /// Mount with an s3fs-fuse or ossfs 1.x command line: BUCKET[:/PREFIX] MOUNTPOINT
+    /// [-f] [-o OPT,...] (also when the binary is invoked as `s3fs` or `ossfs`).
+    #[command(disable_help_flag = true)]
+    S3fs(S3fsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct S3fsArgs {
+    /// The s3fs arguments, as s3fs takes them (see docs/migration.md).
+    #[arg(allow_hyphen_values = true, trailing_var_arg = true, num_args = 0..)]
+    pub args: Vec<OsString>,
 }
 
 #[derive(Debug, Args)]
@@ -190,11 +202,12 @@ pub struct UmountArgs {
 
 #[derive(Debug, Args)]
 pub struct MountArgs {
-    /// What to mount: s3://BUCKET[/PREFIX] or a local directory.
+    /// What to mount: s3://BUCKET[/PREFIX] or a local directory. Given alone, it is the mount
+    /// point, and the bucket comes from the config file (as `ossfs2 mount DIR -c FILE`).
     pub source: String,
 
     /// Where to mount it: an existing, empty directory.
-    pub mountpoint: PathBuf,
+    pub mountpoint: Option<PathBuf>,
 
     /// The settings' flags, made from [`crate::options::OPTIONS`].
     #[command(flatten)]
@@ -204,12 +217,25 @@ pub struct MountArgs {
     /// boolean key, plus ro and config=FILE (e.g. -o allow_other,ro,part_size=16M). Repeatable.
     #[arg(short = 'o', value_name = "OPT[=VAL],...")]
     pub options: Vec<String>,
+
+    /// Settings to start from instead of the defaults (an s3fs command line's).
+    #[arg(skip)]
+    pub base: Option<Box<Settings>>,
 }
 
 impl MountArgs {
+    /// SOURCE and the mount point: a lone positional is the mount point of the config file's
+    /// bucket (`s3://`).
+    pub fn source_and_mountpoint(&self) -> (String, PathBuf) {
+        match &self.mountpoint {
+            Some(m) => (self.source.clone(), m.clone()),
+            None => ("s3://".into(), PathBuf::from(&self.source)),
+        }
+    }
+
     /// Merges the config file, `-o` options and flags into one set of settings.
     pub fn settings(&self) -> Result<Settings, String> {
-        let mut s = Settings::default();
+        let mut s = self.base.as_deref().cloned().unwrap_or_default();
         let config = self
             .flags
             .config

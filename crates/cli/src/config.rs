@@ -94,6 +94,8 @@ pub struct Settings {
     pub access_key_id: Option<String>,
     pub secret_access_key: Option<String>,
     pub session_token: Option<String>,
+    /// Options of another tool accepted without effect: one line each, shown at startup.
+    pub notices: Vec<String>,
 }
 
 impl fmt::Debug for Settings {
@@ -186,6 +188,7 @@ impl Default for Settings {
             access_key_id: None,
             secret_access_key: None,
             session_token: None,
+            notices: Vec::new(),
         }
     }
 }
@@ -207,7 +210,7 @@ fn ignored_mount_option(key: &str) -> bool {
     IGNORED_MOUNT_OPTIONS.contains(&key) || key.starts_with("x-")
 }
 
-fn canonical(key: &str) -> String {
+pub(crate) fn canonical(key: &str) -> String {
     key.trim().replace('-', "_").to_ascii_lowercase()
 }
 
@@ -484,7 +487,7 @@ impl Settings {
     pub fn apply_file(&mut self, path: &Path) -> Result<(), String> {
         let text =
             std::fs::read_to_string(path).map_err(|e| format!("config {}: {e}", path.display()))?;
-        let pairs = parse_config_text(&text, path)?;
+        let ParsedConfig { pairs, notices } = parse_config_text(&text, path)?;
         if pairs
             .iter()
             .any(|(k, _)| CREDENTIAL_KEYS.contains(&k.as_str()))
@@ -506,6 +509,7 @@ impl Settings {
         for (k, v) in pairs {
             self.apply(&k, v.as_deref(), Origin::File(path))?;
         }
+        self.notices.extend(notices);
         Ok(())
     }
 
@@ -569,12 +573,23 @@ fn is_ossfs_format(text: &str) -> bool {
         .is_some_and(|l| l.starts_with("--"))
 }
 
-/// Parses a config file into canonical `(key, value)` pairs; keys are checked by the caller.
-pub fn parse_config_text(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, String> {
+/// A config file's settings: canonical `(key, value)` pairs (checked by the caller), and the
+/// notices of foreign keys accepted without effect.
+#[derive(Debug, Default)]
+pub struct ParsedConfig {
+    pub pairs: Vec<(String, Option<String>)>,
+    pub notices: Vec<String>,
+}
+
+/// Parses a config file.
+pub fn parse_config_text(text: &str, path: &Path) -> Result<ParsedConfig, String> {
     if is_ossfs_format(text) {
         parse_ossfs(text, path)
     } else {
-        parse_toml(text, path)
+        Ok(ParsedConfig {
+            pairs: parse_toml(text, path)?,
+            notices: Vec::new(),
+        })
     }
 }
 
@@ -610,22 +625,9 @@ fn parse_toml(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, 
     Ok(out)
 }
 
-/// ossfs 2.0 key names and the bucketfs keys they mean.
-pub(crate) const OSSFS_KEYS: &[(&str, &str)] = &[
-    ("oss_endpoint", "endpoint_url"),
-    ("oss_bucket", "bucket"),
-    ("oss_bucket_prefix", "prefix"),
-    ("oss_access_key_id", "access_key_id"),
-    ("oss_access_key_secret", "secret_access_key"),
-    ("oss_region", "region"),
-    ("ro", "read_only"),
-    ("allow_other", "allow_other"),
-    ("log_level", "log_level"),
-    ("attr_timeout", "stat_ttl"),
-];
-
-fn parse_ossfs(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, String> {
-    let mut out = Vec::new();
+/// ossfs 2.0 keys are translated by [`crate::dropin::ossfs2_key`]; bucketfs's own keys work too.
+fn parse_ossfs(text: &str, path: &Path) -> Result<ParsedConfig, String> {
+    let mut out = ParsedConfig::default();
     for (n, raw) in text.lines().enumerate() {
         let line = raw.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -643,22 +645,12 @@ fn parse_ossfs(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>,
             None => (body.trim(), None),
         };
         let ck = canonical(key);
-        if ck == "log_dir" {
-            let Some(dir) = value else {
-                return Err(format!("config {}: log_dir: needs a value", path.display()));
-            };
-            let file = Path::new(&dir).join("bucketfs.log");
-            out.push(("log_file".into(), Some(file.to_string_lossy().into_owned())));
-            continue;
-        }
-        let mapped = OSSFS_KEYS
-            .iter()
-            .find(|(o, _)| *o == ck)
-            .map(|(_, b)| b.to_string());
-        match mapped {
-            Some(b) => out.push((b, value)),
+        match crate::dropin::ossfs2_key(&mut out.notices, &ck, value.clone()) {
+            Some(pairs) => out
+                .pairs
+                .extend(pairs.map_err(|e| format!("config {}: {e}", path.display()))?),
             // bucketfs's own keys are accepted too; unknown ones fail in `apply`.
-            None if setting(&ck).is_some() => out.push((ck, value)),
+            None if setting(&ck).is_some() => out.pairs.push((ck, value)),
             None => return Err(format!("config {}: unknown key \"{key}\"", path.display())),
         }
     }
@@ -803,7 +795,7 @@ mod tests {
             "# ossfs 2.0\n\n--oss_endpoint=oss-cn-hangzhou.aliyuncs.com\n--oss_bucket=bkt\n\
              --oss_bucket_prefix=data/\n--oss_access_key_id=AK\n--oss_access_key_secret=SK\n\
              --ro\n--allow_other=false\n--log_dir=/var/log/ossfs\n--log_level=warning\n\
-             --part_size=32M\n",
+             --upload_buffer_size=33554432\n--readdirplus=true\n--upload_concurrency=4\n",
             0o600,
         );
         let mut s = Settings::default();
@@ -824,6 +816,9 @@ mod tests {
         );
         assert_eq!(s.log_level, LogLevel::Warn);
         assert_eq!(s.part_size, 32 << 20);
+        assert_eq!(s.upload_concurrency, 4);
+        assert_eq!(s.notices.len(), 1);
+        assert!(s.notices[0].starts_with("notice: --readdirplus: "));
         assert!(!format!("{s:?}").contains("SK"));
     }
 

@@ -105,7 +105,10 @@ fn filter(level: LogLevel) -> EnvFilter {
 pub fn init(level: LogLevel, target: &LogTarget) -> Result<(), String> {
     let builder = tracing_subscriber::fmt().with_env_filter(filter(level));
     let r = match target {
-        LogTarget::Stderr => builder.with_writer(io::stderr).try_init(),
+        LogTarget::Stderr => builder
+            .with_ansi(colour_stderr())
+            .with_writer(io::stderr)
+            .try_init(),
         LogTarget::File(path) => {
             let f = open_log(path).map_err(|e| format!("log file {}: {e}", path.display()))?;
             builder
@@ -125,6 +128,13 @@ pub fn init(level: LogLevel, target: &LogTarget) -> Result<(), String> {
         }
     };
     r.map_err(|e| format!("cannot set up logging: {e}"))
+}
+
+/// Colours only for a person at a terminal: `-f 2>>file`, systemd's journal and pipes get
+/// plain text, as files and syslog do. `NO_COLOR` turns them off everywhere.
+fn colour_stderr() -> bool {
+    use std::io::IsTerminal;
+    io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none()
 }
 
 /// Opens a log file for appending: never through a symlink (a planted link could point a root

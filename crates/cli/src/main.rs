@@ -11,6 +11,7 @@ mod config;
 #[cfg(test)]
 mod config_fuzz;
 mod daemon;
+mod dropin;
 mod limit;
 mod logging;
 mod metrics_http;
@@ -44,6 +45,14 @@ fn main() {
         .and_then(|a| Path::new(a).file_name())
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    let flavor = match invoked_as.as_str() {
+        "s3fs" => Some(dropin::Flavor::S3fs),
+        "ossfs" => Some(dropin::Flavor::Ossfs),
+        _ => None,
+    };
+    if let Some(flavor) = flavor {
+        std::process::exit(s3fs(&argv[1..], flavor));
+    }
     let argv = if invoked_as.ends_with("mount.bucketfs") {
         match args::mount_helper_args(&argv) {
             Ok(HelperCall::Run(a)) => a,
@@ -63,8 +72,39 @@ fn main() {
         Command::Bench(b) => limit::run(&b),
         Command::Stats(a) => stats::run(&a),
         Command::Refresh(r) => refresh(&r),
+        Command::S3fs(a) => s3fs(&a.args, dropin::Flavor::S3fs),
     };
     std::process::exit(code);
+}
+
+/// An s3fs-fuse/ossfs 1.x command line: mounts as `bucketfs mount` would.
+fn s3fs(args: &[OsString], flavor: dropin::Flavor) -> i32 {
+    let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
+    match dropin::s3fs_call(args, flavor, home.as_deref()) {
+        Ok(dropin::S3fsCall::Help) => {
+            println!("{}", dropin::S3FS_USAGE);
+            0
+        }
+        Ok(dropin::S3fsCall::Version) => {
+            println!("bucketfs {} (s3fs compatible)", env!("CARGO_PKG_VERSION"));
+            0
+        }
+        Ok(dropin::S3fsCall::Mount {
+            source,
+            mountpoint,
+            settings,
+        }) => run::run(&args::MountArgs {
+            source,
+            mountpoint: Some(mountpoint),
+            flags: Default::default(),
+            options: Vec::new(),
+            base: Some(settings),
+        }),
+        Err(msg) => {
+            eprintln!("bucketfs: {msg}");
+            1
+        }
+    }
 }
 
 /// `f_type` of FUSE file systems.

@@ -689,18 +689,22 @@ mod tests {
         }
     }
 
-    /// The man page names every ossfs 2.0 key the config parser translates.
+    /// docs/migration.md has one row per option of the ossfs 2.0 and s3fs/ossfs 1.x tables,
+    /// in its section for that tool.
     #[test]
-    fn man_page_names_every_ossfs_key() {
-        let man = doc("docs/bucketfs.1.md");
-        let listed = between(
-            &man,
-            "In the ossfs 2.0 format, these keys are translated:",
-            "Any bucketfs key",
-        );
-        let listed: BTreeSet<&str> = code_spans(listed).into_iter().collect();
-        for (ossfs, _) in crate::config::OSSFS_KEYS {
-            assert!(listed.contains(ossfs), "man: ossfs key {ossfs}");
+    fn migration_doc_lists_every_foreign_option() {
+        let doc = doc("docs/migration.md");
+        for (heading, table) in [
+            ("## ossfs 2.0", crate::dropin::OSSFS2_OPTIONS),
+            ("## s3fs-fuse and ossfs 1.x", crate::dropin::S3FS_OPTIONS),
+        ] {
+            let rows: BTreeSet<&str> = section(&doc, heading)
+                .lines()
+                .filter(|l| l.starts_with("| `"))
+                .filter_map(|l| code_spans(l).first().copied())
+                .collect();
+            let keys: BTreeSet<&str> = table.iter().map(|(k, _)| *k).collect();
+            assert_eq!(rows, keys, "docs/migration.md {heading}");
         }
     }
 }

@@ -72,9 +72,20 @@ pub fn run(args: &MountArgs) -> i32 {
 }
 
 fn plan(args: &MountArgs) -> Result<Plan, String> {
+    if args.mountpoint.is_none() && args.source.contains("://") {
+        return Err(format!(
+            "no MOUNTPOINT after {}: give SOURCE MOUNTPOINT, or MOUNTPOINT alone with a config \
+             file that names the bucket",
+            args.source
+        ));
+    }
     let mut settings = args.settings()?;
-    let target = target_of(&args.source, &settings)?;
-    let mountpoint = absolute(&args.mountpoint);
+    for n in &settings.notices {
+        eprintln!("bucketfs: {n}");
+    }
+    let (source, mountpoint) = args.source_and_mountpoint();
+    let target = target_of(&source, &settings)?;
+    let mountpoint = absolute(&mountpoint);
     check_mountpoint(&mountpoint, settings.nonempty, settings.allow_stacking)?;
     if let Target::Local { dir } = &target {
         if mountpoint.starts_with(dir) {

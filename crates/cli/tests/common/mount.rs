@@ -78,6 +78,11 @@ pub struct MountSpec {
     /// After this long the watchdog force-unmounts and kills the daemon, so a hung file
     /// operation fails the test instead of hanging the suite.
     pub watchdog: Duration,
+    /// The program to run instead of the built binary (a link to it under another name).
+    pub program: Option<PathBuf>,
+    /// The arguments before SOURCE: `mount -f` unless a test runs another command line; an
+    /// empty SOURCE is left out.
+    pub command: Vec<String>,
 }
 
 impl MountSpec {
@@ -98,6 +103,8 @@ impl MountSpec {
                 ("AWS_SECRET_ACCESS_KEY".into(), e.secret_key.clone()),
             ],
             watchdog: Duration::from_secs(600),
+            program: None,
+            command: vec!["mount".into(), "-f".into()],
         }
     }
 
@@ -108,6 +115,8 @@ impl MountSpec {
             args: vec![],
             envs: vec![],
             watchdog: Duration::from_secs(300),
+            program: None,
+            command: vec!["mount".into(), "-f".into()],
         }
     }
 
@@ -204,11 +213,12 @@ impl Mount {
         let log = dir.path().join("daemon.log");
         let logf = File::create(&log).unwrap();
 
-        let mut cmd = Command::new(bin());
-        cmd.arg("mount")
-            .arg("-f")
-            .arg(&spec.source)
-            .arg(&path)
+        let mut cmd = Command::new(spec.program.as_deref().unwrap_or(Path::new(bin())));
+        cmd.args(&spec.command);
+        if !spec.source.is_empty() {
+            cmd.arg(&spec.source);
+        }
+        cmd.arg(&path)
             .args(&spec.args)
             .stdin(Stdio::null())
             .stdout(logf.try_clone().unwrap())

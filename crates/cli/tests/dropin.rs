@@ -1,0 +1,360 @@
+//! bucketfs as a drop-in for the tools users come from (issue 23): the ossfs 2.0 guide's config
+//! file and `mount DIR -c FILE` shape, the ossfs 1.91 guide's and the usual s3fs command lines
+//! (also through links named `ossfs` and `s3fs`), `passwd_file` and its permission check, the
+//! notices for options without a meaning here, errors for unknown ones, and logs without
+//! terminal colour codes. Real mounts against the test MinIO, endpoint pointed at it.
+
+mod common;
+
+use common::*;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The bucket the Alibaba Cloud guides name, shared by the tests that use their exact text.
+const GUIDE_BUCKET: &str = "bucket-test";
+
+fn guide_bucket() -> &'static str {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if s3()
+            .block_on(s3().client.head_bucket().bucket(GUIDE_BUCKET).send())
+            .is_err()
+        {
+            // Another test binary may create it at the same time: that is fine too.
+            let _ = s3().block_on(s3().client.create_bucket().bucket(GUIDE_BUCKET).send());
+        }
+    });
+    GUIDE_BUCKET
+}
+
+fn private_file(dir: &Path, name: &str, text: &str, mode: u32) -> PathBuf {
+    let p = dir.join(name);
+    fs::write(&p, text).unwrap();
+    fs::set_permissions(&p, fs::Permissions::from_mode(mode)).unwrap();
+    p
+}
+
+/// A link to the built binary named `name` (as `ln -s $(which bucketfs) /usr/bin/s3fs`).
+fn link_named(dir: &Path, name: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::os::unix::fs::symlink(bin(), &p).unwrap();
+    p
+}
+
+/// A spec that runs `program command... [SOURCE] MOUNTPOINT args...` with no credentials in
+/// the environment unless the test adds them.
+fn spec(program: Option<PathBuf>, command: &[&str], source: &str, args: &[String]) -> MountSpec {
+    let mut s = MountSpec::s3("unused", "");
+    s.program = program;
+    s.command = command.iter().map(|c| c.to_string()).collect();
+    s.source = source.into();
+    s.args = args.to_vec();
+    s.envs.clear();
+    s
+}
+
+fn etag(bucket: &str, key: &str) -> String {
+    let h = s3()
+        .block_on(s3().client.head_object().bucket(bucket).key(key).send())
+        .unwrap();
+    h.e_tag().unwrap_or_default().trim_matches('"').to_string()
+}
+
+/// The ossfs 2.0 performance guide's `ossfs2.conf`, verbatim but for the endpoint, mounted the
+/// guide's way (`mount DIR -c ossfs2.conf`: the bucket comes from the file). Its
+/// `upload_buffer_size` becomes the part size: a 33 MiB file is uploaded in 2 parts of 32 MiB
+/// and 1 MiB (8 MiB parts would make 5). Before: `unknown key "upload_buffer_size"`, and
+/// SOURCE was required.
+#[test]
+fn ossfs2_guide_config_mounts_the_bucket_it_names() {
+    let bucket = guide_bucket();
+    let dir = tempfile::tempdir().unwrap();
+    let e = env();
+    let conf = private_file(
+        dir.path(),
+        "ossfs2.conf",
+        &format!(
+            "--oss_endpoint={}\n--oss_bucket={bucket}\n--oss_access_key_id={}\n\
+             --oss_access_key_secret={}\n--upload_buffer_size=33554432\n",
+            e.endpoint, e.access_key, e.secret_key
+        ),
+        0o600,
+    );
+    let m = spec(
+        None,
+        &["mount", "-f"],
+        "",
+        &["-c".into(), conf.display().to_string()],
+    )
+    .mount();
+    let data = pattern::bytes(23, 33 * MIB);
+    write_file(&m.join("ossfs2-guide.bin"), &data);
+    assert_eq!(s3().get(bucket, "ossfs2-guide.bin").unwrap(), data);
+    assert!(etag(bucket, "ossfs2-guide.bin").ends_with("-2"));
+    fs::remove_file(m.join("ossfs2-guide.bin")).unwrap();
+    assert!(!m.log().contains("notice"), "{}", m.log());
+}
+
+/// The ossfs 1.91 guide's command line, `ossfs bucket-test /mnt/ossfs -ourl=... -odirect_read
+/// -oreaddir_optimize`, through a link named `ossfs` (credentials from the environment, which
+/// ossfs reads too): it mounts, and each option without a meaning here gets one notice line.
+#[test]
+fn ossfs1_guide_command_line_mounts_through_a_link_named_ossfs() {
+    let bucket = guide_bucket();
+    let dir = tempfile::tempdir().unwrap();
+    let ossfs = link_named(dir.path(), "ossfs");
+    let e = env();
+    let mut s = spec(
+        Some(ossfs),
+        &[],
+        bucket,
+        &[
+            format!("-ourl={}", e.endpoint),
+            "-odirect_read".into(),
+            "-oreaddir_optimize".into(),
+            "-f".into(),
+        ],
+    );
+    s.envs = vec![
+        ("AWS_ACCESS_KEY_ID".into(), e.access_key.clone()),
+        ("AWS_SECRET_ACCESS_KEY".into(), e.secret_key.clone()),
+    ];
+    let m = s.mount();
+    write_file(&m.join("ossfs1-guide.txt"), b"ossfs 1.91");
+    assert_eq!(s3().get(bucket, "ossfs1-guide.txt").unwrap(), b"ossfs 1.91");
+    fs::remove_file(m.join("ossfs1-guide.txt")).unwrap();
+    let log = m.log();
+    for opt in ["direct_read", "readdir_optimize"] {
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.starts_with(&format!("bucketfs: notice: -o {opt}: ")))
+            .collect();
+        assert_eq!(lines.len(), 1, "{opt}: {log}");
+    }
+}
+
+/// The usual s3fs line as `bucketfs s3fs BUCKET:/PREFIX MNT -o url=...,use_path_request_style,
+/// passwd_file=...,allow_other,uid=,gid=,umask=,mp_umask=`: the BUCKET:ACCESS:SECRET line for
+/// this bucket is used (not the other bucket's wrong one), files land under PREFIX, and
+/// uid/gid/umask show on an object another client wrote without metadata.
+#[test]
+fn s3fs_command_line_with_passwd_file_mounts_a_prefix() {
+    let bucket = s3().new_bucket("dropin-s3fs");
+    s3().put(&bucket, "team/a/plain.txt", b"no metadata".to_vec());
+    let dir = tempfile::tempdir().unwrap();
+    let e = env();
+    let passwd = private_file(
+        dir.path(),
+        "passwd-s3fs",
+        &format!(
+            "other-bucket:WRONG:WRONG\n{bucket}:{}:{}\n",
+            e.access_key, e.secret_key
+        ),
+        0o600,
+    );
+    let opts = format!(
+        "url={},use_path_request_style,passwd_file={},allow_other,uid=4321,gid=4322,\
+         umask=0027,mp_umask=0022,_netdev",
+        e.endpoint,
+        passwd.display()
+    );
+    let m = spec(
+        None,
+        &["s3fs"],
+        &format!("{bucket}:/team/a"),
+        &["-o".into(), opts, "-f".into()],
+    )
+    .mount();
+    use std::os::unix::fs::MetadataExt;
+    let md = fs::metadata(m.join("plain.txt")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (4321, 4322));
+    assert_eq!(md.mode() & 0o777, 0o640);
+    write_file(&m.join("new.txt"), b"via s3fs line");
+    assert_eq!(
+        s3().get(&bucket, "team/a/new.txt").unwrap(),
+        b"via s3fs line"
+    );
+    assert!(m.log().contains("bucketfs: notice: -o mp_umask: "));
+}
+
+/// Through a link named `s3fs`, with a plain ACCESS:SECRET passwd file.
+#[test]
+fn s3fs_link_with_a_plain_passwd_file() {
+    let bucket = s3().new_bucket("dropin-s3fs-link");
+    let dir = tempfile::tempdir().unwrap();
+    let e = env();
+    let passwd = private_file(
+        dir.path(),
+        "pw",
+        &format!("{}:{}\n", e.access_key, e.secret_key),
+        0o400,
+    );
+    let s3fs = link_named(dir.path(), "s3fs");
+    let m = spec(
+        Some(s3fs),
+        &[],
+        &bucket,
+        &[
+            "-o".into(),
+            format!(
+                "url={},use_path_request_style,passwd_file={}",
+                e.endpoint,
+                passwd.display()
+            ),
+            "-f".into(),
+        ],
+    )
+    .mount();
+    write_file(&m.join("x"), b"x");
+    assert_eq!(s3().get(&bucket, "x").unwrap(), b"x");
+}
+
+/// As s3fs does, a passwd file others (or its group) may read is refused with one line that
+/// says how to fix it and shows no secret; nothing is mounted.
+#[test]
+fn passwd_file_readable_by_others_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mp = dir.path().join("mnt");
+    fs::create_dir(&mp).unwrap();
+    for mode in [0o644, 0o640] {
+        let passwd = private_file(dir.path(), "pw", "AKID:TOPSECRETVALUE\n", mode);
+        let run = run_cli(
+            &os(&[
+                "s3fs",
+                "b",
+                mp.to_str().unwrap(),
+                "-o",
+                &format!("url={},passwd_file={}", env().endpoint, passwd.display()),
+            ]),
+            &[],
+            Some(&mp),
+            Duration::from_secs(20),
+        );
+        assert_eq!(run.status.and_then(|s| s.code()), Some(1), "{run:?}");
+        let err = run.stderr.trim_end();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.starts_with("bucketfs: passwd_file ")
+                && err.contains(&format!("(mode {mode:04o})"))
+                && err.contains("chmod 600"),
+            "{err}"
+        );
+        assert!(!err.contains("TOPSECRETVALUE"));
+        assert!(!is_mounted(&mp));
+        fs::remove_file(&passwd).unwrap();
+    }
+}
+
+/// ossfs 2.0 keys with no meaning here are accepted with one notice line each; a key that is
+/// neither ossfs's nor bucketfs's stays an error naming it; so does an unknown s3fs option,
+/// and an s3fs option whose effect bucketfs cannot give (encryption) is refused.
+#[test]
+fn notices_for_foreign_options_and_errors_for_unknown_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-dir");
+    let conf = private_file(
+        dir.path(),
+        "ossfs2.conf",
+        "--oss_endpoint=http://127.0.0.1:1\n--oss_bucket=b\n--readdirplus=true\n\
+         --log_file_max_size=1024\n--prefetch_concurrency=64\n",
+        0o600,
+    );
+    let run = run_cli(
+        &os(&[
+            "mount",
+            missing.to_str().unwrap(),
+            "-c",
+            conf.to_str().unwrap(),
+        ]),
+        &[],
+        None,
+        Duration::from_secs(20),
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(1), "{run:?}");
+    let lines: Vec<&str> = run.stderr.lines().collect();
+    assert_eq!(lines.len(), 4, "{}", run.stderr);
+    for (line, key) in
+        lines
+            .iter()
+            .zip(["readdirplus", "log_file_max_size", "prefetch_concurrency"])
+    {
+        assert!(
+            line.starts_with(&format!("bucketfs: notice: --{key}: bucketfs ")),
+            "{line}"
+        );
+    }
+    assert!(lines[3].contains("does not exist"), "{}", lines[3]);
+
+    let bad = private_file(
+        dir.path(),
+        "bad.conf",
+        "--oss_bucket=b\n--oss_bogus=1\n",
+        0o600,
+    );
+    let run = run_cli(
+        &os(&[
+            "mount",
+            missing.to_str().unwrap(),
+            "-c",
+            bad.to_str().unwrap(),
+        ]),
+        &[],
+        None,
+        Duration::from_secs(20),
+    );
+    assert_eq!(
+        run.stderr.trim_end(),
+        format!(
+            "bucketfs: config {}: unknown key \"oss_bogus\"",
+            bad.display()
+        )
+    );
+
+    for (opt, want) in [
+        (
+            "bogus_option",
+            "bucketfs: -o: unknown option \"bogus_option\"",
+        ),
+        (
+            "use_sse",
+            "bucketfs: -o use_sse: not supported by bucketfs: ",
+        ),
+    ] {
+        let run = run_cli(
+            &os(&["s3fs", "b", missing.to_str().unwrap(), "-o", opt]),
+            &[],
+            None,
+            Duration::from_secs(20),
+        );
+        assert_eq!(run.status.and_then(|s| s.code()), Some(1), "{run:?}");
+        assert!(run.stderr.starts_with(want), "{}", run.stderr);
+    }
+}
+
+/// A foreground daemon whose stderr is a file (`-f 2>>log`, systemd's journal) and a
+/// `--log-file` get plain text: no ESC byte of a terminal colour code. Before, stderr was
+/// coloured whatever it was.
+#[test]
+fn logs_written_to_files_carry_no_colour_codes() {
+    let bucket = s3().new_bucket("dropin-colour");
+    let m = Mount::s3(&bucket);
+    write_file(&m.join("f"), b"1");
+    let log = m.log();
+    assert!(log.contains("ready"), "{log}");
+    assert!(!log.contains('\u{1b}'), "{log:?}");
+    drop(m);
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bucketfs.log");
+    let m = MountSpec::s3(&bucket, "")
+        .arg("--log-file")
+        .arg(file.to_str().unwrap())
+        .mount();
+    write_file(&m.join("g"), b"2");
+    drop(m);
+    let text = fs::read_to_string(&file).unwrap();
+    assert!(text.contains("ready"), "{text}");
+    assert!(!text.contains('\u{1b}'), "{text:?}");
+}
