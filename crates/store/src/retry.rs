@@ -6,18 +6,21 @@
 //! (5xx, `SlowDown`, request timeouts, refused or reset connections, a body cut off
 //! mid-transfer) is tried again after `min(max_backoff, initial_backoff * 2^n)`, of which the
 //! upper half is random ("equal jitter"), until it succeeds, fails with a permanent error, has
-//! made `max_attempts` attempts, or the next attempt would start later than `max_elapsed` after
-//! the first failure. The budget starts at the first failure, not at the call: time a call
-//! spent queued for a connection or receiving a slow answer before it failed is not failing
-//! time, and must not leave a transient failure unretried. Permanent errors (403, 404, 412,
-//! 400, out of space) are returned at once.
+//! made `max_attempts` attempts, or its deadline passes. The deadline is one per file-system
+//! operation (see [`crate::liveness`]): `max_elapsed` after the later of the operation's start
+//! and the store's last progress (a byte moved, an answer's head, a success, by any request).
+//! So a slow store that moves bytes is waited for, a stalled one fails every call of a syscall
+//! within `max_elapsed` of its start, and an attempt that moves no byte of its own for
+//! `max_elapsed` is cut and tried again. Permanent errors (403, 404, 412, 400, out of space)
+//! are returned at once.
 //!
-//! **Outage breaker.** Every success clears the breaker; the first transient failure after a
-//! success sets the outage start. Once the store has failed for longer than `max_elapsed`
-//! without any success in between, a new call makes a single attempt (and a success closes the
-//! outage). So a dead endpoint costs the first callers `max_elapsed`, and everybody after that
-//! one attempt, while a restart that takes less than `max_elapsed` is ridden out invisibly.
-//! The start and the end of an outage are logged once each.
+//! **Outage breaker.** Every success clears the breaker. When the store has made no progress
+//! for `max_elapsed`, or has failed for that long without a success, an outage is declared:
+//! attempts waiting on it stop, new calls fail at once, and a probe task sends a one-key LIST
+//! every [`PROBE_INTERVAL`] until one is answered, which closes the outage. So a dead or
+//! stalled endpoint costs each syscall at most `max_elapsed`, and every call after that
+//! nothing, while a restart that takes less than `max_elapsed` is ridden out invisibly. The
+//! start and the end of an outage are logged once each.
 //!
 //! **Idempotency.** Every store operation is safe to repeat (PUT, UploadPart, CopyObject and
 //! DELETE of the same request give the same result), except CompleteMultipartUpload: when an
