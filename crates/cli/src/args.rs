@@ -65,7 +65,7 @@ the mount point is unmounted externally (bucketfs umount, umount).
 
 FSTAB:
   s3://bucket/prefix  /mnt/data  bucketfs  _netdev,allow_other,config=/etc/bucketfs.toml  0 0
-  (needs the helper link: ln -s $(command -v bucketfs) /sbin/mount.bucketfs)
+  (needs the helper link /sbin/mount.bucketfs: bucketfs install makes it)
 
 EXAMPLES:
   bucketfs mount --endpoint-url http://127.0.0.1:9000 --force-path-style s3://data /mnt/data
@@ -99,6 +99,26 @@ pub enum Command {
     /// [-f] [-o OPT,...] (also when the binary is invoked as `s3fs` or `ossfs`).
     #[command(disable_help_flag = true)]
     S3fs(S3fsArgs),
+    /// Install the binary, the mount.bucketfs helper, the man page, shell completions and a
+    /// systemd unit template (bucketfs@.service) under ROOT, as a package would.
+    Install(InstallArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct InstallArgs {
+    /// Install into this directory as if it were / (a package's staging directory).
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    pub root: PathBuf,
+    /// Where the files go on the installed system: PREFIX/bin, PREFIX/share/man, ...
+    #[arg(long, value_name = "DIR", default_value = "/usr/local")]
+    pub prefix: PathBuf,
+    /// Also install links named s3fs and ossfs in PREFIX/bin, so s3fs and ossfs 1.x command
+    /// lines and fstab lines (fuse.s3fs, s3fs#BUCKET) run bucketfs.
+    #[arg(long)]
+    pub s3fs_links: bool,
+    /// The binary to install. Default: this one.
+    #[arg(long, value_name = "FILE")]
+    pub binary: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -12,6 +12,7 @@ mod config;
 mod config_fuzz;
 mod daemon;
 mod dropin;
+mod install;
 mod limit;
 mod logging;
 mod metrics_http;
@@ -73,6 +74,7 @@ fn main() {
         Command::Stats(a) => stats::run(&a),
         Command::Refresh(r) => refresh(&r),
         Command::S3fs(a) => s3fs(&a.args, dropin::Flavor::S3fs),
+        Command::Install(a) => install::run(&a),
     };
     std::process::exit(code);
 }

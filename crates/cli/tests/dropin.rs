@@ -358,3 +358,93 @@ fn logs_written_to_files_carry_no_colour_codes() {
     assert!(text.contains("ready"), "{text}");
     assert!(!text.contains('\u{1b}'), "{text:?}");
 }
+
+/// `bucketfs install --root DIR --s3fs-links` lays out what a package would: the binary (it
+/// runs), the mount.bucketfs helper link for fstab, the man page as roff that groff formats
+/// without a warning, bash/zsh/fish completions that know the flags, the systemd unit
+/// template and the s3fs/ossfs links (the installed `s3fs` runs as bucketfs's s3fs front end).
+#[test]
+fn install_lays_out_the_system_files_in_a_temp_root() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = &dir.path().join("root");
+    // The test binary has hundreds of MB of debug info: install a stand-in that runs it under
+    // the name it was called by.
+    let stand_in = private_file(
+        dir.path(),
+        "bucketfs",
+        &format!("#!/bin/bash\nexec -a \"$0\" {} \"$@\"\n", bin()),
+        0o755,
+    );
+    let run = run_cli(
+        &os(&[
+            "install",
+            "--root",
+            root.to_str().unwrap(),
+            "--s3fs-links",
+            "--binary",
+            stand_in.to_str().unwrap(),
+        ]),
+        &[],
+        None,
+        Duration::from_secs(60),
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{run:?}");
+    let usr = root.join("usr/local");
+    let bin = usr.join("bin/bucketfs");
+    assert_eq!(
+        fs::metadata(&bin).unwrap().permissions().mode() & 0o777,
+        0o755
+    );
+    let out = std::process::Command::new(&bin)
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("bucketfs "));
+    assert_eq!(
+        fs::read_link(root.join("sbin/mount.bucketfs")).unwrap(),
+        Path::new("/usr/local/bin/bucketfs")
+    );
+    for name in ["s3fs", "ossfs"] {
+        assert_eq!(
+            fs::read_link(usr.join("bin").join(name)).unwrap(),
+            Path::new("bucketfs")
+        );
+    }
+    let out = std::process::Command::new(usr.join("bin/s3fs"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("s3fs compatible"));
+
+    let man = usr.join("share/man/man1/bucketfs.1");
+    let roff = fs::read_to_string(&man).unwrap();
+    assert!(roff.starts_with(".TH BUCKETFS 1 "));
+    assert!(roff.contains("\n.SH OPTIONS\n") && !roff.contains("```"));
+    if Path::new("/usr/bin/groff").exists() {
+        let out = std::process::Command::new("groff")
+            .args(["-man", "-Tascii", "-ww", "-P-cbou"])
+            .arg(&man)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("--part-size"), "{text}");
+    }
+    for path in [
+        "share/bash-completion/completions/bucketfs",
+        "share/zsh/site-functions/_bucketfs",
+        "share/fish/vendor_completions.d/bucketfs.fish",
+    ] {
+        let text = fs::read_to_string(usr.join(path)).unwrap();
+        assert!(
+            text.contains("part-size") && text.contains("s3fs"),
+            "{path}"
+        );
+    }
+    let unit = fs::read_to_string(usr.join("lib/systemd/system/bucketfs@.service")).unwrap();
+    assert!(
+        unit.contains("\nExecStart=/usr/local/bin/bucketfs mount -f %f -c /etc/bucketfs/%i.conf\n"),
+        "{unit}"
+    );
+}
