@@ -448,3 +448,132 @@ fn install_lays_out_the_system_files_in_a_temp_root() {
         "{unit}"
     );
 }
+
+/// Runs `program args...` with `dir` first on PATH and the test credentials in the
+/// environment, as mount(8) runs a helper for an fstab line; the mount it makes is checked
+/// with a file written through it, then unmounted (the daemon then exits).
+fn mount_like_mount8(program: &Path, args: &[String], dir: &Path, mp: &Path, bucket: &str) {
+    let home = dir.join("home");
+    fs::create_dir_all(&home).unwrap();
+    let mut cmd = std::process::Command::new(program);
+    cmd.args(args);
+    isolate_env(&mut cmd, &home);
+    let path = format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let e = env();
+    let out = cmd
+        .env("PATH", path)
+        .env("AWS_ACCESS_KEY_ID", &e.access_key)
+        .env("AWS_SECRET_ACCESS_KEY", &e.secret_key)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let mounted = is_mounted(mp);
+    if mounted {
+        write_file(&mp.join("fstab.txt"), args.join(" ").as_bytes());
+        assert!(force_unmount(mp));
+    }
+    assert!(
+        out.status.success() && mounted,
+        "{program:?} {args:?}: {out:?}"
+    );
+    assert_eq!(
+        s3().get(bucket, "fstab.txt").unwrap(),
+        args.join(" ").as_bytes()
+    );
+}
+
+/// The two s3fs fstab forms, `s3fs#BUCKET MNT fuse OPTS` and `BUCKET MNT fuse.s3fs OPTS`, as
+/// mount(8) runs them: mount.fuse3 starts `s3fs` from PATH, here the link to bucketfs. The
+/// options are an s3fs fstab line's (`_netdev`, `allow_other`, `url=`, `passwd_file=`,
+/// `logfile=`).
+#[test]
+fn s3fs_fstab_lines_mount_through_mount_fuse() {
+    let helper = [
+        "/sbin/mount.fuse3",
+        "/usr/sbin/mount.fuse3",
+        "/sbin/mount.fuse",
+    ]
+    .into_iter()
+    .map(Path::new)
+    .find(|p| p.exists())
+    .expect("mount.fuse3 (package fuse3, which scripts/test.sh installs)");
+    let bucket = s3().new_bucket("dropin-fstab");
+    let dir = tempfile::tempdir().unwrap();
+    link_named(dir.path(), "s3fs");
+    let e = env();
+    let passwd = private_file(
+        dir.path(),
+        "pw",
+        &format!("{bucket}:{}:{}\n", e.access_key, e.secret_key),
+        0o600,
+    );
+    let mp = dir.path().join("mnt");
+    fs::create_dir(&mp).unwrap();
+    let opts = format!(
+        "_netdev,allow_other,url={},use_path_request_style,passwd_file={},logfile={}",
+        e.endpoint,
+        passwd.display(),
+        dir.path().join("log").display()
+    );
+    let mpath = mp.display().to_string();
+    mount_like_mount8(
+        helper,
+        &[
+            format!("s3fs#{bucket}"),
+            mpath.clone(),
+            "-o".into(),
+            opts.clone(),
+        ],
+        dir.path(),
+        &mp,
+        &bucket,
+    );
+    mount_like_mount8(
+        helper,
+        &[
+            bucket.clone(),
+            mpath,
+            "-t".into(),
+            "fuse.s3fs".into(),
+            "-o".into(),
+            opts,
+        ],
+        dir.path(),
+        &mp,
+        &bucket,
+    );
+    let log = fs::read_to_string(dir.path().join("log")).unwrap();
+    assert!(log.contains("ready") && !log.contains('\u{1b}'), "{log}");
+}
+
+/// An fstab line of type `bucketfs`, as mount(8) runs its helper: `mount.bucketfs SOURCE MNT
+/// -o OPTS` through a link of that name.
+#[test]
+fn bucketfs_fstab_line_mounts_through_the_mount_helper() {
+    let bucket = s3().new_bucket("dropin-helper");
+    let dir = tempfile::tempdir().unwrap();
+    let helper = link_named(dir.path(), "mount.bucketfs");
+    let mp = dir.path().join("mnt");
+    fs::create_dir(&mp).unwrap();
+    let opts = format!(
+        "rw,_netdev,nofail,url={},use_path_request_style,log_file={}",
+        env().endpoint,
+        dir.path().join("log").display()
+    );
+    mount_like_mount8(
+        &helper,
+        &[
+            format!("s3://{bucket}"),
+            mp.display().to_string(),
+            "-o".into(),
+            opts,
+        ],
+        dir.path(),
+        &mp,
+        &bucket,
+    );
+}
