@@ -24,6 +24,18 @@ pub async fn within_operation<F: std::future::Future>(fut: F) -> F::Output {
     OPERATION_START.scope(Instant::now(), fut).await
 }
 
+/// Runs `fut` (in a task of its own) as part of the operation that started at `start`, or of
+/// none: a request spawned for an operation keeps its deadline.
+pub async fn within_operation_from<F: std::future::Future>(
+    start: Option<Instant>,
+    fut: F,
+) -> F::Output {
+    match start {
+        Some(s) => OPERATION_START.scope(s, fut).await,
+        None => fut.await,
+    }
+}
+
 /// When the operation the current task serves started, if it runs in [`within_operation`].
 pub fn operation_start() -> Option<Instant> {
     OPERATION_START.try_with(|s| *s).ok()

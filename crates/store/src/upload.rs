@@ -13,6 +13,7 @@
 //! An abort that fails (the store is down) leaves the upload on its [`Uploads`]' orphan list,
 //! which [`Uploads::retry_aborts`] works through.
 
+use crate::liveness::{operation_start, within_operation_from};
 use crate::{CompletedPart, ObjectStore, StoreError, StoreResult, UserMeta};
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -23,6 +24,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Instant;
 use tokio::sync::Notify;
 
 /// The multipart uploads made through one store, and those of them whose abort failed.
@@ -90,15 +92,17 @@ impl Shared {
         &self.uploads.store
     }
 
-    /// Starts `request` as a task counted in `running`, so that an abort can wait for it.
-    fn start<F>(self: &Arc<Self>, request: F) -> PartRequest
+    /// Starts `request` as a task counted in `running`, so that an abort can wait for it. The
+    /// task serves the file-system operation that started at `operation` (see
+    /// [`crate::liveness`]), if any.
+    fn start<F>(self: &Arc<Self>, operation: Option<Instant>, request: F) -> PartRequest
     where
         F: Future<Output = StoreResult<String>> + Send + 'static,
     {
         self.running.fetch_add(1, Ordering::SeqCst);
         let shared = self.clone();
         PartRequest(tokio::spawn(async move {
-            let r = request.await;
+            let r = within_operation_from(operation, request).await;
             if shared.running.fetch_sub(1, Ordering::SeqCst) == 1 {
                 shared.idle.notify_waiters();
             }
@@ -160,11 +164,23 @@ impl Upload {
         &self.shared.id
     }
 
-    /// Starts uploading part `number` (1-based) now.
+    /// Starts uploading part `number` (1-based) now, as part of the current file-system
+    /// operation (it shares its deadline).
     pub fn part(&self, number: u32, body: Bytes) -> PartRequest {
+        self.send_part(operation_start(), number, body)
+    }
+
+    /// [`Upload::part`] for a part sent in the background while the file goes on being
+    /// written: it belongs to no operation, and has a deadline of its own.
+    pub fn part_in_background(&self, number: u32, body: Bytes) -> PartRequest {
+        self.send_part(None, number, body)
+    }
+
+    fn send_part(&self, operation: Option<Instant>, number: u32, body: Bytes) -> PartRequest {
         let s = self.shared.clone();
-        self.shared
-            .start(async move { s.store().upload_part(&s.key, &s.id, number, body).await })
+        self.shared.start(operation, async move {
+            s.store().upload_part(&s.key, &s.id, number, body).await
+        })
     }
 
     /// Starts copying `range` of `src` server-side as part `number` now, only from the
@@ -178,7 +194,7 @@ impl Upload {
     ) -> PartRequest {
         let s = self.shared.clone();
         let (src, pin) = (src.to_string(), src_if_match.map(str::to_string));
-        self.shared.start(async move {
+        self.shared.start(operation_start(), async move {
             s.store()
                 .upload_part_copy(&s.key, &s.id, number, &src, range, pin.as_deref())
                 .await
@@ -383,6 +399,54 @@ mod tests {
             assert_eq!(fault.aborts_racing_parts(), 0);
             assert_eq!(fault.parts_cancelled(), 0);
         }
+    }
+
+    /// Records the operation each part request serves.
+    struct SeesOperation {
+        inner: Arc<dyn ObjectStore>,
+        seen: parking_lot::Mutex<Vec<Option<Instant>>>,
+    }
+
+    #[async_trait::async_trait]
+    impl crate::layer::StoreLayer for SeesOperation {
+        type Inner = dyn ObjectStore;
+        fn inner(&self) -> &Self::Inner {
+            &*self.inner
+        }
+        async fn upload_part(
+            &self,
+            key: &str,
+            upload_id: &str,
+            part_number: u32,
+            body: Bytes,
+        ) -> StoreResult<String> {
+            self.seen.lock().push(operation_start());
+            self.inner
+                .upload_part(key, upload_id, part_number, body)
+                .await
+        }
+    }
+
+    /// A part runs in a task of its own but keeps the deadline of the operation that sent
+    /// it; a part sent in the background has its own.
+    #[tokio::test]
+    async fn a_part_serves_the_operation_that_sent_it() {
+        let seer = Arc::new(SeesOperation {
+            inner: Arc::new(MemoryStore::new()),
+            seen: Default::default(),
+        });
+        let uploads = Uploads::new(seer.clone());
+        let up = uploads.create("k", &UserMeta::new()).await.unwrap();
+        let body = Bytes::from_static(b"x");
+        let start = crate::liveness::within_operation(async {
+            up.part(1, body.clone()).await.unwrap();
+            up.part_in_background(2, body.clone()).await.unwrap();
+            operation_start()
+        })
+        .await;
+        assert!(start.is_some());
+        assert_eq!(*seer.seen.lock(), vec![start, None]);
+        up.abort().await.unwrap();
     }
 
     #[tokio::test]

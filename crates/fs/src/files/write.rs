@@ -767,7 +767,7 @@ impl WriteState {
     ) {
         self.settle_part(i).await;
         let stream = self.stream.as_mut().expect("stream started");
-        let part = stream.upload.part(i as u32 + 1, body.clone());
+        let part = stream.upload.part_in_background(i as u32 + 1, body.clone());
         let metrics = self.cfg.metrics.clone();
         let task = tokio::spawn(async move {
             metrics.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
