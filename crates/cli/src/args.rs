@@ -116,6 +116,10 @@ pub struct InstallArgs {
     /// lines and fstab lines (fuse.s3fs, s3fs#BUCKET) run bucketfs.
     #[arg(long)]
     pub s3fs_links: bool,
+    /// Where the mount.bucketfs helper link goes (mount(8) looks in /sbin; /usr/sbin is the
+    /// same directory on merged-/usr systems, and where a package puts it).
+    #[arg(long, value_name = "DIR", default_value = "/sbin")]
+    pub sbin: PathBuf,
     /// The binary to install. Default: this one.
     #[arg(long, value_name = "FILE")]
     pub binary: Option<PathBuf>,

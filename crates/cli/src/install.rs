@@ -113,8 +113,7 @@ fn install(args: &InstallArgs) -> Result<Vec<PathBuf>, String> {
     write(&p, &data, 0o755)?;
     done.push(p);
 
-    // mount(8) looks for helpers in /sbin.
-    let p = under(root, Path::new("/sbin/mount.bucketfs"));
+    let p = under(root, &args.sbin.join("mount.bucketfs"));
     symlink(&bin, &p)?;
     done.push(p);
 

@@ -577,3 +577,41 @@ fn bucketfs_fstab_line_mounts_through_the_mount_helper() {
         &bucket,
     );
 }
+
+/// `scripts/deb.sh` builds a Debian package from the repository: the install layout under
+/// /usr (helper in /usr/sbin, man page gzipped), depending on fuse3. A stand-in binary keeps
+/// the test from building a release binary.
+#[test]
+fn deb_package_builds_from_the_repository() {
+    let dir = tempfile::tempdir().unwrap();
+    let stand_in = private_file(
+        dir.path(),
+        "bucketfs",
+        &format!("#!/bin/bash\nexec -a \"$0\" {} \"$@\"\n", bin()),
+        0o755,
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/deb.sh");
+    let out = std::process::Command::new(&script)
+        .args(["--binary", stand_in.to_str().unwrap(), "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let deb = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(deb.ends_with(".deb") && Path::new(&deb).exists(), "{deb}");
+    let info = run("dpkg-deb", &["-f", &deb, "Package", "Depends"]);
+    assert_eq!(info, "Package: bucketfs\nDepends: fuse3\n");
+    let contents = run("dpkg-deb", &["-c", &deb]);
+    for path in [
+        "./usr/bin/bucketfs",
+        "./usr/sbin/mount.bucketfs -> /usr/bin/bucketfs",
+        "./usr/share/man/man1/bucketfs.1.gz",
+        "./usr/share/bash-completion/completions/bucketfs",
+        "./usr/share/zsh/site-functions/_bucketfs",
+        "./usr/share/fish/vendor_completions.d/bucketfs.fish",
+        "./usr/lib/systemd/system/bucketfs@.service",
+    ] {
+        assert!(contents.contains(path), "{path} not in\n{contents}");
+    }
+    assert!(contents.contains(" root/root "), "{contents}");
+}
