@@ -13,7 +13,7 @@
 //! never from flags or `-o`, which show up in `ps` and `/etc/fstab`.
 
 use crate::options::{setting, Kind, OptionSpec, Scope, IGNORED_MOUNT_OPTIONS};
-use bucketfs_fs::FsConfig;
+use bucketfs_fs::{DataCacheConfig, FsConfig};
 use bucketfs_store::list_meta::ListMetadata;
 use std::fmt;
 use std::os::unix::fs::PermissionsExt;
@@ -69,6 +69,9 @@ pub struct Settings {
     pub upload_concurrency: usize,
     pub max_memory: u64,
     pub max_prefetch: u64,
+    /// The data cache's directory, if any (off by default).
+    pub data_cache: Option<PathBuf>,
+    pub data_cache_size: u64,
     pub fuse_threads: usize,
     /// Where to serve Prometheus metrics (`/metrics`), if anywhere.
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -125,6 +128,8 @@ impl fmt::Debug for Settings {
             .field("upload_concurrency", &self.upload_concurrency)
             .field("max_memory", &self.max_memory)
             .field("max_prefetch", &self.max_prefetch)
+            .field("data_cache", &self.data_cache)
+            .field("data_cache_size", &self.data_cache_size)
             .field("fuse_threads", &self.fuse_threads)
             .field("metrics_addr", &self.metrics_addr)
             .field("log_file", &self.log_file)
@@ -172,6 +177,8 @@ impl Default for Settings {
             upload_concurrency: fs.upload_concurrency,
             max_memory: fs.max_memory,
             max_prefetch: fs.max_prefetch,
+            data_cache: None,
+            data_cache_size: 10 << 30,
             fuse_threads: 4,
             metrics_addr: None,
             log_file: None,
@@ -434,6 +441,14 @@ impl Settings {
                 }
                 self.max_prefetch = n;
             }
+            "data_cache" => self.data_cache = Some(PathBuf::from(non_empty(v, "path")?)),
+            "data_cache_size" => {
+                let n = parse_size(v)?;
+                if n < 4 << 20 {
+                    return Err(format!("data cache size {v} is too small (at least 4M)"));
+                }
+                self.data_cache_size = n;
+            }
             "fuse_threads" => self.fuse_threads = parse_count(v, 1, 64)?,
             "metrics_addr" => {
                 self.metrics_addr = Some(
@@ -529,6 +544,12 @@ impl Settings {
             max_prefetch: self.max_prefetch,
             cache_dir: self.cache_dir.clone(),
             max_dir_rename_objects: self.max_dir_rename,
+            // The scope (which store) is the caller's to fill in.
+            data_cache: self.data_cache.clone().map(|dir| DataCacheConfig {
+                dir,
+                max_bytes: self.data_cache_size,
+                scope: String::new(),
+            }),
             ..FsConfig::default()
         };
         if let Some(u) = self.uid {

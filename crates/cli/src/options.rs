@@ -263,6 +263,14 @@ pub const OPTIONS: &[OptionSpec] = &[
              When it is full, read-ahead shrinks and writers wait; the daemon does not grow \
              past it.",
         ),
+    value("data_cache", "DIR").env().help(
+        "Keep the data files read in a cache on local disk in this directory (created 0700; \
+         refused if another user owns it or can write it), so later reads, after a remount \
+         too, come from the disk instead of the bucket. Default: off",
+    ),
+    value("data_cache_size", "SIZE").env().default("10G").help(
+        "Most the --data-cache directory holds; the least recently used blocks go first (K/M/G).",
+    ),
     value("max_prefetch", "SIZE")
         .env()
         .default("64M")

@@ -100,6 +100,11 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     settings.cache_dir = absolute(&settings.cache_dir);
     std::fs::create_dir_all(&settings.cache_dir)
         .map_err(|e| format!("cache dir {}: {e}", settings.cache_dir.display()))?;
+    if let Some(d) = &settings.data_cache {
+        let d = absolute(d);
+        bucketfs_fs::prepare_data_cache_dir(&d)?;
+        settings.data_cache = Some(d);
+    }
     if let Some(f) = &settings.log_file {
         settings.log_file = Some(absolute(f));
     }
@@ -300,7 +305,17 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     };
     let store = journal.store().clone();
 
-    let fs = rt.block_on(async { Fs::new(store.clone(), s.fs_config(prefix)) });
+    let mut fs_config = s.fs_config(prefix);
+    if let Some(c) = &mut fs_config.data_cache {
+        // Blocks are keyed by this too: two buckets (or endpoints) never share one.
+        c.scope = match &plan.target {
+            Target::S3 { bucket, .. } => {
+                format!("s3 {} {bucket}", s.endpoint_url.as_deref().unwrap_or("aws"))
+            }
+            Target::Local { dir } => format!("local {}", dir.display()),
+        };
+    }
+    let fs = rt.block_on(async { Fs::new(store.clone(), fs_config) });
     let weak = Arc::downgrade(&fs);
     let counters = Counters {
         store: metrics.clone(),

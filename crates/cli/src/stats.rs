@@ -91,6 +91,24 @@ pub fn render(prev: Option<&Sample>, cur: &Sample, secs: f64) -> String {
         ratio(rh, rm),
         delta("bucketfs_prefetch_resets_total")
     );
+    // Only for a mount with a data cache (one that has looked in it).
+    if get(cur, "bucketfs_data_cache_hits_total") + get(cur, "bucketfs_data_cache_misses_total")
+        > 0.0
+    {
+        let (dh, dm) = (
+            delta("bucketfs_data_cache_hits_total"),
+            delta("bucketfs_data_cache_misses_total"),
+        );
+        out += &format!(
+            "data cache   hits {dh:.0}{unit}   misses {dm:.0}{unit} ({})   served {:.1} MB{unit}   evictions {:.0}{unit}   size {:.1} MiB   corrupt {:.0}{unit}   errors {:.0}{unit}\n",
+            ratio(dh, dm),
+            delta("bucketfs_data_cache_bytes_served_total") / 1e6,
+            delta("bucketfs_data_cache_evictions_total"),
+            get(cur, "bucketfs_data_cache_bytes") / (1024.0 * 1024.0),
+            delta("bucketfs_data_cache_corrupt_total"),
+            delta("bucketfs_data_cache_errors_total"),
+        );
+    }
     out += &format!(
         "memory       {:.1} MiB in buffers   {:.0} part uploads in flight\n",
         get(cur, "bucketfs_buffer_bytes") / (1024.0 * 1024.0),

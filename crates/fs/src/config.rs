@@ -1,5 +1,6 @@
 //! Settings of the fs core (the CLI fills them from flags and the config file).
 
+pub use crate::files::cache::DataCacheConfig;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -35,6 +36,8 @@ pub struct FsConfig {
     pub cache_dir: PathBuf,
     /// Most objects a directory rename may copy; bigger directories get EXDEV (mv then copies).
     pub max_dir_rename_objects: usize,
+    /// The data cache on local disk, if any (`--data-cache`).
+    pub data_cache: Option<DataCacheConfig>,
 }
 
 impl Default for FsConfig {
@@ -58,6 +61,7 @@ impl Default for FsConfig {
             max_memory: crate::budget::default_budget(),
             cache_dir: std::env::temp_dir(),
             max_dir_rename_objects: 10_000,
+            data_cache: None,
         }
     }
 }

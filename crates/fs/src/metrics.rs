@@ -31,6 +31,21 @@ pub struct FsMetrics {
     pub unreadable_streamed: AtomicU64,
     /// Bytes written to local staging files (what a write costs the local disk).
     pub staged_bytes: AtomicU64,
+    /// Data cache (`--data-cache`): blocks read from it, blocks looked for and not there
+    /// (or not sound), and the bytes it served.
+    pub data_cache_hits: AtomicU64,
+    pub data_cache_misses: AtomicU64,
+    pub data_cache_bytes_served: AtomicU64,
+    /// Blocks evicted to stay within `--data-cache-size`.
+    pub data_cache_evictions: AtomicU64,
+    /// Block files found corrupt or truncated (removed and fetched again).
+    pub data_cache_corrupt: AtomicU64,
+    /// I/O errors of the cache disk (the read went to the bucket).
+    pub data_cache_errors: AtomicU64,
+    /// Fetched blocks not cached because the writer was behind.
+    pub data_cache_skipped: AtomicU64,
+    /// Bytes of block files in the cache directory (as this mount knows them).
+    pub data_cache_bytes: AtomicU64,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {
@@ -48,7 +63,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 9] = [
+        let counters: [(&str, &str, &AtomicU64); 16] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -78,6 +93,41 @@ impl FsMetrics {
                 &self.unreadable_streamed,
             ),
             ("bucketfs_staged_bytes_total", "counter", &self.staged_bytes),
+            (
+                "bucketfs_data_cache_hits_total",
+                "counter",
+                &self.data_cache_hits,
+            ),
+            (
+                "bucketfs_data_cache_misses_total",
+                "counter",
+                &self.data_cache_misses,
+            ),
+            (
+                "bucketfs_data_cache_bytes_served_total",
+                "counter",
+                &self.data_cache_bytes_served,
+            ),
+            (
+                "bucketfs_data_cache_evictions_total",
+                "counter",
+                &self.data_cache_evictions,
+            ),
+            (
+                "bucketfs_data_cache_corrupt_total",
+                "counter",
+                &self.data_cache_corrupt,
+            ),
+            (
+                "bucketfs_data_cache_errors_total",
+                "counter",
+                &self.data_cache_errors,
+            ),
+            (
+                "bucketfs_data_cache_skipped_total",
+                "counter",
+                &self.data_cache_skipped,
+            ),
         ];
         let mut s = String::new();
         for (name, kind, c) in counters {
@@ -90,6 +140,10 @@ impl FsMetrics {
         s += &format!(
             "# TYPE bucketfs_memory_budget_bytes gauge\nbucketfs_memory_budget_bytes {}\n",
             Self::get(&self.budget_bytes)
+        );
+        s += &format!(
+            "# TYPE bucketfs_data_cache_bytes gauge\nbucketfs_data_cache_bytes {}\n",
+            Self::get(&self.data_cache_bytes)
         );
         s += &format!(
             "# TYPE bucketfs_uploads_in_flight gauge\nbucketfs_uploads_in_flight {}\n",

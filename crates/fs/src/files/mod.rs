@@ -10,6 +10,7 @@
 //! Lock order: the namespace's inode table may be held while this registry's locks are taken,
 //! never the reverse; a write state's own lock is taken with neither held.
 
+pub mod cache;
 pub mod extents;
 pub mod read;
 pub mod write;
@@ -85,6 +86,10 @@ impl OpenFiles {
             part_size,
             max_window: cfg.max_prefetch,
             budget: budget.clone(),
+            data_cache: cfg
+                .data_cache
+                .as_ref()
+                .map(|c| cache::DataCache::start(c, metrics.clone())),
             metrics: metrics.clone(),
         });
         let wcfg = Arc::new(WriteConfig {

@@ -9,7 +9,12 @@
 //! block cache and only the aligned 128 KiB blocks the read touches are fetched (or served from
 //! that cache). Files no larger than one part come in a single GET. Chunks take their memory from the global budget; prefetch only uses memory that
 //! is free, so under pressure windows shrink instead of the daemon growing.
+//!
+//! With the data cache on ([`DataCache`]), requests are aligned to its 1 MiB blocks; a chunk's
+//! fetch first reads the blocks the cache holds into its buffer, asks the store only for the
+//! rest, and hands the blocks it fetched to the cache's writer.
 
+use super::cache::{block_range, blocks_within, DataCache, BLOCK};
 use crate::budget::{MemoryBudget, Reclaim};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::metrics::{inc, FsMetrics};
@@ -40,6 +45,18 @@ pub struct ReadConfig {
     pub max_window: u64,
     pub budget: Arc<MemoryBudget>,
     pub metrics: Arc<FsMetrics>,
+    pub data_cache: Option<Arc<DataCache>>,
+}
+
+impl ReadConfig {
+    /// Alignment of the requests that are not a stream's: a data cache's blocks if any.
+    fn align(&self) -> u64 {
+        if self.data_cache.is_some() {
+            BLOCK
+        } else {
+            RANDOM_READAHEAD
+        }
+    }
 }
 
 /// A chunk's bytes once fetched; shared so a read can wait for them without holding the
@@ -224,8 +241,14 @@ impl Reader {
         let mut q = self.queue();
         let range = q.next..(q.next + len).min(self.size);
         let (store, key, etag) = (self.store.clone(), self.key.clone(), self.etag.clone());
+        let (cache, size) = (self.cfg.data_cache.clone(), self.size);
         let r = range.clone();
-        let task = tokio::spawn(async move { fetch(&*store, &key, r, etag.as_deref(), buf).await });
+        let task = tokio::spawn(async move {
+            match (cache, etag) {
+                (Some(c), Some(etag)) => fetch_cached(store, c, key, etag, size, r, buf).await,
+                (_, etag) => fetch(&*store, &key, r, etag.as_deref(), buf).await,
+            }
+        });
         let abort = task.abort_handle();
         let want = range.end - range.start;
         let data = async move {
@@ -256,7 +279,10 @@ impl Reader {
         } else {
             (want_end - next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD
         };
-        len.max(want_end.saturating_sub(next)).min(left)
+        let len = len.max(want_end.saturating_sub(next));
+        // Whole blocks for the data cache (`next` is aligned too).
+        let len = len.div_ceil(self.cfg.align()) * self.cfg.align();
+        len.min(left)
     }
 
     pub async fn read(&mut self, offset: u64, len: u32) -> FsResult<Bytes> {
@@ -319,12 +345,13 @@ impl Reader {
                 self.served = true;
                 return Ok(b);
             }
+            let align = self.cfg.align();
             self.queue().next = if self.small_file() {
                 0
-            } else if sequential {
+            } else if sequential && self.cfg.data_cache.is_none() {
                 offset
             } else {
-                offset - offset % RANDOM_READAHEAD
+                offset - offset % align
             };
         }
         inc(if hit { &m.read_hits } else { &m.read_misses });
@@ -356,12 +383,12 @@ impl Reader {
                         let mut q = self.queue();
                         if q.chunks.is_empty() && q.next < offset {
                             // A small file's whole body would start before the read: skip ahead.
-                            q.next = offset - offset % RANDOM_READAHEAD;
+                            q.next = offset - offset % self.cfg.align();
                         }
                         q.next
                     };
-                    let len = ((end - next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD)
-                        .min(self.size - next);
+                    let align = self.cfg.align();
+                    let len = ((end - next).div_ceil(align) * align).min(self.size - next);
                     self.cfg.budget.demand_buffer(len).await
                 }
             };
@@ -485,6 +512,62 @@ async fn fetch(
     }
 }
 
+/// [`fetch`] through the data cache: the blocks of `range` it holds are read into `buf`, the
+/// store is asked for the span that is left (one GET), and the whole blocks that GET brought
+/// go to the cache's writer. `size` is the object's, `etag` its version.
+async fn fetch_cached(
+    store: Arc<dyn ObjectStore>,
+    cache: Arc<DataCache>,
+    key: String,
+    etag: String,
+    size: u64,
+    range: Range<u64>,
+    buf: PoolBuf,
+) -> FsResult<Bytes> {
+    let blocks = blocks_within(&range, size);
+    let (mut buf, hits, cache, key, etag) = {
+        let r = range.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut buf = buf;
+            let hits = cache.read_blocks(&key, &etag, size, r, buf.as_mut_slice());
+            (buf, hits, cache, key, etag)
+        })
+        .await
+        .map_err(|_| FsError::EIO)?
+    };
+    let hit = |i: u64| hits[(i - blocks.start) as usize];
+    // The span still needed: the range less the cached blocks at either end.
+    let (mut lo, mut hi) = (range.start, range.end);
+    let (mut first, mut last) = (blocks.start, blocks.end);
+    while first < last && block_range(first, size).start == lo && hit(first) {
+        lo = block_range(first, size).end;
+        first += 1;
+    }
+    while last > first && block_range(last - 1, size).end == hi && hit(last - 1) {
+        hi = block_range(last - 1, size).start;
+        last -= 1;
+    }
+    if lo < hi {
+        let at = |p: u64| (p - range.start) as usize;
+        let dst = &mut buf.as_mut_slice()[at(lo)..at(hi)];
+        let n = match store.get_range_into(&key, lo..hi, Some(&etag), dst).await {
+            Ok(n) => n as u64,
+            Err(e) => return Err(log_store_err(&format!("read {key}"), e)),
+        };
+        if n < hi - lo {
+            // The object is shorter than it was said to be: the caller's length check fails.
+            return Ok(buf.freeze(at(lo) + n as usize));
+        }
+    }
+    let data = buf.freeze((range.end - range.start) as usize);
+    for i in (first..last).filter(|&i| !hit(i)) {
+        let b = block_range(i, size);
+        let part = data.slice((b.start - range.start) as usize..(b.end - range.start) as usize);
+        cache.put(&key, &etag, i, part);
+    }
+    Ok(data)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -511,6 +594,7 @@ mod tests {
             max_window: 4 * MIB,
             budget: MemoryBudget::new(budget, metrics.clone()),
             metrics,
+            data_cache: None,
         });
         (Arc::new(FaultStore::new(mem)), cfg, data, etag)
     }

@@ -1,0 +1,293 @@
+//! The data cache on local disk (`--data-cache DIR`, `--data-cache-size SIZE`) through real
+//! mounts against MinIO: reads after a remount come from it, a replaced object is never served
+//! from old blocks, it stays within its size, a damaged block is refetched, a full cache disk
+//! only costs GETs, and two mounts share one directory.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1024 * 1024;
+
+/// A mount of `bucket` caching data in `dir`, serving metrics at the returned address.
+fn mount_cached(bucket: &str, dir: &Path, extra: &[&str]) -> (Mount, String) {
+    let addr = free_local_addr();
+    let mut spec = MountSpec::s3(bucket, "")
+        .arg("--data-cache")
+        .arg(dir.to_str().unwrap())
+        .arg("--metrics-addr")
+        .arg(&addr);
+    for a in extra {
+        spec = spec.arg(a);
+    }
+    (spec.mount(), addr)
+}
+
+/// Block files (not temporaries) under the cache directory, with their sizes.
+fn block_files(dir: &Path) -> Vec<(PathBuf, u64)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let md = e.metadata().unwrap();
+            if md.is_dir() {
+                todo.push(e.path());
+            } else if !e.file_name().to_string_lossy().starts_with(".tmp-") {
+                out.push((e.path(), md.len()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn wait_blocks(dir: &Path, n: usize) {
+    wait_for(
+        &format!("{n} blocks in the data cache"),
+        Duration::from_secs(20),
+        || block_files(dir).len() >= n,
+    );
+}
+
+fn gets(req: &std::collections::BTreeMap<String, u64>) -> u64 {
+    req.get("get").copied().unwrap_or(0)
+}
+
+/// Reads `name` through `m`; returns the GETs that cost and how long it took.
+fn read_counted(m: &Mount, name: &str, want: &[u8]) -> (u64, Duration) {
+    let before = store_requests(m.path());
+    let t = Instant::now();
+    let got = read_file(&m.join(name));
+    let took = t.elapsed();
+    assert!(got == want, "{name}: wrong bytes");
+    let after = store_requests(m.path());
+    (gets(&requests_between(&before, &after)), took)
+}
+
+#[test]
+fn a_second_read_after_remount_comes_from_the_data_cache() {
+    let b = s3().new_bucket("dcache-remount");
+    let big = pattern::bytes(1, (6 * MIB + 12345) as usize);
+    let small: Vec<Vec<u8>> = (0..3).map(|i| pattern::bytes(10 + i, 100_000)).collect();
+    s3().put(&b, "big", big.clone());
+    for (i, s) in small.iter().enumerate() {
+        s3().put(&b, &format!("small{i}"), s.clone());
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let (m, _) = mount_cached(&b, cache.path(), &[]);
+    let (first_gets, first_time) = read_counted(&m, "big", &big);
+    for (i, s) in small.iter().enumerate() {
+        read_counted(&m, &format!("small{i}"), s);
+    }
+    assert!(first_gets > 0);
+    // 7 blocks of the big file, one of each small one.
+    wait_blocks(cache.path(), 10);
+    drop(m);
+
+    let (m, addr) = mount_cached(&b, cache.path(), &[]);
+    let (second_gets, second_time) = read_counted(&m, "big", &big);
+    let mut small_gets = 0;
+    for (i, s) in small.iter().enumerate() {
+        small_gets += read_counted(&m, &format!("small{i}"), s).0;
+    }
+    eprintln!(
+        "first read: {first_gets} GETs in {first_time:?}; after remount: {second_gets} GETs in {second_time:?}"
+    );
+    assert_eq!(
+        second_gets + small_gets,
+        0,
+        "a remount reads cached data again"
+    );
+    assert_eq!(metric(&addr, "bucketfs_data_cache_hits_total"), 10);
+    assert_eq!(
+        metric(&addr, "bucketfs_data_cache_bytes_served_total"),
+        big.len() as u64 + 300_000
+    );
+    let stats = run(bin(), &["stats", m.path().to_str().unwrap(), "--once"]);
+    assert!(stats.contains("data cache   hits 10"), "{stats}");
+}
+
+#[test]
+fn a_replaced_object_is_read_anew_never_from_its_old_blocks() {
+    let b = s3().new_bucket("dcache-etag");
+    let old = pattern::bytes(2, (2 * MIB + 100) as usize);
+    s3().put(&b, "f", old.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (m, _) = mount_cached(&b, cache.path(), &[]);
+    read_counted(&m, "f", &old);
+    wait_blocks(cache.path(), 3);
+    drop(m);
+    // Another client replaces it between mounts: same key and size, new bytes.
+    let new = pattern::bytes(3, old.len());
+    s3().put(&b, "f", new.clone());
+    let (m, addr) = mount_cached(&b, cache.path(), &[]);
+    let (g, _) = read_counted(&m, "f", &new);
+    assert!(g > 0);
+    assert_eq!(metric(&addr, "bucketfs_data_cache_hits_total"), 0);
+    // And the new version is what the cache holds next.
+    wait_blocks(cache.path(), 6);
+    let m = m.remount();
+    assert_eq!(read_counted(&m, "f", &new).0, 0);
+}
+
+#[test]
+fn the_data_cache_stays_within_its_size_evicting_the_oldest_blocks() {
+    let b = s3().new_bucket("dcache-evict");
+    let data = pattern::bytes(4, (12 * MIB) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (m, addr) = mount_cached(&b, cache.path(), &["--data-cache-size", "4M"]);
+    // Block by block, so the writer keeps up (a full queue skips blocks).
+    let mut f = std::fs::File::open(m.join("f")).unwrap();
+    let mut got = vec![0u8; data.len()];
+    for c in got.chunks_mut(MIB as usize) {
+        std::io::Read::read_exact(&mut f, c).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    drop(f);
+    assert!(got == data);
+    wait_for("evictions", Duration::from_secs(20), || {
+        metric(&addr, "bucketfs_data_cache_evictions_total") >= 6
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let files = block_files(cache.path());
+    let total: u64 = files.iter().map(|(_, s)| s).sum();
+    assert!(total <= 4 * MIB, "{total} bytes in {} files", files.len());
+    assert_eq!(total, metric(&addr, "bucketfs_data_cache_bytes"));
+    drop(m);
+    // The most recently read blocks are the ones kept: the tail reads without a GET.
+    let (m, _) = mount_cached(&b, cache.path(), &["--data-cache-size", "4M"]);
+    let mut f = std::fs::File::open(m.join("f")).unwrap();
+    let before = store_requests(m.path());
+    std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(11 * MIB)).unwrap();
+    let mut tail = vec![0u8; MIB as usize];
+    std::io::Read::read_exact(&mut f, &mut tail).unwrap();
+    drop(f);
+    assert!(tail[..] == data[11 * MIB as usize..]);
+    assert_eq!(
+        gets(&requests_between(&before, &store_requests(m.path()))),
+        0
+    );
+}
+
+#[test]
+fn a_corrupt_or_truncated_block_is_refetched_never_served() {
+    let b = s3().new_bucket("dcache-corrupt");
+    let data = pattern::bytes(5, (3 * MIB) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (m, _) = mount_cached(&b, cache.path(), &[]);
+    read_counted(&m, "f", &data);
+    wait_blocks(cache.path(), 3);
+    drop(m);
+    let files = block_files(cache.path());
+    assert_eq!(files.len(), 3);
+    // One bit flipped in the data of one block, another block cut short.
+    let mut bytes = std::fs::read(&files[0].0).unwrap();
+    let at = bytes.len() - 1000;
+    bytes[at] ^= 0x10;
+    std::fs::write(&files[0].0, &bytes).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&files[1].0)
+        .unwrap();
+    f.set_len(files[1].1 - 4096).unwrap();
+    drop(f);
+
+    let (m, addr) = mount_cached(&b, cache.path(), &[]);
+    let (g, _) = read_counted(&m, "f", &data);
+    assert!(g > 0, "the damaged blocks come from the bucket");
+    assert_eq!(metric(&addr, "bucketfs_data_cache_corrupt_total"), 2);
+    assert_eq!(metric(&addr, "bucketfs_data_cache_hits_total"), 1);
+    // Written again, sound: the next mount reads all of it from the cache.
+    wait_for("blocks rewritten", Duration::from_secs(20), || {
+        block_files(cache.path())
+            .iter()
+            .filter(|(_, s)| *s > MIB)
+            .count()
+            == 3
+    });
+    let m = m.remount();
+    assert_eq!(read_counted(&m, "f", &data).0, 0);
+}
+
+#[test]
+fn a_full_cache_disk_reads_from_the_bucket() {
+    let disk = match SmallDisk::new(2) {
+        Ok(d) => d,
+        Err(e) => panic!("this test needs to mount a tmpfs (run as root): {e}"),
+    };
+    let b = s3().new_bucket("dcache-full");
+    let data = pattern::bytes(6, (8 * MIB) as usize);
+    s3().put(&b, "f", data.clone());
+    let dir = disk.path().join("cache");
+    let (m, addr) = mount_cached(&b, &dir, &["--data-cache-size", "1G"]);
+    let t = Instant::now();
+    read_counted(&m, "f", &data);
+    wait_for("cache write errors", Duration::from_secs(20), || {
+        metric(&addr, "bucketfs_data_cache_errors_total") > 0
+    });
+    let m = m.remount();
+    // Still every byte right, from the blocks that fit and the bucket.
+    read_counted(&m, "f", &data);
+    let elapsed = t.elapsed();
+    assert!(elapsed < Duration::from_secs(20), "{elapsed:?}");
+    let log = m.log();
+    drop(m);
+    assert!(log.contains("data cache"), "{log}");
+}
+
+#[test]
+fn two_mounts_share_one_data_cache() {
+    let b = s3().new_bucket("dcache-shared");
+    let one = pattern::bytes(7, (3 * MIB) as usize);
+    let two = pattern::bytes(8, (3 * MIB) as usize);
+    s3().put(&b, "one", one.clone());
+    s3().put(&b, "two", two.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (a, _) = mount_cached(&b, cache.path(), &[]);
+    let (c, addr_c) = mount_cached(&b, cache.path(), &[]);
+    read_counted(&a, "one", &one);
+    wait_blocks(cache.path(), 3);
+    // What one mount cached, the other reads from the cache.
+    assert_eq!(read_counted(&c, "one", &one).0, 0);
+    assert_eq!(metric(&addr_c, "bucketfs_data_cache_hits_total"), 3);
+    // Both reading and caching the same file at once: right bytes in both.
+    std::thread::scope(|s| {
+        s.spawn(|| assert!(read_file(&a.join("two")) == two));
+        s.spawn(|| assert!(read_file(&c.join("two")) == two));
+    });
+    wait_blocks(cache.path(), 6);
+    drop(a);
+    let c = c.remount();
+    assert_eq!(read_counted(&c, "two", &two).0, 0);
+}
+
+#[test]
+fn a_data_cache_directory_of_another_user_is_refused() {
+    let b = s3().new_bucket("dcache-owner");
+    let cache = tempfile::tempdir().unwrap();
+    let dir = cache.path().join("theirs");
+    std::fs::create_dir(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+    let spec = MountSpec::s3(&b, "")
+        .arg("--data-cache")
+        .arg(dir.to_str().unwrap());
+    let err = Mount::start(spec).err().expect("mount must be refused");
+    assert!(err.contains("belongs to user 65534"), "{err}");
+    // A new directory is created private.
+    let mine = cache.path().join("mine");
+    let m = MountSpec::s3(&b, "")
+        .arg("--data-cache")
+        .arg(mine.to_str().unwrap())
+        .mount();
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&mine).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700);
+    drop(m);
+}
