@@ -519,3 +519,161 @@ pub fn blocks_within(range: &Range<u64>, size: u64) -> Range<u64> {
     };
     first..end.max(first)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::MemoryBudget;
+    use crate::files::read::{ReadConfig, Reader};
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::memory::MemoryStore;
+    use bucketfs_store::metrics::Op;
+    use bucketfs_store::{ObjectStore, StoreError, UserMeta};
+
+    fn start(dir: &Path, max_bytes: u64) -> (Arc<DataCache>, Arc<FsMetrics>) {
+        prepare_dir(dir).unwrap();
+        let m = Arc::new(FsMetrics::default());
+        let cfg = DataCacheConfig {
+            dir: dir.to_path_buf(),
+            max_bytes,
+            scope: "test".into(),
+        };
+        (DataCache::start(&cfg, m.clone()), m)
+    }
+
+    fn wait_until(what: &str, f: impl Fn() -> bool) {
+        let t = std::time::Instant::now();
+        while !f() {
+            assert!(t.elapsed() < Duration::from_secs(10), "{what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn get(c: &DataCache, etag: &str, index: u64, len: usize) -> Option<Vec<u8>> {
+        let mut out = vec![0; len];
+        let size = index * BLOCK + len as u64;
+        let r = index * BLOCK..size;
+        c.read_blocks("k", etag, size, r, &mut out)[0].then_some(out)
+    }
+
+    fn put_and_wait(c: &DataCache, etag: &str, index: u64, data: &[u8]) {
+        c.put("k", etag, index, Bytes::copy_from_slice(data));
+        let name = c.id("k", etag, index).name();
+        wait_until("block written", || c.index.lock().files.contains_key(&name));
+    }
+
+    #[test]
+    fn blocks_come_back_only_for_their_own_key_etag_and_sound_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, m) = start(dir.path(), 64 << 20);
+        let data: Vec<u8> = (0..5000u32).map(|i| (i % 253) as u8).collect();
+        put_and_wait(&c, "e1", 3, &data);
+        assert_eq!(get(&c, "e1", 3, data.len()).as_deref(), Some(&data[..]));
+        // Another version, another block, another length: misses.
+        assert!(get(&c, "e2", 3, data.len()).is_none());
+        assert!(get(&c, "e1", 2, data.len()).is_none());
+        assert!(get(&c, "e1", 3, data.len() - 1).is_none());
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1, "the wrong length");
+        // That removed it; written again, then one bit flipped: removed, never served.
+        put_and_wait(&c, "e1", 3, &data);
+        let path = c.path(c.id("k", "e1", 3).name());
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 7] ^= 4;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(get(&c, "e1", 3, data.len()).is_none());
+        assert!(!path.exists());
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 2);
+        // A corrupt header too.
+        put_and_wait(&c, "e1", 3, &data);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[30] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(get(&c, "e1", 3, data.len()).is_none());
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 3);
+        assert_eq!(FsMetrics::get(&m.data_cache_hits), 1);
+    }
+
+    #[test]
+    fn eviction_keeps_the_size_and_the_recently_read_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let block = vec![7u8; 100_000];
+        let one = block.len() as u64 + 200;
+        let (c, m) = start(dir.path(), 3 * one);
+        for i in 0..3 {
+            put_and_wait(&c, "e", i, &block);
+        }
+        // Block 0 read last: block 1 is the least recently used.
+        assert!(get(&c, "e", 0, block.len()).is_some());
+        put_and_wait(&c, "e", 3, &block);
+        assert!(get(&c, "e", 1, block.len()).is_none());
+        for i in [0, 2, 3] {
+            assert!(get(&c, "e", i, block.len()).is_some(), "block {i}");
+        }
+        assert_eq!(FsMetrics::get(&m.data_cache_evictions), 1);
+        assert!(FsMetrics::get(&m.data_cache_bytes) <= 3 * one);
+        // A restart rebuilds the index from the files; a smaller size evicts at once.
+        drop(c);
+        let (c, m) = start(dir.path(), 2 * one);
+        wait_until("rescan", || FsMetrics::get(&m.data_cache_evictions) == 1);
+        assert!(FsMetrics::get(&m.data_cache_bytes) <= 2 * one);
+        assert_eq!(c.index.lock().files.len(), 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_reader_reads_cached_blocks_with_no_get() {
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let mem: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
+        let data: Vec<u8> = (0..(3 * MIB + 777) as usize)
+            .map(|i| (i * 13 % 251) as u8)
+            .collect();
+        let etag = mem
+            .put("f", Bytes::from(data.clone()), &UserMeta::default())
+            .await
+            .unwrap();
+        let store = Arc::new(FaultStore::new(mem));
+        // A fresh cache and budget each time: a remount.
+        let reader = |dir: &Path| {
+            let (cache, metrics) = start(dir, 64 << 20);
+            let cfg = Arc::new(ReadConfig {
+                part_size: 8 * MIB,
+                max_window: 8 * MIB,
+                budget: MemoryBudget::new(64 * MIB, metrics.clone()),
+                metrics: metrics.clone(),
+                data_cache: Some(cache),
+            });
+            let s: Arc<dyn ObjectStore> = store.clone();
+            let r = Reader::new(
+                s,
+                cfg,
+                "f".into(),
+                Some(etag.clone()),
+                data.len() as u64,
+                false,
+            );
+            (r, metrics)
+        };
+        let (mut r, m) = reader(dir.path());
+        let got = r.read(0, data.len() as u32).await.unwrap();
+        assert!(got[..] == data[..]);
+        drop(r);
+        wait_until("four blocks", || {
+            FsMetrics::get(&m.data_cache_bytes) > 3 * MIB
+        });
+        // Every GET fails from here: the bytes can only come from the cache.
+        store.inject(
+            Op::Get,
+            0,
+            None,
+            Fault::Error(StoreError::AccessDenied("f".into())),
+        );
+        let (mut r, m) = reader(dir.path());
+        for off in [2 * MIB + 5, 0, MIB] {
+            let got = r.read(off, 300_000).await.unwrap();
+            assert!(got[..] == data[off as usize..off as usize + 300_000]);
+        }
+        assert!(FsMetrics::get(&m.data_cache_hits) >= 3);
+        assert_eq!(FsMetrics::get(&m.data_cache_misses), 0);
+    }
+}
