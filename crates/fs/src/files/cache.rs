@@ -641,7 +641,7 @@ mod tests {
                 max_window: 8 * MIB,
                 budget: MemoryBudget::new(64 * MIB, metrics.clone()),
                 metrics: metrics.clone(),
-                data_cache: Some(cache),
+                data_cache: Some(cache.clone()),
             });
             let s: Arc<dyn ObjectStore> = store.clone();
             let r = Reader::new(
@@ -652,9 +652,10 @@ mod tests {
                 data.len() as u64,
                 false,
             );
-            (r, metrics)
+            // The cache outlives the reader: its writer drops what is queued when it goes.
+            (r, metrics, cache)
         };
-        let (mut r, m) = reader(dir.path());
+        let (mut r, m, _cache) = reader(dir.path());
         let got = r.read(0, data.len() as u32).await.unwrap();
         assert!(got[..] == data[..]);
         drop(r);
@@ -668,7 +669,7 @@ mod tests {
             None,
             Fault::Error(StoreError::AccessDenied("f".into())),
         );
-        let (mut r, m) = reader(dir.path());
+        let (mut r, m, _) = reader(dir.path());
         for off in [2 * MIB + 5, 0, MIB] {
             let got = r.read(off, 300_000).await.unwrap();
             assert!(got[..] == data[off as usize..off as usize + 300_000]);
