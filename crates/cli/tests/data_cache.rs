@@ -81,6 +81,8 @@ fn a_second_read_after_remount_comes_from_the_data_cache() {
     let cache = tempfile::tempdir().unwrap();
     let (m, _) = mount_cached(&b, cache.path(), &[]);
     let (first_gets, first_time) = read_counted(&m, "big", &big);
+    // Its 7 blocks written before more come (a full queue would skip some).
+    wait_blocks(cache.path(), 7);
     for (i, s) in small.iter().enumerate() {
         read_counted(&m, &format!("small{i}"), s);
     }
@@ -141,8 +143,10 @@ fn the_data_cache_stays_within_its_size_evicting_the_oldest_blocks() {
     let data = pattern::bytes(4, (12 * MIB) as usize);
     s3().put(&b, "f", data.clone());
     let cache = tempfile::tempdir().unwrap();
-    let (m, addr) = mount_cached(&b, cache.path(), &["--data-cache-size", "4M"]);
-    // Block by block, so the writer keeps up (a full queue skips blocks).
+    // One block per request, read one by one, so the writer keeps up (a full queue skips
+    // blocks) and the last blocks read are the last written.
+    let small = ["--data-cache-size", "4M", "--max-prefetch", "1M"];
+    let (m, addr) = mount_cached(&b, cache.path(), &small);
     let mut f = std::fs::File::open(m.join("f")).unwrap();
     let mut got = vec![0u8; data.len()];
     for c in got.chunks_mut(MIB as usize) {
@@ -159,9 +163,10 @@ fn the_data_cache_stays_within_its_size_evicting_the_oldest_blocks() {
     let total: u64 = files.iter().map(|(_, s)| s).sum();
     assert!(total <= 4 * MIB, "{total} bytes in {} files", files.len());
     assert_eq!(total, metric(&addr, "bucketfs_data_cache_bytes"));
+    assert_eq!(metric(&addr, "bucketfs_data_cache_skipped_total"), 0);
     drop(m);
     // The most recently read blocks are the ones kept: the tail reads without a GET.
-    let (m, _) = mount_cached(&b, cache.path(), &["--data-cache-size", "4M"]);
+    let (m, _) = mount_cached(&b, cache.path(), &small);
     let mut f = std::fs::File::open(m.join("f")).unwrap();
     let before = store_requests(m.path());
     std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(11 * MIB)).unwrap();

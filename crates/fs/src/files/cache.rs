@@ -38,7 +38,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// Size of a cached block (and the alignment of a reader's requests when the cache is on).
 pub const BLOCK: u64 = 1 << 20;
 /// Blocks waiting to be written at most; beyond that a fetched block is not cached.
-const QUEUE: usize = 8;
+const QUEUE: usize = 16;
 /// How often the writer rereads the directory (other mounts' blocks and evictions).
 const RESCAN_EVERY: Duration = Duration::from_secs(60);
 /// Temporary files older than this are a crashed writer's: removed by the rescan.
