@@ -92,8 +92,6 @@ const COPY_PART_SIZE: u64 = 512 * 1024 * 1024;
 /// marker `name/` as a file `name__XLDIR__` and refuses it when that passes 255 bytes; a
 /// longer name gets its marker before mkdir answers, so the refusal reaches the caller.
 const BACKGROUND_MARKER_MAX_NAME: usize = 246;
-/// How often aborts that failed are tried again.
-const ORPHAN_RETRY: Duration = Duration::from_secs(5);
 
 pub struct Fs {
     store: Arc<dyn ObjectStore>,
@@ -141,28 +139,13 @@ impl Fs {
             metrics.clone(),
         );
         let files = OpenFiles::new(store.clone(), &cfg, metrics);
-        let fs = Arc::new(Self {
+        Arc::new(Self {
             store,
             cfg,
             ns,
             files,
             stale_cache: Mutex::new(None),
-        });
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(Self::retry_orphans_forever(Arc::downgrade(&fs)));
-        }
-        fs
-    }
-
-    /// Every few seconds, aborts uploads whose abort failed earlier (the store was down).
-    async fn retry_orphans_forever(fs: std::sync::Weak<Self>) {
-        loop {
-            tokio::time::sleep(ORPHAN_RETRY).await;
-            let Some(fs) = fs.upgrade() else { return };
-            if fs.files.uploads().pending_aborts() > 0 {
-                fs.files.uploads().retry_aborts().await;
-            }
-        }
+        })
     }
 
     /// The fs core's counters.

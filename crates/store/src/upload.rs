@@ -24,10 +24,14 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
-/// The multipart uploads made through one store, and those of them whose abort failed.
+/// How often aborts that failed are tried again.
+const ABORT_RETRY: Duration = Duration::from_secs(5);
+
+/// The multipart uploads made through one store, and those of them whose abort failed
+/// (tried again every few seconds while this lives, and by [`Uploads::retry_aborts`]).
 pub struct Uploads {
     store: Arc<dyn ObjectStore>,
     /// `(key, upload id)` to abort later.
@@ -36,10 +40,27 @@ pub struct Uploads {
 
 impl Uploads {
     pub fn new(store: Arc<dyn ObjectStore>) -> Arc<Self> {
-        Arc::new(Self {
+        let uploads = Arc::new(Self {
             store,
             orphans: parking_lot::Mutex::new(Vec::new()),
-        })
+        });
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(Self::retry_aborts_forever(Arc::downgrade(&uploads)));
+        }
+        uploads
+    }
+
+    /// Every few seconds, aborts uploads whose abort failed earlier (the store was down).
+    async fn retry_aborts_forever(uploads: std::sync::Weak<Self>) {
+        loop {
+            tokio::time::sleep(ABORT_RETRY).await;
+            let Some(uploads) = uploads.upgrade() else {
+                return;
+            };
+            if uploads.pending_aborts() > 0 {
+                uploads.retry_aborts().await;
+            }
+        }
     }
 
     /// Starts a multipart upload of `key` whose object will carry `meta`.
@@ -461,6 +482,22 @@ mod tests {
         assert_eq!(uploads.pending_aborts(), 1);
         assert_eq!(mem.pending_uploads(), 1);
         uploads.retry_aborts().await;
+        assert_eq!(uploads.pending_aborts(), 0);
+        assert_eq!(mem.pending_uploads(), 0);
+    }
+
+    /// A failed abort is tried again every few seconds while the uploads live.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_abort_is_retried_in_the_background() {
+        let mem = Arc::new(MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let uploads = Uploads::new(fault.clone());
+        let up = uploads.create("k", &UserMeta::new()).await.unwrap();
+        let down = Fault::Error(StoreError::Transient("down".into()));
+        fault.inject(Op::AbortMultipart, 0, Some(1), down);
+        assert!(up.abort().await.is_err());
+        assert_eq!(mem.pending_uploads(), 1);
+        tokio::time::sleep(ABORT_RETRY + Duration::from_secs(1)).await;
         assert_eq!(uploads.pending_aborts(), 0);
         assert_eq!(mem.pending_uploads(), 0);
     }
