@@ -99,6 +99,10 @@ pub enum Command {
     /// [-f] [-o OPT,...] (also when the binary is invoked as `s3fs` or `ossfs`).
     #[command(disable_help_flag = true)]
     S3fs(S3fsArgs),
+    /// Mount with an ossfs 2.0 command line: mount MOUNTPOINT [-c CONFIG] [--KEY=VALUE ...]
+    /// (also when the binary is invoked as `ossfs2`).
+    #[command(disable_help_flag = true)]
+    Ossfs2(S3fsArgs),
     /// Install the binary, the mount.bucketfs helper, the man page, shell completions and a
     /// systemd unit template (bucketfs@.service) under ROOT, as a package would.
     Install(InstallArgs),
@@ -112,8 +116,8 @@ pub struct InstallArgs {
     /// Where the files go on the installed system: PREFIX/bin, PREFIX/share/man, ...
     #[arg(long, value_name = "DIR", default_value = "/usr/local")]
     pub prefix: PathBuf,
-    /// Also install links named s3fs and ossfs in PREFIX/bin, so s3fs and ossfs 1.x command
-    /// lines and fstab lines (fuse.s3fs, s3fs#BUCKET) run bucketfs.
+    /// Also install links named s3fs, ossfs and ossfs2 in PREFIX/bin, so their command lines
+    /// and s3fs fstab lines (fuse.s3fs, s3fs#BUCKET) run bucketfs.
     #[arg(long)]
     pub s3fs_links: bool,
     /// Where the mount.bucketfs helper link goes (mount(8) looks in /sbin; /usr/sbin is the

@@ -64,16 +64,86 @@ pub const OSSFS2_OPTIONS: &[(&str, Meaning)] = &[
     ("allow_other", Setting("allow_other")),
     ("uid", Setting("uid")),
     ("gid", Setting("gid")),
+    ("dir_mode", Setting("dir_mode")),
+    ("file_mode", Setting("file_mode")),
     ("upload_buffer_size", Setting("part_size")),
     ("upload_concurrency", Setting("upload_concurrency")),
     ("prefetch_concurrency", Notice(PREFETCH)),
+    ("prefetch_concurrency_per_file", Notice(PREFETCH)),
     ("prefetch_chunks", Notice(PREFETCH)),
     ("total_mem_limit", Setting("max_memory")),
     (
         "close_to_open",
         Notice("bucketfs always re-checks at open the attributes older than --stat-ttl"),
     ),
+    (
+        "sync_upload",
+        Notice("bucketfs uploads parts while a file is written and stores it at close and fsync"),
+    ),
 ];
+
+pub const OSSFS2_USAGE: &str =
+    "usage: ossfs2 mount MOUNTPOINT [-c CONFIG] [-f] [--KEY=VALUE ...]\n\
+bucketfs runs ossfs 2.0 command lines (also as `bucketfs ossfs2 ...`): the options are the \
+config file's keys; see docs/migration.md.";
+
+/// Parses `ossfs2 mount MOUNTPOINT [-c FILE] [--key=value ...]` (`args` without the program
+/// name): the config file, then the command line's keys, which are read as the file's are
+/// (credentials excepted: they would show in ps).
+pub fn ossfs2_call(args: &[OsString]) -> Result<S3fsCall, String> {
+    let mut args = args.iter().map(|a| a.to_string_lossy().into_owned());
+    match args.next().as_deref() {
+        Some("mount") => {}
+        Some("-h" | "--help") | None => return Ok(S3fsCall::Help),
+        Some("-v" | "--version") => return Ok(S3fsCall::Version),
+        Some(other) => return Err(format!("unknown command {other}\n{OSSFS2_USAGE}")),
+    }
+    let (mut config, mut lines, mut positional) = (None, String::new(), Vec::new());
+    while let Some(a) = args.next() {
+        if a == "-c" || a == "--conf" || a == "--config" {
+            config = Some(args.next().ok_or(format!("{a} needs a file"))?);
+        } else if let Some(f) = a.strip_prefix("--conf=").or(a.strip_prefix("--config=")) {
+            config = Some(f.to_string());
+        } else if a == "-f" {
+            lines.push_str("--f\n");
+        } else if a == "-h" || a == "--help" {
+            return Ok(S3fsCall::Help);
+        } else if a.starts_with("--") {
+            lines.push_str(&a);
+            lines.push('\n');
+        } else if a.starts_with('-') && a.len() > 1 {
+            return Err(format!("unknown option {a}\n{OSSFS2_USAGE}"));
+        } else {
+            positional.push(a);
+        }
+    }
+    let [mountpoint] = positional.as_slice() else {
+        return Err(OSSFS2_USAGE.into());
+    };
+    let mut s = Settings::default();
+    if let Some(c) = &config {
+        s.apply_file(Path::new(c))?;
+    }
+    if !lines.is_empty() {
+        let here = Path::new("(command line)");
+        let parsed = crate::config::parse_config_text(&lines, here)?;
+        for (k, v) in parsed.pairs {
+            if ["access_key_id", "secret_access_key", "session_token"].contains(&k.as_str()) {
+                return Err(format!(
+                    "{k}: credentials are not accepted on the command line (they show in ps): \
+                     put them in the config file (chmod 600)"
+                ));
+            }
+            s.apply(&k, v.as_deref(), Origin::File(here))?;
+        }
+        s.notices.extend(parsed.notices);
+    }
+    Ok(S3fsCall::Mount {
+        source: "s3://".into(),
+        mountpoint: PathBuf::from(mountpoint),
+        settings: Box::new(s),
+    })
+}
 
 const NO_DISK_CACHE: &str =
     "bucketfs keeps no disk copy of file contents: reads stream with read-ahead (--max-prefetch)";
@@ -787,6 +857,51 @@ mod tests {
         assert!(read_passwd_file(f.path(), "b")
             .unwrap_err()
             .contains("line 1"));
+    }
+
+    #[test]
+    fn ossfs2_command_line() {
+        let conf = file(
+            "--oss_bucket=b\n--oss_access_key_id=AK\n--oss_access_key_secret=SK\n",
+            0o600,
+        );
+        let call = ossfs2_call(&os(&[
+            "mount",
+            "/mnt/o",
+            "-c",
+            conf.path().to_str().unwrap(),
+            "--oss_endpoint=http://h:1",
+            "--oss_bucket_prefix=p/",
+            "--ro=true",
+            "--sync_upload=true",
+            "--total_mem_limit=134217728",
+        ]))
+        .unwrap();
+        let S3fsCall::Mount {
+            source,
+            mountpoint,
+            settings: s,
+        } = call
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (source.as_str(), mountpoint),
+            ("s3://", PathBuf::from("/mnt/o"))
+        );
+        assert_eq!(s.bucket.as_deref(), Some("b"));
+        assert_eq!(s.prefix.as_deref(), Some("p/"));
+        assert_eq!(s.access_key_id.as_deref(), Some("AK"));
+        assert!(s.read_only);
+        assert_eq!(s.max_memory, 128 << 20);
+        assert_eq!(s.notices.len(), 1);
+        let e = ossfs2_call(&os(&["mount", "/m", "--oss_access_key_secret=SK"])).unwrap_err();
+        assert!(
+            e.contains("not accepted on the command line") && !e.contains("SK\""),
+            "{e}"
+        );
+        let e = ossfs2_call(&os(&["mount", "/m", "--bogus=1"])).unwrap_err();
+        assert_eq!(e, "config (command line): unknown key \"bogus\"");
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! `bucketfs install`: lays out what a package would, under a root: the binary, the
 //! `mount.bucketfs` helper link (so fstab lines of type `bucketfs` mount), the man page built
 //! to roff from docs/bucketfs.1.md, bash/zsh/fish completions, a systemd unit template, and
-//! with `--s3fs-links` links named `s3fs` and `ossfs` (fstab lines written for s3fs then mount
-//! with bucketfs, through mount.fuse).
+//! with `--s3fs-links` links named `s3fs`, `ossfs` and `ossfs2` (their command lines, and fstab
+//! lines written for s3fs, then run bucketfs).
 
 use crate::args::{Cli, InstallArgs};
 use clap::CommandFactory;
@@ -139,7 +139,7 @@ fn install(args: &InstallArgs) -> Result<Vec<PathBuf>, String> {
     done.push(p);
 
     if args.s3fs_links {
-        for name in ["s3fs", "ossfs"] {
+        for name in ["s3fs", "ossfs", "ossfs2"] {
             let p = under(root, &prefix.join("bin").join(name));
             symlink(Path::new("bucketfs"), &p)?;
             done.push(p);

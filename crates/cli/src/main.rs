@@ -54,6 +54,12 @@ fn main() {
     if let Some(flavor) = flavor {
         std::process::exit(s3fs(&argv[1..], flavor));
     }
+    if invoked_as == "ossfs2" {
+        std::process::exit(mount_call(
+            dropin::ossfs2_call(&argv[1..]),
+            dropin::OSSFS2_USAGE,
+        ));
+    }
     let argv = if invoked_as.ends_with("mount.bucketfs") {
         match args::mount_helper_args(&argv) {
             Ok(HelperCall::Run(a)) => a,
@@ -74,6 +80,7 @@ fn main() {
         Command::Stats(a) => stats::run(&a),
         Command::Refresh(r) => refresh(&r),
         Command::S3fs(a) => s3fs(&a.args, dropin::Flavor::S3fs),
+        Command::Ossfs2(a) => mount_call(dropin::ossfs2_call(&a.args), dropin::OSSFS2_USAGE),
         Command::Install(a) => install::run(&a),
     };
     std::process::exit(code);
@@ -82,13 +89,24 @@ fn main() {
 /// An s3fs-fuse/ossfs 1.x command line: mounts as `bucketfs mount` would.
 fn s3fs(args: &[OsString], flavor: dropin::Flavor) -> i32 {
     let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
-    match dropin::s3fs_call(args, flavor, home.as_deref()) {
+    mount_call(
+        dropin::s3fs_call(args, flavor, home.as_deref()),
+        dropin::S3FS_USAGE,
+    )
+}
+
+/// Runs a parsed s3fs/ossfs/ossfs2 command line.
+fn mount_call(call: Result<dropin::S3fsCall, String>, usage: &str) -> i32 {
+    match call {
         Ok(dropin::S3fsCall::Help) => {
-            println!("{}", dropin::S3FS_USAGE);
+            println!("{usage}");
             0
         }
         Ok(dropin::S3fsCall::Version) => {
-            println!("bucketfs {} (s3fs compatible)", env!("CARGO_PKG_VERSION"));
+            println!(
+                "bucketfs {} (s3fs, ossfs and ossfs2 compatible)",
+                env!("CARGO_PKG_VERSION")
+            );
             0
         }
         Ok(dropin::S3fsCall::Mount {

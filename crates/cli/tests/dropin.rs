@@ -97,6 +97,46 @@ fn ossfs2_guide_config_mounts_the_bucket_it_names() {
     assert!(!m.log().contains("notice"), "{}", m.log());
 }
 
+/// The ossfs 2.0 command line, `ossfs2 mount DIR -c ossfs2.conf --KEY=VALUE...`, through a
+/// link named `ossfs2`: keys on the command line are read as the file's (here the bucket and
+/// the prefix), notices included.
+#[test]
+fn ossfs2_command_line_mounts_through_a_link_named_ossfs2() {
+    let bucket = s3().new_bucket("dropin-ossfs2");
+    let dir = tempfile::tempdir().unwrap();
+    let e = env();
+    let conf = private_file(
+        dir.path(),
+        "ossfs2.conf",
+        &format!(
+            "--oss_endpoint={}\n--oss_access_key_id={}\n--oss_access_key_secret={}\n",
+            e.endpoint, e.access_key, e.secret_key
+        ),
+        0o600,
+    );
+    let m = spec(
+        Some(link_named(dir.path(), "ossfs2")),
+        &["mount"],
+        "",
+        &[
+            "-c".into(),
+            conf.display().to_string(),
+            format!("--oss_bucket={bucket}"),
+            "--oss_bucket_prefix=team/".into(),
+            "--close_to_open=true".into(),
+            "-f".into(),
+        ],
+    )
+    .mount();
+    write_file(&m.join("o2.txt"), b"ossfs2");
+    assert_eq!(s3().get(&bucket, "team/o2.txt").unwrap(), b"ossfs2");
+    assert!(
+        m.log().contains("bucketfs: notice: --close_to_open: "),
+        "{}",
+        m.log()
+    );
+}
+
 /// The ossfs 1.91 guide's command line, `ossfs bucket-test /mnt/ossfs -ourl=... -odirect_read
 /// -oreaddir_optimize`, through a link named `ossfs` (credentials from the environment, which
 /// ossfs reads too): it mounts, and each option without a meaning here gets one notice line.
@@ -404,7 +444,7 @@ fn install_lays_out_the_system_files_in_a_temp_root() {
         fs::read_link(root.join("sbin/mount.bucketfs")).unwrap(),
         Path::new("/usr/local/bin/bucketfs")
     );
-    for name in ["s3fs", "ossfs"] {
+    for name in ["s3fs", "ossfs", "ossfs2"] {
         assert_eq!(
             fs::read_link(usr.join("bin").join(name)).unwrap(),
             Path::new("bucketfs")
@@ -414,7 +454,7 @@ fn install_lays_out_the_system_files_in_a_temp_root() {
         .arg("--version")
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("s3fs compatible"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("s3fs, ossfs and ossfs2 compatible"));
 
     let man = usr.join("share/man/man1/bucketfs.1");
     let roff = fs::read_to_string(&man).unwrap();
