@@ -145,8 +145,10 @@ pub fn ossfs2_call(args: &[OsString]) -> Result<S3fsCall, String> {
     })
 }
 
-const NO_DISK_CACHE: &str =
-    "bucketfs keeps no disk copy of file contents: reads stream with read-ahead (--max-prefetch)";
+const NO_DISK_CACHE: &str = "bucketfs keeps file data on disk only with --data-cache DIR \
+                             (checked by ETag on every read)";
+const CACHE_SIZE: &str = "bucketfs bounds --data-cache by --data-cache-size and stages only \
+                          files being written in --cache-dir";
 const STREAMS: &str = "bucketfs always uploads parts while the file is written, copying \
                        unchanged parts server-side";
 const TIMEOUTS: &str = "bucketfs bounds each file operation by --retry-timeout instead";
@@ -164,7 +166,10 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
     ),
     ("retries", Notice(TIMEOUTS)),
     ("tmpdir", Setting("cache_dir")),
-    ("use_cache", Notice(NO_DISK_CACHE)),
+    (
+        "use_cache",
+        Translated("--data-cache DIR (an empty value: off)"),
+    ),
     ("check_cache_dir_exist", Notice(NO_DISK_CACHE)),
     ("del_cache", Notice(NO_DISK_CACHE)),
     (
@@ -228,14 +233,8 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
         "bucket_size",
         Notice("bucketfs reports a large constant capacity"),
     ),
-    (
-        "ensure_diskfree",
-        Notice("bucketfs stages only files being written, in --cache-dir"),
-    ),
-    (
-        "free_space_ratio",
-        Notice("bucketfs stages only files being written, in --cache-dir"),
-    ),
+    ("ensure_diskfree", Notice(CACHE_SIZE)),
+    ("free_space_ratio", Notice(CACHE_SIZE)),
     (
         "multipart_threshold",
         Notice("bucketfs uses multipart above one --part-size"),
@@ -332,7 +331,10 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
         Notice("bucketfs keeps parent directories' times in memory only"),
     ),
     // ossfs 1.x
-    ("direct_read", Notice(NO_DISK_CACHE)),
+    (
+        "direct_read",
+        Notice("bucketfs reads straight from the store unless --data-cache is given"),
+    ),
     (
         "readdir_optimize",
         Notice("bucketfs lists without a HEAD per entry where the server allows (--list-metadata)"),
@@ -588,6 +590,15 @@ fn apply_s3fs(
         Translated(_) => {
             match key {
                 "bucket" => *bucket = Some(need(&value)?),
+                "use_cache" => {
+                    let dir = value.unwrap_or_default();
+                    if !dir.trim().is_empty() {
+                        s.apply("data_cache", Some(&dir), Origin::Opt)
+                            .map_err(|e| {
+                                ctx(e.split_once(": ").map_or(e.clone(), |x| x.1.to_string()))
+                            })?;
+                    }
+                }
                 "passwd_file" => *passwd_file = Some(PathBuf::from(need(&value)?)),
                 "default_acl" => {
                     let v = need(&value)?;
@@ -750,7 +761,7 @@ mod tests {
                 &format!(
                     "url=http://h:9000,use_path_request_style,passwd_file={},allow_other,\
                      uid=1000,gid=1001,umask=0022,mp_umask=0022,multipart_size=16,\
-                     parallel_count=4,use_cache=/tmp/c,_netdev",
+                     parallel_count=4,use_cache=/tmp/c,del_cache,_netdev",
                     pw.path().display()
                 ),
                 "-f",
@@ -775,10 +786,11 @@ mod tests {
             s.notices
         );
         assert!(
-            s.notices[1].starts_with("notice: -o use_cache: "),
+            s.notices[1].starts_with("notice: -o del_cache: "),
             "{:?}",
             s.notices
         );
+        assert_eq!(s.data_cache.as_deref(), Some(Path::new("/tmp/c")));
     }
 
     #[test]
