@@ -300,10 +300,10 @@ fn many_writers_stay_within_the_memory_bound() {
 }
 
 /// What the daemon may hold beyond `--max-memory`, in MiB (docs/reliability.md, "Memory"):
-/// the request area for copies of write requests and the read overdraft (a sixteenth of the
-/// budget each, at least 4 MiB) and 32 MiB for the code, runtime, threads and connections.
-/// 64 MiB at 256M, where 305-307 MiB were measured (371-470 before the write buffers left
-/// the allocator).
+/// the read overdraft (a sixteenth of the budget, at least 4 MiB), the request area for
+/// copies of write requests (a thirty-second, 4 to 8 MiB) and 40 MiB for the code, runtime,
+/// threads and connections. 64 MiB at 256M, where 302-306 MiB were measured (455-470 before
+/// the write buffers left the allocator).
 fn overhead_mib(budget_mib: u64) -> u64 {
-    2 * (budget_mib / 16).max(4) + 32
+    (budget_mib / 16).max(4) + (budget_mib / 32).clamp(4, 8) + 40
 }

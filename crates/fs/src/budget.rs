@@ -59,9 +59,10 @@ pub fn overdraft_for(budget: u64) -> u64 {
 }
 
 /// Memory for the copies of write requests on their way to a file's part buffer or staging
-/// file: a sixteenth of the budget, at least 4 MiB (four of the kernel's largest writes).
+/// file: a thirty-second of the budget, between 4 and 8 MiB (of the kernel's largest writes).
+/// A copy lives for a memory copy or a local disk write, so a few suffice at any write rate.
 pub fn request_area_for(budget: u64) -> u64 {
-    (budget / 16).max(4 << 20)
+    (budget / 32).clamp(4 << 20, 8 << 20)
 }
 
 /// Something holding budget memory it can give back at once: a reader's fetched-ahead chunks.
