@@ -100,13 +100,14 @@ pub fn render(prev: Option<&Sample>, cur: &Sample, secs: f64) -> String {
             delta("bucketfs_data_cache_misses_total"),
         );
         out += &format!(
-            "data cache   hits {dh:.0}{unit}   misses {dm:.0}{unit} ({})   served {:.1} MB{unit}   evictions {:.0}{unit}   size {:.1} MiB   corrupt {:.0}{unit}   errors {:.0}{unit}\n",
+            "data cache   hits {dh:.0}{unit}   misses {dm:.0}{unit} ({})   served {:.1} MB{unit}   evictions {:.0}{unit}   size {:.1} MiB   corrupt {:.0}{unit}   errors {:.0}{unit}   not cached {:.0}{unit}\n",
             ratio(dh, dm),
             delta("bucketfs_data_cache_bytes_served_total") / 1e6,
             delta("bucketfs_data_cache_evictions_total"),
             get(cur, "bucketfs_data_cache_bytes") / (1024.0 * 1024.0),
             delta("bucketfs_data_cache_corrupt_total"),
             delta("bucketfs_data_cache_errors_total"),
+            delta("bucketfs_data_cache_skipped_total"),
         );
     }
     out += &format!(

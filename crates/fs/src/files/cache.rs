@@ -37,8 +37,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Size of a cached block (and the alignment of a reader's requests when the cache is on).
 pub const BLOCK: u64 = 1 << 20;
-/// Blocks waiting to be written at most; beyond that a fetched block is not cached.
-const QUEUE: usize = 16;
+/// Blocks waiting to be written at most: an eighth of the memory budget (they hold their
+/// chunks' buffers), between 8 and 64. A stream's prefetch brings several 8 MiB chunks at
+/// once; beyond this a fetched block is not cached.
+pub fn queue_len(budget: u64) -> usize {
+    (budget / 8 / BLOCK).clamp(8, 64) as usize
+}
 /// How often the writer rereads the directory (other mounts' blocks and evictions).
 const RESCAN_EVERY: Duration = Duration::from_secs(60);
 /// Temporary files older than this are a crashed writer's: removed by the rescan.
@@ -222,8 +226,8 @@ fn tick(t: SystemTime) -> u64 {
 impl DataCache {
     /// Starts the cache in `cfg.dir` (made ready by [`prepare_dir`]): its writer thread reads
     /// the directory first, then writes what readers hand it.
-    pub fn start(cfg: &DataCacheConfig, metrics: Arc<FsMetrics>) -> Arc<DataCache> {
-        let (tx, rx) = sync_channel(QUEUE);
+    pub fn start(cfg: &DataCacheConfig, queue: usize, metrics: Arc<FsMetrics>) -> Arc<DataCache> {
+        let (tx, rx) = sync_channel(queue);
         let cache = Arc::new(DataCache {
             root: cfg.dir.join(VERSION_DIR),
             scope: cfg.scope.clone(),
@@ -538,7 +542,7 @@ mod tests {
             max_bytes,
             scope: "test".into(),
         };
-        (DataCache::start(&cfg, m.clone()), m)
+        (DataCache::start(&cfg, 8, m.clone()), m)
     }
 
     fn wait_until(what: &str, f: impl Fn() -> bool) {

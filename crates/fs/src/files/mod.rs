@@ -86,10 +86,9 @@ impl OpenFiles {
             part_size,
             max_window: cfg.max_prefetch,
             budget: budget.clone(),
-            data_cache: cfg
-                .data_cache
-                .as_ref()
-                .map(|c| cache::DataCache::start(c, metrics.clone())),
+            data_cache: cfg.data_cache.as_ref().map(|c| {
+                cache::DataCache::start(c, cache::queue_len(cfg.max_memory), metrics.clone())
+            }),
             metrics: metrics.clone(),
         });
         let wcfg = Arc::new(WriteConfig {
