@@ -680,5 +680,26 @@ mod tests {
         }
         assert!(FsMetrics::get(&m.data_cache_hits) >= 3);
         assert_eq!(FsMetrics::get(&m.data_cache_misses), 0);
+        drop(r);
+        // A hole in the middle (block 1 gone) and a damaged block at the end: one GET for
+        // the span between the sound blocks at either end, the right bytes, both rewritten.
+        store.clear();
+        let (r0, _, cache) = reader(dir.path());
+        drop(r0);
+        std::fs::remove_file(cache.path(cache.id("f", &etag, 1).name())).unwrap();
+        let last = cache.path(cache.id("f", &etag, 3).name());
+        let mut bytes = std::fs::read(&last).unwrap();
+        let n = bytes.len();
+        bytes[n - 1] ^= 1;
+        std::fs::write(&last, &bytes).unwrap();
+        let (mut r, m, _cache) = reader(dir.path());
+        let got = r.read(0, data.len() as u32).await.unwrap();
+        assert!(got[..] == data[..]);
+        assert_eq!(FsMetrics::get(&m.data_cache_hits), 2);
+        assert_eq!(FsMetrics::get(&m.data_cache_misses), 2);
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1);
+        wait_until("rewritten", || {
+            FsMetrics::get(&m.data_cache_bytes) > 3 * MIB && last.exists()
+        });
     }
 }
