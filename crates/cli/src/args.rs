@@ -95,6 +95,10 @@ pub enum Command {
     /// Make the mount forget what it cached about PATHs (attributes, directory listings), so
     /// changes made by other clients show now instead of after --stat-ttl.
     Refresh(RefreshArgs),
+    /// Read files and trees through their mount, several at once, so a mount with
+    /// --data-cache holds them before a job reads them; prints files, bytes, time and how
+    /// much was cached already.
+    Warmup(WarmupArgs),
     /// Mount with an s3fs-fuse or ossfs 1.x command line: BUCKET[:/PREFIX] MOUNTPOINT
     /// [-f] [-o OPT,...] (also when the binary is invoked as `s3fs` or `ossfs`).
     #[command(disable_help_flag = true)]
@@ -141,6 +145,16 @@ pub struct RefreshArgs {
     /// Files or directories inside a bucketfs mount.
     #[arg(required = true)]
     pub paths: Vec<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct WarmupArgs {
+    /// Files or directories inside bucketfs mounts.
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
+    /// Files read at the same time.
+    #[arg(long, short = 'j', value_name = "N", default_value_t = 8)]
+    pub jobs: usize,
 }
 
 #[derive(Debug, Args)]

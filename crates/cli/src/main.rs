@@ -19,6 +19,7 @@ mod metrics_http;
 mod options;
 mod run;
 mod stats;
+mod warmup;
 
 use args::{Cli, Command, HelperCall, UmountArgs};
 use clap::Parser;
@@ -79,6 +80,7 @@ fn main() {
         Command::Bench(b) => limit::run(&b),
         Command::Stats(a) => stats::run(&a),
         Command::Refresh(r) => refresh(&r),
+        Command::Warmup(a) => warmup::run(&a),
         Command::S3fs(a) => s3fs(&a.args, dropin::Flavor::S3fs),
         Command::Ossfs2(a) => mount_call(dropin::ossfs2_call(&a.args), dropin::OSSFS2_USAGE),
         Command::Install(a) => install::run(&a),

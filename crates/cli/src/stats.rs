@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 type Sample = BTreeMap<String, f64>;
 
-fn fetch(path: &std::path::Path) -> Result<Sample, String> {
+pub fn fetch(path: &std::path::Path) -> Result<Sample, String> {
     let mut sock = UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?;
     sock.set_read_timeout(Some(Duration::from_secs(5))).ok();
     let mut text = String::new();

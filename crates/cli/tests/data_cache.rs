@@ -296,3 +296,37 @@ fn a_data_cache_directory_of_another_user_is_refused() {
     assert_eq!(mode & 0o777, 0o700);
     drop(m);
 }
+
+#[test]
+fn warmup_fills_the_data_cache_ahead_of_a_read() {
+    let b = s3().new_bucket("dcache-warmup");
+    let files: Vec<(String, Vec<u8>)> = vec![
+        ("d/a".into(), pattern::bytes(20, (2 * MIB + 5) as usize)),
+        ("d/sub/b".into(), pattern::bytes(21, 70_000)),
+        ("d/sub/c".into(), pattern::bytes(22, 1000)),
+    ];
+    for (k, v) in &files {
+        s3().put(&b, k, v.clone());
+    }
+    let total: usize = files.iter().map(|f| f.1.len()).sum();
+    let cache = tempfile::tempdir().unwrap();
+    let (m, _) = mount_cached(&b, cache.path(), &[]);
+    let dir = m.join("d");
+    let out = run(bin(), &["warmup", dir.to_str().unwrap()]);
+    assert!(
+        out.contains("warmup: 3 files, 2.2 MB") && out.contains("0.0 MB already cached"),
+        "{out}"
+    );
+    // 3 blocks of a, one each of b and c.
+    wait_blocks(cache.path(), 5);
+    let m = m.remount();
+    // A second warmup, after the remount, finds everything in the data cache...
+    let dir = m.join("d");
+    let out = run(bin(), &["warmup", "-j", "2", dir.to_str().unwrap()]);
+    let want = format!("{:.1} MB already cached", total as f64 / 1e6);
+    assert!(out.contains(&want), "{out}");
+    // ...and the job that follows sends no GET.
+    for (k, v) in &files {
+        assert_eq!(read_counted(&m, k, v).0, 0, "{k} read from the cache");
+    }
+}
