@@ -91,10 +91,8 @@ pub fn render(prev: Option<&Sample>, cur: &Sample, secs: f64) -> String {
         ratio(rh, rm),
         delta("bucketfs_prefetch_resets_total")
     );
-    // Only for a mount with a data cache (one that has looked in it).
-    if get(cur, "bucketfs_data_cache_hits_total") + get(cur, "bucketfs_data_cache_misses_total")
-        > 0.0
-    {
+    // Only for a mount with a data cache.
+    if get(cur, "bucketfs_data_cache_limit_bytes") > 0.0 {
         let (dh, dm) = (
             delta("bucketfs_data_cache_hits_total"),
             delta("bucketfs_data_cache_misses_total"),

@@ -30,8 +30,7 @@ fn served(mounts: &BTreeSet<PathBuf>) -> (u64, bool) {
         if let Ok(s) = crate::stats::fetch(&stats_socket(m)) {
             let get = |k: &str| s.get(k).copied().unwrap_or(0.0);
             total += get("bucketfs_data_cache_bytes_served_total") as u64;
-            any |= get("bucketfs_data_cache_hits_total") + get("bucketfs_data_cache_misses_total")
-                > 0.0;
+            any |= get("bucketfs_data_cache_limit_bytes") > 0.0;
         }
     }
     (total, any)

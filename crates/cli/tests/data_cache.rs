@@ -312,11 +312,20 @@ fn warmup_fills_the_data_cache_ahead_of_a_read() {
     let cache = tempfile::tempdir().unwrap();
     let (m, _) = mount_cached(&b, cache.path(), &[]);
     let dir = m.join("d");
-    let out = run(bin(), &["warmup", dir.to_str().unwrap()]);
+    let w = run_cli(
+        &os(&["warmup", dir.to_str().unwrap()]),
+        &[],
+        None,
+        Duration::from_secs(60),
+    );
+    assert_eq!(w.status.and_then(|s| s.code()), Some(0), "{w:?}");
+    let out = &w.stdout;
     assert!(
         out.contains("warmup: 3 files, 2.2 MB") && out.contains("0.0 MB already cached"),
         "{out}"
     );
+    // The mount has a data cache: no note says otherwise.
+    assert!(!w.stderr.contains("no --data-cache"), "{}", w.stderr);
     // 3 blocks of a, one each of b and c.
     wait_blocks(cache.path(), 5);
     let m = m.remount();

@@ -46,6 +46,8 @@ pub struct FsMetrics {
     pub data_cache_skipped: AtomicU64,
     /// Bytes of block files in the cache directory (as this mount knows them).
     pub data_cache_bytes: AtomicU64,
+    /// `--data-cache-size`; 0 without a data cache.
+    pub data_cache_limit_bytes: AtomicU64,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {
@@ -144,6 +146,10 @@ impl FsMetrics {
         s += &format!(
             "# TYPE bucketfs_data_cache_bytes gauge\nbucketfs_data_cache_bytes {}\n",
             Self::get(&self.data_cache_bytes)
+        );
+        s += &format!(
+            "# TYPE bucketfs_data_cache_limit_bytes gauge\nbucketfs_data_cache_limit_bytes {}\n",
+            Self::get(&self.data_cache_limit_bytes)
         );
         s += &format!(
             "# TYPE bucketfs_uploads_in_flight gauge\nbucketfs_uploads_in_flight {}\n",

@@ -228,6 +228,9 @@ impl DataCache {
     /// the directory first, then writes what readers hand it.
     pub fn start(cfg: &DataCacheConfig, queue: usize, metrics: Arc<FsMetrics>) -> Arc<DataCache> {
         let (tx, rx) = sync_channel(queue);
+        metrics
+            .data_cache_limit_bytes
+            .store(cfg.max_bytes, Ordering::Relaxed);
         let cache = Arc::new(DataCache {
             root: cfg.dir.join(VERSION_DIR),
             scope: cfg.scope.clone(),
