@@ -655,3 +655,18 @@ fn deb_package_builds_from_the_repository() {
     }
     assert!(contents.contains(" root/root "), "{contents}");
 }
+
+/// mount(8) and df show the file system as `fuse.bucketfs` with the bucket as its source, as
+/// s3fs shows `fuse.s3fs`: scripts that find their mounts by type keep working.
+#[test]
+fn mount_and_df_show_the_bucketfs_type_and_the_bucket() {
+    let b = s3().new_bucket("fstype");
+    let m = Mount::s3(&b);
+    let out = run(
+        "df",
+        &["--output=fstype,source", &m.path().display().to_string()],
+    );
+    let line = out.lines().last().unwrap_or_default();
+    assert!(line.starts_with("fuse.bucketfs "), "df: {out}");
+    assert!(line.contains(&b), "df: {out}");
+}

@@ -79,9 +79,17 @@ pub fn mount(
     let (tx, rx) = watch::channel(false);
     let adapter = FuseFs::new(fs, rt, tx);
 
+    // The subtype makes the type `fuse.bucketfs` in mount(8) and df -T. fuser hands its
+    // Subtype option to fusermount only; mounting as root it calls mount(2) itself, so there
+    // the kernel gets it as a plain option.
+    let subtype = if is_root() {
+        MountOption::CUSTOM("subtype=bucketfs".into())
+    } else {
+        MountOption::Subtype("bucketfs".into())
+    };
     let mut options = vec![
         MountOption::FSName(opts.fsname.clone()),
-        MountOption::Subtype("bucketfs".into()),
+        subtype,
         MountOption::DefaultPermissions,
         MountOption::NoSuid,
         MountOption::NoDev,
@@ -254,6 +262,11 @@ fn fusermount_unmount(mountpoint: &Path, lazy: bool) -> io::Result<()> {
     ))
 }
 
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// One line of `/proc/self/mountinfo`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountInfo {
@@ -370,6 +383,7 @@ mod tests {
     fn mountinfo_lines() {
         let l = "52 27 0:45 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:30 - fuse s3://bkt/p rw,user_id=0,group_id=0,default_permissions";
         let m = parse_mountinfo_line(l).unwrap();
+        assert_eq!(m.id, 52);
         assert_eq!(m.dev, "0:45");
         assert_eq!(m.mountpoint, PathBuf::from("/tmp/a b"));
         assert_eq!(m.fstype, "fuse");
