@@ -666,24 +666,26 @@ impl Fs {
                 fs.write(ino, fh, offset, data).await
             }));
         }
-        let appended = match self.files.handle(ino, fh) {
-            Ok(h) => self.files.append_now(&h, offset, data),
+        let h = match self.files.handle(ino, fh) {
+            Ok(h) => h,
             Err(e) => return Now::Done(Err(e)),
         };
+        let appended = self.files.append_now(&h, offset, data);
         if appended != Appended::No {
             self.wrote(ino);
         }
-        let fs = self.clone();
         match appended {
             Appended::Yes => Now::Done(Ok(n)),
             // The part is full: it is shipped before the write is answered.
-            Appended::PartFull => Now::Later(Box::pin(async move {
-                let w = fs.files.handle(ino, fh)?.write.ok_or(FsError::EBADF)?;
-                w.state.lock().await.ship_full_tail().await?;
-                Ok(n)
-            })),
+            Appended::PartFull => {
+                let w = h.write.expect("only a writer's handle appends");
+                Now::Later(Box::pin(async move {
+                    w.state.lock().await.ship_full_tail().await?;
+                    Ok(n)
+                }))
+            }
             Appended::No => {
-                let data = self.files.copy_write(data);
+                let (fs, data) = (self.clone(), self.files.copy_write(data));
                 Now::Later(Box::pin(
                     async move { fs.write(ino, fh, offset, data).await },
                 ))
@@ -691,7 +693,7 @@ impl Fs {
         }
     }
 
-    /// [`Fs::flush`] (`fsync: false`) or [`Fs::fsync`], answered on the calling thread when
+    /// [`Fs::flush`] or [`Fs::fsync`], answered on the calling thread when
     /// the handle has nothing to upload (read-only, or no change since the last publish):
     /// programs that fsync every open file (sysbench does, every 100 writes) or close many
     /// read-only files pay a thread hand-off per call otherwise.

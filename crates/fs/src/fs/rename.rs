@@ -119,8 +119,8 @@ impl Fs {
             }
             moved?
         };
-        self.ns
-            .renamed(src, (parent, &path), (new_parent, &new_name_s), new_etag);
+        let to = (new_parent, new_parent_path.as_str(), new_name_s.as_str());
+        self.ns.renamed(src, (parent, &path), to, new_etag);
         Ok(())
     }
 

@@ -406,14 +406,17 @@ impl Namespace {
         self.lookups.forget(path);
     }
 
-    /// `ino`, at `from` (parent and path), now is `to` (parent and name) in the store; a
-    /// file's object there has ETag `etag` (`None`: ask).
-    pub fn renamed(&self, ino: Ino, from: (Ino, &str), to: (Ino, &str), etag: Option<String>) {
-        let ((parent, path), (new_parent, new_name)) = (from, to);
-        let Ok(new_parent_path) = self.dir_path(new_parent) else {
-            return;
-        };
-        let new_path = join(&new_parent_path, new_name);
+    /// `ino`, at `from` (parent and path), now is `to` (parent, the parent's path, and name)
+    /// in the store; a file's object there has ETag `etag` (`None`: ask).
+    pub fn renamed(
+        &self,
+        ino: Ino,
+        from: (Ino, &str),
+        to: (Ino, &str, &str),
+        etag: Option<String>,
+    ) {
+        let ((parent, path), (new_parent, new_parent_path, new_name)) = (from, to);
+        let new_path = join(new_parent_path, new_name);
         self.lookups.forget(path);
         self.lookups.forget(&new_path);
         self.lookups.forget_below(path);
@@ -421,7 +424,7 @@ impl Namespace {
         self.dir_changed(parent);
         self.dir_changed(new_parent);
         let mut t = self.table.lock();
-        t.rename(ino, new_parent, new_name, &new_parent_path);
+        t.rename(ino, new_parent, new_name, new_parent_path);
         let Some(i) = t.get_mut(ino) else {
             return;
         };
