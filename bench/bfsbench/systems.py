@@ -445,4 +445,23 @@ class MountpointS3(System):
         return cmd
 
 
-ALL = {c.name: c for c in (Bucketfs, S3fs, Rclone, Goofys, Geesefs, MountpointS3)}
+
+class BucketfsBg(Bucketfs):
+    """bucketfs with `--upload background` (issue 20): close returns once the file is durable in
+    the mount's local write-back directory; uploads follow in the background."""
+    name = "bucketfs-bg"
+
+    @classmethod
+    def find(cls, override: str | None = None) -> str | None:
+        # Only a bucketfs that has the mode (an older binary would fail every scenario).
+        b = Bucketfs.find(override)
+        if b:
+            r = subprocess.run([b, "mount", "--help"], capture_output=True, text=True)
+            if "--upload" not in r.stdout + r.stderr:
+                return None
+        return b
+
+    def command(self, bucket, prefix, mnt, cache, log):
+        return super().command(bucket, prefix, mnt, cache, log) + ["--upload", "background"]
+
+ALL = {c.name: c for c in (Bucketfs, BucketfsBg, S3fs, Rclone, Goofys, Geesefs, MountpointS3)}
