@@ -416,6 +416,208 @@ fn a_full_server_gives_enospc_and_no_partial_object() {
     drop(m);
 }
 
+/// One disk under both the server and the mount's staging files fills up while six files are
+/// written: part uploads fail (the server is full) and their bytes cannot go to the staging
+/// file either. Every write and close returns (ENOSPC or EIO) in bounded time, no partial
+/// object appears, and the mount works again once space is freed.
+#[test]
+fn a_disk_full_under_the_server_and_the_staging_files_fails_writers_without_hanging() {
+    let disk = match SmallDisk::new(112) {
+        Ok(d) => d,
+        Err(e) => panic!("this test needs to mount a tmpfs (run as root): {e}"),
+    };
+    let data = disk.path().join("data");
+    let cache = disk.path().join("cache");
+    fs::create_dir(&data).unwrap();
+    fs::create_dir(&cache).unwrap();
+    let minio = PrivateMinio::start(&data, None);
+    let s3p = minio.client(None);
+    let b = "fulldisk";
+    s3p.create_bucket(b);
+    let mut spec = minio.mount_spec(b);
+    for a in ["--max-memory", "32M", "--retry-timeout", "5", "--cache-dir"] {
+        spec = spec.arg(a);
+    }
+    let m = spec.arg(cache.to_str().unwrap()).mount();
+    const FILES: usize = 6;
+    const MIB_EACH: usize = 40;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut writers = Vec::new();
+    for i in 0..FILES {
+        let path = m.join(format!("f{i}.bin"));
+        let tx = tx.clone();
+        writers.push(std::thread::spawn(move || {
+            // Writers in processes of their own (see ForeignWriter).
+            let mut w = ForeignWriter::start();
+            w.open("f", &path);
+            let wrote = w.cmd(&format!("fill f {MIB_EACH}"));
+            let closed = w.cmd("close f");
+            let _ = tx.send((i, wrote, closed));
+        }));
+    }
+    drop(tx);
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let mut outcomes = Vec::new();
+    while outcomes.len() < FILES {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(o) => outcomes.push(o),
+            Err(_) => panic!(
+                "writers hung: {} of {FILES} returned ({outcomes:?}); log:\n{}",
+                outcomes.len(),
+                m.log()
+            ),
+        }
+    }
+    for w in writers {
+        w.join().unwrap();
+    }
+    eprintln!("outcomes: {outcomes:?}");
+    let failed =
+        |s: &str| s == format!("errno {}", libc::ENOSPC) || s == format!("errno {}", libc::EIO);
+    assert!(
+        outcomes.iter().any(|(_, w, c)| failed(w) || failed(c)),
+        "{FILES} x {MIB_EACH} MiB fit on a 112 MiB disk? {outcomes:?}"
+    );
+    // A stored file holds exactly what its writes were acknowledged for: all of it when they
+    // all were; after a write's ENOSPC, the whole 1 MiB writes before it (as a local disk
+    // file would). A file whose close failed is absent.
+    let block = writer_block();
+    for (i, wrote, closed) in &outcomes {
+        let key = format!("f{i}.bin");
+        match s3p.get(b, &key) {
+            Some(body) => {
+                assert_eq!(closed, "ok", "{key}: stored, but its close said {closed}");
+                if wrote == "ok" {
+                    assert_eq!(body.len(), MIB_EACH * MIB, "{key}: partial object");
+                }
+                assert!(
+                    body.len() % MIB == 0 && body.len() <= MIB_EACH * MIB,
+                    "{key}: {} bytes",
+                    body.len()
+                );
+                assert!(
+                    body.chunks(MIB).all(|c| c == block.as_slice()),
+                    "{key}: bytes differ"
+                );
+            }
+            None => assert!(closed != "ok", "{key}: close said ok, object absent"),
+        }
+    }
+    // Space freed, the mount works again.
+    for (i, ..) in &outcomes {
+        let _ = fs::remove_file(m.join(format!("f{i}.bin")));
+    }
+    wait_until_writable(&m, "small.txt");
+    assert_eq!(s3p.get(b, "small.txt").unwrap(), b"room again");
+    drop(m);
+}
+
+/// Writes `room again` to `name` on `m`, retrying while the store still refuses (its outage
+/// breaker lets a probe through every second).
+fn wait_until_writable(m: &Mount, name: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let write = || -> std::io::Result<()> {
+        let mut f = File::create(m.join(name))?;
+        f.write_all(b"room again")?;
+        // fsync publishes and says how that went (a dropped File hides its close's error).
+        f.sync_all()
+    };
+    while write().is_err() {
+        assert!(Instant::now() < deadline, "no recovery; log:\n{}", m.log());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Fills the file system holding `dir` with a file in it, up to `leave` bytes of free space;
+/// returns that file's path.
+fn fill_disk(dir: &Path, leave: u64) -> std::path::PathBuf {
+    let ballast = dir.join("ballast");
+    let mut f = File::create(&ballast).unwrap();
+    let block = vec![0xa5u8; MIB];
+    // SAFETY: statvfs fills the struct it is given.
+    let free = unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).unwrap();
+        assert_eq!(libc::statvfs(c.as_ptr(), &mut st), 0);
+        st.f_bavail * st.f_frsize
+    };
+    let mut left = free.saturating_sub(leave);
+    while left > 0 {
+        let n = left.min(MIB as u64) as usize;
+        left -= n as u64;
+        match f.write(&block[..n]) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+            Err(e) => panic!("fill {}: {e}", dir.display()),
+        }
+    }
+    ballast
+}
+
+/// The server refuses every part (its disk is full) and the staging disk is full too, so the
+/// failed parts' bytes can only stay in memory until the close; then staging space comes
+/// back and the writer goes on. Such parts are lasting memory, held within half the budget,
+/// so the parts written next still get memory: every write returns, and the close fails
+/// with the store's error instead of storing a partial object.
+#[test]
+fn failed_parts_kept_in_memory_never_hang_their_writer() {
+    let server_disk = SmallDisk::new(128).expect("this test mounts a tmpfs (run as root)");
+    let staging_disk = SmallDisk::new(16).expect("this test mounts a tmpfs (run as root)");
+    let data = server_disk.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let minio = PrivateMinio::start(&data, None);
+    let s3p = minio.client(None);
+    let b = "keptparts";
+    s3p.create_bucket(b);
+    let mut spec = minio.mount_spec(b);
+    for a in ["--max-memory", "32M", "--retry-timeout", "5", "--cache-dir"] {
+        spec = spec.arg(a);
+    }
+    let m = spec.arg(staging_disk.path().to_str().unwrap()).mount();
+    // Room for the upload's metadata, not for its parts (MinIO keeps a free-space reserve).
+    let server_ballast = fill_disk(server_disk.path(), 4 << 20);
+    let staging_ballast = fill_disk(staging_disk.path(), 0);
+
+    let (tx, rx) = std::sync::mpsc::channel::<(&str, String)>();
+    let path = m.join("f.bin");
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let writer = std::thread::spawn(move || {
+        // A process of its own (see ForeignWriter).
+        let mut w = ForeignWriter::start();
+        w.open("f", &path);
+        // Whole parts in memory, each refused by the server, none stageable.
+        let _ = tx.send(("first", w.cmd("fill f 32")));
+        go_rx.recv().unwrap();
+        let _ = tx.send(("second", w.cmd("fill f 16")));
+        let _ = tx.send(("close", w.cmd("close f")));
+    });
+    let limit = Duration::from_secs(60);
+    let mut said = Vec::new();
+    let next = |said: &mut Vec<(&str, String)>| match rx.recv_timeout(limit) {
+        Ok(o) => said.push(o),
+        Err(_) => panic!("the writer hung after {said:?}; log:\n{}", m.log()),
+    };
+    next(&mut said);
+    // The refused parts have settled (their bytes are in memory now).
+    std::thread::sleep(Duration::from_secs(2));
+    fs::remove_file(&staging_ballast).unwrap();
+    go_tx.send(()).unwrap();
+    next(&mut said);
+    next(&mut said);
+    writer.join().unwrap();
+    eprintln!("{said:?}");
+    let closed = &said[2].1;
+    assert!(closed != "ok", "close said ok on a full server: {said:?}");
+    assert!(s3p.head(b, "f.bin").is_none(), "partial object stored");
+    // The server gets room: the mount writes again.
+    fs::remove_file(&server_ballast).unwrap();
+    wait_until_writable(&m, "small.txt");
+    assert_eq!(s3p.get(b, "small.txt").unwrap(), b"room again");
+    drop(m);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Security
 // ---------------------------------------------------------------------------------------------

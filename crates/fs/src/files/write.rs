@@ -597,7 +597,8 @@ impl WriteState {
                 self.uploaded_only.insert(r);
             }
         }
-        self.spawn_part_upload(i, generation, body, mem).await;
+        // Its staging copy may still fail: a failed upload returns the bytes.
+        self.spawn_part_upload(i, generation, body, mem, true).await;
         Ok(())
     }
 
@@ -731,7 +732,8 @@ impl WriteState {
             let staging = self.staging()?;
             let len = (r.end - r.start) as usize;
             let body = read_into(&staging, r, buf, 0).await?.freeze(len);
-            self.spawn_part_upload(i, generation, body, Arc::new(vec![mem]))
+            // The staging file holds these bytes: a failed upload gives its memory back at once.
+            self.spawn_part_upload(i, generation, body, Arc::new(vec![mem]), false)
                 .await;
         }
         Ok(())
@@ -757,13 +759,17 @@ impl WriteState {
     /// Uploads `body` as part `i` in the background, holding `mem` until it is sent. An earlier
     /// upload of the same part still running is waited for first: aborting it could let its
     /// older body reach the store after this one, and the part kept would not be the one
-    /// whose ETag completes the upload.
+    /// whose ETag completes the upload. With `return_on_failure`, a failed upload hands its
+    /// bytes back to whoever settles the part; otherwise they are dropped when it fails, so
+    /// that a writer waiting for budget memory never waits for memory that only its own
+    /// settling (or another such writer's) would free.
     async fn spawn_part_upload(
         &mut self,
         i: u64,
         generation: u64,
         body: Bytes,
         mem: Arc<Vec<Reservation>>,
+        return_on_failure: bool,
     ) {
         self.settle_part(i).await;
         let stream = self.stream.as_mut().expect("stream started");
@@ -773,8 +779,8 @@ impl WriteState {
             metrics.uploads_in_flight.fetch_add(1, Ordering::Relaxed);
             let r = part.await;
             metrics.uploads_in_flight.fetch_sub(1, Ordering::Relaxed);
-            // On failure the bytes come back: they may be nowhere else.
-            r.map_err(|e| (e, Some((body, mem))))
+            // On failure the bytes come back if they may be nowhere else.
+            r.map_err(|e| (e, return_on_failure.then_some((body, mem))))
         });
         stream
             .slots
