@@ -932,7 +932,10 @@ impl WriteState {
                 self.local.insert(r);
             }
         }
-        self.assemble(range.start..end).await
+        // Counted like any read's bytes (the budget, else the overdraft).
+        let len = (end - range.start) as usize;
+        let buf = self.cfg.budget.demand_buffer(len as u64).await;
+        Ok(self.assemble_into(range.start..end, buf).await?.freeze(len))
     }
 
     /// Splits `range` by where its current content is. The tail holds the newest bytes of
@@ -989,14 +992,8 @@ impl WriteState {
         Ok(data)
     }
 
-    /// The current content of `range`, which must lie within the file; background staging
-    /// copies must be settled.
-    async fn assemble(&self, range: Range<u64>) -> FsResult<Bytes> {
-        let buf = vec![0u8; (range.end - range.start) as usize];
-        Ok(Bytes::from(self.assemble_into(range, buf).await?))
-    }
-
-    /// [`Self::assemble`] into `buf` (as long as `range`, its old bytes overwritten).
+    /// The current content of `range`, which must lie within the file, into `buf` (as long as
+    /// `range`, its old bytes overwritten); background staging copies must be settled.
     async fn assemble_into<B>(&self, range: Range<u64>, mut buf: B) -> FsResult<B>
     where
         B: AsMut<[u8]> + Send + 'static,
@@ -1118,8 +1115,14 @@ impl WriteState {
         }
     }
 
-    /// One PUT of the whole file.
+    /// One PUT of the whole file. Its body is a budget buffer (many small files published at
+    /// once must not each hold a copy outside the budget), held for the request.
     async fn publish_small(&mut self, size: u64) -> FsResult<String> {
+        if size == 0 {
+            return self.put_whole(Bytes::new()).await;
+        }
+        let len = size as usize;
+        let (mut buf, _mem) = self.cfg.budget.buffer(size).await.split_mem();
         let in_tail = self
             .tail
             .as_ref()
@@ -1127,10 +1130,11 @@ impl WriteState {
         if in_tail {
             // Written in one go and still in memory: no disk. The tail stays, for reads and
             // appends after this publish (fsync).
-            let body = Bytes::copy_from_slice(self.tail.as_ref().expect("checked").buf.as_slice());
-            return self.put_whole(body).await;
+            let tail = self.tail.as_ref().expect("checked").buf.as_slice();
+            buf.as_mut_slice()[..len].copy_from_slice(tail);
+            return self.put_whole(buf.freeze(len)).await;
         }
-        let body = self.assemble(0..size).await?;
+        let body = self.assemble_into(0..size, buf).await?.freeze(len);
         let r = self.put_whole(body.clone()).await;
         // The whole small file is at hand: keep it, so the next rewrite of a few bytes needs
         // no GET.
