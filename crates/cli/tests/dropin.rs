@@ -670,3 +670,104 @@ fn mount_and_df_show_the_bucketfs_type_and_the_bucket() {
     assert!(line.starts_with("fuse.bucketfs "), "df: {out}");
     assert!(line.contains(&b), "df: {out}");
 }
+
+/// A test fstab mounted by mount(8) itself: `mount -a -T FSTAB` with a `bucketfs` line (run
+/// through `/sbin/mount.bucketfs`, as `bucketfs install` lays it out) and an s3fs-style
+/// `fuse.s3fs` line (mount.fuse runs `s3fs` from PATH, the link to bucketfs). mount(8) looks
+/// for helpers in /sbin only, so the run happens in a private mount namespace where a copy of
+/// /usr/sbin with the helper link is bound over it: the system's /sbin is never touched. Inside
+/// it a file is written through each mount, read back, and both are unmounted.
+#[test]
+fn mount_a_with_a_test_fstab_mounts_both_lines() {
+    let b1 = s3().new_bucket("fstab-a");
+    let b2 = s3().new_bucket("fstab-b");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // /usr/sbin (where /sbin points on merged-usr systems) as links into the original, bound
+    // at `orig` first since it is shadowed then, plus the helper.
+    let (sbin, orig) = (d.join("sbin"), d.join("orig-sbin"));
+    fs::create_dir(&sbin).unwrap();
+    fs::create_dir(&orig).unwrap();
+    for e in fs::read_dir("/usr/sbin").unwrap() {
+        let e = e.unwrap();
+        std::os::unix::fs::symlink(orig.join(e.file_name()), sbin.join(e.file_name())).unwrap();
+    }
+    link_named(&sbin, "mount.bucketfs");
+    let bin_dir = d.join("bin");
+    fs::create_dir(&bin_dir).unwrap();
+    link_named(&bin_dir, "s3fs");
+    let e = env();
+    let passwd = private_file(
+        d,
+        "pw",
+        &format!("{b2}:{}:{}\n", e.access_key, e.secret_key),
+        0o600,
+    );
+    let (m1, m2) = (d.join("m1"), d.join("m2"));
+    fs::create_dir(&m1).unwrap();
+    fs::create_dir(&m2).unwrap();
+    let fstab = d.join("fstab");
+    fs::write(
+        &fstab,
+        format!(
+            "# a test fstab\n\
+             s3://{b1}/data {m1} bucketfs _netdev,nofail,url={ep},use_path_request_style,log_file={d}/log1 0 0\n\
+             {b2} {m2} fuse.s3fs _netdev,allow_other,url={ep},use_path_request_style,passwd_file={pw},logfile={d}/log2 0 0\n",
+            m1 = m1.display(),
+            m2 = m2.display(),
+            ep = e.endpoint,
+            d = d.display(),
+            pw = passwd.display(),
+        ),
+    )
+    .unwrap();
+    let script = format!(
+        r#"set -e
+mount --make-rprivate /
+mount --bind /usr/sbin {orig}
+mount --bind {sbin} /usr/sbin
+mount -a -T {fstab}
+echo one > {m1}/one.txt
+echo two > {m2}/two.txt
+test "$(cat {m1}/one.txt)" = one
+test "$(cat {m2}/two.txt)" = two
+findmnt -n -o FSTYPE,SOURCE {m1}
+findmnt -n -o FSTYPE,SOURCE {m2}
+umount {m1}
+umount {m2}
+"#,
+        sbin = sbin.display(),
+        orig = orig.display(),
+        fstab = fstab.display(),
+        m1 = m1.display(),
+        m2 = m2.display(),
+    );
+    let home = d.join("home");
+    fs::create_dir(&home).unwrap();
+    let mut cmd = std::process::Command::new("unshare");
+    cmd.args(["--mount", "--", "sh", "-c", &script]);
+    isolate_env(&mut cmd, &home);
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = cmd
+        .env("PATH", path)
+        .env("AWS_ACCESS_KEY_ID", &e.access_key)
+        .env("AWS_SECRET_ACCESS_KEY", &e.secret_key)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let logs = ["log1", "log2"]
+        .map(|l| fs::read_to_string(d.join(l)).unwrap_or_default())
+        .join("\n");
+    assert!(out.status.success(), "{out:?}\n{logs}");
+    let types = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        types.contains(&format!("fuse.bucketfs s3://{b1}/data")),
+        "mount(8) shows: {types}"
+    );
+    assert_eq!(s3().get(&b1, "data/one.txt").unwrap(), b"one\n");
+    assert_eq!(s3().get(&b2, "two.txt").unwrap(), b"two\n");
+}
