@@ -92,6 +92,9 @@ pub enum Command {
     Bench(Box<BenchArgs>),
     /// Live view of a mount: throughput, requests/s by type, cache hit rates, memory in use.
     Stats(StatsArgs),
+    /// Files of a mount with --upload background that are not in the bucket yet: each with
+    /// its state (queued, uploading, failed, conflict), size, key and last error.
+    Pending(PendingArgs),
     /// Make the mount forget what it cached about PATHs (attributes, directory listings), so
     /// changes made by other clients show now instead of after --stat-ttl.
     Refresh(RefreshArgs),
@@ -155,6 +158,12 @@ pub struct WarmupArgs {
     /// Files read at the same time.
     #[arg(long, short = 'j', value_name = "N", default_value_t = 8)]
     pub jobs: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct PendingArgs {
+    /// The mount point of a running bucketfs.
+    pub mountpoint: PathBuf,
 }
 
 #[derive(Debug, Args)]

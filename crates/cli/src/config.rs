@@ -13,7 +13,11 @@
 //! never from flags or `-o`, which show up in `ps` and `/etc/fstab`.
 
 use crate::options::{setting, Kind, OptionSpec, Scope, IGNORED_MOUNT_OPTIONS};
-use bucketfs_fs::{DataCacheConfig, FsConfig};
+use bucketfs_fs::{DataCacheConfig, FsConfig, WriteBackConfig};
+
+/// Background uploads at once (`--upload background`): small files are latency-bound, so
+/// many go up together.
+const BACKGROUND_UPLOADS: usize = 32;
 use bucketfs_store::list_meta::ListMetadata;
 use std::fmt;
 use std::os::unix::fs::PermissionsExt;
@@ -67,6 +71,12 @@ pub struct Settings {
     pub state_dir: Option<PathBuf>,
     pub max_dir_rename: usize,
     pub upload_concurrency: usize,
+    /// `--upload background`: close returns once the file is in the write-back directory.
+    pub background_upload: bool,
+    /// With background upload, fsync waits for the upload.
+    pub fsync_waits_upload: bool,
+    pub writeback_size: u64,
+    pub upload_delay: Duration,
     pub max_memory: u64,
     pub max_prefetch: u64,
     /// The data cache's directory, if any (off by default).
@@ -126,6 +136,10 @@ impl fmt::Debug for Settings {
             .field("state_dir", &self.state_dir)
             .field("max_dir_rename", &self.max_dir_rename)
             .field("upload_concurrency", &self.upload_concurrency)
+            .field("upload", &self.background_upload)
+            .field("upload_fsync", &self.fsync_waits_upload)
+            .field("writeback_size", &self.writeback_size)
+            .field("upload_delay", &self.upload_delay)
             .field("max_memory", &self.max_memory)
             .field("max_prefetch", &self.max_prefetch)
             .field("data_cache", &self.data_cache)
@@ -175,6 +189,10 @@ impl Default for Settings {
             state_dir: None,
             max_dir_rename: fs.max_dir_rename_objects,
             upload_concurrency: fs.upload_concurrency,
+            background_upload: false,
+            fsync_waits_upload: false,
+            writeback_size: 4 << 30,
+            upload_delay: Duration::ZERO,
             max_memory: fs.max_memory,
             max_prefetch: fs.max_prefetch,
             data_cache: None,
@@ -427,6 +445,28 @@ impl Settings {
             "state_dir" => self.state_dir = Some(PathBuf::from(non_empty(v, "path")?)),
             "max_dir_rename" => self.max_dir_rename = parse_count(v, 0, usize::MAX)?,
             "upload_concurrency" => self.upload_concurrency = parse_count(v, 1, 256)?,
+            "upload" => {
+                self.background_upload = match v.trim() {
+                    "sync" => false,
+                    "background" => true,
+                    _ => return Err(format!("upload mode {v:?}: sync or background")),
+                }
+            }
+            "upload_fsync" => {
+                self.fsync_waits_upload = match v.trim() {
+                    "local" => false,
+                    "bucket" => true,
+                    _ => return Err(format!("upload fsync {v:?}: local or bucket")),
+                }
+            }
+            "upload_delay" => self.upload_delay = parse_duration(v)?,
+            "writeback_size" => {
+                let n = parse_size(v)?;
+                if n < 1 << 20 {
+                    return Err(format!("write-back size {v} is too small (at least 1M)"));
+                }
+                self.writeback_size = n;
+            }
             "max_memory" => {
                 let n = parse_size(v)?;
                 if n < 32 << 20 {
@@ -549,6 +589,14 @@ impl Settings {
                 dir,
                 max_bytes: self.data_cache_size,
                 scope: String::new(),
+            }),
+            // The directory (under the state directory, per bucket) is the caller's too.
+            writeback: self.background_upload.then(|| WriteBackConfig {
+                dir: PathBuf::new(),
+                max_bytes: self.writeback_size,
+                concurrency: BACKGROUND_UPLOADS,
+                fsync_waits_upload: self.fsync_waits_upload,
+                delay: self.upload_delay,
             }),
             ..FsConfig::default()
         };

@@ -79,6 +79,7 @@ fn main() {
         Command::Umount(u) => umount(&u),
         Command::Bench(b) => limit::run(&b),
         Command::Stats(a) => stats::run(&a),
+        Command::Pending(a) => stats::pending(&a),
         Command::Refresh(r) => refresh(&r),
         Command::Warmup(a) => warmup::run(&a),
         Command::S3fs(a) => s3fs(&a.args, dropin::Flavor::S3fs),

@@ -25,6 +25,8 @@ pub struct Counters {
     pub retry: Arc<RetryMetrics>,
     /// Inodes the fs core holds right now.
     pub inodes: Arc<dyn Fn() -> usize + Send + Sync>,
+    /// Files waiting for a background upload (`--upload background`).
+    pub pending: Arc<dyn Fn() -> Vec<bucketfs_fs::PendingFile> + Send + Sync>,
 }
 
 impl Counters {
@@ -219,7 +221,18 @@ struct SocketServe(Counters);
 impl Serve for SocketServe {
     type Conn = UnixStream;
     async fn serve(self, mut sock: UnixStream) {
-        let text = self.0.text();
+        let mut text = self.0.text();
+        // For `bucketfs pending` (comments to a metrics reader).
+        for f in (self.0.pending)() {
+            text += &format!(
+                "# pending\t{}\t{}\t{:?}\t{:?}\t{}\n",
+                f.state,
+                f.size,
+                f.key,
+                f.error.unwrap_or_default(),
+                f.path.display()
+            );
+        }
         let _ = tokio::time::timeout(IO_TIMEOUT, sock.write_all(text.as_bytes())).await;
     }
 }

@@ -255,6 +255,24 @@ pub const OPTIONS: &[OptionSpec] = &[
         .env()
         .default("8")
         .help("Parts of one file uploaded at the same time (1-256)."),
+    value("upload", "MODE").env().default("sync").help(
+        "When close(2) returns: sync, once the file is in the bucket; background, once it \
+         is durable (fsync'd) in a write-back directory under --state-dir, uploads \
+         following in the background, resumed by the next mount after a crash.",
+    ),
+    value("upload_fsync", "WHERE").env().default("local").help(
+        "What fsync(2) waits for with --upload background: local (the write-back \
+         directory) or bucket (the upload).",
+    ),
+    value("upload_delay", "SECONDS").env().default("0").help(
+        "With --upload background, how long a closed file waits before its upload starts \
+         (same formats as --stat-ttl): a file renamed, removed or rewritten meanwhile is \
+         uploaded once, under its last name, or not at all.",
+    ),
+    value("writeback_size", "SIZE").env().default("4G").help(
+        "Most bytes of files waiting for upload with --upload background (K/M/G); a close \
+         waits for room when it is full.",
+    ),
     value("max_memory", "SIZE")
         .env()
         .default_text("an eighth of RAM, 256M to 4G")

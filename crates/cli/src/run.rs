@@ -117,6 +117,9 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     for sub in [JOURNAL_SUBDIR, LOG_SUBDIR] {
         private_dir(&state.join(sub))?;
     }
+    if settings.background_upload {
+        private_dir(&state.join(WRITEBACK_SUBDIR))?;
+    }
     if let Some(ca) = &settings.ca_bundle {
         if settings.no_verify_ssl {
             return Err("--ca-bundle and --no-verify-ssl contradict each other: give one".into());
@@ -305,7 +308,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     };
     let store = journal.store().clone();
 
-    let mut fs_config = s.fs_config(prefix);
+    let mut fs_config = s.fs_config(prefix.clone());
     if let Some(c) = &mut fs_config.data_cache {
         // Blocks are keyed by this too: two buckets (or endpoints) never share one.
         c.scope = match &plan.target {
@@ -315,13 +318,46 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
             Target::Local { dir } => format!("local {}", dir.display()),
         };
     }
-    let fs = rt.block_on(async { Fs::new(store.clone(), fs_config) });
+    if let Some(w) = &mut fs_config.writeback {
+        // One directory per bucket and prefix (and store): files wait there for upload.
+        w.dir = state_dir(s)
+            .join(WRITEBACK_SUBDIR)
+            .join(writeback_tag(&plan.target, s, &prefix));
+    }
+    let (fs, recovered) = match rt.block_on(async { Fs::with_writeback(store.clone(), fs_config) })
+    {
+        Ok(x) => x,
+        Err(msg) => return report_failure(readiness, msg),
+    };
+    if recovered > 0 {
+        // Acknowledged before a crash: in the bucket before the mount shows anything.
+        warn!("{recovered} file(s) a previous bucketfs acknowledged were not uploaded yet: uploading them now");
+        let (left, failed) = rt.block_on(fs.wait_for_uploads(Duration::from_secs(2), |n, b| {
+            info!("recovery: {n} file(s), {:.1} MB to upload", b as f64 / 1e6)
+        }));
+        if left > 0 {
+            error!(
+                "{left} recovered file(s) could not be uploaded ({failed} failed); they stay \
+                 in the write-back directory, retried in the background (bucketfs pending)"
+            );
+        } else {
+            info!("recovery: all {recovered} file(s) uploaded");
+        }
+    }
     let weak = Arc::downgrade(&fs);
     let counters = Counters {
         store: metrics.clone(),
         fs: fs.metrics(),
         retry: retry_metrics.clone(),
         inodes: Arc::new(move || weak.upgrade().map_or(0, |f| f.inode_count())),
+        pending: {
+            let weak = Arc::downgrade(&fs);
+            Arc::new(move || {
+                weak.upgrade()
+                    .map(|f| f.pending_uploads())
+                    .unwrap_or_default()
+            })
+        },
     };
     if let Some(addr) = s.metrics_addr {
         if let Err(e) = rt.block_on(serve_http(addr, counters.clone())) {
@@ -415,7 +451,8 @@ async fn wait_and_shutdown(fs: &Fs, handle: MountHandle, journal: &MountJournal)
         _ => {
             error!("cannot install signal handlers; waiting for an external unmount");
             handle.unmounted().await;
-            return unmount(handle).await.max(clean_up(fs).await);
+            let code = unmount(handle).await.max(drain_uploads(fs).await);
+            return code.max(clean_up(fs).await);
         }
     };
     tokio::select! {
@@ -425,10 +462,19 @@ async fn wait_and_shutdown(fs: &Fs, handle: MountHandle, journal: &MountJournal)
         _ = handle.unmounted() => info!("{} was unmounted", handle.mountpoint().display()),
     }
     let second = tokio::select! {
-        code = unmount(handle) => return code.max(clean_up(fs).await),
+        code = async { unmount(handle).await.max(drain_uploads(fs).await) } => {
+            return code.max(clean_up(fs).await)
+        }
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     };
+    let left = fs.pending_uploads().len();
+    if left > 0 {
+        warn!(
+            "second signal ({second}): {left} file(s) not uploaded yet stay in the write-back \
+             directory; the next mount of this bucket uploads them"
+        );
+    }
     warn!("second signal ({second}): not waiting for open files; aborting their uploads");
     let mut uploading = Vec::new();
     for (key, what) in journal.abort_open_uploads().await {
@@ -473,6 +519,7 @@ async fn unmount(handle: MountHandle) -> i32 {
 /// Subdirectories of the state directory.
 const JOURNAL_SUBDIR: &str = "journal";
 const LOG_SUBDIR: &str = "logs";
+const WRITEBACK_SUBDIR: &str = "writeback";
 
 /// The state directory when none is given: `/var/lib/bucketfs` for root, else
 /// `$XDG_STATE_HOME/bucketfs` or `~/.local/state/bucketfs`. Persistent, unlike the cache dir
@@ -631,6 +678,70 @@ fn raise_open_files_limit() -> std::io::Result<Option<(u64, u64)>> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(Some((old, want)))
+}
+
+/// Background mode, once the mount is gone: waits for the uploads still to do, showing
+/// progress; returns the exit code (1 when some could not be uploaded: they stay for the next
+/// mount).
+async fn drain_uploads(fs: &Fs) -> i32 {
+    let (files, bytes) = {
+        let p = fs.pending_uploads();
+        (p.len(), p.iter().map(|f| f.size).sum::<u64>())
+    };
+    if files == 0 {
+        return 0;
+    }
+    info!(
+        "waiting for {files} background upload(s), {:.1} MB (a second signal leaves them for the \
+         next mount)",
+        bytes as f64 / 1e6
+    );
+    let (left, failed) = fs
+        .wait_for_uploads(Duration::from_secs(2), |n, b| {
+            info!("{n} upload(s) left, {:.1} MB", b as f64 / 1e6)
+        })
+        .await;
+    if left > 0 {
+        error!(
+            "{left} file(s) not uploaded ({failed} failed, see above); they stay in the \
+             write-back directory and the next mount of this bucket uploads them"
+        );
+        return 1;
+    }
+    info!("all background uploads done");
+    0
+}
+
+/// The write-back directory's name for a mount: the bucket (readable) and a hash of what
+/// tells mounts apart (store, bucket, prefix).
+fn writeback_tag(target: &Target, s: &Settings, prefix: &str) -> String {
+    let (name, whole) = match target {
+        Target::S3 { bucket, .. } => (
+            bucket.clone(),
+            format!(
+                "s3 {} {bucket} {prefix}",
+                s.endpoint_url.as_deref().unwrap_or("aws")
+            ),
+        ),
+        Target::Local { dir } => ("local".to_string(), format!("local {}", dir.display())),
+    };
+    // FNV-1a: stable across versions (the name must be found again after an upgrade).
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in whole.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    let name: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{name}-{h:016x}")
 }
 
 /// Cleans up once the mount is gone; returns the exit code.

@@ -12,12 +12,56 @@ use std::time::{Duration, Instant};
 type Sample = BTreeMap<String, f64>;
 
 pub fn fetch(path: &std::path::Path) -> Result<Sample, String> {
+    Ok(parse(&fetch_text(path)?))
+}
+
+fn fetch_text(path: &std::path::Path) -> Result<String, String> {
     let mut sock = UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?;
     sock.set_read_timeout(Some(Duration::from_secs(5))).ok();
     let mut text = String::new();
     sock.read_to_string(&mut text)
         .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(parse(&text))
+    Ok(text)
+}
+
+/// `bucketfs pending MOUNTPOINT`: the files of a background-upload mount not in the bucket
+/// yet, one a line (state, size, key, error, write-back file), then a summary.
+pub fn pending(a: &crate::args::PendingArgs) -> i32 {
+    let mp = a.mountpoint.canonicalize().unwrap_or(a.mountpoint.clone());
+    let text = match fetch_text(&stats_socket(&mp)) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!(
+                "bucketfs: pending: {e} (is {} a bucketfs mount?)",
+                mp.display()
+            );
+            return 1;
+        }
+    };
+    let (mut files, mut bytes, mut failed) = (0, 0u64, 0);
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("# pending\t") else {
+            continue;
+        };
+        let f: Vec<&str> = rest.splitn(5, '\t').collect();
+        if f.len() < 5 {
+            continue;
+        }
+        let size: u64 = f[1].parse().unwrap_or(0);
+        files += 1;
+        bytes += size;
+        if f[0] == "failed" || f[0] == "conflict" {
+            failed += 1;
+        }
+        let err = if f[3] == "\"\"" {
+            String::new()
+        } else {
+            format!("  error: {}", f[3])
+        };
+        println!("{:<9} {:>12}  {}{err}  ({})", f[0], size, f[2], f[4]);
+    }
+    println!("{files} file(s), {bytes} bytes not in the bucket yet; {failed} failed");
+    0
 }
 
 /// Parses Prometheus text lines `name{labels} value` into a map.

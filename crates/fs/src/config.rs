@@ -1,6 +1,7 @@
 //! Settings of the fs core (the CLI fills them from flags and the config file).
 
 pub use crate::files::cache::DataCacheConfig;
+pub use crate::files::writeback::WriteBackConfig;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -38,6 +39,8 @@ pub struct FsConfig {
     pub max_dir_rename_objects: usize,
     /// The data cache on local disk, if any (`--data-cache`).
     pub data_cache: Option<DataCacheConfig>,
+    /// `--upload background`: the write-back directory close commits to.
+    pub writeback: Option<WriteBackConfig>,
 }
 
 impl Default for FsConfig {
@@ -62,6 +65,7 @@ impl Default for FsConfig {
             cache_dir: std::env::temp_dir(),
             max_dir_rename_objects: 10_000,
             data_cache: None,
+            writeback: None,
         }
     }
 }

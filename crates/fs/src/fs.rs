@@ -116,7 +116,20 @@ fn now() -> SystemTime {
 }
 
 impl Fs {
+    /// An fs over `store`. Panics if the write-back directory cannot be opened: see
+    /// [`Fs::with_writeback`].
     pub fn new(store: Arc<dyn ObjectStore>, cfg: FsConfig) -> Arc<Self> {
+        Self::with_writeback(store, cfg)
+            .expect("write-back directory")
+            .0
+    }
+
+    /// An fs over `store`, and, in background mode, how many files a previous daemon left to
+    /// upload (queued again; see [`Fs::wait_for_uploads`]).
+    pub fn with_writeback(
+        store: Arc<dyn ObjectStore>,
+        cfg: FsConfig,
+    ) -> Result<(Arc<Self>, usize), String> {
         let policy = AttrPolicy {
             uid: cfg.uid,
             gid: cfg.gid,
@@ -138,14 +151,23 @@ impl Fs {
             limits,
             metrics.clone(),
         );
-        let files = OpenFiles::new(store.clone(), &cfg, metrics);
-        Arc::new(Self {
+        let (files, recovered) = OpenFiles::new(store.clone(), &cfg, metrics)?;
+        let fs = Arc::new(Self {
             store,
             cfg,
             ns,
             files,
             stale_cache: Mutex::new(None),
-        })
+        });
+        if let Some(wb) = fs.files.writeback() {
+            let weak = Arc::downgrade(&fs);
+            wb.on_uploaded(Box::new(move |u| {
+                if let Some(fs) = weak.upgrade() {
+                    tokio::spawn(async move { fs.uploaded(u).await });
+                }
+            }));
+        }
+        Ok((fs, recovered))
     }
 
     /// The fs core's counters.
@@ -697,17 +719,30 @@ impl Fs {
     /// the handle has nothing to upload (read-only, or no change since the last publish):
     /// programs that fsync every open file (sysbench does, every 100 writes) or close many
     /// read-only files pay a thread hand-off per call otherwise.
-    pub fn publish_now(self: &Arc<Self>, ino: Ino, fh: u64) -> Now<FsResult<()>> {
+    pub fn publish_now(self: &Arc<Self>, ino: Ino, fh: u64, fsync: bool) -> Now<FsResult<()>> {
+        // Background mode with fsync waiting for the bucket: an unchanged file may still
+        // have an upload to wait for.
+        let waits = fsync
+            && self
+                .files
+                .writeback()
+                .is_some_and(|wb| wb.config().fsync_waits_upload);
         match self.files.handle(ino, fh) {
             Err(e) => return Now::Done(Err(e)),
             Ok(h) => {
-                if self.files.nothing_to_publish(&h) == Some(true) {
+                if !waits && self.files.nothing_to_publish(&h) == Some(true) {
                     return Now::Done(Ok(()));
                 }
             }
         }
         let fs = self.clone();
-        Now::Later(Box::pin(async move { fs.publish_handle(ino, fh).await }))
+        Now::Later(Box::pin(async move {
+            if fsync {
+                fs.fsync(ino, fh).await
+            } else {
+                fs.flush(ino, fh).await
+            }
+        }))
     }
 
     /// Whether a close of handle `fh` would only store an empty file (created or truncated
@@ -723,23 +758,70 @@ impl Fs {
         sole && self.files.only_emptied(&h)
     }
 
-    /// Uploads what this handle's file holds and records the new object.
-    async fn publish_handle(&self, ino: Ino, fh: u64) -> FsResult<()> {
+    /// Uploads what this handle's file holds and records the new object (in background
+    /// mode: commits it to the write-back directory). Returns the write-back entry of the
+    /// file's last commit, if any.
+    async fn publish_handle(&self, ino: Ino, fh: u64) -> FsResult<Option<u64>> {
         let Some(w) = self.files.handle(ino, fh)?.write else {
-            return Ok(());
+            return Ok(None);
         };
         let mut st = w.state.lock().await;
         if !st.has_changes_to_publish() {
-            return Ok(());
+            return Ok(st.committed);
         }
-        if let Err(e) = st.publish().await {
+        if let Err(e) = self.persist(ino, &mut st).await {
             if e == FsError::ESTALE {
                 self.ns.changed_elsewhere(ino);
             }
             return Err(e);
         }
-        self.published(ino, &st);
+        Ok(st.committed)
+    }
+
+    /// Stores what write state `st` of `ino` holds: a publish, or in background mode a
+    /// commit to the write-back directory; then records it in the namespace.
+    pub(crate) async fn persist(&self, ino: Ino, st: &mut WriteState) -> FsResult<()> {
+        if self.files.writeback().is_some() {
+            st.commit(ino).await?;
+            self.ns.changed_here(ino, st.size(), st.meta.clone());
+        } else {
+            st.publish().await?;
+            self.published(ino, st);
+        }
         Ok(())
+    }
+
+    /// A background upload of file `u.ino` landed: the inode learns the object's ETag and,
+    /// when nothing of it is left to store and nobody has it open for writing, its write
+    /// state goes (it was kept for reads and as the file's content until now).
+    async fn uploaded(&self, u: crate::files::writeback::Uploaded) {
+        let Some(w) = self.files.write_of(u.ino) else {
+            return;
+        };
+        let mut st = w.state.lock().await;
+        if st.committed != Some(u.seq) || st.key != u.key || st.is_unlinked() {
+            return;
+        }
+        let clean = !st.has_changes_to_publish();
+        if clean {
+            self.ns
+                .stored(u.ino, st.size(), Some(u.etag.clone()), st.meta.clone());
+        }
+        let mut t = self.ns.table();
+        let Some(i) = t.get_mut(u.ino) else {
+            return;
+        };
+        if !clean {
+            // In the bucket now, as committed; what changed since comes with the next commit.
+            i.etag = Some(u.etag);
+            i.fetched = Some(std::time::Instant::now());
+        }
+        if clean && self.files.is_sole(u.ino, &w) {
+            self.files.forget_write(u.ino);
+            i.writing = false;
+            st.retire();
+            t.maybe_drop(u.ino);
+        }
     }
 
     /// The object of `ino` is now in the store as write state `st` (held locked, so that no
@@ -749,14 +831,44 @@ impl Fs {
         self.ns.stored(ino, st.size(), etag, st.meta.clone());
     }
 
-    /// close(2) of one descriptor: publishes what was written and reports a failed upload.
+    /// close(2) of one descriptor: publishes what was written and reports a failed upload
+    /// (in background mode: makes it durable in the write-back directory).
     pub async fn flush(&self, ino: Ino, fh: u64) -> FsResult<()> {
-        self.publish_handle(ino, fh).await
+        self.publish_handle(ino, fh).await.map(|_| ())
     }
 
-    /// Makes everything written so far durable in the bucket.
+    /// Makes everything written so far durable in the bucket (in background mode: in the
+    /// write-back directory, or with `fsync_waits_upload` in the bucket).
     pub async fn fsync(&self, ino: Ino, fh: u64) -> FsResult<()> {
-        self.publish_handle(ino, fh).await
+        let committed = self.publish_handle(ino, fh).await?;
+        match (self.files.writeback(), committed) {
+            (Some(wb), Some(seq)) if wb.config().fsync_waits_upload => wb.wait_uploaded(seq).await,
+            _ => Ok(()),
+        }
+    }
+
+    /// Background mode: waits for the uploads queued or running (failed ones are tried once
+    /// more, and left), calling `progress(files, bytes)` every `every` meanwhile. Returns
+    /// the files left and how many of them failed.
+    pub async fn wait_for_uploads(
+        &self,
+        every: Duration,
+        progress: impl FnMut(usize, u64),
+    ) -> (usize, usize) {
+        let Some(wb) = self.files.writeback() else {
+            return (0, 0);
+        };
+        wb.drain(every, progress).await;
+        let (files, _, failed) = wb.counts();
+        (files, failed)
+    }
+
+    /// Background mode: the files not uploaded yet.
+    pub fn pending_uploads(&self) -> Vec<crate::files::writeback::PendingFile> {
+        self.files
+            .writeback()
+            .map(|wb| wb.pending())
+            .unwrap_or_default()
     }
 
     /// The last reference to an open file went away.
@@ -795,9 +907,8 @@ impl Fs {
         let mut st = w.state.lock().await;
         if st.has_changes_to_publish() && !st.failed() {
             // Normally flush already published; this catches a flush that never came.
-            match st.publish().await {
-                Ok(()) => self.published(ino, &st),
-                Err(e) => tracing::error!("{}: data not uploaded and now lost: {e}", st.key),
+            if let Err(e) = self.persist(ino, &mut st).await {
+                tracing::error!("{}: data not uploaded and now lost: {e}", st.key);
             }
         } else if st.failed() {
             tracing::error!("{}: closed after a failed upload; data not stored", st.key);
@@ -808,7 +919,14 @@ impl Fs {
             // and stores its change itself, instead of queueing it where nothing publishes.
             let mut t = self.ns.table();
             let mut never_stored = false;
-            if let Some(i) = t.get_mut(ino) {
+            // Background mode: a file whose commit is still to upload keeps its state (its
+            // content, read from the write-back entry) until the upload lands.
+            let uploading = !st.is_unlinked()
+                && st
+                    .committed
+                    .zip(self.files.writeback())
+                    .is_some_and(|(seq, wb)| wb.is_pending(seq));
+            if let Some(i) = t.get_mut(ino).filter(|_| !uploading) {
                 if self.files.is_sole(ino, &w) {
                     // An unlinked file's bytes may exist nowhere else: its readers read them
                     // from the state until the last close.

@@ -19,9 +19,10 @@ mod pool;
 
 pub use bucketfs_store::liveness::within_operation;
 pub use budget::default_budget;
-pub use config::{DataCacheConfig, FsConfig};
+pub use config::{DataCacheConfig, FsConfig, WriteBackConfig};
 pub use error::{FsError, FsResult};
 pub use files::cache::prepare_dir as prepare_data_cache_dir;
+pub use files::writeback::PendingFile;
 pub use fs::{Caller, DirEntry, Fs, Now, OpenReply, SetAttr, StaleCache, StatFs};
 pub use meta::{Attr, FileKind, Ino, ROOT_INO};
 pub use metrics::FsMetrics;

@@ -48,6 +48,21 @@ pub struct FsMetrics {
     pub data_cache_bytes: AtomicU64,
     /// `--data-cache-size`; 0 without a data cache.
     pub data_cache_limit_bytes: AtomicU64,
+    /// Background upload (`--upload background`): entries committed to the write-back
+    /// directory, uploaded, replaced by a later version before upload, removed before upload
+    /// (unlink, rename over), failed upload tries, conflicts with another client, commits
+    /// that waited for room.
+    pub writeback_committed: AtomicU64,
+    pub writeback_uploaded: AtomicU64,
+    pub writeback_replaced: AtomicU64,
+    pub writeback_cancelled: AtomicU64,
+    pub writeback_upload_errors: AtomicU64,
+    pub writeback_conflicts: AtomicU64,
+    pub writeback_space_waits: AtomicU64,
+    /// Files and bytes waiting for upload now, and how many of them failed.
+    pub writeback_pending: AtomicU64,
+    pub writeback_pending_bytes: AtomicU64,
+    pub writeback_failed: AtomicU64,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {
@@ -65,7 +80,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 16] = [
+        let counters: [(&str, &str, &AtomicU64); 26] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -129,6 +144,56 @@ impl FsMetrics {
                 "bucketfs_data_cache_skipped_total",
                 "counter",
                 &self.data_cache_skipped,
+            ),
+            (
+                "bucketfs_writeback_committed_total",
+                "counter",
+                &self.writeback_committed,
+            ),
+            (
+                "bucketfs_writeback_uploaded_total",
+                "counter",
+                &self.writeback_uploaded,
+            ),
+            (
+                "bucketfs_writeback_replaced_total",
+                "counter",
+                &self.writeback_replaced,
+            ),
+            (
+                "bucketfs_writeback_cancelled_total",
+                "counter",
+                &self.writeback_cancelled,
+            ),
+            (
+                "bucketfs_writeback_upload_errors_total",
+                "counter",
+                &self.writeback_upload_errors,
+            ),
+            (
+                "bucketfs_writeback_conflicts_total",
+                "counter",
+                &self.writeback_conflicts,
+            ),
+            (
+                "bucketfs_writeback_space_waits_total",
+                "counter",
+                &self.writeback_space_waits,
+            ),
+            (
+                "bucketfs_writeback_pending_files",
+                "gauge",
+                &self.writeback_pending,
+            ),
+            (
+                "bucketfs_writeback_pending_bytes",
+                "gauge",
+                &self.writeback_pending_bytes,
+            ),
+            (
+                "bucketfs_writeback_failed_files",
+                "gauge",
+                &self.writeback_failed,
             ),
         ];
         let mut s = String::new();

@@ -530,7 +530,7 @@ impl Filesystem for FuseFs {
             reply.ok();
             return;
         }
-        match self.fs.publish_now(ino.0, fh.0) {
+        match self.fs.publish_now(ino.0, fh.0, false) {
             Now::Done(r) => Self::reply_empty("flush", r, reply),
             Now::Later(task) => self.spawn(async move {
                 Self::reply_empty("flush", task.await, reply);
@@ -563,7 +563,7 @@ impl Filesystem for FuseFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.publish_now(ino.0, fh.0) {
+        match self.fs.publish_now(ino.0, fh.0, true) {
             Now::Done(r) => Self::reply_empty("fsync", r, reply),
             Now::Later(task) => self.spawn(async move {
                 Self::reply_empty("fsync", task.await, reply);

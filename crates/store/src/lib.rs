@@ -31,6 +31,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use std::ops::Range;
 
+/// The `if_match` of [`ObjectStore::put_if`] and [`ObjectStore::complete_multipart`] that
+/// asks for no object at all (S3 `If-None-Match: *`): [`StoreError::PreconditionFailed`]
+/// when one exists. No ETag looks like it (ETags are quoted). Background uploads of files
+/// created here use it, so another client's object made meanwhile is never replaced.
+pub const IF_ABSENT: &str = "<absent>";
+
 /// The object operations the file system needs. Keys are full object keys (no leading `/`).
 #[async_trait]
 pub trait ObjectStore: Send + Sync + 'static {

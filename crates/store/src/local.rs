@@ -262,6 +262,13 @@ impl Inner {
         let Some(tag) = if_match else {
             return Ok(());
         };
+        if tag == crate::IF_ABSENT {
+            return match self.object_md(key) {
+                Ok(_) => Err(StoreError::PreconditionFailed(key.to_string())),
+                Err(StoreError::NotFound(_)) => Ok(()),
+                Err(e) => Err(e),
+            };
+        }
         let (_, md) = self.object_md(key)?;
         if etag_of(&md) != tag {
             return Err(StoreError::PreconditionFailed(key.to_string()));

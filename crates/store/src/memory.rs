@@ -106,6 +106,12 @@ fn check_etag(o: Option<&Object>, key: &str, if_match: Option<&str>) -> StoreRes
     let Some(tag) = if_match else {
         return Ok(());
     };
+    if tag == crate::IF_ABSENT {
+        return match o {
+            Some(_) => Err(StoreError::PreconditionFailed(key.to_string())),
+            None => Ok(()),
+        };
+    }
     match o {
         None => Err(StoreError::NotFound(key.to_string())),
         Some(o) if o.etag != tag => Err(StoreError::PreconditionFailed(key.to_string())),

@@ -556,7 +556,8 @@ impl ObjectStore for S3Store {
             .key(key)
             .body(ByteStream::from(body))
             .set_metadata(Some(to_hashmap(meta)))
-            .set_if_match(if_match.map(str::to_string))
+            .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
+            .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
             .customize()
             .config_override(sized(len));
         let req = if self.unsigned_payload {
@@ -672,7 +673,8 @@ impl ObjectStore for S3Store {
                     .set_parts(Some(parts))
                     .build(),
             )
-            .set_if_match(if_match.map(str::to_string))
+            .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
+            .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
             .send()
             .await
             .map_err(|e| map_err(key, e))?;

@@ -14,6 +14,7 @@ pub mod cache;
 pub mod extents;
 pub mod read;
 pub mod write;
+pub mod writeback;
 
 use crate::budget::MemoryBudget;
 use crate::config::FsConfig;
@@ -29,6 +30,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use write::{Appended, Base, PartLayout, WriteConfig, WriteState};
+use writeback::WriteBack;
 
 /// A file open for writing: its shared write state and its size (readable without the lock).
 pub struct OpenWrite {
@@ -78,7 +80,13 @@ pub struct OpenFiles {
 }
 
 impl OpenFiles {
-    pub fn new(store: Arc<dyn ObjectStore>, cfg: &FsConfig, metrics: Arc<FsMetrics>) -> Self {
+    /// The registry, and in background mode the write-back directory opened (with the number
+    /// of entries a previous daemon left, queued again).
+    pub fn new(
+        store: Arc<dyn ObjectStore>,
+        cfg: &FsConfig,
+        metrics: Arc<FsMetrics>,
+    ) -> Result<(Self, usize), String> {
         let budget = MemoryBudget::new(cfg.max_memory, metrics.clone());
         let limits = store.limits();
         let part_size = cfg.part_size.max(limits.min_part);
@@ -91,15 +99,30 @@ impl OpenFiles {
             }),
             metrics: metrics.clone(),
         });
+        let uploads = Uploads::new(store.clone());
+        let (writeback, recovered) = match &cfg.writeback {
+            Some(w) => {
+                let (wb, n) = WriteBack::open(
+                    w.clone(),
+                    store.clone(),
+                    uploads.clone(),
+                    part_size,
+                    metrics.clone(),
+                )?;
+                (Some(wb), n)
+            }
+            None => (None, 0),
+        };
         let wcfg = Arc::new(WriteConfig {
             layout: PartLayout { part_size },
             upload_concurrency: cfg.upload_concurrency.max(1),
-            uploads: Uploads::new(store.clone()),
+            uploads,
             limits,
             metrics,
             budget,
+            writeback,
         });
-        Self {
+        let files = Self {
             store,
             wcfg,
             rcfg,
@@ -107,7 +130,13 @@ impl OpenFiles {
             handles: Mutex::new(HashMap::new()),
             writes: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-        }
+        };
+        Ok((files, recovered))
+    }
+
+    /// The write-back directory, in background mode.
+    pub fn writeback(&self) -> Option<&Arc<WriteBack>> {
+        self.wcfg.writeback.as_ref()
     }
 
     pub fn metrics(&self) -> &Arc<FsMetrics> {

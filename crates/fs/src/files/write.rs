@@ -24,6 +24,8 @@ use crate::aligned::{AlignedBuf, ALIGN};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::files::extents::Extents;
+use crate::files::writeback::{Cond, WriteBack};
+use crate::meta::Ino;
 use crate::metrics::{inc, inc_by, FsMetrics};
 use crate::pool::PoolBuf;
 use bucketfs_store::{
@@ -53,6 +55,8 @@ pub struct PartLayout {
 const PARTS_PER_STEP: u64 = 1000;
 /// Reads of a file open for writing fetch base bytes in aligned blocks of this size.
 const READ_BLOCK: u64 = 128 * 1024;
+/// A commit copies the content into its write-back entry this much at a time.
+const COMMIT_CHUNK: u64 = 4 << 20;
 
 impl PartLayout {
     /// Byte range of part `index` (0-based; part number `index + 1`).
@@ -279,6 +283,9 @@ pub struct WriteConfig {
     pub metrics: Arc<FsMetrics>,
     /// Part buffers take their memory from here (writers wait when it is full).
     pub budget: Arc<MemoryBudget>,
+    /// `--upload background`: close commits to this write-back directory (see
+    /// [`WriteState::commit`]) and nothing streams to the store while a file is written.
+    pub writeback: Option<Arc<WriteBack>>,
 }
 
 /// Where a write state is in its life.
@@ -337,6 +344,10 @@ pub struct WriteState {
     /// The mtime to publish; `None` keeps the one in `meta` (nothing written since open, so
     /// a chmod or an atime-only utimens through the descriptor leaves the stored mtime).
     pub mtime: Option<SystemTime>,
+    /// Background mode: the write-back entry of the last commit (see [`Self::commit`]).
+    pub committed: Option<u64>,
+    /// The staging file is that entry's file: it is read, and copied before a change.
+    staging_shared: bool,
 }
 
 /// Whether `len` bytes at `offset` end within the largest object the store allows.
@@ -385,6 +396,8 @@ impl WriteState {
             phase: Phase::Clean,
             conflict: false,
             mtime: None,
+            committed: None,
+            staging_shared: false,
         }
     }
 
@@ -546,8 +559,9 @@ impl WriteState {
     /// the background from the same buffer, for reads and rewrites before publish. Where the
     /// staging file cannot be had, the part is held only by the upload (the write goes on).
     async fn ship_tail(&mut self) -> FsResult<()> {
-        if self.phase == Phase::Unlinked {
-            // Never published: keep the bytes for reads through open descriptors.
+        if self.phase == Phase::Unlinked || self.cfg.writeback.is_some() {
+            // Never published (or, in background mode, committed whole at close): keep the
+            // bytes for reads through open descriptors.
             return self.spill_tail().await;
         }
         let Some(i) = self
@@ -637,6 +651,43 @@ impl WriteState {
         }
     }
 
+    /// Before the staging file changes: if it is a write-back entry's file (which must stay
+    /// as committed until uploaded), the bytes move to a staging file of this state's own.
+    async fn unshare(&mut self) -> FsResult<()> {
+        if !self.staging_shared {
+            return Ok(());
+        }
+        let src = self.staging.clone().expect("a shared staging file");
+        let dst = Arc::new(tempfile::tempfile_in(&self.cache_dir).map_err(io_err)?);
+        let ranges: Vec<Range<u64>> = self
+            .local
+            .segments(0..self.size())
+            .filter(|(_, local)| *local)
+            .map(|(r, _)| r)
+            .collect();
+        let copy = dst.clone();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            let mut buf = vec![0u8; 1 << 20];
+            for r in ranges {
+                let mut at = r.start;
+                while at < r.end {
+                    let n = ((r.end - at) as usize).min(buf.len());
+                    src.read_exact_at(&mut buf[..n], at)?;
+                    copy.write_all_at(&buf[..n], at)?;
+                    at += n as u64;
+                }
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|_| FsError::EIO)?
+        .map_err(io_err)?;
+        self.staging_direct = open_direct(&dst).map(Arc::new);
+        self.staging = Some(dst);
+        self.staging_shared = false;
+        Ok(())
+    }
+
     /// The staging file, created on first use.
     fn staging(&mut self) -> FsResult<Arc<File>> {
         if let Some(f) = &self.staging {
@@ -650,6 +701,7 @@ impl WriteState {
 
     /// Writes `data` at `offset` of the staging file.
     async fn stage(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
+        self.unshare().await?;
         let staging = self.staging()?;
         inc_by(&self.cfg.metrics.staged_bytes, data.len() as u64);
         write_at(&staging, offset, data).await
@@ -690,6 +742,7 @@ impl WriteState {
             self.base_len = self.base_len.min(size);
             // Parts from the cut on no longer hold what they held.
             self.touch_parts(size..old);
+            self.unshare().await?;
             if let Some(staging) = self.staging.clone() {
                 tokio::task::spawn_blocking(move || staging.set_len(size))
                     .await
@@ -710,7 +763,7 @@ impl WriteState {
     /// bytes are all new needs nothing from the base, so a rewrite of an existing file streams
     /// too; parts are laid out the same way whatever is copied or sent.
     async fn stream_full_parts(&mut self, touched: Range<u64>) -> FsResult<()> {
-        if self.phase == Phase::Unlinked {
+        if self.phase == Phase::Unlinked || self.cfg.writeback.is_some() {
             return Ok(());
         }
         let layout = self.cfg.layout;
@@ -1063,6 +1116,106 @@ impl WriteState {
 
     pub fn is_retired(&self) -> bool {
         self.phase == Phase::Retired
+    }
+
+    /// Background mode's publish: makes the current content, with its metadata, durable as
+    /// an entry of the write-back directory (see [`crate::files::writeback`]) that uploads
+    /// in the background. The entry's file then serves as this state's content (read as is,
+    /// copied before any change), so nothing of the base object is needed any more: base
+    /// bytes not at hand are fetched first. `ino` names the file to the upload's callback.
+    pub async fn commit(&mut self, ino: Ino) -> FsResult<()> {
+        let wb = self.cfg.writeback.clone().expect("background mode");
+        if !self.has_changes_to_publish() {
+            return Ok(());
+        }
+        let size = self.size();
+        if let Some(t) = self.mtime {
+            mtime_into(&mut self.meta, t);
+        }
+        self.settle_spills().await;
+        let r = self.commit_into(&wb, ino, size).await;
+        inc(if r.is_ok() {
+            &self.cfg.metrics.files_published
+        } else {
+            &self.cfg.metrics.publish_errors
+        });
+        let (seq, file) = match r {
+            Ok(x) => x,
+            Err(e) => {
+                self.phase = Phase::Failed;
+                return Err(e);
+            }
+        };
+        self.tail = None;
+        self.staging = Some(file);
+        self.staging_direct = None;
+        self.staging_shared = true;
+        self.local = Extents::default();
+        self.dirty = Extents::default();
+        if size > 0 {
+            self.local.insert(0..size);
+            self.dirty.insert(0..size);
+        }
+        self.base = None;
+        self.base_len = 0;
+        self.generations.clear();
+        self.uploaded_only.clear();
+        self.committed = Some(seq);
+        self.phase = Phase::Clean;
+        self.conflict = false;
+        Ok(())
+    }
+
+    async fn commit_into(
+        &mut self,
+        wb: &Arc<WriteBack>,
+        ino: Ino,
+        size: u64,
+    ) -> FsResult<(u64, Arc<File>)> {
+        self.localize().await?;
+        let origin = match self.base_etag() {
+            Some(e) => Cond::Match(e.to_string()),
+            None => Cond::Absent,
+        };
+        let mut slot = wb.begin(&self.key, size, self.committed, origin).await?;
+        let mut at = 0;
+        while at < size {
+            let n = (size - at).min(COMMIT_CHUNK);
+            let r = match self.assemble(at..at + n).await {
+                Ok(b) => slot.write(b).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = r {
+                wb.abandon(slot);
+                return Err(e);
+            }
+            at += n;
+        }
+        let file = slot.file();
+        let seq = wb.commit(slot, &self.meta, ino).await?;
+        Ok((seq, file))
+    }
+
+    /// Fetches every byte still only in the base object into the staging file.
+    async fn localize(&mut self) -> FsResult<()> {
+        let end = self.base_len.min(self.size());
+        let missing: Vec<Range<u64>> = self
+            .sources(0..end)
+            .into_iter()
+            .filter(|(_, src)| *src == Source::Base)
+            .map(|(r, _)| r)
+            .collect();
+        for r in missing {
+            let mut at = r.start;
+            while at < r.end {
+                let n = (r.end - at).min(COMMIT_CHUNK);
+                let data = self.get_base(at..at + n).await?;
+                self.stage(at, data).await?;
+                self.local.insert(at..at + n);
+                at += n;
+            }
+        }
+        Ok(())
     }
 
     /// Uploads the current content as the object, if anything changed. On success the file is

@@ -46,7 +46,9 @@ impl Fs {
             let base = etag.map(|etag| Base { etag, size });
             let w = self.files.new_write(self.ns.key(&path), base, user);
             let mut st = w.state.lock().await;
-            return self.setattr_state(ino, kind, &mut st, &set, true).await;
+            let a = self.setattr_state(ino, kind, &mut st, &set, true).await?;
+            self.keep_until_uploaded(ino, &w, &st);
+            return Ok(a);
         }
         let Some(change) = Self::meta_change(kind, &set) else {
             return self.getattr(ino).await;
@@ -87,6 +89,26 @@ impl Fs {
         Ok(self.current_attr(i))
     }
 
+    /// Background mode: write state `w` (`st`, locked) of `ino`, not registered, committed a
+    /// version still to upload: it is registered, as a closed file's, so this mount shows
+    /// that version until the upload lands (see `Fs::uploaded`).
+    pub(super) fn keep_until_uploaded(&self, ino: Ino, w: &Arc<OpenWrite>, st: &WriteState) {
+        let Some(wb) = self.files.writeback() else {
+            return;
+        };
+        if !st.committed.is_some_and(|s| wb.is_pending(s)) {
+            return;
+        }
+        let mut t = self.ns.table();
+        if let Some(i) = t.get_mut(ino) {
+            if self.files.write_of(ino).is_none() {
+                i.writing = true;
+                self.files.add_writer(ino, || w.clone());
+                self.files.drop_writer(ino);
+            }
+        }
+    }
+
     /// Applies `set` to file `ino` through its write state `st` (held locked), and publishes
     /// at once when `publish` says so.
     pub(super) async fn setattr_state(
@@ -113,8 +135,7 @@ impl Fs {
             st.mark_changed();
         }
         if publish && st.has_changes_to_publish() {
-            st.publish().await?;
-            self.published(ino, st);
+            self.persist(ino, st).await?;
         } else if change.is_some() || resized {
             // What stat shows now is what the close will store.
             let mut pm = PosixMeta::from_user(&st.meta);

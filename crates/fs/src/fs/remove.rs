@@ -1,4 +1,5 @@
 use super::*;
+use crate::files::writeback::{Cancelled, Cond};
 
 impl Fs {
     pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
@@ -27,7 +28,17 @@ impl Fs {
             None => None,
         };
         // Published since the table was read: the object exists.
-        let in_store = in_store || guard.as_ref().is_some_and(|st| st.base_etag().is_some());
+        let mut in_store = in_store || guard.as_ref().is_some_and(|st| st.base_etag().is_some());
+        // Background mode: a version still to upload never goes up; one that went up is there.
+        let committed = guard.as_ref().and_then(|st| st.committed);
+        if let (Some(wb), Some(seq)) = (self.files.writeback(), committed) {
+            match wb.cancel(seq).await? {
+                Cancelled::Uploaded | Cancelled::Removed(Cond::Match(_) | Cond::Any) => {
+                    in_store = true
+                }
+                Cancelled::Removed(Cond::Absent) | Cancelled::Unknown => {}
+            }
+        }
         if open
             && self
                 .hide_open_file(ino, &path, guard.as_deref_mut(), in_store)
@@ -39,14 +50,20 @@ impl Fs {
         }
         if in_store {
             let key = self.ns.key(&path);
-            self.store
-                .delete(&key)
-                .await
-                .map_err(|e| log_store_err(&format!("unlink {key}"), e))?;
+            if let Err(e) = self.store.delete(&key).await {
+                if let Some(st) = guard.as_deref_mut().filter(|_| committed.is_some()) {
+                    // Its write-back entry is gone: the next close commits the file again.
+                    st.mark_changed();
+                }
+                return Err(log_store_err(&format!("unlink {key}"), e));
+            }
         }
         if let Some(st) = guard.as_deref_mut() {
             st.unlink();
             st.abort_stream().await;
+        }
+        if let (Some(w), Some(st)) = (&write, guard.as_deref_mut()) {
+            self.drop_closed_state(ino, w, st);
         }
         drop(guard);
         self.ns.removed(parent, ino, &path);
@@ -158,6 +175,23 @@ impl Fs {
         };
         if let Some(hidden) = closed {
             self.delete_hidden(hidden).await;
+        }
+    }
+
+    /// Background mode: the write state `w` (`st`, locked) of `ino`, kept after its last close
+    /// for an upload that will not happen now (unlinked, renamed over), goes.
+    pub(super) fn drop_closed_state(&self, ino: Ino, w: &Arc<OpenWrite>, st: &mut WriteState) {
+        if self.files.writeback().is_none() {
+            return;
+        }
+        let mut t = self.ns.table();
+        let open = t.get(ino).is_some_and(|i| i.open_handles > 0);
+        if !open && self.files.is_sole(ino, w) {
+            self.files.forget_write(ino);
+            st.retire();
+            if let Some(i) = t.get_mut(ino) {
+                i.writing = false;
+            }
         }
     }
 

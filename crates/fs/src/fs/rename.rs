@@ -1,4 +1,5 @@
 use super::*;
+use crate::files::writeback::Cond;
 
 /// A file still open here whose name a rename takes (see [`Fs::rename_file`]).
 pub(super) struct Replaced {
@@ -30,6 +31,26 @@ async fn lock_in_order<'a>(
     } else {
         let gb = lock(b).await;
         (lock(a.1).await, gb)
+    }
+}
+
+/// Write-back entries a directory rename keeps from uploading; those it did not move are let
+/// go when it ends.
+#[derive(Default)]
+struct Held(Vec<(Arc<crate::files::writeback::WriteBack>, u64)>);
+
+impl Held {
+    fn take(&mut self, seq: u64) -> Option<(Arc<crate::files::writeback::WriteBack>, u64)> {
+        let i = self.0.iter().position(|(_, s)| *s == seq)?;
+        Some(self.0.swap_remove(i))
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        for (wb, seq) in self.0.drain(..) {
+            wb.release(seq);
+        }
     }
 }
 
@@ -95,7 +116,10 @@ impl Fs {
                     }
                 }
                 (false, false) => {
-                    if open {
+                    // Background mode: a closed file whose version is still to upload has
+                    // its state too; that upload must not land over the renamed file.
+                    let pending = self.files.writeback().is_some() && twrite.is_some();
+                    if open || pending {
                         replaced = Some(Replaced {
                             ino: t,
                             write: twrite,
@@ -141,6 +165,11 @@ impl Fs {
             replaced.as_ref().map(|r| (r.ino, r.write.as_deref())),
         )
         .await;
+        if let (Some(wb), Some(st)) = (self.files.writeback(), replaced_guard.as_deref()) {
+            if let Some(seq) = st.committed {
+                wb.cancel(seq).await?;
+            }
+        }
         let kept = match &replaced {
             Some(r) => {
                 self.copy_for_descriptors(
@@ -166,6 +195,9 @@ impl Fs {
             (Ok(etag), Some(r)) => {
                 self.retire_open_file(r.ino, replaced_guard.as_deref_mut(), kept)
                     .await;
+                if let (Some(w), Some(st)) = (&r.write, replaced_guard.as_deref_mut()) {
+                    self.drop_closed_state(r.ino, w, st);
+                }
                 Ok(etag)
             }
             (Ok(etag), None) => Ok(etag),
@@ -201,6 +233,47 @@ impl Fs {
             return Ok(self.store.head(&dst).await.ok().and_then(|o| o.etag));
         };
         st.leave_key(&src)?;
+        // Background mode: a version still to upload waits (no upload under either name)
+        // and moves to the new name with the file.
+        let held = match (self.files.writeback(), st.committed) {
+            (Some(wb), Some(seq)) if wb.hold(seq).await => Some((wb.clone(), seq)),
+            _ => None,
+        };
+        let moved = self.move_state_object(&src, &dst, st).await;
+        let etag = match moved {
+            Ok(etag) => etag,
+            Err(e) => {
+                if let Some((wb, seq)) = &held {
+                    wb.release(*seq);
+                }
+                return Err(e);
+            }
+        };
+        if let Some((wb, seq)) = held {
+            let cond = etag.clone().map_or(Cond::Absent, Cond::Match);
+            match wb.rekey(seq, &dst, cond).await {
+                Ok(new) => st.committed = Some(new),
+                Err(e) => {
+                    tracing::error!(
+                        "rename {src} to {dst}: its version waiting for upload could not move \
+                         ({e}); it stays under the old name"
+                    );
+                    return Err(e);
+                }
+            }
+        }
+        Ok(etag)
+    }
+
+    /// [`Self::move_object`] of a file being written: its previous complete object, if any,
+    /// moves to `dst`, then the state goes on under `dst`.
+    async fn move_state_object(
+        &self,
+        src: &str,
+        dst: &str,
+        st: &mut WriteState,
+    ) -> FsResult<Option<String>> {
+        let (src, dst) = (src.to_string(), dst.to_string());
         let what = format!("rename {src} to {dst}");
         let old = match self.store.head(&src).await {
             Ok(o) => Some(o),
@@ -254,9 +327,16 @@ impl Fs {
                 .filter_map(|d| self.files.write_of(d))
                 .collect()
         };
+        // Background mode: versions below still to upload wait, and move with their files.
+        let mut held = Held::default();
         for w in &writes {
             let st = w.state.lock().await;
             st.leave_key(&st.key)?;
+            if let (Some(wb), Some(seq)) = (self.files.writeback(), st.committed) {
+                if wb.hold(seq).await {
+                    held.0.push((wb.clone(), seq));
+                }
+            }
         }
         let (src, dst) = (self.ns.dir_key(path), self.ns.dir_key(new_path));
         // Directories made below must be in the bucket to be listed and moved.
@@ -355,7 +435,12 @@ impl Fs {
         for (p, w) in below {
             let key = self.ns.key(&p);
             let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
-            w.state.lock().await.move_to(key, etag).await;
+            let mut st = w.state.lock().await;
+            st.move_to(key.clone(), etag.clone()).await;
+            if let Some((wb, seq)) = st.committed.and_then(|s| held.take(s)) {
+                let cond = etag.map_or(Cond::Absent, Cond::Match);
+                st.committed = Some(wb.rekey(seq, &key, cond).await?);
+            }
         }
         Ok(())
     }

@@ -446,6 +446,20 @@ impl Namespace {
         t.maybe_drop(ino);
     }
 
+    /// File `ino` now has `size` bytes and `user` metadata as committed here, not yet in the
+    /// store (background upload): what it says of the object stays.
+    pub fn changed_here(&self, ino: Ino, size: u64, user: UserMeta) {
+        let mut t = self.table.lock();
+        if let Some(i) = t.get_mut(ino) {
+            self.lookups.forget(&i.path);
+            let pm = PosixMeta::from_user(&user);
+            i.attr = self
+                .policy
+                .attr(ino, i.kind, size, &pm, Some(SystemTime::now()));
+            i.user = user;
+        }
+    }
+
     /// The object of file `ino` is now in the store with `size` bytes, ETag `etag` and `user`
     /// metadata, as this mount stored it.
     pub fn stored(&self, ino: Ino, size: u64, etag: Option<String>, user: UserMeta) {

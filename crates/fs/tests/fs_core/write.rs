@@ -140,9 +140,12 @@ async fn fsync_with_nothing_to_upload_is_answered_at_once() {
     put(&e.mem, "ro", b"old").await;
     let ro = e.fs.lookup(ROOT_INO, OsStr::new("ro")).await.unwrap();
     let h = e.fs.open(ro.ino, libc::O_RDONLY).await.unwrap();
-    assert!(matches!(e.fs.publish_now(ro.ino, h.fh), Now::Done(Ok(()))));
     assert!(matches!(
-        e.fs.publish_now(ro.ino, h.fh + 1000),
+        e.fs.publish_now(ro.ino, h.fh, false),
+        Now::Done(Ok(()))
+    ));
+    assert!(matches!(
+        e.fs.publish_now(ro.ino, h.fh + 1000, false),
         Now::Done(Err(FsError::EBADF))
     ));
 
@@ -151,21 +154,27 @@ async fn fsync_with_nothing_to_upload_is_answered_at_once() {
         e.fs.create(ROOT_INO, OsStr::new("w"), 0o644, 0, libc::O_WRONLY, ME)
             .await
             .unwrap();
-    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Now::Later(_)));
+    assert!(matches!(
+        e.fs.publish_now(attr.ino, open.fh, false),
+        Now::Later(_)
+    ));
     e.fs.fsync(attr.ino, open.fh).await.unwrap();
     assert!(matches!(
-        e.fs.publish_now(attr.ino, open.fh),
+        e.fs.publish_now(attr.ino, open.fh, false),
         Now::Done(Ok(()))
     ));
     // A write makes it dirty again; once published, clean again with no further request.
     e.fs.write(attr.ino, open.fh, 0, Bytes::from_static(b"new"))
         .await
         .unwrap();
-    assert!(matches!(e.fs.publish_now(attr.ino, open.fh), Now::Later(_)));
+    assert!(matches!(
+        e.fs.publish_now(attr.ino, open.fh, false),
+        Now::Later(_)
+    ));
     e.fs.fsync(attr.ino, open.fh).await.unwrap();
     let puts = e.metrics.requests(Op::Put);
     assert!(matches!(
-        e.fs.publish_now(attr.ino, open.fh),
+        e.fs.publish_now(attr.ino, open.fh, false),
         Now::Done(Ok(()))
     ));
     e.fs.flush(attr.ino, open.fh).await.unwrap();

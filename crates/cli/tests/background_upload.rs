@@ -1,0 +1,530 @@
+//! `--upload background` (issue 20) through real mounts against MinIO: close returns once the
+//! file is durable in the write-back directory under `--state-dir`, uploads follow. Nothing
+//! acknowledged is lost (kill -9, a simulated reboot), refused and conflicting uploads stay
+//! pending and listed, a rename or unlink before the upload costs no upload, and a full
+//! write-back directory makes writers wait.
+
+mod common;
+
+use common::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::io::Write;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A mount of `bucket` in background mode keeping its state in `state`.
+fn bg_spec(bucket: &str, state: &Path) -> MountSpec {
+    MountSpec::s3(bucket, "")
+        .arg("--upload")
+        .arg("background")
+        .arg("--state-dir")
+        .arg(state.to_str().unwrap())
+}
+
+fn state_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("bucketfs-bg-state-")
+        .tempdir()
+        .unwrap()
+}
+
+/// `bucketfs pending MOUNTPOINT`: (exit code, stdout).
+fn pending(mp: &Path) -> (Option<i32>, String) {
+    let run = run_cli(
+        &[OsString::from("pending"), mp.as_os_str().to_owned()],
+        &[],
+        None,
+        Duration::from_secs(30),
+    );
+    (run.status.and_then(|s| s.code()), run.stdout)
+}
+
+/// The mount's `bucketfs_store_requests_total{op="put"}` and similar, by operation.
+fn puts(mp: &Path) -> u64 {
+    store_requests(mp).get("put").copied().unwrap_or(0)
+}
+
+fn content(i: usize) -> Vec<u8> {
+    let mut v = format!("file {i}\n").into_bytes();
+    v.extend(pattern::bytes(i as u64, 100 + i % 900));
+    v
+}
+
+fn name(i: usize) -> String {
+    format!("d{}/f{i:05}", i % 16)
+}
+
+/// What a writer learned of one file before its close returned.
+#[derive(Debug, Clone)]
+struct Acked {
+    mtime: f64,
+    uid: u32,
+    gid: u32,
+}
+
+/// Checks that every acknowledged file is in the bucket byte-exact with its attributes, and
+/// that any other key there is one of `in_flight` (a close that may have finished as the
+/// daemon died), complete and exact too. Returns how many acknowledged files it checked.
+fn check_bucket(
+    bucket: &str,
+    acked: &BTreeMap<usize, Acked>,
+    in_flight: &BTreeSet<usize>,
+) -> usize {
+    let s3 = s3();
+    let keys = s3.list_keys(bucket, "");
+    let files: BTreeSet<String> = keys.iter().filter(|k| !k.ends_with('/')).cloned().collect();
+    for (i, a) in acked {
+        let key = name(*i);
+        assert!(
+            files.contains(&key),
+            "acknowledged {key} is not in the bucket"
+        );
+        assert_eq!(
+            s3.get(bucket, &key).as_deref(),
+            Some(&content(*i)[..]),
+            "{key}: bytes"
+        );
+        let h = s3.head(bucket, &key).unwrap();
+        assert_eq!(
+            h.meta.get("mode").map(String::as_str),
+            Some("33184"),
+            "{key}: mode 0640"
+        );
+        assert_eq!(h.meta.get("uid"), Some(&a.uid.to_string()), "{key}: uid");
+        assert_eq!(h.meta.get("gid"), Some(&a.gid.to_string()), "{key}: gid");
+        let mtime: f64 = h.meta["mtime"].parse().unwrap();
+        assert!(
+            (mtime - a.mtime).abs() < 1.0,
+            "{key}: stored mtime {mtime}, the file had {}",
+            a.mtime
+        );
+    }
+    for key in &files {
+        let i: usize = key
+            .rsplit_once("/f")
+            .and_then(|(_, n)| n.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected key {key}"));
+        if acked.contains_key(&i) {
+            continue;
+        }
+        assert!(
+            in_flight.contains(&i),
+            "{key} is in the bucket, but its close never returned and it was not being closed"
+        );
+        assert_eq!(
+            s3.get(bucket, key).as_deref(),
+            Some(&content(i)[..]),
+            "{key}"
+        );
+    }
+    acked.len()
+}
+
+/// Writers creating files 0..n (thread t takes i % threads == t) until `stop`; each file is
+/// written, chmod'ed 0640 and closed. Returns the acknowledged files and, per thread, the one
+/// whose close was in progress when it stopped.
+fn run_writers(
+    root: PathBuf,
+    n: usize,
+    threads: usize,
+    stop: Arc<AtomicBool>,
+    acked: Arc<Mutex<BTreeMap<usize, Acked>>>,
+    closing: Arc<Mutex<BTreeSet<usize>>>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    (0..threads)
+        .map(|t| {
+            let (root, stop, acked, closing) =
+                (root.clone(), stop.clone(), acked.clone(), closing.clone());
+            std::thread::spawn(move || {
+                for i in (t..n).step_by(threads) {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let p = root.join(name(i));
+                    let Ok(mut f) = std::fs::File::create(&p) else {
+                        return;
+                    };
+                    if f.write_all(&content(i)).is_err()
+                        || f.set_permissions(std::fs::Permissions::from_mode(0o640))
+                            .is_err()
+                    {
+                        return;
+                    }
+                    let Ok(md) = f.metadata() else { return };
+                    let a = Acked {
+                        mtime: md.mtime() as f64 + md.mtime_nsec() as f64 / 1e9,
+                        uid: md.uid(),
+                        gid: md.gid(),
+                    };
+                    closing.lock().unwrap().insert(i);
+                    if close_checked(f).is_ok() {
+                        acked.lock().unwrap().insert(i, a);
+                    } else {
+                        return;
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+fn make_dirs(root: &Path) {
+    for d in 0..16 {
+        std::fs::create_dir(root.join(format!("d{d}"))).unwrap();
+    }
+}
+
+/// kill -9 of the daemon in the middle of 10,000 small creates by 8 threads: after the next
+/// mount from the same state directory, every file whose close returned 0 is in the bucket,
+/// byte-exact, with its mode, uid, gid and mtime, and no other file is (except one whose
+/// close was under way at the kill, complete).
+#[test]
+fn kill_9_mid_10000_creates_loses_no_acknowledged_file() {
+    let b = s3().new_bucket("bgcrash");
+    let state = state_dir();
+    // Uploads start a second after each close: the kill finds many files acknowledged and
+    // not uploaded, and many uploaded.
+    let spec = bg_spec(&b, state.path()).arg("--upload-delay").arg("1");
+    let mut m = spec.mount();
+    make_dirs(m.path());
+    // The markers are uploaded in the background too: make them durable first.
+    std::fs::File::open(m.path()).unwrap().sync_all().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(Mutex::new(BTreeMap::new()));
+    let closing = Arc::new(Mutex::new(BTreeSet::new()));
+    let start = Instant::now();
+    let writers = run_writers(
+        m.path().to_path_buf(),
+        10_000,
+        8,
+        stop.clone(),
+        acked.clone(),
+        closing.clone(),
+    );
+    // Mid-way: when a quarter is acknowledged (or after 12 s).
+    while acked.lock().unwrap().len() < 2_500 && start.elapsed() < Duration::from_secs(12) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let in_flight_before: BTreeSet<usize> = {
+        let c = closing.lock().unwrap();
+        let a = acked.lock().unwrap();
+        c.iter().filter(|i| !a.contains_key(i)).copied().collect()
+    };
+    m.kill9();
+    let killed_at = start.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.join().unwrap();
+    }
+    let acked = acked.lock().unwrap().clone();
+    let closing = closing.lock().unwrap().clone();
+    let in_flight: BTreeSet<usize> = closing
+        .iter()
+        .filter(|i| !acked.contains_key(i))
+        .copied()
+        .collect();
+    let uploaded_at_kill = s3()
+        .list_keys(&b, "")
+        .iter()
+        .filter(|k| !k.ends_with('/'))
+        .count();
+    drop(m);
+    let m = spec.mount();
+    let n = check_bucket(&b, &acked, &in_flight);
+    eprintln!(
+        "crash test: {} acknowledged in {:.1} s, {uploaded_at_kill} of them uploaded at the \
+         kill, {} closes in flight ({} before the kill), all {n} acknowledged in the bucket \
+         after the remount",
+        acked.len(),
+        killed_at.as_secs_f64(),
+        in_flight.len(),
+        in_flight_before.len()
+    );
+    assert!(
+        acked.len() >= 1_000,
+        "too few files acknowledged: {}",
+        acked.len()
+    );
+    assert!(
+        uploaded_at_kill < acked.len(),
+        "every file was uploaded before the kill: the crash tested nothing"
+    );
+    // The mount shows them.
+    for i in acked.keys().take(50) {
+        assert_eq!(read_file(&m.join(name(*i))), content(*i));
+    }
+    let (code, out) = pending(m.path());
+    assert_eq!(code, Some(0));
+    assert!(out.contains("0 file(s)"), "{out}");
+}
+
+/// A simulated reboot: files closed while the store takes nothing (uploads stalled), the
+/// daemon killed, the mount point cleaned up, the state directory kept. The next mount, on a
+/// new mount point, uploads them before it serves: all there, byte-exact.
+#[test]
+fn simulated_reboot_uploads_what_was_acknowledged() {
+    let b = s3().new_bucket("bgreboot");
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let mut spec = via_proxy(&b, &proxy);
+    spec.args.extend(
+        [
+            "--upload",
+            "background",
+            "--state-dir",
+            state.path().to_str().unwrap(),
+        ]
+        .map(String::from),
+    );
+    let mut m = spec.clone().mount();
+    make_dirs(m.path());
+    std::fs::File::open(m.path()).unwrap().sync_all().unwrap();
+    proxy.stall(true);
+    let mut acked = BTreeMap::new();
+    for i in 0..200 {
+        let p = m.join(name(i));
+        let mut f = std::fs::File::create(&p).unwrap();
+        f.write_all(&content(i)).unwrap();
+        f.set_permissions(std::fs::Permissions::from_mode(0o640))
+            .unwrap();
+        let md = f.metadata().unwrap();
+        close_checked(f).unwrap();
+        acked.insert(
+            i,
+            Acked {
+                mtime: md.mtime() as f64 + md.mtime_nsec() as f64 / 1e9,
+                uid: md.uid(),
+                gid: md.gid(),
+            },
+        );
+    }
+    // This mount reads them back at once.
+    assert_eq!(read_file(&m.join(name(7))), content(7));
+    let (code, out) = pending(m.path());
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("200 file(s)"), "{out}");
+    m.kill9();
+    drop(m); // the dead mount point is cleaned up; the state directory stays
+    proxy.stall(false);
+    assert!(
+        s3().list_keys(&b, "d").iter().all(|k| k.ends_with('/')),
+        "uploaded while stalled?"
+    );
+    // The same store (through the same address) after the "reboot".
+    let m = spec.mount();
+    assert_eq!(check_bucket(&b, &acked, &BTreeSet::new()), 200);
+    assert_eq!(read_file(&m.join(name(199))), content(199));
+}
+
+/// An upload the store refuses for good (the bucket is gone) is kept, shown by the mount,
+/// listed by `bucketfs pending` with its error, counted, logged once per file, and retried:
+/// once the bucket is back, the unmount uploads it.
+#[test]
+fn refused_upload_stays_pending_listed_and_is_retried() {
+    let b = s3().new_bucket("bgrefused");
+    let state = state_dir();
+    let addr = free_local_addr();
+    let m = bg_spec(&b, state.path())
+        .arg("--metrics-addr")
+        .arg(&addr)
+        .mount();
+    // Looked up first (missing, remembered for --negative-ttl): the creates need no request.
+    for i in 0..3 {
+        assert!(!m.join(format!("r{i}")).exists());
+    }
+    s3().remove_bucket(&b);
+    for i in 0..3 {
+        write_file(&m.join(format!("r{i}")), &content(i));
+    }
+    wait_for("the three uploads to fail", Duration::from_secs(30), || {
+        metric(&addr, "bucketfs_writeback_failed_files") == 3
+    });
+    assert_eq!(read_file(&m.join("r1")), content(1));
+    let (code, out) = pending(m.path());
+    assert_eq!(code, Some(0), "{out}");
+    for i in 0..3 {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("failed") && l.contains(&format!("\"r{i}\""))),
+            "r{i} not listed as failed:\n{out}"
+        );
+    }
+    assert!(out.contains("3 failed"), "{out}");
+    assert!(metric(&addr, "bucketfs_writeback_upload_errors_total") >= 3);
+    // Retried (every 10 s at first): still refused, still logged once per file.
+    std::thread::sleep(Duration::from_secs(12));
+    let log = m.log();
+    for i in 0..3 {
+        let lines = log
+            .lines()
+            .filter(|l| l.contains(&format!("r{i}: background upload failed")))
+            .count();
+        assert_eq!(lines, 1, "r{i} logged {lines} times:\n{log}");
+    }
+    s3().create_bucket(&b);
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    for i in 0..3 {
+        assert_eq!(s3().get(&b, &format!("r{i}")), Some(content(i)), "r{i}");
+    }
+}
+
+/// With --upload-delay, a file renamed, removed or chmod'ed before its upload costs no
+/// extra upload: a renamed file is uploaded once under its new name, a removed one never,
+/// a chmod goes up with the file.
+#[test]
+fn rename_unlink_chmod_before_upload_cost_no_extra_upload() {
+    let b = s3().new_bucket("bgrename");
+    let state = state_dir();
+    let m = bg_spec(&b, state.path())
+        .arg("--upload-delay")
+        .arg("3")
+        .mount();
+    let before = puts(m.path());
+    write_file(&m.join("a.tmp"), b"renamed");
+    std::fs::rename(m.join("a.tmp"), m.join("a")).unwrap();
+    write_file(&m.join("gone"), b"removed");
+    std::fs::remove_file(m.join("gone")).unwrap();
+    write_file(&m.join("c"), b"chmod");
+    std::fs::set_permissions(m.join("c"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    // The mount shows them meanwhile.
+    assert_eq!(read_file(&m.join("a")), b"renamed");
+    assert!(!m.join("a.tmp").exists() && !m.join("gone").exists());
+    assert_eq!(
+        std::fs::metadata(m.join("c")).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(puts(m.path()), before, "nothing uploaded within the delay");
+    wait_for("the uploads", Duration::from_secs(20), || {
+        s3().get(&b, "a").is_some() && s3().get(&b, "c").is_some()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(puts(m.path()) - before, 2, "one PUT per file that stays");
+    let keys = s3().list_keys(&b, "");
+    assert_eq!(keys, ["a", "c"].iter().map(|s| s.to_string()).collect());
+    assert_eq!(s3().get(&b, "a").unwrap(), b"renamed");
+    assert_eq!(
+        s3().head(&b, "c")
+            .unwrap()
+            .meta
+            .get("mode")
+            .map(String::as_str),
+        Some("33152")
+    );
+}
+
+/// Another client writes the object between this mount's close and its upload: the upload
+/// is refused (If-Match / If-None-Match), the other client's object stays, the file is
+/// listed as a conflict and this mount still shows its version; written again here, it goes
+/// over the other.
+#[test]
+fn another_clients_change_before_upload_is_not_clobbered() {
+    let b = s3().new_bucket("bgconflict");
+    s3().put(&b, "old", b"theirs v1".to_vec());
+    let state = state_dir();
+    let m = bg_spec(&b, state.path())
+        .arg("--upload-delay")
+        .arg("2")
+        .mount();
+    assert_eq!(read_file(&m.join("old")), b"theirs v1");
+    write_file(&m.join("old"), b"ours over v1");
+    write_file(&m.join("new"), b"ours, new");
+    s3().put(&b, "old", b"theirs v2".to_vec());
+    s3().put(&b, "new", b"theirs, new".to_vec());
+    wait_for("two conflicts", Duration::from_secs(20), || {
+        let (_, out) = pending(m.path());
+        out.lines().filter(|l| l.starts_with("conflict")).count() == 2
+    });
+    assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2");
+    assert_eq!(s3().get(&b, "new").unwrap(), b"theirs, new");
+    assert_eq!(read_file(&m.join("old")), b"ours over v1");
+    assert!(m
+        .log()
+        .contains("changed by another client before this mount uploaded it"));
+    // Written again here: stored over the other client's.
+    write_file(&m.join("new"), b"ours again");
+    wait_for("the rewrite to go up", Duration::from_secs(20), || {
+        s3().get(&b, "new").as_deref() == Some(&b"ours again"[..])
+    });
+}
+
+/// A full write-back directory makes a close wait for room (never ENOSPC): with uploads
+/// stalled and --writeback-size 1M, two 400 KiB files fit and the third close waits until
+/// uploads free room.
+#[test]
+fn full_writeback_directory_makes_writers_wait() {
+    let b = s3().new_bucket("bgspace");
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let mut spec = via_proxy(&b, &proxy);
+    spec.args.extend(
+        [
+            "--upload",
+            "background",
+            "--state-dir",
+            state.path().to_str().unwrap(),
+            "--writeback-size",
+            "1M",
+        ]
+        .map(String::from),
+    );
+    let m = spec.mount();
+    let body = pattern::bytes(3, 400 << 10);
+    // Looked up before the stall, so the creates below need no request.
+    for i in 0..3 {
+        assert!(!m.join(format!("s{i}")).exists());
+    }
+    proxy.stall(true);
+    write_file(&m.join("s0"), &body);
+    write_file(&m.join("s1"), &body);
+    let done = Arc::new(AtomicBool::new(false));
+    let t = {
+        let (p, body, done) = (m.join("s2"), body.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(&p).unwrap();
+            f.write_all(&body).unwrap();
+            let r = close_checked(f);
+            done.store(true, Ordering::SeqCst);
+            r
+        })
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "the third close did not wait for room"
+    );
+    proxy.stall(false);
+    t.join()
+        .unwrap()
+        .expect("the waiting close succeeds once uploads free room");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    for i in 0..3 {
+        assert_eq!(s3().get(&b, &format!("s{i}")).unwrap(), body, "s{i}");
+    }
+}
+
+/// Unmounting waits for the uploads still to do, and says so in the log.
+#[test]
+fn unmount_waits_for_background_uploads() {
+    let b = s3().new_bucket("bgumount");
+    let state = state_dir();
+    let m = bg_spec(&b, state.path())
+        .arg("--upload-delay")
+        .arg("60")
+        .mount();
+    for i in 0..20 {
+        write_file(&m.join(format!("u{i}")), &content(i));
+    }
+    assert!(s3().list_keys(&b, "").is_empty());
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(log.contains("waiting for 20 background upload(s)"), "{log}");
+    for i in 0..20 {
+        assert_eq!(s3().get(&b, &format!("u{i}")), Some(content(i)));
+    }
+}
