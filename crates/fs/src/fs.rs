@@ -796,6 +796,15 @@ impl Fs {
     /// state goes (it was kept for reads and as the file's content until now).
     async fn uploaded(&self, u: crate::files::writeback::Uploaded) {
         let Some(w) = self.files.write_of(u.ino) else {
+            // Its state went already (its last close came after the upload): the inode
+            // learns the object.
+            let mut t = self.ns.table();
+            if let Some(i) = t.get_mut(u.ino) {
+                if !i.writing && self.ns.key(&i.path) == u.key && i.etag.is_none() {
+                    i.etag = Some(u.etag);
+                    i.fetched = Some(std::time::Instant::now());
+                }
+            }
             return;
         };
         let mut st = w.state.lock().await;
@@ -935,7 +944,7 @@ impl Fs {
                         i.writing = false;
                         st.retire();
                     }
-                    never_stored = i.fetched.is_none();
+                    never_stored = i.fetched.is_none() && st.committed.is_none();
                 }
             }
             if never_stored {

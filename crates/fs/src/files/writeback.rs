@@ -873,14 +873,13 @@ impl WriteBack {
         let r = self.upload(&key, size, &meta, &cond, &path).await;
         match r {
             Ok(etag) => {
-                let cb = self.on_uploaded.lock().clone();
-                if let Some(cb) = cb {
-                    cb(Uploaded {
-                        ino,
-                        seq,
-                        key: key.clone(),
-                        etag: etag.clone(),
-                    });
+                // The entry goes for good before anything learns of the upload: were it to
+                // come back after a crash, its upload would be done again over whatever
+                // happened to the file since (a delete, say). Until then it counts as
+                // uploading (an unlink or rename waits).
+                let _ = std::fs::remove_file(&path);
+                if let Err(e) = self.sync_dir().await {
+                    tracing::warn!("write-back directory: {e:?} after uploading {key}");
                 }
                 {
                     let mut inner = self.inner.lock();
@@ -891,7 +890,7 @@ impl WriteBack {
                     if inner.by_key.get(&key) == Some(&seq) {
                         inner.by_key.remove(&key);
                     }
-                    inner.results.insert(seq, etag);
+                    inner.results.insert(seq, etag.clone());
                     inner.results_order.push_back(seq);
                     while inner.results_order.len() > RESULTS_KEPT {
                         if let Some(old) = inner.results_order.pop_front() {
@@ -899,9 +898,15 @@ impl WriteBack {
                         }
                     }
                 }
-                // A crash before this removal uploads it again at the next start, which
-                // finds it there already (see `upload`).
-                let _ = std::fs::remove_file(&path);
+                let cb = self.on_uploaded.lock().clone();
+                if let Some(cb) = cb {
+                    cb(Uploaded {
+                        ino,
+                        seq,
+                        key: key.clone(),
+                        etag,
+                    });
+                }
                 inc(&self.metrics.writeback_uploaded);
             }
             Err((e, conflict)) => {
