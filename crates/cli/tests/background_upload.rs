@@ -277,6 +277,10 @@ fn simulated_reboot_uploads_what_was_acknowledged() {
             "background",
             "--state-dir",
             state.path().to_str().unwrap(),
+            // What the mount knows of the new directories answers the creates' lookups
+            // (no request to the stalled store) however slow the machine.
+            "--stat-ttl",
+            "300",
         ]
         .map(String::from),
     );
@@ -331,6 +335,8 @@ fn refused_upload_stays_pending_listed_and_is_retried() {
     let m = bg_spec(&b, state.path())
         .arg("--metrics-addr")
         .arg(&addr)
+        .arg("--negative-ttl")
+        .arg("300")
         .mount();
     // Looked up first (missing, remembered for --negative-ttl): the creates need no request.
     for i in 0..3 {
@@ -469,6 +475,8 @@ fn full_writeback_directory_makes_writers_wait() {
             state.path().to_str().unwrap(),
             "--writeback-size",
             "1M",
+            "--negative-ttl",
+            "300",
         ]
         .map(String::from),
     );

@@ -56,7 +56,7 @@ const PARTS_PER_STEP: u64 = 1000;
 /// Reads of a file open for writing fetch base bytes in aligned blocks of this size.
 const READ_BLOCK: u64 = 128 * 1024;
 /// A commit copies the content into its write-back entry this much at a time.
-const COMMIT_CHUNK: u64 = 4 << 20;
+const COMMIT_CHUNK: u64 = 1 << 20;
 
 impl PartLayout {
     /// Byte range of part `index` (0-based; part number `index + 1`).
@@ -1181,8 +1181,10 @@ impl WriteState {
         let mut at = 0;
         while at < size {
             let n = (size - at).min(COMMIT_CHUNK);
-            let r = match self.assemble(at..at + n).await {
-                Ok(b) => slot.write(b).await,
+            // A buffer of the budget, held until its bytes are written.
+            let (buf, _mem) = self.cfg.budget.buffer(n).await.split_mem();
+            let r = match self.assemble_into(at..at + n, buf).await {
+                Ok(b) => slot.write(b.freeze(n as usize)).await,
                 Err(e) => Err(e),
             };
             if let Err(e) = r {
