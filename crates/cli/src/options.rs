@@ -289,6 +289,12 @@ pub const OPTIONS: &[OptionSpec] = &[
     value("data_cache_size", "SIZE").env().default("10G").help(
         "Most the --data-cache directory holds; the least recently used blocks go first (K/M/G).",
     ),
+    flag("no_passthrough").env().help(
+        "Never let the kernel read the --data-cache copy of a file itself (FUSE passthrough, \
+         used by default when the kernel and CAP_SYS_ADMIN allow it): every read goes \
+         through the daemon, and opening for writing a file another process reads is never \
+         refused",
+    ),
     value("max_prefetch", "SIZE")
         .env()
         .default("64M")

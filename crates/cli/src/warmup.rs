@@ -22,7 +22,8 @@ fn mount_of(path: &Path) -> Option<PathBuf> {
         .map(Path::to_path_buf)
 }
 
-/// Bytes the data caches of `mounts` have served, and whether any of them has one.
+/// Bytes the data caches of `mounts` have served (files handed to the kernel whole
+/// included), and whether any of them has one.
 fn served(mounts: &BTreeSet<PathBuf>) -> (u64, bool) {
     let mut total = 0;
     let mut any = false;
@@ -30,6 +31,7 @@ fn served(mounts: &BTreeSet<PathBuf>) -> (u64, bool) {
         if let Ok(s) = crate::stats::fetch(&stats_socket(m)) {
             let get = |k: &str| s.get(k).copied().unwrap_or(0.0);
             total += get("bucketfs_data_cache_bytes_served_total") as u64;
+            total += get("bucketfs_passthrough_bytes_total") as u64;
             any |= get("bucketfs_data_cache_limit_bytes") > 0.0;
         }
     }

@@ -12,9 +12,12 @@ use std::time::{Duration, Instant};
 const MIB: u64 = 1024 * 1024;
 
 /// A mount of `bucket` caching data in `dir`, serving metrics at the returned address.
+/// These tests look at the block files: passthrough, which assembles a file's blocks into one
+/// whole copy, is off (its tests are in passthrough.rs).
 fn mount_cached(bucket: &str, dir: &Path, extra: &[&str]) -> (Mount, String) {
     let addr = free_local_addr();
     let mut spec = MountSpec::s3(bucket, "")
+        .arg("--no-passthrough")
         .arg("--data-cache")
         .arg(dir.to_str().unwrap())
         .arg("--metrics-addr")

@@ -44,11 +44,15 @@ pub struct Caller {
 }
 
 /// Result of `open`/`create`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct OpenReply {
     pub fh: u64,
     /// The kernel may keep its page cache for this file (content unchanged since last open).
     pub keep_cache: bool,
+    /// A local file holding exactly this version's bytes (the data cache's whole copy), for
+    /// the kernel to read itself (passthrough). Every open of the inode gets the same one
+    /// while any of them is open; report the outcome with [`Fs::passed_through`].
+    pub local: Option<Arc<std::fs::File>>,
 }
 
 /// The attribute changes of one `setattr`; `None` leaves a field alone.
@@ -110,6 +114,9 @@ pub type StaleCache = Box<dyn Fn(Ino) + Send + Sync>;
 /// Times a fresh descriptor learns a newer version before its read gives up with ESTALE
 /// (the object keeps changing under it).
 const REPIN_TRIES: u32 = 3;
+
+/// Times (20 ms apart) an open waits for the passthrough handles of its inode to close.
+const THROUGH_WAITS: u32 = 50;
 
 fn now() -> SystemTime {
     SystemTime::now()
@@ -173,6 +180,33 @@ impl Fs {
     /// The fs core's counters.
     pub fn metrics(&self) -> Arc<FsMetrics> {
         self.files.metrics().clone()
+    }
+
+    /// The kernel can read local files in our place (FUSE passthrough, granted at the mount's
+    /// start): with a data cache, read-only opens of files it holds whole get its copy.
+    /// Returns whether there is a data cache to use it with.
+    pub fn enable_passthrough(&self) -> bool {
+        self.files.enable_passthrough(true)
+    }
+
+    /// Whether this mount has a data cache (the only source of local copies).
+    pub fn has_data_cache(&self) -> bool {
+        self.cfg.data_cache.is_some()
+    }
+
+    /// What became of an open's local copy (`OpenReply::local`): the kernel took it
+    /// (`true`), or it could not be handed over and the daemon serves the handle; then no
+    /// further open gets one.
+    pub fn passed_through(&self, ino: Ino, fh: u64, taken: bool) {
+        let m = self.files.metrics();
+        if taken {
+            let size = self.ns.table().get(ino).map_or(0, |i| i.attr.size);
+            crate::metrics::inc(&m.passthrough_opens);
+            crate::metrics::inc_by(&m.passthrough_bytes, size);
+        } else {
+            self.files.not_through(fh);
+            self.files.enable_passthrough(false);
+        }
     }
 
     /// Multipart uploads this mount could not abort yet.
@@ -467,41 +501,56 @@ impl Fs {
 
     /// `flags` are the open(2) flags.
     pub async fn open(&self, ino: Ino, flags: i32) -> FsResult<OpenReply> {
+        self.open_as(ino, flags, true).await
+    }
+
+    /// [`Fs::open`]; `through`: the reply may hand the kernel a local copy (not for `create`,
+    /// whose reply cannot).
+    async fn open_as(&self, ino: Ino, flags: i32, through: bool) -> FsResult<OpenReply> {
         let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
         if writable || flags & libc::O_TRUNC != 0 {
             self.check_writable()?;
         }
         // Close-to-open: attributes older than the TTL are checked again.
         self.getattr(ino).await?;
-        let (write, keep_cache) = {
-            let mut t = self.ns.table();
-            let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
-            match i.kind {
-                FileKind::Dir => return Err(FsError::EISDIR),
-                FileKind::Symlink => return Err(FsError::ELOOP),
-                FileKind::File => {}
-            }
-            let write = writable.then(|| {
-                // Under the table's lock: a last writer's release retires the state under it.
-                i.writing = true;
-                self.files.add_writer(ino, || {
-                    let base = i.etag.clone().map(|etag| Base {
-                        etag,
-                        size: i.attr.size,
-                    });
-                    self.files
-                        .new_write(self.ns.key(&i.path), base, i.user.clone())
+        // A read-only open may share the kernel's local copy of the file; a new one is looked
+        // for only when nothing else has the inode open (the kernel cannot mix the two).
+        // O_DIRECT would reach the cache disk with the caller's alignment: not started for it.
+        let shareable =
+            through && !writable && flags & libc::O_TRUNC == 0 && self.files.passthrough_on();
+        let mut local = None;
+        if shareable && flags & libc::O_DIRECT == 0 {
+            let wanted = {
+                let t = self.ns.table();
+                t.get(ino).and_then(|i| {
+                    let idle = i.kind == FileKind::File && !i.writing && i.open_handles == 0;
+                    let etag = i.etag.clone().filter(|_| idle && i.attr.size > 0)?;
+                    Some((self.ns.key(&i.path), etag, i.attr.size))
                 })
-            });
-            i.open_handles += 1;
-            // The kernel may keep its cached pages if the object is the one it cached them from.
-            let keep = write.is_none() && i.etag.is_some() && i.cached_etag == i.etag;
-            i.cached_etag = if write.is_none() {
-                i.etag.clone()
-            } else {
-                None
             };
-            (write, keep)
+            if let Some((key, etag, size)) = wanted {
+                local = self
+                    .files
+                    .local_copy(key, etag.clone(), size)
+                    .await
+                    .map(|f| (etag, f));
+            }
+        }
+        // While the inode is open for passthrough, an open that cannot share it waits for
+        // those handles to close (the kernel tells us a little after the close itself).
+        let mut waits = 0;
+        let (write, keep_cache, local) = loop {
+            match self.open_registered(ino, writable, shareable, &mut local)? {
+                Some(r) => break r,
+                None if waits < THROUGH_WAITS => {
+                    waits += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                None => {
+                    tracing::debug!("open of inode {ino}: open for passthrough elsewhere");
+                    return Err(FsError(libc::ETXTBSY));
+                }
+            }
         };
         if let (Some(w), true) = (&write, flags & libc::O_TRUNC != 0) {
             let trunc = SetAttr {
@@ -518,8 +567,64 @@ impl Fs {
             keep_cache,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             write,
+            through: local.is_some(),
         });
-        Ok(OpenReply { fh, keep_cache })
+        Ok(OpenReply {
+            fh,
+            keep_cache,
+            local,
+        })
+    }
+
+    /// The inode's side of an open, under the table's lock: its write state, whether the
+    /// kernel keeps its pages, and the local copy it reads through. `None`: busy (see
+    /// [`OpenFiles::choose_through`]).
+    #[allow(clippy::type_complexity)]
+    fn open_registered(
+        &self,
+        ino: Ino,
+        writable: bool,
+        shareable: bool,
+        local: &mut Option<(String, std::fs::File)>,
+    ) -> FsResult<Option<(Option<Arc<OpenWrite>>, bool, Option<Arc<std::fs::File>>)>> {
+        let mut t = self.ns.table();
+        let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+        match i.kind {
+            FileKind::Dir => return Err(FsError::EISDIR),
+            FileKind::Symlink => return Err(FsError::ELOOP),
+            FileKind::File => {}
+        }
+        let shareable = shareable && !i.writing;
+        let Ok(through) =
+            self.files
+                .choose_through(ino, i.etag.as_deref(), i.open_handles, shareable, local)
+        else {
+            return Ok(None);
+        };
+        let write = writable.then(|| {
+            // Under the table's lock: a last writer's release retires the state under it.
+            i.writing = true;
+            self.files.add_writer(ino, || {
+                let base = i.etag.clone().map(|etag| Base {
+                    etag,
+                    size: i.attr.size,
+                });
+                self.files
+                    .new_write(self.ns.key(&i.path), base, i.user.clone())
+            })
+        });
+        i.open_handles += 1;
+        // The kernel may keep its cached pages if the object is the one it cached them from.
+        let keep = write.is_none() && i.etag.is_some() && i.cached_etag == i.etag;
+        // A passthrough open fills no page of this inode: what the kernel holds is unchanged.
+        if through.is_none() {
+            i.cached_etag = if write.is_none() {
+                i.etag.clone()
+            } else {
+                None
+            };
+        }
+        Ok(Some((write, keep, through)))
     }
 
     /// Creates and opens a regular file; the lookup count of the new inode goes up by one.
@@ -537,7 +642,7 @@ impl Fs {
                 // Made meanwhile (by another process on this mount): open(2) opens it, and
                 // truncates it only when asked to.
                 let ino = self.ns.existing(parent, name).await?;
-                let reply = self.open(ino, flags).await?;
+                let reply = self.open_as(ino, flags, false).await?;
                 self.add_lookup(ino);
                 return Ok((self.getattr(ino).await?, reply));
             }
@@ -565,12 +670,14 @@ impl Fs {
             keep_cache: false,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             write: Some(w),
+            through: false,
         });
         Ok((
             attr,
             OpenReply {
                 fh,
                 keep_cache: false,
+                local: None,
             },
         ))
     }
@@ -882,9 +989,12 @@ impl Fs {
 
     /// The last reference to an open file went away.
     pub async fn release(&self, ino: Ino, fh: u64) -> FsResult<()> {
-        let Some(FileHandle { write, .. }) = self.files.remove_handle(fh) else {
+        let Some(FileHandle { write, through, .. }) = self.files.remove_handle(fh) else {
             return Err(FsError::EBADF);
         };
+        if through {
+            self.files.drop_through(ino);
+        }
         let (last_writer, hidden) = {
             let mut t = self.ns.table();
             let Some(i) = t.get_mut(ino) else {

@@ -63,6 +63,10 @@ pub struct FsMetrics {
     pub writeback_pending: AtomicU64,
     pub writeback_pending_bytes: AtomicU64,
     pub writeback_failed: AtomicU64,
+    /// Opens handed to the kernel with the data cache's copy of the file (FUSE passthrough:
+    /// its reads never reach the daemon), and the bytes of those files.
+    pub passthrough_opens: AtomicU64,
+    pub passthrough_bytes: AtomicU64,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {
@@ -80,7 +84,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 26] = [
+        let counters: [(&str, &str, &AtomicU64); 28] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -194,6 +198,16 @@ impl FsMetrics {
                 "bucketfs_writeback_failed_files",
                 "gauge",
                 &self.writeback_failed,
+            ),
+            (
+                "bucketfs_passthrough_opens_total",
+                "counter",
+                &self.passthrough_opens,
+            ),
+            (
+                "bucketfs_passthrough_bytes_total",
+                "counter",
+                &self.passthrough_bytes,
             ),
         ];
         let mut s = String::new();

@@ -5,24 +5,31 @@
 //! waits for the network. The task awaits the fs call and answers the kernel (fuser 0.18 replies
 //! are `Send`). Errors are errnos (`FsError(e)` → `reply.error(Errno::from_i32(e))`); a panic in
 //! a task drops its reply, which fuser answers with `EIO`.
+//!
+//! FUSE passthrough (Linux 6.9+, `CAP_SYS_ADMIN`, a data cache, not `--no-passthrough`): an
+//! open whose `OpenReply::local` names a file is answered with a backing id of it, and the
+//! kernel then reads that file itself. The kernel wants one backing per inode while any of
+//! its opens uses it, so the ids are kept per inode ([`Backings`]) until the last handle
+//! that uses one is released.
 
 use bucketfs_fs::{Attr, Caller, FileKind, Fs, FsError, Now, SetAttr};
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
-    KernelConfig, LockOwner, Notifier, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
-    Request, TimeOrNow, WriteFlags,
+    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    InitFlags, KernelConfig, LockOwner, Notifier, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
+    ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::future::Future;
 use std::io;
 use std::path::Path;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, SystemTime};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
-use tracing::{debug, info, trace};
+use tracing::{debug, info, trace, warn};
 
 /// Largest write the kernel may send in one request.
 pub(crate) const MAX_WRITE: u32 = 1024 * 1024;
@@ -92,8 +99,20 @@ fn caller(req: &Request) -> Caller {
 /// The extended attribute whose setting asks the mount to refresh a path.
 pub const REFRESH_XATTR: &str = "user.bucketfs.refresh";
 
+/// The backing ids handed to the kernel: one per inode, held by each handle using it.
+#[derive(Default)]
+struct Backings {
+    by_ino: HashMap<u64, Weak<BackingId>>,
+    by_fh: HashMap<u64, Arc<BackingId>>,
+}
+
 pub(crate) struct FuseFs {
     fs: Arc<Fs>,
+    /// Passthrough is wanted (not `--no-passthrough`).
+    passthrough: bool,
+    backings: Arc<Mutex<Backings>>,
+    /// A backing id was refused (logged once; passthrough is then off).
+    refused: Arc<AtomicBool>,
     rt: Handle,
     /// Set to `true` when the session ends (the kernel dropped the mount).
     done: watch::Sender<bool>,
@@ -142,12 +161,20 @@ fn process_of(pid: u32) -> Option<u32> {
 }
 
 impl FuseFs {
-    pub(crate) fn new(fs: Arc<Fs>, rt: Handle, done: watch::Sender<bool>) -> Self {
+    pub(crate) fn new(
+        fs: Arc<Fs>,
+        rt: Handle,
+        done: watch::Sender<bool>,
+        passthrough: bool,
+    ) -> Self {
         let notifier: Arc<OnceLock<Notifier>> = Arc::default();
         let weak = Arc::downgrade(&notifier);
         fs.on_stale_cache(Some(Box::new(move |ino| invalidate_attr(&weak, ino))));
         Self {
             fs,
+            passthrough,
+            backings: Arc::default(),
+            refused: Arc::default(),
             rt,
             done,
             writers: Arc::default(),
@@ -201,6 +228,71 @@ impl FuseFs {
         self.rt.spawn(bucketfs_fs::within_operation(fut));
     }
 
+    /// Asks the kernel for passthrough when it can be used, and says once why not.
+    fn init_passthrough(&self, config: &mut KernelConfig) {
+        if !self.passthrough || !self.fs.has_data_cache() {
+            return;
+        }
+        let why_not = if !config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) {
+            "the kernel does not offer it (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)"
+        } else if !has_cap_sys_admin() {
+            "it needs CAP_SYS_ADMIN (mount as root)"
+        } else if config
+            .add_capabilities(InitFlags::FUSE_PASSTHROUGH)
+            .is_err()
+            // Depth 1: the cache files may not be on a stacked file system (overlayfs), and
+            // this mount may still be a layer of one.
+            || config.set_max_stack_depth(1).is_err()
+        {
+            "the kernel refused it"
+        } else {
+            self.fs.enable_passthrough();
+            info!("FUSE passthrough on: files the data cache holds whole are read by the kernel");
+            return;
+        };
+        info!("FUSE passthrough off: {why_not}; cached files are read through the daemon");
+    }
+
+    /// Answers an open whose file may be read by the kernel from `local`, falling back to the
+    /// daemon's reads when the kernel refuses the backing file.
+    #[allow(clippy::too_many_arguments)]
+    fn reply_open_local(
+        fs: &Fs,
+        backings: &Mutex<Backings>,
+        refused: &AtomicBool,
+        ino: u64,
+        fh: u64,
+        local: Option<&std::fs::File>,
+        flags: FopenFlags,
+        reply: ReplyOpen,
+    ) {
+        let Some(file) = local else {
+            return reply.opened(FileHandle(fh), flags);
+        };
+        let mut b = backings.lock().unwrap();
+        let id = match b.by_ino.get(&ino).and_then(Weak::upgrade) {
+            Some(id) => Ok(id),
+            None => reply.open_backing(file).map(Arc::new),
+        };
+        match id {
+            Ok(id) => {
+                b.by_ino.insert(ino, Arc::downgrade(&id));
+                b.by_fh.insert(fh, id.clone());
+                drop(b);
+                fs.passed_through(ino, fh, true);
+                reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
+            }
+            Err(e) => {
+                drop(b);
+                if !refused.swap(true, Ordering::Relaxed) {
+                    warn!("FUSE passthrough refused by the kernel ({e}): off for this mount");
+                }
+                fs.passed_through(ino, fh, false);
+                reply.opened(FileHandle(fh), flags);
+            }
+        }
+    }
+
     fn reply_entry(fs: &Fs, op: &'static str, r: Result<Attr, FsError>, reply: ReplyEntry) {
         match r {
             Ok(a) => reply.entry(&fs.attr_ttl(), &file_attr(&a), Generation(0)),
@@ -214,6 +306,22 @@ impl FuseFs {
             Err(e) => reply.error(errno(op, e)),
         }
     }
+}
+
+/// Whether this process has CAP_SYS_ADMIN, which the kernel wants for a backing file.
+fn has_cap_sys_admin() -> bool {
+    const CAP_SYS_ADMIN: u32 = 21;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let v = s
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))?
+                .trim()
+                .to_string();
+            u64::from_str_radix(&v, 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_ADMIN) != 0)
 }
 
 /// How the kernel treats an opened file. A write-only descriptor bypasses the page cache
@@ -256,6 +364,7 @@ impl Filesystem for FuseFs {
                 let _ = config.add_capabilities(flag);
             }
         }
+        self.init_passthrough(config);
         info!(
             "FUSE session started (kernel ABI {}, max_write {} KiB)",
             config.kernel_abi(),
@@ -441,13 +550,16 @@ impl Filesystem for FuseFs {
             None
         };
         let writers = self.writers.clone();
+        let (backings, refused) = (self.backings.clone(), self.refused.clone());
         self.spawn(async move {
             match fs.open(ino.0, flags.0).await {
                 Ok(o) => {
                     if let Some(p) = opener {
                         writers.lock().unwrap().insert(o.fh, p);
                     }
-                    reply.opened(FileHandle(o.fh), open_flags(flags.0, o.keep_cache));
+                    let f = open_flags(flags.0, o.keep_cache);
+                    let local = o.local.as_deref();
+                    Self::reply_open_local(&fs, &backings, &refused, ino.0, o.fh, local, f, reply);
                 }
                 Err(e) => reply.error(errno("open", e)),
             }
@@ -549,6 +661,15 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         self.writers.lock().unwrap().remove(&fh.0);
+        {
+            // The backing id goes with the last handle of the inode that uses it.
+            let mut b = self.backings.lock().unwrap();
+            if b.by_fh.remove(&fh.0).is_some()
+                && b.by_ino.get(&ino.0).is_some_and(|w| w.strong_count() == 0)
+            {
+                b.by_ino.remove(&ino.0);
+            }
+        }
         let fs = self.fs.clone();
         self.spawn(async move {
             Self::reply_empty("release", fs.release(ino.0, fh.0).await, reply);

@@ -36,6 +36,9 @@ pub struct MountOptions {
     pub read_only: bool,
     /// FUSE request threads (each with its own cloned `/dev/fuse` descriptor); at least 1.
     pub n_threads: usize,
+    /// Let the kernel read files the data cache holds whole itself (FUSE passthrough), when
+    /// it can.
+    pub passthrough: bool,
 }
 
 impl Default for MountOptions {
@@ -45,6 +48,7 @@ impl Default for MountOptions {
             allow_other: false,
             read_only: false,
             n_threads: 4,
+            passthrough: true,
         }
     }
 }
@@ -77,7 +81,7 @@ pub fn mount(
     opts: &MountOptions,
 ) -> io::Result<MountHandle> {
     let (tx, rx) = watch::channel(false);
-    let adapter = FuseFs::new(fs, rt, tx);
+    let adapter = FuseFs::new(fs, rt, tx, opts.passthrough);
 
     // The subtype makes the type `fuse.bucketfs` in mount(8) and df -T. fuser hands its
     // Subtype option to fusermount only; mounting as root it calls mount(2) itself, so there

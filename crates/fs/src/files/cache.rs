@@ -20,15 +20,28 @@
 //!
 //! Cached bytes are read straight into the reader's budget buffer, and written from it: the
 //! cache holds no file data in the daemon's memory beyond the few blocks queued for writing.
+//!
+//! Whole objects (with FUSE passthrough on, [`DataCache::set_whole_files`]): when every block
+//! of a version is cached, the writer assembles them, each checked, into one file holding
+//! exactly the object's bytes at their offsets (`NAME.obj`, written under a temporary name and
+//! renamed), then writes its manifest (`NAME.man`: scope, key, ETag, size, every block's
+//! CRC-32, and the seal: the data file's device, inode and ctime after the rename, and the
+//! boot it was written in), and removes the block files. The kernel may read such a file
+//! directly ([`DataCache::local_copy`]); before it is handed over the seal is checked (any
+//! write, truncation or replacement of the file changes its ctime, size or inode), and its
+//! CRCs are checked in full once when it was written before the machine last started (a
+//! crash may have lost bytes the page cache held). Readers of the daemon read it block by
+//! block with each block's CRC checked, as block files. An entry is never changed in place:
+//! eviction unlinks it, so a descriptor the kernel holds keeps its bytes.
 
 use crate::metrics::{inc, inc_by, FsMetrics};
 use bytes::Bytes;
 use parking_lot::Mutex;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::ops::Range;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
@@ -52,6 +65,12 @@ const VERSION_DIR: &str = "bucketfs-v1";
 const MAGIC: &[u8; 8] = b"BFSBLK1\n";
 /// magic, three string lengths, index, data length, data CRC.
 const FIXED: usize = 8 + 3 * 4 + 8 + 8 + 4;
+const MAN_MAGIC: &[u8; 8] = b"BFSOBJ1\n";
+/// The block index a whole object's name is hashed with (no block has it).
+const WHOLE: u64 = u64::MAX;
+/// Extensions of a whole object's data file and manifest.
+const OBJ: &str = "obj";
+const MAN: &str = "man";
 
 /// The settings of a data cache.
 #[derive(Debug, Clone)]
@@ -165,6 +184,8 @@ struct Index {
     /// (last use, name): the least recently used first.
     lru: BTreeSet<(u64, u128)>,
     bytes: u64,
+    /// Names that are whole objects (data file and manifest), not blocks.
+    wholes: HashSet<u128>,
 }
 
 impl Index {
@@ -176,6 +197,7 @@ impl Index {
     }
 
     fn remove(&mut self, name: u128) -> Option<u64> {
+        self.wholes.remove(&name);
         let (size, used) = self.files.remove(&name)?;
         self.lru.remove(&(used, name));
         self.bytes -= size;
@@ -183,13 +205,127 @@ impl Index {
     }
 
     fn touch(&mut self, name: u128, size: u64, now: u64) {
+        let whole = self.wholes.contains(&name);
         self.insert(name, size, now);
+        if whole {
+            self.wholes.insert(name);
+        }
+    }
+
+    fn insert_whole(&mut self, name: u128, size: u64, used: u64) {
+        self.insert(name, size, used);
+        self.wholes.insert(name);
+    }
+}
+
+/// A whole object's manifest: what its data file must be.
+struct Manifest {
+    size: u64,
+    /// The seal: device, inode and ctime (s, ns) of the data file once in place.
+    dev: u64,
+    ino: u64,
+    ctime: (i64, i64),
+    /// `/proc/sys/kernel/random/boot_id` when it was sealed.
+    boot: String,
+    crcs: Vec<u32>,
+}
+
+impl Manifest {
+    fn sealed(md: &std::fs::Metadata, boot: &str, crcs: Vec<u32>) -> Self {
+        Manifest {
+            size: md.len(),
+            dev: md.dev(),
+            ino: md.ino(),
+            ctime: (md.ctime(), md.ctime_nsec()),
+            boot: boot.to_string(),
+            crcs,
+        }
+    }
+
+    fn seal_matches(&self, md: &std::fs::Metadata) -> bool {
+        (md.len(), md.dev(), md.ino(), (md.ctime(), md.ctime_nsec()))
+            == (self.size, self.dev, self.ino, self.ctime)
+    }
+
+    fn encode(&self, id: &BlockId<'_>) -> Vec<u8> {
+        let mut h = Vec::with_capacity(64 + id.strings_len() + 4 * self.crcs.len());
+        h.extend_from_slice(MAN_MAGIC);
+        for s in [id.scope, id.key, id.etag, &self.boot] {
+            h.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            h.extend_from_slice(s.as_bytes());
+        }
+        for v in [self.size, self.dev, self.ino] {
+            h.extend_from_slice(&v.to_le_bytes());
+        }
+        h.extend_from_slice(&self.ctime.0.to_le_bytes());
+        h.extend_from_slice(&self.ctime.1.to_le_bytes());
+        h.extend_from_slice(&(self.crcs.len() as u64).to_le_bytes());
+        for c in &self.crcs {
+            h.extend_from_slice(&c.to_le_bytes());
+        }
+        let crc = crc32fast::hash(&h);
+        h.extend_from_slice(&crc.to_le_bytes());
+        h
+    }
+
+    /// The manifest in `b` if it is sound and `id`'s (another object's under a colliding
+    /// name is `Absent`).
+    fn decode(id: &BlockId<'_>, b: &[u8]) -> Result<Manifest, Miss> {
+        const BAD: Miss = Miss::Corrupt("corrupt (manifest checksum)");
+        if b.len() < MAN_MAGIC.len() + 4 || b[..8] != MAN_MAGIC[..] {
+            return Err(BAD);
+        }
+        let (body, crc) = b.split_at(b.len() - 4);
+        if crc32fast::hash(body).to_le_bytes() != crc {
+            return Err(BAD);
+        }
+        let mut at = 8;
+        let mut take = |n: usize| -> Result<&[u8], Miss> {
+            let s = body.get(at..at + n).ok_or(BAD)?;
+            at += n;
+            Ok(s)
+        };
+        let u32_of = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
+        let u64_of = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
+        let mut strings = Vec::with_capacity(4);
+        for _ in 0..4 {
+            let n = u32_of(take(4)?) as usize;
+            strings.push(take(n)?.to_vec());
+        }
+        if strings[0] != id.scope.as_bytes()
+            || strings[1] != id.key.as_bytes()
+            || strings[2] != id.etag.as_bytes()
+        {
+            return Err(Miss::Absent);
+        }
+        let size = u64_of(take(8)?);
+        let dev = u64_of(take(8)?);
+        let ino = u64_of(take(8)?);
+        let ctime = (u64_of(take(8)?) as i64, u64_of(take(8)?) as i64);
+        let n = u64_of(take(8)?);
+        if n != size.div_ceil(BLOCK) {
+            return Err(BAD);
+        }
+        let mut crcs = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            crcs.push(u32_of(take(4)?));
+        }
+        Ok(Manifest {
+            size,
+            dev,
+            ino,
+            ctime,
+            boot: String::from_utf8_lossy(&strings[3]).into_owned(),
+            crcs,
+        })
     }
 }
 
 struct Job {
     key: String,
     etag: String,
+    /// The object's size.
+    size: u64,
     index: u64,
     data: Bytes,
 }
@@ -203,6 +339,10 @@ pub struct DataCache {
     metrics: Arc<FsMetrics>,
     /// An I/O error of the cache disk was logged (once per mount).
     warned: AtomicBool,
+    /// Assemble whole objects (for FUSE passthrough).
+    whole_files: AtomicBool,
+    /// This boot's id: a whole object sealed in another boot is checked in full once.
+    boot: String,
 }
 
 impl std::fmt::Debug for DataCache {
@@ -239,6 +379,10 @@ impl DataCache {
             queue: tx,
             metrics,
             warned: AtomicBool::new(false),
+            whole_files: AtomicBool::new(false),
+            boot: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
         });
         let weak = Arc::downgrade(&cache);
         std::thread::Builder::new()
@@ -262,6 +406,187 @@ impl DataCache {
         self.root.join(&hex[..2]).join(hex)
     }
 
+    /// The data file (`OBJ`) or manifest (`MAN`) of a whole object.
+    fn whole_path(&self, name: u128, ext: &str) -> PathBuf {
+        self.path(name).with_extension(ext)
+    }
+
+    /// From now on, objects whose blocks are all cached are assembled into whole files (for
+    /// [`DataCache::local_copy`]).
+    pub fn set_whole_files(&self, on: bool) {
+        self.whole_files.store(on, Ordering::Relaxed);
+    }
+
+    /// The whole copy of object `key` version `etag` (`size` bytes) with its manifest, the
+    /// seal checked.
+    fn open_whole(&self, id: &BlockId<'_>, size: u64) -> Result<(File, Manifest, u64), Miss> {
+        let name = id.name();
+        let mut mf = match File::open(self.whole_path(name, MAN)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Err(Miss::Absent),
+            Err(e) => return Err(Miss::Io(e)),
+        };
+        let mut man = Vec::new();
+        mf.read_to_end(&mut man).map_err(Miss::Io)?;
+        let m = Manifest::decode(id, &man)?;
+        if m.size != size {
+            return Err(Miss::Corrupt("of the wrong size"));
+        }
+        let f = match File::open(self.whole_path(name, OBJ)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                return Err(Miss::Corrupt("missing its data file"))
+            }
+            Err(e) => return Err(Miss::Io(e)),
+        };
+        let md = f.metadata().map_err(Miss::Io)?;
+        if !m.seal_matches(&md) {
+            return Err(Miss::Corrupt("changed since it was written"));
+        }
+        // Its last use, on the manifest (the data file's own times are part of the seal).
+        let _ = mf.set_modified(SystemTime::now());
+        let bytes = md.len() + man.len() as u64;
+        self.index.lock().insert_whole(name, bytes, now_tick());
+        Ok((f, m, bytes))
+    }
+
+    /// Deals with a whole object that could not be used: a damaged one is removed.
+    fn whole_miss(&self, name: u128, key: &str, miss: Miss) {
+        match miss {
+            Miss::Absent => {}
+            Miss::Io(e) => self.io_error("read", &e),
+            Miss::Corrupt(why) => {
+                inc(&self.metrics.data_cache_corrupt);
+                tracing::warn!(
+                    "data cache file {} ({key}) is {why}: removed, fetching it again",
+                    self.whole_path(name, OBJ).display()
+                );
+                self.remove_whole(name);
+                self.index.lock().remove(name);
+                self.update_size();
+            }
+        }
+    }
+
+    /// Unlinks a whole object, manifest first: a data file without one is never used.
+    fn remove_whole(&self, name: u128) -> bool {
+        let mut gone = false;
+        for ext in [MAN, OBJ] {
+            match std::fs::remove_file(self.whole_path(name, ext)) {
+                Ok(()) => gone = true,
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => self.io_error("evict", &e),
+            }
+        }
+        gone
+    }
+
+    /// A local file holding exactly the bytes of object `key` version `etag` (`size` bytes),
+    /// if the cache has it whole and it checks out: for the kernel to read from directly.
+    /// Blocking (file I/O).
+    pub fn local_copy(&self, key: &str, etag: &str, size: u64) -> Option<File> {
+        let id = self.id(key, etag, WHOLE);
+        let name = id.name();
+        match self.open_whole(&id, size) {
+            Ok((f, m, _)) if m.boot == self.boot => Some(f),
+            Ok((f, m, _)) => {
+                // Sealed before the machine last started: a crash may have lost bytes the
+                // page cache held then. Checked in full once, then sealed for this boot.
+                let mut buf = vec![0u8; BLOCK as usize];
+                for (i, crc) in m.crcs.iter().enumerate() {
+                    let b = block_range(i as u64, size);
+                    let dst = &mut buf[..(b.end - b.start) as usize];
+                    match f.read_exact_at(dst, b.start) {
+                        Ok(()) if crc32fast::hash(dst) == *crc => {}
+                        Ok(()) => {
+                            self.whole_miss(name, key, Miss::Corrupt("corrupt (data checksum)"));
+                            return None;
+                        }
+                        Err(e) => {
+                            self.whole_miss(name, key, Miss::Io(e));
+                            return None;
+                        }
+                    }
+                }
+                let m = Manifest {
+                    boot: self.boot.clone(),
+                    ..m
+                };
+                if let Err(e) = self.write_manifest(&id, &m) {
+                    self.io_error("write", &e);
+                }
+                Some(f)
+            }
+            Err(miss) => {
+                self.whole_miss(name, key, miss);
+                None
+            }
+        }
+    }
+
+    /// Blocks of `range` (those [`blocks_within`] it) from the whole object, each checked
+    /// against its CRC; `None` when there is none.
+    fn read_whole(
+        &self,
+        key: &str,
+        etag: &str,
+        size: u64,
+        range: &Range<u64>,
+        out: &mut [u8],
+    ) -> Option<Vec<bool>> {
+        let id = self.id(key, etag, WHOLE);
+        let name = id.name();
+        let (f, m, _) = match self.open_whole(&id, size) {
+            Ok(w) => w,
+            Err(miss) => {
+                self.whole_miss(name, key, miss);
+                return None;
+            }
+        };
+        let mut sound = true;
+        let hits = blocks_within(range, size)
+            .map(|i| {
+                let b = block_range(i, size);
+                let dst =
+                    &mut out[(b.start - range.start) as usize..(b.end - range.start) as usize];
+                if sound {
+                    match f.read_exact_at(dst, b.start) {
+                        Ok(()) if crc32fast::hash(dst) == m.crcs[i as usize] => {}
+                        Ok(()) => {
+                            sound = false;
+                            self.whole_miss(name, key, Miss::Corrupt("corrupt (data checksum)"));
+                        }
+                        Err(e) => {
+                            sound = false;
+                            self.whole_miss(name, key, Miss::Io(e));
+                        }
+                    }
+                }
+                if sound {
+                    inc(&self.metrics.data_cache_hits);
+                    inc_by(&self.metrics.data_cache_bytes_served, dst.len() as u64);
+                } else {
+                    inc(&self.metrics.data_cache_misses);
+                }
+                sound
+            })
+            .collect();
+        Some(hits)
+    }
+
+    /// Writes `m` as the manifest of `id` (temporary file and rename).
+    fn write_manifest(&self, id: &BlockId<'_>, m: &Manifest) -> std::io::Result<u64> {
+        let name = id.name();
+        let path = self.whole_path(name, MAN);
+        let tmp = path.with_file_name(format!(".tmp-{}-{name:032x}.man", std::process::id()));
+        let bytes = m.encode(id);
+        let r = std::fs::write(&tmp, &bytes).and_then(|()| std::fs::rename(&tmp, &path));
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r.map(|()| bytes.len() as u64)
+    }
+
     fn io_error(&self, what: &str, e: &std::io::Error) {
         inc(&self.metrics.data_cache_errors);
         if !self.warned.swap(true, Ordering::Relaxed) {
@@ -283,6 +608,9 @@ impl DataCache {
         range: Range<u64>,
         out: &mut [u8],
     ) -> Vec<bool> {
+        if let Some(hits) = self.read_whole(key, etag, size, &range, out) {
+            return hits;
+        }
         blocks_within(&range, size)
             .map(|i| {
                 let b = block_range(i, size);
@@ -355,11 +683,13 @@ impl DataCache {
         Ok(())
     }
 
-    /// Hands block `index` of `key` version `etag` to the writer, unless its queue is full.
-    pub fn put(&self, key: &str, etag: &str, index: u64, data: Bytes) {
+    /// Hands block `index` of `key` version `etag` (`size` bytes) to the writer, unless its
+    /// queue is full.
+    pub fn put(&self, key: &str, etag: &str, size: u64, index: u64, data: Bytes) {
         let job = Job {
             key: key.to_string(),
             etag: etag.to_string(),
+            size,
             index,
             data,
         };
@@ -375,8 +705,18 @@ impl DataCache {
         self.metrics.data_cache_bytes.store(b, Ordering::Relaxed);
     }
 
-    /// Writes one block: evicts to make room, then temp file and rename.
+    /// Writes one block: evicts to make room, then temp file and rename. With whole files
+    /// on, an object of one block is written whole, and the last missing block of a larger
+    /// one has it assembled.
     fn write(&self, job: &Job) {
+        let whole = self.id(&job.key, &job.etag, WHOLE).name();
+        if self.index.lock().files.contains_key(&whole) {
+            return;
+        }
+        let whole_files = self.whole_files.load(Ordering::Relaxed);
+        if whole_files && job.size <= BLOCK {
+            return self.assemble(job);
+        }
         let id = self.id(&job.key, &job.etag, job.index);
         let name = id.name();
         if self.index.lock().files.contains_key(&name) {
@@ -409,9 +749,104 @@ impl DataCache {
             }
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
-                self.io_error("write", &e);
+                return self.io_error("write", &e);
             }
         }
+        if whole_files && self.all_blocks(job) {
+            self.assemble(job);
+        }
+    }
+
+    /// Whether the index has every block of `job`'s object (the last ones first: a stream
+    /// writes them last).
+    fn all_blocks(&self, job: &Job) -> bool {
+        let ix = self.index.lock();
+        (0..job.size.div_ceil(BLOCK)).rev().all(|i| {
+            ix.files
+                .contains_key(&self.id(&job.key, &job.etag, i).name())
+        })
+    }
+
+    /// Writes `job`'s object whole: its blocks read back (each checked) or `job`'s own data,
+    /// at their offsets in a temporary file renamed into place, then the manifest sealing it;
+    /// the block files go. Whatever fails leaves the blocks as they were.
+    fn assemble(&self, job: &Job) {
+        let (key, etag, size) = (&job.key, &job.etag, job.size);
+        let id = self.id(key, etag, WHOLE);
+        let name = id.name();
+        if size > self.max_bytes {
+            return;
+        }
+        let n = size.div_ceil(BLOCK);
+        if n == 1 {
+            // Its only block, written straight as the whole object.
+            self.evict_to(self.max_bytes.saturating_sub(size + 256));
+        }
+        let obj = self.whole_path(name, OBJ);
+        let tmp = obj.with_file_name(format!(".tmp-{}-{name:032x}.obj", std::process::id()));
+        let made = (|| -> Result<(File, Vec<u32>), Miss> {
+            let mut f = match File::create(&tmp) {
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    std::fs::create_dir_all(tmp.parent().expect("a block has a parent"))
+                        .map_err(Miss::Io)?;
+                    File::create(&tmp).map_err(Miss::Io)?
+                }
+                r => r.map_err(Miss::Io)?,
+            };
+            let mut buf = Vec::new();
+            let mut crcs = Vec::with_capacity(n as usize);
+            for i in 0..n {
+                let data: &[u8] = if i == job.index {
+                    &job.data
+                } else {
+                    let b = block_range(i, size);
+                    buf.resize((b.end - b.start) as usize, 0);
+                    self.read_one(&self.id(key, etag, i), &mut buf)?;
+                    &buf
+                };
+                crcs.push(crc32fast::hash(data));
+                f.write_all(data).map_err(Miss::Io)?;
+            }
+            std::fs::rename(&tmp, &obj).map_err(Miss::Io)?;
+            Ok((f, crcs))
+        })();
+        let (f, crcs) = match made {
+            Ok(m) => m,
+            Err(miss) => {
+                let _ = std::fs::remove_file(&tmp);
+                if let Miss::Io(e) = miss {
+                    self.io_error("write", &e);
+                }
+                return;
+            }
+        };
+        // Sealed as it is now in place (the rename changed its ctime).
+        let sealed = f
+            .metadata()
+            .and_then(|md| self.write_manifest(&id, &Manifest::sealed(&md, &self.boot, crcs)));
+        let man_len = match sealed {
+            Ok(n) => n,
+            Err(e) => {
+                let _ = std::fs::remove_file(&obj);
+                return self.io_error("write", &e);
+            }
+        };
+        let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, i).name()).collect();
+        {
+            let mut ix = self.index.lock();
+            for b in &blocks {
+                ix.remove(*b);
+            }
+            ix.insert_whole(name, size + man_len, now_tick());
+        }
+        for b in blocks {
+            match std::fs::remove_file(self.path(b)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => self.io_error("evict", &e),
+            }
+        }
+        self.evict_to(self.max_bytes);
     }
 
     /// Evicts the least recently used blocks until at most `limit` bytes are left.
@@ -425,9 +860,17 @@ impl DataCache {
                 let Some(&(_, name)) = ix.lru.iter().next() else {
                     break;
                 };
+                let whole = ix.wholes.contains(&name);
                 ix.remove(name);
-                name
+                (name, whole)
             };
+            let (victim, whole) = victim;
+            if whole {
+                if self.remove_whole(victim) {
+                    inc(&self.metrics.data_cache_evictions);
+                }
+                continue;
+            }
             match std::fs::remove_file(self.path(victim)) {
                 Ok(()) => inc(&self.metrics.data_cache_evictions),
                 Err(e) if e.kind() == ErrorKind::NotFound => {} // another mount evicted it
@@ -441,6 +884,8 @@ impl DataCache {
     /// replace the index; temporary files of crashed writers go.
     fn rescan(&self) {
         let mut found: Vec<(u128, u64, u64)> = Vec::new();
+        // Whole objects: name → (bytes, last use, has a data file, has a manifest).
+        let mut wholes: HashMap<u128, (u64, u64, bool, bool)> = HashMap::new();
         let subdirs = match std::fs::read_dir(&self.root) {
             Ok(d) => d,
             Err(e) if e.kind() == ErrorKind::NotFound => {
@@ -468,17 +913,52 @@ impl DataCache {
                     }
                     continue;
                 }
-                if let Ok(n) = u128::from_str_radix(&name, 16) {
-                    found.push((n, md.len(), tick(mtime)));
+                let (hex, ext) = name.split_once('.').unwrap_or((&name, ""));
+                let Ok(n) = u128::from_str_radix(hex, 16) else {
+                    continue;
+                };
+                match ext {
+                    "" => found.push((n, md.len(), tick(mtime))),
+                    OBJ | MAN => {
+                        let w = wholes.entry(n).or_default();
+                        w.0 += md.len();
+                        w.1 = w.1.max(tick(mtime));
+                        if ext == OBJ {
+                            w.2 = true;
+                        } else {
+                            w.3 = true;
+                        }
+                    }
+                    _ => {}
                 }
             }
         }
+        // A data file without its manifest (a writer died in between, or eviction did) is
+        // never used: removed once old; a manifest without its data file at once.
+        wholes.retain(|&n, w| match (w.2, w.3) {
+            (true, true) => true,
+            (false, _) => {
+                let _ = std::fs::remove_file(self.whole_path(n, MAN));
+                false
+            }
+            (true, false) => {
+                let old = now_tick().saturating_sub(w.1) > STALE_TMP.as_nanos() as u64;
+                if old {
+                    let _ = std::fs::remove_file(self.whole_path(n, OBJ));
+                }
+                false
+            }
+        });
         {
             let mut ix = self.index.lock();
             let mut fresh = Index::default();
             for (n, size, t) in found {
                 let used = ix.files.get(&n).map_or(t, |&(_, u)| u.max(t));
                 fresh.insert(n, size, used);
+            }
+            for (n, (size, t, _, _)) in wholes {
+                let used = ix.files.get(&n).map_or(t, |&(_, u)| u.max(t));
+                fresh.insert_whole(n, size, used);
             }
             *ix = fresh;
         }
@@ -564,7 +1044,8 @@ mod tests {
     }
 
     fn put_and_wait(c: &DataCache, etag: &str, index: u64, data: &[u8]) {
-        c.put("k", etag, index, Bytes::copy_from_slice(data));
+        let size = index * BLOCK + data.len() as u64;
+        c.put("k", etag, size, index, Bytes::copy_from_slice(data));
         let name = c.id("k", etag, index).name();
         wait_until("block written", || c.index.lock().files.contains_key(&name));
     }

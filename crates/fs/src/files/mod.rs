@@ -7,6 +7,11 @@
 //! paths or the inode table: the caller says which key a state writes, and tells the
 //! namespace what a publish stored.
 //!
+//! It also decides which read-only opens the kernel serves itself from the data cache's whole
+//! copy of the file (FUSE passthrough, [`OpenFiles::choose_through`]): the kernel requires
+//! every open of an inode that is open for passthrough to share its backing file, so opens
+//! of an inode go either all through one copy of one version, or none.
+//!
 //! Lock order: the namespace's inode table may be held while this registry's locks are taken,
 //! never the reverse; a write state's own lock is taken with neither held.
 
@@ -27,7 +32,7 @@ use parking_lot::Mutex;
 use read::{ReadConfig, Reader};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use write::{Appended, Base, PartLayout, WriteConfig, WriteState};
 use writeback::WriteBack;
@@ -50,6 +55,8 @@ pub struct FileHandle {
     pub reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
     /// The inode's write state, when opened for writing.
     pub write: Option<Arc<OpenWrite>>,
+    /// Handed to the kernel with a local copy (passthrough): its reads never come here.
+    pub through: bool,
 }
 
 impl FileHandle {
@@ -62,6 +69,17 @@ impl FileHandle {
         }
     }
 }
+
+/// An inode open for passthrough: the version and the local copy its handles share.
+struct Through {
+    etag: String,
+    file: Arc<std::fs::File>,
+    handles: u64,
+}
+
+/// An open that must wait: the inode is open for passthrough and this open cannot share it.
+#[derive(Debug)]
+pub struct Busy;
 
 /// The write state an inode's writers share, and how many of them are open.
 struct Writing {
@@ -76,6 +94,9 @@ pub struct OpenFiles {
     cache_dir: PathBuf,
     handles: Mutex<HashMap<u64, FileHandle>>,
     writes: Mutex<HashMap<Ino, Writing>>,
+    through: Mutex<HashMap<Ino, Through>>,
+    /// The kernel takes local copies (see [`OpenFiles::enable_passthrough`]).
+    passthrough: AtomicBool,
     next_fh: AtomicU64,
 }
 
@@ -129,6 +150,8 @@ impl OpenFiles {
             cache_dir: cfg.cache_dir.clone(),
             handles: Mutex::new(HashMap::new()),
             writes: Mutex::new(HashMap::new()),
+            through: Mutex::new(HashMap::new()),
+            passthrough: AtomicBool::new(false),
             next_fh: AtomicU64::new(1),
         };
         Ok((files, recovered))
@@ -137,6 +160,90 @@ impl OpenFiles {
     /// The write-back directory, in background mode.
     pub fn writeback(&self) -> Option<&Arc<WriteBack>> {
         self.wcfg.writeback.as_ref()
+    }
+
+    /// The kernel can read local files for us (FUSE passthrough): with a data cache, whole
+    /// copies are assembled and offered to read-only opens. Off again (`false`) when the
+    /// kernel refused one.
+    pub fn enable_passthrough(&self, on: bool) -> bool {
+        let Some(c) = &self.rcfg.data_cache else {
+            return false;
+        };
+        c.set_whole_files(on);
+        self.passthrough.store(on, Ordering::Relaxed);
+        true
+    }
+
+    pub fn passthrough_on(&self) -> bool {
+        self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// The data cache's checked whole copy of `key` version `etag` (`size` bytes), if any.
+    pub async fn local_copy(&self, key: String, etag: String, size: u64) -> Option<std::fs::File> {
+        let cache = self.rcfg.data_cache.clone()?;
+        tokio::task::spawn_blocking(move || cache.local_copy(&key, &etag, size))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// How a new open of `ino` (version `etag`, `others` handles open already) is served:
+    /// `Some(file)` through that local copy, `None` by the daemon. `shareable`: a read-only
+    /// open that may share the inode's copy; `local`: the copy found for it, if it may start
+    /// one (`(etag, file)`). `Busy` while the inode is open for passthrough and this open
+    /// cannot share it (the kernel would refuse it).
+    pub fn choose_through(
+        &self,
+        ino: Ino,
+        etag: Option<&str>,
+        others: u64,
+        shareable: bool,
+        local: &mut Option<(String, std::fs::File)>,
+    ) -> Result<Option<Arc<std::fs::File>>, Busy> {
+        let mut th = self.through.lock();
+        if let Some(t) = th.get_mut(&ino) {
+            if shareable && Some(t.etag.as_str()) == etag {
+                t.handles += 1;
+                return Ok(Some(t.file.clone()));
+            }
+            return Err(Busy);
+        }
+        match local.take() {
+            Some((e, f)) if others == 0 && Some(e.as_str()) == etag => {
+                let file = Arc::new(f);
+                th.insert(
+                    ino,
+                    Through {
+                        etag: e,
+                        file: file.clone(),
+                        handles: 1,
+                    },
+                );
+                Ok(Some(file))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// A passthrough handle of `ino` closed (or the kernel refused it).
+    pub fn drop_through(&self, ino: Ino) {
+        let mut th = self.through.lock();
+        if let Some(t) = th.get_mut(&ino) {
+            t.handles = t.handles.saturating_sub(1);
+            if t.handles == 0 {
+                th.remove(&ino);
+            }
+        }
+    }
+
+    /// Handle `fh` is served by the daemon after all.
+    pub fn not_through(&self, fh: u64) -> Option<Ino> {
+        let mut h = self.handles.lock();
+        let h = h.get_mut(&fh).filter(|h| h.through)?;
+        h.through = false;
+        let ino = h.ino;
+        self.drop_through(ino);
+        Some(ino)
     }
 
     pub fn metrics(&self) -> &Arc<FsMetrics> {

@@ -563,7 +563,7 @@ async fn fetch_cached(
     for i in (first..last).filter(|&i| !hit(i)) {
         let b = block_range(i, size);
         let part = data.slice((b.start - range.start) as usize..(b.end - range.start) as usize);
-        cache.put(&key, &etag, i, part);
+        cache.put(&key, &etag, size, i, part);
     }
     Ok(data)
 }
