@@ -1108,6 +1108,79 @@ mod tests {
         assert_eq!(c.index.lock().files.len(), 2);
     }
 
+    #[test]
+    fn whole_objects_are_assembled_sealed_checked_and_evicted_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, m) = start(dir.path(), 64 << 20);
+        c.set_whole_files(true);
+        let size = 2 * BLOCK + 5000;
+        let data: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
+        for i in 0..3 {
+            let b = block_range(i, size);
+            let part = Bytes::copy_from_slice(&data[b.start as usize..b.end as usize]);
+            c.put("k", "e", size, i, part);
+        }
+        wait_until("assembled", || c.local_copy("k", "e", size).is_some());
+        let name = c.id("k", "e", WHOLE).name();
+        let obj = c.whole_path(name, OBJ);
+        assert_eq!(
+            std::fs::read(&obj).unwrap(),
+            data,
+            "exactly the object's bytes"
+        );
+        for i in 0..3 {
+            assert!(!c.path(c.id("k", "e", i).name()).exists(), "block {i} left");
+        }
+        // Daemon reads come from it, each block checked.
+        let mut out = vec![0; size as usize];
+        assert_eq!(c.read_blocks("k", "e", size, 0..size, &mut out), [true; 3]);
+        assert!(out == data);
+        assert!(c.local_copy("k", "e2", size).is_none());
+        // Changed in place and sealed again, but in another boot: checked in full, refused.
+        let mut bytes = data.clone();
+        bytes[BLOCK as usize + 3] ^= 1;
+        std::fs::write(&obj, &bytes).unwrap();
+        let md = std::fs::metadata(&obj).unwrap();
+        let crcs = (0..3)
+            .map(|i| {
+                let b = block_range(i, size);
+                crc32fast::hash(&data[b.start as usize..b.end as usize])
+            })
+            .collect();
+        let id = c.id("k", "e", WHOLE);
+        c.write_manifest(&id, &Manifest::sealed(&md, "another boot", crcs))
+            .unwrap();
+        assert!(c.local_copy("k", "e", size).is_none());
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1);
+        assert!(!obj.exists() && !c.whole_path(name, MAN).exists());
+        // Written whole again, then evicted as one entry by a smaller cache.
+        for i in 0..3 {
+            let b = block_range(i, size);
+            let part = Bytes::copy_from_slice(&data[b.start as usize..b.end as usize]);
+            c.put("k", "e", size, i, part);
+        }
+        wait_until("assembled again", || c.local_copy("k", "e", size).is_some());
+        // Touched by a write in place: the seal no longer matches.
+        let f = std::fs::OpenOptions::new().write(true).open(&obj).unwrap();
+        f.write_at(&data[..1], 0).unwrap();
+        drop(f);
+        assert!(c.local_copy("k", "e", size).is_none());
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 2);
+        for i in 0..3 {
+            let b = block_range(i, size);
+            let part = Bytes::copy_from_slice(&data[b.start as usize..b.end as usize]);
+            c.put("k", "e", size, i, part);
+        }
+        wait_until("assembled a third time", || {
+            c.local_copy("k", "e", size).is_some()
+        });
+        drop(c);
+        let (c, m) = start(dir.path(), BLOCK);
+        wait_until("evicted", || FsMetrics::get(&m.data_cache_evictions) == 1);
+        assert!(!obj.exists() && !c.whole_path(name, MAN).exists());
+        assert_eq!(FsMetrics::get(&m.data_cache_bytes), 0);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_new_reader_reads_cached_blocks_with_no_get() {
         const MIB: u64 = 1 << 20;
