@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--systems", default="", help="comma-separated: bucketfs,s3fs,rclone,goofys,geesefs,mount-s3,juicefs "
                     "(default: every one found)")
     ap.add_argument("--scenarios", default="", help="comma-separated groups: seq,cp,read4,small,sysbench,lsfind,"
-                    "create,concurrent,pandas (default: all)")
+                    "create,concurrent,pandas,epoch2 (default: all)")
     ap.add_argument("--out", default="", help="output dir (default bench/out/SIZE-TIMESTAMP)")
     ap.add_argument("--repeat", type=int, default=0, help="runs of every measurement (default: 1 smoke, 3 ci/published)")
     ap.add_argument("--endpoint", default="", help="use this S3 endpoint instead of starting MinIO")

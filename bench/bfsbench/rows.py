@@ -58,6 +58,16 @@ ROWS: list[Row] = [
         lambda s: f"{s['cr_n']} files × {human(s['cr_size'])} read at once"),
     Row("pandas-overwrite", "pandas", "s", "lower", None,
         lambda s: f"DataFrame.to_csv overwrite, {s['pd_rows']} rows (median of {s['pd_iter'] - 1})"),
+    # Issue 22: reads from bucketfs's --data-cache after a remount (bfsbench/epoch2.py).
+    Row("epoch2-small-files", "epoch2", "MB/s", "higher", None,
+        lambda s: f"the {s['sf_count']} × {s['sf_kb']} KiB files again after a remount with --data-cache kept and "
+                  "the page cache dropped (passthrough)"),
+    Row("epoch2-small-files-daemon", "epoch2", "MB/s", "higher", None,
+        lambda s: "the same with --no-passthrough"),
+    Row("epoch2-large", "epoch2", "MB/s", "higher", None,
+        lambda s: f"one {human(s['seq'])} file, the same way (passthrough)"),
+    Row("epoch2-large-daemon", "epoch2", "MB/s", "higher", None,
+        lambda s: "the same with --no-passthrough"),
 ]
 
 BY_ID = {r.id: r for r in ROWS}

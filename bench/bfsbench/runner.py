@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import loadgen, procstat
+from .epoch2 import g_epoch2
 from .minio import StoreCounter
 from .rows import BY_ID, GROUPS, ROWS, rows_of
 from .s3 import S3
@@ -771,7 +772,7 @@ def g_pandas(ss: Session) -> None:
 
 GROUP_FN = {
     "seq": g_seq, "read4": g_read4, "small": g_small, "sysbench": g_sysbench, "lsfind": g_lsfind,
-    "cp": g_cp, "create": g_create, "concurrent": g_concurrent, "pandas": g_pandas,
+    "cp": g_cp, "create": g_create, "concurrent": g_concurrent, "pandas": g_pandas, "epoch2": g_epoch2,
 }
 SHARED_GROUPS = {"lsfind", "concurrent"}
 
