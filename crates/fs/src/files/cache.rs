@@ -820,24 +820,29 @@ impl DataCache {
                 return;
             }
         };
+        // Indexed before its manifest makes it visible: a reader that finds it damaged at
+        // once then removes it from the index too.
+        self.index.lock().insert_whole(name, size, now_tick());
         // Sealed as it is now in place (the rename changed its ctime).
         let sealed = f
             .metadata()
             .and_then(|md| self.write_manifest(&id, &Manifest::sealed(&md, &self.boot, crcs)));
-        let man_len = match sealed {
-            Ok(n) => n,
+        let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, i).name()).collect();
+        match sealed {
+            Ok(man_len) => {
+                let mut ix = self.index.lock();
+                for b in &blocks {
+                    ix.remove(*b);
+                }
+                if let Some(&(_, used)) = ix.files.get(&name) {
+                    ix.insert_whole(name, size + man_len, used);
+                }
+            }
             Err(e) => {
+                self.index.lock().remove(name);
                 let _ = std::fs::remove_file(&obj);
                 return self.io_error("write", &e);
             }
-        };
-        let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, i).name()).collect();
-        {
-            let mut ix = self.index.lock();
-            for b in &blocks {
-                ix.remove(*b);
-            }
-            ix.insert_whole(name, size + man_len, now_tick());
         }
         for b in blocks {
             match std::fs::remove_file(self.path(b)) {
@@ -1128,9 +1133,9 @@ mod tests {
             data,
             "exactly the object's bytes"
         );
-        for i in 0..3 {
-            assert!(!c.path(c.id("k", "e", i).name()).exists(), "block {i} left");
-        }
+        wait_until("blocks removed", || {
+            (0..3).all(|i| !c.path(c.id("k", "e", i).name()).exists())
+        });
         // Daemon reads come from it, each block checked.
         let mut out = vec![0; size as usize];
         assert_eq!(c.read_blocks("k", "e", size, 0..size, &mut out), [true; 3]);
@@ -1173,6 +1178,9 @@ mod tests {
         }
         wait_until("assembled a third time", || {
             c.local_copy("k", "e", size).is_some()
+        });
+        wait_until("blocks removed again", || {
+            (0..3).all(|i| !c.path(c.id("k", "e", i).name()).exists())
         });
         drop(c);
         let (c, m) = start(dir.path(), BLOCK);
