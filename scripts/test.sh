@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the whole bucketfs test suite on a fresh machine (Debian 12, root):
-#   1. installs fuse3 (apt) and MinIO (pinned, `go install`) when missing,
+#   1. installs fuse3 (apt), MinIO and csi-sanity (pinned, `go install`) when missing,
 #   2. cargo fmt --check and cargo clippy (cheap, first),
 #   3. starts a private MinIO on 127.0.0.1 (free port, temp data dir, random credentials),
 #   4. cargo test --workspace (unit + integration tests, real FUSE mounts against that MinIO),
@@ -11,6 +11,9 @@
 set -euo pipefail
 
 MINIO_MODULE="github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c"
+# The CSI conformance tests the driver test (crates/cli/tests/csi.rs) runs.
+CSI_SANITY_MODULE="github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity"
+CSI_SANITY_VERSION="v5.4.0"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bucketfs-target}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
@@ -143,6 +146,18 @@ wait_minio_install() {
     MINIO_BIN="$(find_minio)" || die "no minio binary after the install (looked on PATH and in $GOBIN_DIR)"
     log "MinIO installed at $MINIO_BIN"
 }
+
+# csi-sanity, pinned: reused when the binary in GOBIN was built from the pinned version (its
+# build info names it), else installed now (a small Go build, well under a minute).
+CSI_SANITY_BIN="$GOBIN_DIR/csi-sanity"
+if [[ -x "$CSI_SANITY_BIN" ]] &&
+    go version -m "$CSI_SANITY_BIN" 2>/dev/null | grep -q "csi-test/v5[[:space:]]*$CSI_SANITY_VERSION"; then
+    log "using csi-sanity $CSI_SANITY_VERSION at $CSI_SANITY_BIN"
+else
+    log "installing csi-sanity ($CSI_SANITY_MODULE@$CSI_SANITY_VERSION)"
+    go install "$CSI_SANITY_MODULE@$CSI_SANITY_VERSION" || die "go install $CSI_SANITY_MODULE@$CSI_SANITY_VERSION failed"
+fi
+export BUCKETFS_TEST_CSI_SANITY="$CSI_SANITY_BIN"
 
 # ---------------------------------------------------------------------------------------------
 # 3. Static checks first: they are cheap and catch most mistakes.

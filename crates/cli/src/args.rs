@@ -113,6 +113,48 @@ pub enum Command {
     /// Install the binary, the mount.bucketfs helper, the man page, shell completions and a
     /// systemd unit template (bucketfs@.service) under ROOT, as a package would.
     Install(InstallArgs),
+    /// Serve the Kubernetes CSI driver (identity, controller and node services) on a Unix
+    /// socket; NodePublishVolume mounts s3://BUCKET/PREFIX with one bucketfs daemon per pod
+    /// volume, which outlives a restart of the driver (docs/kubernetes.md).
+    #[command(after_long_help = CSI_AFTER_HELP)]
+    Csi(CsiArgs),
+}
+
+const CSI_AFTER_HELP: &str = "\
+VOLUME ATTRIBUTES (PV volumeAttributes, StorageClass parameters): bucket (required), prefix,
+endpoint, region, forcePathStyle, readOnly, uid, gid, fileMode, dirMode, maxMemory, statTTL,
+partSize, dataCacheSize (a data cache under STATE_DIR/cache), options (-o options, as the PV's
+mountOptions). SECRET keys: accessKeyID, secretAccessKey, sessionToken, and optionally
+endpoint, region, forcePathStyle. Credentials reach each mount daemon in a 0600 file under
+STATE_DIR, never on a command line or in a log.
+
+EXAMPLE:
+  bucketfs csi --endpoint unix:///csi/csi.sock --node-id \"$NODE_NAME\"";
+
+#[derive(Debug, Args)]
+pub struct CsiArgs {
+    /// The gRPC socket: unix:///PATH/csi.sock.
+    #[arg(long, value_name = "unix:///PATH", env = "CSI_ENDPOINT")]
+    pub endpoint: String,
+    /// This node's name, as NodeGetInfo reports it (the Kubernetes node name).
+    #[arg(long, value_name = "ID", env = "NODE_ID")]
+    pub node_id: String,
+    /// Records of the mounts (so a restarted driver finds them), credentials files, daemon
+    /// logs and data caches. Keep it on the node's disk (a hostPath), not in the container.
+    #[arg(
+        long,
+        value_name = "DIR",
+        env = "BUCKETFS_CSI_STATE_DIR",
+        default_value = "/var/lib/bucketfs/csi"
+    )]
+    pub state_dir: PathBuf,
+    /// How long NodeUnpublishVolume waits for a daemon to store files still being written
+    /// and exit before it answers UNAVAILABLE (the kubelet then retries).
+    #[arg(long, value_name = "SECONDS", default_value_t = 120)]
+    pub unpublish_timeout: u64,
+    /// error, warn, info, debug or trace.
+    #[arg(long, value_name = "LEVEL", default_value = "info")]
+    pub log_level: String,
 }
 
 #[derive(Debug, Args)]

@@ -3,8 +3,8 @@
 //!
 //! Modules: [`args`] (command-line syntax), [`options`] (the one list of settings), [`config`]
 //! (settings from the config file, `-o` and flags), [`daemon`] (fork + readiness pipe),
-//! [`logging`], [`run`] (checks, store, mount, run loop). Every failure is one line
-//! `bucketfs: <message>` on stderr and exit code 1.
+//! [`logging`], [`run`] (checks, store, mount, run loop). `bucketfs csi` is the bucketfs-csi
+//! crate. Every failure is one line `bucketfs: <message>` on stderr and exit code 1.
 
 mod args;
 mod config;
@@ -85,8 +85,45 @@ fn main() {
         Command::S3fs(a) => s3fs(&a.args, dropin::Flavor::S3fs),
         Command::Ossfs2(a) => mount_call(dropin::ossfs2_call(&a.args), dropin::OSSFS2_USAGE),
         Command::Install(a) => install::run(&a),
+        Command::Csi(a) => csi(&a),
     };
     std::process::exit(code);
+}
+
+/// `bucketfs csi`: serves the CSI driver until SIGTERM; the mounts it made stay up.
+fn csi(a: &args::CsiArgs) -> i32 {
+    let level = match config::parse_log_level(&a.log_level) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("bucketfs: {e}");
+            return 1;
+        }
+    };
+    if let Err(e) = logging::init(level, &logging::LogTarget::Stderr) {
+        eprintln!("bucketfs: {e}");
+        return 1;
+    }
+    let bucketfs = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("bucketfs: cannot find the bucketfs binary: {e}");
+            return 1;
+        }
+    };
+    let cfg = bucketfs_csi::Config {
+        endpoint: a.endpoint.clone(),
+        node_id: a.node_id.clone(),
+        state_dir: a.state_dir.clone(),
+        bucketfs,
+        unpublish_timeout: std::time::Duration::from_secs(a.unpublish_timeout),
+    };
+    match bucketfs_csi::run(cfg) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("bucketfs: csi: {e}");
+            1
+        }
+    }
 }
 
 /// An s3fs-fuse/ossfs 1.x command line: mounts as `bucketfs mount` would.

@@ -1,0 +1,598 @@
+//! `bucketfs csi`: the CSI driver over its Unix socket, against MinIO, with real mounts.
+//!
+//! A tiny gRPC client (the driver crate's own generated stubs) plays the kubelet and the
+//! external-provisioner; `csi-sanity` (kubernetes-csi/csi-test, installed by scripts/test.sh)
+//! checks the driver against the CSI specification.
+
+mod common;
+use common::*;
+
+use bucketfs_csi::proto::controller_client::ControllerClient;
+use bucketfs_csi::proto::identity_client::IdentityClient;
+use bucketfs_csi::proto::node_client::NodeClient;
+use bucketfs_csi::proto::volume_capability::access_mode::Mode;
+use bucketfs_csi::proto::volume_capability::{AccessMode, AccessType, MountVolume};
+use bucketfs_csi::proto::*;
+use bucketfs_csi::tonic;
+use std::collections::HashMap;
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+use tonic::transport::Channel;
+
+/// One `bucketfs csi` process on a socket of its own, killed on drop. Its stderr (the
+/// driver's log) goes to a file the tests search for secrets.
+struct Driver {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Driver {
+    fn start(dir: &Path) -> Driver {
+        let socket = dir.join("csi.sock");
+        let log = dir.join("driver.log");
+        // A killed driver leaves its socket file: wait for the new one, not that.
+        let _ = fs::remove_file(&socket);
+        let child = Command::new(bin())
+            .args(["csi", "--node-id", "node-1", "--log-level", "debug"])
+            .arg(format!("--endpoint=unix://{}", socket.display()))
+            .arg(format!("--state-dir={}", dir.join("state").display()))
+            .arg("--unpublish-timeout=30")
+            // A process group of its own, as a container's init or a shell job has.
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(
+                fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .unwrap(),
+            )
+            .spawn()
+            .expect("spawn bucketfs csi");
+        let d = Driver { child, socket, log };
+        wait_for("the driver's socket", Duration::from_secs(20), || {
+            d.socket.exists()
+        });
+        d
+    }
+
+    /// SIGKILL to the driver's whole process group, as a supervisor stopping it hard would
+    /// send: only daemons that left the group survive it.
+    fn kill9(&mut self) {
+        // SAFETY: plain syscall on the group of our own child.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // SAFETY: plain syscall on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+/// Lazily unmounts whatever a failed test left mounted under `dir`, and kills the daemons.
+struct Cleanup(PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let text = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let under = self.0.to_string_lossy().to_string();
+        for mp in text
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| m.starts_with(&under))
+        {
+            let _ = Command::new("fusermount3").args(["-u", "-z", mp]).status();
+        }
+        for pid in processes_mentioning(&under) {
+            // SAFETY: plain syscall; these are the test's own daemons.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
+/// A blocking client of one driver (the S3 helpers of the harness block too, so the tests
+/// stay synchronous).
+struct Csi {
+    rt: tokio::runtime::Runtime,
+    identity: IdentityClient<Channel>,
+    node: NodeClient<Channel>,
+    controller: ControllerClient<Channel>,
+}
+
+impl Csi {
+    fn connect(driver: &Driver) -> Csi {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let ch = rt
+            .block_on(bucketfs_csi::connect(&driver.socket))
+            .expect("connect");
+        Csi {
+            rt,
+            identity: IdentityClient::new(ch.clone()),
+            node: NodeClient::new(ch.clone()),
+            controller: ControllerClient::new(ch),
+        }
+    }
+
+    fn publish(&mut self, r: NodePublishVolumeRequest) -> Result<(), tonic::Status> {
+        self.rt
+            .block_on(self.node.node_publish_volume(r))
+            .map(|_| ())
+    }
+
+    fn unpublish(&mut self, volume_id: &str, target: &Path) -> Result<(), tonic::Status> {
+        let r = NodeUnpublishVolumeRequest {
+            volume_id: volume_id.into(),
+            target_path: target.to_string_lossy().into(),
+        };
+        self.rt
+            .block_on(self.node.node_unpublish_volume(r))
+            .map(|_| ())
+    }
+}
+
+fn secrets() -> HashMap<String, String> {
+    let e = env();
+    HashMap::from([
+        ("accessKeyID".to_string(), e.access_key.clone()),
+        ("secretAccessKey".to_string(), e.secret_key.clone()),
+        ("endpoint".to_string(), e.endpoint.clone()),
+        ("forcePathStyle".to_string(), "true".to_string()),
+    ])
+}
+
+fn mount_capability(mode: Mode) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume::default())),
+    }
+}
+
+fn publish_request(
+    volume_id: &str,
+    target: &Path,
+    context: &[(&str, &str)],
+    readonly: bool,
+) -> NodePublishVolumeRequest {
+    NodePublishVolumeRequest {
+        volume_id: volume_id.into(),
+        target_path: target.to_string_lossy().into(),
+        volume_capability: Some(mount_capability(Mode::SingleNodeWriter)),
+        readonly,
+        secrets: secrets(),
+        volume_context: context
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn fuse_mounted(p: &Path) -> bool {
+    let text = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let want = p.to_string_lossy();
+    text.lines().any(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        f.get(4) == Some(&want.as_ref())
+            && f.iter()
+                .skip_while(|x| **x != "-")
+                .nth(1)
+                .is_some_and(|t| t.starts_with("fuse"))
+    })
+}
+
+/// The pid of the bucketfs daemon serving `target`.
+fn daemon_of(target: &Path) -> u32 {
+    let pids: Vec<u32> = processes_mentioning(&target.to_string_lossy())
+        .into_iter()
+        .filter(|p| {
+            fs::read(format!("/proc/{p}/cmdline"))
+                .map(|c| c.split(|b| *b == 0).any(|a| a == b"mount"))
+                .unwrap_or(false)
+        })
+        .collect();
+    assert_eq!(
+        pids.len(),
+        1,
+        "one daemon for {}: {pids:?}",
+        target.display()
+    );
+    pids[0]
+}
+
+fn alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let state = s.rsplit(')').next().unwrap_or("").trim_start();
+            !state.starts_with('Z')
+        })
+        .unwrap_or(false)
+}
+
+/// Every file under `dir` (logs, records) that holds `needle`.
+fn files_holding(dir: &Path, needle: &str) -> Vec<PathBuf> {
+    let mut hits = Vec::new();
+    let Ok(rd) = fs::read_dir(dir) else {
+        return hits;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            hits.extend(files_holding(&p, needle));
+        } else if p.extension().is_none_or(|x| x != "cred")
+            && fs::read(&p).is_ok_and(|b| String::from_utf8_lossy(&b).contains(needle))
+        {
+            hits.push(p);
+        }
+    }
+    hits
+}
+
+fn run_as_nobody(script: &str, arg: &Path) -> std::process::Output {
+    Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+        ])
+        .arg(script)
+        .arg("sh")
+        .arg(arg)
+        .output()
+        .expect("setpriv")
+}
+
+/// NodePublishVolume mounts the bucket prefix for a non-root pod (uid/gid attributes, other
+/// users allowed), with the secret's credentials reaching the daemon in a 0600 file only;
+/// publishing again is idempotent, with other arguments ALREADY_EXISTS; NodeUnpublishVolume
+/// unmounts, waits for the daemon to exit and removes the target.
+#[test]
+fn csi_publish_mounts_a_prefix_for_a_non_root_pod_and_unpublish_unmounts() {
+    let bucket = s3().new_bucket("csi-publish");
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let target = dir.path().join("pods/p1/volumes/target");
+    fs::create_dir_all(target.parent().unwrap()).unwrap();
+    let vol = format!("{bucket}/vol1");
+    let ctx = [
+        ("bucket", bucket.as_str()),
+        ("prefix", "vol1"),
+        ("uid", "65534"),
+        ("gid", "65534"),
+    ];
+    let mut c = Csi::connect(&driver);
+    let info =
+        c.rt.block_on(c.identity.get_plugin_info(GetPluginInfoRequest {}))
+            .unwrap()
+            .into_inner();
+    assert_eq!(info.name, bucketfs_csi::DRIVER_NAME);
+    let n =
+        c.rt.block_on(c.node.node_get_info(NodeGetInfoRequest {}))
+            .unwrap()
+            .into_inner();
+    assert_eq!(n.node_id, "node-1");
+
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume");
+    assert!(fuse_mounted(&target), "not mounted at {}", target.display());
+
+    // A pod user (65534) lists and writes: the files are its own.
+    let out = run_as_nobody(
+        "ls -la \"$1\" >/dev/null && printf 'from a pod' > \"$1/hello.txt\"",
+        &target,
+    );
+    assert!(
+        out.status.success(),
+        "as uid 65534: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let md = fs::metadata(target.join("hello.txt")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (65534, 65534));
+    assert_eq!(
+        s3().get(&bucket, "vol1/hello.txt").as_deref(),
+        Some(&b"from a pod"[..])
+    );
+
+    // The secret is in no command line, no log and no record; only in the 0600 file.
+    let daemon = daemon_of(&target);
+    let cmdline = fs::read(format!("/proc/{daemon}/cmdline")).unwrap();
+    assert!(!String::from_utf8_lossy(&cmdline).contains(&env().secret_key));
+    assert_eq!(
+        files_holding(dir.path(), &env().secret_key),
+        Vec::<PathBuf>::new()
+    );
+    let creds: Vec<PathBuf> = fs::read_dir(dir.path().join("state/mounts"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cred"))
+        .collect();
+    assert_eq!(creds.len(), 1);
+    assert_eq!(fs::metadata(&creds[0]).unwrap().mode() & 0o777, 0o600);
+
+    // Same arguments again: OK, same daemon. Other arguments: ALREADY_EXISTS.
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("second identical NodePublishVolume");
+    assert_eq!(daemon_of(&target), daemon);
+    let e = c
+        .publish(publish_request(&vol, &target, &ctx, true))
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::AlreadyExists, "{e:?}");
+
+    c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
+    assert!(!fuse_mounted(&target));
+    assert!(!target.exists(), "target not removed");
+    assert!(
+        !alive(daemon),
+        "daemon {daemon} still running: {:?}\n{}",
+        fs::read_to_string(format!("/proc/{daemon}/stat")),
+        fs::read_to_string(&driver.log).unwrap_or_default()
+    );
+    assert!(!creds[0].exists(), "credentials file left behind");
+    // Unpublishing what is not published is fine.
+    c.unpublish(&vol, &target)
+        .expect("second NodeUnpublishVolume");
+
+    let log_path = driver.log.clone();
+    drop(c);
+    drop(driver);
+    let log = fs::read_to_string(log_path).unwrap();
+    assert!(log.contains("NodePublishVolume"), "driver log: {log}");
+    assert!(!log.contains(&env().secret_key));
+}
+
+/// A read-only volume (the request's readonly flag) gives EROFS to writers and still reads.
+#[test]
+fn csi_read_only_volume_refuses_writes_with_erofs() {
+    let bucket = s3().new_bucket("csi-ro");
+    s3().put(&bucket, "data/existing.txt", "old");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let target = dir.path().join("target");
+    let vol = format!("{bucket}/data");
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(
+        &vol,
+        &target,
+        &[("bucket", bucket.as_str()), ("prefix", "data")],
+        true,
+    ))
+    .expect("NodePublishVolume");
+    assert_eq!(
+        fs::read_to_string(target.join("existing.txt")).unwrap(),
+        "old"
+    );
+    let e = fs::write(target.join("new.txt"), "x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
+    assert_eq!(s3().get(&bucket, "data/new.txt"), None);
+}
+
+/// `kill -9` of the driver (its whole process group) leaves its mounts serving; a restarted driver on the same state
+/// directory recognises them (a repeated publish keeps the same daemon), remounts one whose
+/// daemon died meanwhile, and unpublishes both.
+#[test]
+fn csi_mounts_survive_a_driver_kill_and_the_restarted_driver_knows_them() {
+    let bucket = s3().new_bucket("csi-restart");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let mut driver = Driver::start(dir.path());
+    let (t1, t2) = (dir.path().join("t1"), dir.path().join("t2"));
+    let (v1, v2) = (format!("{bucket}/a"), format!("{bucket}/b"));
+    let c1 = [("bucket", bucket.as_str()), ("prefix", "a")];
+    let c2 = [("bucket", bucket.as_str()), ("prefix", "b")];
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&v1, &t1, &c1, false))
+        .expect("NodePublishVolume 1");
+    c.publish(publish_request(&v2, &t2, &c2, false))
+        .expect("NodePublishVolume 2");
+    drop(c);
+    let d1 = daemon_of(&t1);
+    let d2 = daemon_of(&t2);
+    driver.kill9();
+
+    // The driver is gone; the mounts are not.
+    fs::write(t1.join("after-kill.txt"), "still here").unwrap();
+    assert_eq!(
+        s3().get(&bucket, "a/after-kill.txt").as_deref(),
+        Some(&b"still here"[..])
+    );
+    // The second daemon dies too while no driver runs (an OOM kill, say).
+    // SAFETY: plain syscall on the test's own daemon.
+    unsafe { libc::kill(d2 as i32, libc::SIGKILL) };
+    wait_for("daemon 2 to die", Duration::from_secs(10), || !alive(d2));
+
+    let driver = Driver::start(dir.path());
+    let mut c = Csi::connect(&driver);
+    // Recognised: the same publish is OK and keeps the same daemon.
+    c.publish(publish_request(&v1, &t1, &c1, false))
+        .expect("NodePublishVolume after restart");
+    assert_eq!(daemon_of(&t1), d1);
+    // Remounted at startup: the target serves again, from a new daemon.
+    wait_for("t2 to serve again", Duration::from_secs(20), || {
+        fs::write(t2.join("again.txt"), "again").is_ok()
+    });
+    assert_ne!(daemon_of(&t2), d2);
+    assert_eq!(
+        s3().get(&bucket, "b/again.txt").as_deref(),
+        Some(&b"again"[..])
+    );
+    for (v, t) in [(&v1, &t1), (&v2, &t2)] {
+        c.unpublish(v, t)
+            .expect("NodeUnpublishVolume after restart");
+        assert!(!fuse_mounted(t) && !t.exists());
+    }
+    assert!(!alive(d1));
+}
+
+/// CreateVolume makes a prefix (its marker) in the StorageClass's bucket, whose context
+/// mounts it; DeleteVolume removes every object under it.
+#[test]
+fn csi_create_volume_makes_a_prefix_and_delete_volume_empties_it() {
+    let bucket = s3().new_bucket("csi-provision");
+    s3().put(&bucket, "keep/other.txt", "not mine");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let target = dir.path().join("target");
+    let mut c = Csi::connect(&driver);
+    let req = CreateVolumeRequest {
+        name: "pvc-123".into(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: 1 << 30,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![mount_capability(Mode::MultiNodeMultiWriter)],
+        parameters: HashMap::from([
+            ("bucket".to_string(), bucket.clone()),
+            ("prefix".to_string(), "volumes".to_string()),
+        ]),
+        secrets: secrets(),
+        ..Default::default()
+    };
+    let vol =
+        c.rt.block_on(c.controller.create_volume(req.clone()))
+            .expect("CreateVolume")
+            .into_inner()
+            .volume
+            .unwrap();
+    assert_eq!(vol.volume_id, format!("{bucket}/volumes/pvc-123"));
+    assert!(s3().head(&bucket, "volumes/pvc-123/").is_some());
+    // Same again: the same volume.
+    let again =
+        c.rt.block_on(c.controller.create_volume(req))
+            .expect("second CreateVolume")
+            .into_inner();
+    assert_eq!(again.volume.unwrap().volume_id, vol.volume_id);
+
+    let mut p = publish_request(&vol.volume_id, &target, &[], false);
+    p.volume_context = vol.volume_context.clone();
+    c.publish(p).expect("NodePublishVolume");
+    fs::create_dir(target.join("sub")).unwrap();
+    fs::write(target.join("sub/f.txt"), "data").unwrap();
+    c.unpublish(&vol.volume_id, &target).unwrap();
+    assert!(s3().get(&bucket, "volumes/pvc-123/sub/f.txt").is_some());
+
+    c.rt.block_on(c.controller.delete_volume(DeleteVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        secrets: secrets(),
+    }))
+    .expect("DeleteVolume");
+    assert_eq!(
+        s3().list_keys(&bucket, ""),
+        ["keep/other.txt".to_string()].into_iter().collect()
+    );
+}
+
+/// The csi-sanity binary: BUCKETFS_TEST_CSI_SANITY, else PATH, else GOPATH/bin.
+fn csi_sanity() -> PathBuf {
+    if let Some(p) = std::env::var_os("BUCKETFS_TEST_CSI_SANITY") {
+        return PathBuf::from(p);
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let gopath = Command::new("go")
+        .args(["env", "GOPATH"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(gopath.split(':').map(|g| Path::new(g).join("bin")))
+        .map(|d| d.join("csi-sanity"))
+        .find(|p| p.is_file())
+        .expect(
+            "csi-sanity not found (scripts/test.sh installs it: go install \
+             github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@VERSION)",
+        )
+}
+
+/// The CSI specification's conformance tests (csi-sanity) pass against the driver and MinIO:
+/// identity, controller (create/delete/validate) and node (publish/unpublish with real
+/// mounts) services.
+#[test]
+fn csi_sanity_passes() {
+    let sanity = csi_sanity();
+    let bucket = s3().new_bucket("csi-sanity");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let s = secrets();
+    let mut yaml = String::new();
+    for section in [
+        "CreateVolumeSecret",
+        "DeleteVolumeSecret",
+        "NodePublishVolumeSecret",
+        "ControllerValidateVolumeCapabilitiesSecret",
+    ] {
+        yaml.push_str(&format!("{section}:\n"));
+        for (k, v) in &s {
+            yaml.push_str(&format!("  {k}: \"{v}\"\n"));
+        }
+    }
+    let secrets_file = dir.path().join("secrets.yaml");
+    fs::write(&secrets_file, yaml).unwrap();
+    fs::set_permissions(&secrets_file, fs::Permissions::from_mode(0o600)).unwrap();
+    let params_file = dir.path().join("params.yaml");
+    fs::write(
+        &params_file,
+        format!("bucket: \"{bucket}\"\nprefix: \"sanity\"\n"),
+    )
+    .unwrap();
+    let out = Command::new(&sanity)
+        .arg(format!("--csi.endpoint=unix://{}", driver.socket.display()))
+        .arg(format!("--csi.secrets={}", secrets_file.display()))
+        .arg(format!(
+            "--csi.testvolumeparameters={}",
+            params_file.display()
+        ))
+        .arg(format!(
+            "--csi.mountdir={}",
+            dir.path().join("mnt").display()
+        ))
+        .arg(format!(
+            "--csi.stagingdir={}",
+            dir.path().join("stage").display()
+        ))
+        .args(["--ginkgo.no-color", "--ginkgo.timeout=5m"])
+        .output()
+        .expect("run csi-sanity");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let summary: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("Ran ") || l.contains(" Passed | "))
+        .collect();
+    println!("csi-sanity: {}", summary.join("; "));
+    assert!(
+        out.status.success(),
+        "csi-sanity failed:\n{}",
+        text.lines()
+            .filter(|l| !l.trim().is_empty())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let passed: usize = summary
+        .iter()
+        .find_map(|l| l.split(" Passed").next()?.rsplit(' ').next()?.parse().ok())
+        .expect("a Passed count in csi-sanity's summary");
+    assert!(passed >= 20, "only {passed} csi-sanity specs passed");
+    // Everything it created is gone again: the volumes and their mounts.
+    assert!(!fuse_mounted(&dir.path().join("mnt/target")));
+    assert_eq!(s3().list_keys(&bucket, "sanity/"), Default::default());
+}

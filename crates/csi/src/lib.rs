@@ -1,0 +1,156 @@
+//! `bucketfs csi`: a Kubernetes CSI driver (identity, controller and node services) served over
+//! gRPC on a Unix socket.
+//!
+//! Node: each NodePublishVolume runs one `bucketfs mount -f` daemon in a session of its own
+//! (see [`mounts`]), so the mounts outlive the driver process; a small state directory lets a
+//! restarted driver find them again. Controller: a volume is a prefix of a bucket
+//! ([`controller`]). The volume attributes and secrets a volume may carry are in [`attrs`].
+
+pub mod attrs;
+mod controller;
+mod identity;
+mod mounts;
+mod node;
+
+/// The CSI v1 messages and the tonic client and server stubs, generated from proto/csi.proto
+/// by proto-gen (committed, so that building bucketfs needs no protoc).
+#[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]
+pub mod proto {
+    include!("proto/csi.v1.rs");
+}
+
+/// The gRPC library the stubs are for (clients of [`connect`] need its types).
+pub use tonic;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The driver name Kubernetes knows the driver by (CSIDriver, StorageClass provisioner).
+pub const DRIVER_NAME: &str = "csi.bucketfs.io";
+
+/// What `bucketfs csi` was started with.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `unix:///path/csi.sock` (or a plain path).
+    pub endpoint: String,
+    pub node_id: String,
+    /// Records of the mounts this node serves, credentials files, logs, data caches.
+    pub state_dir: PathBuf,
+    /// The bucketfs binary that mounts (the running one).
+    pub bucketfs: PathBuf,
+    /// How long NodeUnpublishVolume waits for a daemon to finish its uploads and exit.
+    pub unpublish_timeout: std::time::Duration,
+}
+
+/// The socket path of a `unix://` endpoint.
+pub fn socket_path(endpoint: &str) -> Result<PathBuf, String> {
+    let p = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .unwrap_or(endpoint);
+    if p.is_empty() || endpoint.contains("://") && !endpoint.starts_with("unix://") {
+        return Err(format!(
+            "endpoint {endpoint}: only unix:///PATH sockets are supported"
+        ));
+    }
+    Ok(PathBuf::from(p))
+}
+
+/// Serves until SIGTERM or SIGINT. The mounts stay: they belong to their daemons.
+pub fn run(cfg: Config) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    rt.block_on(serve(cfg))
+}
+
+async fn serve(cfg: Config) -> Result<(), String> {
+    let path = socket_path(&cfg.endpoint)?;
+    let node = Arc::new(mounts::Mounts::open(&cfg)?);
+    mounts::start_reaper();
+    node.recover().await;
+    let listener = bind(&path)?;
+    tracing::info!(
+        "CSI driver {DRIVER_NAME} {} serving on {} (node {}, state {})",
+        env!("CARGO_PKG_VERSION"),
+        path.display(),
+        cfg.node_id,
+        cfg.state_dir.display()
+    );
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
+        .add_service(proto::identity_server::IdentityServer::new(
+            identity::IdentityService,
+        ))
+        .add_service(proto::controller_server::ControllerServer::new(
+            controller::ControllerService,
+        ))
+        .add_service(proto::node_server::NodeServer::new(node::NodeService {
+            node_id: cfg.node_id.clone(),
+            mounts: node,
+        }))
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stopped.await;
+        });
+    tokio::pin!(server);
+    let r = tokio::select! {
+        r = &mut server => r,
+        _ = termination() => {
+            tracing::info!("stopping; the mounts stay up");
+            let _ = stop.send(());
+            // Clients that keep their connection open must not hold up the exit.
+            tokio::time::timeout(std::time::Duration::from_secs(5), server)
+                .await
+                .unwrap_or(Ok(()))
+        }
+    };
+    let _ = std::fs::remove_file(&path);
+    r.map_err(|e| format!("gRPC server: {e}"))
+}
+
+async fn termination() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut t), Ok(mut i)) => {
+            tokio::select! {
+                _ = t.recv() => {}
+                _ = i.recv() => {}
+            }
+        }
+        _ => std::future::pending().await,
+    }
+}
+
+/// Binds the socket, replacing a stale one left by a driver that was killed.
+fn bind(path: &Path) -> Result<tokio::net::UnixListener, String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    }
+    tokio::net::UnixListener::bind(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// A gRPC channel to a driver's socket (for tests and tools).
+pub async fn connect(path: &Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path = path.to_path_buf();
+    // The URI is required by the API but unused: the connector always dials the socket.
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                let s = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+            }
+        }))
+        .await
+}

@@ -1,0 +1,524 @@
+//! The node's mounts: one `bucketfs mount -f` daemon per published target, and a record of
+//! each in the state directory.
+//!
+//! A daemon runs in a session of its own and is never waited on by a thread that could kill
+//! it, so it outlives the driver: the kubelet restarting the driver (or `kill -9`) leaves
+//! every pod's mount serving. A restarted driver reads the records, adopts the mounts that
+//! are live (in /proc/self/mountinfo, daemon alive) and mounts again those whose daemon died.
+//!
+//! Layout of the state directory (0700):
+//!   mounts/ID.toml   the record (volume, target, source, arguments, daemon pid), no secrets
+//!   mounts/ID.cred   the credentials, 0600, handed to the daemon as its config file (never
+//!                    on its command line); kept while mounted so a dead daemon can be remounted
+//!   logs/ID.log      the daemon's log (stderr of `bucketfs mount -f`)
+//!   daemon/          the daemons' own state directory (upload journals)
+//!   cache/VOLUME/    the data cache of a volume with `dataCacheSize`
+//! ID is a hash of the target path.
+
+use crate::attrs::Credentials;
+use serde::{Deserialize, Serialize};
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+/// How long a daemon may take to mount (it checks the bucket first).
+const MOUNT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What the driver remembers of one published target.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Record {
+    pub volume_id: String,
+    pub target: PathBuf,
+    pub source: String,
+    pub args: Vec<String>,
+    /// The daemon. Checked against /proc/PID/cmdline before it is trusted (pids are reused).
+    pub pid: i32,
+    pub has_credentials: bool,
+}
+
+impl Record {
+    /// Two publishes of a target are the same when they mount the same thing the same way.
+    pub fn same_mount(&self, other: &Record) -> bool {
+        self.volume_id == other.volume_id && self.source == other.source && self.args == other.args
+    }
+}
+
+/// Why a publish or unpublish failed, mapped to a gRPC code by the node service.
+#[derive(Debug)]
+pub enum MountError {
+    /// The target is in use by another volume or mount.
+    AlreadyExists(String),
+    /// The daemon refused the mount (bad bucket, credentials, option).
+    Mount(String),
+    /// Still busy (open files, uploads): the caller should retry.
+    Busy(String),
+    Internal(String),
+}
+
+pub struct Mounts {
+    state: PathBuf,
+    bucketfs: PathBuf,
+    unpublish_timeout: Duration,
+    /// Node operations one at a time: a publish and an unpublish of one target must not mix.
+    lock: tokio::sync::Mutex<()>,
+}
+
+fn private_dir(p: &Path) -> Result<(), String> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(p)
+        .map_err(|e| format!("{}: {e}", p.display()))
+}
+
+/// FNV-1a: a stable short name for a path (file names, not security).
+fn id_of(s: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// The entry of /proc/self/mountinfo whose mount point is `target` (the last one wins:
+/// that is the mount on top).
+pub fn mounted_fstype(target: &Path) -> Option<String> {
+    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let want = target.to_string_lossy();
+    text.lines().rev().find_map(|line| {
+        let f: Vec<&str> = line.split(' ').collect();
+        let sep = f.iter().position(|x| *x == "-")?;
+        (unescape(f.get(4)?) == want).then(|| f.get(sep + 1).map(|s| s.to_string()))?
+    })
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(u8::is_ascii_digit) {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn is_fuse(fstype: &str) -> bool {
+    fstype == "fuse" || fstype.starts_with("fuse.")
+}
+
+/// Whether `pid` is a live (not zombie) bucketfs daemon for `target`.
+pub fn daemon_alive(pid: i32, target: &Path) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the parenthesized command name, which may itself hold spaces.
+    let state = stat
+        .rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().next());
+    if matches!(state, None | Some("Z") | Some("X")) {
+        return false;
+    }
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let want = target.as_os_str().as_encoded_bytes();
+    cmdline.split(|b| *b == 0).any(|a| a == want)
+}
+
+/// Daemons this driver started and has not reaped yet.
+static CHILDREN: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+
+/// Reaps the daemons this driver started once they exit. Only those pids: a wait for any
+/// child would steal the exit status of the fusermount3 runs.
+pub fn start_reaper() {
+    std::thread::Builder::new()
+        .name("reaper".into())
+        .spawn(|| loop {
+            std::thread::sleep(Duration::from_millis(200));
+            CHILDREN
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|&pid| {
+                    let mut status = 0;
+                    // SAFETY: plain syscall with a valid out pointer.
+                    unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) == 0 }
+                });
+        })
+        .expect("spawn reaper thread");
+}
+
+impl Mounts {
+    pub fn open(cfg: &crate::Config) -> Result<Mounts, String> {
+        for d in ["", "mounts", "logs", "daemon", "cache"] {
+            private_dir(&cfg.state_dir.join(d))?;
+        }
+        Ok(Mounts {
+            state: cfg.state_dir.clone(),
+            bucketfs: cfg.bucketfs.clone(),
+            unpublish_timeout: cfg.unpublish_timeout,
+            lock: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    fn record_path(&self, target: &Path) -> PathBuf {
+        self.state
+            .join("mounts")
+            .join(format!("{}.toml", id_of(&target.to_string_lossy())))
+    }
+
+    fn cred_path(&self, target: &Path) -> PathBuf {
+        self.record_path(target).with_extension("cred")
+    }
+
+    fn log_path(&self, target: &Path) -> PathBuf {
+        self.state
+            .join("logs")
+            .join(format!("{}.log", id_of(&target.to_string_lossy())))
+    }
+
+    pub fn cache_dir(&self, volume_id: &str) -> PathBuf {
+        self.state.join("cache").join(id_of(volume_id))
+    }
+
+    pub fn daemon_state_dir(&self) -> PathBuf {
+        self.state.join("daemon")
+    }
+
+    fn load(&self, target: &Path) -> Option<Record> {
+        let text = fs::read_to_string(self.record_path(target)).ok()?;
+        toml::from_str::<Record>(&text)
+            .ok()
+            .filter(|r| r.target == target)
+    }
+
+    fn save(&self, r: &Record) -> Result<(), String> {
+        let p = self.record_path(&r.target);
+        let tmp = p.with_extension("tmp");
+        let text = toml::to_string(r).map_err(|e| e.to_string())?;
+        fs::write(&tmp, text)
+            .and_then(|_| fs::rename(&tmp, &p))
+            .map_err(|e| format!("{}: {e}", p.display()))
+    }
+
+    fn forget(&self, target: &Path) {
+        for p in [
+            self.record_path(target),
+            self.cred_path(target),
+            self.log_path(target),
+        ] {
+            let _ = fs::remove_file(p);
+        }
+    }
+
+    /// Mounts `want` at its target, or does nothing when the same mount is already there.
+    pub async fn publish(&self, want: Record, creds: &Credentials) -> Result<(), MountError> {
+        let _g = self.lock.lock().await;
+        let target = want.target.clone();
+        let fstype = mounted_fstype(&target);
+        if let Some(have) = self.load(&target) {
+            if !have.same_mount(&want) {
+                return Err(MountError::AlreadyExists(format!(
+                    "{} is published already with other arguments (volume {})",
+                    target.display(),
+                    have.volume_id
+                )));
+            }
+            if fstype.as_deref().is_some_and(is_fuse) && daemon_alive(have.pid, &target) {
+                return Ok(());
+            }
+            // Same volume, daemon gone: clear the dead mount and mount again.
+            lazy_unmount(&target, fstype.as_deref());
+        } else if let Some(t) = fstype {
+            return Err(MountError::AlreadyExists(format!(
+                "{} is already a mount point ({t}) this driver did not make",
+                target.display()
+            )));
+        }
+        self.write_credentials(&target, creds)
+            .map_err(MountError::Internal)?;
+        let this = Record {
+            has_credentials: !creds.is_empty(),
+            ..want
+        };
+        self.start(this).await
+    }
+
+    fn write_credentials(&self, target: &Path, creds: &Credentials) -> Result<(), String> {
+        let p = self.cred_path(target);
+        let _ = fs::remove_file(&p);
+        if creds.is_empty() {
+            return Ok(());
+        }
+        #[derive(Serialize)]
+        struct File<'a> {
+            access_key_id: Option<&'a str>,
+            secret_access_key: Option<&'a str>,
+            session_token: Option<&'a str>,
+        }
+        let text = toml::to_string(&File {
+            access_key_id: creds.access_key_id.as_deref(),
+            secret_access_key: creds.secret_access_key.as_deref(),
+            session_token: creds.session_token.as_deref(),
+        })
+        .map_err(|e| e.to_string())?;
+        // create_new with 0600: the secret is never readable by anyone else, not even briefly.
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&p)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .map_err(|e| format!("{}: {e}", p.display()))
+    }
+
+    /// Starts the daemon for `r` and waits until its mount shows in mountinfo.
+    async fn start(&self, mut r: Record) -> Result<(), MountError> {
+        let target = r.target.clone();
+        fs::create_dir_all(&target)
+            .map_err(|e| MountError::Internal(format!("{}: {e}", target.display())))?;
+        let log_path = self.log_path(&target);
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&log_path)
+            .map_err(|e| MountError::Internal(format!("{}: {e}", log_path.display())))?;
+        let log_len = log.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut cmd = Command::new(&self.bucketfs);
+        cmd.arg("mount")
+            .arg("-f")
+            .arg(&r.source)
+            .arg(&target)
+            .args(&r.args);
+        if r.has_credentials {
+            cmd.arg("-c").arg(self.cred_path(&target));
+        }
+        // Only the secret's credentials: none the driver's environment happens to hold.
+        for v in [
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+            "AWS_PROFILE",
+        ] {
+            cmd.env_remove(v);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(
+                log.try_clone()
+                    .map_err(|e| MountError::Internal(e.to_string()))?,
+            )
+            .stderr(log)
+            .current_dir("/");
+        // SAFETY: setsid is async-signal-safe. A session of its own: no signal meant for the
+        // driver's process group or terminal reaches the daemon.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .map_err(|e| MountError::Internal(format!("{}: {e}", self.bucketfs.display())))?;
+        r.pid = child.id() as i32;
+        // The reaper thread collects it; dropping the handle neither waits nor kills.
+        drop(child);
+        CHILDREN
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(r.pid);
+        self.save(&r).map_err(MountError::Internal)?;
+        let started = Instant::now();
+        loop {
+            if mounted_fstype(&target).as_deref().is_some_and(is_fuse) {
+                info!(
+                    "mounted {} at {} (daemon pid {})",
+                    r.source,
+                    target.display(),
+                    r.pid
+                );
+                return Ok(());
+            }
+            if !daemon_alive(r.pid, &target) || started.elapsed() > MOUNT_TIMEOUT {
+                // SAFETY: plain syscall; the pid is our own child's (or already gone).
+                unsafe { libc::kill(r.pid, libc::SIGKILL) };
+                let why = fs::read(&log_path)
+                    .map(|b| String::from_utf8_lossy(&b[log_len as usize..]).into_owned())
+                    .unwrap_or_default();
+                let why = why
+                    .trim()
+                    .lines()
+                    .last()
+                    .unwrap_or("no message")
+                    .to_string();
+                self.forget(&target);
+                let _ = fs::remove_dir(&target);
+                return Err(MountError::Mount(format!(
+                    "mounting {} at {} failed: {why}",
+                    r.source,
+                    target.display()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Unmounts the target, waits for its daemon to store what was written and exit, and
+    /// removes the target directory. A target that is not mounted is fine.
+    pub async fn unpublish(&self, target: &Path) -> Result<(), MountError> {
+        let _g = self.lock.lock().await;
+        let rec = self.load(target);
+        let pid = rec.as_ref().map(|r| r.pid).unwrap_or(0);
+        let fstype = mounted_fstype(target);
+        if let Some(t) = fstype.as_deref() {
+            if !is_fuse(t) {
+                return Err(MountError::Internal(format!(
+                    "{} is a {t} mount, not bucketfs",
+                    target.display()
+                )));
+            }
+            if daemon_alive(pid, target) {
+                unmount(target).map_err(MountError::Busy)?;
+            } else {
+                // A dead daemon leaves ENOTCONN behind: only a lazy unmount clears it.
+                lazy_unmount(target, Some(t));
+            }
+        }
+        // The daemon exits once it has published every file still being written.
+        let started = Instant::now();
+        while daemon_alive(pid, target) {
+            if started.elapsed() > self.unpublish_timeout {
+                return Err(MountError::Busy(format!(
+                    "the daemon of {} (pid {pid}) is still storing files after {:?}; \
+                     retry later",
+                    target.display(),
+                    self.unpublish_timeout
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        match fs::remove_dir(target) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(MountError::Internal(format!("{}: {e}", target.display()))),
+        }
+        if rec.is_some() {
+            info!("unmounted {}", target.display());
+        }
+        self.forget(target);
+        Ok(())
+    }
+
+    /// At startup: adopts the live mounts of the records, remounts those whose daemon died
+    /// while their target is still there, forgets the rest.
+    pub async fn recover(&self) {
+        let Ok(dir) = fs::read_dir(self.state.join("mounts")) else {
+            return;
+        };
+        let records: Vec<Record> = dir
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "toml"))
+            .filter_map(|e| toml::from_str(&fs::read_to_string(e.path()).ok()?).ok())
+            .collect();
+        for r in records {
+            let fstype = mounted_fstype(&r.target);
+            let alive = daemon_alive(r.pid, &r.target);
+            if alive && fstype.as_deref().is_some_and(is_fuse) {
+                info!(
+                    "adopted the mount of {} at {} (daemon pid {})",
+                    r.source,
+                    r.target.display(),
+                    r.pid
+                );
+                continue;
+            }
+            if alive {
+                // Unmounted but still storing files: unpublish waits for it.
+                continue;
+            }
+            if !r.target.is_dir() && fstype.is_none() {
+                self.forget(&r.target);
+                continue;
+            }
+            warn!(
+                "the daemon of {} at {} is gone; mounting again",
+                r.source,
+                r.target.display()
+            );
+            lazy_unmount(&r.target, fstype.as_deref());
+            let _g = self.lock.lock().await;
+            if let Err(e) = self.start(r.clone()).await {
+                warn!("{e:?}");
+            }
+        }
+    }
+}
+
+/// `fusermount3 -u`, then `umount`. Fails when the mount is busy.
+fn unmount(target: &Path) -> Result<(), String> {
+    let mut last = String::new();
+    for (bin, args) in [("fusermount3", &["-u"][..]), ("umount", &[][..])] {
+        match Command::new(bin).args(args).arg(target).output() {
+            Ok(o) if o.status.success() => return Ok(()),
+            Ok(o) => last = String::from_utf8_lossy(&o.stderr).trim().to_string(),
+            Err(e) => last = format!("{bin}: {e}"),
+        }
+        if mounted_fstype(target).is_none() {
+            return Ok(());
+        }
+    }
+    Err(format!("cannot unmount {}: {last}", target.display()))
+}
+
+fn lazy_unmount(target: &Path, fstype: Option<&str>) {
+    if fstype.is_none() {
+        return;
+    }
+    for (bin, args) in [("fusermount3", &["-u", "-z"][..]), ("umount", &["-l"][..])] {
+        if Command::new(bin)
+            .args(args)
+            .arg(target)
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            return;
+        }
+    }
+}
+
+impl std::fmt::Display for MountError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MountError::AlreadyExists(m)
+            | MountError::Mount(m)
+            | MountError::Busy(m)
+            | MountError::Internal(m) => f.write_str(m),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_names_are_unescaped() {
+        assert_eq!(unescape("/a\\040b\\134c"), "/a b\\c");
+        assert_eq!(id_of("/x"), id_of("/x"));
+        assert_ne!(id_of("/x"), id_of("/y"));
+    }
+}
