@@ -388,9 +388,10 @@ fn csi_read_only_volume_refuses_writes_with_erofs() {
     assert_eq!(s3().get(&bucket, "data/new.txt"), None);
 }
 
-/// `kill -9` of the driver (its whole process group) leaves its mounts serving; a restarted driver on the same state
-/// directory recognises them (a repeated publish keeps the same daemon), remounts one whose
-/// daemon died meanwhile, and unpublishes both.
+/// `kill -9` of the driver (its whole process group) leaves its mounts serving; a restarted
+/// driver on the same state directory recognises them (a repeated publish keeps the same
+/// daemon), remounts one whose daemon died meanwhile and one that dies while it runs, and
+/// unpublishes both.
 #[test]
 fn csi_mounts_survive_a_driver_kill_and_the_restarted_driver_knows_them() {
     let bucket = s3().new_bucket("csi-restart");
@@ -429,20 +430,35 @@ fn csi_mounts_survive_a_driver_kill_and_the_restarted_driver_knows_them() {
         .expect("NodePublishVolume after restart");
     assert_eq!(daemon_of(&t1), d1);
     // Remounted at startup: the target serves again, from a new daemon.
-    wait_for("t2 to serve again", Duration::from_secs(20), || {
-        fs::write(t2.join("again.txt"), "again").is_ok()
+    // Mounted again (a write before that would land in the bare directory).
+    wait_for("t2 to be mounted again", Duration::from_secs(20), || {
+        fuse_mounted(&t2) && fs::read_dir(&t2).is_ok()
     });
+    fs::write(t2.join("again.txt"), "again").unwrap();
     assert_ne!(daemon_of(&t2), d2);
     assert_eq!(
         s3().get(&bucket, "b/again.txt").as_deref(),
         Some(&b"again"[..])
+    );
+    // A daemon dying while the driver runs is remounted too, within its heal interval.
+    // SAFETY: plain syscall on the test's own daemon.
+    unsafe { libc::kill(d1 as i32, libc::SIGKILL) };
+    wait_for("daemon 1 to die", Duration::from_secs(10), || !alive(d1));
+    // Mounted again (a write before that would land in the bare directory).
+    wait_for("t1 to be mounted again", Duration::from_secs(20), || {
+        fuse_mounted(&t1) && fs::read_dir(&t1).is_ok()
+    });
+    fs::write(t1.join("healed.txt"), "healed").unwrap();
+    assert_ne!(daemon_of(&t1), d1);
+    assert_eq!(
+        s3().get(&bucket, "a/healed.txt").as_deref(),
+        Some(&b"healed"[..])
     );
     for (v, t) in [(&v1, &t1), (&v2, &t2)] {
         c.unpublish(v, t)
             .expect("NodeUnpublishVolume after restart");
         assert!(!fuse_mounted(t) && !t.exists());
     }
-    assert!(!alive(d1));
 }
 
 /// CreateVolume makes a prefix (its marker) in the StorageClass's bucket, whose context

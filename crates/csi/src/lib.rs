@@ -73,7 +73,14 @@ async fn serve(cfg: Config) -> Result<(), String> {
     let path = socket_path(&cfg.endpoint)?;
     let node = Arc::new(mounts::Mounts::open(&cfg)?);
     mounts::start_reaper();
-    node.recover().await;
+    node.recover(true).await;
+    let healer = node.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(mounts::HEAL_INTERVAL).await;
+            healer.recover(false).await;
+        }
+    });
     let listener = bind(&path)?;
     tracing::info!(
         "CSI driver {DRIVER_NAME} {} serving on {} (node {}, state {})",

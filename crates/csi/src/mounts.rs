@@ -26,6 +26,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
+/// How often the driver looks for daemons that died (OOM kill, crash) to mount them again.
+pub const HEAL_INTERVAL: Duration = Duration::from_secs(5);
+
 /// How long a daemon may take to mount (it checks the bucket first).
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -423,9 +426,11 @@ impl Mounts {
         Ok(())
     }
 
-    /// At startup: adopts the live mounts of the records, remounts those whose daemon died
-    /// while their target is still there, forgets the rest.
-    pub async fn recover(&self) {
+    /// At startup and then every [`HEAL_INTERVAL`]: adopts the live mounts of the records,
+    /// remounts those whose daemon died while their target is still there, forgets the rest.
+    /// Under the lock, so a daemon exiting during an unpublish is never mistaken for a dead one.
+    pub async fn recover(&self, startup: bool) {
+        let _g = self.lock.lock().await;
         let Ok(dir) = fs::read_dir(self.state.join("mounts")) else {
             return;
         };
@@ -438,6 +443,9 @@ impl Mounts {
             let fstype = mounted_fstype(&r.target);
             let alive = daemon_alive(r.pid, &r.target);
             if alive && fstype.as_deref().is_some_and(is_fuse) {
+                if !startup {
+                    continue;
+                }
                 info!(
                     "adopted the mount of {} at {} (daemon pid {})",
                     r.source,
@@ -460,7 +468,6 @@ impl Mounts {
                 r.target.display()
             );
             lazy_unmount(&r.target, fstype.as_deref());
-            let _g = self.lock.lock().await;
             if let Err(e) = self.start(r.clone()).await {
                 warn!("{e:?}");
             }
