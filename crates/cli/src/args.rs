@@ -113,9 +113,10 @@ pub enum Command {
     /// Install the binary, the mount.bucketfs helper, the man page, shell completions and a
     /// systemd unit template (bucketfs@.service) under ROOT, as a package would.
     Install(InstallArgs),
-    /// Serve the Kubernetes CSI driver (identity, controller and node services) on a Unix
-    /// socket; NodePublishVolume mounts s3://BUCKET/PREFIX with one bucketfs daemon per pod
-    /// volume, which outlives a restart of the driver (docs/kubernetes.md).
+    /// Serve the Kubernetes CSI driver on a Unix socket (docs/kubernetes.md).
+    ///
+    /// Identity, controller and node services. NodePublishVolume mounts s3://BUCKET/PREFIX
+    /// with one bucketfs daemon per pod volume, which outlives a restart of the driver.
     #[command(after_long_help = CSI_AFTER_HELP)]
     Csi(CsiArgs),
 }

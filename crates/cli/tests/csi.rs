@@ -269,6 +269,9 @@ fn csi_publish_mounts_a_prefix_for_a_non_root_pod_and_unpublish_unmounts() {
     let dir = tempfile::tempdir().unwrap();
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
     let _clean = Cleanup(dir.path().to_path_buf());
+    // A state directory made 0755 by someone else (a hostPath) is made private.
+    fs::create_dir(dir.path().join("state")).unwrap();
+    fs::set_permissions(dir.path().join("state"), fs::Permissions::from_mode(0o755)).unwrap();
     let driver = Driver::start(dir.path());
     let target = dir.path().join("pods/p1/volumes/target");
     fs::create_dir_all(target.parent().unwrap()).unwrap();
@@ -328,6 +331,10 @@ fn csi_publish_mounts_a_prefix_for_a_non_root_pod_and_unpublish_unmounts() {
         .collect();
     assert_eq!(creds.len(), 1);
     assert_eq!(fs::metadata(&creds[0]).unwrap().mode() & 0o777, 0o600);
+    for d in ["state", "state/mounts"] {
+        let mode = fs::metadata(dir.path().join(d)).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{d}");
+    }
 
     // Same arguments again: OK, same daemon. Other arguments: ALREADY_EXISTS.
     c.publish(publish_request(&vol, &target, &ctx, false))

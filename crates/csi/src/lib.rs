@@ -91,20 +91,21 @@ async fn serve(cfg: Config) -> Result<(), String> {
     );
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
-        .add_service(proto::identity_server::IdentityServer::new(
-            identity::IdentityService,
-        ))
-        .add_service(proto::controller_server::ControllerServer::new(
-            controller::ControllerService,
-        ))
-        .add_service(proto::node_server::NodeServer::new(node::NodeService {
+    let services = Services {
+        identity: proto::identity_server::IdentityServer::new(identity::IdentityService),
+        controller: proto::controller_server::ControllerServer::new(controller::ControllerService),
+        node: proto::node_server::NodeServer::new(node::NodeService {
             node_id: cfg.node_id.clone(),
             mounts: node,
-        }))
-        .serve_with_incoming_shutdown(incoming, async {
+        }),
+    };
+    let server = tonic::transport::Server::builder().serve_with_incoming_shutdown(
+        services,
+        incoming,
+        async {
             let _ = stopped.await;
-        });
+        },
+    );
     tokio::pin!(server);
     let r = tokio::select! {
         r = &mut server => r,
@@ -119,6 +120,47 @@ async fn serve(cfg: Config) -> Result<(), String> {
     };
     let _ = std::fs::remove_file(&path);
     r.map_err(|e| format!("gRPC server: {e}"))
+}
+
+/// The three CSI services behind one socket, routed by the gRPC path's service name (what
+/// tonic's router does, without the web framework it brings along).
+#[derive(Clone)]
+struct Services {
+    identity: proto::identity_server::IdentityServer<identity::IdentityService>,
+    controller: proto::controller_server::ControllerServer<controller::ControllerService>,
+    node: proto::node_server::NodeServer<node::NodeService>,
+}
+
+type Reply = http::Response<tonic::body::Body>;
+
+impl tower::Service<http::Request<tonic::body::Body>> for Services {
+    type Response = Reply;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Reply, Self::Error>> + Send + 'static>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        // The generated services are always ready.
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let path = req.uri().path();
+        if path.starts_with("/csi.v1.Identity/") {
+            Box::pin(self.identity.call(req))
+        } else if path.starts_with("/csi.v1.Controller/") {
+            Box::pin(self.controller.call(req))
+        } else if path.starts_with("/csi.v1.Node/") {
+            Box::pin(self.node.call(req))
+        } else {
+            let status = tonic::Status::unimplemented(format!("no service for {path}"));
+            Box::pin(async move { Ok(status.into_http()) })
+        }
+    }
 }
 
 async fn termination() {

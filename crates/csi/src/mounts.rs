@@ -71,11 +71,15 @@ pub struct Mounts {
     lock: tokio::sync::Mutex<()>,
 }
 
+/// Creates `p` 0700, and makes it 0700 if it was there already (a hostPath the kubelet made
+/// 0755, say): it holds credentials files.
 fn private_dir(p: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(p)
+        .and_then(|_| fs::set_permissions(p, fs::Permissions::from_mode(0o700)))
         .map_err(|e| format!("{}: {e}", p.display()))
 }
 
