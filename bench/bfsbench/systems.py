@@ -92,6 +92,10 @@ class System:
     object_per_file = True
     #: extra fio options for its write phases (and the layout step of its read phases)
     fio_write_extra: list[str] = []
+    #: True when a file being written is also kept whole on local disk until close (a staging
+    #: or cache file): a write phase then needs its size twice on a box whose store shares
+    #: the disk
+    stages_writes = False
 
     def __init__(self, store: StoreConfig, binary: str):
         self.store = store
@@ -224,6 +228,9 @@ def parse_prometheus(text: str) -> dict[str, float]:
 class Bucketfs(System):
     name = "bucketfs"
     unsupported: dict[str, str] = {}
+    # Streamed parts are copied into a staging file in --cache-dir until close (reads of an
+    # unfinished upload are served from it).
+    stages_writes = True
 
     def __init__(self, store: StoreConfig, binary: str):
         super().__init__(store, binary)
@@ -327,6 +334,7 @@ class Bucketfs(System):
 
 class S3fs(System):
     name = "s3fs"
+    stages_writes = True
 
     @classmethod
     def find(cls, override=None):
@@ -358,6 +366,7 @@ class S3fs(System):
 class Rclone(System):
     name = "rclone"
     async_upload = True
+    stages_writes = True
 
     @classmethod
     def find(cls, override=None):
