@@ -158,8 +158,8 @@ def main(argv: list[str]) -> int:
                          "sf_count=50000 when the disk does not hold the default; shown with the results")
     ap.add_argument("--systems", default="", help="comma-separated: bucketfs,s3fs,rclone,goofys,geesefs,mount-s3,juicefs "
                     "(default: every one found)")
-    ap.add_argument("--scenarios", default="", help="comma-separated groups: seq,cp,read4,small,sysbench,lsfind,"
-                    "create,concurrent,pandas,epoch2 (default: all)")
+    ap.add_argument("--scenarios", default="", help="comma-separated groups, run in this order: seq,cp,read4,small,sysbench,"
+                    "lsfind,create,concurrent,pandas,epoch2 (default: all, in that order)")
     ap.add_argument("--out", default="", help="output dir (default bench/out/SIZE-TIMESTAMP)")
     ap.add_argument("--repeat", type=int, default=0, help="runs of every measurement (default: 1 smoke, 3 ci/published)")
     ap.add_argument("--endpoint", default="", help="use this S3 endpoint instead of starting MinIO")
@@ -207,7 +207,8 @@ def main(argv: list[str]) -> int:
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1].upper(), 1)
         sizes[k] = int(float(v[:-1] if mult > 1 else v) * mult)
     repeat = a.repeat or sizes["repeat"]
-    groups = [g for g in GROUPS if not a.scenarios or g in a.scenarios.split(",")]
+    # In the order given (a long run may be cut short: what matters most first), else all.
+    groups = [g for g in dict.fromkeys(a.scenarios.split(",")) if g in GROUPS] if a.scenarios else list(GROUPS)
     unknown = set(filter(None, a.scenarios.split(","))) - set(GROUPS)
     if unknown:
         print(f"bench: unknown scenario group(s) {sorted(unknown)}; known: {GROUPS}", file=sys.stderr)
