@@ -204,7 +204,7 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     L.append("| " + " | ".join(head) + " |")
     L.append("|" + "---|" * len(head))
     for r in ROWS:
-        if r.id not in rows:
+        if not rows.get(r.id):  # a group this run did not run
             continue
         cells = []
         bv = None
@@ -228,7 +228,7 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
              "S3 requests the store saw during the phase (MinIO audit log, every system), and the requests bucketfs "
              "itself counted (its /metrics).\n")
     for r in ROWS:
-        if r.id not in rows:
+        if not rows.get(r.id):  # a group this run did not run
             continue
         L.append(f"### {r.id}: {meta['row_descriptions'].get(r.id, '')}\n")
         L.append("| system | " + f"{r.unit} {'↑' if r.better == 'higher' else '↓'}" +
