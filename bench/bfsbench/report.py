@@ -305,7 +305,8 @@ def plots(doc: dict, outdir: Path) -> list[str]:
     outdir.mkdir(parents=True, exist_ok=True)
     systems = doc["meta"]["systems_order"]
     rows = doc["summary"]["rows"]
-    colors = {s: c for s, c in zip(systems, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"])}
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    colors = {s: palette[i % len(palette)] for i, s in enumerate(systems)}
     made = []
     title_sfx = f" — {doc['meta']['size']} size, {doc['meta']['host']['cores']} cores"
 
