@@ -151,6 +151,12 @@ pub fn render(prev: Option<&Sample>, cur: &Sample, secs: f64) -> String {
             delta("bucketfs_data_cache_errors_total"),
             delta("bucketfs_data_cache_skipped_total"),
         );
+        // Opens the kernel reads itself from the cache's copy: their reads are not counted above.
+        out += &format!(
+            "passthrough  {:.0} opens{unit}   {:.1} MB{unit} in those files\n",
+            delta("bucketfs_passthrough_opens_total"),
+            delta("bucketfs_passthrough_bytes_total") / 1e6,
+        );
     }
     out += &format!(
         "memory       {:.1} MiB in buffers   {:.0} part uploads in flight\n",

@@ -113,6 +113,8 @@ fn a_file_the_cache_holds_whole_is_read_by_the_kernel_not_the_daemon() {
         metric(&addr, "bucketfs_passthrough_bytes_total"),
         (big.len() + small.len()) as u64
     );
+    let stats = run(bin(), &["stats", m.path().to_str().unwrap(), "--once"]);
+    assert!(stats.contains("passthrough  2 opens   5.4 MB"), "{stats}");
     // Two descriptors at once share the copy; a seek and a read in the middle are right.
     let mut f = std::fs::File::open(m.join("big")).unwrap();
     let second = cat(&m.join("big"));
