@@ -1,6 +1,6 @@
 """The second epoch (issue 22): the small-files set and one large file, read once into
 bucketfs's --data-cache, then read again after a remount with the cache kept and the page
-cache dropped; with FUSE passthrough (the default) and with --no-passthrough. Each run is
+cache dropped; with FUSE passthrough (--passthrough) and without it. Each run is
 quoted against reading the same bytes from plain files on the disk the cache lives on, read
 the same way after a drop_caches just before and just after the row, the faster of the two
 (`extra`: local_mb_s and ratio_to_local); the daemon's CPU
@@ -17,8 +17,8 @@ from pathlib import Path
 
 # (small-files row, large-file row, mount flags)
 MODES = (
-    ("epoch2-small-files", "epoch2-large", []),
-    ("epoch2-small-files-daemon", "epoch2-large-daemon", ["--no-passthrough"]),
+    ("epoch2-small-files", "epoch2-large", ["--passthrough"]),
+    ("epoch2-small-files-daemon", "epoch2-large-daemon", []),
 )
 
 

@@ -61,13 +61,13 @@ ROWS: list[Row] = [
     # Issue 22: reads from bucketfs's --data-cache after a remount (bfsbench/epoch2.py).
     Row("epoch2-small-files", "epoch2", "MB/s", "higher", None,
         lambda s: f"the {s['sf_count']} × {s['sf_kb']} KiB files again after a remount with --data-cache kept and "
-                  "the page cache dropped (passthrough)"),
+                  "the page cache dropped (--passthrough)"),
     Row("epoch2-small-files-daemon", "epoch2", "MB/s", "higher", None,
-        lambda s: "the same with --no-passthrough"),
+        lambda s: "the same without --passthrough"),
     Row("epoch2-large", "epoch2", "MB/s", "higher", None,
-        lambda s: f"one {human(s['seq'])} file, the same way (passthrough)"),
+        lambda s: f"one {human(s['seq'])} file, the same way (--passthrough)"),
     Row("epoch2-large-daemon", "epoch2", "MB/s", "higher", None,
-        lambda s: "the same with --no-passthrough"),
+        lambda s: "the same without --passthrough"),
 ]
 
 BY_ID = {r.id: r for r in ROWS}

@@ -82,7 +82,9 @@ pub struct Settings {
     /// The data cache's directory, if any (off by default).
     pub data_cache: Option<PathBuf>,
     pub data_cache_size: u64,
-    /// Never hand the kernel the data cache's files (FUSE passthrough).
+    /// Hand the kernel the data cache's whole files (FUSE passthrough; opt-in: not POSIX).
+    pub passthrough: bool,
+    /// Forces `passthrough` off (the old opt-out, still accepted).
     pub no_passthrough: bool,
     pub fuse_threads: usize,
     /// Where to serve Prometheus metrics (`/metrics`), if anywhere.
@@ -146,6 +148,7 @@ impl fmt::Debug for Settings {
             .field("max_prefetch", &self.max_prefetch)
             .field("data_cache", &self.data_cache)
             .field("data_cache_size", &self.data_cache_size)
+            .field("passthrough", &self.passthrough)
             .field("no_passthrough", &self.no_passthrough)
             .field("fuse_threads", &self.fuse_threads)
             .field("metrics_addr", &self.metrics_addr)
@@ -200,6 +203,7 @@ impl Default for Settings {
             max_prefetch: fs.max_prefetch,
             data_cache: None,
             data_cache_size: 10 << 30,
+            passthrough: false,
             no_passthrough: false,
             fuse_threads: 4,
             metrics_addr: None,
@@ -506,6 +510,7 @@ impl Settings {
             "syslog" => self.syslog = parse_bool(v)?,
             "ca_bundle" => self.ca_bundle = Some(PathBuf::from(non_empty(v, "path")?)),
             "no_verify_ssl" => self.no_verify_ssl = parse_bool(v)?,
+            "passthrough" => self.passthrough = parse_bool(v)?,
             "no_passthrough" => self.no_passthrough = parse_bool(v)?,
             "unsigned_payload" => self.unsigned_payload = Some(parse_bool(v)?),
             "retry_timeout" => self.retry_timeout = parse_duration(v)?,

@@ -289,12 +289,15 @@ pub const OPTIONS: &[OptionSpec] = &[
     value("data_cache_size", "SIZE").env().default("10G").help(
         "Most the --data-cache directory holds; the least recently used blocks go first (K/M/G).",
     ),
-    flag("no_passthrough").env().help(
-        "Never let the kernel read the --data-cache copy of a file itself (FUSE passthrough, \
-         used by default when the kernel and CAP_SYS_ADMIN allow it): every read goes \
-         through the daemon, and opening for writing a file another process reads is never \
-         refused",
+    flag("passthrough").env().help(
+        "With --data-cache, let the kernel read a file the cache holds whole itself (FUSE \
+         passthrough; Linux 6.9+, CAP_SYS_ADMIN): its reads never reach the daemon. Not POSIX: \
+         while such a reader is open, opening the file for writing or truncating it fails with \
+         ETXTBSY after 1 s, and that reader keeps reading the version it opened. Default: off",
     ),
+    flag("no_passthrough")
+        .env()
+        .help("Turn --passthrough off (the default; kept for older configurations)."),
     value("max_prefetch", "SIZE")
         .env()
         .default("64M")

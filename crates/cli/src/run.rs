@@ -381,7 +381,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         allow_other: s.allow_other,
         read_only: s.read_only,
         n_threads: s.fuse_threads,
-        passthrough: !s.no_passthrough,
+        passthrough: s.passthrough && !s.no_passthrough,
     };
     let handle =
         match bucketfs_fuse::mount(fs.clone(), rt.handle().clone(), &plan.mountpoint, &opts) {

@@ -18,6 +18,7 @@ fn mount_cached(bucket: &str, dir: &Path, extra: &[&str]) -> (Mount, String) {
     let mut spec = MountSpec::s3(bucket, "")
         .arg("--data-cache")
         .arg(dir.to_str().unwrap())
+        .arg("--passthrough")
         .arg("--metrics-addr")
         .arg(&addr);
     for a in extra {

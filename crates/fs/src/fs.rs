@@ -513,13 +513,14 @@ impl Fs {
         }
         // Close-to-open: attributes older than the TTL are checked again.
         self.getattr(ino).await?;
-        // A read-only open may share the kernel's local copy of the file; a new one is looked
-        // for only when nothing else has the inode open (the kernel cannot mix the two).
-        // O_DIRECT would reach the cache disk with the caller's alignment: not started for it.
-        let shareable =
-            through && !writable && flags & libc::O_TRUNC == 0 && self.files.passthrough_on();
+        // A read-only open may share the kernel's local copy of the file, even after passthrough
+        // went off for the mount (the kernel still holds that copy and refuses other opens);
+        // a new one is looked for only when nothing else has the inode open (the kernel cannot
+        // mix the two). O_DIRECT would reach the cache disk with the caller's alignment: not
+        // started for it.
+        let shareable = through && !writable && flags & libc::O_TRUNC == 0;
         let mut local = None;
-        if shareable && flags & libc::O_DIRECT == 0 {
+        if shareable && flags & libc::O_DIRECT == 0 && self.files.passthrough_on() {
             let wanted = {
                 let t = self.ns.table();
                 t.get(ino).and_then(|i| {
@@ -542,14 +543,7 @@ impl Fs {
         let (write, keep_cache, local) = loop {
             match self.open_registered(ino, writable, shareable, &mut local)? {
                 Some(r) => break r,
-                None if waits < THROUGH_WAITS => {
-                    waits += 1;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                None => {
-                    tracing::debug!("open of inode {ino}: open for passthrough elsewhere");
-                    return Err(FsError(libc::ETXTBSY));
-                }
+                None => self.wait_through(ino, &mut waits).await?,
             }
         };
         if let (Some(w), true) = (&write, flags & libc::O_TRUNC != 0) {
@@ -574,6 +568,28 @@ impl Fs {
             keep_cache,
             local,
         })
+    }
+
+    /// One wait of an open (or truncate) that the inode's passthrough readers keep out: 20 ms,
+    /// then `ETXTBSY` after [`THROUGH_WAITS`] of them.
+    async fn wait_through(&self, ino: Ino, waits: &mut u32) -> FsResult<()> {
+        if *waits >= THROUGH_WAITS {
+            tracing::debug!("inode {ino}: open for passthrough elsewhere");
+            return Err(FsError(libc::ETXTBSY));
+        }
+        *waits += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        Ok(())
+    }
+
+    /// A size change must wait as an open for writing does while the kernel reads the inode
+    /// from a local copy (it would keep serving the old bytes).
+    pub(crate) async fn wait_not_through(&self, ino: Ino) -> FsResult<()> {
+        let mut waits = 0;
+        while self.files.is_through(ino) {
+            self.wait_through(ino, &mut waits).await?;
+        }
+        Ok(())
     }
 
     /// The inode's side of an open, under the table's lock: its write state, whether the

@@ -272,6 +272,10 @@ impl FuseFs {
         let mut b = backings.lock().unwrap();
         let id = match b.by_ino.get(&ino).and_then(Weak::upgrade) {
             Some(id) => Ok(id),
+            // Opens that shared the copy of a refused one: the kernel would refuse them too.
+            None if refused.load(Ordering::Relaxed) => {
+                Err(std::io::Error::other("refused earlier"))
+            }
             None => reply.open_backing(file).map(Arc::new),
         };
         match id {

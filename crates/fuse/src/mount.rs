@@ -37,7 +37,7 @@ pub struct MountOptions {
     /// FUSE request threads (each with its own cloned `/dev/fuse` descriptor); at least 1.
     pub n_threads: usize,
     /// Let the kernel read files the data cache holds whole itself (FUSE passthrough), when
-    /// it can.
+    /// it can. Off by default: its open rules are not POSIX (see docs/SEMANTICS.md).
     pub passthrough: bool,
 }
 
@@ -48,7 +48,7 @@ impl Default for MountOptions {
             allow_other: false,
             read_only: false,
             n_threads: 4,
-            passthrough: true,
+            passthrough: false,
         }
     }
 }

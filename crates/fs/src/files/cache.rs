@@ -113,6 +113,59 @@ pub fn prepare_dir(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// A fresh temporary file next to `path` (a sibling named `.tmp-RANDOM-NAME`), created
+/// exclusively without following links: two writers (two mounts, or two containers whose
+/// daemons have the same PID) never share one, and nothing planted under the name is written.
+fn create_tmp(path: &Path) -> std::io::Result<(File, PathBuf)> {
+    use std::hash::{BuildHasher, Hasher};
+    use std::os::unix::fs::OpenOptionsExt;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+    let name = name.unwrap_or_default();
+    let mut made_dir = false;
+    loop {
+        let r = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let tmp = path.with_file_name(format!(".tmp-{r:016x}-{name}"));
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp);
+        match f {
+            Ok(f) => return Ok((f, tmp)),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) if e.kind() == ErrorKind::NotFound && !made_dir => {
+                made_dir = true;
+                std::fs::create_dir_all(path.parent().expect("a cache file has a parent"))?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Opens a cache file for reading, refusing a link and anything but a regular file of this
+/// user (what is handed to the kernel must be the cache's own file).
+fn open_own(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    let md = f.metadata()?;
+    // SAFETY: geteuid cannot fail.
+    if !md.is_file() || md.uid() != unsafe { libc::geteuid() } {
+        return Err(std::io::Error::other("not a regular file of this user"));
+    }
+    Ok(f)
+}
+
+/// Makes the entries of directory `dir` durable (renames, links and unlinks in it).
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
 /// What one block file is about.
 struct BlockId<'a> {
     scope: &'a str,
@@ -367,6 +420,19 @@ impl DataCache {
     /// Starts the cache in `cfg.dir` (made ready by [`prepare_dir`]): its writer thread reads
     /// the directory first, then writes what readers hand it.
     pub fn start(cfg: &DataCacheConfig, queue: usize, metrics: Arc<FsMetrics>) -> Arc<DataCache> {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        Self::start_in_boot(cfg, queue, metrics, boot)
+    }
+
+    /// [`DataCache::start`] in the boot named `boot` (empty: unknown).
+    fn start_in_boot(
+        cfg: &DataCacheConfig,
+        queue: usize,
+        metrics: Arc<FsMetrics>,
+        boot: String,
+    ) -> Arc<DataCache> {
         let (tx, rx) = sync_channel(queue);
         metrics
             .data_cache_limit_bytes
@@ -380,9 +446,7 @@ impl DataCache {
             metrics,
             warned: AtomicBool::new(false),
             whole_files: AtomicBool::new(false),
-            boot: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-                .map(|s| s.trim().to_string())
-                .unwrap_or_default(),
+            boot,
         });
         let weak = Arc::downgrade(&cache);
         std::thread::Builder::new()
@@ -421,9 +485,10 @@ impl DataCache {
     /// seal checked.
     fn open_whole(&self, id: &BlockId<'_>, size: u64) -> Result<(File, Manifest, u64), Miss> {
         let name = id.name();
-        let mut mf = match File::open(self.whole_path(name, MAN)) {
+        let mut mf = match open_own(&self.whole_path(name, MAN)) {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => return Err(Miss::Absent),
+            Err(e) if not_own(&e) => return Err(Miss::Corrupt("not a file of its own")),
             Err(e) => return Err(Miss::Io(e)),
         };
         let mut man = Vec::new();
@@ -432,11 +497,12 @@ impl DataCache {
         if m.size != size {
             return Err(Miss::Corrupt("of the wrong size"));
         }
-        let f = match File::open(self.whole_path(name, OBJ)) {
+        let f = match open_own(&self.whole_path(name, OBJ)) {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 return Err(Miss::Corrupt("missing its data file"))
             }
+            Err(e) if not_own(&e) => return Err(Miss::Corrupt("not a file of its own")),
             Err(e) => return Err(Miss::Io(e)),
         };
         let md = f.metadata().map_err(Miss::Io)?;
@@ -488,7 +554,8 @@ impl DataCache {
         let id = self.id(key, etag, WHOLE);
         let name = id.name();
         match self.open_whole(&id, size) {
-            Ok((f, m, _)) if m.boot == self.boot => Some(f),
+            // Without the boot's id a crash cannot be told apart: always checked in full.
+            Ok((f, m, _)) if !self.boot.is_empty() && m.boot == self.boot => Some(f),
             Ok((f, m, _)) => {
                 // Sealed before the machine last started: a crash may have lost bytes the
                 // page cache held then. Checked in full once, then sealed for this boot.
@@ -578,9 +645,12 @@ impl DataCache {
     fn write_manifest(&self, id: &BlockId<'_>, m: &Manifest) -> std::io::Result<u64> {
         let name = id.name();
         let path = self.whole_path(name, MAN);
-        let tmp = path.with_file_name(format!(".tmp-{}-{name:032x}.man", std::process::id()));
         let bytes = m.encode(id);
-        let r = std::fs::write(&tmp, &bytes).and_then(|()| std::fs::rename(&tmp, &path));
+        let (mut f, tmp) = create_tmp(&path)?;
+        let r = f
+            .write_all(&bytes)
+            .and_then(|()| f.sync_data())
+            .and_then(|()| std::fs::rename(&tmp, &path));
         if r.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
@@ -649,9 +719,10 @@ impl DataCache {
     /// Reads and checks one block file into `dst` (its expected length).
     fn read_one(&self, id: &BlockId<'_>, dst: &mut [u8]) -> Result<(), Miss> {
         let name = id.name();
-        let mut f = match File::open(self.path(name)) {
+        let mut f = match open_own(&self.path(name)) {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => return Err(Miss::Absent),
+            Err(e) if not_own(&e) => return Err(Miss::Corrupt("not a file of its own")),
             Err(e) => return Err(Miss::Io(e)),
         };
         let want = id.header(dst.len() as u64, 0);
@@ -729,18 +800,13 @@ impl DataCache {
         }
         self.evict_to(self.max_bytes - size);
         let path = self.path(name);
-        let tmp = path.with_file_name(format!(".tmp-{}-{name:032x}", std::process::id()));
+        let mut tmp = None;
         let written = (|| {
-            let mut f = match File::create(&tmp) {
-                Err(e) if e.kind() == ErrorKind::NotFound => {
-                    std::fs::create_dir_all(tmp.parent().expect("a block has a parent"))?;
-                    File::create(&tmp)?
-                }
-                r => r?,
-            };
+            let (mut f, t) = create_tmp(&path)?;
+            let tmp = tmp.insert(t);
             f.write_all(&header)?;
             f.write_all(&job.data)?;
-            std::fs::rename(&tmp, &path)
+            std::fs::rename(&*tmp, &path)
         })();
         match written {
             Ok(()) => {
@@ -748,7 +814,9 @@ impl DataCache {
                 self.update_size();
             }
             Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
+                if let Some(tmp) = tmp {
+                    let _ = std::fs::remove_file(tmp);
+                }
                 return self.io_error("write", &e);
             }
         }
@@ -778,21 +846,15 @@ impl DataCache {
             return;
         }
         let n = size.div_ceil(BLOCK);
-        if n == 1 {
-            // Its only block, written straight as the whole object.
-            self.evict_to(self.max_bytes.saturating_sub(size + 256));
-        }
+        let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, i).name()).collect();
+        // Room for the copy (and its manifest) next to this object's own blocks, which it
+        // is made from and which go once it is sealed.
+        self.evict_keeping(self.max_bytes.saturating_sub(size + 256), &blocks);
         let obj = self.whole_path(name, OBJ);
-        let tmp = obj.with_file_name(format!(".tmp-{}-{name:032x}.obj", std::process::id()));
+        let mut tmp = None;
         let made = (|| -> Result<(File, Vec<u32>), Miss> {
-            let mut f = match File::create(&tmp) {
-                Err(e) if e.kind() == ErrorKind::NotFound => {
-                    std::fs::create_dir_all(tmp.parent().expect("a block has a parent"))
-                        .map_err(Miss::Io)?;
-                    File::create(&tmp).map_err(Miss::Io)?
-                }
-                r => r.map_err(Miss::Io)?,
-            };
+            let (mut f, t) = create_tmp(&obj).map_err(Miss::Io)?;
+            let tmp = tmp.insert(t);
             let mut buf = Vec::new();
             let mut crcs = Vec::with_capacity(n as usize);
             for i in 0..n {
@@ -807,15 +869,23 @@ impl DataCache {
                 crcs.push(crc32fast::hash(data));
                 f.write_all(data).map_err(Miss::Io)?;
             }
-            std::fs::rename(&tmp, &obj).map_err(Miss::Io)?;
+            // On disk before a manifest vouches for it (a crash must not seal lost bytes).
+            f.sync_data().map_err(Miss::Io)?;
+            // Never over another mount's copy, which it may be sealing: that one stays.
+            std::fs::hard_link(&*tmp, &obj).map_err(Miss::Io)?;
+            let _ = std::fs::remove_file(&*tmp);
             Ok((f, crcs))
         })();
         let (f, crcs) = match made {
             Ok(m) => m,
             Err(miss) => {
-                let _ = std::fs::remove_file(&tmp);
-                if let Miss::Io(e) = miss {
-                    self.io_error("write", &e);
+                if let Some(tmp) = tmp {
+                    let _ = std::fs::remove_file(tmp);
+                }
+                match miss {
+                    Miss::Io(e) if e.kind() == ErrorKind::AlreadyExists => {}
+                    Miss::Io(e) => self.io_error("write", &e),
+                    _ => {}
                 }
                 return;
             }
@@ -823,11 +893,14 @@ impl DataCache {
         // Indexed before its manifest makes it visible: a reader that finds it damaged at
         // once then removes it from the index too.
         self.index.lock().insert_whole(name, size, now_tick());
-        // Sealed as it is now in place (the rename changed its ctime).
+        // Sealed as it is now in place (the link changed its ctime), and durable with its
+        // directory entries before the blocks it replaces go.
         let sealed = f
             .metadata()
-            .and_then(|md| self.write_manifest(&id, &Manifest::sealed(&md, &self.boot, crcs)));
-        let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, i).name()).collect();
+            .and_then(|md| self.write_manifest(&id, &Manifest::sealed(&md, &self.boot, crcs)))
+            .and_then(|len| {
+                sync_dir(obj.parent().expect("a cache file has a parent")).map(|()| len)
+            });
         match sealed {
             Ok(man_len) => {
                 let mut ix = self.index.lock();
@@ -840,7 +913,7 @@ impl DataCache {
             }
             Err(e) => {
                 self.index.lock().remove(name);
-                let _ = std::fs::remove_file(&obj);
+                self.remove_whole(name);
                 return self.io_error("write", &e);
             }
         }
@@ -856,13 +929,18 @@ impl DataCache {
 
     /// Evicts the least recently used blocks until at most `limit` bytes are left.
     fn evict_to(&self, limit: u64) {
+        self.evict_keeping(limit, &[]);
+    }
+
+    /// [`DataCache::evict_to`], never evicting `keep` (nor going below their bytes).
+    fn evict_keeping(&self, limit: u64, keep: &[u128]) {
         loop {
             let victim = {
                 let mut ix = self.index.lock();
                 if ix.bytes <= limit {
                     break;
                 }
-                let Some(&(_, name)) = ix.lru.iter().next() else {
+                let Some(&(_, name)) = ix.lru.iter().find(|(_, n)| !keep.contains(n)) else {
                     break;
                 };
                 let whole = ix.wholes.contains(&name);
@@ -969,6 +1047,11 @@ impl DataCache {
         }
         self.evict_to(self.max_bytes);
     }
+}
+
+/// An [`open_own`] refusal: a link, or not a regular file of this user.
+fn not_own(e: &std::io::Error) -> bool {
+    e.raw_os_error() == Some(libc::ELOOP) || e.kind() == ErrorKind::Other
 }
 
 fn read_exact(f: &mut File, buf: &mut [u8]) -> Result<(), Miss> {
@@ -1187,6 +1270,92 @@ mod tests {
         wait_until("evicted", || FsMetrics::get(&m.data_cache_evictions) == 1);
         assert!(!obj.exists() && !c.whole_path(name, MAN).exists());
         assert_eq!(FsMetrics::get(&m.data_cache_bytes), 0);
+    }
+
+    fn put_all(c: &DataCache, etag: &str, data: &[u8]) {
+        let size = data.len() as u64;
+        for i in 0..size.div_ceil(BLOCK) {
+            let b = block_range(i, size);
+            let part = Bytes::copy_from_slice(&data[b.start as usize..b.end as usize]);
+            c.put("k", etag, size, i, part);
+        }
+    }
+
+    #[test]
+    fn planted_links_are_never_written_through_nor_handed_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, _m) = start(dir.path(), 64 << 20);
+        c.set_whole_files(true);
+        let size = 2 * BLOCK + 77;
+        let data: Vec<u8> = (0..size).map(|i| (i * 7 % 253) as u8).collect();
+        // Links at every name a temporary file of this process could have had before
+        // (`.tmp-PID-NAME`), to a file the cache must never write.
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let pid = std::process::id();
+        let name = c.id("k", "e", WHOLE).name();
+        let mut planted = vec![c.whole_path(name, OBJ), c.whole_path(name, MAN)];
+        planted.extend((0..3).map(|i| c.path(c.id("k", "e", i).name())));
+        for p in &planted {
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            let f = p.file_name().unwrap().to_string_lossy().into_owned();
+            let f = match f.split_once('.') {
+                Some((hex, ext)) => format!(".tmp-{pid}-{hex}.{ext}"),
+                None => format!(".tmp-{pid}-{f}"),
+            };
+            std::os::unix::fs::symlink(&victim, p.with_file_name(f)).unwrap();
+        }
+        put_all(&c, "e", &data);
+        wait_until("assembled", || c.local_copy("k", "e", size).is_some());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        // A manifest (or data file) replaced by a link to an identical file elsewhere is
+        // not the cache's own file: refused, not followed.
+        let man = c.whole_path(name, MAN);
+        let elsewhere = dir.path().join("man-copy");
+        std::fs::copy(&man, &elsewhere).unwrap();
+        std::fs::remove_file(&man).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &man).unwrap();
+        assert!(c.local_copy("k", "e", size).is_none(), "followed a link");
+    }
+
+    #[test]
+    fn without_a_boot_id_every_copy_is_checked_in_full() {
+        let dir = tempfile::tempdir().unwrap();
+        prepare_dir(dir.path()).unwrap();
+        let m = Arc::new(FsMetrics::default());
+        let cfg = DataCacheConfig {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 64 << 20,
+            scope: "test".into(),
+        };
+        let c = DataCache::start_in_boot(&cfg, 8, m.clone(), String::new());
+        c.set_whole_files(true);
+        let size = 2 * BLOCK + 9;
+        let data: Vec<u8> = (0..size).map(|i| (i * 11 % 251) as u8).collect();
+        put_all(&c, "e", &data);
+        wait_until("assembled", || c.local_copy("k", "e", size).is_some());
+        // Bytes lost in a crash, then sealed in the same (unknown) boot: only a full check
+        // finds them.
+        let name = c.id("k", "e", WHOLE).name();
+        let obj = c.whole_path(name, OBJ);
+        let mut bytes = data.clone();
+        bytes[BLOCK as usize + 1] ^= 1;
+        std::fs::write(&obj, &bytes).unwrap();
+        let md = std::fs::metadata(&obj).unwrap();
+        let crcs = (0..3)
+            .map(|i| {
+                let b = block_range(i, size);
+                crc32fast::hash(&data[b.start as usize..b.end as usize])
+            })
+            .collect();
+        let id = c.id("k", "e", WHOLE);
+        c.write_manifest(&id, &Manifest::sealed(&md, "", crcs))
+            .unwrap();
+        assert!(
+            c.local_copy("k", "e", size).is_none(),
+            "damaged copy handed over"
+        );
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -225,6 +225,11 @@ impl OpenFiles {
         }
     }
 
+    /// Whether `ino` is open for passthrough.
+    pub fn is_through(&self, ino: Ino) -> bool {
+        self.through.lock().contains_key(&ino)
+    }
+
     /// A passthrough handle of `ino` closed (or the kernel refused it).
     pub fn drop_through(&self, ino: Ino) {
         let mut th = self.through.lock();

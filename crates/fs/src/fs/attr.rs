@@ -20,6 +20,7 @@ impl Fs {
                 FileKind::Symlink => return Err(FsError::EINVAL),
                 FileKind::File => {}
             }
+            self.wait_not_through(ino).await?;
         }
         self.ns.changing(&path);
         while let Some(w) = write.take() {

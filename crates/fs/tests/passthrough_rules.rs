@@ -1,0 +1,109 @@
+//! Which opens the fs core hands the data cache's whole copy (passthrough), with the kernel's
+//! answers played by the test: after the kernel refused one file (passthrough off for the
+//! mount), a file it already reads through a copy still takes read-only opens of the same
+//! version, instead of `ETXTBSY`.
+
+mod support;
+
+use bucketfs_fs::{DataCacheConfig, Fs, FsConfig, ROOT_INO};
+use bucketfs_store::memory::MemoryStore;
+use bucketfs_store::{ObjectStore, UserMeta};
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::MIB;
+
+async fn whole_copy_open(fs: &Fs, name: &str, size: u64) -> (u64, u64) {
+    let ino = fs.lookup(ROOT_INO, name.as_ref()).await.unwrap().ino;
+    // Read once through the daemon: the cache writes its blocks and assembles them.
+    let r = fs.open(ino, libc::O_RDONLY).await.unwrap();
+    assert!(r.local.is_none());
+    assert_eq!(
+        fs.read(ino, r.fh, 0, size as u32).await.unwrap().len() as u64,
+        size
+    );
+    fs.release(ino, r.fh).await.unwrap();
+    let t = Instant::now();
+    loop {
+        let r = fs.open(ino, libc::O_RDONLY).await.unwrap();
+        if r.local.is_some() {
+            return (ino, r.fh);
+        }
+        fs.release(ino, r.fh).await.unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no whole copy of {name}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_backing_elsewhere_does_not_lock_out_readers_of_a_shared_copy() {
+    let mem = Arc::new(MemoryStore::new());
+    for k in ["a", "b"] {
+        let data = Bytes::from(support::random((MIB + 5) as usize, 7));
+        mem.put(k, data, &UserMeta::default()).await.unwrap();
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let dc = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        data_cache: Some(DataCacheConfig {
+            dir: dc.path().to_path_buf(),
+            max_bytes: 64 * MIB,
+            scope: "test".into(),
+        }),
+        ..support::config(&cache)
+    };
+    let fs = Fs::new(mem.clone() as Arc<dyn ObjectStore>, cfg);
+    assert!(fs.enable_passthrough());
+    let (a, fh_a) = whole_copy_open(&fs, "a", MIB + 5).await;
+    fs.passed_through(a, fh_a, true);
+    // The kernel refuses b's copy: passthrough goes off for the mount.
+    let (b, fh_b) = whole_copy_open(&fs, "b", MIB + 5).await;
+    fs.passed_through(b, fh_b, false);
+    // a is still read by the kernel through its copy: a read-only open must share it.
+    let r = fs.open(a, libc::O_RDONLY).await;
+    let r = r.expect("a reader of the same version refused");
+    assert!(
+        r.local.is_some(),
+        "the kernel refuses an open of a that does not share its copy"
+    );
+    // New copies are no longer handed out.
+    fs.release(b, fh_b).await.unwrap();
+    let r2 = fs.open(b, libc::O_RDONLY).await.unwrap();
+    assert!(r2.local.is_none());
+    fs.release(a, r.fh).await.unwrap();
+    fs.release(a, fh_a).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncate_waits_for_the_readers_of_a_copy_then_fails() {
+    let mem = Arc::new(MemoryStore::new());
+    let data = Bytes::from(support::random((MIB + 5) as usize, 8));
+    mem.put("a", data, &UserMeta::default()).await.unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let dc = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        data_cache: Some(DataCacheConfig {
+            dir: dc.path().to_path_buf(),
+            max_bytes: 64 * MIB,
+            scope: "test".into(),
+        }),
+        ..support::config(&cache)
+    };
+    let fs = Fs::new(mem.clone() as Arc<dyn ObjectStore>, cfg);
+    assert!(fs.enable_passthrough());
+    let (a, fh) = whole_copy_open(&fs, "a", MIB + 5).await;
+    fs.passed_through(a, fh, true);
+    let set = bucketfs_fs::SetAttr {
+        size: Some(3),
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let e = fs.setattr(a, None, set.clone()).await.unwrap_err();
+    assert_eq!(e.0, libc::ETXTBSY);
+    assert!(t.elapsed() >= Duration::from_millis(500));
+    fs.release(a, fh).await.unwrap();
+    assert_eq!(fs.setattr(a, None, set).await.unwrap().size, 3);
+}
