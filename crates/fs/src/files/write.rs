@@ -348,6 +348,8 @@ pub struct WriteState {
     pub committed: Option<u64>,
     /// The staging file is that entry's file: it is read, and copied before a change.
     staging_shared: bool,
+    /// Where the file's bytes start in a shared staging file (a segment record's).
+    staging_offset: u64,
 }
 
 /// Whether `len` bytes at `offset` end within the largest object the store allows.
@@ -398,6 +400,7 @@ impl WriteState {
             mtime: None,
             committed: None,
             staging_shared: false,
+            staging_offset: 0,
         }
     }
 
@@ -665,14 +668,14 @@ impl WriteState {
             .filter(|(_, local)| *local)
             .map(|(r, _)| r)
             .collect();
-        let copy = dst.clone();
+        let (copy, offset) = (dst.clone(), self.staging_offset);
         tokio::task::spawn_blocking(move || -> std::io::Result<()> {
             let mut buf = vec![0u8; 1 << 20];
             for r in ranges {
                 let mut at = r.start;
                 while at < r.end {
                     let n = ((r.end - at) as usize).min(buf.len());
-                    src.read_exact_at(&mut buf[..n], at)?;
+                    src.read_exact_at(&mut buf[..n], offset + at)?;
                     copy.write_all_at(&buf[..n], at)?;
                     at += n as u64;
                 }
@@ -685,6 +688,7 @@ impl WriteState {
         self.staging_direct = open_direct(&dst).map(Arc::new);
         self.staging = Some(dst);
         self.staging_shared = false;
+        self.staging_offset = 0;
         Ok(())
     }
 
@@ -1057,7 +1061,8 @@ impl WriteState {
             match src {
                 Source::Staging => {
                     let staging = self.staging.as_ref().expect("local bytes are staged");
-                    buf = read_into(staging, seg, buf, at).await?;
+                    let o = self.staging_offset;
+                    buf = read_into(staging, seg.start + o..seg.end + o, buf, at).await?;
                 }
                 Source::Tail => {
                     let t = self.tail.as_ref().expect("a tail source");
@@ -1139,7 +1144,7 @@ impl WriteState {
         } else {
             &self.cfg.metrics.publish_errors
         });
-        let (seq, file) = match r {
+        let (seq, (file, offset)) = match r {
             Ok(x) => x,
             Err(e) => {
                 self.phase = Phase::Failed;
@@ -1148,6 +1153,7 @@ impl WriteState {
         };
         self.tail = None;
         self.staging = Some(file);
+        self.staging_offset = offset;
         self.staging_direct = None;
         self.staging_shared = true;
         self.local = Extents::default();
@@ -1171,13 +1177,15 @@ impl WriteState {
         wb: &Arc<WriteBack>,
         ino: Ino,
         size: u64,
-    ) -> FsResult<(u64, Arc<File>)> {
+    ) -> FsResult<(u64, (Arc<File>, u64))> {
         self.localize().await?;
         let origin = match self.base_etag() {
             Some(e) => Cond::Match(e.to_string()),
             None => Cond::Absent,
         };
-        let mut slot = wb.begin(&self.key, size, self.committed, origin).await?;
+        let mut slot = wb
+            .begin(&self.key, size, &self.meta, self.committed, origin)
+            .await?;
         let mut at = 0;
         while at < size {
             let n = (size - at).min(COMMIT_CHUNK);
@@ -1194,7 +1202,7 @@ impl WriteState {
             at += n;
         }
         let file = slot.file();
-        let seq = wb.commit(slot, &self.meta, ino).await?;
+        let seq = wb.commit(slot, ino).await?;
         Ok((seq, file))
     }
 
