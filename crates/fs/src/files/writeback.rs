@@ -1267,6 +1267,20 @@ impl WriteBack {
     }
 }
 
+impl Drop for WriteBack {
+    /// Segments without a live record (the one being filled, the spare) are not left behind.
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut();
+        let segs = &mut inner.segs;
+        let current = segs.current.take().map(|(s, _)| s);
+        for seg in current.into_iter().chain(segs.spare.take()) {
+            if segs.live.get(&seg.id).copied().unwrap_or(0) == 0 {
+                let _ = std::fs::remove_file(&seg.path);
+            }
+        }
+    }
+}
+
 async fn worker(wb: std::sync::Weak<WriteBack>, work: Arc<Notify>) {
     loop {
         let notified = work.notified();
