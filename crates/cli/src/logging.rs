@@ -6,7 +6,8 @@
 //! opened through a symlink (at their last component) and are created 0600; the automatic one
 //! is created fresh in a 0700 directory. `RUST_LOG` overrides the level with a full tracing filter. Chatty
 //! dependencies (AWS SDK, HTTP stack, fuser) are held at `error` (`info` at debug level) unless
-//! the level is `trace`.
+//! the level is `trace`; the request signer and the SDK's HTTP runtime never log at trace (it
+//! would show session tokens).
 //! The `log` records of fuser are bridged into tracing.
 //!
 //! The syslog writer is a small RFC 3164 client over a Unix datagram socket (facility daemon),
@@ -101,19 +102,34 @@ fn filter(level: LogLevel) -> EnvFilter {
     EnvFilter::new(spec)
 }
 
+/// Whether an event may be logged whatever the level or `RUST_LOG` say: the request signer
+/// and the SDK's HTTP runtime show the canonical request (the `x-amz-security-token` header
+/// of session credentials among it) and whole requests at trace.
+fn never_secret(meta: &Metadata<'_>) -> bool {
+    let t = meta.target();
+    *meta.level() != Level::TRACE || !(t.starts_with("aws_sigv4") || t.starts_with("aws_smithy"))
+}
+
 /// Installs the global subscriber.
 pub fn init(level: LogLevel, target: &LogTarget) -> Result<(), String> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let builder = tracing_subscriber::fmt().with_env_filter(filter(level));
+    let cap = tracing_subscriber::filter::filter_fn(never_secret);
     let r = match target {
         LogTarget::Stderr => builder
             .with_ansi(colour_stderr())
             .with_writer(io::stderr)
+            .finish()
+            .with(cap)
             .try_init(),
         LogTarget::File(path) => {
             let f = open_log(path).map_err(|e| format!("log file {}: {e}", path.display()))?;
             builder
                 .with_ansi(false)
                 .with_writer(Mutex::new(f))
+                .finish()
+                .with(cap)
                 .try_init()
         }
         LogTarget::Syslog => {
@@ -124,6 +140,8 @@ pub fn init(level: LogLevel, target: &LogTarget) -> Result<(), String> {
                 .with_target(false)
                 .with_level(false)
                 .with_writer(w)
+                .finish()
+                .with(cap)
                 .try_init()
         }
     };

@@ -149,6 +149,20 @@ fn check_option(opt: &str) -> Result<(), String> {
             MOUNT_OPTIONS.join(", ")
         ));
     }
+    // Requests at debug/trace show signing details of the credentials, and a daemon's log is
+    // read by whoever runs the node: a volume may not turn them on.
+    if canon == "log_level" {
+        let v = opt.split_once('=').map_or("", |(_, v)| v.trim());
+        if !matches!(
+            v.to_ascii_lowercase().as_str(),
+            "error" | "err" | "fatal" | "critical" | "warn" | "warning" | "info"
+        ) {
+            return Err(format!(
+                "mount option log_level={v}: a CSI volume may use error, warn or info only \
+                 (debug and trace could log details of the volume's credentials)"
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -355,6 +369,8 @@ mod tests {
             "secret_access_key=x",
             "data_cache=/",
             "-f",
+            "log_level=debug",
+            "log-level=TRACE",
         ] {
             let r = volume_spec(
                 &map(&[("bucket", "b"), ("options", bad)]),
@@ -372,6 +388,23 @@ mod tests {
         )
         .is_err());
         assert!(volume_spec(&map(&[("prefix", "p")]), &HashMap::new(), &[], false).is_err());
+    }
+
+    #[test]
+    fn log_levels_that_could_show_credentials_are_refused_in_mount_options() {
+        let attrs = map(&[("bucket", "b")]);
+        for level in ["debug", "trace", "Trace", ""] {
+            let e = volume_spec(
+                &attrs,
+                &HashMap::new(),
+                &[format!("log_level={level}")],
+                false,
+            )
+            .unwrap_err();
+            assert!(e.contains("log_level"), "{e}");
+        }
+        let s = volume_spec(&attrs, &HashMap::new(), &["log_level=warn".into()], false).unwrap();
+        assert!(s.args.iter().any(|a| a == "log_level=warn"), "{:?}", s.args);
     }
 
     #[test]

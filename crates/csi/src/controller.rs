@@ -3,9 +3,10 @@
 //! CreateVolume puts a directory marker `BASE/NAME/` in the StorageClass's bucket, carrying
 //! the requested capacity (a bucket has none, but CSI wants a second CreateVolume of the same
 //! name with another size refused); the volume id is `BUCKET/BASE/NAME`. DeleteVolume removes
-//! every object under the prefix and aborts its multipart uploads. The bucket, endpoint and
-//! region come from the StorageClass parameters or its secret; DeleteVolume gets only the
-//! secret, so a secret that names the endpoint serves both.
+//! every object under the prefix and aborts its multipart uploads, only when the prefix has the
+//! marker (so never data it did not make), the marker last. The bucket comes from the
+//! StorageClass parameters; the endpoint, region and path style from its secret only, since
+//! DeleteVolume gets the secret and not the parameters.
 
 use crate::attrs::{self, Credentials};
 use crate::node::mount_flags;
@@ -18,10 +19,14 @@ use bucketfs_store::s3::{S3Config, S3Store};
 use bucketfs_store::{ListDetail, ListFrom, ObjectStore, StoreError, UserMeta};
 use bytes::Bytes;
 use std::collections::HashMap;
+use std::sync::Arc;
 use tonic::{Request, Response, Status};
-use tracing::info;
+use tracing::{info, warn};
 
 pub struct ControllerService;
+
+/// Where the store is: for a provisioned volume, these come from the secret.
+const STORE_SETTINGS: &[&str] = &["endpoint", "region", "forcePathStyle"];
 
 /// User metadata of the marker: the capacity the volume was created with.
 const CAPACITY_META: &str = "bucketfs-csi-capacity";
@@ -97,6 +102,38 @@ async fn head_marker(store: &S3Store, prefix: &str) -> Result<Option<i64>, Statu
     }
 }
 
+/// Requests in flight while DeleteVolume empties a prefix: one at a time would take hours for
+/// a volume of a million files (the store has no batch delete).
+const DELETE_CONCURRENCY: usize = 32;
+
+/// Deletes `keys`, [`DELETE_CONCURRENCY`] at a time; the count deleted.
+async fn delete_keys(store: &Arc<S3Store>, keys: Vec<String>) -> Result<usize, Status> {
+    let n = keys.len();
+    let mut running = tokio::task::JoinSet::new();
+    for key in keys {
+        if running.len() >= DELETE_CONCURRENCY {
+            join_one(&mut running).await?;
+        }
+        let store = store.clone();
+        running.spawn(async move { store.delete(&key).await });
+    }
+    while !running.is_empty() {
+        join_one(&mut running).await?;
+    }
+    Ok(n)
+}
+
+async fn join_one(
+    running: &mut tokio::task::JoinSet<Result<(), StoreError>>,
+) -> Result<(), Status> {
+    match running.join_next().await {
+        Some(Ok(Ok(()))) | None => Ok(()),
+        Some(Ok(Err(e))) if e.is_not_found() => Ok(()),
+        Some(Ok(Err(e))) => Err(store_status(e)),
+        Some(Err(e)) => Err(Status::internal(format!("delete task: {e}"))),
+    }
+}
+
 fn unimplemented<T>() -> Result<Response<T>, Status> {
     Err(Status::unimplemented("not offered by this driver"))
 }
@@ -119,6 +156,18 @@ impl Controller for ControllerService {
             return Err(Status::invalid_argument(
                 "volumes from snapshots or other volumes are not supported",
             ));
+        }
+        // DeleteVolume gets the secret, never the parameters: a store setting only the
+        // parameters give would send it to another store (or none) than the one provisioned.
+        for k in STORE_SETTINGS {
+            if let Some(v) = r.parameters.get(*k).filter(|v| !v.is_empty()) {
+                if r.secrets.get(*k) != Some(v) {
+                    return Err(Status::invalid_argument(format!(
+                        "StorageClass parameter {k}: put it in the provisioner secret \
+                         (DeleteVolume gets only the secret)"
+                    )));
+                }
+            }
         }
         // The same checks a mount makes, so a bad StorageClass fails at provisioning.
         let spec = attrs::volume_spec(&r.parameters, &r.secrets, &[], false)
@@ -189,13 +238,38 @@ impl Controller for ControllerService {
         let Some((bucket, prefix)) = parse_volume_id(&r.volume_id) else {
             return Ok(Response::new(DeleteVolumeResponse {}));
         };
-        let store = store(bucket, &HashMap::new(), &r.secrets).await?;
+        let store = Arc::new(store(bucket, &HashMap::new(), &r.secrets).await?);
         let dir = format!("{prefix}/");
-        for u in store
-            .list_multipart_uploads(&dir)
-            .await
-            .map_err(store_status)?
-        {
+        // Only a prefix with this driver's marker is a volume it made: an id that names other
+        // data (a static PV's, another tool's) must never empty it. The marker goes last, so
+        // a DeleteVolume cut short is finished by the provisioner's retry.
+        match store.head(&dir).await {
+            Ok(m) if m.user.contains_key(CAPACITY_META) => {}
+            Ok(_) => {
+                warn!(
+                    "DeleteVolume {}: s3://{bucket}/{dir} has no bucketfs-csi volume marker; \
+                     nothing deleted",
+                    r.volume_id
+                );
+                return Ok(Response::new(DeleteVolumeResponse {}));
+            }
+            Err(e) if e.is_not_found() || matches!(e, StoreError::NoSuchBucket(_)) => {
+                info!(
+                    "DeleteVolume {}: no volume marker s3://{bucket}/{dir} (deleted already, \
+                     or not made by this driver); nothing deleted",
+                    r.volume_id
+                );
+                return Ok(Response::new(DeleteVolumeResponse {}));
+            }
+            Err(e) => return Err(store_status(e)),
+        }
+        let uploads = match store.list_multipart_uploads(&dir).await {
+            Ok(u) => u,
+            // The bucket went away meanwhile: so did the volume.
+            Err(StoreError::NoSuchBucket(_)) => Vec::new(),
+            Err(e) => return Err(store_status(e)),
+        };
+        for u in uploads {
             store
                 .abort_multipart(&u.key, &u.upload_id)
                 .await
@@ -209,14 +283,22 @@ impl Controller for ControllerService {
                 Err(StoreError::NoSuchBucket(_)) => break,
                 Err(e) => return Err(store_status(e)),
             };
-            for o in &page.objects {
-                store.delete(&o.key).await.map_err(store_status)?;
-                deleted += 1;
-            }
+            let keys: Vec<String> = page
+                .objects
+                .into_iter()
+                .map(|o| o.key)
+                .filter(|k| *k != dir)
+                .collect();
+            deleted += delete_keys(&store, keys).await?;
             match page.next_continuation {
                 Some(t) => from = ListFrom::Token(t),
                 None => break,
             }
+        }
+        match store.delete(&dir).await {
+            Ok(()) | Err(StoreError::NoSuchBucket(_)) => {}
+            Err(e) if e.is_not_found() => {}
+            Err(e) => return Err(store_status(e)),
         }
         info!("DeleteVolume {}: {deleted} objects deleted", r.volume_id);
         Ok(Response::new(DeleteVolumeResponse {}))

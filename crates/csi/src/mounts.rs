@@ -2,8 +2,8 @@
 //! each in the state directory.
 //!
 //! A daemon runs in a session of its own and is never waited on by a thread that could kill
-//! it, so it outlives the driver: the kubelet restarting the driver (or `kill -9`) leaves
-//! every pod's mount serving. A restarted driver reads the records, adopts the mounts that
+//! it, so it outlives the driver process (`kill -9` of it leaves every pod's mount serving),
+//! though not its container's PID namespace (docs/kubernetes.md). A restarted driver reads the records, adopts the mounts that
 //! are live (in /proc/self/mountinfo, daemon alive) and mounts again those whose daemon died.
 //!
 //! Layout of the state directory (0700):
@@ -255,13 +255,19 @@ impl Mounts {
                 target.display()
             )));
         }
-        self.write_credentials(&target, creds)
-            .map_err(MountError::Internal)?;
         let this = Record {
             has_credentials: !creds.is_empty(),
             ..want
         };
-        self.start(this).await
+        let r = match self.write_credentials(&target, creds) {
+            Ok(()) => self.start(this).await,
+            Err(e) => Err(MountError::Internal(e)),
+        };
+        if r.is_err() {
+            // No credentials file (nor record) outlives a publish that failed anywhere.
+            self.forget(&target);
+        }
+        r
     }
 
     fn write_credentials(&self, target: &Path, creds: &Credentials) -> Result<(), String> {
@@ -314,15 +320,12 @@ impl Mounts {
         if r.has_credentials {
             cmd.arg("-c").arg(self.cred_path(&target));
         }
-        // Only the secret's credentials: none the driver's environment happens to hold.
-        for v in [
-            "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY",
-            "AWS_SESSION_TOKEN",
-            "AWS_PROFILE",
-        ] {
-            cmd.env_remove(v);
-        }
+        // Nothing of the driver's environment: its credentials (AWS_*, a web identity token),
+        // RUST_LOG or BUCKETFS_* settings are not the volume's. Credentials come from the file.
+        cmd.env_clear().env(
+            "PATH",
+            std::env::var_os("PATH").unwrap_or_else(|| "/usr/sbin:/usr/bin:/sbin:/bin".into()),
+        );
         cmd.stdin(Stdio::null())
             .stdout(
                 log.try_clone()

@@ -59,7 +59,9 @@ fn absolute_target(p: &str) -> Result<PathBuf, Status> {
             "target path must be absolute, without ..",
         ));
     }
-    Ok(p.to_path_buf())
+    // One spelling per directory (`/a//b/` is `/a/b`): mountinfo, the daemon's command line
+    // and the record's name all use it.
+    Ok(p.components().collect())
 }
 
 fn status(e: MountError) -> Status {
@@ -179,5 +181,20 @@ impl Node for NodeService {
             max_volumes_per_node: 0,
             accessible_topology: None,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_paths_have_one_spelling() {
+        // Path's == compares components: compare the bytes the driver uses.
+        for p in ["/a//b/", "/a/b", "/a/./b//"] {
+            assert_eq!(absolute_target(p).unwrap().as_os_str(), "/a/b", "{p}");
+        }
+        assert!(absolute_target("/a/../b").is_err());
+        assert!(absolute_target("a/b").is_err());
     }
 }
