@@ -489,28 +489,37 @@ fn install_lays_out_the_system_files_in_a_temp_root() {
     );
 }
 
-/// Runs `program args...` with `dir` first on PATH and the test credentials in the
-/// environment, as mount(8) runs a helper for an fstab line; the mount it makes is checked
-/// with a file written through it, then unmounted (the daemon then exits).
-fn mount_like_mount8(program: &Path, args: &[String], dir: &Path, mp: &Path, bucket: &str) {
+/// Runs `cmd` as mount(8) runs a helper for an fstab line: `path_dir` first on PATH, the test
+/// credentials in the environment, HOME a new `home` below `dir`, no stdin.
+fn output_as_mount8_runs_it(
+    mut cmd: std::process::Command,
+    path_dir: &Path,
+    dir: &Path,
+) -> std::process::Output {
     let home = dir.join("home");
     fs::create_dir_all(&home).unwrap();
-    let mut cmd = std::process::Command::new(program);
-    cmd.args(args);
     isolate_env(&mut cmd, &home);
     let path = format!(
         "{}:{}",
-        dir.display(),
+        path_dir.display(),
         std::env::var("PATH").unwrap_or_default()
     );
     let e = env();
-    let out = cmd
-        .env("PATH", path)
+    cmd.env("PATH", path)
         .env("AWS_ACCESS_KEY_ID", &e.access_key)
         .env("AWS_SECRET_ACCESS_KEY", &e.secret_key)
         .stdin(std::process::Stdio::null())
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// Runs `program args...` with `dir` first on PATH and the test credentials in the
+/// environment, as mount(8) runs a helper for an fstab line; the mount it makes is checked
+/// with a file written through it, then unmounted (the daemon then exits).
+fn mount_like_mount8(program: &Path, args: &[String], dir: &Path, mp: &Path, bucket: &str) {
+    let mut cmd = std::process::Command::new(program);
+    cmd.args(args);
+    let out = output_as_mount8_runs_it(cmd, dir, dir);
     let mounted = is_mounted(mp);
     if mounted {
         write_file(&mp.join("fstab.txt"), args.join(" ").as_bytes());
@@ -742,23 +751,9 @@ umount {m2}
         m1 = m1.display(),
         m2 = m2.display(),
     );
-    let home = d.join("home");
-    fs::create_dir(&home).unwrap();
     let mut cmd = std::process::Command::new("unshare");
     cmd.args(["--mount", "--", "sh", "-c", &script]);
-    isolate_env(&mut cmd, &home);
-    let path = format!(
-        "{}:{}",
-        bin_dir.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let out = cmd
-        .env("PATH", path)
-        .env("AWS_ACCESS_KEY_ID", &e.access_key)
-        .env("AWS_SECRET_ACCESS_KEY", &e.secret_key)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
+    let out = output_as_mount8_runs_it(cmd, &bin_dir, d);
     let logs = ["log1", "log2"]
         .map(|l| fs::read_to_string(d.join(l)).unwrap_or_default())
         .join("\n");
