@@ -1,8 +1,13 @@
 //! `bucketfs warmup PATH...`: reads files (and the trees under directories) through their
 //! mount, several at once, so a mount with `--data-cache` holds them before a job reads them.
 //! Reading through the mount is the whole mechanism: the daemon caches what it fetches. The
-//! summary's "already cached" is what the mounts' data caches served meanwhile (their stats
-//! sockets), so it assumes nothing else reads from those mounts at the same time.
+//! summary's "already cached" is what the mounts' data caches served during the first pass
+//! (their stats sockets), so it assumes nothing else reads from those mounts at the same time.
+//!
+//! A daemon whose cache writer is behind does not cache a block it fetched (it counts it as
+//! skipped rather than make the read wait). So a pass ends by waiting for the writers to
+//! finish what they were given, and while a pass left blocks out, the files are read again
+//! with fewer at once (the cached ones cost a local read), up to [`PASSES`] passes.
 
 use crate::args::WarmupArgs;
 use crate::metrics_http::stats_socket;
@@ -22,20 +27,89 @@ fn mount_of(path: &Path) -> Option<PathBuf> {
         .map(Path::to_path_buf)
 }
 
-/// Bytes the data caches of `mounts` have served (files handed to the kernel whole
-/// included), and whether any of them has one.
-fn served(mounts: &BTreeSet<PathBuf>) -> (u64, bool) {
-    let mut total = 0;
-    let mut any = false;
+/// Passes at most over the files: the first, and more while blocks were left out.
+const PASSES: usize = 4;
+/// How long a pass waits at most for the cache writers to finish what they were given.
+const DRAIN_WAIT: Duration = Duration::from_secs(120);
+
+/// What the data caches of a set of mounts say, summed.
+#[derive(Default, Clone, Copy)]
+struct CacheCounts {
+    /// Bytes served (files handed to the kernel whole included).
+    served: u64,
+    /// Fetched blocks left out because a writer was behind.
+    skipped: u64,
+    /// Blocks given to the writers and not written yet.
+    queued: u64,
+    /// Any of the mounts has a data cache.
+    any: bool,
+}
+
+fn cache_counts(mounts: &BTreeSet<PathBuf>) -> CacheCounts {
+    let mut c = CacheCounts::default();
     for m in mounts {
         if let Ok(s) = crate::stats::fetch(&stats_socket(m)) {
-            let get = |k: &str| s.get(k).copied().unwrap_or(0.0);
-            total += get("bucketfs_data_cache_bytes_served_total") as u64;
-            total += get("bucketfs_passthrough_bytes_total") as u64;
-            any |= get("bucketfs_data_cache_limit_bytes") > 0.0;
+            let get = |k: &str| s.get(k).copied().unwrap_or(0.0) as u64;
+            c.served += get("bucketfs_data_cache_bytes_served_total");
+            c.served += get("bucketfs_passthrough_bytes_total");
+            c.skipped += get("bucketfs_data_cache_skipped_total");
+            c.queued += get("bucketfs_data_cache_queued_blocks");
+            c.any |= get("bucketfs_data_cache_limit_bytes") > 0;
         }
     }
-    (total, any)
+    c
+}
+
+/// Waits until the mounts' cache writers have written every block they were given, for
+/// [`DRAIN_WAIT`] at most.
+fn drain(mounts: &BTreeSet<PathBuf>) {
+    let deadline = Instant::now() + DRAIN_WAIT;
+    while cache_counts(mounts).queued > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Reads `files`, `jobs` at once; returns the bytes read and the errors. With `progress`,
+/// redraws a progress line on stderr.
+fn read_pass(files: &[(PathBuf, u64)], jobs: usize, progress: bool) -> (u64, Vec<String>) {
+    let total_bytes: u64 = files.iter().map(|f| f.1).sum();
+    let count = files.len();
+    let queue = Mutex::new(files.iter());
+    let (done, bytes) = (AtomicU64::new(0), AtomicU64::new(0));
+    let failed = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..jobs.max(1) {
+            s.spawn(|| loop {
+                let Some((path, _)) = queue.lock().unwrap().next() else {
+                    return;
+                };
+                match read_all(path) {
+                    Ok(n) => {
+                        bytes.fetch_add(n, Ordering::Relaxed);
+                    }
+                    Err(e) => failed
+                        .lock()
+                        .unwrap()
+                        .push(format!("{}: {e}", path.display())),
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        if progress {
+            // Files and bytes, redrawn in place.
+            while done.load(Ordering::Relaxed) < count as u64 {
+                eprint!(
+                    "\r{}/{count} files, {:.1}/{:.1} MB",
+                    done.load(Ordering::Relaxed),
+                    bytes.load(Ordering::Relaxed) as f64 / 1e6,
+                    total_bytes as f64 / 1e6
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            eprint!("\r\x1b[K");
+        }
+    });
+    (bytes.into_inner(), failed.into_inner().unwrap())
 }
 
 /// Regular files under `p` (itself if it is one); symlinks are not followed.
@@ -96,8 +170,9 @@ pub fn run(args: &WarmupArgs) -> i32 {
         }
         collect(&p, &mut files, &mut errors);
     }
-    let (before, cached) = served(&mounts);
-    if !cached {
+    let count = files.len();
+    let first = cache_counts(&mounts);
+    if !first.any {
         eprintln!(
             "bucketfs: warmup: note: no --data-cache on {}: the files are read, but only the \
              page cache keeps them",
@@ -108,57 +183,40 @@ pub fn run(args: &WarmupArgs) -> i32 {
                 .join(", ")
         );
     }
-    let total_bytes: u64 = files.iter().map(|f| f.1).sum();
-    let count = files.len();
-    let queue = Mutex::new(files);
-    let (done, bytes) = (AtomicU64::new(0), AtomicU64::new(0));
-    let failed = Mutex::new(errors);
     let tty = std::io::stderr().is_terminal();
-    std::thread::scope(|s| {
-        for _ in 0..args.jobs.max(1) {
-            s.spawn(|| loop {
-                let Some((path, _)) = queue.lock().unwrap().pop() else {
-                    return;
-                };
-                match read_all(&path) {
-                    Ok(n) => {
-                        bytes.fetch_add(n, Ordering::Relaxed);
-                    }
-                    Err(e) => failed
-                        .lock()
-                        .unwrap()
-                        .push(format!("{}: {e}", path.display())),
-                }
-                done.fetch_add(1, Ordering::Relaxed);
-            });
-        }
+    let (read, failed) = read_pass(&files, args.jobs, tty);
+    drain(&mounts);
+    let after_first = cache_counts(&mounts);
+    let already = after_first.served.saturating_sub(first.served);
+    // Blocks the writers had no room for: read again, fewer at once, until none is left out.
+    let (mut passes, mut before, mut left_out) = (1, first, after_first);
+    while first.any && left_out.skipped > before.skipped && passes < PASSES {
+        passes += 1;
         if tty {
-            // Progress on a terminal: files and bytes, redrawn in place.
-            while done.load(Ordering::Relaxed) < count as u64 {
-                eprint!(
-                    "\r{}/{count} files, {:.1}/{:.1} MB",
-                    done.load(Ordering::Relaxed),
-                    bytes.load(Ordering::Relaxed) as f64 / 1e6,
-                    total_bytes as f64 / 1e6
-                );
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            eprint!("\r\x1b[K");
+            eprintln!(
+                "bucketfs: warmup: {} blocks were not cached (the cache writer was behind): pass {passes}",
+                left_out.skipped - before.skipped
+            );
         }
-    });
-    let (after, _) = served(&mounts);
+        before = left_out;
+        read_pass(&files, (args.jobs >> (passes - 1)).max(1), tty);
+        drain(&mounts);
+        left_out = cache_counts(&mounts);
+    }
     let secs = start.elapsed().as_secs_f64();
-    let read = bytes.load(Ordering::Relaxed);
-    let failed = failed.into_inner().unwrap();
-    for e in &failed {
+    errors.extend(failed);
+    for e in &errors {
         eprintln!("bucketfs: warmup: {e}");
     }
+    let not_cached = left_out.skipped.saturating_sub(before.skipped);
     println!(
-        "warmup: {count} files, {:.1} MB in {secs:.1} s ({:.1} MB/s), {:.1} MB already cached, {} errors",
+        "warmup: {count} files, {:.1} MB in {secs:.1} s ({:.1} MB/s), {:.1} MB already cached, \
+         {passes} {}, {not_cached} blocks not cached, {} errors",
         read as f64 / 1e6,
         read as f64 / 1e6 / secs.max(1e-3),
-        after.saturating_sub(before) as f64 / 1e6,
-        failed.len()
+        already as f64 / 1e6,
+        if passes == 1 { "pass" } else { "passes" },
+        errors.len()
     );
-    i32::from(!failed.is_empty())
+    i32::from(!errors.is_empty())
 }

@@ -313,6 +313,40 @@ fn warmup_then_remount_hands_the_kernel_every_file() {
     assert!(out.contains("2.2 MB already cached"), "{out}");
 }
 
+/// A single warmup of many small files, read 64 at a time at a small memory budget (so the
+/// cache writer's queue is short and falls behind), leaves every one of them cached whole
+/// when it returns: the job after the remount sends no GET and reads each through the kernel.
+#[test]
+fn one_warmup_of_many_small_files_caches_every_one_before_it_returns() {
+    const N: usize = 400;
+    let b = s3().new_bucket("pt-warmup-many");
+    let files: Vec<(String, Vec<u8>)> = (0..N)
+        .map(|i| {
+            (
+                format!("d{}/f{i}", i % 4),
+                pattern::bytes(i as u64, 64 * 1024 + i),
+            )
+        })
+        .collect();
+    for (k, v) in &files {
+        s3().put(&b, k, v.clone());
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let (m, addr) = mount_cached(&b, cache.path(), &["--max-memory", "64M"]);
+    let out = run(bin(), &["warmup", "-j", "64", m.path().to_str().unwrap()]);
+    assert!(out.contains(&format!("warmup: {N} files")), "{out}");
+    assert!(out.contains(", 0 blocks not cached"), "{out}");
+    // No waiting for the cache writer here: warmup said it is done.
+    let m = m.remount();
+    let g = gets(&m, || {
+        for (k, v) in &files {
+            assert!(read_file(&m.join(k)) == *v, "{k}");
+        }
+    });
+    assert_eq!(g, 0, "GETs after the warmup");
+    assert_eq!(passthrough_opens(&addr), N as u64);
+}
+
 #[test]
 fn two_mounts_share_the_whole_copies() {
     let b = s3().new_bucket("pt-shared");

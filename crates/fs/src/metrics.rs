@@ -44,6 +44,8 @@ pub struct FsMetrics {
     pub data_cache_errors: AtomicU64,
     /// Fetched blocks not cached because the writer was behind.
     pub data_cache_skipped: AtomicU64,
+    /// Blocks handed to the writer and not written yet (`bucketfs warmup` waits for none).
+    pub data_cache_queued: AtomicU64,
     /// Bytes of block files in the cache directory (as this mount knows them).
     pub data_cache_bytes: AtomicU64,
     /// `--data-cache-size`; 0 without a data cache.
@@ -84,7 +86,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 28] = [
+        let counters: [(&str, &str, &AtomicU64); 29] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -198,6 +200,11 @@ impl FsMetrics {
                 "bucketfs_writeback_failed_files",
                 "gauge",
                 &self.writeback_failed,
+            ),
+            (
+                "bucketfs_data_cache_queued_blocks",
+                "gauge",
+                &self.data_cache_queued,
             ),
             (
                 "bucketfs_passthrough_opens_total",

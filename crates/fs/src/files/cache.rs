@@ -161,11 +161,6 @@ fn open_own(path: &Path) -> std::io::Result<File> {
     Ok(f)
 }
 
-/// Makes the entries of directory `dir` durable (renames, links and unlinks in it).
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
-}
-
 /// What one block file is about.
 struct BlockId<'a> {
     scope: &'a str,
@@ -649,7 +644,6 @@ impl DataCache {
         let (mut f, tmp) = create_tmp(&path)?;
         let r = f
             .write_all(&bytes)
-            .and_then(|()| f.sync_data())
             .and_then(|()| std::fs::rename(&tmp, &path));
         if r.is_err() {
             let _ = std::fs::remove_file(&tmp);
@@ -764,11 +758,18 @@ impl DataCache {
             index,
             data,
         };
+        // Counted before the send: the writer may be done with it before `try_send` returns.
+        self.metrics
+            .data_cache_queued
+            .fetch_add(1, Ordering::Relaxed);
         match self.queue.try_send(job) {
-            Ok(()) => {}
+            Ok(()) => return,
             Err(TrySendError::Full(_)) => inc(&self.metrics.data_cache_skipped),
             Err(TrySendError::Disconnected(_)) => {}
         }
+        self.metrics
+            .data_cache_queued
+            .fetch_sub(1, Ordering::Relaxed);
     }
 
     fn update_size(&self) {
@@ -869,8 +870,9 @@ impl DataCache {
                 crcs.push(crc32fast::hash(data));
                 f.write_all(data).map_err(Miss::Io)?;
             }
-            // On disk before a manifest vouches for it (a crash must not seal lost bytes).
-            f.sync_data().map_err(Miss::Io)?;
+            // Not synced, nor is the manifest: a copy sealed before the machine last started
+            // is checked in full before it is handed over (see `local_copy`), so bytes a
+            // crash lost are found then, and the writer does not wait on the disk per file.
             // Never over another mount's copy, which it may be sealing: that one stays.
             std::fs::hard_link(&*tmp, &obj).map_err(Miss::Io)?;
             let _ = std::fs::remove_file(&*tmp);
@@ -893,14 +895,10 @@ impl DataCache {
         // Indexed before its manifest makes it visible: a reader that finds it damaged at
         // once then removes it from the index too.
         self.index.lock().insert_whole(name, size, now_tick());
-        // Sealed as it is now in place (the link changed its ctime), and durable with its
-        // directory entries before the blocks it replaces go.
+        // Sealed as it is now in place (the link changed its ctime).
         let sealed = f
             .metadata()
-            .and_then(|md| self.write_manifest(&id, &Manifest::sealed(&md, &self.boot, crcs)))
-            .and_then(|len| {
-                sync_dir(obj.parent().expect("a cache file has a parent")).map(|()| len)
-            });
+            .and_then(|md| self.write_manifest(&id, &Manifest::sealed(&md, &self.boot, crcs)));
         match sealed {
             Ok(man_len) => {
                 let mut ix = self.index.lock();
@@ -1076,6 +1074,7 @@ fn writer(cache: std::sync::Weak<DataCache>, rx: Receiver<Job>) {
             scanned = std::time::Instant::now();
         }
         c.write(&job);
+        c.metrics.data_cache_queued.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
