@@ -347,6 +347,32 @@ fn one_warmup_of_many_small_files_caches_every_one_before_it_returns() {
     assert_eq!(passthrough_opens(&addr), N as u64);
 }
 
+/// Blocks a mount without passthrough cached are assembled into a whole copy by the first
+/// open on a mount with it (read from those blocks, no GET), so the next open is passed
+/// through.
+#[test]
+fn blocks_cached_without_passthrough_are_assembled_by_a_later_open() {
+    let b = s3().new_bucket("pt-old-blocks");
+    let data = pattern::bytes(41, (3 * MIB + 7) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (m, _) = mount_cached(&b, cache.path(), &["--no-passthrough"]);
+    assert!(cat(&m.join("f")) == data);
+    drop(m);
+    assert!(
+        whole_files(cache.path()).is_empty(),
+        "no whole copy without passthrough"
+    );
+    let (m, addr) = mount_cached(&b, cache.path(), &[]);
+    let g = gets(&m, || assert!(cat(&m.join("f")) == data));
+    assert_eq!(g, 0, "read from the cached blocks");
+    wait_whole(cache.path(), 1);
+    let reads = daemon_reads(&addr);
+    assert!(cat(&m.join("f")) == data);
+    assert_eq!(passthrough_opens(&addr), 1);
+    assert_eq!(daemon_reads(&addr), reads);
+}
+
 #[test]
 fn two_mounts_share_the_whole_copies() {
     let b = s3().new_bucket("pt-shared");

@@ -579,6 +579,24 @@ impl DataCache {
                 }
                 Some(f)
             }
+            Err(Miss::Absent) => {
+                // Blocks cached before whole copies were made (a mount without passthrough,
+                // or one whose writer was behind when the last block came): assembled now,
+                // in the background, for the next open.
+                if self.whole_files.load(Ordering::Relaxed) {
+                    let job = Job {
+                        key: key.to_string(),
+                        etag: etag.to_string(),
+                        size,
+                        index: WHOLE,
+                        data: Bytes::new(),
+                    };
+                    if self.all_blocks(&job) {
+                        self.send(job);
+                    }
+                }
+                None
+            }
             Err(miss) => {
                 self.whole_miss(name, key, miss);
                 None
@@ -751,13 +769,16 @@ impl DataCache {
     /// Hands block `index` of `key` version `etag` (`size` bytes) to the writer, unless its
     /// queue is full.
     pub fn put(&self, key: &str, etag: &str, size: u64, index: u64, data: Bytes) {
-        let job = Job {
+        self.send(Job {
             key: key.to_string(),
             etag: etag.to_string(),
             size,
             index,
             data,
-        };
+        });
+    }
+
+    fn send(&self, job: Job) {
         // Counted before the send: the writer may be done with it before `try_send` returns.
         self.metrics
             .data_cache_queued
@@ -786,6 +807,13 @@ impl DataCache {
             return;
         }
         let whole_files = self.whole_files.load(Ordering::Relaxed);
+        if job.index == WHOLE {
+            // An open found every block and no whole copy (see `local_copy`).
+            if whole_files && self.all_blocks(job) {
+                self.assemble(job);
+            }
+            return;
+        }
         if whole_files && job.size <= BLOCK {
             return self.assemble(job);
         }
