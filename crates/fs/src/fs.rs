@@ -12,11 +12,12 @@ use crate::files::write::{Appended, Base, WriteState};
 use crate::files::{FileHandle, OpenFiles, OpenWrite};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta};
 use crate::metrics::FsMetrics;
-use crate::namespace::inode::{join, DirListing, Inode};
+use crate::namespace::inode::{DirListing, Inode};
 pub use crate::namespace::listing::DirEntry;
 use crate::namespace::lookup::CacheLimits;
 use crate::namespace::names::{check_name, UNLINKED_DIR};
 use crate::namespace::{is_reserved, Namespace};
+use crate::paths::{MountPath, ObjectKey};
 
 mod attr;
 mod remove;
@@ -393,7 +394,7 @@ impl Fs {
     }
 
     /// Read-only and name checks, and the parent's path, for calls that add an entry.
-    fn prepare_new(&self, parent: Ino, name: &OsStr) -> FsResult<(String, String)> {
+    fn prepare_new(&self, parent: Ino, name: &OsStr) -> FsResult<(String, MountPath)> {
         self.check_writable()?;
         self.ns.prepare_new(parent, name)
     }
@@ -407,7 +408,7 @@ impl Fs {
         caller: Caller,
     ) -> FsResult<Attr> {
         let (name, parent_path) = self.prepare_new(parent, name)?;
-        let path = join(&parent_path, &name);
+        let path = parent_path.join(&name);
         let pm = self.new_meta(FileKind::Dir, mode, umask, caller);
         let key = self.ns.dir_key(&path);
         if name.len() <= BACKGROUND_MARKER_MAX_NAME {
@@ -443,7 +444,7 @@ impl Fs {
             return Err(FsError::EPERM);
         }
         let (name, parent_path) = self.prepare_new(parent, name)?;
-        let path = join(&parent_path, &name);
+        let path = parent_path.join(&name);
         let pm = self.new_meta(FileKind::File, mode, umask, caller);
         let key = self.ns.key(&path);
         let etag = self
@@ -474,7 +475,7 @@ impl Fs {
         caller: Caller,
     ) -> FsResult<Attr> {
         let (name, parent_path) = self.prepare_new(parent, name)?;
-        let path = join(&parent_path, &name);
+        let path = parent_path.join(&name);
         let pm = self.new_meta(FileKind::Symlink, 0o777, 0, caller);
         let key = self.ns.key(&path);
         let body = Bytes::copy_from_slice(target.as_os_str().as_bytes());
@@ -664,7 +665,7 @@ impl Fs {
             }
             other => other?,
         };
-        let path = join(&parent_path, &name);
+        let path = parent_path.join(&name);
         let pm = self.new_meta(FileKind::File, mode, umask, caller);
         let w = self.files.new_write(self.ns.key(&path), None, pm.to_user());
         w.state.lock().await.mark_changed(); // an empty file is still a file
@@ -715,7 +716,7 @@ impl Fs {
         };
         let mut slot = reader.lock().await;
         let key = self.ns.key(&path);
-        if slot.as_ref().is_some_and(|r| r.key() != key) {
+        if slot.as_ref().is_some_and(|r| *r.key() != key) {
             // Renamed while open: read the object under its new key.
             *slot = None;
         }
@@ -758,7 +759,7 @@ impl Fs {
 
     /// Learns the object of open file `ino` (at `key`) as it is now in the store, after a
     /// read found it changed: its ETag, its size, and whether that is more than stat showed.
-    async fn repin(&self, ino: Ino, key: &str) -> FsResult<(Option<String>, u64, bool)> {
+    async fn repin(&self, ino: Ino, key: &ObjectKey) -> FsResult<(Option<String>, u64, bool)> {
         let obj = match self.store.head(key).await {
             Ok(o) => o,
             Err(StoreError::NotFound(_)) => return Err(FsError::ESTALE),
@@ -923,7 +924,7 @@ impl Fs {
             // learns the object.
             let mut t = self.ns.table();
             if let Some(i) = t.get_mut(u.ino) {
-                if !i.writing && self.ns.key(&i.path) == u.key && i.etag.is_none() {
+                if !i.writing && self.ns.key(&i.path).as_str() == u.key && i.etag.is_none() {
                     i.etag = Some(u.etag);
                     i.fetched = Some(std::time::Instant::now());
                 }
@@ -931,7 +932,7 @@ impl Fs {
             return;
         };
         let mut st = w.state.lock().await;
-        if st.committed != Some(u.seq) || st.key != u.key || st.is_unlinked() {
+        if st.committed != Some(u.seq) || st.key.as_str() != u.key || st.is_unlinked() {
             return;
         }
         let clean = !st.has_changes_to_publish();
@@ -1166,7 +1167,9 @@ impl Fs {
         for path in hidden {
             self.delete_hidden(path).await;
         }
-        if let Err(e) = self.ns.markers.wait_below("").await {
+        // Every marker is below the mount root.
+        let root = self.ns.dir_key(&MountPath::root());
+        if let Err(e) = self.ns.markers.wait_below(&root).await {
             tracing::error!("directory markers not stored at shutdown: {e}");
             failed += self.ns.markers.len();
         }

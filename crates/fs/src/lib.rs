@@ -15,6 +15,7 @@ mod fs;
 mod meta;
 mod metrics;
 mod namespace;
+mod paths;
 mod pool;
 
 pub use bucketfs_store::liveness::within_operation;

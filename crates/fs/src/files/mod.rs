@@ -26,6 +26,7 @@ use crate::config::FsConfig;
 use crate::error::{FsError, FsResult};
 use crate::meta::Ino;
 use crate::metrics::FsMetrics;
+use crate::paths::ObjectKey;
 use bucketfs_store::{ObjectStore, Uploads, UserMeta};
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -179,7 +180,12 @@ impl OpenFiles {
     }
 
     /// The data cache's checked whole copy of `key` version `etag` (`size` bytes), if any.
-    pub async fn local_copy(&self, key: String, etag: String, size: u64) -> Option<std::fs::File> {
+    pub async fn local_copy(
+        &self,
+        key: ObjectKey,
+        etag: String,
+        size: u64,
+    ) -> Option<std::fs::File> {
         let cache = self.rcfg.data_cache.clone()?;
         tokio::task::spawn_blocking(move || cache.local_copy(&key, &etag, size))
             .await
@@ -267,7 +273,7 @@ impl OpenFiles {
 
     /// A write state of the object at `key` as `base` says it is (None: a new or empty
     /// file), whose publish stores `user` metadata. Not registered: see [`Self::add_writer`].
-    pub fn new_write(&self, key: String, base: Option<Base>, user: UserMeta) -> Arc<OpenWrite> {
+    pub fn new_write(&self, key: ObjectKey, base: Option<Base>, user: UserMeta) -> Arc<OpenWrite> {
         let size = Arc::new(AtomicU64::new(0));
         let st = WriteState::new(
             self.store.clone(),
@@ -285,7 +291,13 @@ impl OpenFiles {
     }
 
     /// A reader of the object at `key`, pinned to `etag`, of `size` bytes.
-    pub fn new_reader(&self, key: String, etag: Option<String>, size: u64, direct: bool) -> Reader {
+    pub fn new_reader(
+        &self,
+        key: ObjectKey,
+        etag: Option<String>,
+        size: u64,
+        direct: bool,
+    ) -> Reader {
         Reader::new(
             self.store.clone(),
             self.rcfg.clone(),
@@ -426,7 +438,7 @@ impl OpenFiles {
             .iter()
             .filter_map(|w| {
                 let st = w.state.try_lock().ok()?;
-                st.has_changes_to_publish().then(|| st.key.clone())
+                st.has_changes_to_publish().then(|| st.key.to_string())
             })
             .collect()
     }

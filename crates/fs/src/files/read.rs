@@ -18,6 +18,7 @@ use super::cache::{block_range, blocks_within, DataCache, BLOCK};
 use crate::budget::{MemoryBudget, Reclaim};
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::metrics::{inc, FsMetrics};
+use crate::paths::ObjectKey;
 use crate::pool::PoolBuf;
 use bucketfs_store::ObjectStore;
 use bytes::{Bytes, BytesMut};
@@ -162,7 +163,7 @@ impl Drop for Reader {
 pub struct Reader {
     store: Arc<dyn ObjectStore>,
     cfg: Arc<ReadConfig>,
-    key: String,
+    key: ObjectKey,
     etag: Option<String>,
     size: u64,
     held: Arc<Held>,
@@ -185,7 +186,7 @@ impl Reader {
     pub fn new(
         store: Arc<dyn ObjectStore>,
         cfg: Arc<ReadConfig>,
-        key: String,
+        key: ObjectKey,
         etag: Option<String>,
         size: u64,
         direct: bool,
@@ -218,7 +219,7 @@ impl Reader {
     }
 
     /// The object this reader reads.
-    pub fn key(&self) -> &str {
+    pub fn key(&self) -> &ObjectKey {
         &self.key
     }
 
@@ -518,7 +519,7 @@ async fn fetch(
 async fn fetch_cached(
     store: Arc<dyn ObjectStore>,
     cache: Arc<DataCache>,
-    key: String,
+    key: ObjectKey,
     etag: String,
     size: u64,
     range: Range<u64>,
@@ -643,7 +644,14 @@ mod tests {
         }
         let mut small = Vec::new();
         for i in 0..40u8 {
-            let mut r = Reader::new(store.clone(), cfg.clone(), format!("s{i}"), None, 6, false);
+            let mut r = Reader::new(
+                store.clone(),
+                cfg.clone(),
+                ObjectKey::new(format!("s{i}")),
+                None,
+                6,
+                false,
+            );
             let b = tokio::time::timeout(std::time::Duration::from_secs(2), r.read(0, 4096))
                 .await
                 .expect("a small file's read must not wait for the others");

@@ -27,6 +27,7 @@ use crate::files::extents::Extents;
 use crate::files::writeback::{Cond, WriteBack};
 use crate::meta::Ino;
 use crate::metrics::{inc, inc_by, FsMetrics};
+use crate::paths::ObjectKey;
 use crate::pool::PoolBuf;
 use bucketfs_store::{
     run_bounded, CompletedPart, ObjectStore, StoreError, StoreLimits, Upload, Uploads, UserMeta,
@@ -308,7 +309,7 @@ enum Phase {
 pub struct WriteState {
     store: Arc<dyn ObjectStore>,
     cfg: Arc<WriteConfig>,
-    pub key: String,
+    pub key: ObjectKey,
     /// The object being rewritten; bytes below `base_len` that are not dirty come from it.
     base: Option<Base>,
     base_len: u64,
@@ -369,7 +370,7 @@ impl WriteState {
     pub fn new(
         store: Arc<dyn ObjectStore>,
         cfg: Arc<WriteConfig>,
-        key: String,
+        key: ObjectKey,
         base: Option<Base>,
         meta: UserMeta,
         cache_dir: &Path,
@@ -1500,7 +1501,7 @@ impl WriteState {
 
     /// The base object was copied, unchanged, to `key`, where the copy has ETag `etag`; the
     /// state reads the base from there. The upload must be closed (it belongs to the old key).
-    pub fn move_base(&mut self, key: String, etag: String) {
+    pub fn move_base(&mut self, key: ObjectKey, etag: String) {
         debug_assert!(self.stream.is_none());
         self.key = key;
         if let Some(b) = &mut self.base {
@@ -1519,7 +1520,7 @@ impl WriteState {
     /// Whether the file can move to another key before it is published (rename): not when
     /// some written bytes are only in its upload (their local copy failed), which belongs to
     /// `key` and cannot be read back. Publishing them would put half-written content there.
-    pub fn leave_key(&self, key: &str) -> FsResult<()> {
+    pub fn leave_key(&self, key: &ObjectKey) -> FsResult<()> {
         if self.uploaded_only.is_empty() {
             return Ok(());
         }
@@ -1534,7 +1535,7 @@ impl WriteState {
     /// belonged to the old key and is aborted, so publish sends every part again (from the
     /// local copies, see [`Self::leave_key`]). `etag` is that of the copy of the base object
     /// under `key`, if the file has one.
-    pub async fn move_to(&mut self, key: String, etag: Option<String>) {
+    pub async fn move_to(&mut self, key: ObjectKey, etag: Option<String>) {
         self.settle_spills().await;
         self.abort_stream().await;
         self.generations.clear();

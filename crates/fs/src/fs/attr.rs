@@ -221,7 +221,7 @@ impl Fs {
         &self,
         ino: Ino,
         kind: FileKind,
-        path: &str,
+        path: &MountPath,
         size: u64,
         user: &UserMeta,
         etag: Option<&str>,

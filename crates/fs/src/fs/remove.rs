@@ -78,7 +78,7 @@ impl Fs {
     pub(super) async fn hide_open_file(
         &self,
         ino: Ino,
-        path: &str,
+        path: &MountPath,
         mut st: Option<&mut WriteState>,
         in_store: bool,
     ) -> FsResult<bool> {
@@ -106,10 +106,10 @@ impl Fs {
     pub(super) async fn copy_for_descriptors(
         &self,
         ino: Ino,
-        path: &str,
+        path: &MountPath,
         st: Option<&mut WriteState>,
         in_store: bool,
-    ) -> FsResult<Option<(String, String)>> {
+    ) -> FsResult<Option<(MountPath, String)>> {
         // A file truncated or rewritten since it was opened needs nothing from its object.
         let reads_object = in_store && st.as_ref().is_none_or(|st| st.reads_base());
         if !reads_object {
@@ -120,7 +120,10 @@ impl Fs {
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
             .as_nanos();
-        let hidden = format!("{UNLINKED_DIR}/{ino}-{}-{stamp:x}", std::process::id());
+        let hidden = MountPath::new(format!(
+            "{UNLINKED_DIR}/{ino}-{}-{stamp:x}",
+            std::process::id()
+        ));
         self.ns.check_key_len(&hidden)?;
         let (src, dst) = (self.ns.key(path), self.ns.key(&hidden));
         let what = format!("keeping {src} as {dst} for its open descriptors");
@@ -149,7 +152,7 @@ impl Fs {
         &self,
         ino: Ino,
         st: Option<&mut WriteState>,
-        kept: Option<(String, String)>,
+        kept: Option<(MountPath, String)>,
     ) {
         if let Some(st) = st {
             st.unlink();
@@ -197,7 +200,7 @@ impl Fs {
 
     /// Deletes the hidden object of a file unlinked while open (see [`Self::hide_open_file`]),
     /// once nothing has it open any more.
-    pub(super) async fn delete_hidden(&self, path: String) {
+    pub(super) async fn delete_hidden(&self, path: MountPath) {
         let key = self.ns.key(&path);
         if let Err(e) = self.store.delete(&key).await {
             tracing::warn!("{key}: object of a file unlinked while open not deleted: {e}");

@@ -92,7 +92,7 @@ impl Fs {
             (i.kind, i.path.clone(), i.attr.size, i.etag.clone())
         };
         let write = self.files.write_of(src);
-        let new_path = join(&new_parent_path, &new_name_s);
+        let new_path = new_parent_path.join(&new_name_s);
         self.ns.check_key_len(&new_path)?;
         let mut replaced = None;
         if let Some(t) = target {
@@ -143,7 +143,7 @@ impl Fs {
             }
             moved?
         };
-        let to = (new_parent, new_parent_path.as_str(), new_name_s.as_str());
+        let to = (new_parent, &new_parent_path, new_name_s.as_str());
         self.ns.renamed(src, (parent, &path), to, new_etag);
         Ok(())
     }
@@ -154,8 +154,8 @@ impl Fs {
     /// object.
     pub(super) async fn rename_file(
         &self,
-        path: &str,
-        new_path: &str,
+        path: &MountPath,
+        new_path: &MountPath,
         version: (u64, Option<String>),
         src: (Ino, Option<Arc<OpenWrite>>),
         replaced: Option<Replaced>,
@@ -214,8 +214,8 @@ impl Fs {
     /// up on (`version`: size and ETag), or its state is based on.
     pub(super) async fn move_object(
         &self,
-        path: &str,
-        new_path: &str,
+        path: &MountPath,
+        new_path: &MountPath,
         version: (u64, Option<String>),
         st: Option<&mut WriteState>,
     ) -> FsResult<Option<String>> {
@@ -269,13 +269,12 @@ impl Fs {
     /// moves to `dst`, then the state goes on under `dst`.
     async fn move_state_object(
         &self,
-        src: &str,
-        dst: &str,
+        src: &ObjectKey,
+        dst: &ObjectKey,
         st: &mut WriteState,
     ) -> FsResult<Option<String>> {
-        let (src, dst) = (src.to_string(), dst.to_string());
         let what = format!("rename {src} to {dst}");
-        let old = match self.store.head(&src).await {
+        let old = match self.store.head(src).await {
             Ok(o) => Some(o),
             Err(StoreError::NotFound(_)) => None,
             Err(e) => return Err(log_store_err(&what, e)),
@@ -284,10 +283,10 @@ impl Fs {
             Some(o) => {
                 // The state reads its base from the copy: it must be that base, whole.
                 let pin = st.base_etag().map(str::to_string);
-                self.copy_object(&src, &dst, o.size, None, pin.as_deref())
+                self.copy_object(src, dst, o.size, None, pin.as_deref())
                     .await?;
                 // Learnt before the source goes: the state reads its base from the copy.
-                match self.store.head(&dst).await {
+                match self.store.head(dst).await {
                     Ok(o) => o.etag,
                     Err(e) => return Err(log_store_err(&what, e)),
                 }
@@ -295,7 +294,7 @@ impl Fs {
             None => {
                 // The name's old object (a file replaced) is gone; this one comes at close.
                 self.store
-                    .delete(&dst)
+                    .delete(dst)
                     .await
                     .map_err(|e| log_store_err(&what, e))?;
                 None
@@ -303,19 +302,19 @@ impl Fs {
         };
         if old.is_some() {
             self.store
-                .delete(&src)
+                .delete(src)
                 .await
                 .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
         }
-        st.move_to(dst, etag.clone()).await;
+        st.move_to(dst.clone(), etag.clone()).await;
         Ok(etag)
     }
 
     /// Moves every object under the directory: copies all, then deletes the sources.
     pub(super) async fn rename_dir(
         &self,
-        path: &str,
-        new_path: &str,
+        path: &MountPath,
+        new_path: &MountPath,
         replace: bool,
     ) -> FsResult<()> {
         // Files being written below are not published (their content is half written): their
@@ -371,7 +370,7 @@ impl Fs {
                 .await
                 .map_err(|e| log_store_err(&format!("delete {dst}"), e))?;
         }
-        if !objects.iter().any(|o| o.key == src) {
+        if !objects.iter().any(|o| src == *o.key) {
             // An implied directory: give the new one a marker so it exists even if empty.
             self.store
                 .put(&dst, Bytes::new(), &UserMeta::new())
@@ -421,14 +420,14 @@ impl Fs {
                 .map_err(|e| log_store_err(&format!("delete {}", m.key), e))?;
         }
         // Re-point files still open for writing at their new keys.
-        let below: Vec<(String, Arc<OpenWrite>)> = {
+        let below: Vec<(MountPath, Arc<OpenWrite>)> = {
             let t = self.ns.table();
             t.descendants(path)
                 .into_iter()
                 .filter_map(|d| {
                     let i = t.get(d)?;
                     let w = self.files.write_of(d)?;
-                    Some((format!("{new_path}{}", &i.path[path.len()..]), w))
+                    Some((i.path.moved(path, new_path), w))
                 })
                 .collect()
         };

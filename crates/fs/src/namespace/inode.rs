@@ -7,6 +7,7 @@
 //! `/`; the root is the empty path.
 
 use crate::meta::{Attr, FileKind, Ino, ROOT_INO};
+use crate::paths::MountPath;
 use bucketfs_store::UserMeta;
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -40,7 +41,7 @@ pub struct Inode {
     pub ino: Ino,
     pub parent: Ino,
     pub name: String,
-    pub path: String,
+    pub path: MountPath,
     pub kind: FileKind,
     pub attr: Attr,
     /// When `attr` came from the store; `None` for inodes that exist only here so far.
@@ -73,7 +74,7 @@ impl Inode {
         ino: Ino,
         parent: Ino,
         name: String,
-        path: String,
+        path: MountPath,
         kind: FileKind,
         attr: Attr,
     ) -> Self {
@@ -133,7 +134,8 @@ impl InodeTable {
 
     /// The number of a file found or made at `path` that has no inode here now: the number it
     /// had before the kernel forgot it, if it had one. Never one an inode here holds.
-    pub fn ino_for(&mut self, path: &str) -> Ino {
+    pub fn ino_for(&mut self, path: &MountPath) -> Ino {
+        let path = path.as_str();
         let origin = self.origins.origin(path, &mut self.next);
         let ino = ino_of_origin(&origin);
         if !self.inodes.contains_key(&ino) {
@@ -145,7 +147,7 @@ impl InodeTable {
     }
 
     /// The number readdir shows for `name` in `parent` at `path`: the one lookup gives.
-    pub fn entry_ino(&mut self, parent: Ino, name: &str, path: &str) -> Ino {
+    pub fn entry_ino(&mut self, parent: Ino, name: &str, path: &MountPath) -> Ino {
         match self.child(parent, name) {
             Some(ino) => ino,
             None => self.ino_for(path),
@@ -182,7 +184,7 @@ impl InodeTable {
             // Still its parent's entry: not already replaced by a rename or a new file.
             if self.children.get(&(i.parent, i.name.clone())) == Some(&ino) {
                 let path = i.path.clone();
-                self.origins.remove_tree(&path);
+                self.origins.remove_tree(path.as_str());
             }
         }
         self.detach(ino);
@@ -192,8 +194,8 @@ impl InodeTable {
     /// and the numbers kept for it.
     pub fn remove_child(&mut self, parent: Ino, name: &str) {
         if let Some(p) = self.inodes.get(&parent) {
-            let path = join(&p.path, name);
-            self.origins.remove_tree(&path);
+            let path = p.path.join(name);
+            self.origins.remove_tree(path.as_str());
         }
         if let Some(ino) = self.child(parent, name) {
             self.detach(ino);
@@ -217,7 +219,7 @@ impl InodeTable {
 
     /// The paths of files unlinked while open whose hidden objects are still to delete,
     /// which are then no longer theirs to delete (at shutdown).
-    pub fn take_hidden(&mut self) -> Vec<String> {
+    pub fn take_hidden(&mut self) -> Vec<MountPath> {
         self.inodes
             .values_mut()
             .filter(|i| i.hidden)
@@ -236,19 +238,20 @@ impl InodeTable {
     }
 
     /// Moves `ino` to `name` in `parent` and rewrites the paths of everything below it.
-    pub fn rename(&mut self, ino: Ino, parent: Ino, name: &str, parent_path: &str) {
+    pub fn rename(&mut self, ino: Ino, parent: Ino, name: &str, parent_path: &MountPath) {
         let Some(i) = self.inodes.get(&ino) else {
             return;
         };
         let old_key = (i.parent, i.name.clone());
         let old_path = i.path.clone();
-        let new_path = join(parent_path, name);
+        let new_path = parent_path.join(name);
         // The file keeps its number, and a directory's descendants theirs, under the new name.
-        let mut origin = self.origins.origin(&old_path, &mut self.next);
+        let mut origin = self.origins.origin(old_path.as_str(), &mut self.next);
         if ino_of_origin(&origin) != ino {
             origin = fresh_origin(ino);
         }
-        self.origins.rename(&old_path, &new_path, origin);
+        self.origins
+            .rename(old_path.as_str(), new_path.as_str(), origin);
         if self.children.get(&old_key) == Some(&ino) {
             self.children.remove(&old_key);
         }
@@ -262,24 +265,18 @@ impl InodeTable {
             i.name = name.to_string();
             i.path = new_path.clone();
         }
-        let below = format!("{old_path}/");
         for i in self.inodes.values_mut() {
-            if i.path.starts_with(&below) {
-                i.path = format!("{new_path}/{}", &i.path[below.len()..]);
+            if i.path.is_below(&old_path) {
+                i.path = i.path.moved(&old_path, &new_path);
             }
         }
     }
 
     /// Inodes below directory path `dir` (any depth).
-    pub fn descendants(&self, dir: &str) -> Vec<Ino> {
-        let below = if dir.is_empty() {
-            String::new()
-        } else {
-            format!("{dir}/")
-        };
+    pub fn descendants(&self, dir: &MountPath) -> Vec<Ino> {
         self.inodes
             .values()
-            .filter(|i| i.ino != ROOT_INO && i.path.starts_with(&below) && !i.unlinked)
+            .filter(|i| i.ino != ROOT_INO && i.path.is_below(dir) && !i.unlinked)
             .map(|i| i.ino)
             .collect()
     }
@@ -454,7 +451,7 @@ impl Origins {
 }
 
 /// `dir/name`, or `name` at the root.
-pub fn join(dir: &str, name: &str) -> String {
+fn join(dir: &str, name: &str) -> String {
     if dir.is_empty() {
         name.to_string()
     } else {

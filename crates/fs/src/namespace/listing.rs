@@ -1,11 +1,12 @@
 //! Directories: listings streamed page by page to readdir, the listing each complete pass
 //! leaves for negative lookups and statahead, and what a cached listing says about a name.
 
-use super::inode::{join, DirListing};
+use super::inode::DirListing;
 use super::lookup::{page_entries, Found, LIST_PAGE};
 use super::Namespace;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{Attr, FileKind, Ino, PosixMeta};
+use crate::paths::{MountPath, ObjectKey};
 use bucketfs_store::{ListDetail, ListFrom, ObjectMeta};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -71,8 +72,9 @@ const READDIR_BATCH: usize = 512;
 /// A directory being listed: the entries so far and where the LIST continues.
 pub struct DirStream {
     ino: Ino,
-    path: String,
-    prefix: String,
+    path: MountPath,
+    /// Key prefix of its entries.
+    prefix: ObjectKey,
     /// Where the next LIST page starts.
     from: ListFrom,
     /// Whether its LIST pages ask for user metadata (decided at opendir).
@@ -86,8 +88,8 @@ pub struct DirStream {
 impl DirStream {
     fn new(
         ino: Ino,
-        path: String,
-        prefix: String,
+        path: MountPath,
+        prefix: ObjectKey,
         detail: ListDetail,
         entries: Vec<DirEntry>,
     ) -> Self {
@@ -98,7 +100,7 @@ impl DirStream {
             // of 1,000 entries would take a second page.
             from: match prefix.is_empty() {
                 true => ListFrom::Start,
-                false => ListFrom::After(prefix.clone()),
+                false => ListFrom::After(prefix.to_string()),
             },
             prefix,
             detail,
@@ -157,13 +159,13 @@ impl Namespace {
         &self,
         parent: Ino,
         window: std::ops::Range<usize>,
-        dir: &str,
-    ) -> Vec<String> {
+        dir: &MountPath,
+    ) -> Vec<MountPath> {
         let t = self.table.lock();
         t.get(parent)
             .and_then(|p| p.listing.as_ref())
             .and_then(|l| l.names.get(window))
-            .map(|names| names.iter().map(|n| join(dir, n)).collect())
+            .map(|names| names.iter().map(|n| dir.join(n)).collect())
             .unwrap_or_default()
     }
 
@@ -184,7 +186,7 @@ impl Namespace {
     /// with user metadata where the store has it, then answers them all from the cache,
     /// instead of a HEAD and a LIST per name. Returns whether such a listing was made (or
     /// awaited, when another lookup started it); false leaves the lookup to probe its name.
-    pub async fn list_for_lookups(&self, parent: Ino, parent_path: &str) -> bool {
+    pub async fn list_for_lookups(&self, parent: Ino, parent_path: &MountPath) -> bool {
         let gate = {
             let ttl = self.ttl;
             let mut all = self.dir_misses.lock();
@@ -207,7 +209,7 @@ impl Namespace {
         gate.get_or_init(|| async {
             let mut st = DirStream::new(
                 parent,
-                parent_path.to_string(),
+                parent_path.clone(),
                 self.dir_key(parent_path),
                 ListDetail::UserMeta,
                 Vec::new(),
@@ -308,9 +310,9 @@ impl Namespace {
                 (page, epoch)
             }
         };
-        let at_root = st.prefix.len() == self.prefix.len();
+        let at_root = st.path.is_root();
         for (name, found) in page_entries(&page, st.prefix.len(), at_root) {
-            let path = join(&st.path, name);
+            let path = st.path.join(name);
             if found.kind == FileKind::Dir {
                 match st.index.get(name) {
                     Some(&i) => st.entries[i].kind = FileKind::Dir, // a directory wins
@@ -377,7 +379,7 @@ impl Namespace {
                     return Some((i.attr.clone(), true));
                 }
             }
-            join(&t.get(dir)?.path, &e.name)
+            t.get(dir)?.path.join(&e.name)
         };
         let (found, complete) = self.lookups.peek(&path).unwrap_or_else(|| {
             let found = Found {

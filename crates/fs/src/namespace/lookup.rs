@@ -18,8 +18,8 @@
 
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{FileKind, PosixMeta};
-use crate::namespace::inode::join;
 use crate::namespace::names::{listable, UNLINKED_DIR};
+use crate::paths::{Keys, MountPath, ObjectKey};
 use bucketfs_store::{ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, StoreError};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
@@ -128,11 +128,11 @@ impl Keep {
 
 pub struct Lookups {
     store: Arc<dyn ObjectStore>,
-    prefix: String,
+    keys: Keys,
     limits: CacheLimits,
-    cache: Mutex<HashMap<String, Cached>>,
+    cache: Mutex<HashMap<MountPath, Cached>>,
     /// Probes in flight, with the epoch each started at.
-    inflight: Mutex<HashMap<String, (Probe, u64)>>,
+    inflight: Mutex<HashMap<MountPath, (Probe, u64)>>,
     /// Files (and symlinks) listed since the listing detail was last decided.
     listed_files: AtomicU64,
     /// Stats of listed files since then.
@@ -147,10 +147,10 @@ pub struct Lookups {
 }
 
 impl Lookups {
-    pub fn new(store: Arc<dyn ObjectStore>, prefix: String, limits: CacheLimits) -> Arc<Self> {
+    pub fn new(store: Arc<dyn ObjectStore>, keys: Keys, limits: CacheLimits) -> Arc<Self> {
         Arc::new(Self {
             store,
-            prefix,
+            keys,
             limits,
             cache: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
@@ -195,7 +195,7 @@ impl Lookups {
         c.at.elapsed() < ttl
     }
 
-    fn fresh(&self, path: &str) -> Option<Cached> {
+    fn fresh(&self, path: &MountPath) -> Option<Cached> {
         let mut cache = self.cache.lock();
         match cache.get(path) {
             Some(c) if self.alive(c) => Some(c.clone()),
@@ -209,15 +209,15 @@ impl Lookups {
 
     /// What is cached for `path` and whether it is complete, without a request and without
     /// counting as a stat of a listed entry.
-    pub fn peek(&self, path: &str) -> Option<(Found, bool)> {
+    pub fn peek(&self, path: &MountPath) -> Option<(Found, bool)> {
         self.fresh(path).and_then(|c| Some((c.found?, c.complete)))
     }
 
-    fn put(&self, path: &str, found: Option<Found>, complete: bool) {
+    fn put(&self, path: &MountPath, found: Option<Found>, complete: bool) {
         self.put_from(path, found, complete, false);
     }
 
-    fn put_from(&self, path: &str, found: Option<Found>, complete: bool, from_listing: bool) {
+    fn put_from(&self, path: &MountPath, found: Option<Found>, complete: bool, from_listing: bool) {
         let mut cache = self.cache.lock();
         if self.limits.max_entries == 0 {
             return;
@@ -233,7 +233,7 @@ impl Lookups {
             });
         }
         cache.insert(
-            path.to_string(),
+            path.clone(),
             Cached {
                 found,
                 complete,
@@ -245,12 +245,12 @@ impl Lookups {
 
     /// Whether a fresh, complete answer for `path` is cached (no request needed); "nothing
     /// there" is one.
-    pub fn cached_complete(&self, path: &str) -> bool {
+    pub fn cached_complete(&self, path: &MountPath) -> bool {
         self.fresh(path).is_some_and(|c| c.complete)
     }
 
     /// Whether `path` is cached complete or being probed right now.
-    pub fn known(&self, path: &str) -> bool {
+    pub fn known(&self, path: &MountPath) -> bool {
         self.cached_complete(path) || self.inflight.lock().contains_key(path)
     }
 
@@ -258,13 +258,13 @@ impl Lookups {
     /// is as good as a HEAD (complete, newer than what is cached), unless this mount changed
     /// something since the LIST was sent (the answer may predate the change); one without it
     /// is partial and does not replace a complete entry of the same kind.
-    pub fn listed(&self, path: &str, found: Found, epoch: u64) {
+    pub fn listed(&self, path: &MountPath, found: Found, epoch: u64) {
         self.learned(path, found, epoch, true);
     }
 
     /// [`Self::listed`]; `count`: as a listed file that a walk which stats nothing would not
     /// use (see [`Self::list_detail`]).
-    fn learned(&self, path: &str, found: Found, epoch: u64, count: bool) {
+    fn learned(&self, path: &MountPath, found: Found, epoch: u64, count: bool) {
         let complete = found.obj.user_complete && epoch == self.epoch();
         if !complete
             && self.fresh(path).is_some_and(|c| {
@@ -280,22 +280,21 @@ impl Lookups {
     }
 
     /// Forgets `path` (it changed here).
-    pub fn forget(&self, path: &str) {
+    pub fn forget(&self, path: &MountPath) {
         self.changes.fetch_add(1, Ordering::SeqCst);
         self.cache.lock().remove(path);
     }
 
     /// Forgets everything below directory `dir`.
-    pub fn forget_below(&self, dir: &str) {
+    pub fn forget_below(&self, dir: &MountPath) {
         self.changes.fetch_add(1, Ordering::SeqCst);
-        let below = format!("{dir}/");
         self.cache
             .lock()
-            .retain(|p, _| p != dir && !p.starts_with(&below));
+            .retain(|p, _| p != dir && !p.is_below(dir));
     }
 
     /// What `path` is: from the cache when fresh and complete, else from the store.
-    pub async fn stat(&self, path: &str) -> FsResult<(Found, bool)> {
+    pub async fn stat(&self, path: &MountPath) -> FsResult<(Found, bool)> {
         self.stat_keeping(path, None).await
     }
 
@@ -304,7 +303,11 @@ impl Lookups {
     /// first page and keeps it for [`Self::take_page`]. `epoch` is [`Self::epoch`] from
     /// before the caller made sure that no directory made here below `path` is missing from
     /// the bucket (such a page would lack it).
-    pub async fn stat_before_listing(&self, path: &str, epoch: u64) -> FsResult<(Found, bool)> {
+    pub async fn stat_before_listing(
+        &self,
+        path: &MountPath,
+        epoch: u64,
+    ) -> FsResult<(Found, bool)> {
         let r = self.stat_keeping(path, Some(epoch)).await;
         if matches!(&r, Ok((f, false)) if f.kind == FileKind::Dir) {
             self.feed_kept(path);
@@ -315,17 +318,17 @@ impl Lookups {
     /// Caches what the page kept by the lookup of directory `path` shows about its entries,
     /// so that looking them up (a path walk, a program opening files by name) needs no
     /// request either.
-    fn feed_kept(&self, path: &str) {
-        let dir_key = format!("{}{path}/", self.prefix);
+    fn feed_kept(&self, path: &MountPath) {
+        let dir_key = self.keys.dir_key(path);
         let (entries, epoch) = {
             let mut kept = self.kept.lock();
-            let Some(k) = kept.iter_mut().find(|k| k.dir_key == dir_key && !k.fed) else {
+            let Some(k) = kept.iter_mut().find(|k| dir_key == *k.dir_key && !k.fed) else {
                 return;
             };
             k.fed = true;
-            let entries: Vec<(String, Found)> =
-                page_entries(&k.page, dir_key.len(), path.is_empty())
-                    .map(|(name, found)| (join(path, name), found))
+            let entries: Vec<(MountPath, Found)> =
+                page_entries(&k.page, dir_key.len(), path.is_root())
+                    .map(|(name, found)| (path.join(name), found))
                     .collect();
             (entries, k.epoch)
         };
@@ -341,20 +344,24 @@ impl Lookups {
     /// changed nothing since it was fetched (it may predate the change), and only if it
     /// carries what the listing wants (`detail`: a page without metadata would leave `ls -l`
     /// a HEAD per file).
-    pub fn take_page(&self, dir_key: &str, detail: ListDetail) -> Option<(ListPage, u64)> {
+    pub fn take_page(&self, dir_key: &ObjectKey, detail: ListDetail) -> Option<(ListPage, u64)> {
         let mut kept = self.kept.lock();
         if kept.is_empty() {
             return None;
         }
         let epoch = self.epoch();
         kept.retain(|k| k.at.elapsed() < self.limits.ttl && k.epoch == epoch);
-        let i = kept.iter().position(|k| k.dir_key == dir_key)?;
+        let i = kept.iter().position(|k| *dir_key == *k.dir_key)?;
         let k = kept.remove(i)?;
         let enough = k.detail == ListDetail::UserMeta || detail == ListDetail::Plain;
         enough.then_some((k.page, k.epoch))
     }
 
-    async fn stat_keeping(&self, path: &str, keep_epoch: Option<u64>) -> FsResult<(Found, bool)> {
+    async fn stat_keeping(
+        &self,
+        path: &MountPath,
+        keep_epoch: Option<u64>,
+    ) -> FsResult<(Found, bool)> {
         let cached = self.fresh(path);
         if cached.as_ref().is_some_and(|c| {
             c.from_listing && c.found.as_ref().is_some_and(|f| f.kind != FileKind::Dir)
@@ -388,10 +395,10 @@ impl Lookups {
                             ttl: self.limits.ttl,
                             detail,
                         });
-                    let key = format!("{}{path}", self.prefix);
+                    let key = self.keys.key(path).into_string();
                     let p = probe(self.store.clone(), key, hint, keep).boxed().shared();
                     let entry = (p, self.epoch());
-                    inflight.insert(path.to_string(), entry.clone());
+                    inflight.insert(path.clone(), entry.clone());
                     entry
                 }
             }
@@ -412,13 +419,13 @@ impl Lookups {
     /// kernel's lookup of a directory is: with its first page, kept for its listing and
     /// feeding the stat cache. A walk (`find`) then finds its next listings fetched, in
     /// parallel, and a program opening files by name below them finds them known.
-    pub fn statahead(self: &Arc<Self>, paths: Vec<String>, pages: bool) {
+    pub fn statahead(self: &Arc<Self>, paths: Vec<MountPath>, pages: bool) {
         let mut with_page = if pages && !self.limits.ttl.is_zero() {
             STATAHEAD_PAGES
         } else {
             0
         };
-        let todo: Vec<(String, bool)> = paths
+        let todo: Vec<(MountPath, bool)> = paths
             .into_iter()
             .filter(|p| !self.known(p))
             .take(STATAHEAD_COUNT)
@@ -611,7 +618,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_listing_older_than_a_change_here_is_not_trusted() {
-        let l = Lookups::new(Arc::new(MemoryStore::new()), String::new(), limits());
+        let l = Lookups::new(Arc::new(MemoryStore::new()), Keys::default(), limits());
         let listed = || {
             found_object(ObjectMeta {
                 key: "a".into(),
@@ -620,15 +627,15 @@ mod tests {
             })
         };
         let epoch = l.epoch();
-        l.listed("a", listed(), epoch);
-        assert!(l.cached_complete("a"));
+        l.listed(&"a".into(), listed(), epoch);
+        assert!(l.cached_complete(&"a".into()));
         // A LIST sent before `a` was changed here answers after the change.
         let epoch = l.epoch();
-        l.forget("a");
-        l.listed("a", listed(), epoch);
-        assert!(!l.cached_complete("a"));
-        l.listed("a", listed(), l.epoch());
-        assert!(l.cached_complete("a"));
+        l.forget(&"a".into());
+        l.listed(&"a".into(), listed(), epoch);
+        assert!(!l.cached_complete(&"a".into()));
+        l.listed(&"a".into(), listed(), l.epoch());
+        assert!(l.cached_complete(&"a".into()));
     }
 
     #[tokio::test]
@@ -639,15 +646,16 @@ mod tests {
             .unwrap();
         let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
         let m = metered.metrics();
-        let l = Lookups::new(Arc::new(metered), String::new(), limits());
-        let all = futures::future::join_all((0..32).map(|_| l.stat("a"))).await;
+        let l = Lookups::new(Arc::new(metered), Keys::default(), limits());
+        let a: MountPath = "a".into();
+        let all = futures::future::join_all((0..32).map(|_| l.stat(&a))).await;
         assert!(all
             .iter()
             .all(|r| r.as_ref().unwrap().0.kind == FileKind::File));
         assert_eq!(m.requests(Op::Head), 1);
         assert_eq!(m.requests(Op::List), 1);
         // Cached now.
-        l.stat("a").await.unwrap();
+        l.stat(&"a".into()).await.unwrap();
         assert_eq!(m.total_requests(), 2);
     }
 
@@ -657,9 +665,9 @@ mod tests {
         let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
         let m = metered.metrics();
         let store: Arc<dyn ObjectStore> = Arc::new(metered);
-        let l = Lookups::new(store.clone(), String::new(), limits());
-        assert_eq!(l.stat("nope").await.unwrap_err(), FsError::ENOENT);
-        assert_eq!(l.stat("nope").await.unwrap_err(), FsError::ENOENT);
+        let l = Lookups::new(store.clone(), Keys::default(), limits());
+        assert_eq!(l.stat(&"nope".into()).await.unwrap_err(), FsError::ENOENT);
+        assert_eq!(l.stat(&"nope".into()).await.unwrap_err(), FsError::ENOENT);
         assert_eq!(
             m.total_requests(),
             2,
@@ -669,17 +677,17 @@ mod tests {
         mem.put("nope", bytes::Bytes::new(), &UserMeta::new())
             .await
             .unwrap();
-        l.forget("nope");
-        assert!(l.stat("nope").await.is_ok());
+        l.forget(&"nope".into());
+        assert!(l.stat(&"nope".into()).await.is_ok());
 
         let off = CacheLimits {
             negative_ttl: Duration::ZERO,
             ..limits()
         };
-        let l = Lookups::new(store, String::new(), off);
+        let l = Lookups::new(store, Keys::default(), off);
         let before = m.total_requests();
         for _ in 0..3 {
-            assert_eq!(l.stat("other").await.unwrap_err(), FsError::ENOENT);
+            assert_eq!(l.stat(&"other".into()).await.unwrap_err(), FsError::ENOENT);
         }
         assert_eq!(
             m.total_requests() - before,
@@ -698,28 +706,28 @@ mod tests {
         }
         let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
         let m = metered.metrics();
-        let l = Lookups::new(Arc::new(metered), String::new(), limits());
-        let (d, _) = l.stat_before_listing("d", l.epoch()).await.unwrap();
+        let l = Lookups::new(Arc::new(metered), Keys::default(), limits());
+        let (d, _) = l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
         assert_eq!(d.kind, FileKind::Dir);
         let after_dir = m.total_requests();
         // Files and subdirectories of the page are known now, with their metadata.
-        let (a, cached) = l.stat("d/a").await.unwrap();
+        let (a, cached) = l.stat(&"d/a".into()).await.unwrap();
         assert!(cached);
         assert_eq!(a.kind, FileKind::File);
         assert_eq!(a.obj.user["mode"], (libc::S_IFREG | 0o600).to_string());
-        assert!(l.stat("d/b").await.unwrap().1);
+        assert!(l.stat(&"d/b".into()).await.unwrap().1);
         assert!(l
-            .fresh("d/sub")
+            .fresh(&"d/sub".into())
             .is_some_and(|c| c.found.is_some_and(|f| f.kind == FileKind::Dir)));
         // A file and a directory of the same name: the directory.
         assert!(l
-            .fresh("d/twin")
+            .fresh(&"d/twin".into())
             .is_some_and(|c| c.found.is_some_and(|f| f.kind == FileKind::Dir)));
         assert_eq!(m.total_requests(), after_dir, "no request after the lookup");
         // The marker `d/` has no name in the directory.
-        assert!(l.fresh("d/").is_none());
+        assert!(l.fresh(&"d/".into()).is_none());
         // The listing still gets the page.
-        assert!(l.take_page("d/", ListDetail::UserMeta).is_some());
+        assert!(l.take_page(&"d/".into(), ListDetail::UserMeta).is_some());
     }
 
     #[tokio::test]
@@ -733,21 +741,21 @@ mod tests {
             .unwrap();
         let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
         let m = metered.metrics();
-        let l = Lookups::new(Arc::new(metered), String::new(), limits());
+        let l = Lookups::new(Arc::new(metered), Keys::default(), limits());
         // A walk that stats no file turned listing metadata off; the parent's listing
         // showed `d` as a directory.
         l.list_user_meta.store(false, Ordering::Relaxed);
-        l.listed("d", Found::listed_dir(), l.epoch());
-        let (d, _) = l.stat_before_listing("d", l.epoch()).await.unwrap();
+        l.listed(&"d".into(), Found::listed_dir(), l.epoch());
+        let (d, _) = l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
         assert_eq!(d.obj.user["mode"], (libc::S_IFDIR | 0o700).to_string());
         assert!(d.has_marker);
         assert_eq!((m.requests(Op::List), m.requests(Op::Head)), (1, 1));
         // A listing without metadata takes the page; one that wants metadata does not.
-        assert!(l.take_page("d/", ListDetail::Plain).is_some());
-        l.forget("d");
-        l.listed("d", Found::listed_dir(), l.epoch());
-        l.stat_before_listing("d", l.epoch()).await.unwrap();
-        assert!(l.take_page("d/", ListDetail::UserMeta).is_none());
+        assert!(l.take_page(&"d/".into(), ListDetail::Plain).is_some());
+        l.forget(&"d".into());
+        l.listed(&"d".into(), Found::listed_dir(), l.epoch());
+        l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
+        assert!(l.take_page(&"d/".into(), ListDetail::UserMeta).is_none());
     }
 
     #[tokio::test]
@@ -758,12 +766,12 @@ mod tests {
                 .await
                 .unwrap();
         }
-        let dirs: Vec<String> = (0..10).map(|d| format!("d{d}")).collect();
+        let dirs: Vec<MountPath> = (0..10).map(|d| MountPath::new(format!("d{d}"))).collect();
         let run = |pages: bool| {
             let mem = mem.clone();
             let dirs = dirs.clone();
             async move {
-                let l = Lookups::new(mem, String::new(), limits());
+                let l = Lookups::new(mem, Keys::default(), limits());
                 for d in &dirs {
                     l.listed(d, Found::listed_dir(), l.epoch());
                 }
@@ -772,7 +780,10 @@ mod tests {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 dirs.iter()
-                    .filter(|d| l.take_page(&format!("{d}/"), ListDetail::Plain).is_some())
+                    .filter(|d| {
+                        l.take_page(&ObjectKey::new(format!("{d}/")), ListDetail::Plain)
+                            .is_some()
+                    })
                     .count()
             }
         };
@@ -788,56 +799,61 @@ mod tests {
                 .await
                 .unwrap();
         }
-        let l = Lookups::new(mem.clone(), String::new(), limits());
+        let l = Lookups::new(mem.clone(), Keys::default(), limits());
         for d in 0..20 {
-            l.stat_before_listing(&format!("d{d:02}"), l.epoch())
+            l.stat_before_listing(&MountPath::new(format!("d{d:02}")), l.epoch())
                 .await
                 .unwrap();
             assert!(l.kept.lock().len() <= KEPT_PAGES);
         }
         assert!(
-            l.take_page("d00/", ListDetail::UserMeta).is_none(),
+            l.take_page(&"d00/".into(), ListDetail::UserMeta).is_none(),
             "the oldest were dropped"
         );
-        let (page, _) = l.take_page("d19/", ListDetail::UserMeta).unwrap();
+        let (page, _) = l.take_page(&"d19/".into(), ListDetail::UserMeta).unwrap();
         assert_eq!(page.objects[0].key, "d19/f");
         assert!(
-            l.take_page("d19/", ListDetail::UserMeta).is_none(),
+            l.take_page(&"d19/".into(), ListDetail::UserMeta).is_none(),
             "given out once"
         );
         // A change here makes them all stale.
-        l.forget("d00");
-        assert!(l.take_page("d18/", ListDetail::UserMeta).is_none());
+        l.forget(&"d00".into());
+        assert!(l.take_page(&"d18/".into(), ListDetail::UserMeta).is_none());
         assert!(l.kept.lock().is_empty());
         // A plain stat keeps nothing.
-        l.stat("d00").await.unwrap();
+        l.stat(&"d00".into()).await.unwrap();
         assert!(l.kept.lock().is_empty());
 
         let short = CacheLimits {
             ttl: Duration::from_millis(50),
             ..limits()
         };
-        let l = Lookups::new(mem, String::new(), short);
-        l.stat_before_listing("d01", l.epoch()).await.unwrap();
+        let l = Lookups::new(mem, Keys::default(), short);
+        l.stat_before_listing(&"d01".into(), l.epoch())
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert!(
-            l.take_page("d01/", ListDetail::UserMeta).is_none(),
+            l.take_page(&"d01/".into(), ListDetail::UserMeta).is_none(),
             "expired with the stat TTL"
         );
     }
 
     #[tokio::test]
     async fn the_cache_stays_within_its_size() {
-        let l = Lookups::new(Arc::new(MemoryStore::new()), String::new(), limits());
+        let l = Lookups::new(Arc::new(MemoryStore::new()), Keys::default(), limits());
         let f = || found_object(ObjectMeta::default());
         for i in 0..5000 {
-            l.listed(&format!("f{i}"), f(), l.epoch());
+            l.listed(&MountPath::new(format!("f{i}")), f(), l.epoch());
             assert!(l.cache.lock().len() <= 1000);
         }
         assert!(
             l.cache.lock().len() >= 750,
             "evicts a quarter, not everything"
         );
-        assert!(l.peek("f4999").is_some(), "the newest entry is kept");
+        assert!(
+            l.peek(&"f4999".into()).is_some(),
+            "the newest entry is kept"
+        );
     }
 }

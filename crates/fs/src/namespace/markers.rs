@@ -9,6 +9,7 @@
 //! EIO if that fails too, so a failure is never silent.
 
 use crate::error::{FsError, FsResult};
+use crate::paths::ObjectKey;
 use bucketfs_store::{ObjectStore, UserMeta};
 use bytes::Bytes;
 use futures::future::{BoxFuture, Shared};
@@ -43,9 +44,9 @@ impl PendingMarkers {
     }
 
     /// Starts uploading marker `key` with `meta`.
-    pub fn start(&self, key: String, meta: UserMeta) {
+    pub fn start(&self, key: ObjectKey, meta: UserMeta) {
         // The upload runs in a task of its own; its handle is only for waiters.
-        drop(self.upload(key, meta));
+        drop(self.upload(key.into_string(), meta));
     }
 
     fn upload(&self, key: String, meta: UserMeta) -> Upload {
@@ -91,8 +92,8 @@ impl PendingMarkers {
 
     /// Returns once marker `key` is in the bucket (at once when none is pending); EIO if its
     /// upload failed, after one more try for a marker that had failed before.
-    pub async fn wait(&self, key: &str) -> FsResult<()> {
-        let pending = self.markers.lock().get(key).map(|m| match m {
+    pub async fn wait(&self, key: &ObjectKey) -> FsResult<()> {
+        let pending = self.markers.lock().get(key.as_str()).map(|m| match m {
             Marker::Uploading { upload, .. } => Ok(upload.clone()),
             Marker::Failed(meta) => Err(meta.clone()),
         });
@@ -106,15 +107,15 @@ impl PendingMarkers {
 
     /// [`Self::wait`] for every pending marker whose key starts with `prefix` (the directory
     /// itself and all below it). The first failure is returned after all were waited for.
-    pub async fn wait_below(&self, prefix: &str) -> FsResult<()> {
-        let keys: Vec<String> = {
+    pub async fn wait_below(&self, prefix: &ObjectKey) -> FsResult<()> {
+        let keys: Vec<ObjectKey> = {
             let m = self.markers.lock();
             if m.is_empty() {
                 return Ok(());
             }
             m.keys()
-                .filter(|k| k.starts_with(prefix))
-                .cloned()
+                .filter(|k| k.starts_with(prefix.as_str()))
+                .map(ObjectKey::new)
                 .collect()
         };
         let mut result = Ok(());
@@ -128,8 +129,8 @@ impl PendingMarkers {
 
     /// Drops marker `key` from the pending set (the directory is being removed): waits for an
     /// upload in flight, whatever its outcome, so that a DELETE cannot overtake it.
-    pub async fn settle(&self, key: &str) {
-        let upload = match self.markers.lock().remove(key) {
+    pub async fn settle(&self, key: &ObjectKey) {
+        let upload = match self.markers.lock().remove(key.as_str()) {
             Some(Marker::Uploading { upload, .. }) => upload,
             _ => return,
         };
@@ -138,10 +139,10 @@ impl PendingMarkers {
 
     /// Whether a marker strictly below `prefix` is not in the bucket yet (uploading or
     /// failed): a directory made there still exists.
-    pub fn any_below(&self, prefix: &str) -> bool {
+    pub fn any_below(&self, prefix: &ObjectKey) -> bool {
         let m = self.markers.lock();
         m.keys()
-            .any(|k| k.len() > prefix.len() && k.starts_with(prefix))
+            .any(|k| k.len() > prefix.len() && k.starts_with(prefix.as_str()))
     }
 
     /// Markers not yet in the bucket.
@@ -171,10 +172,10 @@ mod tests {
     async fn a_failed_marker_is_sent_again_when_waited_for() {
         let (mem, markers) = failing_puts(1);
         markers.start("d/".into(), UserMeta::new());
-        assert_eq!(markers.wait("d/").await, Err(FsError::EIO));
+        assert_eq!(markers.wait(&"d/".into()).await, Err(FsError::EIO));
         assert_eq!(markers.len(), 1, "kept for another try");
         assert!(mem.head("d/").await.is_err());
-        markers.wait_below("").await.unwrap();
+        markers.wait_below(&"".into()).await.unwrap();
         assert!(mem.head("d/").await.is_ok());
         assert_eq!(markers.len(), 0);
     }
@@ -183,12 +184,12 @@ mod tests {
     async fn wait_reports_a_failure_and_settle_forgets_it() {
         let (mem, markers) = failing_puts(2);
         markers.start("a/".into(), UserMeta::new());
-        assert_eq!(markers.wait("a/").await, Err(FsError::EIO));
+        assert_eq!(markers.wait(&"a/".into()).await, Err(FsError::EIO));
         // wait() found it uploading: no second try yet. The next wait retries, and fails.
-        assert_eq!(markers.wait("a/").await, Err(FsError::EIO));
-        markers.settle("a/").await;
+        assert_eq!(markers.wait(&"a/".into()).await, Err(FsError::EIO));
+        markers.settle(&"a/".into()).await;
         assert_eq!(markers.len(), 0);
-        assert_eq!(markers.wait("a/").await, Ok(()));
+        assert_eq!(markers.wait(&"a/".into()).await, Ok(()));
         assert!(mem.head("a/").await.is_err());
     }
 }

@@ -21,8 +21,9 @@ pub mod names;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta, ROOT_INO};
 use crate::metrics::{inc, FsMetrics};
+use crate::paths::{Keys, MountPath, ObjectKey};
 use bucketfs_store::{ListDetail, ListFrom, ObjectMeta, ObjectStore, UserMeta};
-use inode::{join, Inode, InodeTable};
+use inode::{Inode, InodeTable};
 use listing::{DirMisses, DirStream, ListingSays};
 use lookup::{CacheLimits, Found, Lookups};
 use markers::PendingMarkers;
@@ -44,8 +45,8 @@ pub fn is_reserved(parent: Ino, name: &str) -> bool {
 
 pub struct Namespace {
     store: Arc<dyn ObjectStore>,
-    /// Key prefix of the mount root (empty or ending in `/`).
-    prefix: String,
+    /// Paths to keys.
+    keys: Keys,
     pub policy: AttrPolicy,
     ttl: Duration,
     metrics: Arc<FsMetrics>,
@@ -69,6 +70,7 @@ impl Namespace {
         limits: CacheLimits,
         metrics: Arc<FsMetrics>,
     ) -> Self {
+        let keys = Keys::new(prefix);
         let root_attr = policy.attr(
             ROOT_INO,
             FileKind::Dir,
@@ -80,16 +82,16 @@ impl Namespace {
             ROOT_INO,
             ROOT_INO,
             String::new(),
-            String::new(),
+            MountPath::root(),
             FileKind::Dir,
             root_attr,
         );
         root.lookups = 1;
         Self {
-            lookups: Lookups::new(store.clone(), prefix.clone(), limits),
+            lookups: Lookups::new(store.clone(), keys.clone(), limits),
             markers: PendingMarkers::new(store.clone()),
             store,
-            prefix,
+            keys,
             policy,
             ttl: limits.ttl,
             metrics,
@@ -119,27 +121,24 @@ impl Namespace {
 
     // ---- keys ----
 
-    pub fn key(&self, path: &str) -> String {
-        format!("{}{path}", self.prefix)
+    /// The key of the file at `path`.
+    pub fn key(&self, path: &MountPath) -> ObjectKey {
+        self.keys.key(path)
     }
 
     /// Key prefix of a directory's children (and its marker's key).
-    pub fn dir_key(&self, path: &str) -> String {
-        if path.is_empty() {
-            self.prefix.clone()
-        } else {
-            format!("{}{path}/", self.prefix)
-        }
+    pub fn dir_key(&self, path: &MountPath) -> ObjectKey {
+        self.keys.dir_key(path)
     }
 
     /// Whether `path` is the mount root of a mount without a prefix (no marker object).
-    pub fn is_bucket_root(&self, path: &str) -> bool {
-        path.is_empty() && self.prefix.is_empty()
+    pub fn is_bucket_root(&self, path: &MountPath) -> bool {
+        path.is_root() && self.keys.prefix().is_empty()
     }
 
     /// S3 keys are at most 1,024 bytes; a path whose key (or directory marker) would be longer
     /// cannot be stored.
-    pub fn check_key_len(&self, path: &str) -> FsResult<()> {
+    pub fn check_key_len(&self, path: &MountPath) -> FsResult<()> {
         if self.dir_key(path).len() > MAX_KEY_LEN {
             Err(FsError::ENAMETOOLONG)
         } else {
@@ -189,7 +188,7 @@ impl Namespace {
     }
 
     /// Path of a directory inode.
-    pub fn dir_path(&self, ino: Ino) -> FsResult<String> {
+    pub fn dir_path(&self, ino: Ino) -> FsResult<MountPath> {
         let t = self.table.lock();
         let i = t.get(ino).ok_or(FsError::ENOENT)?;
         if i.kind != FileKind::Dir {
@@ -201,7 +200,14 @@ impl Namespace {
     // ---- asking the store what a path is ----
 
     /// Records what the store said about `name` in `parent`; returns the inode's attributes.
-    pub fn remember(&self, parent: Ino, name: &str, path: String, f: Found, lookups: u64) -> Attr {
+    pub fn remember(
+        &self,
+        parent: Ino,
+        name: &str,
+        path: MountPath,
+        f: Found,
+        lookups: u64,
+    ) -> Attr {
         let mut t = self.table.lock();
         if let Some(ino) = t.child(parent, name) {
             let i = t.get_mut(ino).expect("child in table");
@@ -252,7 +258,7 @@ impl Namespace {
             }
         }
         inc(&self.metrics.attr_misses);
-        let path = join(&parent_path, name);
+        let path = parent_path.join(name);
         let mut cached = self.lookups.cached_complete(&path);
         let mut says = self.listing_says(parent, name);
         if matches!(says, ListingSays::Unknown)
@@ -273,7 +279,7 @@ impl Namespace {
                 // fetched yet, so the reader never catches up with the statahead. Only then
                 // are the window's names copied out of the listing.
                 let far_behind =
-                    far_end.is_some_and(|n| !self.lookups.known(&join(&parent_path, &n)));
+                    far_end.is_some_and(|n| !self.lookups.known(&parent_path.join(&n)));
                 if !cached || far_behind {
                     let ahead = self.listing_names(parent, window, &parent_path);
                     // Pages fetched ahead could lack a directory whose marker is on its way.
@@ -328,7 +334,7 @@ impl Namespace {
     // ---- entries made and removed here ----
 
     /// The checked name and the parent's path, for calls that add an entry.
-    pub fn prepare_new(&self, parent: Ino, name: &OsStr) -> FsResult<(String, String)> {
+    pub fn prepare_new(&self, parent: Ino, name: &OsStr) -> FsResult<(String, MountPath)> {
         let name = check_name(name)?.to_string();
         if is_reserved(parent, &name) {
             return Err(FsError::EPERM);
@@ -337,7 +343,7 @@ impl Namespace {
         if self.table.lock().child(parent, &name).is_some() {
             return Err(FsError::EEXIST);
         }
-        self.check_key_len(&join(&parent_path, &name))?;
+        self.check_key_len(&parent_path.join(&name))?;
         Ok((name, parent_path))
     }
 
@@ -347,7 +353,7 @@ impl Namespace {
         &self,
         parent: Ino,
         name: &str,
-        path: String,
+        path: MountPath,
         kind: FileKind,
         pm: &PosixMeta,
         size: u64,
@@ -386,7 +392,7 @@ impl Namespace {
     }
 
     /// `ino` at `path` was deleted from directory `parent` (a directory: and all below it).
-    pub fn removed(&self, parent: Ino, ino: Ino, path: &str) {
+    pub fn removed(&self, parent: Ino, ino: Ino, path: &MountPath) {
         self.lookups.forget(path);
         self.lookups.forget_below(path);
         self.table.lock().removed(ino);
@@ -395,14 +401,14 @@ impl Namespace {
 
     /// The name `path` in `parent` of a file still open here is gone; the inode stays (its
     /// path now names the hidden copy its descriptors read).
-    pub fn hidden(&self, parent: Ino, path: &str) {
+    pub fn hidden(&self, parent: Ino, path: &MountPath) {
         self.lookups.forget(path);
         self.dir_changed(parent);
     }
 
     /// `path` is about to change here (chmod, truncate...): what the stat cache says of it
     /// goes.
-    pub fn changing(&self, path: &str) {
+    pub fn changing(&self, path: &MountPath) {
         self.lookups.forget(path);
     }
 
@@ -411,12 +417,12 @@ impl Namespace {
     pub fn renamed(
         &self,
         ino: Ino,
-        from: (Ino, &str),
-        to: (Ino, &str, &str),
+        from: (Ino, &MountPath),
+        to: (Ino, &MountPath, &str),
         etag: Option<String>,
     ) {
         let ((parent, path), (new_parent, new_parent_path, new_name)) = (from, to);
-        let new_path = join(new_parent_path, new_name);
+        let new_path = new_parent_path.join(new_name);
         self.lookups.forget(path);
         self.lookups.forget(&new_path);
         self.lookups.forget_below(path);
@@ -479,12 +485,12 @@ impl Namespace {
     /// The object at `key` of open file `ino` is `obj` now (a read found it changed).
     /// Recorded unless the file is being written here or moved; returns whether it is larger
     /// than stat showed.
-    pub fn learned(&self, ino: Ino, key: &str, obj: &ObjectMeta) -> bool {
+    pub fn learned(&self, ino: Ino, key: &ObjectKey, obj: &ObjectMeta) -> bool {
         let mut t = self.table.lock();
         let Some(i) = t.get_mut(ino) else {
             return false;
         };
-        if i.writing || self.key(&i.path) != key {
+        if i.writing || self.key(&i.path) != *key {
             return false;
         }
         self.lookups.forget(&i.path);
@@ -499,7 +505,7 @@ impl Namespace {
     }
 
     /// Whether a directory holds anything (in the store or created here and not yet uploaded).
-    pub async fn dir_is_empty(&self, ino: Ino, path: &str) -> FsResult<bool> {
+    pub async fn dir_is_empty(&self, ino: Ino, path: &MountPath) -> FsResult<bool> {
         if !self
             .table
             .lock()
@@ -519,7 +525,7 @@ impl Namespace {
             .list(&dir_key, None, ListFrom::Start, 2, ListDetail::Plain)
             .await
             .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-        Ok(page.objects.iter().all(|o| o.key == dir_key) && page.common_prefixes.is_empty())
+        Ok(page.objects.iter().all(|o| dir_key == *o.key) && page.common_prefixes.is_empty())
     }
 
     // ---- what this mount knows going stale ----

@@ -1,8 +1,8 @@
-//! The rule mapping file names to object keys.
+//! Which names can be entries, and the mount prefix.
 //!
 //! A file `a/b` under mount prefix `p/` is the key `p/a/b`; a directory is `p/a/b/` (a marker
-//! object) or just the prefix of other keys. Names the kernel cannot show are skipped in
-//! listings: empty segments (`a//b`), `.` and `..`, and names over 255 bytes; so is
+//! object) or just the prefix of other keys (the rule is [`crate::paths::Keys`]). Names the
+//! kernel cannot show are skipped in listings: empty segments (`a//b`), `.` and `..`, and names over 255 bytes; so is
 //! [`UNLINKED_DIR`] at the root.
 
 use crate::error::{FsError, FsResult};
