@@ -2,9 +2,9 @@
 //!
 //! Each operation asks the [`Namespace`] what is at a path, the [`OpenFiles`] registry what
 //! an open file's bytes are, and the store, in that order; the two never call each other.
-//! Operations that change entries live beside this file: attributes in `attr.rs`, unlink and
-//! rmdir in `remove.rs`, rename in `rename.rs`. No lock of the namespace or the registry is
-//! held across a store request; a write state's lock may be (it serialises one file).
+//! Some live beside this file: open and create in `open.rs`, attributes in `attr.rs`, unlink
+//! and rmdir in `remove.rs`, rename in `rename.rs`. No lock of the namespace or the registry
+//! is held across a store request; a write state's lock may be (it serialises one file).
 
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
@@ -20,6 +20,7 @@ use crate::namespace::{is_reserved, Namespace};
 use crate::paths::{MountPath, ObjectKey};
 
 mod attr;
+mod open;
 mod remove;
 mod rename;
 
@@ -115,9 +116,6 @@ pub type StaleCache = Box<dyn Fn(Ino) + Send + Sync>;
 /// Times a fresh descriptor learns a newer version before its read gives up with ESTALE
 /// (the object keeps changing under it).
 const REPIN_TRIES: u32 = 3;
-
-/// Times (20 ms apart) an open waits for the passthrough handles of its inode to close.
-const THROUGH_WAITS: u32 = 50;
 
 fn now() -> SystemTime {
     SystemTime::now()
@@ -498,205 +496,6 @@ impl Fs {
             i.symlink_target = Some(body);
         }
         Ok(attr)
-    }
-
-    /// `flags` are the open(2) flags.
-    pub async fn open(&self, ino: Ino, flags: i32) -> FsResult<OpenReply> {
-        self.open_as(ino, flags, true).await
-    }
-
-    /// [`Fs::open`]; `through`: the reply may hand the kernel a local copy (not for `create`,
-    /// whose reply cannot).
-    async fn open_as(&self, ino: Ino, flags: i32, through: bool) -> FsResult<OpenReply> {
-        let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
-        if writable || flags & libc::O_TRUNC != 0 {
-            self.check_writable()?;
-        }
-        // Close-to-open: attributes older than the TTL are checked again.
-        self.getattr(ino).await?;
-        // A read-only open may share the kernel's local copy of the file, even after passthrough
-        // went off for the mount (the kernel still holds that copy and refuses other opens);
-        // a new one is looked for only when nothing else has the inode open (the kernel cannot
-        // mix the two). O_DIRECT would reach the cache disk with the caller's alignment: not
-        // started for it.
-        let shareable = through && !writable && flags & libc::O_TRUNC == 0;
-        let mut local = None;
-        if shareable && flags & libc::O_DIRECT == 0 && self.files.passthrough_on() {
-            let wanted = {
-                let t = self.ns.table();
-                t.get(ino).and_then(|i| {
-                    let idle = i.kind == FileKind::File && !i.writing && i.open_handles == 0;
-                    let etag = i.etag.clone().filter(|_| idle && i.attr.size > 0)?;
-                    Some((self.ns.key(&i.path), etag, i.attr.size))
-                })
-            };
-            if let Some((key, etag, size)) = wanted {
-                local = self
-                    .files
-                    .local_copy(key, etag.clone(), size)
-                    .await
-                    .map(|f| (etag, f));
-            }
-        }
-        // While the inode is open for passthrough, an open that cannot share it waits for
-        // those handles to close (the kernel tells us a little after the close itself).
-        let mut waits = 0;
-        let (write, keep_cache, local) = loop {
-            match self.open_registered(ino, writable, shareable, &mut local)? {
-                Some(r) => break r,
-                None => self.wait_through(ino, &mut waits).await?,
-            }
-        };
-        if let (Some(w), true) = (&write, flags & libc::O_TRUNC != 0) {
-            let trunc = SetAttr {
-                size: Some(0),
-                ..SetAttr::default()
-            };
-            let mut st = w.state.lock().await;
-            self.setattr_state(ino, FileKind::File, &mut st, &trunc, false)
-                .await?;
-        }
-        let fh = self.files.add_handle(FileHandle {
-            ino,
-            flags,
-            keep_cache,
-            reader: Arc::new(tokio::sync::Mutex::new(None)),
-            write,
-            through: local.is_some(),
-        });
-        Ok(OpenReply {
-            fh,
-            keep_cache,
-            local,
-        })
-    }
-
-    /// One wait of an open (or truncate) that the inode's passthrough readers keep out: 20 ms,
-    /// then `ETXTBSY` after [`THROUGH_WAITS`] of them.
-    async fn wait_through(&self, ino: Ino, waits: &mut u32) -> FsResult<()> {
-        if *waits >= THROUGH_WAITS {
-            tracing::debug!("inode {ino}: open for passthrough elsewhere");
-            return Err(FsError(libc::ETXTBSY));
-        }
-        *waits += 1;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        Ok(())
-    }
-
-    /// A size change must wait as an open for writing does while the kernel reads the inode
-    /// from a local copy (it would keep serving the old bytes).
-    pub(crate) async fn wait_not_through(&self, ino: Ino) -> FsResult<()> {
-        let mut waits = 0;
-        while self.files.is_through(ino) {
-            self.wait_through(ino, &mut waits).await?;
-        }
-        Ok(())
-    }
-
-    /// The inode's side of an open, under the table's lock: its write state, whether the
-    /// kernel keeps its pages, and the local copy it reads through. `None`: busy (see
-    /// [`OpenFiles::choose_through`]).
-    #[allow(clippy::type_complexity)]
-    fn open_registered(
-        &self,
-        ino: Ino,
-        writable: bool,
-        shareable: bool,
-        local: &mut Option<(String, std::fs::File)>,
-    ) -> FsResult<Option<(Option<Arc<OpenWrite>>, bool, Option<Arc<std::fs::File>>)>> {
-        let mut t = self.ns.table();
-        let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
-        match i.kind {
-            FileKind::Dir => return Err(FsError::EISDIR),
-            FileKind::Symlink => return Err(FsError::ELOOP),
-            FileKind::File => {}
-        }
-        let shareable = shareable && !i.writing;
-        let Ok(through) =
-            self.files
-                .choose_through(ino, i.etag.as_deref(), i.open_handles, shareable, local)
-        else {
-            return Ok(None);
-        };
-        let write = writable.then(|| {
-            // Under the table's lock: a last writer's release retires the state under it.
-            i.writing = true;
-            self.files.add_writer(ino, || {
-                let base = i.etag.clone().map(|etag| Base {
-                    etag,
-                    size: i.attr.size,
-                });
-                self.files
-                    .new_write(self.ns.key(&i.path), base, i.user.clone())
-            })
-        });
-        i.open_handles += 1;
-        // The kernel may keep its cached pages if the object is the one it cached them from.
-        let keep = write.is_none() && i.etag.is_some() && i.cached_etag == i.etag;
-        // A passthrough open fills no page of this inode: what the kernel holds is unchanged.
-        if through.is_none() {
-            i.cached_etag = if write.is_none() {
-                i.etag.clone()
-            } else {
-                None
-            };
-        }
-        Ok(Some((write, keep, through)))
-    }
-
-    /// Creates and opens a regular file; the lookup count of the new inode goes up by one.
-    pub async fn create(
-        &self,
-        parent: Ino,
-        name: &OsStr,
-        mode: u32,
-        umask: u32,
-        flags: i32,
-        caller: Caller,
-    ) -> FsResult<(Attr, OpenReply)> {
-        let (name, parent_path) = match self.prepare_new(parent, name) {
-            Err(e) if e == FsError::EEXIST && flags & libc::O_EXCL == 0 => {
-                // Made meanwhile (by another process on this mount): open(2) opens it, and
-                // truncates it only when asked to.
-                let ino = self.ns.existing(parent, name).await?;
-                let reply = self.open_as(ino, flags, false).await?;
-                self.add_lookup(ino);
-                return Ok((self.getattr(ino).await?, reply));
-            }
-            other => other?,
-        };
-        let path = parent_path.join(&name);
-        let pm = self.new_meta(FileKind::File, mode, umask, caller);
-        let w = self.files.new_write(self.ns.key(&path), None, pm.to_user());
-        w.state.lock().await.mark_changed(); // an empty file is still a file
-        let (ino, attr) = self
-            .ns
-            .add_new(parent, &name, path, FileKind::File, &pm, 0, None, true);
-        {
-            let mut t = self.ns.table();
-            if let Some(i) = t.get_mut(ino) {
-                i.writing = true;
-                i.open_handles = 1;
-                self.files.forget_write(ino);
-                self.files.add_writer(ino, || w.clone());
-            }
-        }
-        let fh = self.files.add_handle(FileHandle {
-            ino,
-            flags,
-            keep_cache: false,
-            reader: Arc::new(tokio::sync::Mutex::new(None)),
-            write: Some(w),
-            through: false,
-        });
-        Ok((
-            attr,
-            OpenReply {
-                fh,
-                keep_cache: false,
-                local: None,
-            },
-        ))
     }
 
     /// Reads up to `size` bytes at `offset`; shorter only at end of file.
