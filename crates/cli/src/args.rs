@@ -149,10 +149,22 @@ pub struct CsiArgs {
         default_value = "/var/lib/bucketfs/csi"
     )]
     pub state_dir: PathBuf,
-    /// How long NodeUnpublishVolume waits for a daemon to store files still being written
-    /// and exit before it answers UNAVAILABLE (the kubelet then retries).
+    /// How long NodeUnpublishVolume waits, from its first call for a target, for the mount
+    /// to be free and its daemon to store files still being written and exit; until then it
+    /// answers UNAVAILABLE (the kubelet retries), after it detaches the mount and kills the
+    /// daemon.
     #[arg(long, value_name = "SECONDS", default_value_t = 120)]
     pub unpublish_timeout: u64,
+    /// Where the mount daemons run: systemd (transient services of the host's systemd), host
+    /// (in PID 1's cgroups and mount namespace), child (children of the driver: they die with
+    /// its container), auto (systemd or host when the driver has hostPID and privileges,
+    /// else child).
+    #[arg(long, value_name = "MODE", default_value = "auto")]
+    pub daemons: bucketfs_csi::DaemonMode,
+    /// The process whose mount and cgroup namespaces and cgroups are the host's, for
+    /// `--daemons host`/`systemd`: the host's init (with hostPID, 1). Tests name another.
+    #[arg(long, value_name = "PID", default_value_t = 1, hide = true)]
+    pub host_pid: u32,
     /// error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,

@@ -116,6 +116,8 @@ fn csi(a: &args::CsiArgs) -> i32 {
         state_dir: a.state_dir.clone(),
         bucketfs,
         unpublish_timeout: std::time::Duration::from_secs(a.unpublish_timeout),
+        daemons: a.daemons,
+        host_pid: a.host_pid,
     };
     match bucketfs_csi::run(cfg) {
         Ok(()) => 0,

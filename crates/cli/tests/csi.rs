@@ -41,16 +41,44 @@ impl Driver {
 
     /// A driver at `level` with `env` added to its environment.
     fn start_with(dir: &Path, level: &str, env: &[(&str, &str)]) -> Driver {
+        Driver::launch(dir, level, env, &[], None)
+    }
+
+    /// A driver with `args` added, in `container` when there is one.
+    fn launch(
+        dir: &Path,
+        level: &str,
+        env: &[(&str, &str)],
+        args: &[&str],
+        container: Option<&Container>,
+    ) -> Driver {
         let socket = dir.join("csi.sock");
         let log = dir.join("driver.log");
         // A killed driver leaves its socket file: wait for the new one, not that.
         let _ = fs::remove_file(&socket);
-        let child = Command::new(bin())
-            .args(["csi", "--node-id", "node-1", "--log-level", level])
+        let mut cmd = match container {
+            Some(c) => c.command(),
+            None => Command::new(bin()),
+        };
+        cmd.args(["csi", "--node-id", "node-1", "--log-level", level])
             .envs(env.iter().copied())
             .arg(format!("--endpoint=unix://{}", socket.display()))
             .arg(format!("--state-dir={}", dir.join("state").display()))
-            .arg("--unpublish-timeout=30")
+            .args(args);
+        // Defaults the tests may override. Daemons in the host's cgroups and mount
+        // namespace: what auto picks in a hostPID container on a host without systemd.
+        // The test process plays the host's init (PID 1 here is out of reach).
+        let me = std::process::id().to_string();
+        for (flag, default) in [
+            ("--unpublish-timeout", "30"),
+            ("--daemons", "host"),
+            ("--host-pid", me.as_str()),
+        ] {
+            if !args.iter().any(|a| a.starts_with(flag)) {
+                cmd.arg(format!("{flag}={default}"));
+            }
+        }
+        let child = cmd
             // A process group of its own, as a container's init or a shell job has.
             .process_group(0)
             .stdin(Stdio::null())
@@ -856,5 +884,271 @@ fn csi_target_paths_with_extra_slashes_publish_and_unpublish() {
     c.unpublish(&vol, &PathBuf::from(format!("{}/", target.display())))
         .expect("NodeUnpublishVolume of /a/b/");
     assert!(!fuse_mounted(&target) && !target.exists());
+    assert_eq!(state_files(dir.path()), Vec::<PathBuf>::new());
+}
+
+// The node plugin's container: mounts must outlive it (issue 24).
+
+/// A stand-in for the node plugin's container with `hostPID: true`: a cgroup of its own (the
+/// runtime kills every process in it when the container stops) and a mount namespace of its
+/// own in which the test's directory is a shared peer of the host's
+/// (`mountPropagation: Bidirectional`).
+struct Container {
+    cgroup: PathBuf,
+}
+
+static CONTAINERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl Container {
+    fn new() -> Container {
+        let text = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let root = text
+            .lines()
+            .find_map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                let sep = f.iter().position(|x| *x == "-")?;
+                (f.get(sep + 1) == Some(&"cgroup2")).then(|| PathBuf::from(f[4]))
+            })
+            .expect("a cgroup2 hierarchy (cgroup.kill)");
+        let n = CONTAINERS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let cgroup = root.join(format!("bucketfs-csi-test-{}-{n}", std::process::id()));
+        fs::create_dir(&cgroup).expect("create the container's cgroup");
+        Container { cgroup }
+    }
+
+    /// `bucketfs` run in the container: in its cgroup, in a mount namespace of its own.
+    fn command(&self) -> Command {
+        let procs = std::ffi::CString::new(
+            self.cgroup
+                .join("cgroup.procs")
+                .to_string_lossy()
+                .into_owned(),
+        )
+        .unwrap();
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--mount", "--propagation", "unchanged", "--"])
+            .arg(bin());
+        // SAFETY: open, write and close on a path made before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+                if fd < 0 || libc::write(fd, c"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::close(fd);
+                Ok(())
+            });
+        }
+        cmd
+    }
+
+    fn pids(&self) -> Vec<u32> {
+        fs::read_to_string(self.cgroup.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .collect()
+    }
+
+    /// What the runtime does when the container stops: SIGKILL to every process in it.
+    fn kill(&self) {
+        fs::write(self.cgroup.join("cgroup.kill"), "1").expect("cgroup.kill");
+        wait_for("the container to be empty", Duration::from_secs(10), || {
+            self.pids().is_empty()
+        });
+    }
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = fs::write(self.cgroup.join("cgroup.kill"), "1");
+        for _ in 0..100 {
+            if fs::remove_dir(&self.cgroup).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// The test directory bind-mounted on itself and made shared, so that a container's mount
+/// namespace sees the host's mounts under it and the host its (Bidirectional).
+struct SharedDir(PathBuf);
+
+impl SharedDir {
+    fn new(dir: &Path) -> SharedDir {
+        for args in [vec!["--bind", "DIR", "DIR"], vec!["--make-shared", "DIR"]] {
+            let ok = Command::new("mount")
+                .args(args.iter().map(|a| {
+                    if *a == "DIR" {
+                        dir.as_os_str()
+                    } else {
+                        a.as_ref()
+                    }
+                }))
+                .status()
+                .unwrap();
+            assert!(ok.success(), "mount {args:?} {}", dir.display());
+        }
+        SharedDir(dir.to_path_buf())
+    }
+}
+
+impl Drop for SharedDir {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// The node plugin's container is killed (the runtime kills every process of its cgroup: a
+/// crash, an OOM kill, a DaemonSet update) while a pod's volume is mounted: the mount keeps
+/// serving reads and writes from the same daemon, and a driver in a new container recognises
+/// it (the repeated NodePublishVolume is OK with the same daemon) and NodeUnpublishVolume
+/// unmounts it cleanly.
+#[test]
+fn csi_mounts_survive_the_node_container_being_killed() {
+    let bucket = s3().new_bucket("csi-container");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let _shared = SharedDir::new(dir.path());
+    let first = Container::new();
+    let mut driver = Driver::launch(dir.path(), "debug", &[], &[], Some(&first));
+    let target = dir.path().join("pods/p1/volumes/v");
+    fs::create_dir_all(target.parent().unwrap()).unwrap();
+    let vol = format!("{bucket}/v");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume");
+    fs::write(target.join("before.txt"), "before").unwrap();
+    let daemon = daemon_of(&target);
+    drop(c);
+
+    first.kill();
+    let _ = driver.child.wait();
+    assert!(
+        alive(daemon),
+        "the daemon died with the container: {}",
+        fs::read_to_string(&driver.log).unwrap_or_default()
+    );
+    // The pod's mount serves on: reads, writes, stored.
+    assert_eq!(
+        fs::read_to_string(target.join("before.txt")).unwrap(),
+        "before"
+    );
+    fs::write(target.join("after.txt"), "after the container died").unwrap();
+    assert_eq!(
+        s3().get(&bucket, "v/after.txt").as_deref(),
+        Some(&b"after the container died"[..])
+    );
+
+    let second = Container::new();
+    let driver = Driver::launch(dir.path(), "debug", &[], &[], Some(&second));
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume in the new container");
+    assert_eq!(daemon_of(&target), daemon, "recognised, not mounted again");
+    c.unpublish(&vol, &target)
+        .expect("NodeUnpublishVolume in the new container");
+    assert!(!fuse_mounted(&target), "still mounted");
+    assert!(!target.exists(), "target not removed");
+    wait_for("the daemon to exit", Duration::from_secs(10), || {
+        !alive(daemon)
+    });
+    assert_eq!(state_files(dir.path()), Vec::<PathBuf>::new());
+}
+
+/// A volume whose store accepts connections and never answers holds up only its own publish:
+/// another volume publishes and unpublishes meanwhile.
+#[test]
+fn csi_a_stalled_volume_does_not_hold_up_the_others() {
+    let bucket = s3().new_bucket("csi-stalled");
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    proxy.stall(true);
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let (stalled, fine) = (dir.path().join("stalled"), dir.path().join("fine"));
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let vol = format!("{bucket}/v");
+    std::thread::scope(|s| {
+        let hung = s.spawn(|| {
+            let mut c = Csi::connect(&driver);
+            let mut p = publish_request(&vol, &stalled, &ctx, false);
+            p.secrets.insert("endpoint".into(), proxy.endpoint());
+            c.publish(p)
+        });
+        wait_for(
+            "the stalled volume's daemon",
+            Duration::from_secs(10),
+            || processes_mentioning(&stalled.to_string_lossy()).len() == 1,
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        let mut c = Csi::connect(&driver);
+        let t0 = std::time::Instant::now();
+        c.publish(publish_request(&vol, &fine, &ctx, false))
+            .expect("NodePublishVolume of the other volume");
+        fs::write(fine.join("f.txt"), "fine").unwrap();
+        c.unpublish(&vol, &fine)
+            .expect("NodeUnpublishVolume of the other volume");
+        let took = t0.elapsed();
+        assert!(
+            !hung.is_finished(),
+            "the stalled publish ended already: {:?}",
+            hung.join()
+        );
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        // The stalled daemon gives up (killed here): its publish fails.
+        for pid in processes_mentioning(&stalled.to_string_lossy()) {
+            // SAFETY: plain syscall on the test's own daemon.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        hung.join()
+            .unwrap()
+            .expect_err("the stalled volume's publish");
+    });
+    assert!(!fuse_mounted(&stalled));
+    assert_eq!(s3().get(&bucket, "v/f.txt").as_deref(), Some(&b"fine"[..]));
+}
+
+/// NodeUnpublishVolume of a hung daemon (stopped) whose mount is busy (a process has its
+/// working directory in it): UNAVAILABLE until the unpublish timeout has passed since the
+/// first call, then the mount is detached and the daemon killed, and the call succeeds.
+#[test]
+fn csi_unpublish_of_a_hung_busy_mount_escalates_after_the_timeout() {
+    let bucket = s3().new_bucket("csi-hung");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::launch(dir.path(), "debug", &[], &["--unpublish-timeout=3"], None);
+    let target = dir.path().join("t");
+    let vol = format!("{bucket}/v");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume");
+    fs::write(target.join("f.txt"), "x").unwrap();
+    let daemon = daemon_of(&target);
+    let mut holder = Command::new("sleep")
+        .arg("60")
+        .current_dir(&target)
+        .spawn()
+        .unwrap();
+    // SAFETY: plain syscall on the test's own daemon.
+    unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
+    let t0 = std::time::Instant::now();
+    let e = c.unpublish(&vol, &target).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    std::thread::sleep(Duration::from_secs(3));
+    c.unpublish(&vol, &target)
+        .expect("NodeUnpublishVolume after the timeout");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(!fuse_mounted(&target));
+    assert!(!target.exists());
+    wait_for("the hung daemon to die", Duration::from_secs(5), || {
+        !alive(daemon)
+    });
+    let _ = holder.kill();
+    let _ = holder.wait();
     assert_eq!(state_files(dir.path()), Vec::<PathBuf>::new());
 }

@@ -1,9 +1,9 @@
 //! `bucketfs csi`: a Kubernetes CSI driver (identity, controller and node services) served over
 //! gRPC on a Unix socket.
 //!
-//! Node: each NodePublishVolume runs one `bucketfs mount -f` daemon in a session of its own
-//! (see [`mounts`]), so the mounts outlive the driver process; a small state directory lets a
-//! restarted driver find them again. Controller: a volume is a prefix of a bucket
+//! Node: each NodePublishVolume runs one `bucketfs mount -f` daemon (see [`mounts`]), outside
+//! the driver's container when it can ([`launch`]), so the mounts outlive the driver and its
+//! container; a small state directory lets a restarted driver find them again. Controller: a volume is a prefix of a bucket
 //! ([`controller`]). The volume attributes and secrets a volume may carry are in [`attrs`].
 
 // tonic's Status (176 bytes) is the error of every gRPC handler: helpers return it as is.
@@ -12,6 +12,7 @@
 pub mod attrs;
 mod controller;
 mod identity;
+mod launch;
 mod mounts;
 mod node;
 
@@ -21,6 +22,8 @@ mod node;
 pub mod proto {
     include!("proto/csi.v1.rs");
 }
+
+pub use launch::Mode as DaemonMode;
 
 /// The gRPC library the stubs are for (clients of [`connect`] need its types).
 pub use tonic;
@@ -41,8 +44,13 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// The bucketfs binary that mounts (the running one).
     pub bucketfs: PathBuf,
-    /// How long NodeUnpublishVolume waits for a daemon to finish its uploads and exit.
+    /// How long NodeUnpublishVolume waits for a daemon to finish its uploads and exit before
+    /// it detaches the mount and kills the daemon.
     pub unpublish_timeout: std::time::Duration,
+    /// Where the mount daemons run.
+    pub daemons: DaemonMode,
+    /// The process whose namespaces and cgroups are the host's (1: the host's init).
+    pub host_pid: u32,
 }
 
 /// The socket path of a `unix://` endpoint.
@@ -73,9 +81,10 @@ async fn serve(cfg: Config) -> Result<(), String> {
     let path = socket_path(&cfg.endpoint)?;
     let node = Arc::new(mounts::Mounts::open(&cfg)?);
     mounts::start_reaper();
-    node.recover(true).await;
+    // In the background: a volume whose store stalls must not keep the socket closed.
     let healer = node.clone();
     tokio::spawn(async move {
+        healer.recover(true).await;
         loop {
             tokio::time::sleep(mounts::HEAL_INTERVAL).await;
             healer.recover(false).await;
