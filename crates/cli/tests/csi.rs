@@ -1092,12 +1092,12 @@ fn csi_a_stalled_volume_does_not_hold_up_the_others() {
         c.unpublish(&vol, &fine)
             .expect("NodeUnpublishVolume of the other volume");
         let took = t0.elapsed();
+        assert!(took < Duration::from_secs(10), "took {took:?}");
         assert!(
             !hung.is_finished(),
             "the stalled publish ended already: {:?}",
             hung.join()
         );
-        assert!(took < Duration::from_secs(10), "took {took:?}");
         // The stalled daemon gives up (killed here): its publish fails.
         for pid in processes_mentioning(&stalled.to_string_lossy()) {
             // SAFETY: plain syscall on the test's own daemon.

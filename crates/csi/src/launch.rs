@@ -15,7 +15,7 @@
 //!   without `hostPID`: then the daemons die with the container, and the driver says so).
 //!
 //! In the first two, the daemon runs a copy of the binary in `STATE_DIR/bin/` (a host
-//! directory: the container's image may be gone when the daemon still runs), and the state
+//! directory: the container's image may be gone while the daemon runs), and the state
 //! directory and the targets must be at the same paths in the container and on the host.
 
 use std::ffi::{CString, OsString};
@@ -86,16 +86,22 @@ impl Launcher {
         if mode == Mode::Child {
             return Ok(child);
         }
-        if let Err(e) = reach_host(host, state) {
-            if mode != Mode::Auto {
-                return Err(e);
+        match Launcher::outside(mode, host, bucketfs, state) {
+            Ok(l) => Ok(l),
+            Err(e) if mode == Mode::Auto => {
+                warn!(
+                    "the mount daemons run in this container and die with it: {e} \
+                     (docs/kubernetes.md: hostPID and privileges)"
+                );
+                Ok(child)
             }
-            warn!(
-                "the mount daemons run in this container and die with it: {e} \
-                 (docs/kubernetes.md: hostPID and privileges)"
-            );
-            return Ok(child);
+            Err(e) => Err(e),
         }
+    }
+
+    /// A launcher that starts daemons outside the driver's container.
+    fn outside(mode: Mode, host: u32, bucketfs: &Path, state: &Path) -> Result<Launcher, String> {
+        reach_host(host, state)?;
         let systemd =
             fs::read_to_string(format!("/proc/{host}/comm")).is_ok_and(|c| c.trim() == "systemd");
         let kind = match mode {
@@ -108,8 +114,7 @@ impl Launcher {
             "mount daemons run {} from {}",
             match kind {
                 Kind::Systemd => "as transient systemd services of the host",
-                Kind::Host(_) => "in the host's cgroups and mount namespace",
-                Kind::Child => "as children",
+                _ => "in the host's cgroups and mount namespace",
             },
             bin.display()
         );
@@ -436,7 +441,7 @@ fn cgroup_procs_files(cgroups: &str, mountinfo: &str) -> Result<Vec<CString>, St
 }
 
 /// Puts a copy of `bin` in `dir` (a host directory), named by version and identity of the
-/// file so that daemons of an older driver keep theirs; returns its path.
+/// file; returns its path.
 fn install_binary(bin: &Path, dir: &Path) -> Result<PathBuf, String> {
     let err = |p: &Path, e: io::Error| format!("{}: {e}", p.display());
     fs::create_dir_all(dir).map_err(|e| err(dir, e))?;
@@ -453,6 +458,12 @@ fn install_binary(bin: &Path, dir: &Path) -> Result<PathBuf, String> {
         env!("CARGO_PKG_VERSION"),
         crate::mounts::id_of(&stamp)
     ));
+    // Older copies go: a daemon running one keeps its inode (remounts use the new one).
+    for e in fs::read_dir(dir).map_err(|e| err(dir, e))?.flatten() {
+        if e.path() != dest {
+            let _ = fs::remove_file(e.path());
+        }
+    }
     if fs::metadata(&dest).is_ok_and(|d| d.len() == md.len()) {
         return Ok(dest);
     }

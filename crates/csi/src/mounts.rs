@@ -299,6 +299,12 @@ impl Mounts {
         if r.is_err() {
             // No credentials file (nor record) outlives a publish that failed anywhere.
             self.forget(&target);
+        } else {
+            // An unpublish given up on before this publish starts its deadline afresh.
+            self.unpublishing
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&target);
         }
         r
     }
