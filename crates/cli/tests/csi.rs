@@ -1152,3 +1152,76 @@ fn csi_unpublish_of_a_hung_busy_mount_escalates_after_the_timeout() {
     let _ = holder.wait();
     assert_eq!(state_files(dir.path()), Vec::<PathBuf>::new());
 }
+
+/// `--daemons systemd` against a stand-in `systemd-run` (the test machines have no systemd as
+/// PID 1) that starts the command after `--` detached, its output appended where the
+/// `StandardError=append:` property says: the driver names the unit after the target, asks
+/// for its removal once it exits, finds the daemon's pid in /proc (systemd started it), and a
+/// restarted driver adopts it and unpublishes it.
+#[test]
+fn csi_systemd_mode_starts_each_daemon_as_a_transient_unit() {
+    let bucket = s3().new_bucket("csi-systemd");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let fake = dir.path().join("fake-bin");
+    fs::create_dir(&fake).unwrap();
+    let script = r#"#!/bin/sh
+echo "$0 $*" >> "$(dirname "$0")/calls"
+[ "$(basename "$0")" = systemctl ] && exit 0
+for a; do
+  case "$a" in --property=StandardError=append:*) log="${a#--property=StandardError=append:}";; esac
+done
+while [ "$1" != "--" ]; do shift; done
+shift
+setsid "$@" >>"$log" 2>&1 </dev/null &
+"#;
+    for name in ["systemd-run", "systemctl"] {
+        fs::write(fake.join(name), script).unwrap();
+        fs::set_permissions(fake.join(name), fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let path = format!(
+        "{}:{}",
+        fake.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let path_env = [("PATH", path.as_str())];
+    let mut driver = Driver::launch(dir.path(), "debug", &path_env, &["--daemons=systemd"], None);
+    let target = dir.path().join("pods/p/v");
+    let vol = format!("{bucket}/v");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume");
+    fs::write(target.join("f.txt"), "via systemd").unwrap();
+    assert_eq!(
+        s3().get(&bucket, "v/f.txt").as_deref(),
+        Some(&b"via systemd"[..])
+    );
+    let calls = fs::read_to_string(fake.join("calls")).unwrap();
+    let run = calls
+        .lines()
+        .find(|l| l.contains("systemd-run"))
+        .expect("systemd-run called");
+    for want in ["--unit=bucketfs-csi-", ".service", "--collect", " -- "] {
+        assert!(run.contains(want), "{want} not in {run}");
+    }
+    assert!(
+        run.contains(&format!(" mount -f s3://{bucket}/v {}", target.display())),
+        "{run}"
+    );
+    assert!(!run.contains(&env().secret_key));
+    let daemon = daemon_of(&target);
+    drop(c);
+
+    driver.kill9();
+    let driver = Driver::launch(dir.path(), "debug", &path_env, &["--daemons=systemd"], None);
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume after the restart");
+    assert_eq!(daemon_of(&target), daemon, "adopted, not started again");
+    c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
+    assert!(!fuse_mounted(&target) && !target.exists());
+    wait_for("the daemon to exit", Duration::from_secs(10), || {
+        !alive(daemon)
+    });
+}
