@@ -1225,3 +1225,76 @@ setsid "$@" >>"$log" 2>&1 </dev/null &
         !alive(daemon)
     });
 }
+
+/// A child process killed on drop.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A pod's container uses a bind mount of the target made in its own mount namespace. When
+/// the daemon dies, the driver mounts the target again and replaces the pod's bind of the
+/// dead mount by the new one: the pod reads old and new files again (before: `ENOTCONN` until
+/// the container restarted).
+#[test]
+fn csi_a_pods_bind_of_a_dead_daemons_mount_gets_the_new_mount() {
+    let bucket = s3().new_bucket("csi-podbind");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let target = dir.path().join("pods/p/v");
+    let vol = format!("{bucket}/v");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume");
+    fs::write(target.join("old.txt"), "old").unwrap();
+    let view = dir.path().join("pod-view");
+    fs::create_dir(&view).unwrap();
+    let pod = KillOnDrop(
+        Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg("mount --bind \"$1\" \"$2\" && exec sleep 120")
+            .arg("sh")
+            .arg(&target)
+            .arg(&view)
+            .spawn()
+            .unwrap(),
+    );
+    let pid = pod.0.id().to_string();
+    let in_pod = |name: &str| {
+        let out = Command::new("nsenter")
+            .args(["-t", &pid, "-m", "cat"])
+            .arg(view.join(name))
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    wait_for("the pod's bind mount", Duration::from_secs(10), || {
+        in_pod("old.txt") == (true, "old".into())
+    });
+
+    let daemon = daemon_of(&target);
+    // SAFETY: plain syscall on the test's own daemon.
+    unsafe { libc::kill(daemon as i32, libc::SIGKILL) };
+    wait_for("a new daemon", Duration::from_secs(20), || {
+        fuse_mounted(&target) && fs::read_dir(&target).is_ok()
+    });
+    fs::write(target.join("new.txt"), "new").unwrap();
+    wait_for(
+        "the pod to see the new mount",
+        Duration::from_secs(10),
+        || in_pod("new.txt") == (true, "new".into()),
+    );
+    assert_eq!(in_pod("old.txt"), (true, "old".into()));
+    drop(pod);
+    c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
+    assert!(!fuse_mounted(&target));
+}

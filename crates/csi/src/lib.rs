@@ -15,6 +15,7 @@ mod identity;
 mod launch;
 mod mounts;
 mod node;
+mod repair;
 
 /// The CSI v1 messages and the tonic client and server stubs, generated from proto/csi.proto
 /// by proto-gen (committed, so that building bucketfs needs no protoc).

@@ -4,7 +4,8 @@
 //! Daemons run where [`crate::launch`] puts them: outside the driver's container when it can
 //! (systemd services or PID 1's cgroups and mount namespace), so that they outlive the driver
 //! and its container. A restarted driver reads the records, adopts the mounts that are live
-//! (in /proc/self/mountinfo, daemon alive) and mounts again those whose daemon died.
+//! (in /proc/self/mountinfo, daemon alive) and mounts again those whose daemon died (and
+//! [`crate::repair`] gives pods' binds of the dead mount the new one).
 //!
 //! Layout of the state directory (0700):
 //!   mounts/ID.toml   the record (volume, target, source, arguments, daemon pid), no secrets
@@ -262,6 +263,8 @@ impl Mounts {
         let _g = lock.lock().await;
         let target = want.target.clone();
         let fstype = mounted_fstype(&target);
+        // The file system of a dead daemon this publish replaces.
+        let mut dead = None;
         if let Some(have) = self.load(&target) {
             if !have.same_mount(&want) {
                 return Err(MountError::AlreadyExists(format!(
@@ -280,6 +283,7 @@ impl Mounts {
             }
             // Same volume, daemon gone: clear the dead mount and mount again.
             if fstype.is_some() {
+                dead = crate::repair::device_at(&target);
                 detach(&target);
             }
         } else if let Some(t) = fstype {
@@ -300,6 +304,9 @@ impl Mounts {
             // No credentials file (nor record) outlives a publish that failed anywhere.
             self.forget(&target);
         } else {
+            if let Some(d) = dead {
+                crate::repair::replace_dead_binds(&d, &target);
+            }
             // An unpublish given up on before this publish starts its deadline afresh.
             self.unpublishing
                 .lock()
@@ -560,11 +567,20 @@ impl Mounts {
                 r.source,
                 r.target.display()
             );
+            let dead = fstype
+                .as_ref()
+                .and_then(|_| crate::repair::device_at(&r.target));
             if fstype.is_some() {
                 detach(&r.target);
             }
-            if let Err(e) = self.start(r.clone()).await {
-                warn!("{e}");
+            match self.start(r.clone()).await {
+                Ok(()) => {
+                    if let Some(d) = dead {
+                        // Pods' binds of the dead mount get the new one.
+                        crate::repair::replace_dead_binds(&d, &r.target);
+                    }
+                }
+                Err(e) => warn!("{e}"),
             }
         }
     }

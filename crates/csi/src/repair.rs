@@ -1,0 +1,129 @@
+//! Pods' bind mounts of a dead daemon's mount, replaced by the new mount.
+//!
+//! A pod's container does not use the target itself but a bind mount of it, made in the
+//! container's mount namespace when the container started. When the daemon dies and the
+//! driver mounts the target again, that bind still shows the dead mount (`ENOTCONN`). So,
+//! after a remount, the driver looks in every mount namespace of the node (it sees the
+//! host's processes with `hostPID`) for mounts of the dead file system, and in each replaces
+//! it by a copy of the new mount (`open_tree` of the target, then, in that namespace, a
+//! detach of the dead one and `move_mount` of the copy). Files the pod had open on the dead
+//! mount stay dead; new opens work.
+
+use std::collections::HashSet;
+use std::ffi::CString;
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use tracing::{info, warn};
+
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+
+/// The device (`MAJ:MIN`) of the file system mounted at `target`, from our mountinfo.
+pub fn device_at(target: &Path) -> Option<String> {
+    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let want = target.to_string_lossy();
+    text.lines().rev().find_map(|line| {
+        let f: Vec<&str> = line.split(' ').collect();
+        (crate::mounts::unescape(f.get(4)?) == want).then(|| f.get(2).map(|s| s.to_string()))?
+    })
+}
+
+/// Replaces, in every other mount namespace, each mount of the dead file system `dead` (a
+/// `MAJ:MIN`) by a copy of what is mounted at `target` now (the same subdirectory of it, for
+/// a bind of a subdirectory). Returns how many it replaced.
+pub fn replace_dead_binds(dead: &str, target: &Path) -> usize {
+    let own = fs::read_link("/proc/self/ns/mnt").ok();
+    let mut seen = HashSet::new();
+    let mut replaced = 0;
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return 0;
+    };
+    for e in procs.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(ns) = fs::read_link(format!("/proc/{pid}/ns/mnt")) else {
+            continue;
+        };
+        if Some(&ns) == own.as_ref() || !seen.insert(ns) {
+            continue;
+        }
+        let Ok(text) = fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
+            continue;
+        };
+        for line in text.lines() {
+            let f: Vec<&str> = line.split(' ').collect();
+            if f.len() < 5 || f[2] != dead {
+                continue;
+            }
+            let (root, point) = (crate::mounts::unescape(f[3]), crate::mounts::unescape(f[4]));
+            let source = target.join(root.trim_start_matches('/'));
+            match replace_in(pid, &source, &point) {
+                Ok(()) => {
+                    replaced += 1;
+                    info!(
+                        "replaced the dead mount at {point} (process {pid}'s namespace) by {}",
+                        source.display()
+                    );
+                }
+                Err(e) => warn!("replacing the dead mount at {point} of process {pid}: {e}"),
+            }
+        }
+    }
+    replaced
+}
+
+/// In `pid`'s mount namespace: detach what is at `point`, attach a copy of `source` there.
+fn replace_in(pid: u32, source: &Path, point: &str) -> io::Result<()> {
+    let src = CString::new(source.as_os_str().as_bytes())?;
+    let dst = CString::new(point)?;
+    // SAFETY: plain syscall; the returned descriptor is owned below.
+    let tree = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            src.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    if tree < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor open_tree just returned.
+    let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
+    let ns = File::open(format!("/proc/{pid}/ns/mnt"))?;
+    let mut cmd = Command::new("/bin/true");
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: setns, umount2, syscall and _exit only, on data made before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) != 0 {
+                libc::_exit(10);
+            }
+            // The dead mount: a detach does not ask its (gone) daemon anything.
+            libc::umount2(dst.as_ptr(), libc::MNT_DETACH);
+            let r = libc::syscall(
+                libc::SYS_move_mount,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                dst.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH,
+            );
+            libc::_exit(if r == 0 { 0 } else { 11 })
+        });
+    }
+    let status = cmd.status()?;
+    match status.code() {
+        Some(0) => Ok(()),
+        Some(10) => Err(io::Error::other("cannot enter its mount namespace")),
+        _ => Err(io::Error::other(format!("move_mount failed ({status})"))),
+    }
+}
