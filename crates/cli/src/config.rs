@@ -17,7 +17,7 @@ use bucketfs_fs::{DataCacheConfig, FsConfig, WriteBackConfig};
 
 /// Background uploads at once (`--upload background`): small files are latency-bound, so
 /// many go up together.
-const BACKGROUND_UPLOADS: usize = 32;
+pub(crate) const BACKGROUND_UPLOADS: usize = 32;
 use bucketfs_store::list_meta::ListMetadata;
 use std::fmt;
 use std::os::unix::fs::PermissionsExt;
@@ -607,6 +607,8 @@ impl Settings {
                 concurrency: BACKGROUND_UPLOADS,
                 fsync_waits_upload: self.fsync_waits_upload,
                 delay: self.upload_delay,
+                // A close waiting for room fails (ENOSPC) after a minute without an upload.
+                space_wait: std::time::Duration::from_secs(60),
             }),
             ..FsConfig::default()
         };

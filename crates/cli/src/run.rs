@@ -12,7 +12,7 @@ use crate::config::{parse_source, Settings, Source};
 use crate::daemon::{self, Readiness};
 use crate::logging::{self, LogTarget};
 use crate::metrics_http::{serve_http, serve_socket, stats_socket, Counters};
-use bucketfs_fs::{normalize_prefix, unlinked_key_prefix, Fs};
+use bucketfs_fs::{normalize_prefix, unlinked_key_prefix, Fs, WriteBack, WriteBackConfig};
 use bucketfs_fuse::{absolute, MountHandle, MountOptions};
 use bucketfs_store::crash::{Bucket, JournalDirs, Left, MountJournal, ShutdownAbort};
 use bucketfs_store::local::LocalStore;
@@ -324,6 +324,16 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
             .join(WRITEBACK_SUBDIR)
             .join(writeback_tag(&plan.target, s, &prefix));
     }
+    if fs_config.writeback.is_none() {
+        // Files a mount with --upload background acknowledged and left here are uploaded
+        // before this one serves, or it refuses: they are never ignored.
+        let dir = state_dir(s)
+            .join(WRITEBACK_SUBDIR)
+            .join(writeback_tag(&plan.target, s, &prefix));
+        if let Err(msg) = upload_left_behind(&rt, &store, &fs_config, dir) {
+            return report_failure(readiness, msg);
+        }
+    }
     let (fs, recovered) = match rt.block_on(async { Fs::with_writeback(store.clone(), fs_config) })
     {
         Ok(x) => x,
@@ -515,6 +525,50 @@ async fn unmount(handle: MountHandle) -> i32 {
             1
         }
     }
+}
+
+/// A mount without `--upload background` over a write-back directory `dir` that a
+/// background mount of the same bucket left entries in: uploads them, or says why not.
+fn upload_left_behind(
+    rt: &tokio::runtime::Runtime,
+    store: &Arc<dyn ObjectStore>,
+    fs_config: &bucketfs_fs::FsConfig,
+    dir: PathBuf,
+) -> Result<(), String> {
+    if !WriteBack::holds_entries(&dir) {
+        return Ok(());
+    }
+    warn!(
+        "{}: files a mount with --upload background acknowledged are waiting there: \
+         uploading them before serving",
+        dir.display()
+    );
+    let cfg = WriteBackConfig {
+        dir: dir.clone(),
+        max_bytes: u64::MAX,
+        concurrency: crate::config::BACKGROUND_UPLOADS,
+        fsync_waits_upload: false,
+        delay: Duration::ZERO,
+        space_wait: Duration::from_secs(60),
+    };
+    let part_size = fs_config.part_size.max(store.limits().min_part);
+    let (found, left) = rt.block_on(WriteBack::upload_left_behind(
+        cfg,
+        store.clone(),
+        part_size,
+        Duration::from_secs(2),
+        |n, b| info!("recovery: {n} file(s), {:.1} MB to upload", b as f64 / 1e6),
+    ))?;
+    if left > 0 {
+        return Err(format!(
+            "{left} of {found} file(s) a mount with --upload background acknowledged could \
+             not be uploaded from {}; mount with --upload background to keep retrying them \
+             (bucketfs pending lists them)",
+            dir.display()
+        ));
+    }
+    info!("recovery: all {found} file(s) uploaded");
+    Ok(())
 }
 
 /// Subdirectories of the state directory.

@@ -717,20 +717,42 @@ impl Fs {
     /// A background upload of file `u.ino` landed: the inode learns the object's ETag and,
     /// when nothing of it is left to store and nobody has it open for writing, its write
     /// state goes (it was kept for reads and as the file's content until now).
+    ///
+    /// The entry stays pending (landed) until this is done, under the state's lock: a
+    /// release in between keeps the state for this to retire, so the inode never keeps the
+    /// ETag of an older version.
     async fn uploaded(&self, u: crate::files::writeback::Uploaded) {
         let Some(w) = self.files.write_of(u.ino) else {
-            // Its state went already (its last close came after the upload): the inode
-            // learns the object.
-            let mut t = self.ns.table();
-            if let Some(i) = t.get_mut(u.ino) {
-                if !i.writing && self.ns.key(&i.path).as_str() == u.key && i.etag.is_none() {
-                    i.etag = Some(u.etag);
-                    i.fetched = Some(std::time::Instant::now());
+            // Its state went already (unlinked, renamed over): the inode learns the object
+            // if it still names it.
+            {
+                let mut t = self.ns.table();
+                if let Some(i) = t.get_mut(u.ino) {
+                    if !i.writing && self.ns.key(&i.path).as_str() == u.key {
+                        i.etag = Some(u.etag.clone());
+                        i.fetched = Some(std::time::Instant::now());
+                    }
                 }
+            }
+            if let Some(wb) = self.files.writeback() {
+                wb.settled(u.seq);
             }
             return;
         };
         let mut st = w.state.lock().await;
+        self.learn_upload(&u, &w, &mut st);
+        if let Some(wb) = self.files.writeback() {
+            wb.settled(u.seq);
+        }
+    }
+
+    /// [`Self::uploaded`] with the file's write state `st` (of `w`) locked.
+    fn learn_upload(
+        &self,
+        u: &crate::files::writeback::Uploaded,
+        w: &Arc<OpenWrite>,
+        st: &mut WriteState,
+    ) {
         if st.committed != Some(u.seq) || st.key.as_str() != u.key || st.is_unlinked() {
             return;
         }
@@ -745,10 +767,10 @@ impl Fs {
         };
         if !clean {
             // In the bucket now, as committed; what changed since comes with the next commit.
-            i.etag = Some(u.etag);
+            i.etag = Some(u.etag.clone());
             i.fetched = Some(std::time::Instant::now());
         }
-        if clean && self.files.is_sole(u.ino, &w) {
+        if clean && self.files.is_sole(u.ino, w) {
             self.files.forget_write(u.ino);
             i.writing = false;
             st.retire();

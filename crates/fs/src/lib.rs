@@ -23,7 +23,7 @@ pub use budget::default_budget;
 pub use config::{DataCacheConfig, FsConfig, WriteBackConfig};
 pub use error::{FsError, FsResult};
 pub use files::cache::prepare_dir as prepare_data_cache_dir;
-pub use files::writeback::PendingFile;
+pub use files::writeback::{PendingFile, WriteBack};
 pub use fs::{Caller, DirEntry, Fs, Now, OpenReply, SetAttr, StaleCache, StatFs};
 pub use meta::{Attr, FileKind, Ino, ROOT_INO};
 pub use metrics::FsMetrics;

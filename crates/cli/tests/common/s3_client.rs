@@ -117,6 +117,12 @@ impl S3 {
     }
 
     /// The object's bytes, or `None` when the key does not exist.
+    /// DeleteObject, as another client would.
+    pub fn delete(&self, bucket: &str, key: &str) {
+        self.block_on(self.client.delete_object().bucket(bucket).key(key).send())
+            .unwrap_or_else(|e| panic!("DeleteObject {bucket}/{key}: {e:?}"));
+    }
+
     pub fn get(&self, bucket: &str, key: &str) -> Option<Vec<u8>> {
         let res = self.block_on(async {
             let out = self

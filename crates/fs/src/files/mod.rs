@@ -129,6 +129,7 @@ impl OpenFiles {
                     store.clone(),
                     uploads.clone(),
                     part_size,
+                    Some(budget.clone()),
                     metrics.clone(),
                 )?;
                 (Some(wb), n)

@@ -21,7 +21,9 @@
 //! uploads (the new commit waits for it), so the order of versions in the bucket is the
 //! order of their closes.
 
+use crate::budget::MemoryBudget;
 use crate::error::{FsError, FsResult};
+use crate::files::write::PartLayout;
 use crate::meta::Ino;
 use crate::metrics::{inc, FsMetrics};
 use bucketfs_store::{CompletedPart, ObjectStore, StoreError, Uploads, UserMeta, IF_ABSENT};
@@ -92,6 +94,10 @@ pub struct WriteBackConfig {
     /// How long a committed version waits before its upload starts: a file renamed,
     /// removed or written again meanwhile costs no upload of this version.
     pub delay: Duration,
+    /// A commit waiting for room gets `ENOSPC` once no upload has landed (freeing room) for
+    /// this long; at once when entries that never go up by themselves (conflicts,
+    /// unreadable entries) leave no room.
+    pub space_wait: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +108,22 @@ enum Status {
     Uploading,
     /// The last try failed; tried again at `next_try` (never for a conflict).
     Failed,
+    /// Uploaded, its file dropped; the file system has not learnt the object yet (its
+    /// callback runs): still pending for `is_pending`, so the state that shows the file
+    /// is kept until it knows the new ETag.
+    Landed,
+}
+
+/// What [`WriteBack::hold`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Holding {
+    /// The entry is held (no upload until released or discarded); its upload was to
+    /// replace what `cond` says, and it had been refused as a conflict.
+    Held { cond: Cond, conflict: bool },
+    /// It was uploaded: the object has this ETag (when still remembered).
+    Uploaded(Option<String>),
+    /// No such entry.
+    Gone,
 }
 
 /// A segment file: records of committed files, one after another.
@@ -168,6 +190,15 @@ struct Entry {
     not_before: Instant,
 }
 
+/// Why an upload did not land.
+enum UploadErr {
+    /// Refused: the error, and whether it is a conflict.
+    Refused(String, bool),
+    /// The object it was to replace is gone.
+    Gone,
+}
+use UploadErr::{Gone, Refused};
+
 /// An upload a worker took.
 struct Job {
     seq: u64,
@@ -216,13 +247,37 @@ struct Inner {
     /// Uploads running.
     running: usize,
     segs: Segs,
+    /// The entry that replaced each entry (a later commit, a rename), for fsync's wait.
+    successor: HashMap<u64, u64>,
+    successor_order: VecDeque<u64>,
+    /// Files recovery could not read (path, error): kept, never removed, listed.
+    unreadable: Vec<(PathBuf, String)>,
+    /// When room was last freed (an upload landed, an entry removed).
+    freed_at: Option<Instant>,
+    /// When a full directory was last logged.
+    full_logged: Option<Instant>,
+}
+
+impl Inner {
+    /// Bytes that no upload will free by itself: conflicts.
+    fn stuck_bytes(&self) -> u64 {
+        self.entries
+            .values()
+            .filter(|e| e.conflict && e.status == Status::Failed)
+            .map(|e| e.size)
+            .sum()
+    }
 }
 
 pub struct WriteBack {
     cfg: WriteBackConfig,
     store: Arc<dyn ObjectStore>,
     uploads: Arc<Uploads>,
-    part_size: u64,
+    /// Parts of a multipart upload: 10,000 of them reach the largest object.
+    layout: PartLayout,
+    /// Part buffers come from here (uploads wait for memory like writers do); None in tests
+    /// and for what a background mount left to a sync one.
+    budget: Option<Arc<MemoryBudget>>,
     metrics: Arc<FsMetrics>,
     inner: Mutex<Inner>,
     /// Work for the workers.
@@ -278,17 +333,6 @@ fn wb_io(e: std::io::Error) -> FsError {
     FsError::from(e)
 }
 
-/// What [`WriteBack::cancel`] found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Cancelled {
-    /// The entry was removed before it went up; it was to replace what `Cond` says.
-    Removed(Cond),
-    /// It had been uploaded already (the object is in the bucket).
-    Uploaded,
-    /// No such entry.
-    Unknown,
-}
-
 impl WriteBack {
     /// Opens (creating, mode 0700) the directory, takes its lock, and queues every entry a
     /// previous daemon acknowledged; removes those it never did. Returns how many it queued.
@@ -297,16 +341,45 @@ impl WriteBack {
         store: Arc<dyn ObjectStore>,
         uploads: Arc<Uploads>,
         part_size: u64,
+        budget: Option<Arc<MemoryBudget>>,
         metrics: Arc<FsMetrics>,
+    ) -> Result<(Arc<Self>, usize), String> {
+        Self::open_for(cfg, store, uploads, (part_size, budget), metrics, true)
+    }
+
+    /// [`Self::open`]; `commits`: segments are prepared for new commits.
+    fn open_for(
+        cfg: WriteBackConfig,
+        store: Arc<dyn ObjectStore>,
+        uploads: Arc<Uploads>,
+        (part_size, budget): (u64, Option<Arc<MemoryBudget>>),
+        metrics: Arc<FsMetrics>,
+        commits: bool,
     ) -> Result<(Arc<Self>, usize), String> {
         use std::os::unix::fs::DirBuilderExt;
         let dir = &cfg.dir;
         let err = |e: std::io::Error| format!("write-back directory {}: {e}", dir.display());
+        // The directories made here are fsync'd into their parents: a commit's fsyncs cover
+        // the entry and the directory, not a directory that a power loss could still undo.
+        let mut made = Vec::new();
+        let mut p = dir.as_path();
+        while !p.exists() {
+            made.push(p.to_path_buf());
+            match p.parent() {
+                Some(q) => p = q,
+                None => break,
+            }
+        }
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
             .map_err(err)?;
+        for d in made.iter().rev() {
+            if let Some(parent) = d.parent() {
+                File::open(parent).and_then(|f| f.sync_all()).map_err(err)?;
+            }
+        }
         {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(err)?;
@@ -331,7 +404,18 @@ impl WriteBack {
         }
         let dir_file = File::open(dir).map_err(err)?;
         let mut inner = Inner::default();
-        let (found, segments) = recover(dir).map_err(err)?;
+        let Recovered {
+            entries: found,
+            segments,
+            unreadable,
+            damaged,
+        } = recover(dir).map_err(err)?;
+        // A segment with a part that could not be read is never removed.
+        for id in damaged {
+            *inner.segs.live.entry(id).or_default() += 1;
+            inner.segs.next_id = inner.segs.next_id.max(id + 1);
+        }
+        inner.unreadable = unreadable;
         let replaced: std::collections::HashSet<u64> =
             found.values().filter_map(|(t, _)| t.replaces).collect();
         let mut max_seq = 0;
@@ -392,7 +476,8 @@ impl WriteBack {
             cfg,
             store,
             uploads,
-            part_size,
+            layout: PartLayout { part_size },
+            budget,
             metrics,
             inner: Mutex::new(inner),
             work: Arc::new(Notify::new()),
@@ -411,8 +496,44 @@ impl WriteBack {
         }
         let w = Arc::downgrade(&wb);
         tokio::spawn(retry_loop(w));
-        wb.make_spare();
+        if commits {
+            wb.make_spare();
+        }
         Ok((wb, n))
+    }
+
+    /// A mount without `--upload background`: uploads the files a background mount of the
+    /// same bucket left in `cfg.dir` (it exists and holds entries), before the mount serves,
+    /// calling `progress` every `every`. Returns how many there were and how many are left
+    /// (failed, unreadable), or why the directory could not be used.
+    pub async fn upload_left_behind(
+        cfg: WriteBackConfig,
+        store: Arc<dyn ObjectStore>,
+        part_size: u64,
+        every: Duration,
+        progress: impl FnMut(usize, u64),
+    ) -> Result<(usize, usize), String> {
+        let uploads = Uploads::new(store.clone());
+        let (wb, _) = Self::open_for(
+            cfg,
+            store,
+            uploads,
+            (part_size, None),
+            Arc::default(),
+            false,
+        )?;
+        let (found, _, _) = wb.counts();
+        if found > 0 {
+            wb.drain(every, progress).await;
+        }
+        let (left, _, _) = wb.counts();
+        Ok((found, left))
+    }
+
+    /// Whether `dir` holds anything a background mount left (entries, segments).
+    pub fn holds_entries(dir: &Path) -> bool {
+        std::fs::read_dir(dir)
+            .is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| e.file_name() != "lock")))
     }
 
     pub fn config(&self) -> &WriteBackConfig {
@@ -435,18 +556,61 @@ impl WriteBack {
         prev: Option<u64>,
         origin: Cond,
     ) -> FsResult<Slot> {
-        // Room first (held by the slot from then on).
+        // Room first (held by the slot from then on). The wait is bounded: see
+        // `WriteBackConfig::space_wait`.
+        let started = Instant::now();
+        let mut counted = false;
         loop {
             let changed = self.changed.notified();
-            {
+            let left = {
                 let mut inner = self.inner.lock();
                 if inner.bytes == 0 || inner.bytes + size <= self.cfg.max_bytes {
                     inner.bytes += size;
                     break;
                 }
+                let stuck = inner.stuck_bytes();
+                let since = inner.freed_at.map_or(started, |t| t.max(started));
+                let left = (since + self.cfg.space_wait).checked_duration_since(Instant::now());
+                let left = left.filter(|_| stuck + size <= self.cfg.max_bytes);
+                if left.is_none() {
+                    let now = Instant::now();
+                    if inner
+                        .full_logged
+                        .is_none_or(|t| now.duration_since(t) > Duration::from_secs(10))
+                    {
+                        inner.full_logged = Some(now);
+                        let conflicts = inner
+                            .entries
+                            .values()
+                            .filter(|e| e.conflict && e.status == Status::Failed)
+                            .count();
+                        let failed = inner
+                            .entries
+                            .values()
+                            .filter(|e| e.status == Status::Failed)
+                            .count();
+                        tracing::error!(
+                            "write-back directory full ({} file(s), {:.1} MB, {failed} failed \
+                             of which {conflicts} conflict(s), bound {:.1} MB) and no upload \
+                             freed room for {:.0} s: closes fail with ENOSPC until uploads \
+                             land or conflicts are resolved (see `bucketfs pending`)",
+                            inner.entries.len(),
+                            inner.bytes as f64 / 1e6,
+                            self.cfg.max_bytes as f64 / 1e6,
+                            self.cfg.space_wait.as_secs_f64()
+                        );
+                    }
+                }
+                left
+            };
+            let Some(left) = left else {
+                return Err(FsError(libc::ENOSPC));
+            };
+            if !counted {
+                counted = true;
+                inc(&self.metrics.writeback_space_waits);
             }
-            inc(&self.metrics.writeback_space_waits);
-            changed.await;
+            let _ = tokio::time::timeout(left, changed).await;
         }
         loop {
             let changed = self.changed.notified();
@@ -456,7 +620,7 @@ impl WriteBack {
                     Some(s) => {
                         let e = inner.entries.get_mut(&s).expect("entry of key");
                         match e.status {
-                            Status::Uploading | Status::Held => None,
+                            Status::Uploading | Status::Held | Status::Landed => None,
                             Status::Queued | Status::Failed => {
                                 e.status = Status::Held;
                                 // After a conflict the user wrote the file again: this
@@ -737,6 +901,15 @@ impl WriteBack {
             if let Some(o) = &old {
                 inner.bytes -= o.size;
             }
+            if let Some(r) = slot.replaces {
+                inner.successor.insert(r, slot.seq);
+                inner.successor_order.push_back(r);
+                while inner.successor_order.len() > RESULTS_KEPT {
+                    if let Some(s) = inner.successor_order.pop_front() {
+                        inner.successor.remove(&s);
+                    }
+                }
+            }
             inner.by_key.insert(slot.key.clone(), slot.seq);
             inner.entries.insert(
                 slot.seq,
@@ -794,56 +967,43 @@ impl WriteBack {
         }
     }
 
-    /// Removes entry `seq` before it goes up (its file was unlinked, or renamed over), once
-    /// an upload of it in flight is over.
-    pub async fn cancel(&self, seq: u64) -> FsResult<Cancelled> {
-        loop {
-            let changed = self.changed.notified();
-            let found = {
-                let mut inner = self.inner.lock();
-                match inner.entries.get(&seq).map(|e| e.status) {
-                    Some(Status::Uploading | Status::Held) => None,
-                    Some(_) => {
-                        let e = inner.entries.remove(&seq).expect("present");
-                        inner.bytes -= e.size;
-                        if inner.by_key.get(&e.key) == Some(&seq) {
-                            inner.by_key.remove(&e.key);
-                        }
-                        Some(Some(e))
-                    }
-                    None => Some(None),
-                }
-            };
-            match found {
-                None => changed.await,
-                Some(None) => {
-                    let known = self.inner.lock().results.contains_key(&seq);
-                    return Ok(if known {
-                        Cancelled::Uploaded
-                    } else {
-                        Cancelled::Unknown
-                    });
-                }
-                Some(Some(e)) => {
-                    // Durable before the unlink returns: the file must not come back.
-                    self.drop_loc(&e.loc).await?;
-                    inc(&self.metrics.writeback_cancelled);
-                    self.update_gauges();
-                    self.changed.notify_waiters();
-                    return Ok(Cancelled::Removed(e.cond));
-                }
+    /// Removes held entry `seq` for good (durably, before this returns: the file must not
+    /// come back): its file was unlinked or renamed over, and the bucket says so now.
+    pub async fn discard(&self, seq: u64) -> FsResult<()> {
+        let e = {
+            let mut inner = self.inner.lock();
+            if inner.entries.get(&seq).map(|e| e.status) != Some(Status::Held) {
+                return Ok(());
             }
-        }
+            let e = inner.entries.remove(&seq).expect("present");
+            inner.bytes -= e.size;
+            inner.freed_at = Some(Instant::now());
+            if inner.by_key.get(&e.key) == Some(&seq) {
+                inner.by_key.remove(&e.key);
+            }
+            e
+        };
+        let r = self.drop_loc(&e.loc).await;
+        inc(&self.metrics.writeback_cancelled);
+        self.update_gauges();
+        self.changed.notify_waiters();
+        r
     }
 
-    /// Waits for entry `seq` to be uploaded; its error if its upload failed since.
+    /// Waits for entry `seq`, or the entry that replaced it (a later commit of the same
+    /// file, a rename), to be uploaded; its error if its upload failed since.
     pub async fn wait_uploaded(&self, seq: u64) -> FsResult<()> {
         loop {
             let changed = self.changed.notified();
             {
                 let inner = self.inner.lock();
-                match inner.entries.get(&seq) {
+                let mut s = seq;
+                while let Some(n) = inner.successor.get(&s) {
+                    s = *n;
+                }
+                match inner.entries.get(&s) {
                     None => return Ok(()),
+                    Some(e) if e.status == Status::Landed => return Ok(()),
                     Some(e) if e.status == Status::Failed => {
                         return Err(if e.conflict {
                             FsError::ESTALE
@@ -863,24 +1023,50 @@ impl WriteBack {
         self.inner.lock().entries.contains_key(&seq)
     }
 
-    /// Keeps entry `seq` from being uploaded (a rename is moving it), once an upload of it
-    /// in flight is over. False: it is not pending any more.
-    pub async fn hold(&self, seq: u64) -> bool {
+    /// Keeps entry `seq` from being uploaded (a rename is moving it, an unlink removing
+    /// it), once an upload of it in flight is over. Only a holder of the file's write state
+    /// holds its entry, so the wait is an upload's.
+    pub async fn hold(&self, seq: u64) -> Holding {
         loop {
             let changed = self.changed.notified();
             {
                 let mut inner = self.inner.lock();
                 match inner.entries.get_mut(&seq) {
-                    None => return false,
+                    None => {
+                        return match inner.results.get(&seq) {
+                            Some(etag) => Holding::Uploaded(Some(etag.clone())),
+                            None => Holding::Gone,
+                        }
+                    }
+                    Some(e) if e.status == Status::Landed => {
+                        return Holding::Uploaded(inner.results.get(&seq).cloned())
+                    }
                     Some(e) if matches!(e.status, Status::Queued | Status::Failed) => {
                         e.status = Status::Held;
-                        return true;
+                        return Holding::Held {
+                            cond: e.cond.clone(),
+                            conflict: e.conflict,
+                        };
                     }
                     Some(_) => {}
                 }
             }
             changed.await;
         }
+    }
+
+    /// The file system learnt that entry `seq` landed (see [`Status::Landed`]).
+    pub fn settled(&self, seq: u64) {
+        let mut inner = self.inner.lock();
+        if inner
+            .entries
+            .get(&seq)
+            .is_some_and(|e| e.status == Status::Landed)
+        {
+            inner.entries.remove(&seq);
+        }
+        drop(inner);
+        self.changed.notify_waiters();
     }
 
     /// Lets a held entry go up again (the rename failed).
@@ -974,9 +1160,10 @@ impl WriteBack {
                 let active = inner
                     .entries
                     .values()
-                    .filter(|e| e.status != Status::Failed)
+                    .filter(|e| !matches!(e.status, Status::Failed | Status::Landed))
                     .count();
-                (active, inner.entries.len(), inner.bytes)
+                let files = inner.entries.len() + inner.unreadable.len();
+                (active, files, inner.bytes)
             };
             if active == 0 {
                 return;
@@ -1006,23 +1193,38 @@ impl WriteBack {
         self.work.notify_waiters();
     }
 
-    /// Files not uploaded yet and bytes, and how many of them failed.
+    /// Files not uploaded yet and bytes, and how many of them failed (or could not be
+    /// read at start).
     pub fn counts(&self) -> (usize, u64, usize) {
         let inner = self.inner.lock();
+        let live = inner
+            .entries
+            .values()
+            .filter(|e| e.status != Status::Landed)
+            .count();
         let failed = inner
             .entries
             .values()
             .filter(|e| e.status == Status::Failed)
             .count();
-        (inner.entries.len(), inner.bytes, failed)
+        let bad = inner.unreadable.len();
+        (live + bad, inner.bytes, failed + bad)
     }
 
     /// Every file not uploaded yet.
     pub fn pending(&self) -> Vec<PendingFile> {
-        self.inner
-            .lock()
+        let inner = self.inner.lock();
+        let unreadable = inner.unreadable.iter().map(|(p, e)| PendingFile {
+            key: String::new(),
+            size: 0,
+            state: "unreadable",
+            error: Some(e.clone()),
+            path: p.clone(),
+        });
+        inner
             .entries
             .values()
+            .filter(|e| e.status != Status::Landed)
             .map(|e| PendingFile {
                 key: e.key.clone(),
                 size: e.size,
@@ -1035,6 +1237,7 @@ impl WriteBack {
                 error: e.error.clone(),
                 path: e.loc.describe(),
             })
+            .chain(unreadable)
             .collect()
     }
 
@@ -1105,11 +1308,18 @@ impl WriteBack {
                 if let Err(e) = self.drop_loc(&loc).await {
                     tracing::warn!("write-back directory: {e:?} after uploading {key}");
                 }
+                let cb = self.on_uploaded.lock().clone();
                 {
                     let mut inner = self.inner.lock();
                     inner.running -= 1;
-                    if let Some(e) = inner.entries.remove(&seq) {
-                        inner.bytes -= e.size;
+                    inner.freed_at = Some(Instant::now());
+                    if let Some(e) = inner.entries.get_mut(&seq) {
+                        e.status = Status::Landed;
+                        let size = e.size;
+                        inner.bytes -= size;
+                        if cb.is_none() {
+                            inner.entries.remove(&seq);
+                        }
                     }
                     if inner.by_key.get(&key) == Some(&seq) {
                         inner.by_key.remove(&key);
@@ -1122,7 +1332,6 @@ impl WriteBack {
                         }
                     }
                 }
-                let cb = self.on_uploaded.lock().clone();
                 if let Some(cb) = cb {
                     cb(Uploaded {
                         ino,
@@ -1172,7 +1381,10 @@ impl WriteBack {
         Ok(())
     }
 
-    /// One upload of an entry; its ETag, or the error and whether it is a conflict.
+    /// One upload of an entry; its ETag, or the error and whether it is a conflict. A
+    /// version of an object another client deleted since (a `404` to `If-Match`) is stored
+    /// as a new file, only while the key stays free (`If-None-Match: *`): deleting loses no
+    /// byte of the other client's, and this version's bytes were acknowledged.
     async fn upload(
         &self,
         key: &str,
@@ -1181,14 +1393,41 @@ impl WriteBack {
         cond: &Cond,
         loc: &Loc,
     ) -> Result<String, (String, bool)> {
+        match self.upload_as(key, size, meta, cond, loc).await {
+            Err(Gone) if matches!(cond, Cond::Match(_)) => {
+                tracing::warn!(
+                    "{key}: deleted by another client since this mount knew it; this mount's \
+                     version is stored as a new file"
+                );
+                match self.upload_as(key, size, meta, &Cond::Absent, loc).await {
+                    Err(Gone) => Err(("not found".into(), false)),
+                    Err(Refused(e, conflict)) => Err((e, conflict)),
+                    Ok(etag) => Ok(etag),
+                }
+            }
+            Err(Gone) => Err(("not found".into(), false)),
+            Err(Refused(e, conflict)) => Err((e, conflict)),
+            Ok(etag) => Ok(etag),
+        }
+    }
+
+    async fn upload_as(
+        &self,
+        key: &str,
+        size: u64,
+        meta: &UserMeta,
+        cond: &Cond,
+        loc: &Loc,
+    ) -> Result<String, UploadErr> {
         let (file, base) = loc
             .open()
-            .map_err(|e| (format!("{}: {e}", loc.describe().display()), false))?;
+            .map_err(|e| Refused(format!("{}: {e}", loc.describe().display()), false))?;
         let pin = cond.if_match();
-        let (r, ours) = if size <= self.part_size {
-            let body = read_range(&file, base, size)
+        let (r, ours) = if size <= self.layout.part_size {
+            let body = self
+                .read_part(&file, base, size)
                 .await
-                .map_err(|e| (e.to_string(), false))?;
+                .map_err(|e| Refused(e.to_string(), false))?;
             let ours = format!("\"{}\"", hex::encode(Md5::digest(&body)));
             (self.store.put_if(key, body, meta, pin).await, ours)
         } else {
@@ -1204,16 +1443,25 @@ impl WriteBack {
                         return Ok(ours);
                     }
                 }
-                if matches!(e, StoreError::NotFound(_)) && *cond == Cond::Absent {
-                    return Err((e.to_string(), false));
+                if matches!(e, StoreError::NotFound(_)) {
+                    return Err(match cond {
+                        Cond::Match(_) => UploadErr::Gone,
+                        _ => Refused(e.to_string(), false),
+                    });
+                }
+                if matches!(cond, Cond::Match(_)) {
+                    // A 412 to If-Match for an object that is gone (servers differ).
+                    if let Err(StoreError::NotFound(_)) = self.store.head(key).await {
+                        return Err(UploadErr::Gone);
+                    }
                 }
                 inc(&self.metrics.writeback_conflicts);
-                Err((
+                Err(Refused(
                     format!("changed by another client since this mount knew it ({e})"),
                     true,
                 ))
             }
-            Err(e) => Err((e.to_string(), false)),
+            Err(e) => Err(Refused(e.to_string(), false)),
         }
     }
 
@@ -1233,11 +1481,10 @@ impl WriteBack {
             Err(e) => return (Err(e), String::new()),
         };
         let mut parts = Vec::new();
-        let mut at = 0;
         let mut n = 1u32;
-        while at < size {
-            let len = (size - at).min(self.part_size);
-            let body = match read_range(file, base + at, len).await {
+        for r in self.layout.parts(size) {
+            let (at, len) = (r.start, r.end - r.start);
+            let body = match self.read_part(file, base + at, len).await {
                 Ok(b) => b,
                 Err(e) => {
                     let _ = upload.abort().await;
@@ -1255,7 +1502,6 @@ impl WriteBack {
                     return (Err(e), String::new());
                 }
             }
-            at += len;
             n += 1;
         }
         let ours = format!("\"{}-{}\"", hex::encode(Md5::digest(&md5s)), n - 1);
@@ -1264,6 +1510,24 @@ impl WriteBack {
             let _ = upload.abort().await;
         }
         (r, ours)
+    }
+}
+
+impl WriteBack {
+    /// `len` bytes of an entry at `at` of `file`, in a buffer of the memory budget.
+    async fn read_part(&self, file: &Arc<File>, at: u64, len: u64) -> FsResult<Bytes> {
+        let Some(budget) = &self.budget else {
+            return read_range(file, at, len).await;
+        };
+        let mut buf = budget.buffer(len).await;
+        let file = file.clone();
+        tokio::task::spawn_blocking(move || {
+            file.read_exact_at(&mut buf.as_mut_slice()[..len as usize], at)
+                .map(|_| buf.freeze(len as usize))
+        })
+        .await
+        .map_err(|_| FsError::EIO)?
+        .map_err(wb_io)
     }
 }
 
@@ -1440,14 +1704,35 @@ impl Trailer {
     }
 }
 
-/// The sound entries of `dir` by number, where each is, and the segments; removes entry
-/// files that are not sound (commits that never returned) and stray files.
-type Recovered = (BTreeMap<u64, (Trailer, Loc)>, Vec<Arc<Segment>>);
+/// The sound entries of `dir` by number, where each is, the segments, and the files that
+/// could not be read (path, error); removes entry files that are not sound (commits that
+/// never returned) and stray files. A file it cannot read is never taken for a torn one:
+/// it is kept (a segment with an unreadable part is never removed either).
+struct Recovered {
+    entries: BTreeMap<u64, (Trailer, Loc)>,
+    segments: Vec<Arc<Segment>>,
+    unreadable: Vec<(PathBuf, String)>,
+    /// Segments with a part that could not be read.
+    damaged: Vec<u64>,
+}
 
 fn recover(dir: &Path) -> std::io::Result<Recovered> {
-    let mut out = BTreeMap::new();
-    let mut segments = Vec::new();
+    let mut out = Recovered {
+        entries: BTreeMap::new(),
+        segments: Vec::new(),
+        unreadable: Vec::new(),
+        damaged: Vec::new(),
+    };
     let mut removed = false;
+    let unreadable = |path: PathBuf, e: std::io::Error| {
+        tracing::error!(
+            "write-back directory: cannot read {} ({e}); kept, not uploaded (see `bucketfs \
+             pending`); the next mount tries again",
+            path.display()
+        );
+        out_unreadable_push(path, e)
+    };
+    let mut bad = Vec::new();
     for d in std::fs::read_dir(dir)? {
         let d = d?;
         let name = d.file_name();
@@ -1460,11 +1745,11 @@ fn recover(dir: &Path) -> std::io::Result<Recovered> {
             .and_then(|n| n.strip_suffix(".wbs"))
             .and_then(|n| n.parse::<u64>().ok())
         {
-            match open_segment(id, &d.path())? {
-                Some((seg, recs)) => {
+            match open_segment(id, &d.path()) {
+                Ok(Some((seg, recs, err))) => {
                     let seg = Arc::new(seg);
                     for (rec, t) in recs {
-                        out.insert(
+                        out.entries.insert(
                             t.seq,
                             (
                                 t,
@@ -1475,24 +1760,37 @@ fn recover(dir: &Path) -> std::io::Result<Recovered> {
                             ),
                         );
                     }
-                    segments.push(seg);
+                    if let Some(e) = err {
+                        bad.push(unreadable(d.path(), e));
+                        out.damaged.push(id);
+                    }
+                    out.segments.push(seg);
                 }
-                None => {
+                Ok(None) => {
                     std::fs::remove_file(d.path())?;
                     removed = true;
+                }
+                Err(e) => {
+                    bad.push(unreadable(d.path(), e));
+                    out.damaged.push(id);
                 }
             }
             continue;
         }
-        let sound = name
-            .ends_with(".wb")
-            .then(|| read_entry(&d.path()))
-            .flatten();
-        match sound {
-            Some(t) => {
-                out.insert(t.seq, (t, Loc::File(d.path())));
+        if !name.ends_with(".wb") {
+            tracing::warn!(
+                "write-back directory: removing {} (not an entry)",
+                d.path().display()
+            );
+            std::fs::remove_file(d.path())?;
+            removed = true;
+            continue;
+        }
+        match read_entry(&d.path()) {
+            Ok(Some(t)) => {
+                out.entries.insert(t.seq, (t, Loc::File(d.path())));
             }
-            None => {
+            Ok(None) => {
                 tracing::warn!(
                     "write-back directory: removing {} (a commit that never finished)",
                     d.path().display()
@@ -1500,35 +1798,65 @@ fn recover(dir: &Path) -> std::io::Result<Recovered> {
                 std::fs::remove_file(d.path())?;
                 removed = true;
             }
+            Err(e) => bad.push(unreadable(d.path(), e)),
         }
     }
+    out.unreadable = bad;
     if removed {
         File::open(dir)?.sync_all()?;
     }
-    Ok((out, segments))
+    Ok(out)
 }
 
-/// A segment file and its sound records (offset, trailer); None: not a segment (a creation
-/// that never finished).
-/// A segment and its sound records: where each starts, and its trailer.
-type Records = (Segment, Vec<(u64, Trailer)>);
+fn out_unreadable_push(path: PathBuf, e: std::io::Error) -> (PathBuf, String) {
+    (path, e.to_string())
+}
+
+/// Test seam: reads of these files fail with `EIO` (a mount cannot make the local disk fail
+/// on demand).
+#[cfg(test)]
+thread_local! {
+    static FAIL_READS: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn check_readable(path: &Path) -> std::io::Result<()> {
+    #[cfg(test)]
+    if FAIL_READS.with(|f| f.borrow().iter().any(|p| p == path)) {
+        return Err(std::io::Error::from_raw_os_error(libc::EIO));
+    }
+    let _ = path;
+    Ok(())
+}
+
+/// A segment file, its sound records (offset, trailer), and the error that stopped the
+/// scan (records after it are not known); None: not a segment (a creation that never
+/// finished).
+type Records = (Segment, Vec<(u64, Trailer)>, Option<std::io::Error>);
 
 fn open_segment(id: u64, path: &Path) -> std::io::Result<Option<Records>> {
+    check_readable(path)?;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)?;
     let mut head = [0u8; 16];
-    if file.read_exact_at(&mut head, 0).is_err() || &head[..8] != SEG_MAGIC {
+    let len = file.metadata()?.len();
+    if len < 16 {
+        return Ok(None);
+    }
+    file.read_exact_at(&mut head, 0)?;
+    if &head[..8] != SEG_MAGIC {
         return Ok(None);
     }
     let nonce = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
-    let len = file.metadata()?.len().min(SEGMENT_SIZE);
+    let len = len.min(SEGMENT_SIZE);
     let mut recs = Vec::new();
     let mut at = REC_ALIGN;
     let mut h = [0u8; REC_HEADER as usize];
+    let mut err = None;
     while at + REC_HEADER <= len {
-        if file.read_exact_at(&mut h, at).is_err() {
+        if let Err(e) = file.read_exact_at(&mut h, at) {
+            err = Some(e);
             break;
         }
         let Some((seq, size, tlen)) = parse_record_header(&h, nonce) else {
@@ -1541,7 +1869,10 @@ fn open_segment(id: u64, path: &Path) -> std::io::Result<Option<Records>> {
             continue;
         }
         let mut body = vec![0u8; (size + tlen as u64 + 4) as usize];
-        file.read_exact_at(&mut body, at + REC_HEADER)?;
+        if let Err(e) = file.read_exact_at(&mut body, at + REC_HEADER) {
+            err = Some(e);
+            break;
+        }
         let (content, crc) = body.split_at(body.len() - 4);
         let crc = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
         let t = (crc32fast::hash(content) == crc)
@@ -1561,6 +1892,7 @@ fn open_segment(id: u64, path: &Path) -> std::io::Result<Option<Records>> {
             nonce,
         },
         recs,
+        err,
     )))
 }
 
@@ -1636,9 +1968,15 @@ fn drop_loc_blocking(loc: &Loc) {
     }
 }
 
-/// The trailer of a sound entry file (footer magic, CRC of bytes and trailer).
-fn read_entry(path: &Path) -> Option<Trailer> {
-    let data = std::fs::read(path).ok()?;
+/// The trailer of a sound entry file (footer magic, CRC of bytes and trailer); None: not
+/// sound; an error: it could not be read.
+fn read_entry(path: &Path) -> std::io::Result<Option<Trailer>> {
+    check_readable(path)?;
+    let data = std::fs::read(path)?;
+    Ok(check_entry(&data))
+}
+
+fn check_entry(data: &[u8]) -> Option<Trailer> {
     if data.len() < FOOTER {
         return None;
     }
@@ -1742,12 +2080,14 @@ mod tests {
             concurrency: 2,
             fsync_waits_upload: false,
             delay: Duration::from_secs(3600),
+            space_wait: Duration::from_secs(60),
         };
         WriteBack::open(
             cfg,
             store.clone(),
             Uploads::new(store),
             8 << 20,
+            None,
             Arc::default(),
         )
         .unwrap()
@@ -1787,10 +2127,14 @@ mod tests {
         let b = put(&wb, "b", &forged).await;
         let c = put(&wb, "c", b"gamma").await;
         let d = put(&wb, "d", b"delta").await;
-        assert!(matches!(
-            wb.cancel(d).await.unwrap(),
-            Cancelled::Removed(Cond::Absent)
-        ));
+        assert_eq!(
+            wb.hold(d).await,
+            Holding::Held {
+                cond: Cond::Absent,
+                conflict: false
+            }
+        );
+        wb.discard(d).await.unwrap();
         let locs: Vec<Loc> = [a, b, c]
             .iter()
             .map(|s| wb.inner.lock().entries[s].loc.clone())
@@ -1817,5 +2161,65 @@ mod tests {
             &forged[..]
         );
         assert!(store.head("c").await.is_err());
+    }
+
+    /// An entry file and a segment that cannot be read at start (EIO) are kept, listed as
+    /// unreadable and counted, not taken for torn commits and removed; the next start that
+    /// can read them uploads them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unreadable_entries_are_kept_and_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        for _ in 0..200 {
+            if wb.inner.lock().segs.spare.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let big = vec![7u8; 5 << 20];
+        let a = put(&wb, "a", b"alpha").await;
+        let b = put(&wb, "b", &big).await;
+        let paths: Vec<PathBuf> = [a, b]
+            .iter()
+            .map(|s| match &wb.inner.lock().entries[s].loc {
+                Loc::Rec { seg, .. } => seg.path.clone(),
+                Loc::File(p) => p.clone(),
+            })
+            .collect();
+        assert!(paths[0].to_string_lossy().ends_with(".wbs"));
+        assert!(paths[1].to_string_lossy().ends_with(".wb"));
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        FAIL_READS.with(|f| *f.borrow_mut() = paths.clone());
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        FAIL_READS.with(|f| f.borrow_mut().clear());
+        assert_eq!(n, 0);
+        let p = wb.pending();
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(p.iter().all(|f| f.state == "unreadable"), "{p:?}");
+        assert_eq!(wb.counts().0, 2);
+        assert_eq!(wb.counts().2, 2);
+        assert!(
+            paths.iter().all(|p| p.exists()),
+            "an unreadable entry was removed"
+        );
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        assert_eq!(n, 2);
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        assert_eq!(
+            &store.get_range("a", 0..100, None).await.unwrap()[..],
+            b"alpha"
+        );
+        assert_eq!(
+            store
+                .get_range("b", 0..(6 << 20), None)
+                .await
+                .unwrap()
+                .len(),
+            big.len()
+        );
     }
 }

@@ -1,5 +1,5 @@
 use super::*;
-use crate::files::writeback::{Cancelled, Cond};
+use crate::files::writeback::{Cond, Holding, WriteBack};
 
 impl Fs {
     pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
@@ -29,34 +29,37 @@ impl Fs {
         };
         // Published since the table was read: the object exists.
         let mut in_store = in_store || guard.as_ref().is_some_and(|st| st.base_etag().is_some());
-        // Background mode: a version still to upload never goes up; one that went up is there.
+        // Background mode: a version still to upload is held (never uploaded from now on)
+        // and removed only once the unlink has succeeded in the bucket: a failed unlink
+        // leaves the file, and its version to upload, as they were.
         let committed = guard.as_ref().and_then(|st| st.committed);
+        let mut held = None;
         if let (Some(wb), Some(seq)) = (self.files.writeback(), committed) {
-            match wb.cancel(seq).await? {
-                Cancelled::Uploaded | Cancelled::Removed(Cond::Match(_) | Cond::Any) => {
-                    in_store = true
-                }
-                Cancelled::Removed(Cond::Absent) | Cancelled::Unknown => {}
+            match wb.hold(seq).await {
+                Holding::Held { cond, .. } => held = Some((wb.clone(), seq, cond)),
+                Holding::Uploaded(_) => in_store = true,
+                Holding::Gone => {}
             }
         }
-        if open
-            && self
-                .hide_open_file(ino, &path, guard.as_deref_mut(), in_store)
-                .await?
-        {
+        let done = self
+            .unlink_object(ino, &path, guard.as_deref_mut(), in_store, open, &held)
+            .await;
+        let hidden = match done {
+            Ok(hidden) => hidden,
+            Err(e) => {
+                if let Some((wb, seq, _)) = &held {
+                    wb.release(*seq);
+                }
+                return Err(e);
+            }
+        };
+        if let Some((wb, seq, _)) = &held {
+            wb.discard(*seq).await?;
+        }
+        if hidden {
             drop(guard);
             self.ns.hidden(parent, &path);
             return Ok(());
-        }
-        if in_store {
-            let key = self.ns.key(&path);
-            if let Err(e) = self.store.delete(&key).await {
-                if let Some(st) = guard.as_deref_mut().filter(|_| committed.is_some()) {
-                    // Its write-back entry is gone: the next close commits the file again.
-                    st.mark_changed();
-                }
-                return Err(log_store_err(&format!("unlink {key}"), e));
-            }
         }
         if let Some(st) = guard.as_deref_mut() {
             st.unlink();
@@ -68,6 +71,50 @@ impl Fs {
         drop(guard);
         self.ns.removed(parent, ino, &path);
         Ok(())
+    }
+
+    /// The bucket side of unlinking file `ino` at `path` (write state `st`, locked): its
+    /// object goes, or, open here, moves to a hidden key for its descriptors (true). With a
+    /// version waiting for upload (`held`: its condition), the object goes only if it is
+    /// the one that version was based on: another client's newer object is not this
+    /// mount's to delete (it stays, logged), a deleted one is not deleted again.
+    async fn unlink_object(
+        &self,
+        ino: Ino,
+        path: &MountPath,
+        st: Option<&mut WriteState>,
+        mut in_store: bool,
+        open: bool,
+        held: &Option<(Arc<WriteBack>, u64, Cond)>,
+    ) -> FsResult<bool> {
+        let key = self.ns.key(path);
+        if let Some((_, _, Cond::Any)) = held {
+            // Written here again after a conflict: this mount's file is the one at the key.
+            in_store = true;
+        }
+        if let Some((_, _, Cond::Match(base))) = held {
+            match self.store.head(&key).await {
+                Ok(o) if o.etag.as_deref() == Some(base.as_str()) => in_store = true,
+                Ok(_) => {
+                    tracing::warn!(
+                        "unlink {key}: another client wrote it since this mount's version \
+                         (not uploaded yet, now removed); its object is kept"
+                    );
+                    return Ok(false);
+                }
+                Err(StoreError::NotFound(_)) => return Ok(false),
+                Err(e) => return Err(log_store_err(&format!("unlink {key}"), e)),
+            }
+        }
+        if open && self.hide_open_file(ino, path, st, in_store).await? {
+            return Ok(true);
+        }
+        if in_store {
+            if let Err(e) = self.store.delete(&key).await {
+                return Err(log_store_err(&format!("unlink {key}"), e));
+            }
+        }
+        Ok(false)
     }
 
     /// Unlinks file `ino`, still open here, without losing what its descriptors may read

@@ -1,5 +1,6 @@
 use super::*;
-use crate::files::writeback::Cond;
+use crate::files::writeback::{Cond, Holding};
+use std::collections::HashMap;
 
 /// A file still open here whose name a rename takes (see [`Fs::rename_file`]).
 pub(super) struct Replaced {
@@ -165,9 +166,14 @@ impl Fs {
             replaced.as_ref().map(|r| (r.ino, r.write.as_deref())),
         )
         .await;
+        // The replaced file's version waiting for upload never goes up from now on; it is
+        // removed once the rename is done (a failed rename leaves it as it was).
+        let mut replaced_held = Held::default();
         if let (Some(wb), Some(st)) = (self.files.writeback(), replaced_guard.as_deref()) {
             if let Some(seq) = st.committed {
-                wb.cancel(seq).await?;
+                if let Holding::Held { .. } = wb.hold(seq).await {
+                    replaced_held.0.push((wb.clone(), seq));
+                }
             }
         }
         let kept = match &replaced {
@@ -193,6 +199,14 @@ impl Fs {
                 Err(e)
             }
             (Ok(etag), Some(r)) => {
+                for (wb, seq) in std::mem::take(&mut replaced_held.0) {
+                    if let Err(e) = wb.discard(seq).await {
+                        tracing::warn!(
+                            "rename over {new_path}: removing the replaced file's version \
+                             waiting for upload: {e}"
+                        );
+                    }
+                }
                 self.retire_open_file(r.ino, replaced_guard.as_deref_mut(), kept)
                     .await;
                 if let (Some(w), Some(st)) = (&r.write, replaced_guard.as_deref_mut()) {
@@ -234,12 +248,17 @@ impl Fs {
         };
         st.leave_key(&src)?;
         // Background mode: a version still to upload waits (no upload under either name)
-        // and moves to the new name with the file.
-        let held = match (self.files.writeback(), st.committed) {
-            (Some(wb), Some(seq)) if wb.hold(seq).await => Some((wb.clone(), seq)),
-            _ => None,
+        // and moves to the new name with the file. The object moved with it must be the one
+        // that version was based on (or the one its upload made).
+        let (held, expect) = match (self.files.writeback(), st.committed) {
+            (Some(wb), Some(seq)) => match wb.hold(seq).await {
+                Holding::Held { cond, .. } => (Some((wb.clone(), seq)), Some(cond)),
+                Holding::Uploaded(etag) => (None, etag.map(Cond::Match)),
+                Holding::Gone => (None, None),
+            },
+            _ => (None, None),
         };
-        let moved = self.move_state_object(&src, &dst, st).await;
+        let moved = self.move_state_object(&src, &dst, st, expect).await;
         let etag = match moved {
             Ok(etag) => etag,
             Err(e) => {
@@ -266,12 +285,15 @@ impl Fs {
     }
 
     /// [`Self::move_object`] of a file being written: its previous complete object, if any,
-    /// moves to `dst`, then the state goes on under `dst`.
+    /// moves to `dst`, then the state goes on under `dst`. `expect`: what the object at
+    /// `src` must be (background mode: what the file's version waiting for upload may
+    /// replace); another client's object there is neither moved nor deleted (`ESTALE`).
     async fn move_state_object(
         &self,
         src: &ObjectKey,
         dst: &ObjectKey,
         st: &mut WriteState,
+        expect: Option<Cond>,
     ) -> FsResult<Option<String>> {
         let what = format!("rename {src} to {dst}");
         let old = match self.store.head(src).await {
@@ -279,10 +301,14 @@ impl Fs {
             Err(StoreError::NotFound(_)) => None,
             Err(e) => return Err(log_store_err(&what, e)),
         };
+        check_expected(&src, old.as_ref(), expect.as_ref())?;
         let etag = match &old {
             Some(o) => {
                 // The state reads its base from the copy: it must be that base, whole.
-                let pin = st.base_etag().map(str::to_string);
+                let pin = match &expect {
+                    Some(Cond::Match(e)) => Some(e.clone()),
+                    _ => st.base_etag().map(str::to_string),
+                };
                 self.copy_object(src, dst, o.size, None, pin.as_deref())
                     .await?;
                 // Learnt before the source goes: the state reads its base from the copy.
@@ -311,6 +337,10 @@ impl Fs {
     }
 
     /// Moves every object under the directory: copies all, then deletes the sources.
+    ///
+    /// The write states of the files being written below are locked for the whole rename
+    /// (in inode order, as `lock_in_order`), so that no close, unlink or rename of one of
+    /// them waits for a write-back entry this rename holds while it waits for that state.
     pub(super) async fn rename_dir(
         &self,
         path: &MountPath,
@@ -319,21 +349,28 @@ impl Fs {
     ) -> FsResult<()> {
         // Files being written below are not published (their content is half written): their
         // complete objects, if any, move with the rest, and they go on under the new keys.
-        let writes: Vec<Arc<OpenWrite>> = {
+        let mut writes: Vec<(Ino, Arc<OpenWrite>)> = {
             let t = self.ns.table();
             t.descendants(path)
                 .into_iter()
-                .filter_map(|d| self.files.write_of(d))
+                .filter_map(|d| Some((d, self.files.write_of(d)?)))
                 .collect()
         };
-        // Background mode: versions below still to upload wait, and move with their files.
+        writes.sort_by_key(|(ino, _)| *ino);
+        let mut states = Vec::with_capacity(writes.len());
+        for (ino, w) in &writes {
+            states.push((*ino, w.state.lock().await));
+        }
+        // Background mode: versions below still to upload wait, and move with their files;
+        // the objects they were based on must be those in the bucket.
         let mut held = Held::default();
-        for w in &writes {
-            let st = w.state.lock().await;
+        let mut expected: HashMap<String, Cond> = HashMap::new();
+        for (_, st) in &states {
             st.leave_key(&st.key)?;
             if let (Some(wb), Some(seq)) = (self.files.writeback(), st.committed) {
-                if wb.hold(seq).await {
+                if let Holding::Held { cond, .. } = wb.hold(seq).await {
                     held.0.push((wb.clone(), seq));
+                    expected.insert(st.key.as_str().to_string(), cond);
                 }
             }
         }
@@ -363,6 +400,9 @@ impl Fs {
                 Some(t) => from = ListFrom::Token(t),
                 None => break,
             }
+        }
+        for (key, cond) in &expected {
+            check_expected(key, objects.iter().find(|o| &o.key == key), Some(cond))?;
         }
         if replace {
             self.store
@@ -420,10 +460,38 @@ impl Fs {
                 .map_err(|e| log_store_err(&format!("delete {}", m.key), e))?;
         }
         // Re-point files still open for writing at their new keys.
-        let below: Vec<(MountPath, Arc<OpenWrite>)> = {
+        let below: Vec<(Ino, MountPath)> = {
+            let t = self.ns.table();
+            states
+                .iter()
+                .filter_map(|(d, _)| {
+                    let i = t.get(*d)?;
+                    Some((*d, i.path.moved(path, new_path)))
+                })
+                .collect()
+        };
+        for (ino, p) in below {
+            let key = self.ns.key(&p);
+            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+            let Some((_, st)) = states.iter_mut().find(|(i, _)| *i == ino) else {
+                continue;
+            };
+            st.move_to(key.clone(), etag.clone()).await;
+            if let Some((wb, seq)) = st.committed.and_then(|s| held.take(s)) {
+                let cond = etag.map_or(Cond::Absent, Cond::Match);
+                st.committed = Some(wb.rekey(seq, &key, cond).await?);
+            }
+        }
+        // Files opened for writing below since the rename began: re-pointed one at a time,
+        // once the others are free (they hold no entry of this rename).
+        let done: Vec<Ino> = states.iter().map(|(i, _)| *i).collect();
+        drop(held);
+        drop(states);
+        let later: Vec<(MountPath, Arc<OpenWrite>)> = {
             let t = self.ns.table();
             t.descendants(path)
                 .into_iter()
+                .filter(|d| !done.contains(d))
                 .filter_map(|d| {
                     let i = t.get(d)?;
                     let w = self.files.write_of(d)?;
@@ -431,16 +499,31 @@ impl Fs {
                 })
                 .collect()
         };
-        for (p, w) in below {
+        for (p, w) in later {
             let key = self.ns.key(&p);
             let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
-            let mut st = w.state.lock().await;
-            st.move_to(key.clone(), etag.clone()).await;
-            if let Some((wb, seq)) = st.committed.and_then(|s| held.take(s)) {
-                let cond = etag.map_or(Cond::Absent, Cond::Match);
-                st.committed = Some(wb.rekey(seq, &key, cond).await?);
-            }
+            w.state.lock().await.move_to(key, etag).await;
         }
         Ok(())
     }
+}
+
+/// `ESTALE` (with a log line) unless `found`, the object at `key`, is what `expect` says: a
+/// version waiting for upload moves only with the object it was based on, never with one
+/// another client wrote since. An object another client deleted is no conflict: the version
+/// goes on as a new file (as its upload would).
+fn check_expected(key: &str, found: Option<&ObjectMeta>, expect: Option<&Cond>) -> FsResult<()> {
+    let theirs = match (expect, found) {
+        (Some(Cond::Absent), Some(_)) => true,
+        (Some(Cond::Match(e)), Some(o)) => o.etag.as_deref() != Some(e.as_str()),
+        _ => false,
+    };
+    if theirs {
+        tracing::warn!(
+            "rename of {key}: another client wrote it since this mount's version (waiting for \
+             upload); not moved"
+        );
+        return Err(FsError::ESTALE);
+    }
+    Ok(())
 }

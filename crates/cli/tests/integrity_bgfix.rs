@@ -1,0 +1,351 @@
+//! `--upload background` (issue 20) under failures and other clients, through real mounts
+//! against MinIO: a failed unlink or rename keeps the version waiting for upload, a rename or
+//! unlink never moves or deletes another client's newer object, a directory rename and a
+//! close below it do not deadlock, conflicts filling the write-back directory give ENOSPC
+//! instead of a close that waits forever, an object deleted by another client gets this
+//! mount's version, `--upload-fsync bucket` waits for the upload of the version that replaced
+//! its own, and a mount without background mode uploads what one left.
+
+mod common;
+
+use common::*;
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn state_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("bucketfs-bgfix-state-")
+        .tempdir()
+        .unwrap()
+}
+
+fn background(mut spec: MountSpec, state: &Path, extra: &[&str]) -> MountSpec {
+    spec.args.extend(
+        [
+            "--upload",
+            "background",
+            "--state-dir",
+            state.to_str().unwrap(),
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string()),
+    );
+    spec
+}
+
+/// `bucketfs pending MOUNTPOINT`: its output.
+fn pending(mp: &Path) -> String {
+    let run = run_cli(
+        &[OsString::from("pending"), mp.as_os_str().to_owned()],
+        &[],
+        None,
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{}", run.stdout);
+    run.stdout
+}
+
+fn pending_lines(mp: &Path, state: &str) -> usize {
+    pending(mp).lines().filter(|l| l.starts_with(state)).count()
+}
+
+/// Runs `f` on a thread; its result, or None if it did not finish within `limit`.
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).ok()
+}
+
+/// A failed unlink, and a failed rename over a file, keep the versions waiting for upload:
+/// the files are still there with their content, still pending, and uploaded later.
+#[test]
+fn a_failed_unlink_or_rename_keeps_the_version_waiting_for_upload() {
+    let b = s3().new_bucket("bgfixa");
+    s3().put(&b, "old", b"theirs v1".to_vec());
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let spec = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--upload-delay", "600", "--retry-timeout", "0"],
+    );
+    let m = spec.mount();
+    assert_eq!(read_file(&m.join("old")), b"theirs v1");
+    write_file(&m.join("old"), b"ours over v1");
+    write_file(&m.join("a"), b"file a");
+    write_file(&m.join("b"), b"file b");
+    assert_eq!(pending_lines(m.path(), "queued"), 3);
+    // Every request fails now.
+    proxy.slow_down(1_000_000);
+    let unlinked = std::fs::remove_file(m.join("old"));
+    let renamed = std::fs::rename(m.join("a"), m.join("b"));
+    proxy.slow_down(0);
+    assert!(unlinked.is_err(), "the unlink did not fail");
+    assert!(renamed.is_err(), "the rename did not fail");
+    assert_eq!(read_file(&m.join("old")), b"ours over v1");
+    assert_eq!(read_file(&m.join("a")), b"file a");
+    assert_eq!(read_file(&m.join("b")), b"file b");
+    assert_eq!(
+        pending_lines(m.path(), "queued"),
+        3,
+        "a version waiting for upload was lost:\n{}",
+        pending(m.path())
+    );
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "old").unwrap(), b"ours over v1");
+    assert_eq!(s3().get(&b, "a").unwrap(), b"file a");
+    assert_eq!(s3().get(&b, "b").unwrap(), b"file b");
+}
+
+/// Another client writes a file whose version here waits for upload: a rename of the file
+/// (or of its directory) is refused with ESTALE and neither moves nor deletes the other
+/// client's object, so the upload cannot go over it under the new name; an unlink removes
+/// this mount's version and keeps the other client's object.
+#[test]
+fn rename_and_unlink_never_bypass_the_conflict_check() {
+    let b = s3().new_bucket("bgfixb");
+    s3().put(&b, "old", b"theirs v1".to_vec());
+    s3().put(&b, "gone", b"theirs g1".to_vec());
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "600"],
+    )
+    .mount();
+    assert_eq!(read_file(&m.join("old")), b"theirs v1");
+    assert_eq!(read_file(&m.join("gone")), b"theirs g1");
+    std::fs::create_dir(m.join("d")).unwrap();
+    write_file(&m.join("old"), b"ours over v1");
+    write_file(&m.join("gone"), b"ours over g1");
+    write_file(&m.join("d/f"), b"ours, new");
+    std::fs::File::open(m.path()).unwrap().sync_all().unwrap();
+    s3().put(&b, "old", b"theirs v2".to_vec());
+    s3().put(&b, "gone", b"theirs g2".to_vec());
+    s3().put(&b, "d/f", b"theirs, new".to_vec());
+    let e = std::fs::rename(m.join("old"), m.join("new")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ESTALE), "{e}");
+    let e = std::fs::rename(m.join("d"), m.join("e")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ESTALE), "{e}");
+    std::fs::remove_file(m.join("gone")).unwrap();
+    assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2");
+    assert_eq!(s3().get(&b, "d/f").unwrap(), b"theirs, new");
+    assert_eq!(s3().get(&b, "gone").unwrap(), b"theirs g2");
+    assert!(s3().get(&b, "new").is_none());
+    assert!(s3().get(&b, "e/f").is_none());
+    // The uploads are refused as conflicts; the other client's objects stay.
+    let (_, log) = m.unmount();
+    assert!(log.contains("changed by another client"), "{log}");
+    assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2");
+    assert_eq!(s3().get(&b, "d/f").unwrap(), b"theirs, new");
+    assert_eq!(s3().get(&b, "gone").unwrap(), b"theirs g2");
+    assert!(s3().get(&b, "new").is_none() && s3().get(&b, "e/f").is_none());
+}
+
+/// A close of a file below a directory being renamed, whose earlier version waits for
+/// upload, used to wait for that version (held by the rename) while the rename waited for
+/// the file: both hung. Now both finish, and the file goes up under its new name.
+#[test]
+fn a_directory_rename_and_a_close_below_it_do_not_deadlock() {
+    let b = s3().new_bucket("bgfixd");
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let mut m = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--upload-delay", "600", "--negative-ttl", "300"],
+    )
+    .mount();
+    std::fs::create_dir(m.join("d")).unwrap();
+    // Looked up now (missing, remembered): the rename below needs no lookup first.
+    assert!(!m.join("e").exists());
+    write_file(&m.join("d/f"), b"v1");
+    std::fs::File::open(m.path()).unwrap().sync_all().unwrap();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(m.join("d/f"))
+        .unwrap();
+    f.write_all(b"v2").unwrap();
+    // Slow requests: the rename is still listing and copying when the close comes.
+    proxy.set_delay(Duration::from_millis(300));
+    let (from, to) = (m.join("d"), m.join("e"));
+    let rename = std::thread::spawn(move || std::fs::rename(from, to));
+    std::thread::sleep(Duration::from_millis(400));
+    let closed = within(Duration::from_secs(30), move || close_checked(f));
+    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
+    proxy.set_delay(Duration::ZERO);
+    if closed.is_none() || renamed.is_none() {
+        m.kill9();
+        panic!(
+            "hung: close finished {}, rename finished {}",
+            closed.is_some(),
+            renamed.is_some()
+        );
+    }
+    closed.unwrap().expect("close");
+    renamed.unwrap().expect("rename");
+    assert_eq!(read_file(&m.join("e/f")), b"v2");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "e/f").unwrap(), b"v2");
+    assert!(s3().get(&b, "d/f").is_none());
+}
+
+/// Conflicts (never uploaded by themselves) that fill `--writeback-size` make a close fail
+/// with ENOSPC at once, with a log line, instead of waiting forever; removing one makes
+/// room again.
+#[test]
+fn conflicts_filling_the_writeback_directory_give_enospc_not_a_hang() {
+    let b = s3().new_bucket("bgfixe");
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "2", "--writeback-size", "1M"],
+    )
+    .mount();
+    let body = pattern::bytes(5, 400 << 10);
+    write_file(&m.join("c0"), &body);
+    write_file(&m.join("c1"), &body);
+    s3().put(&b, "c0", b"theirs".to_vec());
+    s3().put(&b, "c1", b"theirs".to_vec());
+    wait_for("two conflicts", Duration::from_secs(20), || {
+        pending_lines(m.path(), "conflict") == 2
+    });
+    let p = m.join("c2");
+    let b2 = body.clone();
+    let start = Instant::now();
+    let r = within(Duration::from_secs(20), move || {
+        let mut f = std::fs::File::create(&p)?;
+        f.write_all(&b2)?;
+        close_checked(f)
+    });
+    let Some(r) = r else {
+        let mut m = m;
+        m.kill9();
+        panic!("the close waited for room that conflicts hold, forever");
+    };
+    let e = r.unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert!(m.log().contains("write-back directory full"), "{}", m.log());
+    // Resolved by removing a conflicting file (the other client's object stays).
+    std::fs::remove_file(m.join("c0")).unwrap();
+    write_file(&m.join("c2"), &body);
+    assert_eq!(s3().get(&b, "c0").unwrap(), b"theirs");
+}
+
+/// Another client deletes an object whose new version here waits for upload: the upload
+/// stores this mount's version as a new file (only while the key stays free), logged; it is
+/// not left as a conflict.
+#[test]
+fn an_object_deleted_by_another_client_gets_this_mounts_version() {
+    let b = s3().new_bucket("bgfixf");
+    s3().put(&b, "old", b"theirs".to_vec());
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "2"],
+    )
+    .mount();
+    assert_eq!(read_file(&m.join("old")), b"theirs");
+    write_file(&m.join("old"), b"ours");
+    s3().delete(&b, "old");
+    wait_for("the upload", Duration::from_secs(20), || {
+        s3().get(&b, "old").is_some()
+    });
+    assert_eq!(s3().get(&b, "old").unwrap(), b"ours");
+    assert!(
+        pending(m.path()).contains("0 file(s)"),
+        "{}",
+        pending(m.path())
+    );
+    assert!(m.log().contains("deleted by another client"), "{}", m.log());
+}
+
+/// `--upload-fsync bucket`: an fsync returns once its bytes are in the bucket, also when the
+/// version it waits for is replaced before its upload (here by the rename of the directory
+/// above, which moves it to a new key): it waits for the upload of the version that holds
+/// its bytes.
+#[test]
+fn fsync_to_bucket_waits_for_the_upload_of_the_version_that_replaced_its_own() {
+    let b = s3().new_bucket("bgfixh");
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &[
+            "--upload-delay",
+            "3",
+            "--upload-fsync",
+            "bucket",
+            "--negative-ttl",
+            "300",
+        ],
+    )
+    .mount();
+    std::fs::create_dir(m.join("d")).unwrap();
+    assert!(!m.join("e").exists());
+    std::fs::File::open(m.path()).unwrap().sync_all().unwrap();
+    let mut f = std::fs::File::create(m.join("d/f")).unwrap();
+    f.write_all(b"v1").unwrap();
+    let (bucket, start) = (b.clone(), Instant::now());
+    let fsync = std::thread::spawn(move || {
+        f.sync_all().unwrap();
+        let at = start.elapsed();
+        (at, s3().get(&bucket, "e/f"), f)
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    std::fs::rename(m.join("d"), m.join("e")).unwrap();
+    let (at, found, f) = fsync.join().unwrap();
+    assert_eq!(
+        found.as_deref(),
+        Some(&b"v1"[..]),
+        "fsync returned after {at:?} with its bytes not in the bucket"
+    );
+    close_checked(f).unwrap();
+}
+
+/// A mount without `--upload background` from a state directory where a background mount
+/// left acknowledged files (kill -9) uploads them before it serves.
+#[test]
+fn a_sync_mount_uploads_what_a_background_mount_left() {
+    let b = s3().new_bucket("bgfixj");
+    let state = state_dir();
+    let mut m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "600"],
+    )
+    .mount();
+    for i in 0..5 {
+        write_file(&m.join(format!("j{i}")), format!("left {i}").as_bytes());
+    }
+    m.kill9();
+    drop(m);
+    assert!(s3().list_keys(&b, "").is_empty());
+    let m = MountSpec::s3(&b, "")
+        .arg("--state-dir")
+        .arg(state.path().to_str().unwrap())
+        .mount();
+    for i in 0..5 {
+        assert_eq!(
+            s3().get(&b, &format!("j{i}")).as_deref(),
+            Some(format!("left {i}").as_bytes()),
+            "j{i} not uploaded before the mount served"
+        );
+    }
+    assert!(
+        m.log().contains("uploading them before serving"),
+        "{}",
+        m.log()
+    );
+}
