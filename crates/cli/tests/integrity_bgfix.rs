@@ -297,13 +297,15 @@ fn fsync_to_bucket_waits_for_the_upload_of_the_version_that_replaced_its_own() {
     std::fs::File::open(m.path()).unwrap().sync_all().unwrap();
     let mut f = std::fs::File::create(m.join("d/f")).unwrap();
     f.write_all(b"v1").unwrap();
+    // Another file's upload lands (waking waiters) after the rename, before d/f's is due.
+    write_file(&m.join("x"), b"x");
     let (bucket, start) = (b.clone(), Instant::now());
     let fsync = std::thread::spawn(move || {
         f.sync_all().unwrap();
         let at = start.elapsed();
         (at, s3().get(&bucket, "e/f"), f)
     });
-    std::thread::sleep(Duration::from_millis(700));
+    std::thread::sleep(Duration::from_millis(1500));
     std::fs::rename(m.join("d"), m.join("e")).unwrap();
     let (at, found, f) = fsync.join().unwrap();
     assert_eq!(

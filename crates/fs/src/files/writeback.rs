@@ -1812,8 +1812,8 @@ fn out_unreadable_push(path: PathBuf, e: std::io::Error) -> (PathBuf, String) {
     (path, e.to_string())
 }
 
-/// Test seam: reads of these files fail with `EIO` (a mount cannot make the local disk fail
-/// on demand).
+// Test seam: reads of these files fail with `EIO` (a mount cannot make the local disk fail
+// on demand).
 #[cfg(test)]
 thread_local! {
     static FAIL_READS: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
