@@ -1730,7 +1730,7 @@ fn recover(dir: &Path) -> std::io::Result<Recovered> {
              pending`); the next mount tries again",
             path.display()
         );
-        out_unreadable_push(path, e)
+        (path, e.to_string())
     };
     let mut bad = Vec::new();
     for d in std::fs::read_dir(dir)? {
@@ -1806,10 +1806,6 @@ fn recover(dir: &Path) -> std::io::Result<Recovered> {
         File::open(dir)?.sync_all()?;
     }
     Ok(out)
-}
-
-fn out_unreadable_push(path: PathBuf, e: std::io::Error) -> (PathBuf, String) {
-    (path, e.to_string())
 }
 
 // Test seam: reads of these files fail with `EIO` (a mount cannot make the local disk fail
