@@ -2145,8 +2145,10 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(1200)).await;
         let (wb, n) = open_wb(dir.path(), &store).await;
         assert_eq!(n, 2);
+        // Recovered entries go up at once: some may be uploaded already.
         let keys: BTreeSet<String> = wb.pending().into_iter().map(|p| p.key).collect();
-        assert_eq!(keys, ["a", "b"].iter().map(|k| k.to_string()).collect());
+        let ab: BTreeSet<String> = ["a", "b"].iter().map(|k| k.to_string()).collect();
+        assert!(keys.is_subset(&ab), "{keys:?}");
         wb.drain(Duration::from_secs(5), |_, _| {}).await;
         assert_eq!(
             &store.get_range("a", 0..100, None).await.unwrap()[..],
