@@ -301,7 +301,7 @@ impl Fs {
             Err(StoreError::NotFound(_)) => None,
             Err(e) => return Err(log_store_err(&what, e)),
         };
-        check_expected(&src, old.as_ref(), expect.as_ref())?;
+        check_expected(src, old.as_ref(), expect.as_ref())?;
         let etag = match &old {
             Some(o) => {
                 // The state reads its base from the copy: it must be that base, whole.
