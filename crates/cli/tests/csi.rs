@@ -1298,3 +1298,71 @@ fn csi_a_pods_bind_of_a_dead_daemons_mount_gets_the_new_mount() {
     c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
     assert!(!fuse_mounted(&target));
 }
+
+/// Without hostPID the driver is PID 1 of its container's PID namespace: `--daemons=auto`
+/// says the daemons will die with it and runs them as children (publishes work); when the
+/// namespace dies, so does the mount, and the next driver mounts the target again.
+#[test]
+fn csi_auto_mode_as_pid_1_of_a_pid_namespace_warns_and_the_next_driver_remounts() {
+    let bucket = s3().new_bucket("csi-pidns");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let socket = dir.path().join("csi.sock");
+    let log = dir.path().join("driver.log");
+    // A container without hostPID: PID 1 of a PID namespace, its own /proc, the test
+    // directory shared with the host (Bidirectional).
+    let _shared = SharedDir::new(dir.path());
+    let ns = KillOnDrop(
+        Command::new("unshare")
+            .args(["--pid", "--fork", "--kill-child", "--mount-proc"])
+            .args(["--mount", "--propagation", "unchanged", "--"])
+            .arg(bin())
+            .args(["csi", "--node-id", "node-1", "--daemons=auto"])
+            .arg(format!("--endpoint=unix://{}", socket.display()))
+            .arg(format!(
+                "--state-dir={}",
+                dir.path().join("state").display()
+            ))
+            .arg(format!("--host-pid={}", std::process::id()))
+            .stdin(Stdio::null())
+            .stderr(fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the driver's socket", Duration::from_secs(20), || {
+        socket.exists()
+    });
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("die with it") && text.contains("PID 1"),
+        "{text}"
+    );
+    let target = dir.path().join("t");
+    let vol = format!("{bucket}/v");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ch = rt.block_on(bucketfs_csi::connect(&socket)).unwrap();
+    rt.block_on(
+        NodeClient::new(ch).node_publish_volume(publish_request(&vol, &target, &ctx, false)),
+    )
+    .expect("NodePublishVolume");
+    fs::write(target.join("f.txt"), "x").unwrap();
+    let daemon = daemon_of(&target);
+    drop(ns);
+    wait_for(
+        "the daemon to die with the namespace",
+        Duration::from_secs(10),
+        || !alive(daemon),
+    );
+    let driver = Driver::start(dir.path());
+    wait_for("the target mounted again", Duration::from_secs(20), || {
+        fuse_mounted(&target) && fs::read_dir(&target).is_ok()
+    });
+    assert_eq!(fs::read_to_string(target.join("f.txt")).unwrap(), "x");
+    Csi::connect(&driver)
+        .unpublish(&vol, &target)
+        .expect("NodeUnpublishVolume");
+}
