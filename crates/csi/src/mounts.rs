@@ -283,7 +283,7 @@ impl Mounts {
             }
             // Same volume, daemon gone: clear the dead mount and mount again.
             if fstype.is_some() {
-                dead = crate::repair::device_at(&target);
+                dead = crate::repair::Dead::hold(&target);
                 detach(&target);
             }
         } else if let Some(t) = fstype {
@@ -569,7 +569,7 @@ impl Mounts {
             );
             let dead = fstype
                 .as_ref()
-                .and_then(|_| crate::repair::device_at(&r.target));
+                .and_then(|_| crate::repair::Dead::hold(&r.target));
             if fstype.is_some() {
                 detach(&r.target);
             }

@@ -23,20 +23,38 @@ use tracing::{info, warn};
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 
-/// The device (`MAJ:MIN`) of the file system mounted at `target`, from our mountinfo.
-pub fn device_at(target: &Path) -> Option<String> {
-    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let want = target.to_string_lossy();
-    text.lines().rev().find_map(|line| {
-        let f: Vec<&str> = line.split(' ').collect();
-        (crate::mounts::unescape(f.get(4)?) == want).then(|| f.get(2).map(|s| s.to_string()))?
-    })
+/// The dead file system at a target, held open: while it is, its device number (`MAJ:MIN`)
+/// names it and no other (a freed one could be given to the next mount, another volume's).
+pub struct Dead {
+    dev: String,
+    _held: File,
 }
 
-/// Replaces, in every other mount namespace, each mount of the dead file system `dead` (a
-/// `MAJ:MIN`) by a copy of what is mounted at `target` now (the same subdirectory of it, for
-/// a bind of a subdirectory). Returns how many it replaced.
-pub fn replace_dead_binds(dead: &str, target: &Path) -> usize {
+impl Dead {
+    /// Holds the file system mounted at `target` (before the driver detaches it).
+    pub fn hold(target: &Path) -> Option<Dead> {
+        use std::os::unix::fs::OpenOptionsExt;
+        // O_PATH: no open of the (dead) file system's root, just a reference to it.
+        let held = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+            .open(target)
+            .ok()?;
+        let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+        let want = target.to_string_lossy();
+        let dev = text.lines().rev().find_map(|line| {
+            let f: Vec<&str> = line.split(' ').collect();
+            (crate::mounts::unescape(f.get(4)?) == want).then(|| f.get(2).map(|s| s.to_string()))?
+        })?;
+        Some(Dead { dev, _held: held })
+    }
+}
+
+/// Replaces, in every other mount namespace, each mount of the dead file system `dead` by a
+/// copy of what is mounted at `target` now (the same subdirectory of it, for a bind of a
+/// subdirectory). Returns how many it replaced.
+pub fn replace_dead_binds(dead: &Dead, target: &Path) -> usize {
+    let dead = dead.dev.as_str();
     let own = fs::read_link("/proc/self/ns/mnt").ok();
     let mut seen = HashSet::new();
     let mut replaced = 0;
