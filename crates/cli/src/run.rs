@@ -622,13 +622,26 @@ fn owned_by_us(dir: &Path, mask: u32) -> Result<(), String> {
     ))
 }
 
+/// Creates `dir` (0700) and the directories above it that are missing, each fsync'd into its
+/// parent: the journals and write-back entries made in them are fsync'd by their writers,
+/// which a power loss must not undo by losing the directory's own name.
 fn create_private(dir: &Path) -> Result<(), String> {
     use std::os::unix::fs::DirBuilderExt;
+    let err = |e: std::io::Error| format!("state directory {}: {e}", dir.display());
+    let made: Vec<&Path> = dir.ancestors().take_while(|p| !p.exists()).collect();
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .map_err(|e| format!("state directory {}: {e}", dir.display()))
+        .map_err(err)?;
+    for d in made.iter().rev() {
+        if let Some(parent) = d.parent() {
+            std::fs::File::open(parent)
+                .and_then(|f| f.sync_all())
+                .map_err(err)?;
+        }
+    }
+    Ok(())
 }
 
 /// The state directory: created 0700 if missing; ours and writable by nobody else.

@@ -351,3 +351,47 @@ fn a_sync_mount_uploads_what_a_background_mount_left() {
         m.log()
     );
 }
+
+/// The write-back directory and the `writeback` directory above it, made by the first mount
+/// in background mode, are fsync'd into their parents before any commit relies on them
+/// (strace of the daemon: `fsync` of each parent directory).
+#[test]
+fn the_writeback_directory_is_fsynced_into_its_parents_when_made() {
+    let b = s3().new_bucket("bgfixi");
+    let state = state_dir();
+    let traced = tempfile::tempdir().unwrap();
+    let out = traced.path().join("strace.txt");
+    let mut spec = background(MountSpec::s3(&b, ""), state.path(), &[]);
+    spec.program = Some("/usr/bin/strace".into());
+    spec.command = [
+        "-f",
+        "-y",
+        "-qq",
+        "-e",
+        "trace=fsync",
+        "-e",
+        "signal=none",
+        "-o",
+        out.to_str().unwrap(),
+        bin(),
+        "mount",
+        "-f",
+    ]
+    .map(String::from)
+    .to_vec();
+    let m = spec.mount();
+    write_file(&m.join("x"), b"x");
+    let (_, log) = m.unmount();
+    let trace = std::fs::read_to_string(&out).unwrap();
+    let st = state.path().canonicalize().unwrap();
+    for dir in [st.clone(), st.join("writeback")] {
+        let synced = format!("<{}>) = 0", dir.display());
+        assert!(
+            trace
+                .lines()
+                .any(|l| l.contains("fsync(") && l.ends_with(&synced)),
+            "{} not fsync'd:\n{trace}\n{log}",
+            dir.display()
+        );
+    }
+}
