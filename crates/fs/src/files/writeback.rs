@@ -2161,6 +2161,42 @@ mod tests {
         assert!(store.head("c").await.is_err());
     }
 
+    /// A large entry goes up as a multipart upload in the part layout, its part buffers taken
+    /// from the memory budget and given back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn large_entries_upload_in_parts_from_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let budget = MemoryBudget::new(64 << 20, Arc::default());
+        let free = budget.available();
+        let dyn_store: Arc<dyn ObjectStore> = store.clone();
+        let cfg = WriteBackConfig {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 1 << 30,
+            concurrency: 2,
+            fsync_waits_upload: false,
+            delay: Duration::ZERO,
+            space_wait: Duration::from_secs(60),
+        };
+        let (wb, _) = WriteBack::open(
+            cfg,
+            dyn_store.clone(),
+            Uploads::new(dyn_store),
+            8 << 20,
+            Some(budget.clone()),
+            Arc::default(),
+        )
+        .unwrap();
+        let body: Vec<u8> = (0..(20u32 << 20)).map(|i| (i % 251) as u8).collect();
+        put(&wb, "big", &body).await;
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let got = store.get_range("big", 0..(21 << 20), None).await.unwrap();
+        assert!(got[..] == body[..], "bytes differ");
+        let etag = store.head("big").await.unwrap().etag.unwrap();
+        assert!(etag.ends_with("-3\""), "three parts: {etag}");
+        assert_eq!(budget.available(), free, "part buffers not given back");
+    }
+
     /// An entry file and a segment that cannot be read at start (EIO) are kept, listed as
     /// unreadable and counted, not taken for torn commits and removed; the next start that
     /// can read them uploads them.
