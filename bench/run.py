@@ -343,7 +343,8 @@ def main(argv: list[str]) -> int:
                               "others": format_cpu_list(os.sched_getaffinity(0))} if store_cpus else None,
                 "systems_order": [s.name for s in systems],
                 "systems": {s.name: {"version": s.version(), "options": s.options(), "binary": s.binary,
-                                     "async_upload": s.async_upload} for s in systems},
+                                     "async_upload": s.async_upload,
+                                     "acks_before_durable": s.acks_before_durable} for s in systems},
                 "sizes": sizes,
                 "sizes_human": {"limit": f"{human(sizes['limit_size'])}, 8 MiB parts, the best PUT and the best GET of "
                                             f"{' and '.join(map(str, sizes['limit_conc']))} requests in flight"},

@@ -8,6 +8,8 @@ from .rows import BY_ID, ROWS
 from .sizes import human
 
 PEER_BASELINE = "bucketfs"
+#: bucketfs in background-upload mode, quoted against the limit and the peers like bucketfs
+BG = "bucketfs-bg"
 
 
 def fmt(v, digits=None) -> str:
@@ -70,7 +72,7 @@ def ratio_limit(doc, row_id, v):
     return v / lim
 
 
-def paired_ratios(doc, row_id) -> list[float]:
+def paired_ratios(doc, row_id, system: str = PEER_BASELINE) -> list[float]:
     """bucketfs's figure in each repeat divided by the limit measured at the start of the same
     repeat. The store drifts over a long run (MinIO on this VM got 30 % slower over 40 min), so
     these pair figures taken minutes apart, where the median ratio may pair different repeats."""
@@ -83,7 +85,7 @@ def paired_ratios(doc, row_id) -> list[float]:
     limit_runs = runs.get("limit_cp") if kind == "put-cp" and runs.get("limit_cp") else runs.get("limit", [])
     lims = {x.get("rep"): x.get(key) for x in limit_runs if x.get("status", "ok") == "ok"}
     out = []
-    for x in (runs.get("rows", {}).get(row_id, {}).get(PEER_BASELINE) or []):
+    for x in (runs.get("rows", {}).get(row_id, {}).get(system) or []):
         lim, v = lims.get(x.get("rep")), x.get("value")
         if x.get("status") == "ok" and isinstance(v, (int, float)) and lim:
             out.append(v / lim)
@@ -113,11 +115,72 @@ def cell(res: dict | None) -> tuple[str, float | None]:
 
 
 WRITE_BACK = "†"
+#: uploads after close(), but close() waits until the data is durable on local disk
+LOCAL_DURABLE = "‡"
+
+
+def acks_before_durable(meta: dict, s: str) -> bool:
+    si = meta["systems"].get(s) or {}
+    # results from before the flag: every async system was one
+    return si.get("acks_before_durable", si.get("async_upload", False))
 
 
 def label(meta: dict, s: str) -> str:
-    """A system's name, marked when it acknowledges writes before they are durable."""
-    return s + WRITE_BACK if (meta["systems"].get(s) or {}).get("async_upload") else s
+    """A system's name, marked when it acknowledges writes before they are durable (†) or
+    before they are in the store but durable locally (‡)."""
+    si = meta["systems"].get(s) or {}
+    if acks_before_durable(meta, s):
+        return s + WRITE_BACK
+    return s + LOCAL_DURABLE if si.get("async_upload") else s
+
+
+def has_ack(doc: dict) -> bool:
+    return any(res["median"].get("value_ack") is not None
+               for per in doc["summary"]["rows"].values() for res in per.values())
+
+
+def ack_table(doc: dict) -> list[str]:
+    """For the systems that upload after close(): each write row's rate as the application saw
+    it (close returned) beside the durable rate (until the store held the data), with the
+    drain, and each one against the best peer's same kind of rate."""
+    meta = doc["meta"]
+    rows = doc["summary"]["rows"]
+    systems = [s for s in meta["systems_order"] if meta["systems"][s].get("async_upload")]
+    if not systems:
+        return []
+    out = ["### Acknowledged and durable rates\n",
+           "For the systems that upload after close(): **ack** is the rate the application saw (up to the "
+           "last close(); for fio, fio's own runtime with its final fsync), **durable** the same up to the moment "
+           "the store held every object at its full size (the figure above), **drain s** the difference. "
+           "**÷ best ack** compares ack rates, the fair comparison between systems that all return before the "
+           "upload; the systems that upload before close() have ack = durable.\n",
+           "| scenario | system | ack | durable | drain s | ack ÷ best other ack | CPU core-s/GB (incl. drain) |",
+           "|---|---|---|---|---|---|---|"]
+    n = 0
+    for r in ROWS:
+        if r.unit not in ("MB/s", "files/s"):
+            continue
+        res_all = rows.get(r.id) or {}
+        acks = {}
+        for s, res in res_all.items():
+            if res["status"] not in ("ok", "partial"):
+                continue
+            m = res["median"]
+            acks[s] = m.get("value_ack") if m.get("value_ack") is not None else (
+                None if meta["systems"].get(s, {}).get("async_upload") else m.get("value"))
+        for s in systems:
+            res = res_all.get(s)
+            if not res or res["status"] not in ("ok", "partial") or res["median"].get("value_ack") is None:
+                continue
+            m = res["median"]
+            others = {k: v for k, v in acks.items() if k != s and v is not None
+                      and not (k.startswith(PEER_BASELINE) and s.startswith(PEER_BASELINE))}
+            best = max(others.items(), key=lambda kv: kv[1]) if others else None
+            rr = f"{fmt(m['value_ack'] / best[1], 2)} ({best[0]})" if best and best[1] else "n/a"
+            out.append(f"| {r.id} | {label(meta, s)} | {fmt(m['value_ack'])} {r.unit} | {fmt(m.get('value'))} {r.unit} "
+                       f"| {fmt(m.get('durable_wait_s'))} | {rr} | {fmt(m.get('cpu_s_per_gb'))} |")
+            n += 1
+    return out + [""] if n else []
 
 
 def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
@@ -148,11 +211,17 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
     for s in systems:
         si = meta["systems"][s]
         L.append(f"  - **{label(meta, s)}** {si['version']}; options: {si['options']}")
-    if any(meta["systems"][s].get("async_upload") for s in systems):
+    if any(acks_before_durable(meta, s) for s in systems):
         L.append(f"- {WRITE_BACK} acknowledges writes before they are durable: close() returns before the "
                  "store has the data (a write-back cache), so a crash then loses acknowledged writes. Its write "
                  "rows include the wait until the store holds what was written (polled by S3 LIST), so they "
-                 "are durable rates; its create rate as the application sees it is higher.")
+                 "are durable rates; its create rate as the application sees it is higher" +
+                 (" (both: \"Acknowledged and durable rates\" below)." if has_ack(doc) else "."))
+    if any(meta["systems"][s].get("async_upload") and not acks_before_durable(meta, s) for s in systems):
+        L.append(f"- {LOCAL_DURABLE} uploads in the background (`--upload background`): close() returns once "
+                 "the data is fsync'd in a local write-back directory, so a crash loses nothing (the next "
+                 "mount uploads it). Its write rows, like †'s, include the wait until the store holds the "
+                 "data; the rate close() gives the application is beside it below.")
     L.append("- MB = 10^6 bytes, GB = 10^9 bytes.\n")
 
     L.append("## The limit: the store with no file system in between\n")
@@ -200,26 +269,37 @@ def markdown(doc: dict, plots_rel: str | None = "plots") -> str:
              "128 in flight), the others against the large-object one. "
              "**÷ limit, each repeat**: each repeat's figure divided by the limit measured at the start of "
              "that repeat.\n")
+    bg = BG in systems
     head = ["scenario", "unit"] + [label(meta, s) for s in systems] + ["bucketfs ÷ limit", "÷ limit, each repeat", "bucketfs ÷ best peer"]
+    if bg:
+        head += [f"{BG} ÷ limit", f"{BG} ÷ best peer"]
     L.append("| " + " | ".join(head) + " |")
     L.append("|" + "---|" * len(head))
     for r in ROWS:
         if not rows.get(r.id):  # a group this run did not run
             continue
         cells = []
-        bv = None
+        vals = {}
         for s in systems:
             txt, v = cell(rows[r.id].get(s))
             cells.append(txt)
-            if s == PEER_BASELINE:
-                bv = v
+            vals[s] = v
+        bv = vals.get(PEER_BASELINE)
         arrow = "↑" if r.better == "higher" else "↓"
         bp_name, _ = best_peer(doc, r.id)
         rp = ratio_peer(doc, r.id, bv)
-        L.append(f"| {r.id} | {r.unit} {arrow} | " + " | ".join(cells) +
-                 f" | {fmt(ratio_limit(doc, r.id, bv), 2)} | {' / '.join(fmt(x, 2) for x in paired_ratios(doc, r.id))}"
-                 f" | {fmt(rp, 2)}{f' ({bp_name})' if rp is not None else ''} |")
+        line = (f"| {r.id} | {r.unit} {arrow} | " + " | ".join(cells) +
+                f" | {fmt(ratio_limit(doc, r.id, bv), 2)} | {' / '.join(fmt(x, 2) for x in paired_ratios(doc, r.id))}"
+                f" | {fmt(rp, 2)}{f' ({bp_name})' if rp is not None else ''} |")
+        if bg:
+            gv = vals.get(BG)
+            gp = ratio_peer(doc, r.id, gv)
+            line += f" {fmt(ratio_limit(doc, r.id, gv), 2)} | {fmt(gp, 2)}{f' ({bp_name})' if gp is not None else ''} |"
+        L.append(line)
     L.append("")
+    ack = ack_table(doc)
+    if ack:
+        L.extend(ack)
 
     L.append("## Details\n")
     L.append("Per scenario and system: the figure; ÷ limit; ÷ best peer (speed ratio, see above); wall time of the "

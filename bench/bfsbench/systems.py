@@ -83,9 +83,12 @@ class System:
     #: rows this system cannot run at all, with the reason (reported as "unsupported")
     unsupported: dict[str, str] = {}
     #: True when close() returns before the data is in the store (write-back cache): write
-    #: phases then also time the wait until the store has it, and the report marks the system
-    #: as acknowledging writes before they are durable
+    #: phases then also time the wait until the store has it (and report the rate without
+    #: that wait beside it)
     async_upload = False
+    #: True when such a close() returns before the data is durable anywhere (a crash loses
+    #: acknowledged writes): the report marks the system with †
+    acks_before_durable = False
     #: False when files are not stored as one object each (JuiceFS: chunks plus a metadata
     #: engine): the runner then writes the shared data sets and checks what was stored through
     #: a mount instead of through S3
@@ -366,6 +369,7 @@ class S3fs(System):
 class Rclone(System):
     name = "rclone"
     async_upload = True
+    acks_before_durable = True
     stages_writes = True
 
     @classmethod
@@ -431,6 +435,7 @@ class Geesefs(Goofys):
     unsupported: dict[str, str] = {}
     # close() returns before the upload (its write-back cache; fsync does wait for it).
     async_upload = True
+    acks_before_durable = True
 
 
 # --- mountpoint-s3 ---------------------------------------------------------------------------
@@ -473,9 +478,18 @@ class MountpointS3(System):
 
 
 class BucketfsBg(Bucketfs):
-    """bucketfs with `--upload background` (issue 20): close returns once the file is durable in
-    the mount's local write-back directory; uploads follow in the background."""
+    """bucketfs with `--upload background` (issue 20): close returns once the file is durable
+    (fsync'd) in the mount's local write-back directory; uploads follow in the background. So
+    its write phases, like geesefs's and rclone's, also time the wait until the store holds
+    the data (the drain), and report the rate without it beside; unlike theirs, its writes
+    survive a crash (the next mount uploads them), so it is not marked †. Its unmount waits
+    for the uploads still to do, so a remount or a check of the bucket after it sees them."""
     name = "bucketfs-bg"
+    async_upload = True
+
+    def __init__(self, store: StoreConfig, binary: str):
+        super().__init__(store, binary)
+        self.state_dir: Path | None = None
 
     @classmethod
     def find(cls, override: str | None = None) -> str | None:
@@ -487,8 +501,22 @@ class BucketfsBg(Bucketfs):
                 return None
         return b
 
+    def setup(self, workdir: Path) -> None:
+        # The write-back directory lives under --state-dir: the run's work dir, on the local
+        # disk (the default, ~/.local/state, may be elsewhere), kept across the run's mounts
+        # so a remount would resume what an unmount left.
+        self.state_dir = workdir / "state" / self.name
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)
+
+    def options(self) -> str:
+        return super().options() + ", --upload background, --state-dir <work dir>/state (local disk)"
+
     def command(self, bucket, prefix, mnt, cache, log):
-        return super().command(bucket, prefix, mnt, cache, log) + ["--upload", "background"]
+        cmd = super().command(bucket, prefix, mnt, cache, log) + ["--upload", "background"]
+        if self.state_dir:
+            cmd += ["--state-dir", str(self.state_dir)]
+        return cmd
 
 
 # --- JuiceFS ---------------------------------------------------------------------------------
