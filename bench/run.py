@@ -301,7 +301,9 @@ def main(argv: list[str]) -> int:
         bucketfs_bin = ALL["bucketfs"].find(a.bucketfs or None)
         for name in wanted:
             cls = ALL[name]
-            binary = bucketfs_bin if name == "bucketfs" else cls.find()
+            # bucketfs-bg is the same binary (when it has --upload)
+            binary = (bucketfs_bin if name == "bucketfs" else
+                      cls.find(bucketfs_bin) if name.startswith("bucketfs") and bucketfs_bin else cls.find())
             if not binary:
                 if a.systems:
                     print(f"bench: {name} requested but not found", file=sys.stderr)
@@ -309,7 +311,7 @@ def main(argv: list[str]) -> int:
                         return 2
                 continue
             sys_ = cls(store, binary)
-            if name == "bucketfs":
+            if name.startswith("bucketfs"):
                 sys_.extra_args = shlex.split(a.bucketfs_args)
             systems.append(sys_)
         if not systems:
@@ -374,9 +376,10 @@ def main(argv: list[str]) -> int:
         # --- exit status: bucketfs must pass every scenario it ran, and the limit must work
         failed = []
         for rid, per in doc["summary"]["rows"].items():
-            res = per.get("bucketfs")
-            if res and res["status"] != "ok":
-                failed.append(f"{rid}: {res['status']}: {'; '.join(res['errors'])[:300]}")
+            for name in ("bucketfs", "bucketfs-bg"):
+                res = per.get(name)
+                if res and res["status"] != "ok":
+                    failed.append(f"{rid} ({name}): {res['status']}: {'; '.join(res['errors'])[:300]}")
         lim = doc["summary"]["limit"]
         for name, li in (("limit", lim), ("cp limit", lim.get("cp"))):
             if li and any(s.name == "bucketfs" for s in systems) and li["status"] == "error":
