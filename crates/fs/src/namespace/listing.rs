@@ -187,6 +187,15 @@ impl Namespace {
     /// instead of a HEAD and a LIST per name. Returns whether such a listing was made (or
     /// awaited, when another lookup started it); false leaves the lookup to probe its name.
     pub async fn list_for_lookups(&self, parent: Ino, parent_path: &MountPath) -> bool {
+        // A directory listed (or made) here before, whose listing went stale: its names are
+        // being looked up again (a writer creating files for longer than the stat TTL, a
+        // reader going through it), so one LIST now answers them all instead of a HEAD and
+        // a LIST per name until enough of them missed.
+        let listed_before = self
+            .table
+            .lock()
+            .get(parent)
+            .is_some_and(|p| p.listing.is_some());
         let gate = {
             let ttl = self.ttl;
             let mut all = self.dir_misses.lock();
@@ -198,7 +207,7 @@ impl Namespace {
                 *m = DirMisses::new();
             }
             m.count += 1;
-            if m.listing.is_none() && m.count >= LIST_AFTER_MISSES {
+            if m.listing.is_none() && (m.count >= LIST_AFTER_MISSES || listed_before) {
                 m.listing = Some(Arc::default());
             }
             m.listing.clone()

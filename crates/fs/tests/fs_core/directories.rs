@@ -679,3 +679,54 @@ async fn a_directory_lookup_keeps_no_page_while_a_marker_below_is_pending() {
     names.sort();
     assert_eq!(names, [".", "..", "f", "sub"]);
 }
+
+/// A directory made (or listed) here whose listing went stale while its names are still being
+/// looked up (a writer creating files for longer than the stat TTL): the first miss lists it
+/// again, once, instead of a HEAD and a LIST per name until the third miss.
+#[tokio::test]
+async fn lookups_in_a_directory_whose_listing_went_stale_list_it_at_once() {
+    use bucketfs_store::metrics::MeteredStore;
+    let mem = Arc::new(MemoryStore::with_list_metadata());
+    let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
+    let metrics = metered.metrics();
+    let cache = tempfile::tempdir().unwrap();
+    let ttl = std::time::Duration::from_millis(300);
+    let fs = Fs::new(
+        Arc::new(metered),
+        FsConfig {
+            stat_ttl: ttl,
+            negative_ttl: ttl,
+            ..config(&cache)
+        },
+    );
+    let d = fs
+        .mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0o022, ME)
+        .await
+        .unwrap();
+    let (a, open) = fs
+        .create(d.ino, OsStr::new("f0"), 0o644, 0o022, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.flush(a.ino, open.fh).await.unwrap();
+    fs.release(a.ino, open.fh).await.unwrap();
+    // Names not made yet: the fresh listing of the new directory answers them.
+    let before = metrics.total_requests();
+    for n in ["g0", "g1", "g2"] {
+        assert_eq!(
+            fs.lookup(d.ino, OsStr::new(n)).await.unwrap_err(),
+            FsError::ENOENT
+        );
+    }
+    assert_eq!(metrics.total_requests(), before);
+    tokio::time::sleep(ttl + std::time::Duration::from_millis(100)).await;
+    let (heads, lists) = (metrics.requests(Op::Head), metrics.requests(Op::List));
+    for n in ["h0", "h1", "h2", "h3"] {
+        assert_eq!(
+            fs.lookup(d.ino, OsStr::new(n)).await.unwrap_err(),
+            FsError::ENOENT
+        );
+    }
+    assert_eq!(fs.lookup(d.ino, OsStr::new("f0")).await.unwrap().size, 0);
+    assert_eq!(metrics.requests(Op::Head) - heads, 0, "no HEAD per name");
+    assert_eq!(metrics.requests(Op::List) - lists, 1, "one LIST of d");
+}
