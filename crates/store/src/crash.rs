@@ -1,6 +1,7 @@
 //! A mount's crash cleanup, as one policy: at startup, what dead daemons of the same bucket
 //! left (open uploads, temporary objects) is cleaned up from their journals; then this
-//! daemon's own journal is opened and the store wrapped so everything it starts is recorded
+//! daemon's own journal is opened and the store wrapped so that the uploads started through
+//! it ([`crate::Upload`]) and the temporary objects it writes are recorded
 //! ([`MountJournal::open`]). At shutdown, uploads still open can be aborted
 //! ([`MountJournal::abort_open_uploads`]) and the journal is removed if nothing is left
 //! ([`MountJournal::close`]); what is left is cleaned up by the next mount.
@@ -118,7 +119,11 @@ impl MountJournal {
         let mut out = Vec::new();
         for (key, id) in self.journal.live() {
             let r = tokio::time::timeout(ABORT_TIMEOUT, self.store.abort_multipart(&key, &id));
-            let what = match r.await {
+            let r = r.await;
+            if let Ok(Ok(()) | Err(StoreError::NotFound(_))) = &r {
+                self.journal.end(&key, &id);
+            }
+            let what = match r {
                 Ok(Ok(())) => ShutdownAbort::Aborted,
                 Ok(Err(e)) => ShutdownAbort::Failed(e),
                 Err(_) => ShutdownAbort::TimedOut,
@@ -252,7 +257,7 @@ fn split_endpoint(url: &str) -> Option<(&'static str, String, u16, String)> {
 mod tests {
     use super::*;
     use crate::memory::MemoryStore;
-    use crate::UserMeta;
+    use crate::{Uploads, UserMeta};
 
     #[test]
     fn endpoint_spellings() {
@@ -306,11 +311,11 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(rec.unwrap().journals, 0);
-        let id = first
-            .store()
-            .create_multipart("k", &UserMeta::new())
-            .await
-            .unwrap();
+        // The daemon dies with an upload open: in its journal, never finished.
+        let id = mem.create_multipart("k", &UserMeta::new()).await.unwrap();
+        let journal = first.store().upload_journal().unwrap();
+        journal.started("k", &id).unwrap();
+        drop(journal);
         assert_eq!(
             first.close(),
             Left {
@@ -333,9 +338,8 @@ mod tests {
         assert_eq!(rec.unwrap().aborted, vec![("k".to_string(), id)]);
         assert_eq!(mem.pending_uploads(), 0);
         // An upload open at shutdown is aborted through the journal, which then goes.
-        second
-            .store()
-            .create_multipart("k2", &UserMeta::new())
+        let _open = Uploads::new(second.store().clone())
+            .create("k2", &UserMeta::new())
             .await
             .unwrap();
         let aborted = second.abort_open_uploads().await;

@@ -2,9 +2,11 @@
 //! that died (kill -9, OOM, power loss) are aborted by the next mount of the same bucket
 //! instead of holding their parts (and their storage bill) forever.
 //!
-//! [`JournalStore`] wraps the store: every upload it creates is appended to the journal as
-//! `+ <upload id> <key>` (hex-encoded, so any key fits on a line, then `fdatasync`), and every
-//! upload it completes or aborts as `- <upload id>`. The journal is the file
+//! An [`crate::Upload`] records itself in the journal of its store
+//! ([`crate::ObjectStore::upload_journal`]: the one a [`JournalStore`] layer carries): once
+//! created, as `+ <upload id> <key>` (hex-encoded, so any key fits on a line, then
+//! `fdatasync`, before its first part), and once completed or aborted as `- <upload id>`. The
+//! journal is the file
 //! `<dir>/<tag>.<pid>.journal` (mode 0600, in a 0700 directory); `tag` names the bucket, so
 //! only mounts of the same bucket recover each other's uploads. Its first line (`s <store>`,
 //! [`UploadJournal::open_for_store`]) records which store the bucket is on, as the mount
@@ -204,6 +206,23 @@ impl UploadJournal {
             return Ok(());
         }
         g.append(&format!("- {}\n", hex::encode(upload_id)), false)
+    }
+
+    /// [`Self::finished`] of the upload of `key`, the error logged: the upload is over
+    /// whatever the journal says, and a line left over only costs the next mount an abort
+    /// that finds nothing.
+    pub fn end(&self, key: &str, upload_id: &str) {
+        if let Err(e) = self.finished(upload_id) {
+            tracing::warn!(
+                "upload journal {}: cannot record the end of the upload of {key}: {e}",
+                self.path.display()
+            );
+        }
+    }
+
+    /// The error of a store write refused because this journal could not record it.
+    pub fn failed(&self, e: io::Error) -> StoreError {
+        StoreError::Other(format!("upload journal {}: {e}", self.path.display()))
     }
 
     /// Records a temporary object about to be written; durable when this returns, so the
@@ -505,28 +524,11 @@ impl JournalStore {
         }
         self.journal
             .keeping(key)
-            .map_err(|e| self.journal_failed(e))
-    }
-
-    /// The error of a write refused because the journal could not record it.
-    fn journal_failed(&self, e: io::Error) -> StoreError {
-        StoreError::Other(format!(
-            "upload journal {}: {e}",
-            self.journal.path.display()
-        ))
+            .map_err(|e| self.journal.failed(e))
     }
 
     pub fn journal(&self) -> Arc<UploadJournal> {
         self.journal.clone()
-    }
-
-    fn finished(&self, key: &str, upload_id: &str) {
-        if let Err(e) = self.journal.finished(upload_id) {
-            tracing::warn!(
-                "upload journal {}: cannot record the end of the upload of {key}: {e}",
-                self.journal.path.display()
-            );
-        }
     }
 }
 
@@ -546,39 +548,13 @@ impl crate::layer::StoreLayer for JournalStore {
         self.keeping(key)?;
         self.inner.put_if(key, body, meta, if_match).await
     }
+    fn upload_journal(&self) -> Option<Arc<UploadJournal>> {
+        Some(self.journal.clone())
+    }
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+        // A large file copied to a temporary key (its upload itself is journaled by Upload).
         self.keeping(key)?;
-        let id = self.inner.create_multipart(key, meta).await?;
-        if let Err(e) = self.journal.started(key, &id) {
-            // Without a journal entry a crash would leave this upload behind for good: give
-            // it up now rather than risk that.
-            let _ = self.inner.abort_multipart(key, &id).await;
-            return Err(self.journal_failed(e));
-        }
-        Ok(id)
-    }
-    async fn complete_multipart(
-        &self,
-        key: &str,
-        upload_id: &str,
-        parts: &[CompletedPart],
-        if_match: Option<&str>,
-    ) -> StoreResult<String> {
-        let r = self
-            .inner
-            .complete_multipart(key, upload_id, parts, if_match)
-            .await;
-        if r.is_ok() {
-            self.finished(key, upload_id);
-        }
-        r
-    }
-    async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
-        let r = self.inner.abort_multipart(key, upload_id).await;
-        if r.is_ok() || r.as_ref().is_err_and(|e| e.is_not_found()) {
-            self.finished(key, upload_id);
-        }
-        r
+        self.inner.create_multipart(key, meta).await
     }
     async fn copy(
         &self,
@@ -650,11 +626,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemoryStore::new());
         let journal = Arc::new(UploadJournal::open(dir.path(), "t").unwrap());
-        let js = JournalStore::new(mem.clone(), journal.clone());
+        let js = Uploads::new(Arc::new(JournalStore::new(mem.clone(), journal.clone())));
         // Our upload, then the daemon "dies" (its journal is left, unlocked).
-        let ours = js.create_multipart("k1", &UserMeta::new()).await.unwrap();
-        let done = js.create_multipart("k2", &UserMeta::new()).await.unwrap();
-        js.abort_multipart("k2", &done).await.unwrap();
+        let upload = js.create("k1", &UserMeta::new()).await.unwrap();
+        let ours = upload.id().to_string();
+        std::mem::forget(upload);
+        let done = js.create("k2", &UserMeta::new()).await.unwrap();
+        done.abort().await.unwrap();
         assert_eq!(journal.live(), vec![("k1".to_string(), ours.clone())]);
         let text = std::fs::read_to_string(journal.path()).unwrap();
         let own = journal.path().to_path_buf();
@@ -886,23 +864,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemoryStore::new());
         let journal = Arc::new(UploadJournal::open(dir.path(), "t").unwrap());
-        let js = JournalStore::new(mem.clone(), journal.clone());
-        let id = js.create_multipart("k", &UserMeta::new()).await.unwrap();
-        let e = js
-            .upload_part("k", &id, 1, Bytes::from_static(b"x"))
-            .await
-            .unwrap();
-        js.complete_multipart(
-            "k",
-            &id,
-            &[CompletedPart {
-                part_number: 1,
-                etag: e,
-            }],
-            None,
-        )
-        .await
-        .unwrap();
+        let js = Uploads::new(Arc::new(JournalStore::new(mem.clone(), journal.clone())));
+        let mut upload = js.create("k", &UserMeta::new()).await.unwrap();
+        assert_eq!(journal.live().len(), 1);
+        let e = upload.part(1, Bytes::from_static(b"x")).await.unwrap();
+        let parts = [CompletedPart {
+            part_number: 1,
+            etag: e,
+        }];
+        upload.complete(&parts, None).await.unwrap();
         assert!(journal.live().is_empty());
         let text = std::fs::read_to_string(journal.path()).unwrap();
         assert_eq!(parse_journal(&text), Leftovers::default());

@@ -30,6 +30,10 @@ pub trait StoreLayer: Send + Sync + 'static {
         self.inner().limits()
     }
 
+    fn upload_journal(&self) -> Option<Arc<journal::UploadJournal>> {
+        self.inner().upload_journal()
+    }
+
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
         self.inner().head(key).await
     }
@@ -152,6 +156,10 @@ impl<L: StoreLayer> ObjectStore for L {
 
     fn limits(&self) -> StoreLimits {
         StoreLayer::limits(self)
+    }
+
+    fn upload_journal(&self) -> Option<Arc<journal::UploadJournal>> {
+        StoreLayer::upload_journal(self)
     }
 
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {

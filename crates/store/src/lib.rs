@@ -30,6 +30,7 @@ pub use upload::{run_bounded, PartRequest, Upload, Uploads};
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// The `if_match` of [`ObjectStore::put_if`] and [`ObjectStore::complete_multipart`] that
 /// asks for no object at all (S3 `If-None-Match: *`): [`StoreError::PreconditionFailed`]
@@ -46,6 +47,12 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// The sizes this store accepts (parts, copies, objects). Every backend here keeps S3's.
     fn limits(&self) -> StoreLimits {
         StoreLimits::S3
+    }
+
+    /// The crash journal the multipart uploads started through this store are recorded in
+    /// (by [`Upload`], see [`journal`]), if any: a mount's store has one, the bench's none.
+    fn upload_journal(&self) -> Option<Arc<journal::UploadJournal>> {
+        None
     }
 
     /// HEAD: size, ETag, mtime and user metadata of one object.

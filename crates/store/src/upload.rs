@@ -12,7 +12,11 @@
 //!
 //! An abort that fails (the store is down) leaves the upload on its [`Uploads`]' orphan list,
 //! which [`Uploads::retry_aborts`] works through.
+//!
+//! On a mount's store an upload is also in the crash journal ([`crate::journal`]) from its
+//! creation to its end, so that one a crash leaves open is aborted by the next mount.
 
+use crate::journal::UploadJournal;
 use crate::liveness::{operation_start, within_operation_from};
 use crate::{CompletedPart, ObjectStore, StoreError, StoreResult, UserMeta};
 use bytes::Bytes;
@@ -34,6 +38,8 @@ const ABORT_RETRY: Duration = Duration::from_secs(5);
 /// (tried again every few seconds while this lives, and by [`Uploads::retry_aborts`]).
 pub struct Uploads {
     store: Arc<dyn ObjectStore>,
+    /// The store's crash journal, if it has one: every upload is in it until it ends.
+    journal: Option<Arc<UploadJournal>>,
     /// `(key, upload id)` to abort later.
     orphans: parking_lot::Mutex<Vec<(String, String)>>,
 }
@@ -41,6 +47,7 @@ pub struct Uploads {
 impl Uploads {
     pub fn new(store: Arc<dyn ObjectStore>) -> Arc<Self> {
         let uploads = Arc::new(Self {
+            journal: store.upload_journal(),
             store,
             orphans: parking_lot::Mutex::new(Vec::new()),
         });
@@ -66,6 +73,14 @@ impl Uploads {
     /// Starts a multipart upload of `key` whose object will carry `meta`.
     pub async fn create(self: &Arc<Self>, key: &str, meta: &UserMeta) -> StoreResult<Upload> {
         let id = self.store.create_multipart(key, meta).await?;
+        if let Some(journal) = &self.journal {
+            if let Err(e) = journal.started(key, &id) {
+                // Without a journal entry a crash would leave this upload behind for good:
+                // give it up now rather than risk that.
+                let _ = self.store.abort_multipart(key, &id).await;
+                return Err(journal.failed(e));
+            }
+        }
         Ok(Upload {
             shared: Arc::new(Shared {
                 uploads: self.clone(),
@@ -87,13 +102,29 @@ impl Uploads {
     pub async fn retry_aborts(&self) {
         let todo = std::mem::take(&mut *self.orphans.lock());
         for (key, id) in todo {
-            match self.store.abort_multipart(&key, &id).await {
+            let r = self.store.abort_multipart(&key, &id).await;
+            self.ended(&key, &id, &r);
+            match r {
                 Ok(()) => tracing::info!("aborted leftover upload of {key}"),
                 Err(e) => {
                     tracing::debug!("abort of leftover upload of {key} failed again: {e}");
                     self.orphans.lock().push((key, id));
                 }
             }
+        }
+    }
+}
+
+impl Uploads {
+    /// The upload `id` of `key` is over, if `r` (its completion or abort) says so: it leaves
+    /// the journal.
+    fn ended<T>(&self, key: &str, id: &str, r: &StoreResult<T>) {
+        let over = match r {
+            Ok(_) => true,
+            Err(e) => e.is_not_found(),
+        };
+        if let (true, Some(journal)) = (over, &self.journal) {
+            journal.end(key, id);
         }
     }
 }
@@ -145,6 +176,7 @@ impl Shared {
     async fn abort(&self) -> StoreResult<()> {
         self.wait_idle().await;
         let r = self.store().abort_multipart(&self.key, &self.id).await;
+        self.uploads.ended(&self.key, &self.id, &r);
         if r.is_err() {
             self.uploads
                 .orphans
@@ -231,10 +263,14 @@ impl Upload {
         if_match: Option<&str>,
     ) -> StoreResult<String> {
         let s = &self.shared;
-        let etag = s
+        let r = s
             .store()
             .complete_multipart(&s.key, &s.id, parts, if_match)
-            .await?;
+            .await;
+        if r.is_ok() {
+            s.uploads.ended(&s.key, &s.id, &r);
+        }
+        let etag = r?;
         self.finished = true;
         Ok(etag)
     }
