@@ -1132,6 +1132,43 @@ fn check_ls(
     assert!(md.file_type().is_symlink(), "lstat of link");
 }
 
+/// A job opening files by name across many directories at once (file i in directory
+/// i % 100, 64 threads, as the bench's small-file readers do) on a cold mount: each
+/// directory's lookup lists it once and its page answers the lookups of its files, so the
+/// whole walk costs about one LIST per directory and no HEAD per file (before, lookups of
+/// many directories at once pushed each other's pages out and most files cost a HEAD and a
+/// LIST of their own).
+#[test]
+fn files_opened_across_many_directories_at_once_cost_a_list_per_directory() {
+    const DIRS: usize = 100;
+    const FILES: usize = 600;
+    let b = s3().new_bucket("lookup-wide");
+    let keys: Vec<String> = (0..FILES).map(|i| format!("t/d{:03}/f{i}", i % DIRS)).collect();
+    for k in &keys {
+        s3().put(&b, k, k.as_bytes().to_vec());
+    }
+    let m = Mount::s3(&b);
+    let before = store_requests(m.path());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..64 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(k) = keys.get(i) else { return };
+                assert_eq!(fs::read(m.join(k)).unwrap(), k.as_bytes(), "{k}");
+            });
+        }
+    });
+    let sent = requests_between(&before, &store_requests(m.path()));
+    let lists = sent.get("list").copied().unwrap_or(0);
+    let heads = sent.get("head").copied().unwrap_or(0);
+    // 100 directories and t: a LIST each (the directories' markers do not exist; their
+    // first pages say so), and a little slack for lookups that race their parent's.
+    assert!(lists <= DIRS as u64 + 20, "{sent:?}");
+    assert!(heads <= 20, "{sent:?}");
+    assert_eq!(sent.get("get").copied(), Some(FILES as u64), "{sent:?}");
+}
+
 /// Issue 6: on MinIO, listings carry the user metadata (`metadata=true`), so a cold `ls -l`
 /// of a directory costs its LIST pages and no HEAD at all, with the right modes and mtimes;
 /// a listed subdirectory's stat costs one LIST (its marker's metadata comes with it).

@@ -78,7 +78,8 @@ const STATAHEAD_CONCURRENCY: usize = 64;
 const UNUSED_LISTED_FILES: u64 = 64;
 /// Keys asked for per LIST page of a directory listing (the most S3 returns in one).
 pub const LIST_PAGE: usize = 1000;
-/// First pages of looked-up directories kept at most for their listing (oldest dropped).
+/// First pages of looked-up directories kept for their listing once their entries are in
+/// the stat cache (oldest dropped first).
 const KEPT_PAGES: usize = 16;
 /// Directories one statahead fetches a first page for: few enough that the kept pages of
 /// the directories a walk reaches first are not pushed out by those after.
@@ -112,8 +113,15 @@ impl Keep {
     fn put(self, dir_key: &str, page: ListPage) {
         let mut pages = self.pages.lock();
         pages.retain(|k| k.at.elapsed() < self.ttl && k.dir_key != dir_key);
-        if pages.len() >= KEPT_PAGES {
-            pages.pop_front();
+        // A page not fed yet belongs to a lookup still finishing, which feeds the stat cache
+        // from it: older fed pages go first, so many directories looked up at once (a job
+        // opening files across a tree) do not each lose theirs and probe every file alone.
+        // Unfed pages are as many as such lookups in flight, and expire with the TTL.
+        while pages.len() >= KEPT_PAGES {
+            match pages.iter().position(|k| k.fed) {
+                Some(i) => drop(pages.remove(i)),
+                None => break,
+            }
         }
         pages.push_back(KeptPage {
             dir_key: dir_key.to_string(),
@@ -309,22 +317,53 @@ impl Lookups {
         epoch: u64,
     ) -> FsResult<(Found, bool)> {
         let r = self.stat_keeping(path, Some(epoch)).await;
-        if matches!(&r, Ok((f, false)) if f.kind == FileKind::Dir) {
-            self.feed_kept(path);
+        if matches!(&r, Ok((f, false)) if f.kind == FileKind::Dir) && !self.feed_kept(path) {
+            // It joined a probe that fetched no page (a statahead's one-key LIST): the page
+            // now, so that the lookups of its entries which usually follow (a job opening
+            // files across a tree) cost nothing instead of a HEAD and a LIST each.
+            self.fetch_page(path, epoch).await;
         }
         r
     }
 
+    /// Fetches the first page of directory `path` as its lookup would and feeds the stat
+    /// cache from it. Errors are left to the lookups that follow.
+    async fn fetch_page(&self, path: &MountPath, epoch: u64) {
+        if self.limits.ttl.is_zero() {
+            return;
+        }
+        let keep = Keep {
+            pages: self.kept.clone(),
+            epoch,
+            ttl: self.limits.ttl,
+            detail: if self.list_user_meta.load(Ordering::Relaxed) {
+                ListDetail::UserMeta
+            } else {
+                ListDetail::Plain
+            },
+        };
+        let key = self.keys.key(path).into_string();
+        if probe(self.store.clone(), key, Some(FileKind::Dir), Some(keep))
+            .await
+            .is_ok()
+        {
+            self.feed_kept(path);
+        }
+    }
+
     /// Caches what the page kept by the lookup of directory `path` shows about its entries,
     /// so that looking them up (a path walk, a program opening files by name) needs no
-    /// request either.
-    fn feed_kept(&self, path: &MountPath) {
+    /// request either. False when no page of it is kept (fed already or not).
+    fn feed_kept(&self, path: &MountPath) -> bool {
         let dir_key = self.keys.dir_key(path);
         let (entries, epoch) = {
             let mut kept = self.kept.lock();
-            let Some(k) = kept.iter_mut().find(|k| dir_key == *k.dir_key && !k.fed) else {
-                return;
+            let Some(k) = kept.iter_mut().find(|k| dir_key == *k.dir_key) else {
+                return false;
             };
+            if k.fed {
+                return true;
+            }
             k.fed = true;
             let entries: Vec<(MountPath, Found)> =
                 page_entries(&k.page, dir_key.len(), path.is_root())
@@ -337,6 +376,7 @@ impl Lookups {
         for (p, found) in entries {
             self.learned(&p, found, epoch, false);
         }
+        true
     }
 
     /// The first LIST page of directory `dir_key` a lookup kept (marker first), with the epoch
