@@ -56,6 +56,8 @@ struct Cached {
     complete: bool,
     /// Learned from a directory listing (not yet stat'ed since).
     from_listing: bool,
+    /// A directory stat'ed ahead without its first page: its lookup fetches it.
+    page_due: bool,
     at: Instant,
 }
 
@@ -246,6 +248,7 @@ impl Lookups {
                 found,
                 complete,
                 from_listing,
+                page_due: false,
                 at: Instant::now(),
             },
         );
@@ -317,10 +320,16 @@ impl Lookups {
         epoch: u64,
     ) -> FsResult<(Found, bool)> {
         let r = self.stat_keeping(path, Some(epoch)).await;
-        if matches!(&r, Ok((f, false)) if f.kind == FileKind::Dir) && !self.feed_kept(path) {
-            // It joined a probe that fetched no page (a statahead's one-key LIST): the page
-            // now, so that the lookups of its entries which usually follow (a job opening
-            // files across a tree) cost nothing instead of a HEAD and a LIST each.
+        let page_missing = match &r {
+            Ok((f, false)) => f.kind == FileKind::Dir && !self.feed_kept(path),
+            Ok((_, true)) => self.fresh(path).is_some_and(|c| c.page_due),
+            Err(_) => false,
+        };
+        if page_missing {
+            // Found by a probe that fetched no page (a statahead's one-key LIST, which this
+            // lookup joined or found cached): the page now, so that the lookups of its
+            // entries which usually follow (a job opening files across a tree) cost nothing
+            // instead of a HEAD and a LIST each.
             self.fetch_page(path, epoch).await;
         }
         r
@@ -375,6 +384,9 @@ impl Lookups {
         // counting them twice would look like a walk that stats nothing.
         for (p, found) in entries {
             self.learned(&p, found, epoch, false);
+        }
+        if let Some(c) = self.cache.lock().get_mut(path) {
+            c.page_due = false;
         }
         true
     }
@@ -488,10 +500,17 @@ impl Lookups {
                 .for_each_concurrent(STATAHEAD_CONCURRENCY, |(p, dir)| {
                     let this = this.clone();
                     async move {
-                        let _ = match dir {
-                            true => this.stat_before_listing(&p, epoch).await,
-                            false => this.stat(&p).await,
-                        };
+                        match dir {
+                            true => drop(this.stat_before_listing(&p, epoch).await),
+                            false => {
+                                if matches!(this.stat(&p).await, Ok((f, _)) if f.kind == FileKind::Dir)
+                                {
+                                    if let Some(c) = this.cache.lock().get_mut(&p) {
+                                        c.page_due = true;
+                                    }
+                                }
+                            }
+                        }
                     }
                 })
                 .await;
