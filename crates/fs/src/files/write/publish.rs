@@ -1,0 +1,375 @@
+//! Storing a write state's content: publish (one PUT, or the multipart upload completed from
+//! streamed, sent and copied parts, pinned to the base) and, in background mode, commit to
+//! the write-back directory.
+
+use super::*;
+
+impl WriteState {
+    /// Background mode's publish: makes the current content, with its metadata, durable as
+    /// an entry of the write-back directory (see [`crate::files::writeback`]) that uploads
+    /// in the background. The entry's file then serves as this state's content (read as is,
+    /// copied before any change), so nothing of the base object is needed any more: base
+    /// bytes not at hand are fetched first. `ino` names the file to the upload's callback.
+    pub async fn commit(&mut self, ino: Ino) -> FsResult<()> {
+        let wb = self.cfg.writeback.clone().expect("background mode");
+        if !self.has_changes_to_publish() {
+            return Ok(());
+        }
+        let size = self.size();
+        if let Some(t) = self.mtime {
+            mtime_into(&mut self.meta, t);
+        }
+        self.settle_spills().await;
+        let r = self.commit_into(&wb, ino, size).await;
+        inc(if r.is_ok() {
+            &self.cfg.metrics.files_published
+        } else {
+            &self.cfg.metrics.publish_errors
+        });
+        let (seq, (file, offset)) = match r {
+            Ok(x) => x,
+            Err(e) => {
+                self.phase = Phase::Failed;
+                return Err(e);
+            }
+        };
+        self.tail = None;
+        self.staging = Some(file);
+        self.staging_offset = offset;
+        self.staging_direct = None;
+        self.staging_shared = true;
+        self.local = Extents::default();
+        self.dirty = Extents::default();
+        if size > 0 {
+            self.local.insert(0..size);
+            self.dirty.insert(0..size);
+        }
+        self.base = None;
+        self.base_len = 0;
+        self.generations.clear();
+        self.uploaded_only.clear();
+        self.committed = Some(seq);
+        self.phase = Phase::Clean;
+        self.conflict = false;
+        Ok(())
+    }
+
+    pub(super) async fn commit_into(
+        &mut self,
+        wb: &Arc<WriteBack>,
+        ino: Ino,
+        size: u64,
+    ) -> FsResult<(u64, (Arc<File>, u64))> {
+        self.localize().await?;
+        let origin = match self.base_etag() {
+            Some(e) => Cond::Match(e.to_string()),
+            None => Cond::Absent,
+        };
+        let mut slot = wb
+            .begin(&self.key, size, &self.meta, self.committed, origin)
+            .await?;
+        let mut at = 0;
+        while at < size {
+            let n = (size - at).min(COMMIT_CHUNK);
+            // A buffer of the budget, held until its bytes are written.
+            let (buf, _mem) = self.cfg.budget.buffer(n).await.split_mem();
+            let r = match self.assemble_into(at..at + n, buf).await {
+                Ok(b) => slot.write(b.freeze(n as usize)).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = r {
+                wb.abandon(slot);
+                return Err(e);
+            }
+            at += n;
+        }
+        let file = slot.file();
+        let seq = wb.commit(slot, ino).await?;
+        Ok((seq, file))
+    }
+
+    /// Fetches every byte still only in the base object into the staging file.
+    pub(super) async fn localize(&mut self) -> FsResult<()> {
+        let end = self.base_len.min(self.size());
+        let missing: Vec<Range<u64>> = self
+            .sources(0..end)
+            .into_iter()
+            .filter(|(_, src)| *src == Source::Base)
+            .map(|(r, _)| r)
+            .collect();
+        for r in missing {
+            let mut at = r.start;
+            while at < r.end {
+                let n = (r.end - at).min(COMMIT_CHUNK);
+                let data = self.get_base(at..at + n).await?;
+                self.stage(at, data).await?;
+                self.local.insert(at..at + n);
+                at += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// Uploads the current content as the object, if anything changed. On success the file is
+    /// clean and the new object is the base; on failure the content stays staged (a later
+    /// flush tries again) and any multipart upload is aborted.
+    pub async fn publish(&mut self) -> FsResult<()> {
+        if !self.has_changes_to_publish() {
+            return Ok(());
+        }
+        if self.conflict && self.publish_condition().is_some() {
+            // Said already, with the log line; nothing to ask the store.
+            return Err(FsError::ESTALE);
+        }
+        let size = self.size();
+        if let Some(t) = self.mtime {
+            mtime_into(&mut self.meta, t);
+        }
+        self.settle_spills().await;
+        // Bytes only the open upload holds can only be published by completing it.
+        let result = if size <= self.cfg.layout.part_size && self.uploaded_only.is_empty() {
+            self.abort_stream().await;
+            self.publish_small(size).await
+        } else {
+            self.publish_multipart(size).await
+        };
+        self.phase = if result.is_ok() {
+            Phase::Clean
+        } else {
+            Phase::Failed
+        };
+        self.conflict = result == Err(FsError::ESTALE);
+        inc(if result.is_ok() {
+            &self.cfg.metrics.files_published
+        } else {
+            &self.cfg.metrics.publish_errors
+        });
+        match result {
+            Ok(etag) => {
+                self.base = Some(Base { etag, size });
+                self.base_len = size;
+                self.dirty.clear();
+                self.generations.clear();
+                // Bytes only an uploaded part held are in the new object now.
+                self.uploaded_only.clear();
+                // What is on disk (`local`) and in the tail equals the new object: keep it for
+                // later reads.
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One PUT of the whole file. Its body is a budget buffer (many small files published at
+    /// once must not each hold a copy outside the budget), held for the request.
+    pub(super) async fn publish_small(&mut self, size: u64) -> FsResult<String> {
+        if size == 0 {
+            return self.put_whole(Bytes::new()).await;
+        }
+        let len = size as usize;
+        let (mut buf, _mem) = self.cfg.budget.buffer(size).await.split_mem();
+        let in_tail = self
+            .tail
+            .as_ref()
+            .is_some_and(|t| t.start == 0 && t.end() == size);
+        if in_tail {
+            // Written in one go and still in memory: no disk. The tail stays, for reads and
+            // appends after this publish (fsync).
+            let tail = self.tail.as_ref().expect("checked").buf.as_slice();
+            buf.as_mut_slice()[..len].copy_from_slice(tail);
+            return self.put_whole(buf.freeze(len)).await;
+        }
+        let body = self.assemble_into(0..size, buf).await?.freeze(len);
+        let r = self.put_whole(body.clone()).await;
+        // The whole small file is at hand: keep it, so the next rewrite of a few bytes needs
+        // no GET.
+        if r.is_ok() && self.stage(0, body).await.is_ok() {
+            self.local.insert(0..size);
+            self.tail = None;
+        }
+        r
+    }
+
+    pub(super) async fn put_whole(&self, body: Bytes) -> FsResult<String> {
+        let pin = self.publish_condition();
+        self.store
+            .put_if(&self.key, body, &self.meta, pin)
+            .await
+            .map_err(|e| self.publish_err(&format!("upload {}", self.key), e, pin.is_some()))
+    }
+
+    /// The ETag the published object must replace (`If-Match`): the base's, when the new
+    /// content keeps any of its bytes (a partial rewrite: append, pwrite, truncate/extend).
+    /// A whole rewrite keeps nothing of it and replaces whatever is there (last writer wins).
+    pub(super) fn publish_condition(&self) -> Option<&str> {
+        let keeps_base = self
+            .dirty
+            .segments(0..self.base_len)
+            .any(|(_, dirty)| !dirty);
+        self.base_etag().filter(|_| keeps_base)
+    }
+
+    /// A publish step failed. Under a pin, a failed precondition or a missing object means
+    /// another client replaced or deleted the object since this file's base was read: the
+    /// publish is refused (ESTALE), and the other version stays.
+    pub(super) fn publish_err(&self, what: &str, e: StoreError, pinned: bool) -> FsError {
+        match e {
+            StoreError::PreconditionFailed(_) | StoreError::NotFound(_) if pinned => {
+                tracing::warn!(
+                    "{}: changed by another client since this file was opened; not published \
+                     (ESTALE), the other client's version is kept ({what}: {e})",
+                    self.key
+                );
+                FsError::ESTALE
+            }
+            e => log_store_err(what, e),
+        }
+    }
+
+    pub(super) async fn publish_multipart(&mut self, size: u64) -> FsResult<String> {
+        let key = self.key.clone();
+        let parts = self.cfg.layout.parts(size);
+        if parts.len() > self.cfg.limits.max_parts as usize {
+            return Err(FsError::EFBIG);
+        }
+        self.start_stream().await?;
+        match self.send_parts(&parts).await {
+            Ok(completed) => {
+                let pin = self.publish_condition().map(str::to_string);
+                let stream = self.stream.as_mut().expect("stream");
+                let done = stream.upload.complete(&completed, pin.as_deref()).await;
+                match done {
+                    Ok(etag) => {
+                        self.stream = None;
+                        Ok(etag)
+                    }
+                    Err(e) => {
+                        let what = format!("complete upload of {key}");
+                        let e = self.publish_err(&what, e, pin.is_some());
+                        self.drop_failed_stream(e).await;
+                        Err(e)
+                    }
+                }
+            }
+            Err(e) => {
+                self.drop_failed_stream(e).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// After a publish failed with `e`: the upload is aborted, unless it holds bytes found
+    /// nowhere else and a later try may work; then it stays for that try (and is aborted
+    /// when the file is dropped). After a conflict (ESTALE) no try can work.
+    pub(super) async fn drop_failed_stream(&mut self, e: FsError) {
+        if self.uploaded_only.is_empty() || e == FsError::ESTALE {
+            self.abort_stream().await;
+        }
+    }
+
+    /// Makes sure every part of the object is uploaded; returns them in order.
+    pub(super) async fn send_parts(
+        &mut self,
+        parts: &[Range<u64>],
+    ) -> FsResult<Vec<CompletedPart>> {
+        let indexes: Vec<u64> = self
+            .stream
+            .as_ref()
+            .map(|s| s.slots.keys().copied().collect())
+            .unwrap_or_default();
+        for i in indexes {
+            self.settle_part(i).await;
+        }
+        let stream = self.stream.as_ref().expect("stream");
+        let upload = &stream.upload;
+        // Parts uploaded early and unchanged since are kept; failed ones whose bytes are
+        // nowhere else are sent from memory.
+        let mut reuse: BTreeMap<u64, String> = BTreeMap::new();
+        let mut resend: BTreeMap<u64, Bytes> = BTreeMap::new();
+        for (i, slot) in &stream.slots {
+            let current = self.generations.get(i).copied().unwrap_or(0);
+            let full = parts
+                .get(*i as usize)
+                .is_some_and(|r| *r == self.cfg.layout.bounds(*i));
+            match slot {
+                PartSlot::Done { generation, etag } if *generation == current && full => {
+                    reuse.insert(*i, etag.clone());
+                }
+                PartSlot::Failed {
+                    generation,
+                    kept: Some((body, _)),
+                } if *generation == current && full => {
+                    resend.insert(*i, body.clone());
+                }
+                _ => {}
+            }
+        }
+        let this = &*self;
+        // Collected and boxed so the caller's future stays provably Send
+        // (rust-lang/rust#102211).
+        let jobs: Vec<BoxFuture<'_, FsResult<CompletedPart>>> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let reused = reuse.get(&(i as u64)).cloned();
+                let kept = resend.get(&(i as u64)).cloned();
+                async move {
+                    let number = i as u32 + 1;
+                    let etag = match reused {
+                        Some(etag) => etag,
+                        None => this.send_part(upload, number, r.clone(), kept).await?,
+                    };
+                    Ok::<_, FsError>(CompletedPart {
+                        part_number: number,
+                        etag,
+                    })
+                }
+                .boxed()
+            })
+            .collect();
+        run_bounded(jobs, self.cfg.upload_concurrency).await
+    }
+
+    /// One part at publish: `kept` (the bytes of a failed early upload) if given, else copied
+    /// from the base when untouched, else sent.
+    pub(super) async fn send_part(
+        &self,
+        upload: &Upload,
+        number: u32,
+        r: Range<u64>,
+        kept: Option<Bytes>,
+    ) -> FsResult<String> {
+        let what = format!("upload part {number} of {}", self.key);
+        if kept.is_none() && r.end <= self.base_len && !self.dirty.intersects(&r) {
+            // Untouched since the base was uploaded: copy it server-side, from the base only.
+            let pin = self.base_etag();
+            return upload
+                .copy_part(number, &self.key, r, pin)
+                .await
+                .map_err(|e| self.publish_err(&what, e, pin.is_some()));
+        }
+        let (body, _mem) = match kept {
+            // Its budget is held by the slot that kept it.
+            Some(body) => (body, None),
+            None => {
+                let len = (r.end - r.start) as usize;
+                let (buf, mem) = self.cfg.budget.buffer(len as u64).await.split_mem();
+                (self.assemble_into(r, buf).await?.freeze(len), Some(mem))
+            }
+        };
+        upload
+            .part(number, body)
+            .await
+            .map_err(|e| log_store_err(&what, e))
+    }
+
+    /// Aborts the multipart upload in progress, if any, once its running part uploads are
+    /// done (see `bucketfs_store::upload`).
+    pub async fn abort_stream(&mut self) {
+        if let Some(stream) = self.stream.take() {
+            if let Err(e) = stream.upload.abort().await {
+                tracing::warn!("abort upload of {}: {e}; will retry", self.key);
+            }
+        }
+    }
+}
