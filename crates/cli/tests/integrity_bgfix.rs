@@ -395,3 +395,44 @@ fn the_writeback_directory_is_fsynced_into_its_parents_when_made() {
         );
     }
 }
+
+/// When what a background mount left cannot be uploaded (here another client wrote the key
+/// since: a conflict), a mount without `--upload background` refuses to start with one line
+/// that says so, instead of ignoring it; the file stays for a background mount.
+#[test]
+fn a_sync_mount_refuses_when_what_was_left_cannot_be_uploaded() {
+    let b = s3().new_bucket("bgfixj2");
+    let state = state_dir();
+    let mut m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "600"],
+    )
+    .mount();
+    write_file(&m.join("k"), b"ours");
+    m.kill9();
+    drop(m);
+    s3().put(&b, "k", b"theirs".to_vec());
+    let spec = MountSpec::s3(&b, "")
+        .arg("--state-dir")
+        .arg(state.path().to_str().unwrap());
+    let err = match Mount::start(spec) {
+        Ok(_) => panic!("the mount started with an acknowledged file it could not upload"),
+        Err(e) => e,
+    };
+    assert!(
+        err.contains(
+            "1 of 1 file(s) a mount with --upload background acknowledged could not be uploaded"
+        ),
+        "{err}"
+    );
+    assert_eq!(s3().get(&b, "k").unwrap(), b"theirs");
+    // A background mount still has it (as a conflict).
+    let m = background(MountSpec::s3(&b, ""), state.path(), &[]).mount();
+    assert_eq!(
+        pending_lines(m.path(), "conflict"),
+        1,
+        "{}",
+        pending(m.path())
+    );
+}
