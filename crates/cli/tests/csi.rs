@@ -1236,10 +1236,10 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// A pod's container uses a bind mount of the target made in its own mount namespace. When
-/// the daemon dies, the driver mounts the target again and replaces the pod's bind of the
-/// dead mount by the new one: the pod reads old and new files again (before: `ENOTCONN` until
-/// the container restarted).
+/// A daemon dies and the driver mounts the target again: a pod's bind of the whole volume
+/// gets the new mount, a read-only one gets it read-only, and a bind of a subdirectory
+/// (`subPath`, whose directory the bucket's content chooses) is left dead rather than
+/// resolved through what may be a symlink by now.
 #[test]
 fn csi_a_pods_bind_of_a_dead_daemons_mount_gets_the_new_mount() {
     let bucket = s3().new_bucket("csi-podbind");
@@ -1253,23 +1253,34 @@ fn csi_a_pods_bind_of_a_dead_daemons_mount_gets_the_new_mount() {
     c.publish(publish_request(&vol, &target, &ctx, false))
         .expect("NodePublishVolume");
     fs::write(target.join("old.txt"), "old").unwrap();
+    fs::create_dir(target.join("sub")).unwrap();
+    fs::write(target.join("sub/s.txt"), "s").unwrap();
     let view = dir.path().join("pod-view");
-    fs::create_dir(&view).unwrap();
+    let ro_view = dir.path().join("pod-ro-view");
+    let sub_view = dir.path().join("pod-sub-view");
+    for v in [&view, &ro_view, &sub_view] {
+        fs::create_dir(v).unwrap();
+    }
     let pod = KillOnDrop(
         Command::new("unshare")
             .args(["--mount", "--propagation", "private", "sh", "-c"])
-            .arg("mount --bind \"$1\" \"$2\" && exec sleep 120")
+            .arg(
+                "mount --bind \"$1\" \"$2\" && mount --bind \"$1\" \"$3\" \
+                 && mount -o remount,bind,ro \"$3\" && mount --bind \"$1/sub\" \"$4\" \
+                 && exec sleep 120",
+            )
             .arg("sh")
             .arg(&target)
             .arg(&view)
+            .arg(&ro_view)
+            .arg(&sub_view)
             .spawn()
             .unwrap(),
     );
     let pid = pod.0.id().to_string();
-    let in_pod = |name: &str| {
+    let in_pod = |script: &str| {
         let out = Command::new("nsenter")
-            .args(["-t", &pid, "-m", "cat"])
-            .arg(view.join(name))
+            .args(["-t", &pid, "-m", "sh", "-c", script])
             .output()
             .unwrap();
         (
@@ -1277,8 +1288,10 @@ fn csi_a_pods_bind_of_a_dead_daemons_mount_gets_the_new_mount() {
             String::from_utf8_lossy(&out.stdout).into_owned(),
         )
     };
-    wait_for("the pod's bind mount", Duration::from_secs(10), || {
-        in_pod("old.txt") == (true, "old".into())
+    let cat = |p: &Path| format!("cat '{}'", p.display());
+    wait_for("the pod's bind mounts", Duration::from_secs(10), || {
+        in_pod(&cat(&view.join("old.txt"))) == (true, "old".into())
+            && in_pod(&cat(&sub_view.join("s.txt"))) == (true, "s".into())
     });
 
     let daemon = daemon_of(&target);
@@ -1291,9 +1304,21 @@ fn csi_a_pods_bind_of_a_dead_daemons_mount_gets_the_new_mount() {
     wait_for(
         "the pod to see the new mount",
         Duration::from_secs(10),
-        || in_pod("new.txt") == (true, "new".into()),
+        || {
+            in_pod(&cat(&view.join("new.txt"))) == (true, "new".into())
+                && in_pod(&cat(&ro_view.join("new.txt"))) == (true, "new".into())
+        },
     );
-    assert_eq!(in_pod("old.txt"), (true, "old".into()));
+    assert_eq!(in_pod(&cat(&view.join("old.txt"))), (true, "old".into()));
+    // The read-only bind stays read-only.
+    let w = format!("echo x > '{}'", ro_view.join("w.txt").display());
+    assert!(!in_pod(&w).0, "a write through the read-only bind worked");
+    assert!(!target.join("w.txt").exists());
+    // The subPath bind is left dead.
+    assert!(
+        !in_pod(&cat(&sub_view.join("s.txt"))).0,
+        "the subPath bind was replaced"
+    );
     drop(pod);
     c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
     assert!(!fuse_mounted(&target));

@@ -35,6 +35,9 @@ pub const HEAL_INTERVAL: Duration = Duration::from_secs(5);
 
 /// How long a daemon may take to mount (it checks the bucket first).
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Time a daemon has after a clean unmount to store what it holds, even past the unpublish
+/// deadline, before it is killed.
+const DAEMON_GRACE: Duration = Duration::from_secs(30);
 
 /// What the driver remembers of one published target.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -454,6 +457,7 @@ impl Mounts {
             + self.unpublish_timeout;
         let rec = self.load(target);
         let pid = rec.as_ref().and_then(live_pid).unwrap_or(0);
+        let mut unmounted_now = false;
         if let Some(t) = mounted_fstype(target) {
             if !is_fuse(&t) {
                 return Err(MountError::Internal(format!(
@@ -464,7 +468,7 @@ impl Mounts {
             if !daemon_alive(pid, target) {
                 // A dead daemon leaves ENOTCONN behind: only a detach clears it.
                 detach(target);
-            } else if let Err(e) = unmount(target) {
+            } else if let Err(e) = unmount(target).inspect(|()| unmounted_now = true) {
                 if Instant::now() < deadline {
                     return Err(MountError::Busy(format!(
                         "{e}; retry (after {:?} the mount is detached and its daemon killed)",
@@ -479,12 +483,20 @@ impl Mounts {
                 detach(target);
             }
         }
-        // The daemon exits once it has stored every file still being written.
+        // The daemon exits once it has stored every file still being written. Killed only
+        // once the deadline has passed and, when this call unmounted it cleanly, it had
+        // DAEMON_GRACE since (a mount busy until just before the deadline leaves it uploads
+        // to finish; a detached one is the last resort, its daemon likely hung).
+        let kill_at = match unmounted_now {
+            true => deadline.max(Instant::now() + DAEMON_GRACE),
+            false => deadline,
+        };
         while daemon_alive(pid, target) {
-            if Instant::now() >= deadline {
+            if Instant::now() >= kill_at {
                 warn!(
-                    "the daemon of {} (pid {pid}) has not exited {:?} after the unmount: \
-                     killing it (files it had not stored are lost)",
+                    "the daemon of {} (pid {pid}) has not exited {:?} after the first \
+                     unpublish and {DAEMON_GRACE:?} after the unmount: killing it (files it \
+                     had not stored are lost)",
                     target.display(),
                     self.unpublish_timeout
                 );

@@ -8,6 +8,12 @@
 //! it by a copy of the new mount (`open_tree` of the target, then, in that namespace, a
 //! detach of the dead one and `move_mount` of the copy). Files the pod had open on the dead
 //! mount stay dead; new opens work.
+//!
+//! Only what can be replaced safely is: a bind of the whole volume (a `subPath` bind names a
+//! directory the bucket's content chooses, which may be a symlink by now), with nothing
+//! mounted below it (a detach would take it away), seen by a process at its namespace's root.
+//! The copy gets the old mount's `ro`, `nosuid`, `nodev` and `noexec`, and is private unless
+//! the old one was shared. Anything else is logged and left dead: its pod must restart.
 
 use std::collections::HashSet;
 use std::ffi::CString;
@@ -22,6 +28,19 @@ use tracing::{info, warn};
 
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+
+/// `struct mount_attr` of mount_setattr(2).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
 
 /// The dead file system at a target, held open: while it is, its device number (`MAJ:MIN`)
 /// names it and no other (a freed one could be given to the next mount, another volume's).
@@ -68,25 +87,50 @@ pub fn replace_dead_binds(dead: &Dead, target: &Path) -> usize {
         let Ok(ns) = fs::read_link(format!("/proc/{pid}/ns/mnt")) else {
             continue;
         };
-        if Some(&ns) == own.as_ref() || !seen.insert(ns) {
+        if Some(&ns) == own.as_ref() || seen.contains(&ns) {
             continue;
         }
+        // Mount points in its mountinfo are seen from its root: only a process at the root
+        // of its namespace names them as the namespace does (a chroot'ed one does not).
+        if fs::read_link(format!("/proc/{pid}/root")).ok().as_deref() != Some(Path::new("/")) {
+            continue;
+        }
+        // The namespace held before its mountinfo is read, and checked after: a pid reused
+        // meanwhile by a process of another namespace is skipped.
+        let Ok(ns_file) = File::open(format!("/proc/{pid}/ns/mnt")) else {
+            continue;
+        };
         let Ok(text) = fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
             continue;
         };
-        for line in text.lines() {
-            let f: Vec<&str> = line.split(' ').collect();
-            if f.len() < 5 || f[2] != dead {
+        if fs::read_link(format!("/proc/{pid}/ns/mnt")).ok().as_ref() != Some(&ns) {
+            continue;
+        }
+        seen.insert(ns);
+        let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
+        for f in &lines {
+            if f.len() < 7 || f[2] != dead {
                 continue;
             }
             let (root, point) = (crate::mounts::unescape(f[3]), crate::mounts::unescape(f[4]));
-            let source = target.join(root.trim_start_matches('/'));
-            match replace_in(pid, &source, &point) {
+            let why_not = if root != "/" {
+                Some("it is a bind of a subdirectory (subPath)")
+            } else if lines.iter().any(|c| c.len() > 1 && c[1] == f[0]) {
+                Some("something is mounted below it")
+            } else {
+                None
+            };
+            if let Some(why) = why_not {
+                warn!("left the dead mount at {point} (process {pid}'s namespace): {why}; its pod must restart");
+                continue;
+            }
+            let attrs = copy_attrs(f);
+            match replace_in(&ns_file, target, &point, &attrs) {
                 Ok(()) => {
                     replaced += 1;
                     info!(
                         "replaced the dead mount at {point} (process {pid}'s namespace) by {}",
-                        source.display()
+                        target.display()
                     );
                 }
                 Err(e) => warn!("replacing the dead mount at {point} of process {pid}: {e}"),
@@ -96,8 +140,32 @@ pub fn replace_dead_binds(dead: &Dead, target: &Path) -> usize {
     replaced
 }
 
-/// In `pid`'s mount namespace: detach what is at `point`, attach a copy of `source` there.
-fn replace_in(pid: u32, source: &Path, point: &str) -> io::Result<()> {
+/// The attributes a copy replacing the mount of mountinfo line `f` gets: its per-mount
+/// flags (field 6), and private propagation unless it was shared (optional fields).
+fn copy_attrs(f: &[&str]) -> MountAttr {
+    let mut set = 0;
+    for o in f[5].split(',') {
+        set |= match o {
+            "ro" => MOUNT_ATTR_RDONLY,
+            "nosuid" => MOUNT_ATTR_NOSUID,
+            "nodev" => MOUNT_ATTR_NODEV,
+            "noexec" => MOUNT_ATTR_NOEXEC,
+            _ => 0,
+        };
+    }
+    let optional = f[6..].iter().take_while(|o| **o != "-");
+    let shared = optional.clone().any(|o| o.starts_with("shared:"));
+    MountAttr {
+        attr_set: set,
+        attr_clr: 0,
+        propagation: if shared { 0 } else { libc::MS_PRIVATE },
+        userns_fd: 0,
+    }
+}
+
+/// In the mount namespace `ns`: detach what is at `point`, attach a copy of `source` there
+/// with `attrs`.
+fn replace_in(ns: &File, source: &Path, point: &str, attrs: &MountAttr) -> io::Result<()> {
     let src = CString::new(source.as_os_str().as_bytes())?;
     let dst = CString::new(point)?;
     // SAFETY: plain syscall; the returned descriptor is owned below.
@@ -114,7 +182,21 @@ fn replace_in(pid: u32, source: &Path, point: &str) -> io::Result<()> {
     }
     // SAFETY: a descriptor open_tree just returned.
     let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
-    let ns = File::open(format!("/proc/{pid}/ns/mnt"))?;
+    // SAFETY: plain syscall on the descriptor above and a struct of the size given.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            attrs as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let ns = ns.try_clone()?;
     let mut cmd = Command::new("/bin/true");
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
