@@ -549,6 +549,17 @@ impl Mounts {
             if self.load(&r.target).as_ref() != Some(&r) {
                 continue;
             }
+            // Nor is a volume being unpublished mounted again (its pod is leaving: a new
+            // daemon would hold its credentials for nothing); the next unpublish call
+            // clears what is left.
+            if self
+                .unpublishing
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&r.target)
+            {
+                continue;
+            }
             let fstype = mounted_fstype(&r.target);
             let live = live_pid(&r);
             if let Some(pid) = live.filter(|p| *p != r.pid) {
