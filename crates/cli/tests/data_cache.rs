@@ -15,38 +15,18 @@ const MIB: u64 = 1024 * 1024;
 /// These tests look at the block files: passthrough, which assembles a file's blocks into one
 /// whole copy, is off (its tests are in passthrough.rs).
 fn mount_cached(bucket: &str, dir: &Path, extra: &[&str]) -> (Mount, String) {
-    let addr = free_local_addr();
-    let mut spec = MountSpec::s3(bucket, "")
-        .arg("--no-passthrough")
-        .arg("--data-cache")
-        .arg(dir.to_str().unwrap())
-        .arg("--metrics-addr")
-        .arg(&addr);
-    for a in extra {
-        spec = spec.arg(a);
-    }
-    (spec.mount(), addr)
+    mount_data_cache(bucket, dir, &["--no-passthrough"], extra)
 }
 
 /// Block files (not temporaries) under the cache directory, with their sizes.
 fn block_files(dir: &Path) -> Vec<(PathBuf, u64)> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let md = e.metadata().unwrap();
-            if md.is_dir() {
-                todo.push(e.path());
-            } else if !e.file_name().to_string_lossy().starts_with(".tmp-") {
-                out.push((e.path(), md.len()));
-            }
-        }
-    }
-    out.sort();
-    out
+    cache_files(dir, "")
+        .into_iter()
+        .map(|p| {
+            let len = std::fs::metadata(&p).unwrap().len();
+            (p, len)
+        })
+        .collect()
 }
 
 fn wait_blocks(dir: &Path, n: usize) {

@@ -12,43 +12,18 @@ use std::time::{Duration, Instant};
 
 const MIB: u64 = 1024 * 1024;
 
-/// A mount of `bucket` caching data in `dir`, serving metrics at the returned address.
+/// A mount of `bucket` caching data in `dir` with passthrough, serving metrics at the
+/// returned address.
 fn mount_cached(bucket: &str, dir: &Path, extra: &[&str]) -> (Mount, String) {
-    let addr = free_local_addr();
-    let mut spec = MountSpec::s3(bucket, "")
-        .arg("--data-cache")
-        .arg(dir.to_str().unwrap())
-        .arg("--passthrough")
-        .arg("--metrics-addr")
-        .arg(&addr);
-    for a in extra {
-        spec = spec.arg(a);
-    }
-    (spec.mount(), addr)
+    mount_data_cache(bucket, dir, &["--passthrough"], extra)
 }
 
-/// The whole-object data files in the cache directory.
+/// The whole-object data files in the cache directory (those with their manifest).
 fn whole_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if e.metadata().unwrap().is_dir() {
-                todo.push(e.path());
-            } else if name.ends_with(".obj") && !name.starts_with(".tmp-") {
-                let man = e.path().with_extension("man");
-                if man.exists() {
-                    out.push(e.path());
-                }
-            }
-        }
-    }
-    out.sort();
-    out
+    cache_files(dir, ".obj")
+        .into_iter()
+        .filter(|p| p.with_extension("man").exists())
+        .collect()
 }
 
 fn wait_whole(dir: &Path, n: usize) {
@@ -62,10 +37,6 @@ fn wait_whole(dir: &Path, n: usize) {
 /// Read requests that reached the daemon's read path.
 fn daemon_reads(addr: &str) -> u64 {
     metric(addr, "bucketfs_read_hits_total") + metric(addr, "bucketfs_read_misses_total")
-}
-
-fn passthrough_opens(addr: &str) -> u64 {
-    metric(addr, "bucketfs_passthrough_opens_total")
 }
 
 /// `cat FILE`: another process reads it whole.

@@ -5,47 +5,10 @@
 mod common;
 
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1024 * 1024;
-
-fn mount_cached(bucket: &str, dir: &Path, extra: &[&str]) -> (Mount, String) {
-    let addr = free_local_addr();
-    let mut spec = MountSpec::s3(bucket, "")
-        .arg("--data-cache")
-        .arg(dir.to_str().unwrap())
-        .arg("--metrics-addr")
-        .arg(&addr);
-    for a in extra {
-        spec = spec.arg(a);
-    }
-    (spec.mount(), addr)
-}
-
-/// Files in the cache directory (recursively) whose name ends with `ext`, temp files aside.
-fn cache_files(dir: &Path, ext: &str) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if e.metadata().unwrap().is_dir() {
-                todo.push(e.path());
-            } else if name.ends_with(ext) && !name.starts_with(".tmp-") {
-                out.push(e.path());
-            }
-        }
-    }
-    out
-}
-
-fn passthrough_opens(addr: &str) -> u64 {
-    metric(addr, "bucketfs_passthrough_opens_total")
-}
 
 /// truncate(2) by path: a setattr with no open file.
 fn truncate_path(path: &Path, len: u64) -> std::io::Result<()> {
@@ -64,7 +27,7 @@ fn passthrough_is_off_unless_asked_for() {
     let data = pattern::bytes(60, (2 * MIB + 5) as usize);
     s3().put(&b, "f", data.clone());
     let cache = tempfile::tempdir().unwrap();
-    let (m, addr) = mount_cached(&b, cache.path(), &[]);
+    let (m, addr) = mount_data_cache(&b, cache.path(), &[], &[]);
     assert!(read_file(&m.join("f")) == data);
     // Without --passthrough the cache keeps blocks: no whole copy, none handed over, and a
     // writer is never kept out by a reader.
@@ -81,7 +44,7 @@ fn passthrough_is_off_unless_asked_for() {
     drop(m);
     // With it, a file read into the cache is assembled whole and handed to the kernel.
     s3().put(&b, "g", data.clone());
-    let (m, addr) = mount_cached(&b, cache.path(), &["--passthrough"]);
+    let (m, addr) = mount_data_cache(&b, cache.path(), &[], &["--passthrough"]);
     assert!(read_file(&m.join("g")) == data);
     wait_for("a whole copy", Duration::from_secs(20), || {
         !cache_files(cache.path(), ".man").is_empty()
@@ -90,7 +53,12 @@ fn passthrough_is_off_unless_asked_for() {
     assert_eq!(passthrough_opens(&addr), 1);
     drop(m);
     // --no-passthrough still wins.
-    let (m, addr) = mount_cached(&b, cache.path(), &["--passthrough", "--no-passthrough"]);
+    let (m, addr) = mount_data_cache(
+        &b,
+        cache.path(),
+        &[],
+        &["--passthrough", "--no-passthrough"],
+    );
     assert!(read_file(&m.join("g")) == data);
     assert_eq!(passthrough_opens(&addr), 0);
 }
@@ -101,7 +69,7 @@ fn a_truncate_by_path_waits_for_passthrough_readers_then_fails() {
     let data = pattern::bytes(61, (2 * MIB + 77) as usize);
     s3().put(&b, "f", data.clone());
     let cache = tempfile::tempdir().unwrap();
-    let (m, addr) = mount_cached(&b, cache.path(), &["--passthrough"]);
+    let (m, addr) = mount_data_cache(&b, cache.path(), &[], &["--passthrough"]);
     assert!(read_file(&m.join("f")) == data);
     wait_for("a whole copy", Duration::from_secs(20), || {
         !cache_files(cache.path(), ".man").is_empty()

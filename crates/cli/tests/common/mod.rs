@@ -9,6 +9,7 @@
 //! * [`process`]: the daemon's memory and descriptors, processes using a path.
 //! * [`metrics`]: the daemon's request counters and Prometheus values.
 //! * [`cli`]: running `bucketfs ...` for its status and output.
+//! * [`data_cache`]: mounts with `--data-cache` and the files of their cache directory.
 //! * [`files`]: checked file operations through a mount, running a command.
 //! * [`pattern`]: reproducible pseudo-random file contents, written and checked in 1 MiB blocks.
 //! * [`wait`]: polling until a condition holds.
@@ -19,6 +20,7 @@
 #![allow(dead_code)]
 
 mod cli;
+mod data_cache;
 mod environment;
 mod files;
 mod metrics;
@@ -35,6 +37,6 @@ mod writer;
 // Each test binary uses a part of the harness.
 #[allow(unused_imports)]
 pub use self::{
-    cli::*, environment::*, files::*, metrics::*, minio::*, mount::*, private_minio::*, process::*,
-    s3_client::*, wait::*, writer::*,
+    cli::*, data_cache::*, environment::*, files::*, metrics::*, minio::*, mount::*,
+    private_minio::*, process::*, s3_client::*, wait::*, writer::*,
 };
