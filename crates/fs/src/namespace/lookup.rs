@@ -190,11 +190,29 @@ impl Lookups {
             self.listed_files.store(0, Ordering::Relaxed);
             self.list_user_meta.store(false, Ordering::Relaxed);
         }
+        self.detail_now()
+    }
+
+    /// The detail listings ask for as last decided by [`Self::list_detail`].
+    fn detail_now(&self) -> ListDetail {
         if self.list_user_meta.load(Ordering::Relaxed) {
             ListDetail::UserMeta
         } else {
             ListDetail::Plain
         }
+    }
+
+    /// Where a probe of a directory keeps the first page it fetches, LISTed at `epoch` with
+    /// the detail listings carry now; none without a stat TTL. With user metadata only while
+    /// listings carry it: walks that stat no file (which turned it off) would pay the server
+    /// for the metadata of a whole page.
+    fn keep(&self, epoch: u64) -> Option<Keep> {
+        (!self.limits.ttl.is_zero()).then(|| Keep {
+            pages: self.kept.clone(),
+            epoch,
+            ttl: self.limits.ttl,
+            detail: self.detail_now(),
+        })
     }
 
     fn alive(&self, c: &Cached) -> bool {
@@ -338,18 +356,8 @@ impl Lookups {
     /// Fetches the first page of directory `path` as its lookup would and feeds the stat
     /// cache from it. Errors are left to the lookups that follow.
     async fn fetch_page(&self, path: &MountPath, epoch: u64) {
-        if self.limits.ttl.is_zero() {
+        let Some(keep) = self.keep(epoch) else {
             return;
-        }
-        let keep = Keep {
-            pages: self.kept.clone(),
-            epoch,
-            ttl: self.limits.ttl,
-            detail: if self.list_user_meta.load(Ordering::Relaxed) {
-                ListDetail::UserMeta
-            } else {
-                ListDetail::Plain
-            },
         };
         let key = self.keys.key(path).into_string();
         if probe(self.store.clone(), key, Some(FileKind::Dir), Some(keep))
@@ -431,22 +439,7 @@ impl Lookups {
             match inflight.get(path) {
                 Some(p) => p.clone(),
                 None => {
-                    // With user metadata only while listings carry it: walks that stat no
-                    // file (which turned it off) would pay the server for the metadata of a
-                    // whole page.
-                    let detail = if self.list_user_meta.load(Ordering::Relaxed) {
-                        ListDetail::UserMeta
-                    } else {
-                        ListDetail::Plain
-                    };
-                    let keep = keep_epoch
-                        .filter(|_| !self.limits.ttl.is_zero())
-                        .map(|epoch| Keep {
-                            pages: self.kept.clone(),
-                            epoch,
-                            ttl: self.limits.ttl,
-                            detail,
-                        });
+                    let keep = keep_epoch.and_then(|epoch| self.keep(epoch));
                     let key = self.keys.key(path).into_string();
                     let p = probe(self.store.clone(), key, hint, keep).boxed().shared();
                     let entry = (p, self.epoch());
