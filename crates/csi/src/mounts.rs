@@ -104,16 +104,33 @@ pub(crate) fn id_of(s: &str) -> String {
     format!("{h:016x}")
 }
 
+/// What /proc/self/mountinfo says of the mount on top at a mount point.
+pub struct MountEntry {
+    /// The file system's device number, `MAJ:MIN`.
+    pub dev: String,
+    pub fstype: String,
+}
+
 /// The entry of /proc/self/mountinfo whose mount point is `target` (the last one wins:
 /// that is the mount on top).
-pub fn mounted_fstype(target: &Path) -> Option<String> {
+pub fn mount_at(target: &Path) -> Option<MountEntry> {
     let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
     let want = target.to_string_lossy();
     text.lines().rev().find_map(|line| {
         let f: Vec<&str> = line.split(' ').collect();
         let sep = f.iter().position(|x| *x == "-")?;
-        (unescape(f.get(4)?) == want).then(|| f.get(sep + 1).map(|s| s.to_string()))?
+        (unescape(f.get(4)?) == want).then(|| {
+            Some(MountEntry {
+                dev: f.get(2)?.to_string(),
+                fstype: f.get(sep + 1)?.to_string(),
+            })
+        })?
     })
+}
+
+/// The file system type mounted on top at `target`.
+pub fn mounted_fstype(target: &Path) -> Option<String> {
+    mount_at(target).map(|m| m.fstype)
 }
 
 /// mountinfo escapes space, tab, newline and backslash as octal.

@@ -59,12 +59,7 @@ impl Dead {
             .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
             .open(target)
             .ok()?;
-        let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
-        let want = target.to_string_lossy();
-        let dev = text.lines().rev().find_map(|line| {
-            let f: Vec<&str> = line.split(' ').collect();
-            (crate::mounts::unescape(f.get(4)?) == want).then(|| f.get(2).map(|s| s.to_string()))?
-        })?;
+        let dev = crate::mounts::mount_at(target)?.dev;
         Some(Dead { dev, _held: held })
     }
 }
