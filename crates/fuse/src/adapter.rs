@@ -116,7 +116,7 @@ pub(crate) struct FuseFs {
     rt: Handle,
     /// Set to `true` when the session ends (the kernel dropped the mount).
     done: watch::Sender<bool>,
-    /// Handles open for writing and the process (thread group) that opened each.
+    /// Handles open for writing and the task (thread) that opened each.
     writers: Arc<Mutex<HashMap<u64, u32>>>,
     /// The session's notifier, set once the session runs; owned here so that it goes (with
     /// its /dev/fuse descriptor) when the session ends.
@@ -150,14 +150,17 @@ fn fdinfo_names(info: &str, mnt: u64, ino: u64) -> bool {
     field("mnt_id:") == Some(mnt) && field("ino:") == Some(ino)
 }
 
-/// The process (thread-group id) of the task `pid` that sent a request; `None` when it is
-/// gone or /proc cannot tell.
-fn process_of(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Tgid:"))
-        .and_then(|v| v.trim().parse().ok())
+/// Whether task `task` is a thread of the same process as task `opener`. Reads nothing when
+/// they are the same task (the usual close); otherwise looks up /proc/TASK/task/OPENER,
+/// which exists only when both are threads of one process. When the opener is gone, or a
+/// task is outside the daemon's pid namespace (pid 0), it cannot tell and says yes: a close
+/// wrongly taken for the opener's uploads a version early, one wrongly taken for a child's
+/// would return before the upload.
+fn same_process(task: u32, opener: u32) -> bool {
+    task == opener
+        || task == 0
+        || std::fs::symlink_metadata(format!("/proc/{opener}")).is_err()
+        || std::fs::symlink_metadata(format!("/proc/{task}/task/{opener}")).is_ok()
 }
 
 impl FuseFs {
@@ -217,7 +220,7 @@ impl FuseFs {
         let Some(opener) = self.writers.lock().unwrap().get(&fh).copied() else {
             return false;
         };
-        process_of(pid).is_some_and(|p| p != opener)
+        !same_process(pid, opener)
     }
 
     fn spawn<F>(&self, fut: F)
@@ -548,11 +551,7 @@ impl Filesystem for FuseFs {
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
         let writable = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
-        let opener = if writable {
-            process_of(req.pid())
-        } else {
-            None
-        };
+        let opener = (writable && req.pid() != 0).then(|| req.pid());
         let writers = self.writers.clone();
         let (backings, refused) = (self.backings.clone(), self.refused.clone());
         self.spawn(async move {
@@ -842,7 +841,7 @@ impl Filesystem for FuseFs {
         let fs = self.fs.clone();
         let name = name.to_owned();
         let who = caller(req);
-        let opener = process_of(req.pid());
+        let opener = (req.pid() != 0).then(|| req.pid());
         let writers = self.writers.clone();
         self.spawn(async move {
             match fs.create(parent.0, &name, mode, umask, flags, who).await {
@@ -890,5 +889,33 @@ mod tests {
         assert_eq!((f.perm, f.uid, f.gid, f.nlink), (0o750, 7, 8, 2));
         assert_eq!((f.blksize, f.rdev, f.flags, f.blocks), (MAX_WRITE, 0, 0, 2));
         assert_eq!(Errno::from_i32(FsError::ENOENT.0), Errno::ENOENT);
+    }
+
+    #[test]
+    fn two_threads_are_one_process_and_a_child_is_another() {
+        let me = std::process::id();
+        let main_task = unsafe { libc::gettid() } as u32;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            tx.send(unsafe { libc::gettid() } as u32).unwrap();
+            done_rx.recv().ok();
+        });
+        let other_task = rx.recv().unwrap();
+        assert!(same_process(other_task, main_task));
+        assert!(same_process(main_task, other_task));
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        assert!(!same_process(child.id(), main_task));
+        assert!(!same_process(child.id(), other_task));
+        assert!(same_process(child.id(), child.id()));
+        child.kill().ok();
+        child.wait().ok();
+        // The child is gone: its pid says nothing any more, so a close is taken for the opener's.
+        assert!(same_process(me, child.id()));
+        done_tx.send(()).ok();
+        t.join().unwrap();
     }
 }
