@@ -13,7 +13,7 @@
 //! never from flags or `-o`, which show up in `ps` and `/etc/fstab`.
 
 use crate::options::{setting, Kind, OptionSpec, Scope, IGNORED_MOUNT_OPTIONS};
-use bucketfs_fs::{DataCacheConfig, FsConfig, WriteBackConfig};
+use bucketfs_fs::{DataCacheConfig, FsConfig, MinFree, WriteBackConfig};
 
 /// Background uploads at once (`--upload background`): small files are latency-bound, so
 /// many go up together.
@@ -67,6 +67,7 @@ pub struct Settings {
     pub negative_ttl: Duration,
     pub stat_cache_size: usize,
     pub cache_dir: PathBuf,
+    pub cache_min_free: MinFree,
     /// Upload journals and the background log; `None`: the default (see `run::state_dir`).
     pub state_dir: Option<PathBuf>,
     pub max_dir_rename: usize,
@@ -137,6 +138,7 @@ impl fmt::Debug for Settings {
             .field("negative_ttl", &self.negative_ttl)
             .field("stat_cache_size", &self.stat_cache_size)
             .field("cache_dir", &self.cache_dir)
+            .field("cache_min_free", &self.cache_min_free)
             .field("state_dir", &self.state_dir)
             .field("max_dir_rename", &self.max_dir_rename)
             .field("upload_concurrency", &self.upload_concurrency)
@@ -192,6 +194,7 @@ impl Default for Settings {
             negative_ttl: fs.negative_ttl,
             stat_cache_size: fs.stat_cache_size,
             cache_dir: fs.cache_dir,
+            cache_min_free: fs.cache_min_free,
             state_dir: None,
             max_dir_rename: fs.max_dir_rename_objects,
             upload_concurrency: fs.upload_concurrency,
@@ -296,6 +299,17 @@ pub fn parse_mode(s: &str) -> Result<u16, String> {
 }
 
 /// Parses seconds (`5`, `0.5`) or a number with `ms`, `s`, `m` or `h`.
+/// A size (K/M/G/T) or a percentage of the disk (`10%`).
+pub fn parse_min_free(s: &str) -> Result<MinFree, String> {
+    match s.trim().strip_suffix('%') {
+        Some(p) => match p.trim().parse::<u8>() {
+            Ok(n) if n <= 100 => Ok(MinFree::Percent(n)),
+            _ => Err(format!("invalid percentage \"{s}\" (0% to 100%)")),
+        },
+        None => parse_size(s).map(MinFree::Bytes),
+    }
+}
+
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let err = || format!("invalid duration \"{s}\" (use seconds, e.g. 5 or 0.5, or 500ms, 2m)");
     let t = s.trim().to_ascii_lowercase();
@@ -450,6 +464,7 @@ impl Settings {
             "negative_ttl" => self.negative_ttl = parse_duration(v)?,
             "stat_cache_size" => self.stat_cache_size = parse_count(v, 0, 100_000_000)?,
             "cache_dir" => self.cache_dir = PathBuf::from(non_empty(v, "path")?),
+            "cache_min_free" => self.cache_min_free = parse_min_free(v)?,
             "state_dir" => self.state_dir = Some(PathBuf::from(non_empty(v, "path")?)),
             "max_dir_rename" => self.max_dir_rename = parse_count(v, 0, usize::MAX)?,
             "upload_concurrency" => self.upload_concurrency = parse_count(v, 1, 256)?,
@@ -593,6 +608,7 @@ impl Settings {
             max_memory: self.max_memory,
             max_prefetch: self.max_prefetch,
             cache_dir: self.cache_dir.clone(),
+            cache_min_free: self.cache_min_free,
             max_dir_rename_objects: self.max_dir_rename,
             // The scope (which store) is the caller's to fill in.
             data_cache: self.data_cache.clone().map(|dir| DataCacheConfig {
@@ -779,6 +795,20 @@ mod tests {
         f.write_all(text.as_bytes()).unwrap();
         std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(mode)).unwrap();
         f
+    }
+
+    #[test]
+    fn min_free_is_a_size_or_a_percentage() {
+        assert_eq!(parse_min_free("10%"), Ok(MinFree::Percent(10)));
+        assert_eq!(parse_min_free(" 0% "), Ok(MinFree::Percent(0)));
+        assert_eq!(parse_min_free("2G"), Ok(MinFree::Bytes(2 << 30)));
+        assert!(parse_min_free("101%").is_err());
+        assert!(parse_min_free("x%").is_err());
+        let mut s = Settings::default();
+        assert_eq!(s.cache_min_free, MinFree::Percent(10));
+        s.apply_mount_options(&["cache-min-free=512M".to_string()])
+            .unwrap();
+        assert_eq!(s.cache_min_free, MinFree::Bytes(512 << 20));
     }
 
     #[test]

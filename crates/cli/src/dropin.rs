@@ -147,8 +147,8 @@ pub fn ossfs2_call(args: &[OsString]) -> Result<S3fsCall, String> {
 
 const NO_DISK_CACHE: &str = "bucketfs keeps file data on disk only with --data-cache DIR \
                              (checked by ETag on every read)";
-const CACHE_SIZE: &str = "bucketfs bounds --data-cache by --data-cache-size and stages only \
-                          files being written in --cache-dir";
+const MIN_FREE: &str = "bucketfs leaves --cache-min-free (SIZE or PCT%, default 10%) free on \
+                        the disk of --cache-dir";
 const STREAMS: &str = "bucketfs always uploads parts while the file is written, copying \
                        unchanged parts server-side";
 const TIMEOUTS: &str = "bucketfs bounds each file operation by --retry-timeout instead";
@@ -233,8 +233,8 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
         "bucket_size",
         Notice("bucketfs reports a large constant capacity"),
     ),
-    ("ensure_diskfree", Notice(CACHE_SIZE)),
-    ("free_space_ratio", Notice(CACHE_SIZE)),
+    ("ensure_diskfree", Notice(MIN_FREE)),
+    ("free_space_ratio", Notice(MIN_FREE)),
     (
         "multipart_threshold",
         Notice("bucketfs uses multipart above one --part-size"),

@@ -233,6 +233,13 @@ pub const OPTIONS: &[OptionSpec] = &[
         .env()
         .default_text("$TMPDIR or /tmp")
         .help("Directory for staging files of random writes and rewrites."),
+    value("cache_min_free", "SIZE|PCT%")
+        .env()
+        .default("10%")
+        .help(
+            "Free space to leave on --cache-dir's disk (K/M/G or a percentage of the disk): \
+         parts of a large write that are already uploaded get no local copy past it.",
+        ),
     value("state_dir", "DIR")
         .env()
         .default_text(
@@ -671,7 +678,12 @@ mod tests {
                     .find("efault")
                     .unwrap_or_else(|| panic!("man: --{} states no default", o.long()))..];
                 let words: Vec<&str> = after.split(|c: char| !c.is_ascii_alphanumeric()).collect();
-                assert!(words.contains(&d), "man: default {d} of --{}", o.long());
+                // A default with punctuation (`10%`) is matched as a code span.
+                assert!(
+                    words.contains(&d) || after.contains(&format!("`{d}`")),
+                    "man: default {d} of --{}",
+                    o.long()
+                );
             }
         }
     }

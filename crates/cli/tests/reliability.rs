@@ -619,6 +619,86 @@ fn failed_parts_kept_in_memory_never_hang_their_writer() {
     drop(m);
 }
 
+/// Bytes the disk under `dir` has in use.
+fn used_bytes(dir: &Path) -> u64 {
+    let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    // SAFETY: statvfs fills the struct it is given.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        assert_eq!(libc::statvfs(c.as_ptr(), &mut st), 0);
+        (st.f_blocks - st.f_bfree) * st.f_frsize
+    }
+}
+
+/// A sequential write bigger than the room `--cache-dir` has above `--cache-min-free` keeps
+/// local copies of its first parts only: the staging disk never goes below the floor (before,
+/// the copy of every streamed part filled it), the first part still reads back before close,
+/// a part without a copy gives EIO, and the close stores every byte.
+#[test]
+fn a_large_write_leaves_cache_min_free_on_the_staging_disk() {
+    let staging_disk = SmallDisk::new(64).expect("this test mounts a tmpfs (run as root)");
+    let b = s3().new_bucket("minfree");
+    let m = MountSpec::s3(&b, "")
+        .arg("--cache-dir")
+        .arg(staging_disk.path().to_str().unwrap())
+        .arg("--cache-min-free")
+        .arg("44M")
+        .mount();
+    let part = 8usize << 20;
+    let data: Vec<u8> = (0..8 * part).map(|i| (i * 7 + i / 4099) as u8).collect();
+    let path = m.join("big.bin");
+    let mut f = File::create(&path).unwrap();
+    let mut peak = 0;
+    for chunk in data.chunks(1 << 20) {
+        f.write_all(chunk).unwrap();
+        peak = peak.max(used_bytes(staging_disk.path()));
+    }
+    // The copies still being made finish within this.
+    std::thread::sleep(Duration::from_millis(500));
+    peak = peak.max(used_bytes(staging_disk.path()));
+    // 64 MiB disk, 44 MiB kept free: at most 20 MiB of copies (two parts and a bit).
+    assert!(
+        peak <= 26 << 20,
+        "the staging disk held {} MiB of copies for a 64 MiB write",
+        peak >> 20
+    );
+    // Reads reach the daemon, not pages the write left in the page cache.
+    let r = File::open(&path).unwrap();
+    unsafe {
+        libc::posix_fadvise(
+            std::os::fd::AsRawFd::as_raw_fd(&r),
+            0,
+            0,
+            libc::POSIX_FADV_DONTNEED,
+        )
+    };
+    let mut head = vec![0u8; 4096];
+    std::os::unix::fs::FileExt::read_exact_at(&r, &mut head, 100).unwrap();
+    assert_eq!(
+        head,
+        data[100..100 + 4096],
+        "the first part reads back before close"
+    );
+    let mut mid = vec![0u8; 4096];
+    let e = std::os::unix::fs::FileExt::read_exact_at(&r, &mut mid, 6 * part as u64)
+        .expect_err("a part with no local copy reads before close");
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    drop(r);
+    drop(f);
+    assert!(
+        s3().get(&b, "big.bin").unwrap() == data,
+        "stored bytes differ"
+    );
+    assert!(
+        m.log().contains("--cache-min-free"),
+        "no log line says why: {}",
+        m.log()
+    );
+    // After close the file reads whole again (from the object).
+    assert!(fs::read(&path).unwrap() == data);
+    drop(m);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Security
 // ---------------------------------------------------------------------------------------------

@@ -2,8 +2,44 @@
 
 pub use crate::files::cache::DataCacheConfig;
 pub use crate::files::writeback::WriteBackConfig;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// Free space a disk keeps (`--cache-min-free`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MinFree {
+    Bytes(u64),
+    /// Percent of the disk's size.
+    Percent(u8),
+}
+
+impl MinFree {
+    /// Whether the disk holding `dir` has `more` bytes free above the floor. A disk that
+    /// cannot be asked counts as having room: the write itself then says.
+    pub fn room_for(self, dir: &Path, more: u64) -> bool {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+            return true;
+        };
+        // SAFETY: statvfs only fills the struct it is given.
+        let st = unsafe {
+            let mut st: libc::statvfs = std::mem::zeroed();
+            if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+                return true;
+            }
+            st
+        };
+        let (free, size) = (
+            st.f_bavail as u64 * st.f_frsize as u64,
+            st.f_blocks as u64 * st.f_frsize as u64,
+        );
+        let floor = match self {
+            MinFree::Bytes(b) => b,
+            MinFree::Percent(p) => size / 100 * u64::from(p),
+        };
+        free >= floor.saturating_add(more)
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct FsConfig {
@@ -35,6 +71,8 @@ pub struct FsConfig {
     pub max_memory: u64,
     /// Where staging files for rewrites go.
     pub cache_dir: PathBuf,
+    /// Free space `cache_dir`'s disk keeps: below it, a streamed part gets no staging copy.
+    pub cache_min_free: MinFree,
     /// Most objects a directory rename may copy; bigger directories get EXDEV (mv then copies).
     pub max_dir_rename_objects: usize,
     /// The data cache on local disk, if any (`--data-cache`).
@@ -63,6 +101,7 @@ impl Default for FsConfig {
             max_prefetch: 64 * 1024 * 1024,
             max_memory: crate::budget::default_budget(),
             cache_dir: std::env::temp_dir(),
+            cache_min_free: MinFree::Percent(10),
             max_dir_rename_objects: 10_000,
             data_cache: None,
             writeback: None,

@@ -20,7 +20,7 @@ mod pool;
 
 pub use bucketfs_store::liveness::within_operation;
 pub use budget::default_budget;
-pub use config::{DataCacheConfig, FsConfig, WriteBackConfig};
+pub use config::{DataCacheConfig, FsConfig, MinFree, WriteBackConfig};
 pub use error::{FsError, FsResult};
 pub use files::cache::prepare_dir as prepare_data_cache_dir;
 pub use files::writeback::{PendingFile, WriteBack};

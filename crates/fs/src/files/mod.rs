@@ -144,6 +144,7 @@ impl OpenFiles {
             metrics,
             budget,
             writeback,
+            cache_min_free: cfg.cache_min_free,
         });
         let files = Self {
             store,

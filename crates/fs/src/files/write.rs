@@ -25,6 +25,7 @@
 
 use crate::aligned::{AlignedBuf, ALIGN};
 use crate::budget::{MemoryBudget, Reservation};
+use crate::config::MinFree;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::files::extents::Extents;
 use crate::files::writeback::{Cond, WriteBack};
@@ -293,6 +294,8 @@ pub struct WriteConfig {
     /// `--upload background`: close commits to this write-back directory (see
     /// [`WriteState::commit`]) and nothing streams to the store while a file is written.
     pub writeback: Option<Arc<WriteBack>>,
+    /// Free space the staging disk keeps (see [`WriteState::ship_tail`]).
+    pub cache_min_free: MinFree,
 }
 
 /// Where a write state is in its life.
@@ -335,6 +338,8 @@ pub struct WriteState {
     /// Bytes that only a part of the open upload holds (their local copy failed): unreadable
     /// until a publish (see [`Self::recover`]).
     uploaded_only: Extents,
+    /// Streamed parts stopped getting staging copies (the disk reached --cache-min-free).
+    copies_stopped: bool,
     dirty: Extents,
     /// Bytes whose current content is in the staging file: what was written (`dirty`) plus
     /// what was fetched or published since. Reads and uploads take these from disk.
@@ -397,6 +402,7 @@ impl WriteState {
             tail: None,
             spills: Vec::new(),
             uploaded_only: Extents::default(),
+            copies_stopped: false,
             dirty: Extents::default(),
             local: Extents::default(),
             generations: BTreeMap::new(),
@@ -586,7 +592,11 @@ impl WriteState {
             let _ = self.spill_tail().await;
             return Err(e);
         }
-        let staging = self.staging().ok();
+        let staging = if self.keeps_copy_of_part(i) {
+            self.staging().ok()
+        } else {
+            None
+        };
         self.reap_spills();
         self.wait_for_upload_slot().await;
         let Some(tail) = self.tail.take() else {
@@ -611,11 +621,13 @@ impl WriteState {
                 self.local.insert(r);
             }
             None => {
-                tracing::warn!(
-                    "{}: no staging file for bytes {r:?}: only their upload holds them, \
-                     unreadable until close",
-                    self.key
-                );
+                if !self.copies_stopped {
+                    tracing::warn!(
+                        "{}: no staging file for bytes {r:?}: only their upload holds them, \
+                         unreadable until close",
+                        self.key
+                    );
+                }
                 // Older bytes of this range may be staged; they are stale now.
                 self.local.remove(r.clone());
                 self.uploaded_only.insert(r);
@@ -624,6 +636,28 @@ impl WriteState {
         // Its staging copy may still fail: a failed upload returns the bytes.
         self.spawn_part_upload(i, generation, body, mem, true).await;
         Ok(())
+    }
+
+    /// Whether streamed part `i` gets a copy in the staging file (for reads and rewrites
+    /// before close). The first part always does (headers are rewritten there); the others
+    /// while the staging disk keeps `--cache-min-free`, so a big sequential write never fills
+    /// the disk with a copy of what the store already holds.
+    fn keeps_copy_of_part(&mut self, i: u64) -> bool {
+        let len = self.cfg.layout.bounds(i).end - self.cfg.layout.bounds(i).start;
+        if i == 0 || self.cfg.cache_min_free.room_for(&self.cache_dir, len) {
+            return true;
+        }
+        if !self.copies_stopped {
+            self.copies_stopped = true;
+            tracing::warn!(
+                "{}: {} has less free space than --cache-min-free: the parts it uploads from \
+                 byte {} on keep no local copy (reading or rewriting them before close gets EIO)",
+                self.key,
+                self.cache_dir.display(),
+                self.cfg.layout.bounds(i).start
+            );
+        }
+        false
     }
 
     /// Waits for the background copies into the staging file. A failed copy leaves its bytes
