@@ -232,9 +232,9 @@ class Bucketfs(System):
     name = "bucketfs"
     unsupported: dict[str, str] = {}
     # Streamed parts are copied into a staging file in --cache-dir until close (reads of an
-    # unfinished upload are served from it), but only while the disk keeps --cache-min-free
-    # (10%): past that the copies stop, so a write phase needs its size once.
-    stages_writes = False
+    # unfinished upload are served from it), until the disk is down to --cache-min-free (1 GiB
+    # by default; a scale run passes a bigger one with --bucketfs-args).
+    stages_writes = True
 
     def __init__(self, store: StoreConfig, binary: str):
         super().__init__(store, binary)

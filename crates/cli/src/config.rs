@@ -805,7 +805,7 @@ mod tests {
         assert!(parse_min_free("101%").is_err());
         assert!(parse_min_free("x%").is_err());
         let mut s = Settings::default();
-        assert_eq!(s.cache_min_free, MinFree::Percent(10));
+        assert_eq!(s.cache_min_free, MinFree::Bytes(1 << 30));
         s.apply_mount_options(&["cache-min-free=512M".to_string()])
             .unwrap();
         assert_eq!(s.cache_min_free, MinFree::Bytes(512 << 20));

@@ -147,7 +147,7 @@ pub fn ossfs2_call(args: &[OsString]) -> Result<S3fsCall, String> {
 
 const NO_DISK_CACHE: &str = "bucketfs keeps file data on disk only with --data-cache DIR \
                              (checked by ETag on every read)";
-const MIN_FREE: &str = "bucketfs leaves --cache-min-free (SIZE or PCT%, default 10%) free on \
+const MIN_FREE: &str = "bucketfs leaves --cache-min-free (SIZE or PCT%, default 1G) free on \
                         the disk of --cache-dir";
 const STREAMS: &str = "bucketfs always uploads parts while the file is written, copying \
                        unchanged parts server-side";

@@ -235,7 +235,7 @@ pub const OPTIONS: &[OptionSpec] = &[
         .help("Directory for staging files of random writes and rewrites."),
     value("cache_min_free", "SIZE|PCT%")
         .env()
-        .default("10%")
+        .default("1G")
         .help(
             "Free space to leave on --cache-dir's disk (K/M/G or a percentage of the disk): \
          parts of a large write that are already uploaded get no local copy past it.",
@@ -678,7 +678,7 @@ mod tests {
                     .find("efault")
                     .unwrap_or_else(|| panic!("man: --{} states no default", o.long()))..];
                 let words: Vec<&str> = after.split(|c: char| !c.is_ascii_alphanumeric()).collect();
-                // A default with punctuation (`10%`) is matched as a code span.
+                // A default with punctuation (`5%`) is matched as a code span.
                 assert!(
                     words.contains(&d) || after.contains(&format!("`{d}`")),
                     "man: default {d} of --{}",

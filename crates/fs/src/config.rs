@@ -101,7 +101,7 @@ impl Default for FsConfig {
             max_prefetch: 64 * 1024 * 1024,
             max_memory: crate::budget::default_budget(),
             cache_dir: std::env::temp_dir(),
-            cache_min_free: MinFree::Percent(10),
+            cache_min_free: MinFree::Bytes(1 << 30),
             max_dir_rename_objects: 10_000,
             data_cache: None,
             writeback: None,
