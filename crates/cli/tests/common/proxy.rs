@@ -38,6 +38,14 @@ struct State {
     pub resets: AtomicU64,
     stop: AtomicBool,
     open: Mutex<Vec<TcpStream>>,
+    /// Requests whose first line starts with this fail (connection reset, nothing forwarded)
+    /// while the count lasts.
+    fail: Mutex<Option<(String, u64)>>,
+    /// Requests whose first line starts with this are forwarded, and their answer is never
+    /// delivered (the connection is reset when it comes), while the count lasts.
+    drop_answer: Mutex<Option<(String, u64)>>,
+    /// Answers dropped so far.
+    pub dropped: AtomicU64,
 }
 
 pub struct FaultProxy {
@@ -124,6 +132,23 @@ impl FaultProxy {
         if !on {
             self.reset_all();
         }
+    }
+
+    /// The next `n` requests whose first line starts with `line` (`"PUT /bucket/key"`) fail:
+    /// the connection is reset before anything reaches the server. 0 ends it.
+    pub fn fail_requests(&self, line: &str, n: u64) {
+        *self.state.fail.lock().unwrap() = Some((line.to_string(), n));
+    }
+
+    /// The next `n` requests whose first line starts with `line` reach the server, and its
+    /// answer is lost: the connection is reset when it comes (a reply lost in the network).
+    pub fn drop_answers(&self, line: &str, n: u64) {
+        *self.state.drop_answer.lock().unwrap() = Some((line.to_string(), n));
+    }
+
+    /// Answers dropped by [`Self::drop_answers`].
+    pub fn dropped(&self) -> u64 {
+        self.state.dropped.load(Ordering::SeqCst)
     }
 
     /// Bytes of requests read and dropped while stalled.
@@ -215,12 +240,34 @@ fn serve(mut client: TcpStream, upstream: SocketAddr, st: Arc<State>) {
     let generation = st.generation.load(Ordering::SeqCst);
     let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
     let st2 = st.clone();
-    let up = std::thread::spawn(move || pump(c2, s2, &st2, generation, false));
-    pump(server, client, &st, generation, true);
+    // The request on this connection whose answer is to be dropped.
+    let lose = Arc::new(AtomicBool::new(false));
+    let lose2 = lose.clone();
+    let up = std::thread::spawn(move || pump(c2, s2, &st2, generation, false, &lose2));
+    pump(server, client, &st, generation, true, &lose);
     let _ = up.join();
 }
 
-fn pump(mut from: TcpStream, mut to: TcpStream, st: &State, generation: u64, downstream: bool) {
+/// Whether a chunk starting with `chunk` is a request that `rule` picks, counting it.
+fn picked(rule: &Mutex<Option<(String, u64)>>, chunk: &[u8]) -> bool {
+    let mut r = rule.lock().unwrap();
+    match r.as_mut() {
+        Some((line, n)) if *n > 0 && chunk.starts_with(line.as_bytes()) => {
+            *n -= 1;
+            true
+        }
+        _ => false,
+    }
+}
+
+fn pump(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    st: &State,
+    generation: u64,
+    downstream: bool,
+    lose: &AtomicBool,
+) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut sent = 0u64;
     let mut cut_at: Option<u64> = None;
@@ -231,6 +278,16 @@ fn pump(mut from: TcpStream, mut to: TcpStream, st: &State, generation: u64, dow
             Ok(n) => n,
         };
         if st.generation.load(Ordering::SeqCst) != generation || st.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        if !downstream && picked(&st.fail, &buf[..n]) {
+            break;
+        }
+        if !downstream && picked(&st.drop_answer, &buf[..n]) {
+            lose.store(true, Ordering::SeqCst);
+        }
+        if downstream && lose.load(Ordering::SeqCst) {
+            st.dropped.fetch_add(1, Ordering::SeqCst);
             break;
         }
         frozen |= st.stalled.load(Ordering::SeqCst);
