@@ -172,8 +172,37 @@ impl Fs {
                     tokio::spawn(async move { fs.uploaded(u).await });
                 }
             }));
+            wb.adopt(|o| fs.adopt_recovered(o));
         }
         Ok((fs, recovered))
+    }
+
+    /// A file committed by a daemon that died, recovered from the write-back directory:
+    /// it gets the inode and write state a commit of this daemon leaves, so reads see it,
+    /// writes build on it, and unlink and rename drop or move its entry. Returns the inode.
+    fn adopt_recovered(&self, o: crate::files::writeback::Orphan) -> Ino {
+        use crate::files::writeback::Cond;
+        let Some(path) = self.ns.path_of_key(&o.key) else {
+            return 0;
+        };
+        let etag = match &o.cond {
+            Cond::Match(e) => Some(e.clone()),
+            _ => None,
+        };
+        let in_store = o.cond != Cond::Absent;
+        let ino = self
+            .ns
+            .add_recovered(&path, o.size, o.meta.clone(), etag, in_store);
+        let w = self
+            .files
+            .new_write(self.ns.key(&path), None, o.meta.clone());
+        w.state
+            .try_lock()
+            .expect("a new state")
+            .adopt(o.seq, (o.file, o.offset), o.size, o.meta);
+        self.files.add_writer(ino, || w.clone());
+        self.files.drop_writer(ino);
+        ino
     }
 
     /// The fs core's counters.

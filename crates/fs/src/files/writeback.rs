@@ -179,7 +179,7 @@ struct Entry {
     meta: UserMeta,
     cond: Cond,
     loc: Loc,
-    /// The inode whose file this is (0: recovered at start).
+    /// The inode whose file this is (0: none; recovered at start and not adopted).
     ino: Ino,
     status: Status,
     error: Option<String>,
@@ -220,6 +220,18 @@ pub struct PendingFile {
     pub path: PathBuf,
 }
 
+/// An entry a previous daemon committed, for the file system to take over (see
+/// [`WriteBack::adopt`]): the file's bytes are `size` bytes of `file` from `offset`.
+pub struct Orphan {
+    pub seq: u64,
+    pub key: String,
+    pub size: u64,
+    pub meta: UserMeta,
+    pub cond: Cond,
+    pub file: Arc<File>,
+    pub offset: u64,
+}
+
 /// An upload that landed: the file's object is now `etag`.
 #[derive(Debug, Clone)]
 pub struct Uploaded {
@@ -252,6 +264,14 @@ struct Inner {
     successor_order: VecDeque<u64>,
     /// Files recovery could not read (path, error): kept, never removed, listed.
     unreadable: Vec<(PathBuf, String)>,
+    /// Entries recovered at start that wait for [`WriteBack::adopt`] before they upload.
+    unadopted: Vec<u64>,
+    /// Entries let go whose drop from the directory failed, tried again (see
+    /// [`WriteBack::drop_or_later`]).
+    undropped: Vec<(Loc, String, String)>,
+    /// Commits waiting for room, first come first served (see [`WriteBack::room`]).
+    room_queue: VecDeque<u64>,
+    next_ticket: u64,
     /// When room was last freed (an upload landed, an entry removed).
     freed_at: Option<Instant>,
     /// When a full directory was last logged.
@@ -291,6 +311,23 @@ pub struct WriteBack {
     me: Mutex<Option<std::sync::Weak<WriteBack>>>,
     /// Held for the daemon's life: one mount per directory.
     _lock: File,
+}
+
+/// A commit's place in the queue for room; it leaves the queue when dropped.
+struct RoomTicket<'a> {
+    wb: &'a WriteBack,
+    ticket: u64,
+}
+
+impl Drop for RoomTicket<'_> {
+    fn drop(&mut self) {
+        self.wb
+            .inner
+            .lock()
+            .room_queue
+            .retain(|t| *t != self.ticket);
+        self.wb.changed.notify_waiters();
+    }
 }
 
 /// A commit in progress: the entry file being written.
@@ -436,7 +473,7 @@ impl WriteBack {
                 *inner.segs.live.entry(seg.id).or_default() += 1;
             }
             inner.bytes += t.size;
-            inner.ready.push_back(seq);
+            inner.unadopted.push(seq);
             inner.entries.insert(
                 seq,
                 Entry {
@@ -464,12 +501,7 @@ impl WriteBack {
                 inner.segs.sealed.insert(seg.id);
             }
         }
-        inner.ready = inner
-            .ready
-            .iter()
-            .copied()
-            .filter(|s| inner.entries.contains_key(s))
-            .collect();
+        inner.unadopted.retain(|s| inner.entries.contains_key(s));
         inner.next_seq = max_seq.max(now_seq()) + 1;
         let n = inner.entries.len();
         let wb = Arc::new(Self {
@@ -502,6 +534,56 @@ impl WriteBack {
         Ok((wb, n))
     }
 
+    /// Hands each entry recovered at start to `take`, which makes it a file of this daemon
+    /// (an inode with its write state, as a commit of this daemon's leaves it) and returns
+    /// the inode (0: none); then queues them. Until then they do not upload, so none lands
+    /// before its file can learn it.
+    pub fn adopt(&self, mut take: impl FnMut(Orphan) -> Ino) {
+        let orphans: Vec<(u64, String, u64, UserMeta, Cond, Loc)> = {
+            let mut inner = self.inner.lock();
+            let seqs = std::mem::take(&mut inner.unadopted);
+            seqs.iter()
+                .filter_map(|s| {
+                    let e = inner.entries.get(s)?;
+                    Some((
+                        *s,
+                        e.key.clone(),
+                        e.size,
+                        e.meta.clone(),
+                        e.cond.clone(),
+                        e.loc.clone(),
+                    ))
+                })
+                .collect()
+        };
+        let mut inos = Vec::new();
+        for (seq, key, size, meta, cond, loc) in orphans {
+            let ino = match loc.open() {
+                Ok((file, offset)) => take(Orphan {
+                    seq,
+                    key,
+                    size,
+                    meta,
+                    cond,
+                    file,
+                    offset,
+                }),
+                // Its upload says so (and keeps it).
+                Err(_) => 0,
+            };
+            inos.push((seq, ino));
+        }
+        let mut inner = self.inner.lock();
+        for (seq, ino) in inos {
+            if let Some(e) = inner.entries.get_mut(&seq) {
+                e.ino = ino;
+                inner.ready.push_back(seq);
+            }
+        }
+        drop(inner);
+        self.work.notify_waiters();
+    }
+
     /// A mount without `--upload background`: uploads the files a background mount of the
     /// same bucket left in `cfg.dir` (it exists and holds entries), before the mount serves,
     /// calling `progress` every `every`. Returns how many there were and how many are left
@@ -522,6 +604,7 @@ impl WriteBack {
             Arc::default(),
             false,
         )?;
+        wb.adopt(|_| 0);
         let (found, _, _) = wb.counts();
         if found > 0 {
             wb.drain(every, progress).await;
@@ -545,9 +628,11 @@ impl WriteBack {
         *self.on_uploaded.lock() = Some(Arc::new(f));
     }
 
-    /// Starts a commit of `size` bytes for `key`: waits for room, and for an upload of the
-    /// key in flight; decides the upload's condition (see the module docs). `prev` is the
-    /// entry the same file committed last, `origin` the condition if nothing here is newer.
+    /// Starts a commit of `size` bytes for `key`: waits for an upload of the key in flight,
+    /// holds the key's queued entry (this commit replaces it) and decides the upload's
+    /// condition (see the module docs); then waits for room, counting the held entry's as
+    /// free. `prev` is the entry the same file committed last, `origin` the condition if
+    /// nothing here is newer.
     pub async fn begin(
         &self,
         key: &str,
@@ -556,63 +641,7 @@ impl WriteBack {
         prev: Option<u64>,
         origin: Cond,
     ) -> FsResult<Slot> {
-        // Room first (held by the slot from then on). The wait is bounded: see
-        // `WriteBackConfig::space_wait`.
-        let started = Instant::now();
-        let mut counted = false;
-        loop {
-            let changed = self.changed.notified();
-            let left = {
-                let mut inner = self.inner.lock();
-                if inner.bytes == 0 || inner.bytes + size <= self.cfg.max_bytes {
-                    inner.bytes += size;
-                    break;
-                }
-                let stuck = inner.stuck_bytes();
-                let since = inner.freed_at.map_or(started, |t| t.max(started));
-                let left = (since + self.cfg.space_wait).checked_duration_since(Instant::now());
-                let left = left.filter(|_| stuck + size <= self.cfg.max_bytes);
-                if left.is_none() {
-                    let now = Instant::now();
-                    if inner
-                        .full_logged
-                        .is_none_or(|t| now.duration_since(t) > Duration::from_secs(10))
-                    {
-                        inner.full_logged = Some(now);
-                        let conflicts = inner
-                            .entries
-                            .values()
-                            .filter(|e| e.conflict && e.status == Status::Failed)
-                            .count();
-                        let failed = inner
-                            .entries
-                            .values()
-                            .filter(|e| e.status == Status::Failed)
-                            .count();
-                        tracing::error!(
-                            "write-back directory full ({} file(s), {:.1} MB, {failed} failed \
-                             of which {conflicts} conflict(s), bound {:.1} MB) and no upload \
-                             freed room for {:.0} s: closes fail with ENOSPC until uploads \
-                             land or conflicts are resolved (see `bucketfs pending`)",
-                            inner.entries.len(),
-                            inner.bytes as f64 / 1e6,
-                            self.cfg.max_bytes as f64 / 1e6,
-                            self.cfg.space_wait.as_secs_f64()
-                        );
-                    }
-                }
-                left
-            };
-            let Some(left) = left else {
-                return Err(FsError(libc::ENOSPC));
-            };
-            if !counted {
-                counted = true;
-                inc(&self.metrics.writeback_space_waits);
-            }
-            let _ = tokio::time::timeout(left, changed).await;
-        }
-        loop {
+        let (cond, replaces) = loop {
             let changed = self.changed.notified();
             let decided = {
                 let mut inner = self.inner.lock();
@@ -630,7 +659,7 @@ impl WriteBack {
                                 } else {
                                     e.cond.clone()
                                 };
-                                Some((cond, Some(s)))
+                                Some((cond, Some((s, e.size))))
                             }
                         }
                     }
@@ -640,18 +669,104 @@ impl WriteBack {
                     }
                 }
             };
-            let Some((cond, replaces)) = decided else {
-                changed.await;
-                continue;
-            };
-            return match self.new_slot(key, size, meta.clone(), cond, replaces) {
-                Ok(slot) => Ok(slot),
-                Err(e) => {
-                    self.unhold(replaces, size);
-                    Err(e)
-                }
-            };
+            match decided {
+                Some(d) => break d,
+                None => changed.await,
+            }
+        };
+        let freed = replaces.map_or(0, |(_, n)| n);
+        let replaces = replaces.map(|(s, _)| s);
+        if let Err(e) = self.room(size, freed).await {
+            if let Some(s) = replaces {
+                self.release(s);
+            }
+            return Err(e);
         }
+        match self.new_slot(key, size, meta.clone(), cond, replaces) {
+            Ok(slot) => Ok(slot),
+            Err(e) => {
+                self.unhold(replaces, size);
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for room for `size` bytes (`freed`: bytes of an entry the commit replaces,
+    /// counted as free), then counts them. First come, first served: a commit waits behind
+    /// every one that waited before it, so a large file is not starved by smaller ones that
+    /// keep fitting. The wait is bounded: see `WriteBackConfig::space_wait`.
+    async fn room(&self, size: u64, freed: u64) -> FsResult<()> {
+        let started = Instant::now();
+        let mut waiting: Option<RoomTicket<'_>> = None;
+        loop {
+            let changed = self.changed.notified();
+            let left = {
+                let mut inner = self.inner.lock();
+                let first = inner
+                    .room_queue
+                    .front()
+                    .is_none_or(|t| waiting.as_ref().is_some_and(|w| w.ticket == *t));
+                let used = inner.bytes.saturating_sub(freed);
+                if first && (used == 0 || used + size <= self.cfg.max_bytes) {
+                    inner.bytes += size;
+                    break;
+                }
+                if waiting.is_none() {
+                    inner.next_ticket += 1;
+                    let ticket = inner.next_ticket;
+                    inner.room_queue.push_back(ticket);
+                    waiting = Some(RoomTicket { wb: self, ticket });
+                    inc(&self.metrics.writeback_space_waits);
+                }
+                let stuck = inner.stuck_bytes();
+                let since = inner.freed_at.map_or(started, |t| t.max(started));
+                let left = (since + self.cfg.space_wait).checked_duration_since(Instant::now());
+                let left = left.filter(|_| stuck + size <= self.cfg.max_bytes);
+                if left.is_none() {
+                    self.log_full(&mut inner);
+                }
+                left
+            };
+            let Some(left) = left else {
+                return Err(FsError(libc::ENOSPC));
+            };
+            let _ = tokio::time::timeout(left, changed).await;
+        }
+        // Its ticket goes (the next waiter is woken).
+        drop(waiting);
+        Ok(())
+    }
+
+    /// Says, at most every 10 s, that a commit gets `ENOSPC`.
+    fn log_full(&self, inner: &mut Inner) {
+        let now = Instant::now();
+        if inner
+            .full_logged
+            .is_some_and(|t| now.duration_since(t) <= Duration::from_secs(10))
+        {
+            return;
+        }
+        inner.full_logged = Some(now);
+        let conflicts = inner
+            .entries
+            .values()
+            .filter(|e| e.conflict && e.status == Status::Failed)
+            .count();
+        let failed = inner
+            .entries
+            .values()
+            .filter(|e| e.status == Status::Failed)
+            .count();
+        tracing::error!(
+            "write-back directory full ({} file(s), {:.1} MB, {failed} failed of which \
+             {conflicts} conflict(s), bound {:.1} MB) and no upload freed room for {:.0} s: \
+             closes fail with ENOSPC until uploads land or conflicts are resolved (see \
+             `bucketfs pending`)",
+            inner.entries.len(),
+            inner.bytes as f64 / 1e6,
+            self.cfg.max_bytes as f64 / 1e6,
+            self.cfg.space_wait.as_secs_f64()
+        );
     }
 
     /// A new entry of `size` bytes for `key`: a record of the current segment when it is
@@ -818,8 +933,11 @@ impl WriteBack {
     /// zeroed (fdatasync), a file removed (directory fsync). Then forgets it.
     async fn drop_loc(&self, loc: &Loc) -> FsResult<()> {
         match loc {
-            Loc::File(_) => {
-                self.forget_loc(loc);
+            Loc::File(p) => {
+                match std::fs::remove_file(p) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(wb_io(e)),
+                    _ => self.forget_loc(loc),
+                }
                 self.sync_dir().await
             }
             Loc::Rec { seg, rec } => {
@@ -937,9 +1055,7 @@ impl WriteBack {
         if let Some(o) = old {
             // Its replacement names it; it must still never outlive it (an uploaded
             // replacement is dropped for good).
-            if let Err(e) = self.drop_loc(&o.loc).await {
-                tracing::warn!("write-back directory: dropping a replaced entry: {e:?}");
-            }
+            self.drop_or_later(o.loc, &o.key).await;
             inc(&self.metrics.writeback_replaced);
         }
         Ok(slot.seq)
@@ -983,11 +1099,37 @@ impl WriteBack {
             }
             e
         };
-        let r = self.drop_loc(&e.loc).await;
+        self.drop_or_later(e.loc, &e.key).await;
         inc(&self.metrics.writeback_cancelled);
         self.update_gauges();
         self.changed.notify_waiters();
-        r
+        Ok(())
+    }
+
+    /// [`Self::drop_loc`] of an entry the books have let go (its file was unlinked, or it
+    /// was uploaded or replaced): what the caller did stands even when the local disk
+    /// refuses the drop now; it is tried again every second and before the daemon exits
+    /// (logged). Until it succeeds, only a crash could bring the entry back.
+    async fn drop_or_later(&self, loc: Loc, key: &str) {
+        if let Err(e) = self.drop_loc(&loc).await {
+            tracing::error!(
+                "{key}: write-back entry {} not invalidated ({e:?}); tried again every second",
+                loc.describe().display()
+            );
+            let e = format!("not invalidated yet: {e:?}");
+            self.inner.lock().undropped.push((loc, key.to_string(), e));
+        }
+    }
+
+    /// Tries the drops that failed before again; returns how many are still to do.
+    async fn drop_undropped(&self) -> usize {
+        let locs = std::mem::take(&mut self.inner.lock().undropped);
+        for (loc, key, e) in locs {
+            if self.drop_loc(&loc).await.is_err() {
+                self.inner.lock().undropped.push((loc, key, e));
+            }
+        }
+        self.inner.lock().undropped.len()
     }
 
     /// Waits for entry `seq`, or the entry that replaced it (a later commit of the same
@@ -1166,6 +1308,13 @@ impl WriteBack {
                 (active, files, inner.bytes)
             };
             if active == 0 {
+                let left = self.drop_undropped().await;
+                if left > 0 {
+                    tracing::error!(
+                        "write-back directory: {left} entry file(s) let go could not be \
+                         invalidated; a later mount would upload them again"
+                    );
+                }
                 return;
             }
             if tokio::time::timeout(every, changed).await.is_err() {
@@ -1211,7 +1360,7 @@ impl WriteBack {
         (live + bad, inner.bytes, failed + bad)
     }
 
-    /// Every file not uploaded yet.
+    /// Every file not uploaded yet, and the entries let go whose drop is still to do.
     pub fn pending(&self) -> Vec<PendingFile> {
         let inner = self.inner.lock();
         let unreadable = inner.unreadable.iter().map(|(p, e)| PendingFile {
@@ -1238,6 +1387,13 @@ impl WriteBack {
                 path: e.loc.describe(),
             })
             .chain(unreadable)
+            .chain(inner.undropped.iter().map(|(loc, key, e)| PendingFile {
+                key: key.clone(),
+                size: 0,
+                state: "dropping",
+                error: Some(e.clone()),
+                path: loc.describe(),
+            }))
             .collect()
     }
 
@@ -1305,9 +1461,7 @@ impl WriteBack {
                 // come back after a crash, its upload would be done again over whatever
                 // happened to the file since (a delete, say). Until then it counts as
                 // uploading (an unlink or rename waits).
-                if let Err(e) = self.drop_loc(&loc).await {
-                    tracing::warn!("write-back directory: {e:?} after uploading {key}");
-                }
+                self.drop_or_later(loc.clone(), &key).await;
                 let cb = self.on_uploaded.lock().clone();
                 {
                     let mut inner = self.inner.lock();
@@ -1568,21 +1722,26 @@ async fn retry_loop(wb: std::sync::Weak<WriteBack>) {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let Some(w) = wb.upgrade() else { return };
         let now = Instant::now();
-        let mut inner = w.inner.lock();
-        let due: Vec<u64> = inner
-            .entries
-            .iter()
-            .filter(|(_, e)| e.status == Status::Failed && e.next_try.is_some_and(|t| t <= now))
-            .map(|(s, _)| *s)
-            .collect();
-        for s in &due {
-            if let Some(e) = inner.entries.get_mut(s) {
-                e.status = Status::Queued;
-                e.next_try = None;
+        let (due, undropped) = {
+            let mut inner = w.inner.lock();
+            let due: Vec<u64> = inner
+                .entries
+                .iter()
+                .filter(|(_, e)| e.status == Status::Failed && e.next_try.is_some_and(|t| t <= now))
+                .map(|(s, _)| *s)
+                .collect();
+            for s in &due {
+                if let Some(e) = inner.entries.get_mut(s) {
+                    e.status = Status::Queued;
+                    e.next_try = None;
+                }
+                inner.ready.push_back(*s);
             }
-            inner.ready.push_back(*s);
+            (due, !inner.undropped.is_empty())
+        };
+        if undropped {
+            w.drop_undropped().await;
         }
-        drop(inner);
         if !due.is_empty() {
             w.work.notify_waiters();
         }
@@ -2078,7 +2237,7 @@ mod tests {
             delay: Duration::from_secs(3600),
             space_wait: Duration::from_secs(60),
         };
-        WriteBack::open(
+        let (wb, n) = WriteBack::open(
             cfg,
             store.clone(),
             Uploads::new(store),
@@ -2086,7 +2245,9 @@ mod tests {
             None,
             Arc::default(),
         )
-        .unwrap()
+        .unwrap();
+        wb.adopt(|_| 0);
+        (wb, n)
     }
 
     async fn put(wb: &WriteBack, key: &str, body: &[u8]) -> u64 {

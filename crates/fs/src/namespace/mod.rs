@@ -452,6 +452,51 @@ impl Namespace {
         t.maybe_drop(ino);
     }
 
+    /// The path of object `key` of this mount, if it is one (not hidden, below the prefix).
+    pub fn path_of_key(&self, key: &str) -> Option<MountPath> {
+        let rel = key.strip_prefix(self.keys.prefix())?;
+        let bad = rel.is_empty() || rel.ends_with('/') || rel.split('/').any(|n| n.is_empty());
+        let hidden = rel.split('/').next() == Some(UNLINKED_DIR);
+        (!bad && !hidden).then(|| MountPath::new(rel))
+    }
+
+    /// A file committed here by a daemon that died, not uploaded yet (`size` bytes, `user`
+    /// metadata; `etag`: the object it replaces, `in_store`: an object may be at its key):
+    /// an inode, as a file written and closed here has, before anything looks it up. Its
+    /// directory may not be known yet: it is numbered as a lookup will number it.
+    pub fn add_recovered(
+        &self,
+        path: &MountPath,
+        size: u64,
+        user: UserMeta,
+        etag: Option<String>,
+        in_store: bool,
+    ) -> Ino {
+        self.lookups.forget(path);
+        let (parent_path, name) = match path.as_str().rsplit_once('/') {
+            Some((d, n)) => (MountPath::new(d), n.to_string()),
+            None => (MountPath::root(), path.as_str().to_string()),
+        };
+        let mut t = self.table.lock();
+        let parent = if parent_path.is_root() {
+            ROOT_INO
+        } else {
+            t.ino_for(&parent_path)
+        };
+        let ino = t.ino_for(path);
+        let pm = PosixMeta::from_user(&user);
+        let attr = self
+            .policy
+            .attr(ino, FileKind::File, size, &pm, Some(SystemTime::now()));
+        let mut i = Inode::new(ino, parent, name, path.clone(), FileKind::File, attr);
+        i.fetched = in_store.then(Instant::now);
+        i.etag = etag;
+        i.user = user;
+        i.writing = true;
+        t.insert(i);
+        ino
+    }
+
     /// File `ino` now has `size` bytes and `user` metadata as committed here, not yet in the
     /// store (background upload): what it says of the object stays.
     pub fn changed_here(&self, ino: Ino, size: u64, user: UserMeta) {

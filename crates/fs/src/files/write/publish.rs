@@ -26,13 +26,28 @@ impl WriteState {
         } else {
             &self.cfg.metrics.publish_errors
         });
-        let (seq, (file, offset)) = match r {
+        let (seq, file) = match r {
             Ok(x) => x,
             Err(e) => {
                 self.phase = Phase::Failed;
                 return Err(e);
             }
         };
+        self.serve_entry(seq, file, size);
+        Ok(())
+    }
+
+    /// Background mode: write-back entry `seq` (`size` bytes of `file` from `offset`) is this
+    /// state's content from now on, as its commit; `meta` its metadata. How a file
+    /// committed by a daemon that died comes back (see [`WriteBack::adopt`]).
+    pub fn adopt(&mut self, seq: u64, (file, offset): (Arc<File>, u64), size: u64, meta: UserMeta) {
+        self.meta = meta;
+        self.size.store(size, Ordering::Relaxed);
+        self.serve_entry(seq, (file, offset), size);
+    }
+
+    /// The state's content is entry `seq` now, read from `file` at `offset`.
+    fn serve_entry(&mut self, seq: u64, (file, offset): (Arc<File>, u64), size: u64) {
         self.tail = None;
         self.staging = Some(file);
         self.staging_offset = offset;
@@ -51,7 +66,6 @@ impl WriteState {
         self.committed = Some(seq);
         self.phase = Phase::Clean;
         self.conflict = false;
-        Ok(())
     }
 
     pub(super) async fn commit_into(

@@ -1,0 +1,312 @@
+//! `--upload background` (issue 20) after a crash and under other clients, through real
+//! mounts against MinIO: a file recovered from the write-back directory behaves as one
+//! written by the running daemon (reads, appends, unlink and rename see its version), an
+//! unlink that deleted the object reports success, an upload whose answer was lost is not
+//! taken for another client's write, and a close waiting for room is not starved by later,
+//! smaller ones.
+
+mod common;
+
+use common::*;
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+fn state_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("bucketfs-bgrecover-state-")
+        .tempdir()
+        .unwrap()
+}
+
+fn background(mut spec: MountSpec, state: &Path, extra: &[&str]) -> MountSpec {
+    spec.args.extend(
+        [
+            "--upload",
+            "background",
+            "--state-dir",
+            state.to_str().unwrap(),
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string()),
+    );
+    spec
+}
+
+/// `bucketfs pending MOUNTPOINT`: its output.
+fn pending(mp: &Path) -> String {
+    let run = run_cli(
+        &[OsString::from("pending"), mp.as_os_str().to_owned()],
+        &[],
+        None,
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{}", run.stdout);
+    run.stdout
+}
+
+fn append(path: &Path, data: &[u8]) {
+    let mut f = std::fs::OpenOptions::new().append(true).open(path).unwrap();
+    f.write_all(data).unwrap();
+    close_checked(f).unwrap();
+}
+
+/// Files written over objects of the bucket, the daemon killed before their uploads, the
+/// next mount (same state directory) unable to upload them at first: each is still this
+/// mount's version: it reads back, an append builds on it, an unlink removes it for good
+/// (its upload does not bring it back later), a rename moves it.
+#[test]
+fn recovered_files_behave_as_files_written_here() {
+    let b = s3().new_bucket("bgrec1");
+    for k in ["fread", "fappend", "funlink", "frename"] {
+        s3().put(&b, k, format!("theirs {k}").into_bytes());
+    }
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let spec = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--upload-delay", "600", "--retry-timeout", "0"],
+    );
+    let mut m = spec.mount();
+    for k in ["fread", "fappend", "funlink", "frename"] {
+        write_file(&m.join(k), format!("ours {k}").as_bytes());
+    }
+    m.kill9();
+    drop(m);
+    // The uploads of the recovered files fail for now (the retry comes 10 s later).
+    proxy.fail_requests(&format!("PUT /{b}/f"), 1_000_000);
+    let m = spec.mount();
+    assert_eq!(read_file(&m.join("fread")), b"ours fread");
+    append(&m.join("fappend"), b" and more");
+    assert_eq!(read_file(&m.join("fappend")), b"ours fappend and more");
+    std::fs::remove_file(m.join("funlink")).unwrap();
+    std::fs::rename(m.join("frename"), m.join("grename")).unwrap();
+    assert_eq!(read_file(&m.join("grename")), b"ours frename");
+    let names = list_dir(m.path());
+    assert!(
+        !names.contains("funlink") && !names.contains("frename"),
+        "{names:?}"
+    );
+    proxy.fail_requests("", 0);
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "fread").unwrap(), b"ours fread");
+    assert_eq!(s3().get(&b, "fappend").unwrap(), b"ours fappend and more");
+    assert_eq!(s3().get(&b, "funlink"), None, "the unlinked file came back");
+    assert_eq!(s3().get(&b, "frename"), None, "the renamed file came back");
+    assert_eq!(s3().get(&b, "grename").unwrap(), b"ours frename");
+}
+
+/// Runs `f` on a thread; its result, or None if it did not finish within `limit`.
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).ok()
+}
+
+/// The files (segments, entries) of the write-back directories under `state`.
+fn entry_files(state: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut dirs = vec![state.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "wbs" || x == "wb") {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+fn chattr(flag: &str, files: &[std::path::PathBuf]) {
+    for f in files {
+        let st = std::process::Command::new("chattr")
+            .arg(flag)
+            .arg(f)
+            .status()
+            .unwrap();
+        assert!(st.success(), "chattr {flag} {}", f.display());
+    }
+}
+
+/// An unlink whose object the bucket deleted reports success even when the local entry of
+/// the version waiting for upload cannot be invalidated right away (its segment record, or
+/// its file of its own, refuses: `chattr +i`); the entry is dropped once the disk lets it,
+/// never uploaded, so the file does not come back, not even at the next mount.
+#[test]
+fn an_unlink_done_in_the_bucket_succeeds_when_its_entry_cannot_be_dropped_at_once() {
+    let b = s3().new_bucket("bgrec3");
+    let big = pattern::bytes(3, 5 << 20);
+    s3().put(&b, "e", b"theirs".to_vec());
+    s3().put(&b, "big", b"theirs".to_vec());
+    let state = state_dir();
+    let spec = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "600"],
+    );
+    let m = spec.mount();
+    assert_eq!(read_file(&m.join("e")), b"theirs");
+    assert_eq!(read_file(&m.join("big")), b"theirs");
+    // Small files go to a segment once the first one is made.
+    wait_for("a segment", Duration::from_secs(20), || {
+        entry_files(state.path())
+            .iter()
+            .any(|p| p.extension().is_some_and(|x| x == "wbs"))
+    });
+    write_file(&m.join("e"), b"ours");
+    write_file(&m.join("big"), &big);
+    let files = entry_files(state.path());
+    assert!(files
+        .iter()
+        .any(|p| p.extension().is_some_and(|x| x == "wb")));
+    chattr("+i", &files);
+    let r1 = std::fs::remove_file(m.join("e"));
+    let r2 = std::fs::remove_file(m.join("big"));
+    chattr("-i", &files);
+    r1.expect("the unlink of e deleted the object: it succeeded");
+    r2.expect("the unlink of big deleted the object: it succeeded");
+    assert_eq!(s3().get(&b, "e"), None);
+    assert_eq!(s3().get(&b, "big"), None);
+    let names = list_dir(m.path());
+    assert!(!names.contains("e") && !names.contains("big"), "{names:?}");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    let m = spec.mount();
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "e"), None, "the unlinked file came back");
+    assert_eq!(s3().get(&b, "big"), None, "the unlinked file came back");
+}
+
+/// The answer to an upload is lost (the PUT, or the CompleteMultipartUpload, landed; the
+/// connection broke before its reply): the retry's refusal is recognised as this mount's own
+/// write, not filed as another client's (no conflict, nothing pending).
+#[test]
+fn an_upload_whose_answer_was_lost_is_not_a_conflict() {
+    let b = s3().new_bucket("bgrec4");
+    s3().put(&b, "over", b"theirs".to_vec());
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let m = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--upload-delay", "0"],
+    )
+    .mount();
+    assert_eq!(read_file(&m.join("over")), b"theirs");
+    let big = pattern::bytes(4, 9 << 20);
+    proxy.drop_answers(&format!("PUT /{b}/new"), 1);
+    write_file(&m.join("new"), b"ours, new");
+    wait_for("the upload of new", Duration::from_secs(30), || {
+        s3().get(&b, "new").is_some() && !pending(m.path()).contains("new")
+    });
+    proxy.drop_answers(&format!("PUT /{b}/over"), 1);
+    write_file(&m.join("over"), b"ours over theirs");
+    wait_for("the upload of over", Duration::from_secs(30), || {
+        s3().get(&b, "over").as_deref() == Some(&b"ours over theirs"[..])
+            && !pending(m.path()).contains("over")
+    });
+    proxy.drop_answers(&format!("POST /{b}/big?uploadId"), 1);
+    write_file(&m.join("big"), &big);
+    wait_for("the upload of big", Duration::from_secs(60), || {
+        s3().get(&b, "big").is_some_and(|d| d == big) && !pending(m.path()).contains("big")
+    });
+    assert_eq!(proxy.dropped(), 3, "answers dropped");
+    let log = m.log();
+    assert!(!log.contains("changed by another client"), "{log}");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+}
+
+/// Room waits are first come, first served: with uploads stalled and `--writeback-size 1M`
+/// holding 800 KiB, a 400 KiB close waits; a 100 KiB close that comes after it (and would
+/// fit) waits behind it instead of taking the room it needs. Both go once uploads resume.
+#[test]
+fn a_close_waiting_for_room_is_not_overtaken_by_smaller_ones() {
+    let b = s3().new_bucket("bgrec5a");
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let m = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--writeback-size", "1M", "--negative-ttl", "300"],
+    )
+    .mount();
+    for n in ["a", "b", "big", "small"] {
+        assert!(!m.join(n).exists());
+    }
+    proxy.stall(true);
+    let body = pattern::bytes(6, 400 << 10);
+    write_file(&m.join("a"), &body);
+    write_file(&m.join("b"), &body);
+    let big = {
+        let (p, body) = (m.join("big"), body.clone());
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(&p).unwrap();
+            f.write_all(&body).unwrap();
+            close_checked(f)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!big.is_finished(), "the third close did not wait for room");
+    let p = m.join("small");
+    let small = within(Duration::from_secs(2), move || {
+        let mut f = std::fs::File::create(&p).unwrap();
+        f.write_all(&[7u8; 100 << 10]).unwrap();
+        close_checked(f)
+    });
+    let overtaken = small.is_some();
+    proxy.stall(false);
+    big.join().unwrap().expect("the waiting close succeeds");
+    assert!(
+        !overtaken,
+        "a later, smaller close took the room the waiting one needs"
+    );
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "big").unwrap(), body);
+    assert_eq!(s3().get(&b, "small").unwrap(), vec![7u8; 100 << 10]);
+}
+
+/// A new version of a file replaces its queued one: the room the old one holds is counted
+/// as free for it. With `--writeback-size 1M` and uploads held back (`--upload-delay`), a
+/// 600 KiB file written twice does not wait for room (before: the second close waited 60 s
+/// and failed with ENOSPC).
+#[test]
+fn a_new_version_takes_the_room_of_the_one_it_replaces() {
+    let b = s3().new_bucket("bgrec5b");
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--writeback-size", "1M", "--upload-delay", "600"],
+    )
+    .mount();
+    let v1 = pattern::bytes(8, 600 << 10);
+    let v2 = pattern::bytes(9, 600 << 10);
+    write_file(&m.join("f"), &v1);
+    let (p, v) = (m.join("f"), v2.clone());
+    let second = within(Duration::from_secs(5), move || {
+        let mut f = std::fs::File::create(&p).unwrap();
+        f.write_all(&v).unwrap();
+        close_checked(f)
+    });
+    let Some(second) = second else {
+        let mut m = m;
+        m.kill9();
+        panic!("the second version waited for room its first one holds");
+    };
+    second.unwrap();
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "f").unwrap(), v2);
+}
