@@ -448,6 +448,17 @@ impl S3Store {
                 }
                 Err(e) => return Err(map_err(key, e)),
             };
+            // A store (or proxy) that ignores If-Match would hand over another version's
+            // bytes, which a reader would mix with the pinned version's and the data cache
+            // would keep under the pinned ETag.
+            if let (Some(want), Some(got)) = (if_match, out.e_tag()) {
+                if norm_etag(Some(want)) != norm_etag(Some(got)) {
+                    return Err(StoreError::PreconditionFailed(format!(
+                        "{key}: asked for version {want}, the store sent {got} (it ignores \
+                         If-Match)"
+                    )));
+                }
+            }
             let mut body = out.body;
             while let Some(frame) = body.next().await {
                 let frame = frame
@@ -1009,12 +1020,22 @@ mod tests {
 
     /// A plain-HTTP server that answers every request with `body` (as XML, status 200).
     fn fixed_server(body: &'static [u8]) -> String {
+        let head = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        fixed_answer([head.as_bytes(), body].concat())
+    }
+
+    /// A plain-HTTP server that answers every request with `answer` (status line to body).
+    fn fixed_answer(answer: Vec<u8>) -> String {
         use std::io::{BufRead, BufReader, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { return };
+                let answer = answer.clone();
                 std::thread::spawn(move || {
                     let mut reader = BufReader::new(conn.try_clone().unwrap());
                     loop {
@@ -1027,13 +1048,7 @@ mod tests {
                                 Ok(_) => {}
                             }
                         }
-                        let head = format!(
-                            "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n\
-                             Content-Length: {}\r\n\r\n",
-                            body.len()
-                        );
-                        if conn.write_all(head.as_bytes()).is_err() || conn.write_all(body).is_err()
-                        {
+                        if conn.write_all(&answer).is_err() {
                             return;
                         }
                     }
@@ -1041,6 +1056,36 @@ mod tests {
             }
         });
         url
+    }
+
+    #[tokio::test]
+    async fn a_get_answered_with_another_version_fails_instead_of_mixing_versions() {
+        let answer = b"HTTP/1.1 206 Partial Content\r\nETag: \"new\"\r\n\
+            Content-Range: bytes 0-3/4\r\nContent-Length: 4\r\n\r\nabcd";
+        let store = S3Store::new(&S3Config {
+            bucket: "b".into(),
+            endpoint_url: Some(fixed_answer(answer.to_vec())),
+            region: Some("us-east-1".into()),
+            force_path_style: true,
+            access_key_id: Some("k".into()),
+            secret_access_key: Some("s".into()),
+            max_attempts: 1,
+            ..S3Config::default()
+        })
+        .await
+        .unwrap();
+        let e = store
+            .get_range("k", 0..4, Some("\"old\""))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StoreError::PreconditionFailed(_)), "{e:?}");
+        // The version asked for, with or without quotes, or no version asked: the bytes.
+        for want in [Some("\"new\""), Some("new"), None] {
+            assert_eq!(
+                &store.get_range("k", 0..4, want).await.unwrap()[..],
+                b"abcd"
+            );
+        }
     }
 
     async fn list_from(body: &'static [u8]) -> StoreResult<ListPage> {
