@@ -60,6 +60,9 @@ pub fn queue_len(budget: u64) -> usize {
 const RESCAN_EVERY: Duration = Duration::from_secs(60);
 /// Temporary files older than this are a crashed writer's: removed by the rescan.
 const STALE_TMP: Duration = Duration::from_secs(600);
+/// A whole copy's data file is sealed (its manifest written) right after it is linked into
+/// place: one without a manifest for longer is a crashed assembly's.
+const ORPHAN_AGE: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 60 });
 /// Subdirectory of the cache directory: a new file format gets a new one.
 const VERSION_DIR: &str = "bucketfs-v1";
 const MAGIC: &[u8; 8] = b"BFSBLK1\n";
@@ -881,12 +884,23 @@ impl DataCache {
         if size > self.max_bytes {
             return;
         }
+        let obj = self.whole_path(name, OBJ);
+        if let Ok(md) = std::fs::symlink_metadata(&obj) {
+            // Sealed already, or being sealed by another mount: nothing to do. A crashed
+            // assembly's data file is in the way of every later one: removed.
+            let linked = UNIX_EPOCH + Duration::new(md.ctime() as u64, md.ctime_nsec() as u32);
+            let orphan = linked.elapsed().is_ok_and(|age| age > ORPHAN_AGE)
+                && !self.whole_path(name, MAN).exists();
+            if !orphan {
+                return;
+            }
+            let _ = std::fs::remove_file(&obj);
+        }
         let n = size.div_ceil(BLOCK);
         let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, i).name()).collect();
         // Room for the copy (and its manifest) next to this object's own blocks, which it
         // is made from and which go once it is sealed.
         self.evict_keeping(self.max_bytes.saturating_sub(size + 256), &blocks);
-        let obj = self.whole_path(name, OBJ);
         let mut tmp = None;
         let made = (|| -> Result<(File, Vec<u32>), Miss> {
             let (mut f, t) = create_tmp(&obj).map_err(Miss::Io)?;
@@ -1392,6 +1406,30 @@ mod tests {
             "damaged copy handed over"
         );
         assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1);
+    }
+
+    #[test]
+    fn a_crashed_assemblys_data_file_does_not_block_later_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, _m) = start(dir.path(), 64 << 20);
+        c.set_whole_files(true);
+        let size = 2 * BLOCK + 3;
+        let data: Vec<u8> = (0..size).map(|i| (i * 5 % 239) as u8).collect();
+        // kill -9 between linking the data file and writing its manifest.
+        let name = c.id("k", "e", WHOLE).name();
+        let obj = c.whole_path(name, OBJ);
+        std::fs::create_dir_all(obj.parent().unwrap()).unwrap();
+        std::fs::write(&obj, b"half an assembly").unwrap();
+        std::thread::sleep(ORPHAN_AGE + Duration::from_millis(100));
+        put_all(&c, "e", &data);
+        wait_until("assembled over the orphan", || {
+            c.local_copy("k", "e", size).is_some()
+        });
+        let mut got = Vec::new();
+        (&c.local_copy("k", "e", size).unwrap())
+            .read_to_end(&mut got)
+            .unwrap();
+        assert_eq!(got, data);
     }
 
     #[test]
