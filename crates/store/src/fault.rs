@@ -290,6 +290,10 @@ impl crate::layer::StoreLayer for FaultStore {
     async fn delete(&self, key: &str) -> StoreResult<()> {
         self.wrap(Op::Delete, self.inner.delete(key)).await
     }
+    async fn delete_if(&self, key: &str, if_match: &str) -> StoreResult<()> {
+        self.wrap(Op::Delete, self.inner.delete_if(key, if_match))
+            .await
+    }
     async fn list(
         &self,
         prefix: &str,

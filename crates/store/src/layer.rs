@@ -133,6 +133,10 @@ pub trait StoreLayer: Send + Sync + 'static {
         self.inner().delete(key).await
     }
 
+    async fn delete_if(&self, key: &str, if_match: &str) -> StoreResult<()> {
+        self.inner().delete_if(key, if_match).await
+    }
+
     async fn list(
         &self,
         prefix: &str,
@@ -265,6 +269,10 @@ impl<L: StoreLayer> ObjectStore for L {
 
     async fn delete(&self, key: &str) -> StoreResult<()> {
         StoreLayer::delete(self, key).await
+    }
+
+    async fn delete_if(&self, key: &str, if_match: &str) -> StoreResult<()> {
+        StoreLayer::delete_if(self, key, if_match).await
     }
 
     async fn list(

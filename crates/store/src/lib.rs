@@ -162,6 +162,14 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// DELETE. Deleting a missing key succeeds, as in S3.
     async fn delete(&self, key: &str) -> StoreResult<()>;
 
+    /// DELETE only while the object has ETag `if_match` (`If-Match`): `PreconditionFailed`
+    /// when another version is there. A store that cannot check deletes whatever is there
+    /// (this default; MinIO ignores the header too), so callers HEAD first where it matters.
+    async fn delete_if(&self, key: &str, if_match: &str) -> StoreResult<()> {
+        let _ = if_match;
+        self.delete(key).await
+    }
+
     /// One page of a LIST of keys starting with `prefix`, from `from`. With `delimiter`
     /// (always `/` here), keys below the next delimiter are rolled up into `common_prefixes`. With
     /// [`ListDetail::UserMeta`], entries carry their user metadata where the store can give it

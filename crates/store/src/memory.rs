@@ -290,6 +290,17 @@ impl ObjectStore for MemoryStore {
         Ok(())
     }
 
+    async fn delete_if(&self, key: &str, if_match: &str) -> StoreResult<()> {
+        let mut inner = self.inner.lock();
+        match inner.objects.get(key) {
+            Some(o) if o.etag != if_match => Err(StoreError::PreconditionFailed(key.to_string())),
+            _ => {
+                inner.objects.remove(key);
+                Ok(())
+            }
+        }
+    }
+
     async fn list(
         &self,
         prefix: &str,

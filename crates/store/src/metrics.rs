@@ -301,6 +301,12 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for MeteredStore<S> {
         r
     }
 
+    async fn delete_if(&self, key: &str, if_match: &str) -> StoreResult<()> {
+        let r = self.inner.delete_if(key, if_match).await;
+        self.metrics.count(Op::Delete, &r);
+        r
+    }
+
     async fn list(
         &self,
         prefix: &str,

@@ -664,6 +664,14 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
             .await
     }
 
+    async fn delete_if(&self, key: &str, if_match: &str) -> StoreResult<()> {
+        // A repeat after a lost answer finds the object gone: done (a missing key succeeds).
+        self.retry(&format!("DELETE {key}"), || {
+            self.inner.delete_if(key, if_match)
+        })
+        .await
+    }
+
     async fn list(
         &self,
         prefix: &str,

@@ -251,6 +251,27 @@ fn copy_source(bucket: &str, key: &str) -> String {
 }
 
 impl S3Store {
+    /// DELETE, with `If-Match` when `pin` is given (a store that ignores it deletes
+    /// whatever is there). A missing key succeeds.
+    async fn delete_pinned(&self, key: &str, pin: Option<&str>) -> StoreResult<()> {
+        let _slot = self.slot().await;
+        match self
+            .client
+            .delete_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .set_if_match(pin.map(str::to_string))
+            .send()
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) => match map_err(key, e) {
+                StoreError::NotFound(_) => Ok(()),
+                other => Err(other),
+            },
+        }
+    }
+
     /// Builds a client. Does not contact the service; call [`S3Store::check_access`] for that.
     pub async fn new(cfg: &S3Config) -> StoreResult<Self> {
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
@@ -796,21 +817,11 @@ impl ObjectStore for S3Store {
     }
 
     async fn delete(&self, key: &str) -> StoreResult<()> {
-        let _slot = self.slot().await;
-        match self
-            .client
-            .delete_object()
-            .bucket(&self.bucket)
-            .key(key)
-            .send()
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(e) => match map_err(key, e) {
-                StoreError::NotFound(_) => Ok(()),
-                other => Err(other),
-            },
-        }
+        self.delete_pinned(key, None).await
+    }
+
+    async fn delete_if(&self, key: &str, if_match: &str) -> StoreResult<()> {
+        self.delete_pinned(key, Some(if_match)).await
     }
 
     async fn list(

@@ -46,7 +46,12 @@ struct State {
     drop_answer: Mutex<Option<(String, u64)>>,
     /// Answers dropped so far.
     pub dropped: AtomicU64,
+    /// The heads of the latest requests (request line and headers), oldest first.
+    heads: Mutex<std::collections::VecDeque<String>>,
 }
+
+/// Request heads kept by [`FaultProxy::request_heads`].
+const HEADS_KEPT: usize = 1000;
 
 pub struct FaultProxy {
     addr: SocketAddr,
@@ -144,6 +149,17 @@ impl FaultProxy {
     /// answer is lost: the connection is reset when it comes (a reply lost in the network).
     pub fn drop_answers(&self, line: &str, n: u64) {
         *self.state.drop_answer.lock().unwrap() = Some((line.to_string(), n));
+    }
+
+    /// The heads (request line and headers) of the latest requests whose request line
+    /// starts with `line`, oldest first.
+    pub fn request_heads(&self, line: &str) -> Vec<String> {
+        let heads = self.state.heads.lock().unwrap();
+        heads
+            .iter()
+            .filter(|h| h.starts_with(line))
+            .cloned()
+            .collect()
     }
 
     /// Answers dropped by [`Self::drop_answers`].
@@ -260,6 +276,27 @@ fn picked(rule: &Mutex<Option<(String, u64)>>, chunk: &[u8]) -> bool {
     }
 }
 
+/// Keeps the head of a request starting in `chunk` (one starts with a method and a path).
+fn note_head(st: &State, chunk: &[u8]) {
+    let is_request = chunk.first().is_some_and(u8::is_ascii_uppercase)
+        && chunk
+            .windows(2)
+            .position(|w| w == b" /")
+            .is_some_and(|i| i < 10);
+    if !is_request {
+        return;
+    }
+    let end = chunk
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or(chunk.len());
+    let mut heads = st.heads.lock().unwrap();
+    heads.push_back(String::from_utf8_lossy(&chunk[..end]).into_owned());
+    if heads.len() > HEADS_KEPT {
+        heads.pop_front();
+    }
+}
+
 fn pump(
     mut from: TcpStream,
     mut to: TcpStream,
@@ -279,6 +316,9 @@ fn pump(
         };
         if st.generation.load(Ordering::SeqCst) != generation || st.stop.load(Ordering::SeqCst) {
             break;
+        }
+        if !downstream {
+            note_head(st, &buf[..n]);
         }
         if !downstream && picked(&st.fail, &buf[..n]) {
             break;

@@ -21,6 +21,8 @@ pub struct Head {
     pub size: u64,
     /// User metadata, keys without the `x-amz-meta-` prefix.
     pub meta: HashMap<String, String>,
+    /// With its quotes.
+    pub etag: String,
 }
 
 pub fn s3() -> &'static S3 {
@@ -147,6 +149,7 @@ impl S3 {
             Ok(out) => Some(Head {
                 size: out.content_length().unwrap_or(-1) as u64,
                 meta: out.metadata().cloned().unwrap_or_default(),
+                etag: out.e_tag().unwrap_or_default().to_string(),
             }),
             Err(e) if e.as_service_error().is_some_and(|s| s.is_not_found()) => None,
             Err(e) => panic!("HeadObject {bucket}/{key}: {}", err_text(&e)),

@@ -92,16 +92,24 @@ impl Fs {
             // Written here again after a conflict: this mount's file is the one at the key.
             in_store = true;
         }
+        let kept = || {
+            tracing::warn!(
+                "unlink {key}: another client wrote it since this mount's version (not \
+                 uploaded yet, now removed); its object is kept"
+            );
+            Ok(false)
+        };
+        // The object goes only if it is the version the held one replaces: the DELETE is
+        // pinned to it (`If-Match`), and checked by a HEAD first for stores that ignore
+        // that (MinIO): there, another client's write between the two is deleted.
+        let mut pin = None;
         if let Some((_, _, Cond::Match(base))) = held {
             match self.store.head(&key).await {
-                Ok(o) if o.etag.as_deref() == Some(base.as_str()) => in_store = true,
-                Ok(_) => {
-                    tracing::warn!(
-                        "unlink {key}: another client wrote it since this mount's version \
-                         (not uploaded yet, now removed); its object is kept"
-                    );
-                    return Ok(false);
+                Ok(o) if o.etag.as_deref() == Some(base.as_str()) => {
+                    in_store = true;
+                    pin = Some(base.as_str());
                 }
+                Ok(_) => return kept(),
                 Err(StoreError::NotFound(_)) => return Ok(false),
                 Err(e) => return Err(log_store_err(&format!("unlink {key}"), e)),
             }
@@ -110,8 +118,14 @@ impl Fs {
             return Ok(true);
         }
         if in_store {
-            if let Err(e) = self.store.delete(&key).await {
-                return Err(log_store_err(&format!("unlink {key}"), e));
+            let r = match pin {
+                Some(base) => self.store.delete_if(&key, base).await,
+                None => self.store.delete(&key).await,
+            };
+            match r {
+                Ok(()) => {}
+                Err(StoreError::PreconditionFailed(_)) if pin.is_some() => return kept(),
+                Err(e) => return Err(log_store_err(&format!("unlink {key}"), e)),
             }
         }
         Ok(false)

@@ -5,6 +5,7 @@
 mod support;
 
 mod attributes;
+mod background;
 mod directories;
 mod failures;
 mod memory;
