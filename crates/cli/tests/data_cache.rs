@@ -322,3 +322,31 @@ fn warmup_fills_the_data_cache_ahead_of_a_read() {
         assert_eq!(read_counted(&m, k, v).0, 0, "{k} read from the cache");
     }
 }
+
+/// Pages of a file the kernel still holds (kept across opens) would serve warmup's reads
+/// without the daemon seeing them: warmup drops them first, so blocks the data cache lost
+/// meanwhile (here: removed behind the daemon's back, as another mount sharing the
+/// directory evicts) are fetched and cached again.
+#[test]
+fn warmup_caches_a_file_whose_pages_the_kernel_still_holds() {
+    let b = s3().new_bucket("dcache-warm-pages");
+    let data = pattern::bytes(23, (2 * MIB + 11) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (m, _) = mount_cached(&b, cache.path(), &[]);
+    read_counted(&m, "f", &data);
+    wait_blocks(cache.path(), 3);
+    // The blocks go (another mount's eviction, a cleanup); the pages stay.
+    for (p, _) in block_files(cache.path()) {
+        std::fs::remove_file(p).unwrap();
+    }
+    let out = run(bin(), &["warmup", m.join("f").to_str().unwrap()]);
+    assert!(out.contains("warmup: 1 files"), "{out}");
+    wait_blocks(cache.path(), 3);
+    let m = m.remount();
+    assert_eq!(
+        read_counted(&m, "f", &data).0,
+        0,
+        "read from the bucket again"
+    );
+}

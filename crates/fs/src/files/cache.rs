@@ -743,7 +743,14 @@ impl DataCache {
         let name = id.name();
         let mut f = match open_own(&self.path(name)) {
             Ok(f) => f,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Err(Miss::Absent),
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                // Evicted by another mount sharing the directory (or removed by hand): no
+                // longer indexed, so the block fetched instead is written again.
+                if self.index.lock().remove(name).is_some() {
+                    self.update_size();
+                }
+                return Err(Miss::Absent);
+            }
             Err(e) if not_own(&e) => return Err(Miss::Corrupt("not a file of its own")),
             Err(e) => return Err(Miss::Io(e)),
         };
