@@ -60,7 +60,7 @@ fn append(path: &Path, data: &[u8]) {
 #[test]
 fn recovered_files_behave_as_files_written_here() {
     let b = s3().new_bucket("bgrec1");
-    for k in ["fread", "fappend", "funlink", "frename"] {
+    for k in ["fread", "fappend", "funlink", "frename", "fdir/fnew"] {
         s3().put(&b, k, format!("theirs {k}").into_bytes());
     }
     let state = state_dir();
@@ -71,15 +71,20 @@ fn recovered_files_behave_as_files_written_here() {
         &["--upload-delay", "600", "--retry-timeout", "0"],
     );
     let mut m = spec.mount();
-    for k in ["fread", "fappend", "funlink", "frename"] {
+    for k in ["fread", "fappend", "funlink", "frename", "fdir/fnew"] {
         write_file(&m.join(k), format!("ours {k}").as_bytes());
     }
+    // A file created here, in a directory of the bucket.
+    write_file(&m.join("fdir/fcreated"), b"ours, created");
     m.kill9();
     drop(m);
     // The uploads of the recovered files fail for now (the retry comes 10 s later).
     proxy.fail_requests(&format!("PUT /{b}/f"), 1_000_000);
     let m = spec.mount();
     assert_eq!(read_file(&m.join("fread")), b"ours fread");
+    assert_eq!(read_file(&m.join("fdir/fnew")), b"ours fdir/fnew");
+    assert_eq!(read_file(&m.join("fdir/fcreated")), b"ours, created");
+    assert_eq!(list_dir(&m.join("fdir")), set(["fcreated", "fnew"]));
     append(&m.join("fappend"), b" and more");
     assert_eq!(read_file(&m.join("fappend")), b"ours fappend and more");
     std::fs::remove_file(m.join("funlink")).unwrap();
@@ -94,6 +99,8 @@ fn recovered_files_behave_as_files_written_here() {
     let (status, log) = m.unmount();
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
     assert_eq!(s3().get(&b, "fread").unwrap(), b"ours fread");
+    assert_eq!(s3().get(&b, "fdir/fnew").unwrap(), b"ours fdir/fnew");
+    assert_eq!(s3().get(&b, "fdir/fcreated").unwrap(), b"ours, created");
     assert_eq!(s3().get(&b, "fappend").unwrap(), b"ours fappend and more");
     assert_eq!(s3().get(&b, "funlink"), None, "the unlinked file came back");
     assert_eq!(s3().get(&b, "frename"), None, "the renamed file came back");
