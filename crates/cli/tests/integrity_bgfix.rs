@@ -1,7 +1,7 @@
 //! `--upload background` (issue 20) under failures and other clients, through real mounts
 //! against MinIO: a failed unlink or rename keeps the version waiting for upload, a rename or
-//! unlink never moves or deletes another client's newer object, a directory rename and a
-//! close below it do not deadlock, conflicts filling the write-back directory give ENOSPC
+//! unlink never moves or deletes another client's newer object (a directory rename and a
+//! close below it: integrity_bgrename.rs), conflicts filling the write-back directory give ENOSPC
 //! instead of a close that waits forever, an object deleted by another client gets this
 //! mount's version, `--upload-fsync bucket` waits for the upload of the version that replaced
 //! its own, and a mount without background mode uploads what one left.
@@ -147,55 +147,6 @@ fn rename_and_unlink_never_bypass_the_conflict_check() {
     assert_eq!(s3().get(&b, "d/f").unwrap(), b"theirs, new");
     assert_eq!(s3().get(&b, "gone").unwrap(), b"theirs g2");
     assert!(s3().get(&b, "new").is_none() && s3().get(&b, "e/f").is_none());
-}
-
-/// A close of a file below a directory being renamed, whose earlier version waits for
-/// upload, used to wait for that version (held by the rename) while the rename waited for
-/// the file: both hung. Now both finish, and the file goes up under its new name.
-#[test]
-fn a_directory_rename_and_a_close_below_it_do_not_deadlock() {
-    let b = s3().new_bucket("bgfixd");
-    let state = state_dir();
-    let proxy = proxy::FaultProxy::start(&minio_addr());
-    let mut m = background(
-        via_proxy(&b, &proxy),
-        state.path(),
-        &["--upload-delay", "600", "--negative-ttl", "300"],
-    )
-    .mount();
-    std::fs::create_dir(m.join("d")).unwrap();
-    // Looked up now (missing, remembered): the rename below needs no lookup first.
-    assert!(!m.join("e").exists());
-    write_file(&m.join("d/f"), b"v1");
-    std::fs::File::open(m.path()).unwrap().sync_all().unwrap();
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(m.join("d/f"))
-        .unwrap();
-    f.write_all(b"v2").unwrap();
-    // Slow requests: the rename is still listing and copying when the close comes.
-    proxy.set_delay(Duration::from_millis(300));
-    let (from, to) = (m.join("d"), m.join("e"));
-    let rename = std::thread::spawn(move || std::fs::rename(from, to));
-    std::thread::sleep(Duration::from_millis(400));
-    let closed = within(Duration::from_secs(30), move || close_checked(f));
-    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
-    proxy.set_delay(Duration::ZERO);
-    if closed.is_none() || renamed.is_none() {
-        m.kill9();
-        panic!(
-            "hung: close finished {}, rename finished {}",
-            closed.is_some(),
-            renamed.is_some()
-        );
-    }
-    closed.unwrap().expect("close");
-    renamed.unwrap().expect("rename");
-    assert_eq!(read_file(&m.join("e/f")), b"v2");
-    let (status, log) = m.unmount();
-    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
-    assert_eq!(s3().get(&b, "e/f").unwrap(), b"v2");
-    assert!(s3().get(&b, "d/f").is_none());
 }
 
 /// Conflicts (never uploaded by themselves) that fill `--writeback-size` make a close fail

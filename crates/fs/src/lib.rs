@@ -17,6 +17,7 @@ mod metrics;
 mod namespace;
 mod paths;
 mod pool;
+mod testpoint;
 
 pub use bucketfs_store::liveness::within_operation;
 pub use budget::default_budget;

@@ -126,6 +126,31 @@ pub enum Holding {
     Gone,
 }
 
+/// A rename in progress that moved an entry to its key: the object the rename moves from
+/// `key` (ETag `etag`; none: there was none), at `at` (Unix seconds). In the entry's
+/// trailer before the rename changes the bucket, so that after a crash the upload finishes
+/// the rename first: the old name's object, if still that one, is deleted (see
+/// [`WriteBack::rekey`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Moved {
+    pub key: String,
+    pub etag: Option<String>,
+    pub at: u64,
+}
+
+impl Moved {
+    pub fn now(key: &str, etag: Option<String>) -> Self {
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() + 1);
+        Moved {
+            key: key.to_string(),
+            etag,
+            at,
+        }
+    }
+}
+
 /// A segment file: records of committed files, one after another.
 pub struct Segment {
     id: u64,
@@ -188,6 +213,8 @@ struct Entry {
     next_try: Option<Instant>,
     /// Not uploaded before this.
     not_before: Instant,
+    /// A rename a crash interrupted, finished before the upload.
+    moving: Option<Moved>,
 }
 
 /// Why an upload did not land.
@@ -208,6 +235,7 @@ struct Job {
     cond: Cond,
     loc: Loc,
     ino: Ino,
+    moving: Option<Moved>,
 }
 
 /// One pending file, for `bucketfs pending`.
@@ -276,6 +304,8 @@ struct Inner {
     freed_at: Option<Instant>,
     /// When a full directory was last logged.
     full_logged: Option<Instant>,
+    /// Key prefixes of directories being renamed: entries below are not uploaded.
+    paused: Vec<String>,
 }
 
 impl Inner {
@@ -330,6 +360,25 @@ impl Drop for RoomTicket<'_> {
     }
 }
 
+/// Entries below a directory being renamed wait while this lives (see
+/// [`WriteBack::pause_below`]).
+pub struct Paused {
+    wb: Arc<WriteBack>,
+    prefix: String,
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        {
+            let mut inner = self.wb.inner.lock();
+            if let Some(i) = inner.paused.iter().position(|p| *p == self.prefix) {
+                inner.paused.swap_remove(i);
+            }
+        }
+        self.wb.work.notify_waiters();
+    }
+}
+
 /// A commit in progress: the entry file being written.
 pub struct Slot {
     seq: u64,
@@ -338,6 +387,8 @@ pub struct Slot {
     meta: UserMeta,
     cond: Cond,
     replaces: Option<u64>,
+    /// A rename's entry: stays held by it (see [`WriteBack::rekey`]).
+    from: Option<Moved>,
     loc: Loc,
     file: Arc<File>,
     /// Where the bytes start in `file`.
@@ -489,6 +540,7 @@ impl WriteBack {
                     tries: 0,
                     next_try: None,
                     not_before: Instant::now(),
+                    moving: t.from,
                 },
             );
         }
@@ -682,7 +734,7 @@ impl WriteBack {
             }
             return Err(e);
         }
-        match self.new_slot(key, size, meta.clone(), cond, replaces) {
+        match self.new_slot(key, size, meta.clone(), cond, replaces, None) {
             Ok(slot) => Ok(slot),
             Err(e) => {
                 self.unhold(replaces, size);
@@ -778,6 +830,7 @@ impl WriteBack {
         meta: UserMeta,
         cond: Cond,
         replaces: Option<u64>,
+        from: Option<Moved>,
     ) -> FsResult<Slot> {
         let seq = {
             let mut inner = self.inner.lock();
@@ -792,6 +845,7 @@ impl WriteBack {
             meta: meta.clone(),
             cond: cond.clone(),
             replaces,
+            from: from.clone(),
         }
         .encode();
         let need = REC_HEADER + size + trailer.len() as u64 + 4;
@@ -822,6 +876,7 @@ impl WriteBack {
             meta,
             cond,
             replaces,
+            from,
             loc,
             file,
             base,
@@ -1029,6 +1084,7 @@ impl WriteBack {
                 }
             }
             inner.by_key.insert(slot.key.clone(), slot.seq);
+            let held = slot.from.is_some();
             inner.entries.insert(
                 slot.seq,
                 Entry {
@@ -1038,15 +1094,18 @@ impl WriteBack {
                     cond: slot.cond.clone(),
                     loc: slot.loc.clone(),
                     ino,
-                    status: Status::Queued,
+                    status: if held { Status::Held } else { Status::Queued },
                     error: None,
                     conflict: false,
                     tries: 0,
                     next_try: None,
                     not_before: Instant::now() + self.cfg.delay,
+                    moving: slot.from.clone(),
                 },
             );
-            inner.ready.push_back(slot.seq);
+            if !held {
+                inner.ready.push_back(slot.seq);
+            }
             old
         };
         inc(&self.metrics.writeback_committed);
@@ -1216,6 +1275,10 @@ impl WriteBack {
         let mut inner = self.inner.lock();
         if let Some(e) = inner.entries.get_mut(&seq) {
             if e.status == Status::Held {
+                // Its key again, if a rename over it that failed had taken it.
+                let key = e.key.clone();
+                inner.by_key.entry(key).or_insert(seq);
+                let e = inner.entries.get_mut(&seq).expect("present");
                 e.status = if e.error.is_some() {
                     Status::Failed
                 } else {
@@ -1232,8 +1295,24 @@ impl WriteBack {
     }
 
     /// Moves held entry `seq` to `key` with condition `cond`: a new entry with a copy of its
-    /// bytes, replacing it. Returns its number.
-    pub async fn rekey(&self, seq: u64, key: &str, cond: Cond) -> FsResult<u64> {
+    /// bytes, durably replacing it, and still held. Returns its number.
+    ///
+    /// A rename calls this with `from` (the object it moves) before it changes the bucket,
+    /// then [`Self::moved`] once it did; were the daemon to die in between, the entry found
+    /// at the next start deletes the old name's object before it goes up (with `cond`, so
+    /// a rename records `Cond::Any`: the name it takes is the rename's to replace). With
+    /// `from` None (a rename undone moves the entry back) the new entry is released at once.
+    /// `also`: an entry of
+    /// `key` this one replaces too (an earlier version of the same file moved by the same
+    /// rename), removed once this one is durable.
+    pub async fn rekey(
+        &self,
+        seq: u64,
+        key: &str,
+        cond: Cond,
+        from: Option<Moved>,
+        also: Option<u64>,
+    ) -> FsResult<u64> {
         let (src, size, meta, ino) = {
             let mut inner = self.inner.lock();
             let Some(e) = inner.entries.get_mut(&seq) else {
@@ -1243,7 +1322,7 @@ impl WriteBack {
             inner.bytes += r.1;
             r
         };
-        let mut slot = match self.new_slot(key, size, meta, cond, Some(seq)) {
+        let mut slot = match self.new_slot(key, size, meta, cond, Some(seq), from) {
             Ok(s) => s,
             Err(e) => {
                 self.unhold(Some(seq), size);
@@ -1280,7 +1359,91 @@ impl WriteBack {
                 }
             }
         }
-        self.commit(slot, ino).await
+        let new = self.commit(slot, ino).await?;
+        if let Some(a) = also.filter(|a| *a != new) {
+            self.discard(a).await?;
+        }
+        self.changed.notify_waiters();
+        Ok(new)
+    }
+
+    /// A rename finished moving held entry `seq` (see [`Self::rekey`]): it goes up with
+    /// `cond` (what the rename left at its key).
+    pub fn moved(&self, seq: u64, cond: Cond) {
+        {
+            let mut inner = self.inner.lock();
+            if let Some(e) = inner.entries.get_mut(&seq) {
+                e.cond = cond;
+                e.moving = None;
+            }
+        }
+        self.release(seq);
+    }
+
+    /// A number standing for a version of a file that is in the bucket as `etag` with no
+    /// entry (a rename moved the object an upload made): a later commit naming it as its
+    /// predecessor replaces only that object.
+    pub fn remember(&self, etag: String) -> u64 {
+        let mut inner = self.inner.lock();
+        let s = inner.next_seq;
+        inner.next_seq += 1;
+        inner.results.insert(s, etag);
+        inner.results_order.push_back(s);
+        s
+    }
+
+    /// Whether entry `seq` is still to be uploaded (and has not landed).
+    pub fn awaits_upload(&self, seq: u64) -> bool {
+        self.inner
+            .lock()
+            .entries
+            .get(&seq)
+            .is_some_and(|e| e.status != Status::Landed)
+    }
+
+    /// The entry that stands for `seq` now: `seq`, or the one that replaced it (a later
+    /// commit, a rename), following the chain.
+    pub fn latest(&self, seq: u64) -> u64 {
+        let inner = self.inner.lock();
+        let mut s = seq;
+        while let Some(n) = inner.successor.get(&s) {
+            s = *n;
+        }
+        s
+    }
+
+    /// Entries not landed whose keys start with `prefix`, and their keys.
+    pub fn below(&self, prefix: &str) -> Vec<(u64, String)> {
+        self.inner
+            .lock()
+            .entries
+            .iter()
+            .filter(|(_, e)| e.key.starts_with(prefix) && e.status != Status::Landed)
+            .map(|(s, e)| (*s, e.key.clone()))
+            .collect()
+    }
+
+    /// Keeps entries whose keys start with `prefix` (a directory being renamed) from being
+    /// uploaded until the guard goes, and waits for the uploads of such entries in flight.
+    pub async fn pause_below(self: &Arc<Self>, prefix: &str) -> Paused {
+        self.inner.lock().paused.push(prefix.to_string());
+        let guard = Paused {
+            wb: self.clone(),
+            prefix: prefix.to_string(),
+        };
+        loop {
+            let changed = self.changed.notified();
+            let busy = self
+                .inner
+                .lock()
+                .entries
+                .values()
+                .any(|e| e.key.starts_with(prefix) && e.status == Status::Uploading);
+            if !busy {
+                return guard;
+            }
+            changed.await;
+        }
     }
 
     /// Waits until nothing is queued or uploading (failed entries are left), calling
@@ -1413,20 +1576,28 @@ impl WriteBack {
     /// The next entry to upload, marked uploading; else how long until the first one is due.
     fn take(&self) -> Result<Job, Option<Duration>> {
         let mut inner = self.inner.lock();
+        let inner = &mut *inner;
         let now = Instant::now();
-        while let Some(s) = inner.ready.pop_front() {
+        let mut i = 0;
+        while let Some(&s) = inner.ready.get(i) {
             let Some(e) = inner.entries.get_mut(&s) else {
+                inner.ready.remove(i);
                 continue;
             };
             if e.status != Status::Queued {
+                inner.ready.remove(i);
+                continue;
+            }
+            if inner.paused.iter().any(|p| e.key.starts_with(p.as_str())) {
+                // Its directory is being renamed: it goes up under its new name.
+                i += 1;
                 continue;
             }
             if e.not_before > now {
                 // Entries are queued in order of their times: none behind it is due either.
-                let wait = e.not_before - now;
-                inner.ready.push_front(s);
-                return Err(Some(wait));
+                return Err(Some(e.not_before - now));
             }
+            inner.ready.remove(i);
             e.status = Status::Uploading;
             let r = Job {
                 seq: s,
@@ -1436,6 +1607,7 @@ impl WriteBack {
                 cond: e.cond.clone(),
                 loc: e.loc.clone(),
                 ino: e.ino,
+                moving: e.moving.clone(),
             };
             inner.running += 1;
             return Ok(r);
@@ -1453,10 +1625,19 @@ impl WriteBack {
             cond,
             loc,
             ino,
+            moving,
         } = self.take()?;
-        let r = self.upload(&key, size, &meta, &cond, &loc).await;
+        let r = match &moving {
+            Some(m) => self.finish_move(seq, m).await,
+            None => Ok(()),
+        };
+        let r = match r {
+            Ok(()) => self.upload(&key, size, &meta, &cond, &loc).await,
+            Err(e) => Err((e, false)),
+        };
         match r {
             Ok(etag) => {
+                crate::testpoint::reached("writeback.uploaded").await;
                 // The entry goes for good before anything learns of the upload: were it to
                 // come back after a crash, its upload would be done again over whatever
                 // happened to the file since (a delete, say). Until then it counts as
@@ -1532,6 +1713,38 @@ impl WriteBack {
         }
         self.update_gauges();
         self.changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Finishes the rename a crash interrupted (see [`Moved`]): the object it was moving is
+    /// deleted from the old name, unless it is not that object any more (another ETag, or
+    /// written after the rename began).
+    async fn finish_move(&self, seq: u64, m: &Moved) -> Result<(), String> {
+        if let Some(etag) = &m.etag {
+            match self.store.head(&m.key).await {
+                Ok(o) => {
+                    let since = o.last_modified.and_then(|t| {
+                        t.duration_since(std::time::UNIX_EPOCH)
+                            .ok()
+                            .map(|d| d.as_secs())
+                    });
+                    if o.etag.as_ref() == Some(etag) && since.is_none_or(|t| t <= m.at) {
+                        tracing::info!(
+                            "{}: deleting it, as a rename to {} interrupted by a crash was \
+                             to",
+                            m.key,
+                            self.inner.lock().entries.get(&seq).map_or("", |e| &e.key)
+                        );
+                        self.store.delete(&m.key).await.map_err(|e| e.to_string())?;
+                    }
+                }
+                Err(StoreError::NotFound(_)) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        if let Some(e) = self.inner.lock().entries.get_mut(&seq) {
+            e.moving = None;
+        }
         Ok(())
     }
 
@@ -1780,6 +1993,8 @@ struct Trailer {
     meta: UserMeta,
     cond: Cond,
     replaces: Option<u64>,
+    /// Written by a rename (see [`WriteBack::rekey`]); trailers without it end before.
+    from: Option<Moved>,
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -1830,6 +2045,18 @@ impl Trailer {
             Cond::Any => out.push(2),
         }
         out.extend_from_slice(&self.replaces.unwrap_or(0).to_le_bytes());
+        if let Some(m) = &self.from {
+            out.push(1);
+            put_str(&mut out, &m.key);
+            match &m.etag {
+                Some(e) => {
+                    out.push(1);
+                    put_str(&mut out, e);
+                }
+                None => out.push(0),
+            }
+            out.extend_from_slice(&m.at.to_le_bytes());
+        }
         out
     }
 
@@ -1852,6 +2079,23 @@ impl Trailer {
             _ => return None,
         };
         let replaces = Some(r.u64()?).filter(|s| *s != 0);
+        let from = match r.take(1).map(|t| t[0]) {
+            None => None,
+            Some(1) => {
+                let key = r.str()?;
+                let etag = match r.take(1)?[0] {
+                    0 => None,
+                    1 => Some(r.str()?),
+                    _ => return None,
+                };
+                Some(Moved {
+                    key,
+                    etag,
+                    at: r.u64()?,
+                })
+            }
+            Some(_) => return None,
+        };
         r.0.is_empty().then_some(Trailer {
             seq,
             key,
@@ -1859,6 +2103,7 @@ impl Trailer {
             meta,
             cond,
             replaces,
+            from,
         })
     }
 }
@@ -2219,8 +2464,20 @@ mod tests {
                 meta: meta.clone(),
                 cond,
                 replaces: Some(7),
+                from: None,
             };
-            assert_eq!(Trailer::decode(&t.encode()), Some(t));
+            assert_eq!(Trailer::decode(&t.encode()), Some(t.clone()));
+            for etag in [None, Some("\"e\"".to_string())] {
+                let t = Trailer {
+                    from: Some(Moved {
+                        key: "old/name".into(),
+                        etag,
+                        at: 1_700_000_000,
+                    }),
+                    ..t.clone()
+                };
+                assert_eq!(Trailer::decode(&t.encode()), Some(t));
+            }
         }
     }
 

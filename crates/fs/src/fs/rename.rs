@@ -1,6 +1,6 @@
 use super::*;
-use crate::files::writeback::{Cond, Holding};
-use std::collections::HashMap;
+use crate::files::writeback::{Cond, Holding, Moved, WriteBack};
+use crate::testpoint;
 
 /// A file still open here whose name a rename takes (see [`Fs::rename_file`]).
 pub(super) struct Replaced {
@@ -38,14 +38,7 @@ async fn lock_in_order<'a>(
 /// Write-back entries a directory rename keeps from uploading; those it did not move are let
 /// go when it ends.
 #[derive(Default)]
-struct Held(Vec<(Arc<crate::files::writeback::WriteBack>, u64)>);
-
-impl Held {
-    fn take(&mut self, seq: u64) -> Option<(Arc<crate::files::writeback::WriteBack>, u64)> {
-        let i = self.0.iter().position(|(_, s)| *s == seq)?;
-        Some(self.0.swap_remove(i))
-    }
-}
+struct Held(Vec<(Arc<WriteBack>, u64)>);
 
 impl Drop for Held {
     fn drop(&mut self) {
@@ -191,6 +184,9 @@ impl Fs {
         let moved = self
             .move_object(path, new_path, version, guard.as_deref_mut())
             .await;
+        if let (Ok(_), Some(w), Some(st)) = (&moved, &src.1, guard.as_deref_mut()) {
+            self.drop_if_uploaded(src.0, w, st);
+        }
         match (moved, &replaced) {
             (Err(e), _) => {
                 if let Some((hidden, _)) = kept {
@@ -215,6 +211,18 @@ impl Fs {
                 Ok(etag)
             }
             (Ok(etag), None) => Ok(etag),
+        }
+    }
+
+    /// Background mode: the state of a file just moved, kept only for an upload that is done
+    /// (it landed before the rename moved its object, so the upload's news, about the old
+    /// name, does not retire it), goes as it would have then.
+    fn drop_if_uploaded(&self, ino: Ino, w: &Arc<OpenWrite>, st: &mut WriteState) {
+        let Some(wb) = self.files.writeback() else {
+            return;
+        };
+        if !st.has_changes_to_publish() && !st.committed.is_some_and(|s| wb.awaits_upload(s)) {
+            self.drop_closed_state(ino, w, st);
         }
     }
 
@@ -252,56 +260,106 @@ impl Fs {
         // that version was based on (or the one its upload made).
         let (held, expect) = match (self.files.writeback(), st.committed) {
             (Some(wb), Some(seq)) => match wb.hold(seq).await {
-                Holding::Held { cond, .. } => (Some((wb.clone(), seq)), Some(cond)),
+                Holding::Held { cond, .. } => (Some((wb.clone(), seq, cond.clone())), Some(cond)),
                 Holding::Uploaded(etag) => (None, etag.map(Cond::Match)),
                 Holding::Gone => (None, None),
             },
             _ => (None, None),
         };
-        let moved = self.move_state_object(&src, &dst, st, expect).await;
-        let etag = match moved {
-            Ok(etag) => etag,
-            Err(e) => {
-                if let Some((wb, seq)) = &held {
-                    wb.release(*seq);
-                }
-                return Err(e);
-            }
-        };
-        if let Some((wb, seq)) = held {
-            let cond = etag.clone().map_or(Cond::Absent, Cond::Match);
-            match wb.rekey(seq, &dst, cond).await {
-                Ok(new) => st.committed = Some(new),
-                Err(e) => {
-                    tracing::error!(
-                        "rename {src} to {dst}: its version waiting for upload could not move \
-                         ({e}); it stays under the old name"
-                    );
-                    return Err(e);
-                }
-            }
+        let uploaded = held.is_none() && st.committed.is_some();
+        let moved = self.move_state_object(&src, &dst, st, expect, held).await?;
+        if let (Some(wb), true) = (self.files.writeback(), uploaded) {
+            // Its upload landed under the old name and moved with it: the next version
+            // replaces the copy.
+            st.committed = moved.clone().map(|e| wb.remember(e));
         }
-        Ok(etag)
+        Ok(moved)
     }
 
     /// [`Self::move_object`] of a file being written: its previous complete object, if any,
     /// moves to `dst`, then the state goes on under `dst`. `expect`: what the object at
     /// `src` must be (background mode: what the file's version waiting for upload may
     /// replace); another client's object there is neither moved nor deleted (`ESTALE`).
+    /// `held`: that version, held (with its condition): it moves to `dst` durably before
+    /// the bucket changes (a crash in between: see [`WriteBack::rekey`]), back on failure.
     async fn move_state_object(
         &self,
         src: &ObjectKey,
         dst: &ObjectKey,
         st: &mut WriteState,
         expect: Option<Cond>,
+        held: Option<(Arc<WriteBack>, u64, Cond)>,
     ) -> FsResult<Option<String>> {
         let what = format!("rename {src} to {dst}");
         let old = match self.store.head(src).await {
             Ok(o) => Some(o),
             Err(StoreError::NotFound(_)) => None,
-            Err(e) => return Err(log_store_err(&what, e)),
+            Err(e) => {
+                if let Some((wb, seq, _)) = &held {
+                    wb.release(*seq);
+                }
+                return Err(log_store_err(&what, e));
+            }
         };
-        check_expected(src, old.as_ref(), expect.as_ref())?;
+        if let Err(e) = check_expected(src, old.as_ref(), expect.as_ref()) {
+            if let Some((wb, seq, _)) = &held {
+                wb.release(*seq);
+            }
+            return Err(e);
+        }
+        let rekeyed = match &held {
+            Some((wb, seq, cond)) => {
+                let from = Moved::now(src, old.as_ref().and_then(|o| o.etag.clone()));
+                match wb.rekey(*seq, dst, Cond::Any, Some(from), None).await {
+                    Ok(new) => Some((wb, new, cond)),
+                    Err(e) => {
+                        tracing::error!(
+                            "{what}: its version waiting for upload could not move ({e})"
+                        );
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
+        let moved = self.move_base_object(src, dst, st, old, expect).await;
+        match (moved, rekeyed) {
+            (Ok(etag), Some((wb, new, _))) => {
+                wb.moved(new, etag.clone().map_or(Cond::Absent, Cond::Match));
+                st.committed = Some(new);
+                st.move_to(dst.clone(), etag.clone()).await;
+                Ok(etag)
+            }
+            (Ok(etag), None) => {
+                st.move_to(dst.clone(), etag.clone()).await;
+                Ok(etag)
+            }
+            (Err(e), Some((wb, new, cond))) => {
+                // The object is still at `src` (each step before the delete leaves it).
+                match wb.rekey(new, src, cond.clone(), None, None).await {
+                    Ok(back) => st.committed = Some(back),
+                    Err(e) => tracing::error!(
+                        "{what} failed: its version waiting for upload could not move back \
+                         ({e}); it goes up under the new name"
+                    ),
+                }
+                Err(e)
+            }
+            (Err(e), None) => Err(e),
+        }
+    }
+
+    /// The bucket's part of [`Self::move_state_object`]: `old` (the object at `src`, checked
+    /// against `expect`) copied to `dst` and deleted, or, with none, `dst` deleted.
+    async fn move_base_object(
+        &self,
+        src: &ObjectKey,
+        dst: &ObjectKey,
+        st: &WriteState,
+        old: Option<ObjectMeta>,
+        expect: Option<Cond>,
+    ) -> FsResult<Option<String>> {
+        let what = format!("rename {src} to {dst}");
         let etag = match &old {
             Some(o) => {
                 // The state reads its base from the copy: it must be that base, whole.
@@ -326,66 +384,139 @@ impl Fs {
                 None
             }
         };
+        testpoint::reached("rename.copied").await;
         if old.is_some() {
             self.store
                 .delete(src)
                 .await
                 .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
         }
-        st.move_to(dst.clone(), etag.clone()).await;
         Ok(etag)
     }
 
     /// Moves every object under the directory: copies all, then deletes the sources.
     ///
-    /// The write states of the files being written below are locked for the whole rename
-    /// (in inode order, as `lock_in_order`), so that no close, unlink or rename of one of
-    /// them waits for a write-back entry this rename holds while it waits for that state.
+    /// No lock is held across an upload or a copy: the write states of the files being
+    /// written below are locked one at a time once the objects moved, each only to point it
+    /// at its new key. Background mode: nothing below goes up meanwhile; the versions below
+    /// waiting for upload move to their new keys durably before the bucket changes (so that
+    /// a crash at any step leaves each under the name it is to have, see
+    /// [`WriteBack::rekey`]), and so do those committed while the rename runs.
     pub(super) async fn rename_dir(
         &self,
         path: &MountPath,
         new_path: &MountPath,
         replace: bool,
     ) -> FsResult<()> {
-        // Files being written below are not published (their content is half written): their
-        // complete objects, if any, move with the rest, and they go on under the new keys.
-        let mut writes: Vec<(Ino, Arc<OpenWrite>)> = {
-            let t = self.ns.table();
-            t.descendants(path)
-                .into_iter()
-                .filter_map(|d| Some((d, self.files.write_of(d)?)))
-                .collect()
-        };
-        writes.sort_by_key(|(ino, _)| *ino);
-        let mut states = Vec::with_capacity(writes.len());
-        for (ino, w) in &writes {
-            states.push((*ino, w.state.lock().await));
-        }
-        // Background mode: versions below still to upload wait, and move with their files;
-        // the objects they were based on must be those in the bucket.
-        let mut held = Held::default();
-        let mut expected: HashMap<String, Cond> = HashMap::new();
-        for (_, st) in &states {
-            st.leave_key(&st.key)?;
-            if let (Some(wb), Some(seq)) = (self.files.writeback(), st.committed) {
-                if let Holding::Held { cond, .. } = wb.hold(seq).await {
-                    held.0.push((wb.clone(), seq));
-                    expected.insert(st.key.as_str().to_string(), cond);
-                }
-            }
-        }
         let (src, dst) = (self.ns.dir_key(path), self.ns.dir_key(new_path));
+        let wb = self.files.writeback().cloned();
+        let _paused = match &wb {
+            Some(wb) => Some(wb.pause_below(src.as_str()).await),
+            None => None,
+        };
         // Directories made below must be in the bucket to be listed and moved.
         self.ns.markers.wait_below(&src).await?;
         if replace {
             self.ns.markers.settle(&dst).await;
         }
+        let objects = self.list_for_rename(&src).await?;
+        let mut moving = Vec::new();
+        if let Some(wb) = &wb {
+            let r = self
+                .rekey_below(wb, (&src, &dst), &objects, true, &mut moving)
+                .await;
+            if let Err(e) = r {
+                undo_rekeys(wb, moving).await;
+                return Err(e);
+            }
+        }
+        if let Err(e) = self.move_objects(&src, &dst, &objects, replace).await {
+            if let Some(wb) = &wb {
+                undo_rekeys(wb, moving).await;
+            }
+            return Err(e);
+        }
+        // Files being written below, one at a time; a version one of them committed since
+        // moves first.
+        let mut done: Vec<Ino> = Vec::new();
+        let mut sweep = wb.is_some();
+        loop {
+            if let (Some(wb), true) = (&wb, sweep) {
+                let r = self
+                    .rekey_below(wb, (&src, &dst), &objects, false, &mut moving)
+                    .await;
+                if let Err(e) = r {
+                    // The objects moved: the rename is done. Only a local error gets here.
+                    tracing::error!(
+                        "rename of {src}: a version waiting for upload below could not move \
+                         ({e}); it goes up under its old name"
+                    );
+                    sweep = false;
+                }
+            }
+            let next = {
+                let t = self.ns.table();
+                t.descendants(path)
+                    .into_iter()
+                    .filter(|d| !done.contains(d))
+                    .find_map(|d| {
+                        let i = t.get(d)?;
+                        Some((d, i.path.moved(path, new_path), self.files.write_of(d)?))
+                    })
+            };
+            let Some((ino, p, w)) = next else { break };
+            let key = self.ns.key(&p);
+            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+            let mut st = w.state.lock().await;
+            if let (Some(wb), Some(seq)) = (&wb, st.committed) {
+                let seq = wb.latest(seq);
+                if sweep && wb.below(src.as_str()).iter().any(|(s, _)| *s == seq) {
+                    continue;
+                }
+                st.committed = if wb.awaits_upload(seq) {
+                    Some(seq)
+                } else {
+                    // Uploaded before the rename: that object moved with the rest.
+                    etag.clone().map(|e| wb.remember(e))
+                };
+            }
+            st.move_to(key, etag.clone()).await;
+            if let Some(wb) = &wb {
+                // Its version goes up now (a close after this one waits for it otherwise).
+                let i = st
+                    .committed
+                    .and_then(|s| moving.iter().position(|m| m.seq == s));
+                if let Some(i) = i {
+                    let m = moving.swap_remove(i);
+                    wb.moved(m.seq, etag.map_or(Cond::Absent, Cond::Match));
+                }
+            }
+            self.drop_if_uploaded(ino, &w, &mut st);
+            done.push(ino);
+        }
+        if let Some(wb) = &wb {
+            // Versions without a write state here (found at start).
+            for m in moving {
+                let cond = match self.store.head(&m.key).await {
+                    Ok(o) => o.etag.map_or(Cond::Any, Cond::Match),
+                    Err(StoreError::NotFound(_)) => Cond::Absent,
+                    Err(_) => Cond::Any,
+                };
+                wb.moved(m.seq, cond);
+            }
+        }
+        Ok(())
+    }
+
+    /// The objects below `src` (a directory to rename), or `EXDEV` past
+    /// `--max-dir-rename-objects`.
+    async fn list_for_rename(&self, src: &ObjectKey) -> FsResult<Vec<ObjectMeta>> {
         let mut objects = Vec::new();
         let mut from = ListFrom::Start;
         loop {
             let page = self
                 .store
-                .list(&src, None, from, 1000, ListDetail::Plain)
+                .list(src, None, from, 1000, ListDetail::Plain)
                 .await
                 .map_err(|e| log_store_err(&format!("list {src}"), e))?;
             objects.extend(page.objects);
@@ -401,19 +532,74 @@ impl Fs {
                 None => break,
             }
         }
-        for (key, cond) in &expected {
-            check_expected(key, objects.iter().find(|o| &o.key == key), Some(cond))?;
+        Ok(objects)
+    }
+
+    /// Background mode: moves every entry below `src` to its key below `dst` (held, until
+    /// [`WriteBack::moved`]), recording each in `moving`. `check`: the objects they replace
+    /// must be those `objects` lists (a version committed during the rename was checked
+    /// with the file's first).
+    async fn rekey_below(
+        &self,
+        wb: &Arc<WriteBack>,
+        (src, dst): (&ObjectKey, &ObjectKey),
+        objects: &[ObjectMeta],
+        check: bool,
+        moving: &mut Vec<Rekeyed>,
+    ) -> FsResult<()> {
+        loop {
+            let below = wb.below(src.as_str());
+            if below.is_empty() {
+                return Ok(());
+            }
+            for (seq, key) in below {
+                let Holding::Held { cond, .. } = wb.hold(seq).await else {
+                    continue;
+                };
+                let listed = objects.iter().find(|o| o.key == key);
+                if check {
+                    if let Err(e) = check_expected(&key, listed, Some(&cond)) {
+                        wb.release(seq);
+                        return Err(e);
+                    }
+                }
+                let new_key = format!("{dst}{}", &key[src.len()..]);
+                let from = Moved::now(&key, listed.and_then(|o| o.etag.clone()));
+                let prior = moving.iter().position(|m| m.key == new_key);
+                let also = prior.map(|i| moving[i].seq);
+                let new = wb.rekey(seq, &new_key, Cond::Any, Some(from), also).await?;
+                match prior {
+                    Some(i) => moving[i].seq = new,
+                    None => moving.push(Rekeyed {
+                        seq: new,
+                        key: new_key,
+                        old_key: key,
+                        cond,
+                    }),
+                }
+            }
         }
+    }
+
+    /// The bucket's part of a directory rename: copies every object of `objects` (below
+    /// `src`) to `dst`, then deletes them.
+    async fn move_objects(
+        &self,
+        src: &ObjectKey,
+        dst: &ObjectKey,
+        objects: &[ObjectMeta],
+        replace: bool,
+    ) -> FsResult<()> {
         if replace {
             self.store
-                .delete(&dst)
+                .delete(dst)
                 .await
                 .map_err(|e| log_store_err(&format!("delete {dst}"), e))?;
         }
-        if !objects.iter().any(|o| src == *o.key) {
+        if !objects.iter().any(|o| *src == *o.key) {
             // An implied directory: give the new one a marker so it exists even if empty.
             self.store
-                .put(&dst, Bytes::new(), &UserMeta::new())
+                .put(dst, Bytes::new(), &UserMeta::new())
                 .await
                 .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
         }
@@ -432,6 +618,7 @@ impl Fs {
         // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
         // would skip its abort.
         run_bounded(copies, RENAME_CONCURRENCY).await?;
+        testpoint::reached("rename_dir.copied").await;
         // Objects first, then directory markers deepest first, so that a store where a
         // marker is a real directory (the local one) can remove it once it is empty.
         let (mut markers, files): (Vec<&ObjectMeta>, Vec<&ObjectMeta>) =
@@ -459,52 +646,32 @@ impl Fs {
                 .await
                 .map_err(|e| log_store_err(&format!("delete {}", m.key), e))?;
         }
-        // Re-point files still open for writing at their new keys.
-        let below: Vec<(Ino, MountPath)> = {
-            let t = self.ns.table();
-            states
-                .iter()
-                .filter_map(|(d, _)| {
-                    let i = t.get(*d)?;
-                    Some((*d, i.path.moved(path, new_path)))
-                })
-                .collect()
-        };
-        for (ino, p) in below {
-            let key = self.ns.key(&p);
-            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
-            let Some((_, st)) = states.iter_mut().find(|(i, _)| *i == ino) else {
-                continue;
-            };
-            st.move_to(key.clone(), etag.clone()).await;
-            if let Some((wb, seq)) = st.committed.and_then(|s| held.take(s)) {
-                let cond = etag.map_or(Cond::Absent, Cond::Match);
-                st.committed = Some(wb.rekey(seq, &key, cond).await?);
-            }
-        }
-        // Files opened for writing below since the rename began: re-pointed one at a time,
-        // once the others are free (they hold no entry of this rename).
-        let done: Vec<Ino> = states.iter().map(|(i, _)| *i).collect();
-        drop(held);
-        drop(states);
-        let later: Vec<(MountPath, Arc<OpenWrite>)> = {
-            let t = self.ns.table();
-            t.descendants(path)
-                .into_iter()
-                .filter(|d| !done.contains(d))
-                .filter_map(|d| {
-                    let i = t.get(d)?;
-                    let w = self.files.write_of(d)?;
-                    Some((i.path.moved(path, new_path), w))
-                })
-                .collect()
-        };
-        for (p, w) in later {
-            let key = self.ns.key(&p);
-            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
-            w.state.lock().await.move_to(key, etag).await;
-        }
         Ok(())
+    }
+}
+
+/// An entry a directory rename moved: now `seq` at `key`, from `old_key` where it was to
+/// replace what `cond` says.
+struct Rekeyed {
+    seq: u64,
+    key: String,
+    old_key: String,
+    cond: Cond,
+}
+
+/// A directory rename failed before its objects all moved: its entries go back to their
+/// keys (the objects they replace are still there) and up from there.
+async fn undo_rekeys(wb: &WriteBack, moving: Vec<Rekeyed>) {
+    for m in moving {
+        if let Err(e) = wb.rekey(m.seq, &m.old_key, m.cond, None, None).await {
+            tracing::error!(
+                "{}: a failed rename's version waiting for upload could not move back from \
+                 {} ({e}); it goes up there",
+                m.old_key,
+                m.key
+            );
+            wb.release(m.seq);
+        }
     }
 }
 

@@ -1,0 +1,288 @@
+//! `--upload background` (issue 20), renames, through real mounts against MinIO. The daemon
+//! is stopped at named steps (`BUCKETFS_TEST_POINT`, see crates/fs/src/testpoint.rs) to force
+//! each interleaving, or killed there: a file closed below a directory being renamed goes up
+//! under its new name; a rename killed between its bucket change and its write-back record
+//! leaves each version under the name it is to have; a file renamed while it uploads lets its
+//! state (and the disk space it holds) go; a directory rename freezes no file below it.
+
+mod common;
+
+use common::*;
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Duration;
+
+fn state_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("bucketfs-bgrename-state-")
+        .tempdir()
+        .unwrap()
+}
+
+/// A background mount of `bucket` with state directory `state`, stopped at test points
+/// `points` (empty: none).
+fn background(bucket: &str, state: &Path, points: &str, extra: &[&str]) -> MountSpec {
+    let mut spec = MountSpec::s3(bucket, "");
+    spec.args.extend(
+        [
+            "--upload",
+            "background",
+            "--state-dir",
+            state.to_str().unwrap(),
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string()),
+    );
+    if !points.is_empty() {
+        spec.envs
+            .push(("BUCKETFS_TEST_POINT".into(), points.to_string()));
+    }
+    spec
+}
+
+/// `bucketfs pending MOUNTPOINT`: its output.
+fn pending(mp: &Path) -> String {
+    let run = run_cli(
+        &[OsString::from("pending"), mp.as_os_str().to_owned()],
+        &[],
+        None,
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{}", run.stdout);
+    run.stdout
+}
+
+/// Runs `f` on a thread; its result, or None if it did not finish within `limit`.
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).ok()
+}
+
+/// A pause point's file: the daemon creates it when it gets there and goes on once it is
+/// removed.
+struct Pause(PathBuf);
+
+impl Pause {
+    fn new(dir: &Path) -> Pause {
+        Pause(dir.join("pause"))
+    }
+
+    fn point(&self, name: &str) -> String {
+        format!("{name}=pause:{}", self.0.display())
+    }
+
+    fn reached(&self) {
+        wait_for(
+            "the daemon at its pause point",
+            Duration::from_secs(30),
+            || self.0.exists(),
+        );
+    }
+
+    fn go_on(&self) {
+        std::fs::remove_file(&self.0).unwrap();
+    }
+}
+
+impl Drop for Pause {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A file opened for writing below a directory after its rename began, and closed while the
+/// rename copies the objects, goes up under its new name (it used to keep its version
+/// waiting for upload under the old key: uploaded to the old name after the rename).
+#[test]
+fn a_file_closed_below_a_directory_being_renamed_goes_up_under_the_new_name() {
+    let b = s3().new_bucket("bgrena");
+    s3().put(&b, "d/f", b"v1".to_vec());
+    let state = state_dir();
+    let pause = Pause::new(state.path());
+    let m = background(
+        &b,
+        state.path(),
+        &pause.point("rename_dir.copied"),
+        &["--upload-delay", "600", "--negative-ttl", "300"],
+    )
+    .mount();
+    // Looked up now: the open during the rename needs no lookup in the root it locks.
+    assert_eq!(read_file(&m.join("d/f")), b"v1");
+    assert!(!m.join("e").exists());
+    let (from, to) = (m.join("d"), m.join("e"));
+    let rename = std::thread::spawn(move || std::fs::rename(from, to));
+    pause.reached();
+    let path = m.join("d/f");
+    let closed = within(Duration::from_secs(20), move || {
+        let mut f = std::fs::File::create(path)?;
+        f.write_all(b"v2, closed during the rename")?;
+        close_checked(f)
+    });
+    pause.go_on();
+    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
+    renamed.expect("rename hung").expect("rename");
+    closed.expect("close hung").expect("close");
+    assert_eq!(read_file(&m.join("e/f")), b"v2, closed during the rename");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(
+        s3().get(&b, "e/f").as_deref(),
+        Some(&b"v2, closed during the rename"[..]),
+        "the version closed during the rename is not under the new name"
+    );
+    assert_eq!(
+        s3().list_keys(&b, "d"),
+        Default::default(),
+        "the old name came back"
+    );
+}
+
+/// While a directory rename copies the objects, a file below it that is open for writing
+/// takes writes and closes (its version waiting for upload moves with the rest): the rename
+/// locks no file across a request (it used to hold them all for its whole length).
+#[test]
+fn a_directory_rename_freezes_no_file_below_it() {
+    let b = s3().new_bucket("bgrenb");
+    let state = state_dir();
+    let pause = Pause::new(state.path());
+    let m = background(
+        &b,
+        state.path(),
+        &pause.point("rename_dir.copied"),
+        &["--upload-delay", "600", "--negative-ttl", "300"],
+    )
+    .mount();
+    std::fs::create_dir(m.join("d")).unwrap();
+    assert!(!m.join("e").exists());
+    write_file(&m.join("d/f"), b"v1");
+    write_file(&m.join("d/g"), b"g, waiting");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(m.join("d/f"))
+        .unwrap();
+    f.write_all(b"v2").unwrap();
+    let (from, to) = (m.join("d"), m.join("e"));
+    let rename = std::thread::spawn(move || std::fs::rename(from, to));
+    pause.reached();
+    // The rename is in the middle of its copies now, and stays there until `go_on`.
+    let closed = within(Duration::from_secs(10), move || {
+        f.write_all(b", written and closed during the rename")?;
+        close_checked(f)
+    });
+    pause.go_on();
+    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
+    let closed = closed.expect("a write or close below the directory waited for its rename");
+    closed.expect("close");
+    renamed.expect("rename hung").expect("rename");
+    assert_eq!(
+        read_file(&m.join("e/f")),
+        b"v2, written and closed during the rename"
+    );
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(
+        s3().get(&b, "e/f").as_deref(),
+        Some(&b"v2, written and closed during the rename"[..])
+    );
+    assert_eq!(s3().get(&b, "e/g").as_deref(), Some(&b"g, waiting"[..]));
+    assert_eq!(s3().list_keys(&b, "d"), Default::default());
+}
+
+/// kill -9 of a rename after it copied the object to the new name and before it deleted the
+/// old one (a file, then a directory), with the file's version waiting for upload: after the
+/// restart that version is under the new name only (it used to go up under the old name,
+/// which came back, and the new name kept the stale copy).
+#[test]
+fn a_rename_killed_between_copy_and_delete_leaves_the_version_under_the_new_name() {
+    let b = s3().new_bucket("bgrenc");
+    s3().put(&b, "a", b"a v1".to_vec());
+    s3().put(&b, "d/f", b"f v1".to_vec());
+    let state = state_dir();
+    let cases = [
+        ("rename.copied", "a", "b", "a", "b"),
+        ("rename_dir.copied", "d/f", "e/f", "d", "e"),
+    ];
+    for (point, old, new, from, to) in cases {
+        let mut m = background(
+            &b,
+            state.path(),
+            &format!("{point}=abort"),
+            &["--upload-delay", "600"],
+        )
+        .mount();
+        assert_eq!(read_file(&m.join(old)).len(), 4);
+        write_file(&m.join(old), format!("{old} v2, ours").as_bytes());
+        let renamed = std::fs::rename(m.join(from), m.join(to));
+        assert!(renamed.is_err(), "the daemon was not killed at {point}");
+        m.kill9();
+        drop(m);
+        // The copy is there, the old object too: the daemon died between them.
+        assert!(s3().get(&b, new).is_some() && s3().get(&b, old).is_some());
+        let m = background(&b, state.path(), "", &["--upload-delay", "0"]).mount();
+        let (status, log) = m.unmount();
+        assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+        assert_eq!(
+            s3().get(&b, new).as_deref(),
+            Some(format!("{old} v2, ours").as_bytes()),
+            "{point}: the version is not under the new name"
+        );
+        assert_eq!(s3().get(&b, old), None, "{point}: the old name came back");
+    }
+}
+
+/// A file renamed while its upload is in flight: once the upload is done its write state
+/// goes (it used to stay, "being written", holding the write-back file it read from, so
+/// that the disk space never came back and the file kept showing this mount's version over
+/// another client's).
+#[test]
+fn a_file_renamed_while_it_uploads_lets_its_state_go() {
+    let b = s3().new_bucket("bgrend");
+    let state = state_dir();
+    let pause = Pause::new(state.path());
+    let m = background(
+        &b,
+        state.path(),
+        &pause.point("writeback.uploaded"),
+        &["--upload-delay", "0", "--stat-ttl", "1"],
+    )
+    .mount();
+    // Over 4 MiB: a write-back file of its own, not a segment record.
+    let body = pattern::bytes(1, 5 << 20);
+    write_file(&m.join("a"), &body);
+    pause.reached();
+    let (from, to) = (m.join("a"), m.join("b"));
+    let rename = std::thread::spawn(move || std::fs::rename(from, to));
+    std::thread::sleep(Duration::from_millis(300));
+    pause.go_on();
+    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
+    renamed.expect("rename hung").expect("rename");
+    wait_for("nothing pending", Duration::from_secs(20), || {
+        pending(m.path()).starts_with("0 file(s)")
+    });
+    assert_eq!(s3().get(&b, "b").as_deref(), Some(&body[..]));
+    assert_eq!(s3().get(&b, "a"), None);
+    let pid = m.daemon_pid().unwrap();
+    let held: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|p| p.display().to_string())
+        .filter(|p| p.starts_with(state.path().to_str().unwrap()) && p.ends_with("(deleted)"))
+        .collect();
+    assert!(
+        held.is_empty(),
+        "the daemon still holds removed write-back files: {held:?}"
+    );
+    s3().put(&b, "b", b"theirs".to_vec());
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(
+        read_file(&m.join("b")),
+        b"theirs",
+        "the renamed file still shows this mount's state"
+    );
+}

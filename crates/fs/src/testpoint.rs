@@ -1,0 +1,56 @@
+//! Named points where the integration tests stop or kill the daemon, to force an interleaving
+//! or a crash at an exact step. Inert unless `BUCKETFS_TEST_POINT` is set (the tests set it):
+//! `NAME=abort` SIGKILLs the process there (a crash: no cleanup at all);
+//! `NAME=pause:FILE` creates FILE there and waits while it exists (the test removes it to go
+//! on). Several are separated by commas.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+enum Action {
+    Abort,
+    Pause(PathBuf),
+}
+
+fn points() -> &'static [(String, Action)] {
+    static POINTS: OnceLock<Vec<(String, Action)>> = OnceLock::new();
+    POINTS.get_or_init(|| {
+        let Ok(v) = std::env::var("BUCKETFS_TEST_POINT") else {
+            return Vec::new();
+        };
+        v.split(',')
+            .filter_map(|p| {
+                let (name, action) = p.split_once('=')?;
+                let action = match action.split_once(':') {
+                    Some(("pause", file)) => Action::Pause(file.into()),
+                    None if action == "abort" => Action::Abort,
+                    _ => return None,
+                };
+                Some((name.to_string(), action))
+            })
+            .collect()
+    })
+}
+
+/// The daemon is at point `name`.
+pub(crate) async fn reached(name: &str) {
+    for (n, action) in points() {
+        if n != name {
+            continue;
+        }
+        match action {
+            Action::Abort => {
+                tracing::error!("test point {name}: killing the daemon");
+                // SAFETY: kill(2) of this process: a crash, as kill -9 from outside.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            Action::Pause(file) => {
+                let _ = std::fs::File::create(file);
+                while file.exists() {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+}
