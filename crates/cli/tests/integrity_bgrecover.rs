@@ -360,3 +360,47 @@ fn an_unlinks_delete_is_pinned_to_the_version_it_checked() {
     assert_eq!(s3().get(&b, "mine"), None);
     assert_eq!(s3().get(&b, "other").unwrap(), b"theirs, v2");
 }
+
+/// A rewrite waiting for room behind another close does not keep its old version from
+/// uploading: that upload is what frees the room the first close waits for. With
+/// `--writeback-size 1M` and `--upload-delay 2`: a 600 KiB file, a 500 KiB close that
+/// waits, a 700 KiB rewrite of the first file behind it: both closes return once the
+/// uploads free room (with the old version held by the waiting rewrite, the first waited
+/// 60 s and got ENOSPC).
+#[test]
+fn a_waiting_rewrite_lets_its_old_version_upload() {
+    let b = s3().new_bucket("bgrec5c");
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--writeback-size", "1M", "--upload-delay", "2"],
+    )
+    .mount();
+    write_file(&m.join("a"), &pattern::bytes(1, 600 << 10));
+    let close = |name: &str, body: Vec<u8>| {
+        let p = m.join(name);
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(&p).unwrap();
+            f.write_all(&body).unwrap();
+            close_checked(f)
+        })
+    };
+    let second = close("b", pattern::bytes(2, 500 << 10));
+    std::thread::sleep(Duration::from_millis(300));
+    let a2 = pattern::bytes(3, 700 << 10);
+    let rewrite = close("a", a2.clone());
+    let done = within(Duration::from_secs(20), move || {
+        (second.join().unwrap(), rewrite.join().unwrap())
+    });
+    let Some((r1, r2)) = done else {
+        let mut m = m;
+        m.kill9();
+        panic!("the closes waited for room an upload held back by a waiter would free");
+    };
+    r1.expect("the waiting close");
+    r2.expect("the rewrite");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "a").unwrap(), a2);
+}

@@ -680,11 +680,10 @@ impl WriteBack {
         *self.on_uploaded.lock() = Some(Arc::new(f));
     }
 
-    /// Starts a commit of `size` bytes for `key`: waits for an upload of the key in flight,
-    /// holds the key's queued entry (this commit replaces it) and decides the upload's
-    /// condition (see the module docs); then waits for room, counting the held entry's as
-    /// free. `prev` is the entry the same file committed last, `origin` the condition if
-    /// nothing here is newer.
+    /// Starts a commit of `size` bytes for `key`: waits for room (counting the key's queued
+    /// entry, which it will replace, as free), then for an upload of the key in flight;
+    /// decides the upload's condition (see the module docs). `prev` is the entry the same
+    /// file committed last, `origin` the condition if nothing here is newer.
     pub async fn begin(
         &self,
         key: &str,
@@ -693,6 +692,9 @@ impl WriteBack {
         prev: Option<u64>,
         origin: Cond,
     ) -> FsResult<Slot> {
+        // Room first (held by the slot from then on): the queued entry stays free to upload
+        // meanwhile, and the room it would free counts only while it is queued.
+        self.room(key, size).await?;
         let (cond, replaces) = loop {
             let changed = self.changed.notified();
             let decided = {
@@ -711,7 +713,7 @@ impl WriteBack {
                                 } else {
                                     e.cond.clone()
                                 };
-                                Some((cond, Some((s, e.size))))
+                                Some((cond, Some(s)))
                             }
                         }
                     }
@@ -726,14 +728,6 @@ impl WriteBack {
                 None => changed.await,
             }
         };
-        let freed = replaces.map_or(0, |(_, n)| n);
-        let replaces = replaces.map(|(s, _)| s);
-        if let Err(e) = self.room(size, freed).await {
-            if let Some(s) = replaces {
-                self.release(s);
-            }
-            return Err(e);
-        }
         match self.new_slot(key, size, meta.clone(), cond, replaces, None) {
             Ok(slot) => Ok(slot),
             Err(e) => {
@@ -743,21 +737,30 @@ impl WriteBack {
         }
     }
 
-    /// Waits for room for `size` bytes (`freed`: bytes of an entry the commit replaces,
-    /// counted as free), then counts them. First come, first served: a commit waits behind
-    /// every one that waited before it, so a large file is not starved by smaller ones that
-    /// keep fitting. The wait is bounded: see `WriteBackConfig::space_wait`.
-    async fn room(&self, size: u64, freed: u64) -> FsResult<()> {
+    /// Waits for room for a commit of `size` bytes for `key`, then counts them; the key's
+    /// queued entry, which the commit replaces, counts as free. First come, first served: a
+    /// commit waits behind every one that waited before it, so a large file is not starved
+    /// by smaller ones that keep fitting; one that takes no more than the entry it replaces
+    /// goes at once (it takes no room another could get). The wait is bounded: see
+    /// `WriteBackConfig::space_wait`.
+    async fn room(&self, key: &str, size: u64) -> FsResult<()> {
         let started = Instant::now();
         let mut waiting: Option<RoomTicket<'_>> = None;
         loop {
             let changed = self.changed.notified();
             let left = {
                 let mut inner = self.inner.lock();
-                let first = inner
-                    .room_queue
-                    .front()
-                    .is_none_or(|t| waiting.as_ref().is_some_and(|w| w.ticket == *t));
+                let freed = inner
+                    .by_key
+                    .get(key)
+                    .and_then(|s| inner.entries.get(s))
+                    .filter(|e| matches!(e.status, Status::Queued | Status::Failed))
+                    .map_or(0, |e| e.size);
+                let first = size <= freed
+                    || inner
+                        .room_queue
+                        .front()
+                        .is_none_or(|t| waiting.as_ref().is_some_and(|w| w.ticket == *t));
                 let used = inner.bytes.saturating_sub(freed);
                 if first && (used == 0 || used + size <= self.cfg.max_bytes) {
                     inner.bytes += size;
