@@ -404,3 +404,57 @@ fn a_waiting_rewrite_lets_its_old_version_upload() {
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
     assert_eq!(s3().get(&b, "a").unwrap(), a2);
 }
+
+/// A new file whose upload landed but whose answer was lost (the mount holds it as failed,
+/// to retry) is unlinked: its object, this mount's own version, is deleted, in this daemon's
+/// life and after a kill -9 and a remount that cannot upload it (before: the object stayed
+/// and the unlinked file came back).
+#[test]
+fn an_unlink_deletes_an_upload_whose_answer_was_lost() {
+    let b = s3().new_bucket("bgrec4b");
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let spec = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--retry-timeout", "0"],
+    );
+    let mut m = spec.mount();
+    proxy.drop_answers(&format!("PUT /{b}/lost"), 2);
+    write_file(&m.join("lost1"), b"ours 1");
+    write_file(&m.join("lost2"), b"ours 2");
+    wait_for("both PUTs to land", Duration::from_secs(20), || {
+        proxy.dropped() == 2 && s3().get(&b, "lost1").is_some() && s3().get(&b, "lost2").is_some()
+    });
+    wait_for(
+        "both uploads to count as failed",
+        Duration::from_secs(20),
+        || {
+            pending(m.path())
+                .lines()
+                .filter(|l| l.starts_with("failed"))
+                .count()
+                == 2
+        },
+    );
+    std::fs::remove_file(m.join("lost1")).unwrap();
+    assert_eq!(
+        s3().get(&b, "lost1"),
+        None,
+        "the unlinked file's object stayed"
+    );
+    m.kill9();
+    drop(m);
+    proxy.fail_requests(&format!("PUT /{b}/lost"), 1_000_000);
+    let m = spec.mount();
+    std::fs::remove_file(m.join("lost2")).unwrap();
+    proxy.fail_requests("", 0);
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "lost1"), None);
+    assert_eq!(
+        s3().get(&b, "lost2"),
+        None,
+        "the unlinked recovered file came back"
+    );
+}

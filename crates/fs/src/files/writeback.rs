@@ -1222,6 +1222,40 @@ impl WriteBack {
         }
     }
 
+    /// The ETag an upload of entry `seq` gives its object (the MD5 of its bytes, or the
+    /// multipart ETag of its parts), if a try of it failed: that try may have landed with
+    /// its answer lost (the bucket then holds this entry's version). None when no try
+    /// failed or the entry cannot be read.
+    pub async fn etag_if_tried(&self, seq: u64) -> Option<String> {
+        let (loc, size) = {
+            let inner = self.inner.lock();
+            let e = inner.entries.get(&seq).filter(|e| e.tries > 0)?;
+            (e.loc.clone(), e.size)
+        };
+        let (file, base) = loc.open().ok()?;
+        if size <= self.layout.part_size {
+            let body = read_range(&file, base, size).await.ok()?;
+            return Some(format!("\"{}\"", hex::encode(Md5::digest(&body))));
+        }
+        let parts = self.layout.parts(size);
+        let mut md5s = Vec::new();
+        for r in &parts {
+            let mut h = Md5::new();
+            let mut at = r.start;
+            while at < r.end {
+                let n = (r.end - at).min(1 << 20);
+                h.update(read_range(&file, base + at, n).await.ok()?);
+                at += n;
+            }
+            md5s.extend_from_slice(&h.finalize());
+        }
+        Some(format!(
+            "\"{}-{}\"",
+            hex::encode(Md5::digest(&md5s)),
+            parts.len()
+        ))
+    }
+
     /// Whether entry `seq` is still to be uploaded.
     pub fn is_pending(&self, seq: u64) -> bool {
         self.inner.lock().entries.contains_key(&seq)

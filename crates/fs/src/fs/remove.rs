@@ -99,17 +99,28 @@ impl Fs {
             );
             Ok(false)
         };
-        // The object goes only if it is the version the held one replaces: the DELETE is
-        // pinned to it (`If-Match`), and checked by a HEAD first for stores that ignore
-        // that (MinIO): there, another client's write between the two is deleted.
+        // The object goes only if it is the version the held one replaces, or the held one
+        // itself (an upload of it whose answer was lost): the DELETE is pinned to it
+        // (`If-Match`), and checked by a HEAD first for stores that ignore that (MinIO):
+        // there, another client's write between the two is deleted.
+        let own = match held {
+            Some((wb, seq, _)) => wb.etag_if_tried(*seq).await,
+            None => None,
+        };
         let mut pin = None;
-        if let Some((_, _, Cond::Match(base))) = held {
+        let base = match held {
+            Some((_, _, Cond::Match(base))) => Some(base.as_str()),
+            _ => None,
+        };
+        if base.is_some() || own.is_some() {
             match self.store.head(&key).await {
-                Ok(o) if o.etag.as_deref() == Some(base.as_str()) => {
+                Ok(o) if o.etag.is_some() && (o.etag.as_deref() == base || o.etag == own) => {
                     in_store = true;
-                    pin = Some(base.as_str());
+                    pin = o.etag;
                 }
-                Ok(_) => return kept(),
+                Ok(_) if base.is_some() => return kept(),
+                // Another client's file, where this one was new: not this mount's.
+                Ok(_) => {}
                 Err(StoreError::NotFound(_)) => return Ok(false),
                 Err(e) => return Err(log_store_err(&format!("unlink {key}"), e)),
             }
@@ -118,8 +129,8 @@ impl Fs {
             return Ok(true);
         }
         if in_store {
-            let r = match pin {
-                Some(base) => self.store.delete_if(&key, base).await,
+            let r = match pin.as_deref() {
+                Some(etag) => self.store.delete_if(&key, etag).await,
                 None => self.store.delete(&key).await,
             };
             match r {
