@@ -3,7 +3,8 @@
 //! each interleaving, or killed there: a file closed below a directory being renamed goes up
 //! under its new name; a rename killed between its bucket change and its write-back record
 //! leaves each version under the name it is to have; a file renamed while it uploads lets its
-//! state (and the disk space it holds) go; a directory rename freezes no file below it.
+//! state (and the disk space it holds) go; a directory rename freezes no file below it (and,
+//! without background mode, still makes a close below wait, so its version is not lost).
 
 mod common;
 
@@ -285,4 +286,42 @@ fn a_file_renamed_while_it_uploads_lets_its_state_go() {
         b"theirs",
         "the renamed file still shows this mount's state"
     );
+}
+
+/// Without background mode, a close of a file below a directory being renamed waits for the
+/// rename and publishes under the new name: the rename's delete of the old objects never
+/// takes a version published meanwhile.
+#[test]
+fn a_sync_close_below_a_directory_being_renamed_is_published_under_the_new_name() {
+    let b = s3().new_bucket("bgrene");
+    s3().put(&b, "d/f", b"v1".to_vec());
+    let tmp = state_dir();
+    let pause = Pause::new(tmp.path());
+    let mut spec = MountSpec::s3(&b, "");
+    spec.args
+        .extend(["--negative-ttl", "300"].iter().map(|s| s.to_string()));
+    spec.envs.push((
+        "BUCKETFS_TEST_POINT".into(),
+        pause.point("rename_dir.copied"),
+    ));
+    let m = spec.mount();
+    assert!(!m.join("e").exists());
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(m.join("d/f"))
+        .unwrap();
+    f.write_all(b"v2").unwrap();
+    let (from, to) = (m.join("d"), m.join("e"));
+    let rename = std::thread::spawn(move || std::fs::rename(from, to));
+    pause.reached();
+    let close = std::thread::spawn(move || close_checked(f));
+    std::thread::sleep(Duration::from_millis(500));
+    pause.go_on();
+    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
+    renamed.expect("rename hung").expect("rename");
+    let closed = within(Duration::from_secs(30), move || close.join().unwrap());
+    closed.expect("close hung").expect("close");
+    assert_eq!(s3().get(&b, "e/f").as_deref(), Some(&b"v2"[..]));
+    assert_eq!(s3().list_keys(&b, "d"), Default::default());
+    drop(m);
 }

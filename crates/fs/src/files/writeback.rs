@@ -1772,7 +1772,10 @@ impl WriteBack {
                             m.key,
                             self.inner.lock().entries.get(&seq).map_or("", |e| &e.key)
                         );
-                        self.store.delete(&m.key).await.map_err(|e| e.to_string())?;
+                        match self.store.delete_if(&m.key, etag).await {
+                            Ok(()) | Err(StoreError::PreconditionFailed(_)) => {}
+                            Err(e) => return Err(e.to_string()),
+                        }
                     }
                 }
                 Err(StoreError::NotFound(_)) => {}

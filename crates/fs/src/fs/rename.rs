@@ -396,9 +396,9 @@ impl Fs {
 
     /// Moves every object under the directory: copies all, then deletes the sources.
     ///
-    /// No lock is held across an upload or a copy: the write states of the files being
-    /// written below are locked one at a time once the objects moved, each only to point it
-    /// at its new key. Background mode: nothing below goes up meanwhile; the versions below
+    /// Background mode: no lock is held across an upload or a copy: the write states of the
+    /// files being written below are locked one at a time once the objects moved, each only
+    /// to point it at its new key. Nothing below goes up meanwhile; the versions below
     /// waiting for upload move to their new keys durably before the bucket changes (so that
     /// a crash at any step leaves each under the name it is to have, see
     /// [`WriteBack::rekey`]), and so do those committed while the rename runs.
@@ -418,6 +418,25 @@ impl Fs {
         self.ns.markers.wait_below(&src).await?;
         if replace {
             self.ns.markers.settle(&dst).await;
+        }
+        // Sync mode: a close below would publish under the old key while the objects move
+        // (and the delete would take its version): the files being written are locked for
+        // the whole rename, in inode order as a file rename does, as before.
+        let mut writes: Vec<(Ino, Arc<OpenWrite>)> = Vec::new();
+        if wb.is_none() {
+            let t = self.ns.table();
+            writes = t
+                .descendants(path)
+                .into_iter()
+                .filter_map(|d| Some((d, self.files.write_of(d)?)))
+                .collect();
+        }
+        writes.sort_by_key(|(ino, _)| *ino);
+        let mut locked = Vec::with_capacity(writes.len());
+        for (ino, w) in &writes {
+            let st = w.state.lock().await;
+            st.leave_key(&st.key)?;
+            locked.push((*ino, st));
         }
         let objects = self.list_for_rename(&src).await?;
         let mut moving = Vec::new();
@@ -439,6 +458,17 @@ impl Fs {
         // Files being written below, one at a time; a version one of them committed since
         // moves first.
         let mut done: Vec<Ino> = Vec::new();
+        for (ino, mut st) in locked {
+            let p = {
+                let t = self.ns.table();
+                t.get(ino).map(|i| i.path.moved(path, new_path))
+            };
+            let Some(p) = p else { continue };
+            let key = self.ns.key(&p);
+            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+            st.move_to(key, etag).await;
+            done.push(ino);
+        }
         let mut sweep = wb.is_some();
         loop {
             if let (Some(wb), true) = (&wb, sweep) {
