@@ -1256,6 +1256,16 @@ impl WriteBack {
         ))
     }
 
+    /// The size of entry `seq` if a try to upload it failed (see [`Self::etag_if_tried`]).
+    pub fn tried_size(&self, seq: u64) -> Option<u64> {
+        let inner = self.inner.lock();
+        inner
+            .entries
+            .get(&seq)
+            .filter(|e| e.tries > 0)
+            .map(|e| e.size)
+    }
+
     /// Whether entry `seq` is still to be uploaded.
     pub fn is_pending(&self, seq: u64) -> bool {
         self.inner.lock().entries.contains_key(&seq)

@@ -103,8 +103,8 @@ impl Fs {
         // itself (an upload of it whose answer was lost): the DELETE is pinned to it
         // (`If-Match`), and checked by a HEAD first for stores that ignore that (MinIO):
         // there, another client's write between the two is deleted.
-        let own = match held {
-            Some((wb, seq, _)) => wb.etag_if_tried(*seq).await,
+        let tried = match held {
+            Some((wb, seq, _)) => wb.tried_size(*seq),
             None => None,
         };
         let mut pin = None;
@@ -112,15 +112,22 @@ impl Fs {
             Some((_, _, Cond::Match(base))) => Some(base.as_str()),
             _ => None,
         };
-        if base.is_some() || own.is_some() {
+        if base.is_some() || tried.is_some() {
             match self.store.head(&key).await {
-                Ok(o) if o.etag.is_some() && (o.etag.as_deref() == base || o.etag == own) => {
-                    in_store = true;
-                    pin = o.etag;
+                Ok(o) => {
+                    let mut ours = o.etag.is_some() && o.etag.as_deref() == base;
+                    if let (false, Some((wb, seq, _)), Some(_)) = (ours, held, &o.etag) {
+                        // The entry's bytes are read for their ETag only when sizes match.
+                        ours = tried == Some(o.size) && wb.etag_if_tried(*seq).await == o.etag;
+                    }
+                    if ours {
+                        in_store = true;
+                        pin = o.etag;
+                    } else if base.is_some() {
+                        return kept();
+                    }
+                    // Else another client's file where this one was new: not this mount's.
                 }
-                Ok(_) if base.is_some() => return kept(),
-                // Another client's file, where this one was new: not this mount's.
-                Ok(_) => {}
                 Err(StoreError::NotFound(_)) => return Ok(false),
                 Err(e) => return Err(log_store_err(&format!("unlink {key}"), e)),
             }
