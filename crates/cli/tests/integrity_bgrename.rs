@@ -144,6 +144,50 @@ fn a_file_closed_below_a_directory_being_renamed_goes_up_under_the_new_name() {
     );
 }
 
+/// A file opened below a directory at the very end of its rename (after the files being
+/// written were re-pointed) goes up under its new name: the namespace moved before that step
+/// (it used to move after, so such a file took its old key, uploaded to the old name).
+#[test]
+fn a_file_opened_at_the_end_of_a_directory_rename_goes_up_under_the_new_name() {
+    let b = s3().new_bucket("bgrenf");
+    s3().put(&b, "d/f", b"v1".to_vec());
+    let state = state_dir();
+    let pause = Pause::new(state.path());
+    let m = background(
+        &b,
+        state.path(),
+        &pause.point("rename_dir.repointed"),
+        &["--upload-delay", "0", "--negative-ttl", "300"],
+    )
+    .mount();
+    assert_eq!(read_file(&m.join("d/f")), b"v1");
+    assert!(!m.join("e").exists());
+    let (from, to) = (m.join("d"), m.join("e"));
+    let rename = std::thread::spawn(move || std::fs::rename(from, to));
+    pause.reached();
+    let path = m.join("d/f");
+    let closed = within(Duration::from_secs(20), move || {
+        let mut f = std::fs::File::create(path)?;
+        f.write_all(b"v2, opened at the end of the rename")?;
+        close_checked(f)
+    });
+    pause.go_on();
+    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
+    renamed.expect("rename hung").expect("rename");
+    closed.expect("close hung").expect("close");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(
+        s3().get(&b, "e/f").as_deref(),
+        Some(&b"v2, opened at the end of the rename"[..])
+    );
+    assert_eq!(
+        s3().list_keys(&b, "d"),
+        Default::default(),
+        "the old name came back"
+    );
+}
+
 /// While a directory rename copies the objects, a file below it that is open for writing
 /// takes writes and closes (its version waiting for upload moves with the rest): the rename
 /// locks no file across a request (it used to hold them all for its whole length).

@@ -123,10 +123,16 @@ impl Fs {
                 }
             }
         }
-        let new_etag = if kind == FileKind::Dir {
-            self.rename_dir(&path, &new_path, target.is_some()).await?;
-            None
-        } else {
+        let to = (new_parent, &new_parent_path, new_name_s.as_str());
+        if kind == FileKind::Dir {
+            // The namespace moves as soon as the objects did, before the files being written
+            // below are re-pointed: a file opened below from then on has its new key.
+            let renamed = || self.ns.renamed(src, (parent, &path), to, None);
+            return self
+                .rename_dir(&path, &new_path, target.is_some(), renamed)
+                .await;
+        }
+        let new_etag = {
             let moved = self
                 .rename_file(&path, &new_path, (size, etag), (src, write), replaced)
                 .await;
@@ -137,7 +143,6 @@ impl Fs {
             }
             moved?
         };
-        let to = (new_parent, &new_parent_path, new_name_s.as_str());
         self.ns.renamed(src, (parent, &path), to, new_etag);
         Ok(())
     }
@@ -407,6 +412,7 @@ impl Fs {
         path: &MountPath,
         new_path: &MountPath,
         replace: bool,
+        renamed: impl FnOnce(),
     ) -> FsResult<()> {
         let (src, dst) = (self.ns.dir_key(path), self.ns.dir_key(new_path));
         let wb = self.files.writeback().cloned();
@@ -457,11 +463,12 @@ impl Fs {
         }
         // Files being written below, one at a time; a version one of them committed since
         // moves first.
+        renamed();
         let mut done: Vec<Ino> = Vec::new();
         for (ino, mut st) in locked {
             let p = {
                 let t = self.ns.table();
-                t.get(ino).map(|i| i.path.moved(path, new_path))
+                t.get(ino).map(|i| i.path.clone())
             };
             let Some(p) = p else { continue };
             let key = self.ns.key(&p);
@@ -486,15 +493,17 @@ impl Fs {
             }
             let next = {
                 let t = self.ns.table();
-                t.descendants(path)
+                t.descendants(new_path)
                     .into_iter()
                     .filter(|d| !done.contains(d))
-                    .find_map(|d| {
-                        let i = t.get(d)?;
-                        Some((d, i.path.moved(path, new_path), self.files.write_of(d)?))
-                    })
+                    .find_map(|d| Some((d, t.get(d)?.path.clone(), self.files.write_of(d)?)))
             };
             let Some((ino, p, w)) = next else { break };
+            if !w.state.lock().await.key.as_str().starts_with(src.as_str()) {
+                // Opened since the namespace moved: its key is the new one already.
+                done.push(ino);
+                continue;
+            }
             let key = self.ns.key(&p);
             let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
             let mut st = w.state.lock().await;
@@ -524,6 +533,7 @@ impl Fs {
             self.drop_if_uploaded(ino, &w, &mut st);
             done.push(ino);
         }
+        testpoint::reached("rename_dir.repointed").await;
         if let Some(wb) = &wb {
             // Versions without a write state here (found at start).
             for m in moving {
