@@ -1272,8 +1272,9 @@ impl WriteBack {
     }
 
     /// Keeps entry `seq` from being uploaded (a rename is moving it, an unlink removing
-    /// it), once an upload of it in flight is over. Only a holder of the file's write state
-    /// holds its entry, so the wait is an upload's.
+    /// it), once an upload of it in flight is over. Only a holder of the file's write state,
+    /// or a directory rename that holds no state (see `Fs::rename_dir`), holds an entry, so
+    /// the wait is an upload's, or a commit's that replaces it.
     pub async fn hold(&self, seq: u64) -> Holding {
         loop {
             let changed = self.changed.notified();
