@@ -2567,6 +2567,55 @@ mod tests {
         wb.commit(slot, 0).await.unwrap()
     }
 
+    /// A rename's entry found at start (the daemon died between moving it and finishing the
+    /// bucket's part) deletes the object it moved from the old name, only if still that
+    /// one, then goes up under its new name.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_renames_entry_found_at_start_finishes_the_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        for (k, v) in [("a", "a v1"), ("c", "c v1")] {
+            store
+                .put(k, Bytes::from(v), &UserMeta::new())
+                .await
+                .unwrap();
+        }
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        let a_etag = store.head("a").await.unwrap().etag;
+        for (from, to, etag) in [("a", "b", a_etag), ("c", "d", Some("\"stale\"".into()))] {
+            let seq = put(&wb, from, format!("{from} v2").as_bytes()).await;
+            assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
+            let moved = Moved::now(from, etag);
+            wb.rekey(seq, to, Cond::Any, Some(moved), None)
+                .await
+                .unwrap();
+        }
+        // Killed here: the rename never said `moved`.
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        assert_eq!(n, 2);
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let get = |k: &'static str| {
+            let store = store.clone();
+            async move {
+                store
+                    .get_range(k, 0..100, None)
+                    .await
+                    .ok()
+                    .map(|b| b.to_vec())
+            }
+        };
+        assert_eq!(get("b").await.as_deref(), Some(&b"a v2"[..]));
+        assert_eq!(get("a").await, None, "the old name's object stayed");
+        assert_eq!(get("d").await.as_deref(), Some(&b"c v2"[..]));
+        assert_eq!(
+            get("c").await.as_deref(),
+            Some(&b"c v1"[..]),
+            "an object the rename did not move was deleted"
+        );
+    }
+
     /// Entries committed into a segment come back after a restart, except one whose bytes
     /// were torn (its CRC fails) and one removed; bytes that look like a record header (of
     /// another segment's nonce) inside a file are not taken for one.
