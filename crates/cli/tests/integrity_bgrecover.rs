@@ -458,3 +458,46 @@ fn an_unlink_deletes_an_upload_whose_answer_was_lost() {
         "the unlinked recovered file came back"
     );
 }
+
+/// A store that answers `501 NotImplemented` to a `DELETE` carrying `If-Match` (AWS
+/// general-purpose buckets before 2025-09, LocalStack): an unlink of a file whose waiting
+/// version replaces an object falls back to the HEAD-checked plain `DELETE` and succeeds at
+/// once (before: the 501 was retried as transient for the retry budget, then EIO).
+#[test]
+fn an_unlink_works_on_a_store_without_conditional_delete() {
+    let b = s3().new_bucket("bgrec6");
+    s3().put(&b, "f", b"theirs".to_vec());
+    s3().put(&b, "g", b"theirs".to_vec());
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    proxy.reject_with_header(&format!("DELETE /{b}/"), "if-match", 501);
+    let m = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--upload-delay", "60"],
+    )
+    .mount();
+    for k in ["f", "g"] {
+        assert_eq!(read_file(&m.join(k)), b"theirs");
+        write_file(&m.join(k), b"ours");
+    }
+    let p = m.join("f");
+    let rm = within(Duration::from_secs(10), move || std::fs::remove_file(p));
+    let Some(rm) = rm else {
+        let mut m = m;
+        m.kill9();
+        panic!("the unlink retried the store's 501");
+    };
+    rm.expect("rm over a store without conditional DELETE");
+    assert_eq!(s3().get(&b, "f"), None, "the object stayed");
+    // The store's answer is remembered: the next unlink asks plainly.
+    let rejected = proxy.rejected();
+    assert!(rejected >= 1, "the proxy did not refuse the condition");
+    std::fs::remove_file(m.join("g")).unwrap();
+    assert_eq!(s3().get(&b, "g"), None, "the object stayed");
+    assert_eq!(proxy.rejected(), rejected, "the condition was sent again");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "f"), None);
+    assert_eq!(s3().get(&b, "g"), None);
+}

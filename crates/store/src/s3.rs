@@ -13,7 +13,7 @@ use aws_sdk_s3::Client;
 use aws_smithy_types::date_time::DateTime as SmithyTime;
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::{Semaphore, SemaphorePermit};
@@ -93,6 +93,9 @@ pub struct S3Store {
     server: AtomicU8,
     /// One permit per request in flight ([`S3Config::max_connections`]).
     slots: Arc<RequestSlots>,
+    /// Set once the store refused `If-Match` on a DELETE (`501`/`400`): later deletes go
+    /// plain, as on stores that ignore it (callers HEAD first).
+    no_conditional_delete: AtomicBool,
 }
 
 /// The bound on S3 requests in flight (`--max-connections`), and how busy it is: gauges for
@@ -254,22 +257,53 @@ impl S3Store {
     /// DELETE, with `If-Match` when `pin` is given (a store that ignores it deletes
     /// whatever is there). A missing key succeeds.
     async fn delete_pinned(&self, key: &str, pin: Option<&str>) -> StoreResult<()> {
+        let pin = pin.filter(|_| !self.no_conditional_delete.load(Ordering::Relaxed));
         let _slot = self.slot().await;
-        match self
-            .client
+        let mut r = self.delete_request(key, pin).await;
+        if let (Some(_), Err(SdkError::ServiceError(se))) = (pin, &r) {
+            // A store without conditional DELETE (AWS general-purpose buckets before
+            // 2025-09, LocalStack) refuses the header: 501 NotImplemented, or 400. Never
+            // transient: retrying it would fail every such delete after the retry budget.
+            let status = se.raw().status().as_u16();
+            if matches!(status, 400 | 501) || se.err().code() == Some("NotImplemented") {
+                if !self.no_conditional_delete.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "delete {key}: the store refuses If-Match on DELETE ({status} {}): \
+                         deletes are checked by a HEAD only from now on",
+                        se.err().code().unwrap_or("")
+                    );
+                }
+                r = self.delete_request(key, None).await;
+            }
+        }
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) => match map_err(key, e) {
+                StoreError::NotFound(_) => Ok(()),
+                other => Err(other),
+            },
+        }
+    }
+
+    async fn delete_request(
+        &self,
+        key: &str,
+        pin: Option<&str>,
+    ) -> Result<
+        (),
+        SdkError<
+            aws_sdk_s3::operation::delete_object::DeleteObjectError,
+            aws_smithy_runtime_api::http::Response,
+        >,
+    > {
+        self.client
             .delete_object()
             .bucket(&self.bucket)
             .key(key)
             .set_if_match(pin.map(str::to_string))
             .send()
             .await
-        {
-            Ok(_) => Ok(()),
-            Err(e) => match map_err(key, e) {
-                StoreError::NotFound(_) => Ok(()),
-                other => Err(other),
-            },
-        }
+            .map(|_| ())
     }
 
     /// Builds a client. Does not contact the service; call [`S3Store::check_access`] for that.
@@ -331,6 +365,7 @@ impl S3Store {
             list_metadata: cfg.list_metadata,
             server: AtomicU8::new(SERVER_UNKNOWN),
             slots: Arc::new(RequestSlots::new(max_connections)),
+            no_conditional_delete: AtomicBool::new(false),
         })
     }
 

@@ -1,7 +1,8 @@
 //! A TCP proxy in front of MinIO that injects the network faults a real server cannot be made
 //! to produce on demand: latency and low bandwidth (a slow server), connections reset in the
 //! middle of a response body, every open connection dropped at once, `503 SlowDown`
-//! answers, and a stall (requests read, never answered). Mount through [`FaultProxy::endpoint`] instead of the MinIO endpoint.
+//! answers, `501 NotImplemented` to a request carrying a given header (a store without that
+//! feature), and a stall (requests read, never answered). Mount through [`FaultProxy::endpoint`] instead of the MinIO endpoint.
 //!
 //! It only ever connects to the loopback address it was given, and stops (closing every
 //! connection) when dropped.
@@ -46,6 +47,11 @@ struct State {
     drop_answer: Mutex<Option<(String, u64)>>,
     /// Answers dropped so far.
     pub dropped: AtomicU64,
+    /// Requests whose first line starts with the first string and whose head has the header
+    /// named by the second get this status (`NotImplemented`), nothing forwarded.
+    reject: Mutex<Option<(String, String, u16)>>,
+    /// Requests answered so.
+    pub rejected: AtomicU64,
     /// The heads of the latest requests (request line and headers), oldest first.
     heads: Mutex<std::collections::VecDeque<String>>,
 }
@@ -149,6 +155,19 @@ impl FaultProxy {
     /// answer is lost: the connection is reset when it comes (a reply lost in the network).
     pub fn drop_answers(&self, line: &str, n: u64) {
         *self.state.drop_answer.lock().unwrap() = Some((line.to_string(), n));
+    }
+
+    /// From now on, every request whose first line starts with `line` and whose head carries
+    /// header `header` (any case) is answered `status` with error code `NotImplemented`
+    /// and not forwarded: a store that does not support that header on that request.
+    pub fn reject_with_header(&self, line: &str, header: &str, status: u16) {
+        *self.state.reject.lock().unwrap() =
+            Some((line.to_string(), header.to_ascii_lowercase(), status));
+    }
+
+    /// Requests answered by [`Self::reject_with_header`].
+    pub fn rejected(&self) -> u64 {
+        self.state.rejected.load(Ordering::SeqCst)
     }
 
     /// The heads (request line and headers) of the latest requests whose request line
@@ -276,6 +295,37 @@ fn picked(rule: &Mutex<Option<(String, u64)>>, chunk: &[u8]) -> bool {
     }
 }
 
+/// Answers a request starting in `chunk` that [`FaultProxy::reject_with_header`] picks, on
+/// `client`; whether it did.
+fn reject(st: &State, chunk: &[u8], client: &mut TcpStream) -> bool {
+    let status = match st.reject.lock().unwrap().as_ref() {
+        Some((line, header, status)) if chunk.starts_with(line.as_bytes()) => {
+            let end = chunk
+                .windows(4)
+                .position(|w| w == b"\r\n\r\n")
+                .unwrap_or(chunk.len());
+            let head = String::from_utf8_lossy(&chunk[..end]).to_ascii_lowercase();
+            if !head.contains(&format!("\r\n{header}:")) {
+                return false;
+            }
+            *status
+        }
+        _ => return false,
+    };
+    let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>NotImplemented</Code>\
+<Message>A header you provided implies functionality that is not implemented (injected by \
+the test proxy).</Message><RequestId>proxy-reject</RequestId></Error>";
+    let resp = format!(
+        "HTTP/1.1 {status} Not Implemented\r\nContent-Type: application/xml\r\n\
+         Content-Length: {}\r\nx-amz-request-id: proxy-reject\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = client.write_all(resp.as_bytes());
+    st.rejected.fetch_add(1, Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(50));
+    true
+}
+
 /// Keeps the head of a request starting in `chunk` (one starts with a method and a path).
 fn note_head(st: &State, chunk: &[u8]) {
     let is_request = chunk.first().is_some_and(u8::is_ascii_uppercase)
@@ -321,6 +371,9 @@ fn pump(
             note_head(st, &buf[..n]);
         }
         if !downstream && picked(&st.fail, &buf[..n]) {
+            break;
+        }
+        if !downstream && reject(st, &buf[..n], &mut from) {
             break;
         }
         if !downstream && picked(&st.drop_answer, &buf[..n]) {
