@@ -411,8 +411,13 @@ impl MemoryBudget {
             c.bytes -= old.data.len() as u64;
         }
         c.order.push_back(k);
-        let limit = self.units * UNIT / 4;
+        let limit = self.block_cache_limit();
         while c.bytes > limit && c.evict_one() {}
+    }
+
+    /// Most bytes the block cache keeps: a quarter of the budget.
+    pub fn block_cache_limit(&self) -> u64 {
+        self.units * UNIT / 4
     }
 
     /// `[offset, end)` of object `key` version `etag`, if one cached block holds all of it.

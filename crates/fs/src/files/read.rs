@@ -171,9 +171,12 @@ pub struct Reader {
     last_end: Option<u64>,
     /// Opened with `O_DIRECT`: the kernel keeps no page cache of what it reads.
     direct: bool,
-    /// A direct reader went back over bytes it had read (a second pass): from then on the
-    /// chunks it consumes go to the block cache, so the next pass needs no GET. A single
-    /// pass keeps nothing (caching it would only cost memory and fresh pages).
+    /// A direct reader keeps the chunks it consumes in the block cache, so the next pass
+    /// needs no GET: from its first pass when the file takes at most half that cache (no
+    /// page cache keeps such a file, and fio, databases and tools that open O_DIRECT often
+    /// read it again), else once it went back over bytes it had read. A single pass of a
+    /// larger file keeps nothing (caching it would only cost memory and fresh pages, and
+    /// push out what the cache holds).
     rereading: bool,
     /// End of the furthest read so far.
     high_water: u64,
@@ -202,6 +205,7 @@ impl Reader {
         });
         let weak = Arc::downgrade(&held);
         cfg.budget.register(weak);
+        let rereading = direct && size <= cfg.budget.block_cache_limit() / 2;
         Self {
             store,
             cfg,
@@ -212,7 +216,7 @@ impl Reader {
             window: MIN_WINDOW,
             last_end: None,
             direct,
-            rereading: false,
+            rereading,
             high_water: 0,
             served: false,
         }

@@ -835,7 +835,12 @@ impl WriteState {
             let mut buf = self.cfg.budget.demand_buffer(span.end - span.start).await;
             let n = self
                 .store
-                .get_range_into(&self.key, span.clone(), self.base_etag(), buf.as_mut_slice())
+                .get_range_into(
+                    &self.key,
+                    span.clone(),
+                    self.base_etag(),
+                    buf.as_mut_slice(),
+                )
                 .await
                 .map_err(|e| log_store_err(&format!("read {}", self.key), e))?;
             if n as u64 != span.end - span.start {

@@ -40,11 +40,16 @@ pub fn env() -> Env {
 }
 
 pub fn env_on(mem: MemoryStore) -> Env {
+    env_with(mem, |c| c)
+}
+
+/// [`env_on`] with the configuration `tune` makes of the default one.
+pub fn env_with(mem: MemoryStore, tune: impl FnOnce(FsConfig) -> FsConfig) -> Env {
     let mem = Arc::new(mem);
     let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
     let metrics = metered.metrics();
     let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(Arc::new(metered), config(&cache));
+    let fs = Fs::new(Arc::new(metered), tune(config(&cache)));
     Env {
         fs,
         mem,
