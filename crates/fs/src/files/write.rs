@@ -815,24 +815,32 @@ impl WriteState {
         self.recover(range.start..end).await?;
         self.settle_spills().await;
         // A base of at most one part comes whole at the first read, as a read-only open's
-        // does: a program that opens O_RDWR only to read (sysbench, databases) otherwise
-        // waits for one GET per block it touches.
-        let blocks = if self.base_len <= self.cfg.layout.part_size && range.start < self.base_len {
-            0..self.base_len
-        } else {
-            let block_end = end.div_ceil(READ_BLOCK) * READ_BLOCK;
-            range.start - range.start % READ_BLOCK..block_end.min(self.base_len)
+        // does (a program that opens O_RDWR only to read, sysbench or a database, otherwise
+        // waits for one GET per block it touches), when that much memory is free; else the
+        // aligned blocks the read touches, whose memory a read may always demand.
+        let whole = (self.base_len <= self.cfg.layout.part_size && range.start < self.base_len)
+            .then(|| self.missing_base(0..self.base_len))
+            .and_then(|m| {
+                let len = m.last()?.end - m.first()?.start;
+                Some((m, self.cfg.budget.try_buffer(len)?))
+            });
+        let fetch = match whole {
+            Some(w) => Some(w),
+            None => {
+                let block_start = range.start - range.start % READ_BLOCK;
+                let block_end = (end.div_ceil(READ_BLOCK) * READ_BLOCK).min(self.base_len);
+                let m = self.missing_base(block_start..block_end);
+                match (m.first(), m.last()) {
+                    (Some(first), Some(last)) => {
+                        let len = last.end - first.start;
+                        Some((m, self.cfg.budget.demand_buffer(len).await))
+                    }
+                    _ => None,
+                }
+            }
         };
-        let missing: Vec<Range<u64>> = self
-            .sources(blocks)
-            .into_iter()
-            .filter(|(_, src)| *src == Source::Base)
-            .map(|(r, _)| r)
-            .collect();
-        if let (Some(first), Some(last)) = (missing.first(), missing.last()) {
-            let span = first.start..last.end;
-            // Counted like any read's bytes while they are copied to the staging file.
-            let mut buf = self.cfg.budget.demand_buffer(span.end - span.start).await;
+        if let Some((missing, mut buf)) = fetch {
+            let span = missing[0].start..missing[missing.len() - 1].end;
             let n = self
                 .store
                 .get_range_into(
@@ -859,6 +867,15 @@ impl WriteState {
         let len = (end - range.start) as usize;
         let buf = self.cfg.budget.demand_buffer(len as u64).await;
         Ok(self.assemble_into(range.start..end, buf).await?.freeze(len))
+    }
+
+    /// The pieces of `range` whose current bytes are only in the base object.
+    fn missing_base(&self, range: Range<u64>) -> Vec<Range<u64>> {
+        self.sources(range)
+            .into_iter()
+            .filter(|(_, src)| *src == Source::Base)
+            .map(|(r, _)| r)
+            .collect()
     }
 
     /// Splits `range` by where its current content is. The tail holds the newest bytes of
