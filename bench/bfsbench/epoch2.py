@@ -15,10 +15,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-# (small-files row, large-file row, mount flags)
+# (small-files row, large-file row or None, mount flags). The `-ttl` row mounts with a stat TTL
+# longer than the phase (a data set nobody changes): the directory pages the warmup mount saved
+# in the data cache answer the lookups after the remount instead of a LIST per directory.
 MODES = (
     ("epoch2-small-files", "epoch2-large", ["--passthrough"]),
     ("epoch2-small-files-daemon", "epoch2-large-daemon", []),
+    ("epoch2-small-files-ttl", None, ["--passthrough", "--stat-ttl", "3600"]),
 )
 
 
@@ -108,6 +111,8 @@ def g_epoch2(ss) -> None:
             m = ss.mount(cold=True)  # after a drop_caches; the data cache stays
             for row, fn, read, p in ((small_row, lambda: read_small(m.mountpoint / "sf"), read_small, local / "sf"),
                                      (big_row, lambda: read_big(m.mountpoint / "big"), read_big, local / "big")):
+                if row is None:
+                    continue
                 before = local_mb_s(read, p)
                 R.drop_caches()
                 opens = _metric(m, "bucketfs_passthrough_opens_total")

@@ -121,6 +121,22 @@ fn now() -> SystemTime {
     SystemTime::now()
 }
 
+/// Directory pages kept across mounts live in the data cache's directory.
+struct PagesInDataCache(Arc<crate::files::cache::DataCache>);
+
+impl crate::namespace::saved::ListingDisk for PagesInDataCache {
+    fn save(&self, dir_key: &str, blob: Vec<u8>) {
+        let (cache, dir_key) = (self.0.clone(), dir_key.to_string());
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(move || cache.put_listing(&dir_key, blob))),
+            Err(_) => cache.put_listing(&dir_key, blob),
+        }
+    }
+    fn load(&self, dir_key: &str) -> Option<Vec<u8>> {
+        self.0.listing(dir_key)
+    }
+}
+
 impl Fs {
     /// An fs over `store`. Panics if the write-back directory cannot be opened: see
     /// [`Fs::with_writeback`].
@@ -158,6 +174,9 @@ impl Fs {
             metrics.clone(),
         );
         let (files, recovered) = OpenFiles::new(store.clone(), &cfg, metrics)?;
+        if let Some(c) = files.data_cache() {
+            ns.save_pages_on(Arc::new(PagesInDataCache(c.clone())));
+        }
         let fs = Arc::new(Self {
             store,
             cfg,

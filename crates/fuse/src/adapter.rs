@@ -287,7 +287,10 @@ impl FuseFs {
                 b.by_fh.insert(fh, id.clone());
                 drop(b);
                 fs.passed_through(ino, fh, true);
-                reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
+                // Only the flags that still mean something when the kernel reads the file
+                // itself (no page of this inode is cached through FUSE).
+                let f = flags & FopenFlags::FOPEN_NOFLUSH;
+                reply.opened_passthrough(FileHandle(fh), f, &id);
             }
             Err(e) => {
                 drop(b);
@@ -560,7 +563,13 @@ impl Filesystem for FuseFs {
                     if let Some(p) = opener {
                         writers.lock().unwrap().insert(o.fh, p);
                     }
-                    let f = open_flags(flags.0, o.keep_cache);
+                    let mut f = open_flags(flags.0, o.keep_cache);
+                    if !writable {
+                        // The close of a descriptor that cannot write has nothing to store
+                        // (`create` always does): no FLUSH, whose round trip each close
+                        // would wait for.
+                        f |= FopenFlags::FOPEN_NOFLUSH;
+                    }
                     let local = o.local.as_deref();
                     Self::reply_open_local(&fs, &backings, &refused, ino.0, o.fh, local, f, reply);
                 }

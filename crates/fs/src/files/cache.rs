@@ -58,6 +58,8 @@ pub fn queue_len(budget: u64) -> usize {
 }
 /// How often the writer rereads the directory (other mounts' blocks and evictions).
 const RESCAN_EVERY: Duration = Duration::from_secs(60);
+/// A whole copy's manifest gets its last use written when the one it holds is older.
+const TOUCH_EVERY: Duration = Duration::from_secs(60);
 /// Temporary files older than this are a crashed writer's: removed by the rescan.
 const STALE_TMP: Duration = Duration::from_secs(600);
 /// A whole copy's data file is sealed (its manifest written) right after it is linked into
@@ -71,6 +73,10 @@ const FIXED: usize = 8 + 3 * 4 + 8 + 8 + 4;
 const MAN_MAGIC: &[u8; 8] = b"BFSOBJ1\n";
 /// The block index a whole object's name is hashed with (no block has it).
 const WHOLE: u64 = u64::MAX;
+/// The block index of a directory's saved listing page (key: the directory's key, ETag
+/// empty): a block file like any other (`NAME.lst`), evicted with them.
+const LISTING: u64 = u64::MAX - 1;
+const LST: &str = "lst";
 /// Extensions of a whole object's data file and manifest.
 const OBJ: &str = "obj";
 const MAN: &str = "man";
@@ -237,6 +243,8 @@ struct Index {
     bytes: u64,
     /// Names that are whole objects (data file and manifest), not blocks.
     wholes: HashSet<u128>,
+    /// Names that are saved listing pages (`NAME.lst`), not blocks.
+    listings: HashSet<u128>,
 }
 
 impl Index {
@@ -249,6 +257,7 @@ impl Index {
 
     fn remove(&mut self, name: u128) -> Option<u64> {
         self.wholes.remove(&name);
+        self.listings.remove(&name);
         let (size, used) = self.files.remove(&name)?;
         self.lru.remove(&(used, name));
         self.bytes -= size;
@@ -257,10 +266,19 @@ impl Index {
 
     fn touch(&mut self, name: u128, size: u64, now: u64) {
         let whole = self.wholes.contains(&name);
+        let listing = self.listings.contains(&name);
         self.insert(name, size, now);
         if whole {
             self.wholes.insert(name);
         }
+        if listing {
+            self.listings.insert(name);
+        }
+    }
+
+    fn insert_listing(&mut self, name: u128, size: u64, used: u64) {
+        self.insert(name, size, used);
+        self.listings.insert(name);
     }
 
     fn insert_whole(&mut self, name: u128, size: u64, used: u64) {
@@ -404,6 +422,20 @@ impl std::fmt::Debug for DataCache {
     }
 }
 
+/// Writes now as the last use of a cache file, unless the one it holds is recent: the order
+/// among uses a minute apart is all eviction needs, and a job opening many small files would
+/// otherwise dirty an inode (a journal write) per open.
+fn touch(f: &File) {
+    let now = SystemTime::now();
+    let recent = f
+        .metadata()
+        .and_then(|m| m.modified())
+        .is_ok_and(|t| now.duration_since(t).is_ok_and(|age| age < TOUCH_EVERY));
+    if !recent {
+        let _ = f.set_modified(now);
+    }
+}
+
 fn now_tick() -> u64 {
     tick(SystemTime::now())
 }
@@ -515,7 +547,7 @@ impl DataCache {
             m.dev = md.dev();
         }
         // Its last use, on the manifest (the data file's own times are part of the seal).
-        let _ = mf.set_modified(SystemTime::now());
+        touch(&mf);
         let bytes = md.len() + man.len() as u64;
         self.index.lock().insert_whole(name, bytes, now_tick());
         Ok((f, m, bytes))
@@ -740,8 +772,13 @@ impl DataCache {
 
     /// Reads and checks one block file into `dst` (its expected length).
     fn read_one(&self, id: &BlockId<'_>, dst: &mut [u8]) -> Result<(), Miss> {
+        self.read_file(&self.path(id.name()), id, dst)
+    }
+
+    /// Reads and checks the block file at `path` (block `id`) into `dst` (its expected length).
+    fn read_file(&self, path: &Path, id: &BlockId<'_>, dst: &mut [u8]) -> Result<(), Miss> {
         let name = id.name();
-        let mut f = match open_own(&self.path(name)) {
+        let mut f = match open_own(path) {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 // Evicted by another mount sharing the directory (or removed by hand): no
@@ -777,7 +814,7 @@ impl DataCache {
             return Err(Miss::Corrupt("corrupt (data checksum)"));
         }
         // Its last use, kept on disk for the next start.
-        let _ = f.set_modified(SystemTime::now());
+        touch(&f);
         let size = file_len;
         self.index.lock().touch(name, size, now_tick());
         Ok(())
@@ -834,18 +871,33 @@ impl DataCache {
         if whole_files && job.size <= BLOCK {
             return self.assemble(job);
         }
+        if !self.write_block(job, false) {
+            return;
+        }
+        if whole_files && self.all_blocks(job) {
+            self.assemble(job);
+        }
+    }
+
+    /// Writes the block file of `job`; `replace`: over the one of the same name, if any.
+    /// Whether it was written.
+    fn write_block(&self, job: &Job, replace: bool) -> bool {
         let id = self.id(&job.key, &job.etag, job.index);
         let name = id.name();
-        if self.index.lock().files.contains_key(&name) {
-            return;
+        if !replace && self.index.lock().files.contains_key(&name) {
+            return false;
         }
         let header = id.header(job.data.len() as u64, crc32fast::hash(&job.data));
         let size = (header.len() + job.data.len()) as u64;
         if size > self.max_bytes {
-            return;
+            return false;
         }
-        self.evict_to(self.max_bytes - size);
-        let path = self.path(name);
+        self.evict_keeping(self.max_bytes - size, &[name]);
+        let listing = job.index == LISTING;
+        let path = match listing {
+            true => self.whole_path(name, LST),
+            false => self.path(name),
+        };
         let mut tmp = None;
         let written = (|| {
             let (mut f, t) = create_tmp(&path)?;
@@ -856,18 +908,71 @@ impl DataCache {
         })();
         match written {
             Ok(()) => {
-                self.index.lock().insert(name, size, now_tick());
+                let mut ix = self.index.lock();
+                match listing {
+                    true => ix.insert_listing(name, size, now_tick()),
+                    false => ix.insert(name, size, now_tick()),
+                }
+                drop(ix);
                 self.update_size();
+                true
             }
             Err(e) => {
                 if let Some(tmp) = tmp {
                     let _ = std::fs::remove_file(tmp);
                 }
-                return self.io_error("write", &e);
+                self.io_error("write", &e);
+                false
             }
         }
-        if whole_files && self.all_blocks(job) {
-            self.assemble(job);
+    }
+
+    /// Saves `blob` as the listing page of directory `dir_key` (over the last one). Blocking
+    /// (file I/O): not through the writer's queue, where blocks would crowd it out.
+    pub fn put_listing(&self, dir_key: &str, blob: Vec<u8>) {
+        self.write_block(
+            &Job {
+                key: dir_key.to_string(),
+                etag: String::new(),
+                size: blob.len() as u64,
+                index: LISTING,
+                data: Bytes::from(blob),
+            },
+            true,
+        );
+    }
+
+    /// The listing page last saved for directory `dir_key`, checked like a block (a damaged
+    /// one is removed). Blocking (file I/O).
+    pub fn listing(&self, dir_key: &str) -> Option<Vec<u8>> {
+        let id = self.id(dir_key, "", LISTING);
+        let name = id.name();
+        let path = self.whole_path(name, LST);
+        let hlen = id.header(0, 0).len() as u64;
+        let len = match std::fs::symlink_metadata(&path) {
+            Ok(md) if md.len() >= hlen => md.len() - hlen,
+            Ok(_) => 0,
+            Err(_) => return None,
+        };
+        let mut buf = vec![0; len as usize];
+        match self.read_file(&path, &id, &mut buf) {
+            Ok(()) => Some(buf),
+            Err(Miss::Absent) => None,
+            Err(Miss::Io(e)) => {
+                self.io_error("read", &e);
+                None
+            }
+            Err(Miss::Corrupt(why)) => {
+                inc(&self.metrics.data_cache_corrupt);
+                tracing::warn!(
+                    "data cache file {} (listing of {dir_key}) is {why}: removed",
+                    path.display()
+                );
+                let _ = std::fs::remove_file(&path);
+                self.index.lock().remove(name);
+                self.update_size();
+                None
+            }
         }
     }
 
@@ -1000,17 +1105,22 @@ impl DataCache {
                     break;
                 };
                 let whole = ix.wholes.contains(&name);
+                let listing = ix.listings.contains(&name);
                 ix.remove(name);
-                (name, whole)
+                (name, whole, listing)
             };
-            let (victim, whole) = victim;
+            let (victim, whole, listing) = victim;
             if whole {
                 if self.remove_whole(victim) {
                     inc(&self.metrics.data_cache_evictions);
                 }
                 continue;
             }
-            match std::fs::remove_file(self.path(victim)) {
+            let path = match listing {
+                true => self.whole_path(victim, LST),
+                false => self.path(victim),
+            };
+            match std::fs::remove_file(path) {
                 Ok(()) => inc(&self.metrics.data_cache_evictions),
                 Err(e) if e.kind() == ErrorKind::NotFound => {} // another mount evicted it
                 Err(e) => self.io_error("evict", &e),
@@ -1023,6 +1133,7 @@ impl DataCache {
     /// replace the index; temporary files of crashed writers go.
     fn rescan(&self) {
         let mut found: Vec<(u128, u64, u64)> = Vec::new();
+        let mut listings: Vec<(u128, u64, u64)> = Vec::new();
         // Whole objects: name → (bytes, last use, has a data file, has a manifest).
         let mut wholes: HashMap<u128, (u64, u64, bool, bool)> = HashMap::new();
         let subdirs = match std::fs::read_dir(&self.root) {
@@ -1058,6 +1169,7 @@ impl DataCache {
                 };
                 match ext {
                     "" => found.push((n, md.len(), tick(mtime))),
+                    LST => listings.push((n, md.len(), tick(mtime))),
                     OBJ | MAN => {
                         let w = wholes.entry(n).or_default();
                         w.0 += md.len();
@@ -1098,6 +1210,10 @@ impl DataCache {
             for (n, (size, t, _, _)) in wholes {
                 let used = ix.files.get(&n).map_or(t, |&(_, u)| u.max(t));
                 fresh.insert_whole(n, size, used);
+            }
+            for (n, size, t) in listings {
+                let used = ix.files.get(&n).map_or(t, |&(_, u)| u.max(t));
+                fresh.insert_listing(n, size, used);
             }
             *ix = fresh;
         }
@@ -1193,6 +1309,31 @@ mod tests {
         c.put("k", etag, size, index, Bytes::copy_from_slice(data));
         let name = c.id("k", etag, index).name();
         wait_until("block written", || c.index.lock().files.contains_key(&name));
+    }
+
+    #[test]
+    fn listing_pages_are_replaced_checked_and_evicted_like_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, m) = start(dir.path(), 64 << 20);
+        c.put_listing("d/", b"one".to_vec());
+        c.put_listing("d/", b"second".to_vec());
+        assert_eq!(c.listing("d/").as_deref(), Some(&b"second"[..]));
+        assert!(c.listing("e/").is_none());
+        let path = c.whole_path(c.id("d/", "", LISTING).name(), LST);
+        assert!(path.exists());
+        // Damaged: removed, never returned.
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 1] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(c.listing("d/").is_none());
+        assert!(!path.exists());
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1);
+        // Counted in the size, and evicted to make room like a block.
+        c.put_listing("d/", vec![7; 4000]);
+        assert!(c.index.lock().bytes > 4000);
+        c.evict_to(0);
+        assert!(!path.exists() && c.listing("d/").is_none());
     }
 
     #[test]

@@ -160,6 +160,11 @@ impl OpenFiles {
         Ok((files, recovered))
     }
 
+    /// The data cache (`--data-cache`), if any.
+    pub fn data_cache(&self) -> Option<&Arc<cache::DataCache>> {
+        self.rcfg.data_cache.as_ref()
+    }
+
     /// The write-back directory, in background mode.
     pub fn writeback(&self) -> Option<&Arc<WriteBack>> {
         self.wcfg.writeback.as_ref()

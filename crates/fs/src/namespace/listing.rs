@@ -311,11 +311,15 @@ impl Namespace {
             Some(kept) => kept,
             None => {
                 let epoch = self.lookups.epoch();
+                let sent = std::time::SystemTime::now();
                 let page = self
                     .store
                     .list(&st.prefix, Some("/"), st.from.clone(), LIST_PAGE, st.detail)
                     .await
                     .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
+                if first {
+                    self.lookups.save_page(&st.prefix, &page, sent, st.detail);
+                }
                 (page, epoch)
             }
         };
@@ -398,7 +402,7 @@ impl Namespace {
             };
             (found, false)
         });
-        let attr = self.remember(dir, &e.name, path, found, 1);
+        let attr = self.remember(dir, &e.name, path, found, 1, Instant::now());
         if !complete {
             // Not fresh: the next stat or lookup of it asks the store.
             let stale = self.stale_instant();

@@ -17,6 +17,7 @@ pub mod listing;
 pub mod lookup;
 pub mod markers;
 pub mod names;
+pub mod saved;
 
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta, ROOT_INO};
@@ -101,6 +102,11 @@ impl Namespace {
             // Apart from file handles' numbers, so that one is never taken for the other.
             next_dir_fh: AtomicU64::new(1 << 62),
         }
+    }
+
+    /// Saves directory pages on `disk` for later mounts, and uses theirs (see [`saved`]).
+    pub fn save_pages_on(&self, disk: Arc<dyn saved::ListingDisk>) {
+        self.lookups.save_pages_on(disk);
     }
 
     /// The inode table, for changes that must see several inodes at once. Never held across
@@ -199,7 +205,8 @@ impl Namespace {
 
     // ---- asking the store what a path is ----
 
-    /// Records what the store said about `name` in `parent`; returns the inode's attributes.
+    /// Records what the store said about `name` in `parent` at `at`; returns the inode's
+    /// attributes.
     pub fn remember(
         &self,
         parent: Ino,
@@ -207,6 +214,7 @@ impl Namespace {
         path: MountPath,
         f: Found,
         lookups: u64,
+        at: Instant,
     ) -> Attr {
         let mut t = self.table.lock();
         if let Some(ino) = t.child(parent, name) {
@@ -221,7 +229,7 @@ impl Namespace {
                 i.etag = f.obj.etag.clone();
                 i.user = f.obj.user;
                 i.has_marker = f.has_marker;
-                i.fetched = Some(Instant::now());
+                i.fetched = Some(at);
                 i.lookups += lookups;
                 return i.attr.clone();
             }
@@ -233,6 +241,7 @@ impl Namespace {
         i.user = f.obj.user;
         i.has_marker = f.has_marker;
         i.lookups = lookups;
+        i.fetched = Some(at);
         t.insert(i);
         attr
     }
@@ -302,7 +311,12 @@ impl Namespace {
             self.lookups.stat(&path).await
         };
         match stat.map(|(f, _)| f) {
-            Ok(f) => Ok(self.remember(parent, name, path, f, lookups)),
+            Ok(f) => {
+                // Believed for the TTL from when the store said it (a listing's time), not
+                // from this lookup.
+                let at = self.lookups.learned_at(&path).unwrap_or_else(Instant::now);
+                Ok(self.remember(parent, name, path, f, lookups, at))
+            }
             Err(e) => {
                 if e == FsError::ENOENT {
                     self.table.lock().remove_child(parent, name);
