@@ -27,8 +27,11 @@ fn mount_of(path: &Path) -> Option<PathBuf> {
         .map(Path::to_path_buf)
 }
 
-/// Passes at most over the files: the first, and more while blocks were left out.
-const PASSES: usize = 4;
+/// Passes at most over the files: the first, and more while blocks were left out, each with
+/// half the readers of the one before, down to one (from the default 64). Four were not
+/// always enough once opens and closes got cheaper (no FLUSH for read-only closes): readers
+/// of small files outran a writer syncing each whole copy even 8 at once.
+const PASSES: usize = 7;
 /// How long a pass waits at most for the cache writers to finish what they were given.
 const DRAIN_WAIT: Duration = Duration::from_secs(120);
 
