@@ -501,3 +501,48 @@ fn an_unlink_works_on_a_store_without_conditional_delete() {
     assert_eq!(s3().get(&b, "f"), None);
     assert_eq!(s3().get(&b, "g"), None);
 }
+
+/// A new file's upload landed with its answer lost, then the network failed for the retry
+/// budget (the entry counts as failed, not a conflict); the file is written again meanwhile.
+/// The new version knows the bucket may hold the old one, this mount's: once the network is
+/// back it goes over it (before: a permanent conflict, the bucket kept the old version), and
+/// an unlink deletes it (before: the old version stayed and the file came back).
+#[test]
+fn a_new_version_knows_its_failed_predecessor_may_have_landed() {
+    let b = s3().new_bucket("bgrec7");
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let m = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--retry-timeout", "0", "--upload-delay", "0"],
+    )
+    .mount();
+    proxy.drop_answers(&format!("PUT /{b}/"), 2);
+    write_file(&m.join("f"), b"ours v1");
+    write_file(&m.join("g"), b"ours v1");
+    wait_for("both PUTs to land", Duration::from_secs(20), || {
+        proxy.dropped() == 2 && s3().get(&b, "f").is_some() && s3().get(&b, "g").is_some()
+    });
+    proxy.fail_requests(&format!("PUT /{b}/"), 1_000_000);
+    wait_for(
+        "both uploads to count as failed",
+        Duration::from_secs(20),
+        || {
+            pending(m.path())
+                .lines()
+                .filter(|l| l.starts_with("failed"))
+                .count()
+                == 2
+        },
+    );
+    write_file(&m.join("f"), b"ours, v2 (longer)");
+    write_file(&m.join("g"), b"ours, v2 (longer)");
+    std::fs::remove_file(m.join("g")).unwrap();
+    proxy.fail_requests("", 0);
+    let (status, log) = m.unmount();
+    assert!(!log.contains("changed by another client"), "{log}");
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "f").unwrap(), b"ours, v2 (longer)");
+    assert_eq!(s3().get(&b, "g"), None, "the unlinked file came back");
+}

@@ -55,6 +55,9 @@ const REC_HEADER: u64 = 64;
 const RECORD_MAX: u64 = 4 << 20;
 /// Upload results kept for later versions of the same files (their `If-Match`).
 const RESULTS_KEPT: usize = 200_000;
+/// ETags of possibly landed versions an entry carries (see `Entry::landed`) at most.
+const LANDED_KEPT: usize = 8;
+
 /// A failed upload is tried again after this, doubling up to [`RETRY_MAX`].
 const RETRY_FIRST: Duration = Duration::from_secs(10);
 const RETRY_MAX: Duration = Duration::from_secs(300);
@@ -215,6 +218,9 @@ struct Entry {
     not_before: Instant,
     /// A rename a crash interrupted, finished before the upload.
     moving: Option<Moved>,
+    /// ETags of versions this one replaced whose upload failed and may have landed (the
+    /// answer lost): found at the key, they are this mount's, not another client's.
+    landed: Vec<String>,
 }
 
 /// Why an upload did not land.
@@ -223,6 +229,8 @@ enum UploadErr {
     Refused(String, bool),
     /// The object it was to replace is gone.
     Gone,
+    /// The key holds a version this mount uploaded before (its ETag; see `Entry::landed`).
+    Ours(String),
 }
 use UploadErr::{Gone, Refused};
 
@@ -236,6 +244,7 @@ struct Job {
     loc: Loc,
     ino: Ino,
     moving: Option<Moved>,
+    landed: Vec<String>,
 }
 
 /// One pending file, for `bucketfs pending`.
@@ -389,6 +398,7 @@ pub struct Slot {
     replaces: Option<u64>,
     /// A rename's entry: stays held by it (see [`WriteBack::rekey`]).
     from: Option<Moved>,
+    landed: Vec<String>,
     loc: Loc,
     file: Arc<File>,
     /// Where the bytes start in `file`.
@@ -541,6 +551,7 @@ impl WriteBack {
                     next_try: None,
                     not_before: Instant::now(),
                     moving: t.from,
+                    landed: t.landed,
                 },
             );
         }
@@ -695,7 +706,7 @@ impl WriteBack {
         // Room first (held by the slot from then on): the queued entry stays free to upload
         // meanwhile, and the room it would free counts only while it is queued.
         self.room(key, size).await?;
-        let (cond, replaces) = loop {
+        let (cond, replaces, mut landed) = loop {
             let changed = self.changed.notified();
             let decided = {
                 let mut inner = self.inner.lock();
@@ -708,18 +719,19 @@ impl WriteBack {
                                 e.status = Status::Held;
                                 // After a conflict the user wrote the file again: this
                                 // version goes over the other client's.
-                                let cond = if e.conflict {
-                                    Cond::Any
+                                let (cond, landed) = if e.conflict {
+                                    (Cond::Any, Vec::new())
                                 } else {
-                                    e.cond.clone()
+                                    (e.cond.clone(), e.landed.clone())
                                 };
-                                Some((cond, Some(s)))
+                                Some((cond, Some(s), landed))
                             }
                         }
                     }
                     None => {
                         let known = prev.and_then(|p| inner.results.get(&p).cloned());
-                        Some((known.map(Cond::Match).unwrap_or(origin.clone()), None))
+                        let cond = known.map(Cond::Match).unwrap_or(origin.clone());
+                        Some((cond, None, Vec::new()))
                     }
                 }
             };
@@ -728,7 +740,16 @@ impl WriteBack {
                 None => changed.await,
             }
         };
-        match self.new_slot(key, size, meta.clone(), cond, replaces, None) {
+        // A failed try of the replaced version may have landed (its answer lost): the
+        // bucket may hold it, this mount's, when this one goes (and after a crash).
+        if let Some(s) = replaces.filter(|_| landed.len() < LANDED_KEPT) {
+            if let Some(etag) = self.etag_if_tried(s).await {
+                if !landed.contains(&etag) {
+                    landed.push(etag);
+                }
+            }
+        }
+        match self.new_slot(key, size, meta.clone(), cond, replaces, None, landed) {
             Ok(slot) => Ok(slot),
             Err(e) => {
                 self.unhold(replaces, size);
@@ -826,6 +847,7 @@ impl WriteBack {
 
     /// A new entry of `size` bytes for `key`: a record of the current segment when it is
     /// small and one has room, else a file of its own. Its room is reserved by the caller.
+    #[allow(clippy::too_many_arguments)] // the trailer's fields
     fn new_slot(
         &self,
         key: &str,
@@ -834,6 +856,7 @@ impl WriteBack {
         cond: Cond,
         replaces: Option<u64>,
         from: Option<Moved>,
+        landed: Vec<String>,
     ) -> FsResult<Slot> {
         let seq = {
             let mut inner = self.inner.lock();
@@ -849,6 +872,7 @@ impl WriteBack {
             cond: cond.clone(),
             replaces,
             from: from.clone(),
+            landed: landed.clone(),
         }
         .encode();
         let need = REC_HEADER + size + trailer.len() as u64 + 4;
@@ -880,6 +904,7 @@ impl WriteBack {
             cond,
             replaces,
             from,
+            landed,
             loc,
             file,
             base,
@@ -1104,6 +1129,7 @@ impl WriteBack {
                     next_try: None,
                     not_before: Instant::now() + self.cfg.delay,
                     moving: slot.from.clone(),
+                    landed: slot.landed.clone(),
                 },
             );
             if !held {
@@ -1266,6 +1292,16 @@ impl WriteBack {
             .map(|e| e.size)
     }
 
+    /// ETags of versions entry `seq` replaced that may be at its key, uploaded by this mount
+    /// (see `Entry::landed`).
+    pub fn landed(&self, seq: u64) -> Vec<String> {
+        let inner = self.inner.lock();
+        inner
+            .entries
+            .get(&seq)
+            .map_or_else(Vec::new, |e| e.landed.clone())
+    }
+
     /// Whether entry `seq` is still to be uploaded.
     pub fn is_pending(&self, seq: u64) -> bool {
         self.inner.lock().entries.contains_key(&seq)
@@ -1370,7 +1406,7 @@ impl WriteBack {
             inner.bytes += r.1;
             r
         };
-        let mut slot = match self.new_slot(key, size, meta, cond, Some(seq), from) {
+        let mut slot = match self.new_slot(key, size, meta, cond, Some(seq), from, Vec::new()) {
             Ok(s) => s,
             Err(e) => {
                 self.unhold(Some(seq), size);
@@ -1656,6 +1692,7 @@ impl WriteBack {
                 loc: e.loc.clone(),
                 ino: e.ino,
                 moving: e.moving.clone(),
+                landed: e.landed.clone(),
             };
             inner.running += 1;
             return Ok(r);
@@ -1674,13 +1711,14 @@ impl WriteBack {
             loc,
             ino,
             moving,
+            landed,
         } = self.take()?;
         let r = match &moving {
             Some(m) => self.finish_move(seq, m).await,
             None => Ok(()),
         };
         let r = match r {
-            Ok(()) => self.upload(&key, size, &meta, &cond, &loc).await,
+            Ok(()) => self.upload(&key, size, &meta, &cond, &loc, &landed).await,
             Err(e) => Err((e, false)),
         };
         match r {
@@ -1810,23 +1848,26 @@ impl WriteBack {
         meta: &UserMeta,
         cond: &Cond,
         loc: &Loc,
+        landed: &[String],
     ) -> Result<String, (String, bool)> {
-        match self.upload_as(key, size, meta, cond, loc).await {
-            Err(Gone) if matches!(cond, Cond::Match(_)) => {
-                tracing::warn!(
-                    "{key}: deleted by another client since this mount knew it; this mount's \
-                     version is stored as a new file"
-                );
-                match self.upload_as(key, size, meta, &Cond::Absent, loc).await {
-                    Err(Gone) => Err(("not found".into(), false)),
-                    Err(Refused(e, conflict)) => Err((e, conflict)),
-                    Ok(etag) => Ok(etag),
+        let mut cond = cond.clone();
+        for _ in 0..3 {
+            match self.upload_as(key, size, meta, &cond, loc, landed).await {
+                Err(Gone) if matches!(cond, Cond::Match(_)) => {
+                    tracing::warn!(
+                        "{key}: deleted by another client since this mount knew it; this \
+                         mount's version is stored as a new file"
+                    );
+                    cond = Cond::Absent;
                 }
+                // A version of ours that landed with its answer lost: this one replaces it.
+                Err(UploadErr::Ours(etag)) => cond = Cond::Match(etag),
+                Err(Gone) => return Err(("not found".into(), false)),
+                Err(Refused(e, conflict)) => return Err((e, conflict)),
+                Ok(etag) => return Ok(etag),
             }
-            Err(Gone) => Err(("not found".into(), false)),
-            Err(Refused(e, conflict)) => Err((e, conflict)),
-            Ok(etag) => Ok(etag),
         }
+        Err(("the object kept changing under the upload".into(), false))
     }
 
     async fn upload_as(
@@ -1836,6 +1877,7 @@ impl WriteBack {
         meta: &UserMeta,
         cond: &Cond,
         loc: &Loc,
+        landed: &[String],
     ) -> Result<String, UploadErr> {
         let (file, base) = loc
             .open()
@@ -1859,6 +1901,14 @@ impl WriteBack {
                 if let Ok(o) = self.store.head(key).await {
                     if o.etag.as_deref() == Some(ours.as_str()) && o.size == size {
                         return Ok(ours);
+                    }
+                    match o.etag {
+                        Some(etag)
+                            if landed.contains(&etag) && cond.if_match() != Some(etag.as_str()) =>
+                        {
+                            return Err(UploadErr::Ours(etag))
+                        }
+                        _ => {}
                     }
                 }
                 if matches!(e, StoreError::NotFound(_)) {
@@ -2046,6 +2096,8 @@ struct Trailer {
     replaces: Option<u64>,
     /// Written by a rename (see [`WriteBack::rekey`]); trailers without it end before.
     from: Option<Moved>,
+    /// `Entry::landed`; trailers without it end before.
+    landed: Vec<String>,
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -2096,6 +2148,9 @@ impl Trailer {
             Cond::Any => out.push(2),
         }
         out.extend_from_slice(&self.replaces.unwrap_or(0).to_le_bytes());
+        if self.from.is_none() && !self.landed.is_empty() {
+            out.push(0);
+        }
         if let Some(m) = &self.from {
             out.push(1);
             put_str(&mut out, &m.key);
@@ -2107,6 +2162,12 @@ impl Trailer {
                 None => out.push(0),
             }
             out.extend_from_slice(&m.at.to_le_bytes());
+        }
+        if !self.landed.is_empty() {
+            out.extend_from_slice(&(self.landed.len() as u32).to_le_bytes());
+            for e in &self.landed {
+                put_str(&mut out, e);
+            }
         }
         out
     }
@@ -2131,7 +2192,7 @@ impl Trailer {
         };
         let replaces = Some(r.u64()?).filter(|s| *s != 0);
         let from = match r.take(1).map(|t| t[0]) {
-            None => None,
+            None | Some(0) => None,
             Some(1) => {
                 let key = r.str()?;
                 let etag = match r.take(1)?[0] {
@@ -2147,6 +2208,12 @@ impl Trailer {
             }
             Some(_) => return None,
         };
+        let mut landed = Vec::new();
+        if !r.0.is_empty() {
+            for _ in 0..r.u32()? {
+                landed.push(r.str()?);
+            }
+        }
         r.0.is_empty().then_some(Trailer {
             seq,
             key,
@@ -2155,6 +2222,7 @@ impl Trailer {
             cond,
             replaces,
             from,
+            landed,
         })
     }
 }
@@ -2516,6 +2584,7 @@ mod tests {
                 cond,
                 replaces: Some(7),
                 from: None,
+                landed: Vec::new(),
             };
             assert_eq!(Trailer::decode(&t.encode()), Some(t.clone()));
             for etag in [None, Some("\"e\"".to_string())] {
@@ -2527,8 +2596,18 @@ mod tests {
                     }),
                     ..t.clone()
                 };
+                assert_eq!(Trailer::decode(&t.encode()), Some(t.clone()));
+                let t = Trailer {
+                    landed: vec!["\"a\"".into(), "\"b-2\"".into()],
+                    ..t
+                };
                 assert_eq!(Trailer::decode(&t.encode()), Some(t));
             }
+            let t = Trailer {
+                landed: vec!["\"a\"".into()],
+                ..t.clone()
+            };
+            assert_eq!(Trailer::decode(&t.encode()), Some(t));
         }
     }
 

@@ -107,15 +107,22 @@ impl Fs {
             Some((wb, seq, _)) => wb.tried_size(*seq),
             None => None,
         };
+        // Versions it replaced whose upload failed and may have landed.
+        let landed = match held {
+            Some((wb, seq, _)) => wb.landed(*seq),
+            None => Vec::new(),
+        };
         let mut pin = None;
         let base = match held {
             Some((_, _, Cond::Match(base))) => Some(base.as_str()),
             _ => None,
         };
-        if base.is_some() || tried.is_some() {
+        if base.is_some() || tried.is_some() || !landed.is_empty() {
             match self.store.head(&key).await {
                 Ok(o) => {
-                    let mut ours = o.etag.is_some() && o.etag.as_deref() == base;
+                    let mut ours = o.etag.is_some()
+                        && (o.etag.as_deref() == base
+                            || o.etag.as_ref().is_some_and(|e| landed.contains(e)));
                     if let (false, Some((wb, seq, _)), Some(_)) = (ours, held, &o.etag) {
                         // The entry's bytes are read for their ETag only when sizes match.
                         ours = tried == Some(o.size) && wb.etag_if_tried(*seq).await == o.etag;
