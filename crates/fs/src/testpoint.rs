@@ -2,7 +2,9 @@
 //! or a crash at an exact step. Inert unless `BUCKETFS_TEST_POINT` is set (the tests set it):
 //! `NAME=abort` SIGKILLs the process there (a crash: no cleanup at all);
 //! `NAME=pause:FILE` creates FILE there and waits while it exists (the test removes it to go
-//! on). Several are separated by commas.
+//! on). Several are separated by commas. Only in builds with debug assertions (the tests'):
+//! a release daemon ignores the variable, so a setting left behind cannot let users of the
+//! mount kill or stall it.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -16,6 +18,9 @@ enum Action {
 fn points() -> &'static [(String, Action)] {
     static POINTS: OnceLock<Vec<(String, Action)>> = OnceLock::new();
     POINTS.get_or_init(|| {
+        if !cfg!(debug_assertions) {
+            return Vec::new();
+        }
         let Ok(v) = std::env::var("BUCKETFS_TEST_POINT") else {
             return Vec::new();
         };
