@@ -546,3 +546,46 @@ fn a_new_version_knows_its_failed_predecessor_may_have_landed() {
     assert_eq!(s3().get(&b, "f").unwrap(), b"ours, v2 (longer)");
     assert_eq!(s3().get(&b, "g"), None, "the unlinked file came back");
 }
+
+/// A file larger than `--writeback-size` goes alone: with `--writeback-size 1M`, uploads
+/// stalled and 200 KiB pending, a 2 MiB close waits for the pending upload, then goes
+/// (before: `ENOSPC` at once whenever anything else was pending).
+#[test]
+fn a_file_larger_than_the_bound_waits_for_the_others() {
+    let b = s3().new_bucket("bgrec8");
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let m = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--writeback-size", "1M", "--negative-ttl", "300"],
+    )
+    .mount();
+    for n in ["a", "big"] {
+        assert!(!m.join(n).exists());
+    }
+    proxy.stall(true);
+    let small = pattern::bytes(10, 200 << 10);
+    write_file(&m.join("a"), &small);
+    let big = pattern::bytes(11, 2 << 20);
+    let close = {
+        let (p, body) = (m.join("big"), big.clone());
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(&p).unwrap();
+            f.write_all(&body).unwrap();
+            close_checked(f)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(1000));
+    let early = close.is_finished();
+    proxy.stall(false);
+    close.join().unwrap().expect("the large close succeeds");
+    assert!(
+        !early,
+        "the large close did not wait for the pending upload"
+    );
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "a").unwrap(), small);
+    assert_eq!(s3().get(&b, "big").unwrap(), big);
+}

@@ -797,7 +797,10 @@ impl WriteBack {
                 let stuck = inner.stuck_bytes();
                 let since = inner.freed_at.map_or(started, |t| t.max(started));
                 let left = (since + self.cfg.space_wait).checked_duration_since(Instant::now());
-                let left = left.filter(|_| stuck + size <= self.cfg.max_bytes);
+                // A file larger than the bound goes alone: it waits for the others, unless
+                // conflicts, which never go by themselves, keep the directory from emptying.
+                let fits = stuck + size.min(self.cfg.max_bytes) <= self.cfg.max_bytes;
+                let left = left.filter(|_| fits);
                 if left.is_none() {
                     self.log_full(&mut inner);
                 }
