@@ -369,3 +369,52 @@ fn a_sync_close_below_a_directory_being_renamed_is_published_under_the_new_name(
     assert_eq!(s3().list_keys(&b, "d"), Default::default());
     drop(m);
 }
+
+/// A file unlinked, or renamed, inside a directory while that directory's rename is in the
+/// middle of its copies: the file's version waiting for upload goes with the unlink (or the
+/// file rename), not up under the directory's new name (the unlink saw it as uploaded, since
+/// the directory rename had moved it to a new entry, and the deleted file came back under
+/// the new name; the file rename left its bytes under the old file name).
+#[test]
+fn a_file_unlinked_or_renamed_below_a_directory_being_renamed_stays_so() {
+    for (case, tag) in [("unlink", "bgrenu"), ("rename", "bgrenr")] {
+        let b = s3().new_bucket(tag);
+        let state = state_dir();
+        let pause = Pause::new(state.path());
+        let m = background(
+            &b,
+            state.path(),
+            &pause.point("rename_dir.copied"),
+            &["--upload-delay", "600", "--negative-ttl", "300"],
+        )
+        .mount();
+        std::fs::create_dir(m.join("d")).unwrap();
+        assert!(!m.join("e").exists());
+        write_file(&m.join("d/f"), b"f, waiting");
+        write_file(&m.join("d/g"), b"g, waiting");
+        let (from, to) = (m.join("d"), m.join("e"));
+        let rename = std::thread::spawn(move || std::fs::rename(from, to));
+        pause.reached();
+        // The kernel locks only d for these: they reach the daemon during the rename.
+        let (f, g) = (m.join("d/f"), m.join("d/g"));
+        let op = std::thread::spawn(move || match case {
+            "unlink" => std::fs::remove_file(f),
+            _ => std::fs::rename(f, g),
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        pause.go_on();
+        let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
+        renamed.expect("rename hung").expect("rename");
+        let done = within(Duration::from_secs(30), move || op.join().unwrap());
+        done.expect("hung").expect(case);
+        let (status, log) = m.unmount();
+        assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+        let g = match case {
+            "unlink" => &b"g, waiting"[..],
+            _ => &b"f, waiting"[..],
+        };
+        assert_eq!(s3().get(&b, "e/f"), None, "{case}: e/f came back");
+        assert_eq!(s3().get(&b, "e/g").as_deref(), Some(g), "{case}: e/g");
+        assert_eq!(s3().list_keys(&b, "d"), Default::default(), "{case}");
+    }
+}

@@ -385,6 +385,7 @@ impl Drop for Paused {
             }
         }
         self.wb.work.notify_waiters();
+        self.wb.changed.notify_waiters();
     }
 }
 
@@ -1315,26 +1316,42 @@ impl WriteBack {
     /// or a directory rename that holds no state (see `Fs::rename_dir`), holds an entry, so
     /// the wait is an upload's, or a commit's that replaces it.
     pub async fn hold(&self, seq: u64) -> Holding {
+        self.hold_unless_moved(seq, None)
+            .await
+            .expect("no key to check")
+    }
+
+    /// [`Self::hold`] for an unlink or rename of the file whose state has key `key`: None,
+    /// holding nothing, while a directory rename moves the entries below it (it may have
+    /// moved `seq` to a new entry that the state learns of only when it ends: the caller
+    /// waits for that, [`Self::wait_unmoved`], and tries again). Checked under the books'
+    /// lock with the hold, so no directory rename can take the entry in between.
+    pub async fn hold_unless_moved(&self, seq: u64, key: Option<&str>) -> Option<Holding> {
         loop {
             let changed = self.changed.notified();
             {
                 let mut inner = self.inner.lock();
+                if let Some(k) = key {
+                    if inner.paused.iter().any(|p| k.starts_with(p.as_str())) {
+                        return None;
+                    }
+                }
                 match inner.entries.get_mut(&seq) {
                     None => {
-                        return match inner.results.get(&seq) {
+                        return Some(match inner.results.get(&seq) {
                             Some(etag) => Holding::Uploaded(Some(etag.clone())),
                             None => Holding::Gone,
-                        }
+                        })
                     }
                     Some(e) if e.status == Status::Landed => {
-                        return Holding::Uploaded(inner.results.get(&seq).cloned())
+                        return Some(Holding::Uploaded(inner.results.get(&seq).cloned()))
                     }
                     Some(e) if matches!(e.status, Status::Queued | Status::Failed) => {
                         e.status = Status::Held;
-                        return Holding::Held {
+                        return Some(Holding::Held {
                             cond: e.cond.clone(),
                             conflict: e.conflict,
-                        };
+                        });
                     }
                     Some(_) => {}
                 }
@@ -1508,6 +1525,24 @@ impl WriteBack {
             .filter(|(_, e)| e.key.starts_with(prefix) && e.status != Status::Landed)
             .map(|(s, e)| (*s, e.key.clone()))
             .collect()
+    }
+
+    /// Waits until no directory rename moves the entries of `key` (see
+    /// [`Self::hold_unless_moved`]).
+    pub async fn wait_unmoved(&self, key: &str) {
+        loop {
+            let changed = self.changed.notified();
+            if !self
+                .inner
+                .lock()
+                .paused
+                .iter()
+                .any(|p| key.starts_with(p.as_str()))
+            {
+                return;
+            }
+            changed.await;
+        }
     }
 
     /// Keeps entries whose keys start with `prefix` (a directory being renamed) from being

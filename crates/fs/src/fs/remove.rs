@@ -4,6 +4,20 @@ use crate::files::writeback::{Cond, Holding, WriteBack};
 impl Fs {
     pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
         self.check_writable()?;
+        loop {
+            match self.unlink_once(parent, name).await? {
+                Some(key) => match self.files.writeback() {
+                    Some(wb) => wb.wait_unmoved(&key).await,
+                    None => return Err(FsError::EIO),
+                },
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// [`Self::unlink`], or (background mode) the key of the file's state when a directory
+    /// rename above is moving its version waiting for upload: tried again once it is done.
+    async fn unlink_once(&self, parent: Ino, name: &OsStr) -> FsResult<Option<String>> {
         let ino = self.ns.existing(parent, name).await?;
         let (kind, path, in_store, open) = {
             let t = self.ns.table();
@@ -34,11 +48,12 @@ impl Fs {
         // leaves the file, and its version to upload, as they were.
         let committed = guard.as_ref().and_then(|st| st.committed);
         let mut held = None;
-        if let (Some(wb), Some(seq)) = (self.files.writeback(), committed) {
-            match wb.hold(seq).await {
-                Holding::Held { cond, .. } => held = Some((wb.clone(), seq, cond)),
-                Holding::Uploaded(_) => in_store = true,
-                Holding::Gone => {}
+        if let (Some(wb), Some(seq), Some(st)) = (self.files.writeback(), committed, &guard) {
+            match wb.hold_unless_moved(seq, Some(st.key.as_str())).await {
+                Some(Holding::Held { cond, .. }) => held = Some((wb.clone(), seq, cond)),
+                Some(Holding::Uploaded(_)) => in_store = true,
+                Some(Holding::Gone) => {}
+                None => return Ok(Some(st.key.as_str().to_string())),
             }
         }
         let done = self
@@ -59,7 +74,7 @@ impl Fs {
         if hidden {
             drop(guard);
             self.ns.hidden(parent, &path);
-            return Ok(());
+            return Ok(None);
         }
         if let Some(st) = guard.as_deref_mut() {
             st.unlink();
@@ -70,7 +85,7 @@ impl Fs {
         }
         drop(guard);
         self.ns.removed(parent, ino, &path);
-        Ok(())
+        Ok(None)
     }
 
     /// The bucket side of unlinking file `ino` at `path` (write state `st`, locked): its

@@ -9,6 +9,12 @@ pub(super) struct Replaced {
     in_store: bool,
 }
 
+/// Background mode: a file of a rename is below a directory being renamed, which may move
+/// its version waiting for upload to a new entry its state learns of only at the end; the
+/// rename waits for it and starts again (see [`WriteBack::hold_unless_moved`]). Never
+/// returned to the kernel.
+const MOVING: FsError = FsError(libc::EAGAIN);
+
 type StateGuard<'a> = tokio::sync::MutexGuard<'a, WriteState>;
 
 /// Locks the write states of two files in inode order, so that two renames crossing each
@@ -52,6 +58,27 @@ impl Fs {
     /// `flags` are renameat2 flags (`RENAME_NOREPLACE` is honoured, `RENAME_EXCHANGE` is not
     /// supported).
     pub async fn rename(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        new_parent: Ino,
+        new_name: &OsStr,
+        flags: u32,
+    ) -> FsResult<()> {
+        loop {
+            match self
+                .rename_once(parent, name, new_parent, new_name, flags)
+                .await
+            {
+                Err(MOVING) => {}
+                r => return r,
+            }
+        }
+    }
+
+    /// [`Self::rename`], or `MOVING` (having waited for it) when a directory rename above
+    /// moved a version waiting for upload of one of the files: tried again.
+    async fn rename_once(
         &self,
         parent: Ino,
         name: &OsStr,
@@ -136,6 +163,10 @@ impl Fs {
             let moved = self
                 .rename_file(&path, &new_path, (size, etag), (src, write), replaced)
                 .await;
+            if let (Err(MOVING), Some(wb)) = (&moved, self.files.writeback()) {
+                wb.wait_unmoved(self.ns.key(&path).as_str()).await;
+                wb.wait_unmoved(self.ns.key(&new_path).as_str()).await;
+            }
             if moved == Err(FsError::ESTALE) {
                 // Another client's version is there now: the next lookup (the kernel retries
                 // the rename once after ESTALE) sees it.
@@ -169,8 +200,10 @@ impl Fs {
         let mut replaced_held = Held::default();
         if let (Some(wb), Some(st)) = (self.files.writeback(), replaced_guard.as_deref()) {
             if let Some(seq) = st.committed {
-                if let Holding::Held { .. } = wb.hold(seq).await {
-                    replaced_held.0.push((wb.clone(), seq));
+                match wb.hold_unless_moved(seq, Some(st.key.as_str())).await {
+                    Some(Holding::Held { .. }) => replaced_held.0.push((wb.clone(), seq)),
+                    Some(_) => {}
+                    None => return Err(MOVING),
                 }
             }
         }
@@ -264,10 +297,13 @@ impl Fs {
         // and moves to the new name with the file. The object moved with it must be the one
         // that version was based on (or the one its upload made).
         let (held, expect) = match (self.files.writeback(), st.committed) {
-            (Some(wb), Some(seq)) => match wb.hold(seq).await {
-                Holding::Held { cond, .. } => (Some((wb.clone(), seq, cond.clone())), Some(cond)),
-                Holding::Uploaded(etag) => (None, etag.map(Cond::Match)),
-                Holding::Gone => (None, None),
+            (Some(wb), Some(seq)) => match wb.hold_unless_moved(seq, Some(st.key.as_str())).await {
+                Some(Holding::Held { cond, .. }) => {
+                    (Some((wb.clone(), seq, cond.clone())), Some(cond))
+                }
+                Some(Holding::Uploaded(etag)) => (None, etag.map(Cond::Match)),
+                Some(Holding::Gone) => (None, None),
+                None => return Err(MOVING),
             },
             _ => (None, None),
         };
