@@ -589,3 +589,99 @@ fn a_file_larger_than_the_bound_waits_for_the_others() {
     assert_eq!(s3().get(&b, "a").unwrap(), small);
     assert_eq!(s3().get(&b, "big").unwrap(), big);
 }
+
+/// A rewrite of a file in conflict is not failed by the room of that very conflict: with
+/// `--writeback-size 1M`, a 600 KiB version in conflict (another client wrote the key
+/// before its upload) and 400 KiB pending with uploads stalled, a 700 KiB rewrite of the
+/// conflicting file waits for the pending upload and goes (before: `ENOSPC` at once, its
+/// own conflict counted as room that never frees).
+#[test]
+fn a_rewrite_of_a_conflict_is_not_failed_by_that_conflict() {
+    let b = s3().new_bucket("bgrec9");
+    s3().put(&b, "f", b"theirs".to_vec());
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let m = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &[
+            "--writeback-size",
+            "1M",
+            "--upload-delay",
+            "2",
+            "--negative-ttl",
+            "300",
+        ],
+    )
+    .mount();
+    assert_eq!(read_file(&m.join("f")), b"theirs");
+    assert!(!m.join("a").exists());
+    write_file(&m.join("f"), &pattern::bytes(12, 600 << 10));
+    s3().put(&b, "f", b"theirs, v2".to_vec());
+    wait_for("the conflict", Duration::from_secs(20), || {
+        pending(m.path()).lines().any(|l| l.starts_with("conflict"))
+    });
+    proxy.stall(true);
+    let small = pattern::bytes(13, 400 << 10);
+    write_file(&m.join("a"), &small);
+    let v = pattern::bytes(14, 700 << 10);
+    let close = {
+        let (p, body) = (m.join("f"), v.clone());
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(&p).unwrap();
+            f.write_all(&body).unwrap();
+            close_checked(f)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(1000));
+    proxy.stall(false);
+    close
+        .join()
+        .unwrap()
+        .expect("the rewrite of the conflicting file");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "a").unwrap(), small);
+    assert_eq!(s3().get(&b, "f").unwrap(), v);
+}
+
+/// A close that shrinks a queued version wakes the closes waiting for room: with
+/// `--writeback-size 1M` and `--upload-delay 600` (nothing uploads), a 700 KiB file and a
+/// 400 KiB close waiting for room, the rewrite of the first file to 100 KiB lets the waiting
+/// close go at once (before: it slept until its 60 s bound).
+#[test]
+fn a_shrinking_rewrite_wakes_the_closes_waiting_for_room() {
+    let b = s3().new_bucket("bgrec10");
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--writeback-size", "1M", "--upload-delay", "600"],
+    )
+    .mount();
+    write_file(&m.join("a"), &pattern::bytes(15, 700 << 10));
+    let body = pattern::bytes(16, 400 << 10);
+    let waiting = {
+        let (p, body) = (m.join("b"), body.clone());
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(&p).unwrap();
+            f.write_all(&body).unwrap();
+            close_checked(f)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!waiting.is_finished(), "the second close did not wait");
+    let a2 = pattern::bytes(17, 100 << 10);
+    write_file(&m.join("a"), &a2);
+    let done = within(Duration::from_secs(5), move || waiting.join().unwrap());
+    let Some(done) = done else {
+        let mut m = m;
+        m.kill9();
+        panic!("the waiting close was not woken by the room the rewrite freed");
+    };
+    done.expect("the waiting close");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "a").unwrap(), a2);
+    assert_eq!(s3().get(&b, "b").unwrap(), body);
+}

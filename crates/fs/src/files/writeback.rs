@@ -772,12 +772,14 @@ impl WriteBack {
             let changed = self.changed.notified();
             let left = {
                 let mut inner = self.inner.lock();
-                let freed = inner
+                let replaced = inner
                     .by_key
                     .get(key)
                     .and_then(|s| inner.entries.get(s))
-                    .filter(|e| matches!(e.status, Status::Queued | Status::Failed))
-                    .map_or(0, |e| e.size);
+                    .filter(|e| matches!(e.status, Status::Queued | Status::Failed));
+                let freed = replaced.map_or(0, |e| e.size);
+                // A conflict this commit replaces goes with it: not stuck for it.
+                let unstuck = replaced.filter(|e| e.conflict).map_or(0, |e| e.size);
                 let first = size <= freed
                     || inner
                         .room_queue
@@ -795,7 +797,7 @@ impl WriteBack {
                     waiting = Some(RoomTicket { wb: self, ticket });
                     inc(&self.metrics.writeback_space_waits);
                 }
-                let stuck = inner.stuck_bytes();
+                let stuck = inner.stuck_bytes().saturating_sub(unstuck);
                 let since = inner.freed_at.map_or(started, |t| t.max(started));
                 let left = (since + self.cfg.space_wait).checked_duration_since(Instant::now());
                 // A file larger than the bound goes alone: it waits for the others, unless
@@ -1105,6 +1107,7 @@ impl WriteBack {
             let old = slot.replaces.and_then(|s| inner.entries.remove(&s));
             if let Some(o) = &old {
                 inner.bytes -= o.size;
+                inner.freed_at = Some(Instant::now());
             }
             if let Some(r) = slot.replaces {
                 inner.successor.insert(r, slot.seq);
@@ -1144,6 +1147,10 @@ impl WriteBack {
         inc(&self.metrics.writeback_committed);
         self.update_gauges();
         self.work.notify_one();
+        if old.is_some() {
+            // A smaller version than the one it replaced frees room for the waiters.
+            self.changed.notify_waiters();
+        }
         if let Some(o) = old {
             // Its replacement names it; it must still never outlive it (an uploaded
             // replacement is dropped for good).
