@@ -1,7 +1,7 @@
 //! The second epoch from the data cache (issue 22) through real mounts against MinIO: a job
 //! opening many files across directories lists each directory once; after a remount, the
 //! directory pages an earlier mount saved in the data cache answer lookups while younger than
-//! `--stat-ttl`, with no request at all; and an object another client replaced between two
+//! half of `--stat-ttl`, with no request at all; and an object another client replaced between two
 //! mounts sharing the cache is read anew once the stat TTL has passed, never from the old
 //! bytes.
 

@@ -195,7 +195,7 @@ impl Lookups {
     }
 
     /// Saves the first pages directory lookups fetch on `disk`, and uses those saved by
-    /// earlier mounts while younger than the stat TTL (see [`saved`]).
+    /// earlier mounts while younger than half the stat TTL (see [`saved`]).
     pub fn save_pages_on(&self, disk: Arc<dyn ListingDisk>) {
         let _ = self.disk.set(disk);
     }
@@ -414,8 +414,8 @@ impl Lookups {
     }
 
     /// Before a lookup of directory `path` that would LIST it: its page as an earlier mount
-    /// saved it, if younger than the stat TTL, as if this mount had fetched it then (it is
-    /// believed until the TTL counted from then). Only while this mount has changed nothing
+    /// saved it, if younger than half the stat TTL, as if this mount had fetched it then (it
+    /// is believed until the TTL counted from then). Only while this mount has changed nothing
     /// (the page is older than any change made here), never over what this mount learned
     /// itself, and not when the page needs a HEAD (a marker without its metadata).
     async fn load_saved(&self, path: &MountPath) {
@@ -447,7 +447,9 @@ impl Lookups {
         };
         let Some(at) = s
             .age()
-            .filter(|age| *age < self.limits.ttl)
+            // With half the TTL left at least: a page about to expire would leave the job
+            // that follows probing its files one by one when it does.
+            .filter(|age| *age < self.limits.ttl / 2)
             .and_then(|age| Instant::now().checked_sub(age))
         else {
             return;

@@ -2,7 +2,8 @@
 //!
 //! The first LIST page a directory's lookup fetches is saved with the wall-clock time its LIST
 //! was sent. After a remount, the lookup of a directory that this mount knows nothing of yet
-//! uses a saved page younger than the stat TTL instead of a LIST, as if this mount had fetched
+//! uses a saved page younger than half the stat TTL (so that it lasts the job that follows a
+//! while) instead of a LIST, as if this mount had fetched
 //! it then: its entries are believed only until the TTL counted from that time, so another
 //! client's change shows within the TTL as it does within one mount. A page is used only
 //! while this mount has changed nothing (it predates every change made here) and never over
