@@ -685,3 +685,38 @@ fn a_shrinking_rewrite_wakes_the_closes_waiting_for_room() {
     assert_eq!(s3().get(&b, "a").unwrap(), a2);
     assert_eq!(s3().get(&b, "b").unwrap(), body);
 }
+
+/// A new file's upload landed with its answer lost (`--retry-timeout 0`: held as failed);
+/// its next try gets `412` and the `HEAD` that would tell its own version fails: the entry
+/// stays failed, to retry, and goes up later (before: a permanent conflict, unmount exit 1).
+#[test]
+fn a_failed_check_after_a_lost_answer_is_not_a_conflict() {
+    let b = s3().new_bucket("bgrec11");
+    let state = state_dir();
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let m = background(
+        via_proxy(&b, &proxy),
+        state.path(),
+        &["--retry-timeout", "0", "--upload-delay", "0"],
+    )
+    .mount();
+    proxy.drop_answers(&format!("PUT /{b}/f"), 1);
+    write_file(&m.join("f"), b"ours");
+    wait_for("the PUT to land", Duration::from_secs(20), || {
+        proxy.dropped() == 1 && s3().get(&b, "f").is_some()
+    });
+    let heads = proxy.request_heads(&format!("HEAD /{b}/f")).len();
+    proxy.fail_requests(&format!("HEAD /{b}/f"), 1_000_000);
+    // The retry (10 s later): 412, then the failing HEAD.
+    wait_for("the check of the key", Duration::from_secs(30), || {
+        proxy.request_heads(&format!("HEAD /{b}/f")).len() > heads
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let listed = pending(m.path());
+    proxy.fail_requests("", 0);
+    assert!(!listed.contains("conflict"), "{listed}");
+    let (status, log) = m.unmount();
+    assert!(!log.contains("changed by another client"), "{log}");
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "f").unwrap(), b"ours");
+}

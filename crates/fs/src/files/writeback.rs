@@ -1942,16 +1942,24 @@ impl WriteBack {
         match r {
             Ok(etag) => Ok(etag),
             Err(e @ (StoreError::PreconditionFailed(_) | StoreError::NotFound(_))) => {
-                // Ours already (an upload whose answer or removal a crash lost)?
-                if let Ok(o) = self.store.head(key).await {
+                // Ours already (an upload whose answer or removal a crash lost)? A check
+                // that fails tells nothing: the upload is tried again, never a conflict.
+                let head = self.store.head(key).await;
+                match &head {
+                    Err(StoreError::NotFound(_)) | Ok(_) => {}
+                    Err(he) => {
+                        return Err(Refused(format!("{e}; then checking the key: {he}"), false))
+                    }
+                }
+                if let Ok(o) = &head {
                     if o.etag.as_deref() == Some(ours.as_str()) && o.size == size {
                         return Ok(ours);
                     }
-                    match o.etag {
+                    match &o.etag {
                         Some(etag)
-                            if landed.contains(&etag) && cond.if_match() != Some(etag.as_str()) =>
+                            if landed.contains(etag) && cond.if_match() != Some(etag.as_str()) =>
                         {
-                            return Err(UploadErr::Ours(etag))
+                            return Err(UploadErr::Ours(etag.clone()))
                         }
                         _ => {}
                     }
@@ -1964,7 +1972,7 @@ impl WriteBack {
                 }
                 if matches!(cond, Cond::Match(_)) {
                     // A 412 to If-Match for an object that is gone (servers differ).
-                    if let Err(StoreError::NotFound(_)) = self.store.head(key).await {
+                    if let Err(StoreError::NotFound(_)) = head {
                         return Err(UploadErr::Gone);
                     }
                 }
