@@ -418,3 +418,58 @@ fn a_file_unlinked_or_renamed_below_a_directory_being_renamed_stays_so() {
         assert_eq!(s3().list_keys(&b, "d"), Default::default(), "{case}");
     }
 }
+
+/// A directory rename while a writer below keeps appending to a file and closing it: each
+/// time the rename is about to re-point the file, another version is closed under the old
+/// name; the rename still ends, and the file under the new name holds every append (it used
+/// to sweep again and come back for each such version: with a writer that keeps closing,
+/// forever, the kernel holding the parent directory's lock meanwhile).
+#[test]
+fn a_directory_rename_ends_while_a_writer_below_keeps_closing() {
+    let b = s3().new_bucket("bgrenl");
+    let state = state_dir();
+    let pause = Pause::new(state.path());
+    let m = background(
+        &b,
+        state.path(),
+        &pause.point("rename_dir.repointing"),
+        &["--upload-delay", "600", "--negative-ttl", "300"],
+    )
+    .mount();
+    std::fs::create_dir(m.join("d")).unwrap();
+    write_file(&m.join("d/log"), b"line 0\n");
+    let mut want = b"line 0\n".to_vec();
+    let (from, to) = (m.join("d"), m.join("e"));
+    let rename = std::thread::spawn(move || std::fs::rename(from, to));
+    let mut rounds = 0;
+    while rounds < 5 {
+        let t = std::time::Instant::now();
+        while !pause.0.exists() && !rename.is_finished() && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if !pause.0.exists() {
+            break;
+        }
+        rounds += 1;
+        let line = format!("line {rounds}\n");
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(m.join("d/log"))
+            .unwrap();
+        f.write_all(line.as_bytes()).unwrap();
+        close_checked(f).unwrap();
+        want.extend_from_slice(line.as_bytes());
+        pause.go_on();
+    }
+    assert_eq!(
+        rounds, 1,
+        "the rename came back to the file for each version closed meanwhile"
+    );
+    let renamed = within(Duration::from_secs(20), move || rename.join().unwrap());
+    renamed.expect("rename hung").expect("rename");
+    assert_eq!(read_file(&m.join("e/log")), want);
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "e/log").as_deref(), Some(&want[..]));
+    assert_eq!(s3().list_keys(&b, "d"), Default::default());
+}

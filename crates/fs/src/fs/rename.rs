@@ -542,11 +542,24 @@ impl Fs {
             }
             let key = self.ns.key(&p);
             let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+            testpoint::reached("rename_dir.repointing").await;
             let mut st = w.state.lock().await;
             if let (Some(wb), Some(seq)) = (&wb, st.committed) {
-                let seq = wb.latest(seq);
-                if sweep && wb.below(src.as_str()).iter().any(|(s, _)| *s == seq) {
-                    continue;
+                let mut seq = wb.latest(seq);
+                let late = wb.below(src.as_str()).into_iter().find(|(s, _)| *s == seq);
+                if let (Some(late), true) = (late, sweep) {
+                    // Committed under its old key since the sweep: moved now, under the
+                    // file's lock (sweeping again could go on as long as a writer closes).
+                    let r = self
+                        .rekey_one(wb, (&src, &dst), late, &objects, false, &mut moving)
+                        .await;
+                    if let Err(e) = r {
+                        tracing::error!(
+                            "rename of {src}: a version waiting for upload below could not \
+                             move ({e}); it goes up under its old name"
+                        );
+                    }
+                    seq = wb.latest(seq);
                 }
                 st.committed = if wb.awaits_upload(seq) {
                     Some(seq)
@@ -614,7 +627,9 @@ impl Fs {
     /// Background mode: moves every entry below `src` to its key below `dst` (held, until
     /// [`WriteBack::moved`]), recording each in `moving`. `check`: the objects they replace
     /// must be those `objects` lists (a version committed during the rename was checked
-    /// with the file's first).
+    /// with the file's first). One pass: an entry committed meanwhile belongs to a file
+    /// being written, re-pointed under its lock later (another pass for it could go on as
+    /// long as a writer keeps closing).
     async fn rekey_below(
         &self,
         wb: &Arc<WriteBack>,
@@ -623,38 +638,48 @@ impl Fs {
         check: bool,
         moving: &mut Vec<Rekeyed>,
     ) -> FsResult<()> {
-        loop {
-            let below = wb.below(src.as_str());
-            if below.is_empty() {
-                return Ok(());
-            }
-            for (seq, key) in below {
-                let Holding::Held { cond, .. } = wb.hold(seq).await else {
-                    continue;
-                };
-                let listed = objects.iter().find(|o| o.key == key);
-                if check {
-                    if let Err(e) = check_expected(&key, listed, Some(&cond)) {
-                        wb.release(seq);
-                        return Err(e);
-                    }
-                }
-                let new_key = format!("{dst}{}", &key[src.len()..]);
-                let from = Moved::now(&key, listed.and_then(|o| o.etag.clone()));
-                let prior = moving.iter().position(|m| m.key == new_key);
-                let also = prior.map(|i| moving[i].seq);
-                let new = wb.rekey(seq, &new_key, Cond::Any, Some(from), also).await?;
-                match prior {
-                    Some(i) => moving[i].seq = new,
-                    None => moving.push(Rekeyed {
-                        seq: new,
-                        key: new_key,
-                        old_key: key,
-                        cond,
-                    }),
-                }
+        for (seq, key) in wb.below(src.as_str()) {
+            self.rekey_one(wb, (src, dst), (seq, key), objects, check, moving)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::rekey_below`] of entry `seq` (at `key`), unless it went up or away.
+    async fn rekey_one(
+        &self,
+        wb: &Arc<WriteBack>,
+        (src, dst): (&ObjectKey, &ObjectKey),
+        (seq, key): (u64, String),
+        objects: &[ObjectMeta],
+        check: bool,
+        moving: &mut Vec<Rekeyed>,
+    ) -> FsResult<()> {
+        let Holding::Held { cond, .. } = wb.hold(seq).await else {
+            return Ok(());
+        };
+        let listed = objects.iter().find(|o| o.key == key);
+        if check {
+            if let Err(e) = check_expected(&key, listed, Some(&cond)) {
+                wb.release(seq);
+                return Err(e);
             }
         }
+        let new_key = format!("{dst}{}", &key[src.len()..]);
+        let from = Moved::now(&key, listed.and_then(|o| o.etag.clone()));
+        let prior = moving.iter().position(|m| m.key == new_key);
+        let also = prior.map(|i| moving[i].seq);
+        let new = wb.rekey(seq, &new_key, Cond::Any, Some(from), also).await?;
+        match prior {
+            Some(i) => moving[i].seq = new,
+            None => moving.push(Rekeyed {
+                seq: new,
+                key: new_key,
+                old_key: key,
+                cond,
+            }),
+        }
+        Ok(())
     }
 
     /// The bucket's part of a directory rename: copies every object of `objects` (below
