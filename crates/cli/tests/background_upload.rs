@@ -8,7 +8,6 @@ mod common;
 
 use common::*;
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::OsString;
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -18,29 +17,7 @@ use std::time::{Duration, Instant};
 
 /// A mount of `bucket` in background mode keeping its state in `state`.
 fn bg_spec(bucket: &str, state: &Path) -> MountSpec {
-    MountSpec::s3(bucket, "")
-        .arg("--upload")
-        .arg("background")
-        .arg("--state-dir")
-        .arg(state.to_str().unwrap())
-}
-
-fn state_dir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("bucketfs-bg-state-")
-        .tempdir()
-        .unwrap()
-}
-
-/// `bucketfs pending MOUNTPOINT`: (exit code, stdout).
-fn pending(mp: &Path) -> (Option<i32>, String) {
-    let run = run_cli(
-        &[OsString::from("pending"), mp.as_os_str().to_owned()],
-        &[],
-        None,
-        Duration::from_secs(30),
-    );
-    (run.status.and_then(|s| s.code()), run.stdout)
+    background(MountSpec::s3(bucket, ""), state, &[])
 }
 
 /// The mount's `bucketfs_store_requests_total{op="put"}` and similar, by operation.
@@ -262,9 +239,9 @@ fn kill_9_mid_10000_creates_loses_no_acknowledged_file() {
     }
     // Listed until the file system has learnt each uploaded version (just after it lands).
     wait_for("nothing pending", Duration::from_secs(10), || {
-        pending(m.path()).1.contains("0 file(s)")
+        pending_run(m.path()).1.contains("0 file(s)")
     });
-    assert_eq!(pending(m.path()).0, Some(0));
+    assert_eq!(pending_run(m.path()).0, Some(0));
 }
 
 /// A simulated reboot: files closed while uploads wait (`--upload-delay 600`), the daemon
@@ -300,7 +277,7 @@ fn simulated_reboot_uploads_what_was_acknowledged() {
     }
     // This mount reads them back at once.
     assert_eq!(read_file(&m.join(name(7))), content(7));
-    let (code, out) = pending(m.path());
+    let (code, out) = pending_run(m.path());
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("200 file(s)"), "{out}");
     m.kill9();
@@ -340,7 +317,7 @@ fn refused_upload_stays_pending_listed_and_is_retried() {
         metric(&addr, "bucketfs_writeback_failed_files") == 3
     });
     assert_eq!(read_file(&m.join("r1")), content(1));
-    let (code, out) = pending(m.path());
+    let (code, out) = pending_run(m.path());
     assert_eq!(code, Some(0), "{out}");
     for i in 0..3 {
         assert!(
@@ -432,7 +409,7 @@ fn another_clients_change_before_upload_is_not_clobbered() {
     s3().put(&b, "old", b"theirs v2".to_vec());
     s3().put(&b, "new", b"theirs, new".to_vec());
     wait_for("two conflicts", Duration::from_secs(20), || {
-        let (_, out) = pending(m.path());
+        let (_, out) = pending_run(m.path());
         out.lines().filter(|l| l.starts_with("conflict")).count() == 2
     });
     assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2");

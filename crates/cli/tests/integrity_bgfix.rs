@@ -9,45 +9,10 @@
 mod common;
 
 use common::*;
-use std::ffi::OsString;
 use std::io::Write;
 use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-fn state_dir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("bucketfs-bgfix-state-")
-        .tempdir()
-        .unwrap()
-}
-
-fn background(mut spec: MountSpec, state: &Path, extra: &[&str]) -> MountSpec {
-    spec.args.extend(
-        [
-            "--upload",
-            "background",
-            "--state-dir",
-            state.to_str().unwrap(),
-        ]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string()),
-    );
-    spec
-}
-
-/// `bucketfs pending MOUNTPOINT`: its output.
-fn pending(mp: &Path) -> String {
-    let run = run_cli(
-        &[OsString::from("pending"), mp.as_os_str().to_owned()],
-        &[],
-        None,
-        Duration::from_secs(30),
-    );
-    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{}", run.stdout);
-    run.stdout
-}
 
 fn pending_lines(mp: &Path, state: &str) -> usize {
     pending(mp).lines().filter(|l| l.starts_with(state)).count()

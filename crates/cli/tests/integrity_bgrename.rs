@@ -9,51 +9,20 @@
 mod common;
 
 use common::*;
-use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-fn state_dir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("bucketfs-bgrename-state-")
-        .tempdir()
-        .unwrap()
-}
-
 /// A background mount of `bucket` with state directory `state`, stopped at test points
 /// `points` (empty: none).
-fn background(bucket: &str, state: &Path, points: &str, extra: &[&str]) -> MountSpec {
-    let mut spec = MountSpec::s3(bucket, "");
-    spec.args.extend(
-        [
-            "--upload",
-            "background",
-            "--state-dir",
-            state.to_str().unwrap(),
-        ]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string()),
-    );
+fn background_at(bucket: &str, state: &Path, points: &str, extra: &[&str]) -> MountSpec {
+    let mut spec = background(MountSpec::s3(bucket, ""), state, extra);
     if !points.is_empty() {
         spec.envs
             .push(("BUCKETFS_TEST_POINT".into(), points.to_string()));
     }
     spec
-}
-
-/// `bucketfs pending MOUNTPOINT`: its output.
-fn pending(mp: &Path) -> String {
-    let run = run_cli(
-        &[OsString::from("pending"), mp.as_os_str().to_owned()],
-        &[],
-        None,
-        Duration::from_secs(30),
-    );
-    assert_eq!(run.status.and_then(|s| s.code()), Some(0), "{}", run.stdout);
-    run.stdout
 }
 
 /// Runs `f` on a thread; its result, or None if it did not finish within `limit`.
@@ -106,7 +75,7 @@ fn a_file_closed_below_a_directory_being_renamed_goes_up_under_the_new_name() {
     s3().put(&b, "d/f", b"v1".to_vec());
     let state = state_dir();
     let pause = Pause::new(state.path());
-    let m = background(
+    let m = background_at(
         &b,
         state.path(),
         &pause.point("rename_dir.copied"),
@@ -153,7 +122,7 @@ fn a_file_opened_at_the_end_of_a_directory_rename_goes_up_under_the_new_name() {
     s3().put(&b, "d/f", b"v1".to_vec());
     let state = state_dir();
     let pause = Pause::new(state.path());
-    let m = background(
+    let m = background_at(
         &b,
         state.path(),
         &pause.point("rename_dir.repointed"),
@@ -196,7 +165,7 @@ fn a_directory_rename_freezes_no_file_below_it() {
     let b = s3().new_bucket("bgrenb");
     let state = state_dir();
     let pause = Pause::new(state.path());
-    let m = background(
+    let m = background_at(
         &b,
         state.path(),
         &pause.point("rename_dir.copied"),
@@ -254,7 +223,7 @@ fn a_rename_killed_between_copy_and_delete_leaves_the_version_under_the_new_name
         ("rename_dir.copied", "d/f", "e/f", "d", "e"),
     ];
     for (point, old, new, from, to) in cases {
-        let mut m = background(
+        let mut m = background_at(
             &b,
             state.path(),
             &format!("{point}=abort"),
@@ -269,7 +238,7 @@ fn a_rename_killed_between_copy_and_delete_leaves_the_version_under_the_new_name
         drop(m);
         // The copy is there, the old object too: the daemon died between them.
         assert!(s3().get(&b, new).is_some() && s3().get(&b, old).is_some());
-        let m = background(&b, state.path(), "", &["--upload-delay", "0"]).mount();
+        let m = background_at(&b, state.path(), "", &["--upload-delay", "0"]).mount();
         let (status, log) = m.unmount();
         assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
         assert_eq!(
@@ -290,7 +259,7 @@ fn a_file_renamed_while_it_uploads_lets_its_state_go() {
     let b = s3().new_bucket("bgrend");
     let state = state_dir();
     let pause = Pause::new(state.path());
-    let m = background(
+    let m = background_at(
         &b,
         state.path(),
         &pause.point("writeback.uploaded"),
@@ -381,7 +350,7 @@ fn a_file_unlinked_or_renamed_below_a_directory_being_renamed_stays_so() {
         let b = s3().new_bucket(tag);
         let state = state_dir();
         let pause = Pause::new(state.path());
-        let m = background(
+        let m = background_at(
             &b,
             state.path(),
             &pause.point("rename_dir.copied"),
@@ -429,7 +398,7 @@ fn a_directory_rename_ends_while_a_writer_below_keeps_closing() {
     let b = s3().new_bucket("bgrenl");
     let state = state_dir();
     let pause = Pause::new(state.path());
-    let m = background(
+    let m = background_at(
         &b,
         state.path(),
         &pause.point("rename_dir.repointing"),

@@ -9,6 +9,7 @@
 //! * [`process`]: the daemon's memory and descriptors, processes using a path.
 //! * [`metrics`]: the daemon's request counters and Prometheus values.
 //! * [`cli`]: running `bucketfs ...` for its status and output.
+//! * [`background`]: mounts with `--upload background`, `bucketfs pending`.
 //! * [`data_cache`]: mounts with `--data-cache` and the files of their cache directory.
 //! * [`files`]: checked file operations through a mount, running a command.
 //! * [`pattern`]: reproducible pseudo-random file contents, written and checked in 1 MiB blocks.
@@ -19,6 +20,7 @@
 //! * [`proxy`]: a TCP proxy in front of MinIO that injects faults.
 #![allow(dead_code)]
 
+mod background;
 mod cli;
 mod data_cache;
 mod environment;
@@ -37,6 +39,6 @@ mod writer;
 // Each test binary uses a part of the harness.
 #[allow(unused_imports)]
 pub use self::{
-    cli::*, data_cache::*, environment::*, files::*, metrics::*, minio::*, mount::*,
+    background::*, cli::*, data_cache::*, environment::*, files::*, metrics::*, minio::*, mount::*,
     private_minio::*, process::*, s3_client::*, wait::*, writer::*,
 };
