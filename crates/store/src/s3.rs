@@ -1112,18 +1112,7 @@ mod tests {
     async fn a_get_answered_with_another_version_fails_instead_of_mixing_versions() {
         let answer = b"HTTP/1.1 206 Partial Content\r\nETag: \"new\"\r\n\
             Content-Range: bytes 0-3/4\r\nContent-Length: 4\r\n\r\nabcd";
-        let store = S3Store::new(&S3Config {
-            bucket: "b".into(),
-            endpoint_url: Some(fixed_answer(answer.to_vec())),
-            region: Some("us-east-1".into()),
-            force_path_style: true,
-            access_key_id: Some("k".into()),
-            secret_access_key: Some("s".into()),
-            max_attempts: 1,
-            ..S3Config::default()
-        })
-        .await
-        .unwrap();
+        let store = plain_store(fixed_answer(answer.to_vec())).await;
         let e = store
             .get_range("k", 0..4, Some("\"old\""))
             .await
@@ -1138,10 +1127,11 @@ mod tests {
         }
     }
 
-    async fn list_from(body: &'static [u8]) -> StoreResult<ListPage> {
-        let store = S3Store::new(&S3Config {
+    /// A store on the plain-HTTP test server at `url`, one attempt per request.
+    async fn plain_store(url: String) -> S3Store {
+        S3Store::new(&S3Config {
             bucket: "b".into(),
-            endpoint_url: Some(fixed_server(body)),
+            endpoint_url: Some(url),
             region: Some("us-east-1".into()),
             force_path_style: true,
             access_key_id: Some("k".into()),
@@ -1150,7 +1140,11 @@ mod tests {
             ..S3Config::default()
         })
         .await
-        .unwrap();
+        .unwrap()
+    }
+
+    async fn list_from(body: &'static [u8]) -> StoreResult<ListPage> {
+        let store = plain_store(fixed_server(body)).await;
         store
             .list("d/", Some("/"), ListFrom::Start, 1000, ListDetail::Plain)
             .await
