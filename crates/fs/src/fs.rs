@@ -731,29 +731,37 @@ impl Fs {
 
     /// Uploads what this handle's file holds and records the new object (in background
     /// mode: commits it to the write-back directory). Returns the write-back entry of the
-    /// file's last commit, if any.
-    async fn publish_handle(&self, ino: Ino, fh: u64) -> FsResult<Option<u64>> {
+    /// file's last commit, if any. `fsync`: the file stays open (in background mode with
+    /// local fsyncs its version waits for the close before it uploads: see
+    /// `writeback::PARK`).
+    async fn publish_handle(&self, ino: Ino, fh: u64, fsync: bool) -> FsResult<Option<u64>> {
         let Some(w) = self.files.handle(ino, fh)?.write else {
             return Ok(None);
         };
         let mut st = w.state.lock().await;
         if !st.has_changes_to_publish() {
-            return Ok(st.committed);
+            return Ok(st.committed());
         }
-        if let Err(e) = self.persist(ino, &mut st).await {
+        let park = fsync
+            && self
+                .files
+                .writeback()
+                .is_some_and(|wb| !wb.config().fsync_waits_upload);
+        if let Err(e) = self.persist(ino, &mut st, park).await {
             if e == FsError::ESTALE {
                 self.ns.changed_elsewhere(ino);
             }
             return Err(e);
         }
-        Ok(st.committed)
+        Ok(st.committed())
     }
 
     /// Stores what write state `st` of `ino` holds: a publish, or in background mode a
-    /// commit to the write-back directory; then records it in the namespace.
-    pub(crate) async fn persist(&self, ino: Ino, st: &mut WriteState) -> FsResult<()> {
+    /// commit to the write-back directory (`park`: see [`Self::publish_handle`]); then
+    /// records it in the namespace.
+    pub(crate) async fn persist(&self, ino: Ino, st: &mut WriteState, park: bool) -> FsResult<()> {
         if self.files.writeback().is_some() {
-            st.commit(ino).await?;
+            st.commit(ino, park).await?;
             self.ns.changed_here(ino, st.size(), st.meta.clone());
         } else {
             st.publish().await?;
@@ -801,7 +809,7 @@ impl Fs {
         w: &Arc<OpenWrite>,
         st: &mut WriteState,
     ) {
-        if st.committed != Some(u.seq) || st.key.as_str() != u.key || st.is_unlinked() {
+        if st.committed() != Some(u.seq) || st.key.as_str() != u.key || st.is_unlinked() {
             return;
         }
         let clean = !st.has_changes_to_publish();
@@ -836,13 +844,13 @@ impl Fs {
     /// close(2) of one descriptor: publishes what was written and reports a failed upload
     /// (in background mode: makes it durable in the write-back directory).
     pub async fn flush(&self, ino: Ino, fh: u64) -> FsResult<()> {
-        self.publish_handle(ino, fh).await.map(|_| ())
+        self.publish_handle(ino, fh, false).await.map(|_| ())
     }
 
     /// Makes everything written so far durable in the bucket (in background mode: in the
     /// write-back directory, or with `fsync_waits_upload` in the bucket).
     pub async fn fsync(&self, ino: Ino, fh: u64) -> FsResult<()> {
-        let committed = self.publish_handle(ino, fh).await?;
+        let committed = self.publish_handle(ino, fh, true).await?;
         match (self.files.writeback(), committed) {
             (Some(wb), Some(seq)) if wb.config().fsync_waits_upload => wb.wait_uploaded(seq).await,
             _ => Ok(()),
@@ -912,13 +920,17 @@ impl Fs {
         let mut st = w.state.lock().await;
         if st.has_changes_to_publish() && !st.failed() {
             // Normally flush already published; this catches a flush that never came.
-            if let Err(e) = self.persist(ino, &mut st).await {
+            if let Err(e) = self.persist(ino, &mut st, false).await {
                 tracing::error!("{}: data not uploaded and now lost: {e}", st.key);
             }
         } else if st.failed() {
             tracing::error!("{}: closed after a failed upload; data not stored", st.key);
         }
         st.abort_stream().await;
+        if let (Some(wb), Some(seq)) = (self.files.writeback(), st.committed()) {
+            // A version an fsync parked goes up now.
+            wb.closed(seq);
+        }
         {
             // Still under the state's lock: a setattr waiting for it sees the state retired
             // and stores its change itself, instead of queueing it where nothing publishes.
@@ -928,7 +940,7 @@ impl Fs {
             // content, read from the write-back entry) until the upload lands.
             let uploading = !st.is_unlinked()
                 && st
-                    .committed
+                    .committed()
                     .zip(self.files.writeback())
                     .is_some_and(|(seq, wb)| wb.is_pending(seq));
             if let Some(i) = t.get_mut(ino).filter(|_| !uploading) {
@@ -940,7 +952,7 @@ impl Fs {
                         i.writing = false;
                         st.retire();
                     }
-                    never_stored = i.fetched.is_none() && st.committed.is_none();
+                    never_stored = i.fetched.is_none() && st.committed().is_none();
                 }
             }
             if never_stored {

@@ -53,8 +53,9 @@ pub struct FsMetrics {
     /// Background upload (`--upload background`): entries committed to the write-back
     /// directory, uploaded, replaced by a later version before upload, removed before upload
     /// (unlink, rename over), failed upload tries, conflicts with another client, commits
-    /// that waited for room.
+    /// that waited for room; commits that stored only what changed since the last one.
     pub writeback_committed: AtomicU64,
+    pub writeback_deltas: AtomicU64,
     pub writeback_uploaded: AtomicU64,
     pub writeback_replaced: AtomicU64,
     pub writeback_cancelled: AtomicU64,
@@ -86,7 +87,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 29] = [
+        let counters: [(&str, &str, &AtomicU64); 30] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -155,6 +156,11 @@ impl FsMetrics {
                 "bucketfs_writeback_committed_total",
                 "counter",
                 &self.writeback_committed,
+            ),
+            (
+                "bucketfs_writeback_deltas_total",
+                "counter",
+                &self.writeback_deltas,
             ),
             (
                 "bucketfs_writeback_uploaded_total",

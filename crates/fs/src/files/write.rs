@@ -28,7 +28,7 @@ use crate::budget::{MemoryBudget, Reservation};
 use crate::config::MinFree;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::files::extents::Extents;
-use crate::files::writeback::{Cond, WriteBack};
+use crate::files::writeback::{Changes, Cond, WriteBack};
 use crate::meta::Ino;
 use crate::metrics::{inc, inc_by, FsMetrics};
 use crate::paths::ObjectKey;
@@ -357,7 +357,11 @@ pub struct WriteState {
     /// a chmod or an atime-only utimens through the descriptor leaves the stored mtime).
     pub mtime: Option<SystemTime>,
     /// Background mode: the write-back entry of the last commit (see [`Self::commit`]).
-    pub committed: Option<u64>,
+    committed: Option<u64>,
+    /// Background mode: what changed since that commit made the content (written ranges,
+    /// the smallest size since), for a delta commit; None: not known (no commit yet, or the
+    /// entry was made otherwise).
+    since_commit: Option<(Extents, u64)>,
     /// The staging file is that entry's file: it is read, and copied before a change.
     staging_shared: bool,
     /// Where the file's bytes start in a shared staging file (a segment record's).
@@ -412,6 +416,7 @@ impl WriteState {
             conflict: false,
             mtime: None,
             committed: None,
+            since_commit: None,
             staging_shared: false,
             staging_offset: 0,
         }
@@ -423,6 +428,19 @@ impl WriteState {
 
     pub fn base_etag(&self) -> Option<&str> {
         self.base.as_ref().map(|b| b.etag.as_str())
+    }
+
+    /// Background mode: the write-back entry of the last commit.
+    pub fn committed(&self) -> Option<u64> {
+        self.committed
+    }
+
+    /// The write-back entry that holds the content as of the last commit is `seq` now (a
+    /// rename moved it), or none is (`None`).
+    pub fn set_committed(&mut self, seq: Option<u64>) {
+        self.committed = seq;
+        // Only this state's own commits say what changed since.
+        self.since_commit = None;
     }
 
     fn touch_parts(&mut self, r: Range<u64>) {
@@ -516,6 +534,9 @@ impl WriteState {
 
     /// Bookkeeping of bytes `r` just written.
     fn wrote(&mut self, r: Range<u64>) {
+        if let Some((written, _)) = &mut self.since_commit {
+            written.insert(r.clone());
+        }
         self.dirty.insert(r.clone());
         self.touch_parts(r.clone());
         if r.end > self.size() {
@@ -781,6 +802,10 @@ impl WriteState {
         self.spill_tail().await?;
         self.settle_spills().await;
         if size < old {
+            if let Some((written, keep)) = &mut self.since_commit {
+                written.truncate(size);
+                *keep = (*keep).min(size);
+            }
             self.dirty.truncate(size);
             self.local.truncate(size);
             self.uploaded_only.truncate(size);
@@ -1053,6 +1078,7 @@ impl WriteState {
     /// local copies, see [`Self::leave_key`]). `etag` is that of the copy of the base object
     /// under `key`, if the file has one.
     pub async fn move_to(&mut self, key: ObjectKey, etag: Option<String>) {
+        self.since_commit = None;
         self.settle_spills().await;
         self.abort_stream().await;
         self.generations.clear();

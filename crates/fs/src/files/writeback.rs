@@ -32,6 +32,7 @@ use md5::{Digest, Md5};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -57,6 +58,14 @@ const RECORD_MAX: u64 = 4 << 20;
 const RESULTS_KEPT: usize = 200_000;
 /// ETags of possibly landed versions an entry carries (see `Entry::landed`) at most.
 const LANDED_KEPT: usize = 8;
+/// Most records one entry's content spans (a whole file and deltas over it); the commit
+/// after that writes the whole file again.
+const PIECES_MAX: usize = 16;
+/// How long a version committed by `fsync` of a file still open for writing waits before
+/// it uploads (unless its last writer closes it first): the next fsync then adds a delta
+/// instead of waiting for that upload, and a file fsync'd in a loop uploads at most this
+/// often.
+const PARK: Duration = Duration::from_secs(5);
 
 /// A failed upload is tried again after this, doubling up to [`RETRY_MAX`].
 const RETRY_FIRST: Duration = Duration::from_secs(10);
@@ -190,6 +199,92 @@ impl Loc {
     }
 }
 
+/// What a delta entry changes in the entry it extends: its record holds the bytes of
+/// `ranges`, one after another. A commit of a file whose last version still waits for
+/// upload writes only this (see [`WriteBack::begin`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delta {
+    /// The entry it extends.
+    over: u64,
+    /// The file's size.
+    size: u64,
+    /// Bytes of the extended content kept: past this, zeros unless written in `ranges`.
+    keep: u64,
+    ranges: Vec<Range<u64>>,
+}
+
+/// What changed in a file since its last commit, for a delta (see [`WriteBack::begin`]).
+#[derive(Debug, Clone, Default)]
+pub struct Changes {
+    /// The smallest size the file had since.
+    pub keep: u64,
+    /// The byte ranges written since, in order, not overlapping.
+    pub ranges: Vec<Range<u64>>,
+}
+
+impl Changes {
+    fn len(&self) -> u64 {
+        self.ranges.iter().map(|r| r.end - r.start).sum()
+    }
+}
+
+/// One record of an entry's content: the whole file, or a delta over the pieces before it.
+#[derive(Clone)]
+struct Piece {
+    loc: Loc,
+    /// Bytes the record holds.
+    len: u64,
+    delta: Option<Arc<Delta>>,
+}
+
+/// An entry's content: its pieces, the whole file first, then the deltas in order.
+#[derive(Clone)]
+struct Content(Vec<Piece>);
+
+impl Content {
+    /// The newest piece: the entry's own record.
+    fn head(&self) -> &Loc {
+        &self.0.last().expect("a piece").loc
+    }
+
+    /// Bytes its records hold (what it takes in the directory).
+    fn stored(&self) -> u64 {
+        self.0.iter().map(|p| p.len).sum()
+    }
+
+    /// Reads `buf.len()` bytes of the file from `at` (blocking): the whole file's bytes,
+    /// then each delta's, cut at what it keeps.
+    fn read_at(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let end = at + buf.len() as u64;
+        let base = &self.0[0];
+        let (file, off) = base.loc.open()?;
+        let have = base.len.clamp(at, end);
+        file.read_exact_at(&mut buf[..(have - at) as usize], off + at)?;
+        buf[(have - at) as usize..].fill(0);
+        for p in &self.0[1..] {
+            let d = p.delta.as_ref().expect("pieces after the first are deltas");
+            if d.keep < end {
+                buf[(d.keep.max(at) - at) as usize..].fill(0);
+            }
+            let mut file = None;
+            let mut stored = 0;
+            for r in &d.ranges {
+                let (s, e) = (r.start.max(at), r.end.min(end));
+                if s < e {
+                    if file.is_none() {
+                        file = Some(p.loc.open()?);
+                    }
+                    let (f, off) = file.as_ref().expect("opened");
+                    let dst = &mut buf[(s - at) as usize..(e - at) as usize];
+                    f.read_exact_at(dst, off + stored + (s - r.start))?;
+                }
+                stored += r.end - r.start;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The segment being filled, the next one, and how many live records each has.
 #[derive(Default)]
 struct Segs {
@@ -203,10 +298,11 @@ struct Segs {
 
 struct Entry {
     key: String,
+    /// The file's size.
     size: u64,
     meta: UserMeta,
     cond: Cond,
-    loc: Loc,
+    content: Content,
     /// The inode whose file this is (0: none; recovered at start and not adopted).
     ino: Ino,
     status: Status,
@@ -216,6 +312,9 @@ struct Entry {
     next_try: Option<Instant>,
     /// Not uploaded before this.
     not_before: Instant,
+    /// Committed by an fsync of a file still open for writing: not in the queue until this
+    /// time or its last writer's close (see [`PARK`]).
+    parked: Option<Instant>,
     /// A rename a crash interrupted, finished before the upload.
     moving: Option<Moved>,
     /// ETags of versions this one replaced whose upload failed and may have landed (the
@@ -241,7 +340,7 @@ struct Job {
     size: u64,
     meta: UserMeta,
     cond: Cond,
-    loc: Loc,
+    content: Content,
     ino: Ino,
     moving: Option<Moved>,
     landed: Vec<String>,
@@ -304,8 +403,8 @@ struct Inner {
     /// Entries recovered at start that wait for [`WriteBack::adopt`] before they upload.
     unadopted: Vec<u64>,
     /// Entries let go whose drop from the directory failed, tried again (see
-    /// [`WriteBack::drop_or_later`]).
-    undropped: Vec<(Loc, String, String)>,
+    /// [`WriteBack::drop_or_later`]): the records left to drop, in order.
+    undropped: Vec<(Vec<Loc>, String, String)>,
     /// Commits waiting for room, first come first served (see [`WriteBack::room`]).
     room_queue: VecDeque<u64>,
     next_ticket: u64,
@@ -318,12 +417,24 @@ struct Inner {
 }
 
 impl Inner {
+    /// Parked entry `seq` joins the queue, due at `now` (at the back: every entry before it
+    /// was due earlier).
+    fn unpark(&mut self, seq: u64, now: Instant) {
+        if let Some(e) = self.entries.get_mut(&seq).filter(|e| e.parked.is_some()) {
+            e.parked = None;
+            e.not_before = e.not_before.min(now);
+            if e.status == Status::Queued {
+                self.ready.push_back(seq);
+            }
+        }
+    }
+
     /// Bytes that no upload will free by itself: conflicts.
     fn stuck_bytes(&self) -> u64 {
         self.entries
             .values()
             .filter(|e| e.conflict && e.status == Status::Failed)
-            .map(|e| e.size)
+            .map(|e| e.content.stored())
             .sum()
     }
 }
@@ -393,7 +504,10 @@ impl Drop for Paused {
 pub struct Slot {
     seq: u64,
     key: String,
+    /// Bytes the record holds.
     size: u64,
+    /// A delta over the entry it replaces (`replaces`), else the whole file.
+    delta: Option<Arc<Delta>>,
     meta: UserMeta,
     cond: Cond,
     replaces: Option<u64>,
@@ -424,6 +538,17 @@ impl Slot {
     /// The file holding the bytes written, and where they start in it.
     pub fn file(&self) -> (Arc<File>, u64) {
         (self.file.clone(), self.base)
+    }
+
+    /// Whether this commit is a delta: only the bytes of the changes it was begun with
+    /// are written, in order.
+    pub fn is_delta(&self) -> bool {
+        self.delta.is_some()
+    }
+
+    /// The file's size this commit stores.
+    fn file_size(&self) -> u64 {
+        self.delta.as_ref().map_or(self.size, |d| d.size)
     }
 }
 
@@ -510,40 +635,104 @@ impl WriteBack {
             damaged,
         } = recover(dir).map_err(err)?;
         // A segment with a part that could not be read is never removed.
-        for id in damaged {
+        for &id in &damaged {
             *inner.segs.live.entry(id).or_default() += 1;
             inner.segs.next_id = inner.segs.next_id.max(id + 1);
         }
         inner.unreadable = unreadable;
         let replaced: std::collections::HashSet<u64> =
             found.values().filter_map(|(t, _)| t.replaces).collect();
-        let mut max_seq = 0;
-        for (seq, (t, loc)) in found {
-            max_seq = max_seq.max(seq);
+        let extended: std::collections::HashSet<u64> = found
+            .values()
+            .filter_map(|(t, _)| t.delta.as_ref().map(|d| d.over))
+            .collect();
+        let max_seq = found.keys().next_back().copied().unwrap_or(0);
+        let heads: Vec<u64> = found
+            .keys()
+            .filter(|s| !extended.contains(s))
+            .copied()
+            .collect();
+        let mut found = found;
+        for seq in heads {
+            // Its records, following each delta to the entry it extends; oldest first.
+            let mut chain = Vec::new();
+            let mut next = Some(seq);
+            let mut broken = false;
+            while let Some(s) = next {
+                let Some((t, loc)) = found.remove(&s) else {
+                    broken = true;
+                    break;
+                };
+                next = t.delta.as_ref().map(|d| d.over);
+                broken = next.is_some_and(|o| o >= s);
+                chain.push((t, loc));
+                if broken {
+                    break;
+                }
+            }
+            chain.reverse();
             if replaced.contains(&seq) {
-                drop_loc_blocking(&loc);
+                chain.iter().for_each(|(_, l)| drop_loc_blocking(l));
                 continue;
             }
+            if broken {
+                let head = chain.last().expect("the head").1.describe();
+                if damaged.is_empty() {
+                    // What a drop after an upload leaves when a crash stops it (records go
+                    // oldest first): the version is in the bucket.
+                    tracing::warn!(
+                        "write-back directory: removing {} (a version whose upload landed)",
+                        head.display()
+                    );
+                    chain.iter().for_each(|(_, l)| drop_loc_blocking(l));
+                } else {
+                    for (_, l) in &chain {
+                        if let Loc::Rec { seg, .. } = l {
+                            *inner.segs.live.entry(seg.id).or_default() += 1;
+                        }
+                    }
+                    let e = "the version it changes is in a part that could not be read";
+                    tracing::error!(
+                        "write-back directory: {}: {e}; kept, not uploaded",
+                        head.display()
+                    );
+                    inner.unreadable.push((head, e.to_string()));
+                }
+                continue;
+            }
+            let t = chain.last().expect("the head").0.clone();
+            let content = Content(
+                chain
+                    .into_iter()
+                    .map(|(t, loc)| Piece {
+                        loc,
+                        len: t.size,
+                        delta: t.delta.map(Arc::new),
+                    })
+                    .collect(),
+            );
             if let Some(old) = inner.by_key.insert(t.key.clone(), seq) {
                 // Two of one key (cannot happen): the later one is the file.
                 if let Some(e) = inner.entries.remove(&old) {
-                    inner.bytes -= e.size;
-                    drop_loc_blocking(&e.loc);
+                    inner.bytes -= e.content.stored();
+                    e.content.0.iter().for_each(|p| drop_loc_blocking(&p.loc));
                 }
             }
-            if let Loc::Rec { seg, .. } = &loc {
-                *inner.segs.live.entry(seg.id).or_default() += 1;
+            for p in &content.0 {
+                if let Loc::Rec { seg, .. } = &p.loc {
+                    *inner.segs.live.entry(seg.id).or_default() += 1;
+                }
             }
-            inner.bytes += t.size;
+            inner.bytes += content.stored();
             inner.unadopted.push(seq);
             inner.entries.insert(
                 seq,
                 Entry {
                     key: t.key,
-                    size: t.size,
+                    size: t.delta.as_ref().map_or(t.size, |d| d.size),
                     meta: t.meta,
                     cond: t.cond,
-                    loc,
+                    content,
                     ino: 0,
                     status: Status::Queued,
                     error: None,
@@ -551,10 +740,15 @@ impl WriteBack {
                     tries: 0,
                     next_try: None,
                     not_before: Instant::now(),
+                    parked: None,
                     moving: t.from,
                     landed: t.landed,
                 },
             );
+        }
+        // Records no head leads to (what a crash left of a dropped entry).
+        for (_, (_, loc)) in found {
+            drop_loc_blocking(&loc);
         }
         // Old segments take no more records; they go once their last one is uploaded.
         for seg in segments {
@@ -603,7 +797,7 @@ impl WriteBack {
     /// the inode (0: none); then queues them. Until then they do not upload, so none lands
     /// before its file can learn it.
     pub fn adopt(&self, mut take: impl FnMut(Orphan) -> Ino) {
-        let orphans: Vec<(u64, String, u64, UserMeta, Cond, Loc)> = {
+        let orphans: Vec<(u64, String, u64, UserMeta, Cond, Content)> = {
             let mut inner = self.inner.lock();
             let seqs = std::mem::take(&mut inner.unadopted);
             seqs.iter()
@@ -615,14 +809,14 @@ impl WriteBack {
                         e.size,
                         e.meta.clone(),
                         e.cond.clone(),
-                        e.loc.clone(),
+                        e.content.clone(),
                     ))
                 })
                 .collect()
         };
         let mut inos = Vec::new();
-        for (seq, key, size, meta, cond, loc) in orphans {
-            let ino = match loc.open() {
+        for (seq, key, size, meta, cond, content) in orphans {
+            let ino = match self.whole_file(&content, size) {
                 Ok((file, offset)) => take(Orphan {
                     seq,
                     key,
@@ -646,6 +840,24 @@ impl WriteBack {
         }
         drop(inner);
         self.work.notify_waiters();
+    }
+
+    /// A file holding `content` (`size` bytes) from the offset returned: a whole file's
+    /// record, or for deltas a copy put together (blocking) in an unnamed file.
+    fn whole_file(&self, content: &Content, size: u64) -> std::io::Result<(Arc<File>, u64)> {
+        if content.0.len() == 1 {
+            return content.head().open();
+        }
+        let out = tempfile::tempfile_in(&self.cfg.dir)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut at = 0;
+        while at < size {
+            let n = (size - at).min(buf.len() as u64) as usize;
+            content.read_at(at, &mut buf[..n])?;
+            out.write_all_at(&buf[..n], at)?;
+            at += n as u64;
+        }
+        Ok((Arc::new(out), 0))
     }
 
     /// A mount without `--upload background`: uploads the files a background mount of the
@@ -696,6 +908,11 @@ impl WriteBack {
     /// entry, which it will replace, as free), then for an upload of the key in flight;
     /// decides the upload's condition (see the module docs). `prev` is the entry the same
     /// file committed last, `origin` the condition if nothing here is newer.
+    ///
+    /// `changes`: what changed in the file since it committed `prev`. While `prev` is still
+    /// the key's entry waiting for upload (not uploading, no conflict), the commit is a
+    /// delta over it (see [`Slot::is_delta`]) when the changes are small next to the file:
+    /// an fsync of a big file after a few writes stores kilobytes, not the file.
     pub async fn begin(
         &self,
         key: &str,
@@ -703,10 +920,28 @@ impl WriteBack {
         meta: &UserMeta,
         prev: Option<u64>,
         origin: Cond,
+        changes: Option<Changes>,
     ) -> FsResult<Slot> {
+        if let Some(c) = changes {
+            let len = c.len();
+            if self.extendable(key, prev, size, len).is_some() {
+                self.room(key, len, false).await?;
+                let held = {
+                    let mut inner = self.inner.lock();
+                    self.extendable_in(&inner, key, prev, size, len).inspect(|s| {
+                        let e = inner.entries.get_mut(s).expect("extendable");
+                        e.status = Status::Held;
+                    })
+                };
+                match held {
+                    Some(s) => return self.begin_delta(key, size, meta, s, c).await,
+                    None => self.unhold(None, len),
+                }
+            }
+        }
         // Room first (held by the slot from then on): the queued entry stays free to upload
         // meanwhile, and the room it would free counts only while it is queued.
-        self.room(key, size).await?;
+        self.room(key, size, true).await?;
         let (cond, replaces, mut landed) = loop {
             let changed = self.changed.notified();
             let decided = {
@@ -750,10 +985,73 @@ impl WriteBack {
                 }
             }
         }
-        match self.new_slot(key, size, meta.clone(), cond, replaces, None, landed) {
+        match self.new_slot(key, size, meta.clone(), cond, replaces, None, landed, None) {
             Ok(slot) => Ok(slot),
             Err(e) => {
                 self.unhold(replaces, size);
+                Err(e)
+            }
+        }
+    }
+
+    /// The entry a delta of `len` bytes for `key` could extend: `prev`, while it is the
+    /// key's entry, waiting (queued, or failed for a reason other than a conflict), and its
+    /// records would not grow past twice the file or [`PIECES_MAX`].
+    fn extendable(&self, key: &str, prev: Option<u64>, size: u64, len: u64) -> Option<u64> {
+        self.extendable_in(&self.inner.lock(), key, prev, size, len)
+    }
+
+    fn extendable_in(
+        &self,
+        inner: &Inner,
+        key: &str,
+        prev: Option<u64>,
+        size: u64,
+        len: u64,
+    ) -> Option<u64> {
+        let s = inner.by_key.get(key).copied().filter(|s| Some(*s) == prev)?;
+        let e = inner.entries.get(&s)?;
+        let ok = matches!(e.status, Status::Queued | Status::Failed)
+            && !e.conflict
+            && e.moving.is_none()
+            && e.content.0.len() < PIECES_MAX
+            && len <= size / 2
+            && e.content.stored() + len <= 2 * size;
+        ok.then_some(s)
+    }
+
+    /// [`Self::begin`] of a delta over held entry `over`, whose room is counted.
+    async fn begin_delta(
+        &self,
+        key: &str,
+        size: u64,
+        meta: &UserMeta,
+        over: u64,
+        c: Changes,
+    ) -> FsResult<Slot> {
+        let (cond, mut landed) = {
+            let inner = self.inner.lock();
+            let e = inner.entries.get(&over).expect("held");
+            (e.cond.clone(), e.landed.clone())
+        };
+        if landed.len() < LANDED_KEPT {
+            if let Some(etag) = self.etag_if_tried(over).await {
+                if !landed.contains(&etag) {
+                    landed.push(etag);
+                }
+            }
+        }
+        let len = c.len();
+        let delta = Delta {
+            over,
+            size,
+            keep: c.keep.min(size),
+            ranges: c.ranges,
+        };
+        match self.new_slot(key, len, meta.clone(), cond, Some(over), None, landed, Some(delta)) {
+            Ok(slot) => Ok(slot),
+            Err(e) => {
+                self.unhold(Some(over), len);
                 Err(e)
             }
         }
@@ -765,7 +1063,8 @@ impl WriteBack {
     /// by smaller ones that keep fitting; one that takes no more than the entry it replaces
     /// goes at once (it takes no room another could get). The wait is bounded: see
     /// `WriteBackConfig::space_wait`.
-    async fn room(&self, key: &str, size: u64) -> FsResult<()> {
+    /// `replacing`: the commit replaces the key's entry (else it extends it: nothing frees).
+    async fn room(&self, key: &str, size: u64, replacing: bool) -> FsResult<()> {
         let started = Instant::now();
         let mut waiting: Option<RoomTicket<'_>> = None;
         loop {
@@ -776,10 +1075,12 @@ impl WriteBack {
                     .by_key
                     .get(key)
                     .and_then(|s| inner.entries.get(s))
-                    .filter(|e| matches!(e.status, Status::Queued | Status::Failed));
-                let freed = replaced.map_or(0, |e| e.size);
+                    .filter(|e| replacing && matches!(e.status, Status::Queued | Status::Failed));
+                let freed = replaced.map_or(0, |e| e.content.stored());
                 // A conflict this commit replaces goes with it: not stuck for it.
-                let unstuck = replaced.filter(|e| e.conflict).map_or(0, |e| e.size);
+                let unstuck = replaced
+                    .filter(|e| e.conflict)
+                    .map_or(0, |e| e.content.stored());
                 let first = size <= freed
                     || inner
                         .room_queue
@@ -863,6 +1164,7 @@ impl WriteBack {
         replaces: Option<u64>,
         from: Option<Moved>,
         landed: Vec<String>,
+        delta: Option<Delta>,
     ) -> FsResult<Slot> {
         let seq = {
             let mut inner = self.inner.lock();
@@ -876,9 +1178,11 @@ impl WriteBack {
             size,
             meta: meta.clone(),
             cond: cond.clone(),
-            replaces,
+            // A delta keeps the entry it extends: it names it as such, not as replaced.
+            replaces: replaces.filter(|_| delta.is_none()),
             from: from.clone(),
             landed: landed.clone(),
+            delta: delta.clone(),
         }
         .encode();
         let need = REC_HEADER + size + trailer.len() as u64 + 4;
@@ -906,6 +1210,7 @@ impl WriteBack {
             seq,
             key: key.to_string(),
             size,
+            delta: delta.map(Arc::new),
             meta,
             cond,
             replaces,
@@ -1054,8 +1359,9 @@ impl WriteBack {
 
     /// Finishes a commit whose bytes are all written: trailer, then a record's header and an
     /// fdatasync, or a file's footer, fsync and directory fsync; then the entry is queued
-    /// (and the one it replaces removed). Returns its number.
-    pub async fn commit(&self, mut slot: Slot, ino: Ino) -> FsResult<u64> {
+    /// (and the one it replaces removed; a delta's keeps its records as its own). Returns
+    /// its number. `park`: an fsync of a file still open for writing (see [`PARK`]).
+    pub async fn commit(&self, mut slot: Slot, ino: Ino, park: bool) -> FsResult<u64> {
         if slot.written != slot.size {
             self.abandon(slot);
             return Err(FsError::EIO);
@@ -1102,12 +1408,31 @@ impl WriteBack {
                 return Err(e);
             }
         }
+        let piece = Piece {
+            loc: slot.loc.clone(),
+            len: slot.size,
+            delta: slot.delta.clone(),
+        };
         let old = {
             let mut inner = self.inner.lock();
-            let old = slot.replaces.and_then(|s| inner.entries.remove(&s));
+            let mut old = slot.replaces.and_then(|s| inner.entries.remove(&s));
+            let now = Instant::now();
+            let parked = park.then(|| {
+                let first = now + PARK.max(self.cfg.delay);
+                old.as_ref().and_then(|o| o.parked).unwrap_or(first)
+            });
+            let content = match old.take_if(|_| slot.delta.is_some()) {
+                // Its records are the new entry's now.
+                Some(o) => {
+                    let mut c = o.content;
+                    c.0.push(piece);
+                    c
+                }
+                None => Content(vec![piece]),
+            };
             if let Some(o) = &old {
-                inner.bytes -= o.size;
-                inner.freed_at = Some(Instant::now());
+                inner.bytes -= o.content.stored();
+                inner.freed_at = Some(now);
             }
             if let Some(r) = slot.replaces {
                 inner.successor.insert(r, slot.seq);
@@ -1124,26 +1449,30 @@ impl WriteBack {
                 slot.seq,
                 Entry {
                     key: slot.key.clone(),
-                    size: slot.size,
+                    size: slot.file_size(),
                     meta: slot.meta.clone(),
                     cond: slot.cond.clone(),
-                    loc: slot.loc.clone(),
+                    content,
                     ino,
                     status: if held { Status::Held } else { Status::Queued },
                     error: None,
                     conflict: false,
                     tries: 0,
                     next_try: None,
-                    not_before: Instant::now() + self.cfg.delay,
+                    not_before: now + self.cfg.delay,
+                    parked,
                     moving: slot.from.clone(),
                     landed: slot.landed.clone(),
                 },
             );
-            if !held {
+            if !held && parked.is_none() {
                 inner.ready.push_back(slot.seq);
             }
             old
         };
+        if slot.delta.is_some() {
+            inc(&self.metrics.writeback_deltas);
+        }
         inc(&self.metrics.writeback_committed);
         self.update_gauges();
         self.work.notify_one();
@@ -1154,7 +1483,7 @@ impl WriteBack {
         if let Some(o) = old {
             // Its replacement names it; it must still never outlive it (an uploaded
             // replacement is dropped for good).
-            self.drop_or_later(o.loc, &o.key).await;
+            self.drop_or_later(o.content, &o.key).await;
             inc(&self.metrics.writeback_replaced);
         }
         Ok(slot.seq)
@@ -1191,41 +1520,54 @@ impl WriteBack {
                 return Ok(());
             }
             let e = inner.entries.remove(&seq).expect("present");
-            inner.bytes -= e.size;
+            inner.bytes -= e.content.stored();
             inner.freed_at = Some(Instant::now());
             if inner.by_key.get(&e.key) == Some(&seq) {
                 inner.by_key.remove(&e.key);
             }
             e
         };
-        self.drop_or_later(e.loc, &e.key).await;
+        self.drop_or_later(e.content, &e.key).await;
         inc(&self.metrics.writeback_cancelled);
         self.update_gauges();
         self.changed.notify_waiters();
         Ok(())
     }
 
-    /// [`Self::drop_loc`] of an entry the books have let go (its file was unlinked, or it
-    /// was uploaded or replaced): what the caller did stands even when the local disk
-    /// refuses the drop now; it is tried again every second and before the daemon exits
-    /// (logged). Until it succeeds, only a crash could bring the entry back.
-    async fn drop_or_later(&self, loc: Loc, key: &str) {
-        if let Err(e) = self.drop_loc(&loc).await {
+    /// [`Self::drop_loc`] of each record of an entry the books have let go (its file was
+    /// unlinked, or it was uploaded or replaced), oldest first, each durably before the
+    /// next: a crash in between leaves deltas over nothing, which the next start removes,
+    /// never an older version that looks whole. What the caller did stands even when the
+    /// local disk refuses the drop now; it is tried again every second and before the
+    /// daemon exits (logged). Until it succeeds, only a crash could bring the entry back.
+    async fn drop_or_later(&self, content: Content, key: &str) {
+        let locs: Vec<Loc> = content.0.into_iter().map(|p| p.loc).collect();
+        if let Err((left, e)) = self.drop_locs(locs).await {
             tracing::error!(
                 "{key}: write-back entry {} not invalidated ({e:?}); tried again every second",
-                loc.describe().display()
+                left[0].describe().display()
             );
             let e = format!("not invalidated yet: {e:?}");
-            self.inner.lock().undropped.push((loc, key.to_string(), e));
+            self.inner.lock().undropped.push((left, key.to_string(), e));
         }
+    }
+
+    /// Drops `locs` in order; on a failure, those left (the failed one first).
+    async fn drop_locs(&self, locs: Vec<Loc>) -> Result<(), (Vec<Loc>, FsError)> {
+        for (i, loc) in locs.iter().enumerate() {
+            if let Err(e) = self.drop_loc(loc).await {
+                return Err((locs[i..].to_vec(), e));
+            }
+        }
+        Ok(())
     }
 
     /// Tries the drops that failed before again; returns how many are still to do.
     async fn drop_undropped(&self) -> usize {
-        let locs = std::mem::take(&mut self.inner.lock().undropped);
-        for (loc, key, e) in locs {
-            if self.drop_loc(&loc).await.is_err() {
-                self.inner.lock().undropped.push((loc, key, e));
+        let groups = std::mem::take(&mut self.inner.lock().undropped);
+        for (locs, key, e) in groups {
+            if let Err((left, _)) = self.drop_locs(locs).await {
+                self.inner.lock().undropped.push((left, key, e));
             }
         }
         self.inner.lock().undropped.len()
@@ -1264,14 +1606,13 @@ impl WriteBack {
     /// its answer lost (the bucket then holds this entry's version). None when no try
     /// failed or the entry cannot be read.
     pub async fn etag_if_tried(&self, seq: u64) -> Option<String> {
-        let (loc, size) = {
+        let (content, size) = {
             let inner = self.inner.lock();
             let e = inner.entries.get(&seq).filter(|e| e.tries > 0)?;
-            (e.loc.clone(), e.size)
+            (e.content.clone(), e.size)
         };
-        let (file, base) = loc.open().ok()?;
         if size <= self.layout.part_size {
-            let body = read_range(&file, base, size).await.ok()?;
+            let body = read_range(&content, 0, size).await.ok()?;
             return Some(format!("\"{}\"", hex::encode(Md5::digest(&body))));
         }
         let parts = self.layout.parts(size);
@@ -1281,7 +1622,7 @@ impl WriteBack {
             let mut at = r.start;
             while at < r.end {
                 let n = (r.end - at).min(1 << 20);
-                h.update(read_range(&file, base + at, n).await.ok()?);
+                h.update(read_range(&content, at, n).await.ok()?);
                 at += n;
             }
             md5s.extend_from_slice(&h.finalize());
@@ -1381,6 +1722,26 @@ impl WriteBack {
         self.changed.notify_waiters();
     }
 
+    /// The last writer of the file whose latest commit is `seq` (or replaced it) closed
+    /// it: a version its fsync parked goes up now, after `--upload-delay`.
+    pub fn closed(&self, seq: u64) {
+        let mut inner = self.inner.lock();
+        let mut s = seq;
+        while let Some(n) = inner.successor.get(&s) {
+            s = *n;
+        }
+        let now = Instant::now();
+        let due = now + self.cfg.delay;
+        if inner.entries.get(&s).is_some_and(|e| e.parked.is_some()) {
+            inner.unpark(s, now);
+            if let Some(e) = inner.entries.get_mut(&s) {
+                e.not_before = due;
+            }
+            drop(inner);
+            self.work.notify_one();
+        }
+    }
+
     /// Lets a held entry go up again (the rename failed).
     pub fn release(&self, seq: u64) {
         let mut inner = self.inner.lock();
@@ -1429,28 +1790,22 @@ impl WriteBack {
             let Some(e) = inner.entries.get_mut(&seq) else {
                 return Err(FsError::EIO);
             };
-            let r = (e.loc.clone(), e.size, e.meta.clone(), e.ino);
+            let r = (e.content.clone(), e.size, e.meta.clone(), e.ino);
             inner.bytes += r.1;
             r
         };
-        let mut slot = match self.new_slot(key, size, meta, cond, Some(seq), from, Vec::new()) {
+        let slot = self.new_slot(key, size, meta, cond, Some(seq), from, Vec::new(), None);
+        let mut slot = match slot {
             Ok(s) => s,
             Err(e) => {
                 self.unhold(Some(seq), size);
                 return Err(e);
             }
         };
-        let src = match src.open().map_err(wb_io) {
-            Ok(f) => f,
-            Err(e) => {
-                self.abandon(slot);
-                return Err(e);
-            }
-        };
         let mut at = 0;
         while at < size {
             let n = (size - at).min(1 << 20);
-            let r = match read_range(&src.0, src.1 + at, n).await {
+            let r = match read_range(&src, at, n).await {
                 Ok(c) => slot.write(c).await,
                 Err(e) => Err(e),
             };
@@ -1470,7 +1825,7 @@ impl WriteBack {
                 }
             }
         }
-        let new = self.commit(slot, ino).await?;
+        let new = self.commit(slot, ino, false).await?;
         if let Some(a) = also.filter(|a| *a != new) {
             self.discard(a).await?;
         }
@@ -1582,7 +1937,17 @@ impl WriteBack {
         self.retry_failed_now();
         {
             let now = Instant::now();
-            for e in self.inner.lock().entries.values_mut() {
+            let mut inner = self.inner.lock();
+            let parked: Vec<u64> = inner
+                .entries
+                .iter()
+                .filter(|(_, e)| e.parked.is_some())
+                .map(|(s, _)| *s)
+                .collect();
+            for s in parked {
+                inner.unpark(s, now);
+            }
+            for e in inner.entries.values_mut() {
                 e.not_before = e.not_before.min(now);
             }
         }
@@ -1676,15 +2041,15 @@ impl WriteBack {
                     _ => "queued",
                 },
                 error: e.error.clone(),
-                path: e.loc.describe(),
+                path: e.content.head().describe(),
             })
             .chain(unreadable)
-            .chain(inner.undropped.iter().map(|(loc, key, e)| PendingFile {
+            .chain(inner.undropped.iter().map(|(locs, key, e)| PendingFile {
                 key: key.clone(),
                 size: 0,
                 state: "dropping",
                 error: Some(e.clone()),
-                path: loc.describe(),
+                path: locs[0].describe(),
             }))
             .collect()
     }
@@ -1713,7 +2078,7 @@ impl WriteBack {
                 inner.ready.remove(i);
                 continue;
             };
-            if e.status != Status::Queued {
+            if e.status != Status::Queued || e.parked.is_some() {
                 inner.ready.remove(i);
                 continue;
             }
@@ -1734,7 +2099,7 @@ impl WriteBack {
                 size: e.size,
                 meta: e.meta.clone(),
                 cond: e.cond.clone(),
-                loc: e.loc.clone(),
+                content: e.content.clone(),
                 ino: e.ino,
                 moving: e.moving.clone(),
                 landed: e.landed.clone(),
@@ -1753,17 +2118,18 @@ impl WriteBack {
             size,
             meta,
             cond,
-            loc,
+            content,
             ino,
             moving,
             landed,
         } = self.take()?;
+        let loc = content.head().clone();
         let r = match &moving {
             Some(m) => self.finish_move(seq, m).await,
             None => Ok(()),
         };
         let r = match r {
-            Ok(()) => self.upload(&key, size, &meta, &cond, &loc, &landed).await,
+            Ok(()) => self.upload(&key, size, &meta, &cond, &content, &landed).await,
             Err(e) => Err((e, false)),
         };
         match r {
@@ -1773,7 +2139,7 @@ impl WriteBack {
                 // come back after a crash, its upload would be done again over whatever
                 // happened to the file since (a delete, say). Until then it counts as
                 // uploading (an unlink or rename waits).
-                self.drop_or_later(loc.clone(), &key).await;
+                self.drop_or_later(content, &key).await;
                 let cb = self.on_uploaded.lock().clone();
                 {
                     let mut inner = self.inner.lock();
@@ -1781,8 +2147,8 @@ impl WriteBack {
                     inner.freed_at = Some(Instant::now());
                     if let Some(e) = inner.entries.get_mut(&seq) {
                         e.status = Status::Landed;
-                        let size = e.size;
-                        inner.bytes -= size;
+                        let stored = e.content.stored();
+                        inner.bytes -= stored;
                         if cb.is_none() {
                             inner.entries.remove(&seq);
                         }
@@ -1892,12 +2258,12 @@ impl WriteBack {
         size: u64,
         meta: &UserMeta,
         cond: &Cond,
-        loc: &Loc,
+        content: &Content,
         landed: &[String],
     ) -> Result<String, (String, bool)> {
         let mut cond = cond.clone();
         for _ in 0..3 {
-            match self.upload_as(key, size, meta, &cond, loc, landed).await {
+            match self.upload_as(key, size, meta, &cond, content, landed).await {
                 Err(Gone) if matches!(cond, Cond::Match(_)) => {
                     tracing::warn!(
                         "{key}: deleted by another client since this mount knew it; this \
@@ -1921,23 +2287,18 @@ impl WriteBack {
         size: u64,
         meta: &UserMeta,
         cond: &Cond,
-        loc: &Loc,
+        content: &Content,
         landed: &[String],
     ) -> Result<String, UploadErr> {
-        let (file, base) = loc
-            .open()
-            .map_err(|e| Refused(format!("{}: {e}", loc.describe().display()), false))?;
         let pin = cond.if_match();
         let (r, ours) = if size <= self.layout.part_size {
-            let body = self
-                .read_part(&file, base, size)
-                .await
-                .map_err(|e| Refused(e.to_string(), false))?;
+            let body = self.read_part(content, 0, size).await.map_err(|e| {
+                Refused(format!("{}: {e}", content.head().describe().display()), false)
+            })?;
             let ours = format!("\"{}\"", hex::encode(Md5::digest(&body)));
             (self.store.put_if(key, body, meta, pin).await, ours)
         } else {
-            self.upload_multipart(key, size, meta, pin, &file, base)
-                .await
+            self.upload_multipart(key, size, meta, pin, content).await
         };
         match r {
             Ok(etag) => Ok(etag),
@@ -1993,8 +2354,7 @@ impl WriteBack {
         size: u64,
         meta: &UserMeta,
         pin: Option<&str>,
-        file: &Arc<File>,
-        base: u64,
+        content: &Content,
     ) -> (Result<String, StoreError>, String) {
         let mut md5s = Vec::new();
         let mut upload = match self.uploads.create(key, meta).await {
@@ -2005,7 +2365,7 @@ impl WriteBack {
         let mut n = 1u32;
         for r in self.layout.parts(size) {
             let (at, len) = (r.start, r.end - r.start);
-            let body = match self.read_part(file, base + at, len).await {
+            let body = match self.read_part(content, at, len).await {
                 Ok(b) => b,
                 Err(e) => {
                     let _ = upload.abort().await;
@@ -2035,15 +2395,16 @@ impl WriteBack {
 }
 
 impl WriteBack {
-    /// `len` bytes of an entry at `at` of `file`, in a buffer of the memory budget.
-    async fn read_part(&self, file: &Arc<File>, at: u64, len: u64) -> FsResult<Bytes> {
+    /// `len` bytes of an entry's file from `at`, in a buffer of the memory budget.
+    async fn read_part(&self, content: &Content, at: u64, len: u64) -> FsResult<Bytes> {
         let Some(budget) = &self.budget else {
-            return read_range(file, at, len).await;
+            return read_range(content, at, len).await;
         };
         let mut buf = budget.buffer(len).await;
-        let file = file.clone();
+        let content = content.clone();
         tokio::task::spawn_blocking(move || {
-            file.read_exact_at(&mut buf.as_mut_slice()[..len as usize], at)
+            content
+                .read_at(at, &mut buf.as_mut_slice()[..len as usize])
                 .map(|_| buf.freeze(len as usize))
         })
         .await
@@ -2104,22 +2465,32 @@ async fn retry_loop(wb: std::sync::Weak<WriteBack>) {
                 }
                 inner.ready.push_back(*s);
             }
-            (due, !inner.undropped.is_empty())
+            let parked: Vec<u64> = inner
+                .entries
+                .iter()
+                .filter(|(_, e)| e.parked.is_some_and(|t| t <= now))
+                .map(|(s, _)| *s)
+                .collect();
+            for s in &parked {
+                inner.unpark(*s, now);
+            }
+            (due.len() + parked.len(), !inner.undropped.is_empty())
         };
         if undropped {
             w.drop_undropped().await;
         }
-        if !due.is_empty() {
+        if due > 0 {
             w.work.notify_waiters();
         }
     }
 }
 
-async fn read_range(file: &Arc<File>, at: u64, len: u64) -> FsResult<Bytes> {
-    let file = file.clone();
+/// `len` bytes of an entry's file from `at`.
+async fn read_range(content: &Content, at: u64, len: u64) -> FsResult<Bytes> {
+    let content = content.clone();
     tokio::task::spawn_blocking(move || {
         let mut buf = vec![0u8; len as usize];
-        file.read_exact_at(&mut buf, at).map(|_| Bytes::from(buf))
+        content.read_at(at, &mut buf).map(|_| Bytes::from(buf))
     })
     .await
     .map_err(|_| FsError::EIO)?
@@ -2151,6 +2522,9 @@ struct Trailer {
     from: Option<Moved>,
     /// `Entry::landed`; trailers without it end before.
     landed: Vec<String>,
+    /// A delta's (its `size` is then the bytes of its ranges); trailers without it end
+    /// before.
+    delta: Option<Delta>,
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -2201,7 +2575,8 @@ impl Trailer {
             Cond::Any => out.push(2),
         }
         out.extend_from_slice(&self.replaces.unwrap_or(0).to_le_bytes());
-        if self.from.is_none() && !self.landed.is_empty() {
+        let more = !self.landed.is_empty() || self.delta.is_some();
+        if self.from.is_none() && more {
             out.push(0);
         }
         if let Some(m) = &self.from {
@@ -2216,10 +2591,20 @@ impl Trailer {
             }
             out.extend_from_slice(&m.at.to_le_bytes());
         }
-        if !self.landed.is_empty() {
+        if more {
             out.extend_from_slice(&(self.landed.len() as u32).to_le_bytes());
             for e in &self.landed {
                 put_str(&mut out, e);
+            }
+        }
+        if let Some(d) = &self.delta {
+            for v in [d.over, d.size, d.keep] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            out.extend_from_slice(&(d.ranges.len() as u32).to_le_bytes());
+            for r in &d.ranges {
+                out.extend_from_slice(&r.start.to_le_bytes());
+                out.extend_from_slice(&r.end.to_le_bytes());
             }
         }
         out
@@ -2267,6 +2652,31 @@ impl Trailer {
                 landed.push(r.str()?);
             }
         }
+        let mut delta = None;
+        if !r.0.is_empty() {
+            let (over, dsize, keep) = (r.u64()?, r.u64()?, r.u64()?);
+            let mut ranges = Vec::new();
+            let mut end = 0;
+            for _ in 0..r.u32()? {
+                let (a, b) = (r.u64()?, r.u64()?);
+                // In order, not overlapping, within the file, holding the record's bytes.
+                if a < end || b <= a || b > dsize {
+                    return None;
+                }
+                end = b;
+                ranges.push(a..b);
+            }
+            let len: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+            if len != size || keep > dsize || over >= seq {
+                return None;
+            }
+            delta = Some(Delta {
+                over,
+                size: dsize,
+                keep,
+                ranges,
+            });
+        }
         r.0.is_empty().then_some(Trailer {
             seq,
             key,
@@ -2276,6 +2686,7 @@ impl Trailer {
             replaces,
             from,
             landed,
+            delta,
         })
     }
 }
@@ -2638,6 +3049,7 @@ mod tests {
                 replaces: Some(7),
                 from: None,
                 landed: Vec::new(),
+                delta: None,
             };
             assert_eq!(Trailer::decode(&t.encode()), Some(t.clone()));
             for etag in [None, Some("\"e\"".to_string())] {
@@ -2660,7 +3072,24 @@ mod tests {
                 landed: vec!["\"a\"".into()],
                 ..t.clone()
             };
-            assert_eq!(Trailer::decode(&t.encode()), Some(t));
+            assert_eq!(Trailer::decode(&t.encode()), Some(t.clone()));
+            let delta = Delta {
+                over: 2,
+                size: 100,
+                keep: 90,
+                ranges: vec![0..10, 50..82],
+            };
+            for landed in [vec![], vec!["\"a\"".to_string()]] {
+                let t = Trailer {
+                    delta: Some(delta.clone()),
+                    landed,
+                    ..t.clone()
+                };
+                assert_eq!(Trailer::decode(&t.encode()), Some(t.clone()));
+                // Ranges that do not add up to the record's bytes are not a delta.
+                let t = Trailer { size: 41, ..t };
+                assert_eq!(Trailer::decode(&t.encode()), None);
+            }
         }
     }
 
@@ -2692,11 +3121,11 @@ mod tests {
 
     async fn put(wb: &WriteBack, key: &str, body: &[u8]) -> u64 {
         let mut slot = wb
-            .begin(key, body.len() as u64, &UserMeta::new(), None, Cond::Absent)
+            .begin(key, body.len() as u64, &UserMeta::new(), None, Cond::Absent, None)
             .await
             .unwrap();
         slot.write(Bytes::copy_from_slice(body)).await.unwrap();
-        wb.commit(slot, 0).await.unwrap()
+        wb.commit(slot, 0, false).await.unwrap()
     }
 
     /// A rename's entry found at start (the daemon died between moving it and finishing the
@@ -2783,7 +3212,7 @@ mod tests {
         wb.discard(d).await.unwrap();
         let locs: Vec<Loc> = [a, b, c]
             .iter()
-            .map(|s| wb.inner.lock().entries[s].loc.clone())
+            .map(|s| wb.inner.lock().entries[s].content.head().clone())
             .collect();
         assert!(locs.iter().all(|l| matches!(l, Loc::Rec { .. })));
         // Tear c: one byte of its bytes changed.
@@ -2866,7 +3295,7 @@ mod tests {
         let b = put(&wb, "b", &big).await;
         let paths: Vec<PathBuf> = [a, b]
             .iter()
-            .map(|s| match &wb.inner.lock().entries[s].loc {
+            .map(|s| match wb.inner.lock().entries[s].content.head() {
                 Loc::Rec { seg, .. } => seg.path.clone(),
                 Loc::File(p) => p.clone(),
             })

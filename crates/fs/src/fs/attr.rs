@@ -97,7 +97,7 @@ impl Fs {
         let Some(wb) = self.files.writeback() else {
             return;
         };
-        if !st.committed.is_some_and(|s| wb.is_pending(s)) {
+        if !st.committed().is_some_and(|s| wb.is_pending(s)) {
             return;
         }
         let mut t = self.ns.table();
@@ -136,7 +136,7 @@ impl Fs {
             st.mark_changed();
         }
         if publish && st.has_changes_to_publish() {
-            self.persist(ino, st).await?;
+            self.persist(ino, st, false).await?;
         } else if change.is_some() || resized {
             // What stat shows now is what the close will store.
             let mut pm = PosixMeta::from_user(&st.meta);

@@ -46,7 +46,7 @@ impl Fs {
         // Background mode: a version still to upload is held (never uploaded from now on)
         // and removed only once the unlink has succeeded in the bucket: a failed unlink
         // leaves the file, and its version to upload, as they were.
-        let committed = guard.as_ref().and_then(|st| st.committed);
+        let committed = guard.as_ref().and_then(|st| st.committed());
         let mut held = None;
         if let (Some(wb), Some(seq), Some(st)) = (self.files.writeback(), committed, &guard) {
             match wb.hold_unless_moved(seq, Some(st.key.as_str())).await {

@@ -199,7 +199,7 @@ impl Fs {
         // removed once the rename is done (a failed rename leaves it as it was).
         let mut replaced_held = Held::default();
         if let (Some(wb), Some(st)) = (self.files.writeback(), replaced_guard.as_deref()) {
-            if let Some(seq) = st.committed {
+            if let Some(seq) = st.committed() {
                 match wb.hold_unless_moved(seq, Some(st.key.as_str())).await {
                     Some(Holding::Held { .. }) => replaced_held.0.push((wb.clone(), seq)),
                     Some(_) => {}
@@ -259,7 +259,7 @@ impl Fs {
         let Some(wb) = self.files.writeback() else {
             return;
         };
-        if !st.has_changes_to_publish() && !st.committed.is_some_and(|s| wb.awaits_upload(s)) {
+        if !st.has_changes_to_publish() && !st.committed().is_some_and(|s| wb.awaits_upload(s)) {
             self.drop_closed_state(ino, w, st);
         }
     }
@@ -296,7 +296,7 @@ impl Fs {
         // Background mode: a version still to upload waits (no upload under either name)
         // and moves to the new name with the file. The object moved with it must be the one
         // that version was based on (or the one its upload made).
-        let (held, expect) = match (self.files.writeback(), st.committed) {
+        let (held, expect) = match (self.files.writeback(), st.committed()) {
             (Some(wb), Some(seq)) => match wb.hold_unless_moved(seq, Some(st.key.as_str())).await {
                 Some(Holding::Held { cond, .. }) => {
                     (Some((wb.clone(), seq, cond.clone())), Some(cond))
@@ -307,12 +307,12 @@ impl Fs {
             },
             _ => (None, None),
         };
-        let uploaded = held.is_none() && st.committed.is_some();
+        let uploaded = held.is_none() && st.committed().is_some();
         let moved = self.move_state_object(&src, &dst, st, expect, held).await?;
         if let (Some(wb), true) = (self.files.writeback(), uploaded) {
             // Its upload landed under the old name and moved with it: the next version
             // replaces the copy.
-            st.committed = moved.clone().map(|e| wb.remember(e));
+            st.set_committed(moved.clone().map(|e| wb.remember(e)));
         }
         Ok(moved)
     }
@@ -367,7 +367,7 @@ impl Fs {
         match (moved, rekeyed) {
             (Ok(etag), Some((wb, new, _))) => {
                 wb.moved(new, etag.clone().map_or(Cond::Absent, Cond::Match));
-                st.committed = Some(new);
+                st.set_committed(Some(new));
                 st.move_to(dst.clone(), etag.clone()).await;
                 Ok(etag)
             }
@@ -378,7 +378,7 @@ impl Fs {
             (Err(e), Some((wb, new, cond))) => {
                 // The object is still at `src` (each step before the delete leaves it).
                 match wb.rekey(new, src, cond.clone(), None, None).await {
-                    Ok(back) => st.committed = Some(back),
+                    Ok(back) => st.set_committed(Some(back)),
                     Err(e) => tracing::error!(
                         "{what} failed: its version waiting for upload could not move back \
                          ({e}); it goes up under the new name"
@@ -544,7 +544,7 @@ impl Fs {
             let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
             testpoint::reached("rename_dir.repointing").await;
             let mut st = w.state.lock().await;
-            if let (Some(wb), Some(seq)) = (&wb, st.committed) {
+            if let (Some(wb), Some(seq)) = (&wb, st.committed()) {
                 let mut seq = wb.latest(seq);
                 let late = wb.below(src.as_str()).into_iter().find(|(s, _)| *s == seq);
                 if let (Some(late), true) = (late, sweep) {
@@ -561,18 +561,18 @@ impl Fs {
                     }
                     seq = wb.latest(seq);
                 }
-                st.committed = if wb.awaits_upload(seq) {
+                st.set_committed(if wb.awaits_upload(seq) {
                     Some(seq)
                 } else {
                     // Uploaded before the rename: that object moved with the rest.
                     etag.clone().map(|e| wb.remember(e))
-                };
+                });
             }
             st.move_to(key, etag.clone()).await;
             if let Some(wb) = &wb {
                 // Its version goes up now (a close after this one waits for it otherwise).
                 let i = st
-                    .committed
+                    .committed()
                     .and_then(|s| moving.iter().position(|m| m.seq == s));
                 if let Some(i) = i {
                     let m = moving.swap_remove(i);

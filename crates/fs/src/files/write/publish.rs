@@ -10,7 +10,12 @@ impl WriteState {
     /// in the background. The entry's file then serves as this state's content (read as is,
     /// copied before any change), so nothing of the base object is needed any more: base
     /// bytes not at hand are fetched first. `ino` names the file to the upload's callback.
-    pub async fn commit(&mut self, ino: Ino) -> FsResult<()> {
+    ///
+    /// While the last commit's entry still waits for upload, only what changed since may be
+    /// stored, as a delta over it (see [`WriteBack::begin`]); the state keeps its own
+    /// staging file then. `park`: an fsync of a file that stays open (its entry waits for
+    /// the close, see `writeback::PARK`).
+    pub async fn commit(&mut self, ino: Ino, park: bool) -> FsResult<()> {
         let wb = self.cfg.writeback.clone().expect("background mode");
         if !self.has_changes_to_publish() {
             return Ok(());
@@ -20,20 +25,25 @@ impl WriteState {
             mtime_into(&mut self.meta, t);
         }
         self.settle_spills().await;
-        let r = self.commit_into(&wb, ino, size).await;
+        let r = self.commit_into(&wb, ino, size, park).await;
         inc(if r.is_ok() {
             &self.cfg.metrics.files_published
         } else {
             &self.cfg.metrics.publish_errors
         });
-        let (seq, file) = match r {
-            Ok(x) => x,
+        match r {
+            Ok((seq, Some(file))) => self.serve_entry(seq, file, size),
+            Ok((seq, None)) => {
+                self.committed = Some(seq);
+                self.phase = Phase::Clean;
+                self.conflict = false;
+            }
             Err(e) => {
                 self.phase = Phase::Failed;
                 return Err(e);
             }
-        };
-        self.serve_entry(seq, file, size);
+        }
+        self.since_commit = Some((Extents::default(), size));
         Ok(())
     }
 
@@ -64,41 +74,59 @@ impl WriteState {
         self.generations.clear();
         self.uploaded_only.clear();
         self.committed = Some(seq);
+        self.since_commit = None;
         self.phase = Phase::Clean;
         self.conflict = false;
     }
 
+    /// The commit's entry, and where its record holds the whole content (None: it is a
+    /// delta, whose bytes are only the changes).
     pub(super) async fn commit_into(
         &mut self,
         wb: &Arc<WriteBack>,
         ino: Ino,
         size: u64,
-    ) -> FsResult<(u64, (Arc<File>, u64))> {
+        park: bool,
+    ) -> FsResult<(u64, Option<(Arc<File>, u64)>)> {
         self.localize().await?;
         let origin = match self.base_etag() {
             Some(e) => Cond::Match(e.to_string()),
             None => Cond::Absent,
         };
+        let changes = self.since_commit.as_ref().map(|(written, keep)| Changes {
+            keep: (*keep).min(size),
+            ranges: written
+                .segments(0..size)
+                .filter(|(_, w)| *w)
+                .map(|(r, _)| r)
+                .collect(),
+        });
         let mut slot = wb
-            .begin(&self.key, size, &self.meta, self.committed, origin)
+            .begin(&self.key, size, &self.meta, self.committed, origin, changes.clone())
             .await?;
-        let mut at = 0;
-        while at < size {
-            let n = (size - at).min(COMMIT_CHUNK);
-            // A buffer of the budget, held until its bytes are written.
-            let (buf, _mem) = self.cfg.budget.buffer(n).await.split_mem();
-            let r = match self.assemble_into(at..at + n, buf).await {
-                Ok(b) => slot.write(b.freeze(n as usize)).await,
-                Err(e) => Err(e),
-            };
-            if let Err(e) = r {
-                wb.abandon(slot);
-                return Err(e);
+        let ranges = match (&changes, slot.is_delta()) {
+            (Some(c), true) => c.ranges.clone(),
+            _ => vec![0..size],
+        };
+        for r in ranges {
+            let mut at = r.start;
+            while at < r.end {
+                let n = (r.end - at).min(COMMIT_CHUNK);
+                // A buffer of the budget, held until its bytes are written.
+                let (buf, _mem) = self.cfg.budget.buffer(n).await.split_mem();
+                let w = match self.assemble_into(at..at + n, buf).await {
+                    Ok(b) => slot.write(b.freeze(n as usize)).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = w {
+                    wb.abandon(slot);
+                    return Err(e);
+                }
+                at += n;
             }
-            at += n;
         }
-        let file = slot.file();
-        let seq = wb.commit(slot, ino).await?;
+        let file = (!slot.is_delta()).then(|| slot.file());
+        let seq = wb.commit(slot, ino, park).await?;
         Ok((seq, file))
     }
 
