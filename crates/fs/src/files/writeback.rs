@@ -928,10 +928,11 @@ impl WriteBack {
                 self.room(key, len, false).await?;
                 let held = {
                     let mut inner = self.inner.lock();
-                    self.extendable_in(&inner, key, prev, size, len).inspect(|s| {
-                        let e = inner.entries.get_mut(s).expect("extendable");
-                        e.status = Status::Held;
-                    })
+                    self.extendable_in(&inner, key, prev, size, len)
+                        .inspect(|s| {
+                            let e = inner.entries.get_mut(s).expect("extendable");
+                            e.status = Status::Held;
+                        })
                 };
                 match held {
                     Some(s) => return self.begin_delta(key, size, meta, s, c).await,
@@ -1009,7 +1010,11 @@ impl WriteBack {
         size: u64,
         len: u64,
     ) -> Option<u64> {
-        let s = inner.by_key.get(key).copied().filter(|s| Some(*s) == prev)?;
+        let s = inner
+            .by_key
+            .get(key)
+            .copied()
+            .filter(|s| Some(*s) == prev)?;
         let e = inner.entries.get(&s)?;
         let ok = matches!(e.status, Status::Queued | Status::Failed)
             && !e.conflict
@@ -1048,7 +1053,16 @@ impl WriteBack {
             keep: c.keep.min(size),
             ranges: c.ranges,
         };
-        match self.new_slot(key, len, meta.clone(), cond, Some(over), None, landed, Some(delta)) {
+        match self.new_slot(
+            key,
+            len,
+            meta.clone(),
+            cond,
+            Some(over),
+            None,
+            landed,
+            Some(delta),
+        ) {
             Ok(slot) => Ok(slot),
             Err(e) => {
                 self.unhold(Some(over), len);
@@ -2129,7 +2143,10 @@ impl WriteBack {
             None => Ok(()),
         };
         let r = match r {
-            Ok(()) => self.upload(&key, size, &meta, &cond, &content, &landed).await,
+            Ok(()) => {
+                self.upload(&key, size, &meta, &cond, &content, &landed)
+                    .await
+            }
             Err(e) => Err((e, false)),
         };
         match r {
@@ -2263,7 +2280,10 @@ impl WriteBack {
     ) -> Result<String, (String, bool)> {
         let mut cond = cond.clone();
         for _ in 0..3 {
-            match self.upload_as(key, size, meta, &cond, content, landed).await {
+            match self
+                .upload_as(key, size, meta, &cond, content, landed)
+                .await
+            {
                 Err(Gone) if matches!(cond, Cond::Match(_)) => {
                     tracing::warn!(
                         "{key}: deleted by another client since this mount knew it; this \
@@ -2293,7 +2313,10 @@ impl WriteBack {
         let pin = cond.if_match();
         let (r, ours) = if size <= self.layout.part_size {
             let body = self.read_part(content, 0, size).await.map_err(|e| {
-                Refused(format!("{}: {e}", content.head().describe().display()), false)
+                Refused(
+                    format!("{}: {e}", content.head().describe().display()),
+                    false,
+                )
             })?;
             let ours = format!("\"{}\"", hex::encode(Md5::digest(&body)));
             (self.store.put_if(key, body, meta, pin).await, ours)
@@ -3121,7 +3144,14 @@ mod tests {
 
     async fn put(wb: &WriteBack, key: &str, body: &[u8]) -> u64 {
         let mut slot = wb
-            .begin(key, body.len() as u64, &UserMeta::new(), None, Cond::Absent, None)
+            .begin(
+                key,
+                body.len() as u64,
+                &UserMeta::new(),
+                None,
+                Cond::Absent,
+                None,
+            )
             .await
             .unwrap();
         slot.write(Bytes::copy_from_slice(body)).await.unwrap();
@@ -3334,5 +3364,70 @@ mod tests {
                 .len(),
             big.len()
         );
+    }
+
+    async fn delta(wb: &WriteBack, key: &str, prev: u64, size: u64, c: Changes, b: &[u8]) -> u64 {
+        let meta = UserMeta::new();
+        let mut slot = wb
+            .begin(key, size, &meta, Some(prev), Cond::Absent, Some(c))
+            .await
+            .unwrap();
+        assert!(slot.is_delta(), "a whole commit");
+        slot.write(Bytes::copy_from_slice(b)).await.unwrap();
+        wb.commit(slot, 0, false).await.unwrap()
+    }
+
+    /// Deltas over a waiting entry come back after a restart as one file (the whole
+    /// version, then each delta's bytes, cut where the file was cut); a chain whose oldest
+    /// record is gone (what a crash in the middle of dropping an uploaded chain leaves, as
+    /// records go oldest first) is removed, never uploaded as an older version.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deltas_come_back_after_a_restart_and_a_chain_without_its_base_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        for _ in 0..200 {
+            if wb.inner.lock().segs.spare.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut want: Vec<u8> = (0..10240u32).map(|i| (i % 251) as u8).collect();
+        let a = put(&wb, "a", &want).await;
+        let c = Changes {
+            keep: 10240,
+            ranges: std::iter::once(100..200).collect(),
+        };
+        let d1 = delta(&wb, "a", a, 10240, c, &[1; 100]).await;
+        want[100..200].fill(1);
+        // Cut to 4,000 bytes, grown to 12,000, 10 bytes written at 5,000.
+        let c = Changes {
+            keep: 4000,
+            ranges: std::iter::once(5000..5010).collect(),
+        };
+        let d2 = delta(&wb, "a", d1, 12000, c, &[2; 10]).await;
+        want.truncate(4000);
+        want.resize(12000, 0);
+        want[5000..5010].fill(2);
+        assert_eq!(wb.inner.lock().entries[&d2].content.0.len(), 3);
+        assert_eq!(wb.inner.lock().entries.len(), 1);
+        let b = put(&wb, "b", &[3; 10000]).await;
+        let c = Changes {
+            keep: 10000,
+            ranges: std::iter::once(0..10).collect(),
+        };
+        let bd = delta(&wb, "b", b, 10000, c, &[4; 10]).await;
+        let base = wb.inner.lock().entries[&bd].content.0[0].loc.clone();
+        drop_loc_blocking(&base);
+        drop(base);
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        assert_eq!(n, 1);
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let got = store.get_range("a", 0..20000, None).await.unwrap();
+        assert!(got[..] == want[..], "the version uploaded differs");
+        assert!(store.head("b").await.is_err(), "a cut chain went up");
+        assert_eq!(wb.counts().0, 0);
     }
 }

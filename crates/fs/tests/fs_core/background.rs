@@ -76,3 +76,86 @@ async fn an_unlink_never_deletes_a_version_written_after_its_check() {
     );
     assert_eq!(object(&mem, "f").await, b"theirs, new");
 }
+
+/// A background fs over a metered memory store, its state directory in `state`.
+fn background_env(state: &tempfile::TempDir, delay: Duration) -> crate::support::Env {
+    let wb = WriteBackConfig {
+        dir: state.path().join("wb"),
+        max_bytes: 1 << 30,
+        concurrency: 2,
+        fsync_waits_upload: false,
+        delay,
+        space_wait: Duration::from_secs(60),
+    };
+    crate::support::env_with(MemoryStore::new(), move |mut c| {
+        c.writeback = Some(wb);
+        c
+    })
+}
+
+/// A database-like writer (sysbench's rndwr: small writes all over an open file, fsync
+/// every few): each fsync after the first stores only the bytes written since, as a delta
+/// over the version still waiting, nothing goes up while the file stays open, and its
+/// close uploads the last version once, byte-exact (a shrink and a regrowth included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsyncs_of_an_open_file_store_only_their_changes_and_upload_once_at_close() {
+    use crate::support::{random, MIB};
+    use bucketfs_fs::SetAttr;
+    use bucketfs_store::metrics::Op;
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::ZERO);
+    put(&e.mem, "db", &random(MIB as usize, 1)).await;
+    let mut want = random(MIB as usize, 1);
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("db")).await.unwrap();
+    let h = e.fs.open(attr.ino, libc::O_RDWR).await.unwrap();
+    let puts = e.metrics.requests(Op::Put);
+    let block = random(16 << 10, 2);
+    for i in 0..24u64 {
+        let at = (i * 7919 * 4096) % (MIB - (16 << 10));
+        e.fs.write(attr.ino, h.fh, at, Bytes::copy_from_slice(&block))
+            .await
+            .unwrap();
+        want[at as usize..at as usize + block.len()].copy_from_slice(&block);
+        if i == 12 {
+            // Cut and grown again: the bytes past the cut read as zeros.
+            let cut = SetAttr {
+                size: Some(MIB / 2),
+                ..SetAttr::default()
+            };
+            e.fs.setattr(attr.ino, Some(h.fh), cut).await.unwrap();
+            want.truncate((MIB / 2) as usize);
+            want.resize(MIB as usize, 0);
+            e.fs.write(attr.ino, h.fh, MIB - 1, Bytes::from_static(&[7]))
+                .await
+                .unwrap();
+            want[MIB as usize - 1] = 7;
+        }
+        e.fs.fsync(attr.ino, h.fh).await.unwrap();
+    }
+    let deltas = e.fs.metrics().writeback_deltas.load(Ordering::Relaxed);
+    assert!(deltas >= 20, "{deltas} of 24 fsyncs stored deltas");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        e.metrics.requests(Op::Put),
+        puts,
+        "a version went up while the file was open"
+    );
+    let read = e.fs.read(attr.ino, h.fh, 0, MIB as u32).await.unwrap();
+    assert!(read[..] == want[..], "the open file reads other bytes");
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+    for _ in 0..100 {
+        if e.metrics.requests(Op::Put) > puts {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (left, _) =
+        e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+            .await;
+    assert_eq!(left, 0);
+    assert_eq!(e.metrics.requests(Op::Put), puts + 1, "one upload at close");
+    assert!(
+        object(&e.mem, "db").await == want,
+        "the bucket holds other bytes"
+    );
+}

@@ -102,11 +102,18 @@ impl WriteState {
                 .collect(),
         });
         let mut slot = wb
-            .begin(&self.key, size, &self.meta, self.committed, origin, changes.clone())
+            .begin(
+                &self.key,
+                size,
+                &self.meta,
+                self.committed,
+                origin,
+                changes.clone(),
+            )
             .await?;
         let ranges = match (&changes, slot.is_delta()) {
             (Some(c), true) => c.ranges.clone(),
-            _ => vec![0..size],
+            _ => std::iter::once(0..size).collect(),
         };
         for r in ranges {
             let mut at = r.start;
