@@ -269,7 +269,8 @@ pub const OPTIONS: &[OptionSpec] = &[
     ),
     value("upload_fsync", "WHERE").env().default("local").help(
         "What fsync(2) waits for with --upload background: local (the write-back \
-         directory) or bucket (the upload).",
+         directory; a file fsync'd and kept open goes up at its close, or 5 s after) or \
+         bucket (the upload).",
     ),
     value("upload_delay", "SECONDS").env().default("0").help(
         "With --upload background, how long a closed file waits before its upload starts \

@@ -503,3 +503,66 @@ fn unmount_waits_for_background_uploads() {
         assert_eq!(s3().get(&b, &format!("u{i}")), Some(content(i)));
     }
 }
+
+/// A database-like writer on a background mount (small writes all over an open file, an
+/// fsync every few, as sysbench's rndwr): its fsyncs after the first store only what changed
+/// since (deltas), nothing goes up while the file stays open, and kill -9 after more
+/// writes leaves the bucket, after the next mount, with exactly the last fsync'd version:
+/// not the old object, not a mix with the writes after that fsync.
+#[test]
+fn kill_9_after_fsyncs_of_an_open_file_keeps_exactly_the_last_fsynced_version() {
+    use std::os::unix::fs::FileExt;
+    let b = s3().new_bucket("bgdelta");
+    let state = state_dir();
+    let size = 1 << 20;
+    let old = pattern::bytes(1, size);
+    s3().put(&b, "db", old.clone());
+    let addr = free_local_addr();
+    let m = bg_spec(&b, state.path())
+        .arg("--metrics-addr")
+        .arg(&addr)
+        .mount();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.join("db"))
+        .unwrap();
+    let mut now = old.clone();
+    let mut fsynced = now.clone();
+    for i in 0..32usize {
+        let block = pattern::bytes(100 + i as u64, 16 << 10);
+        let at = (i * 7919 * 4096) % (size - block.len());
+        f.write_all_at(&block, at as u64).unwrap();
+        now[at..at + block.len()].copy_from_slice(&block);
+        if i % 3 == 2 {
+            f.sync_all().unwrap();
+            fsynced = now.clone();
+        }
+    }
+    assert_ne!(
+        now, fsynced,
+        "the last writes were fsync'd: nothing to lose"
+    );
+    let deltas = metric(&addr, "bucketfs_writeback_deltas_total");
+    assert!(deltas >= 8, "{deltas} of 10 fsyncs stored deltas");
+    assert_eq!(
+        s3().get(&b, "db").as_deref(),
+        Some(&old[..]),
+        "a version went up while the file was open"
+    );
+    let mut m = m;
+    m.kill9();
+    drop(f);
+    drop(m);
+    let m = bg_spec(&b, state.path()).mount();
+    wait_for(
+        "the recovered version to land",
+        Duration::from_secs(30),
+        || s3().get(&b, "db").as_deref() != Some(&old[..]),
+    );
+    assert!(
+        s3().get(&b, "db").as_deref() == Some(&fsynced[..]),
+        "the bucket holds another version than the last fsync'd one"
+    );
+    assert!(read_file(&m.join("db")) == fsynced);
+}
