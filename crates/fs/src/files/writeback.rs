@@ -540,6 +540,48 @@ impl Slot {
         (self.file.clone(), self.base)
     }
 
+    /// Appends `data` (blocking; see [`Self::write`]).
+    pub fn write_blocking(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.crc.update(data);
+        self.file.write_all_at(data, self.base + self.written)?;
+        self.written += data.len() as u64;
+        Ok(())
+    }
+
+    /// Makes the bytes written durable as an entry (blocking): the trailer, then a record's
+    /// header and an fdatasync, or a file's footer and fsync (its directory is the
+    /// caller's). Fails (`EIO`) unless every byte was written.
+    fn seal(&mut self) -> std::io::Result<()> {
+        if self.written != self.size {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.crc.update(&self.trailer);
+        let crc = self.crc.clone().finalize();
+        let mut tail = self.trailer.clone();
+        let at = self.base + self.written;
+        let header = match &self.loc {
+            Loc::File(_) => {
+                tail.extend_from_slice(&((self.trailer.len() as u32).to_le_bytes()));
+                tail.extend_from_slice(&crc.to_le_bytes());
+                tail.extend_from_slice(MAGIC);
+                None
+            }
+            Loc::Rec { seg, rec } => {
+                tail.extend_from_slice(&crc.to_le_bytes());
+                let tlen = self.trailer.len() as u32;
+                Some((record_header(seg.nonce, self.seq, self.size, tlen), *rec))
+            }
+        };
+        self.file.write_all_at(&tail, at)?;
+        match header {
+            Some((h, rec)) => {
+                self.file.write_all_at(&h, rec)?;
+                self.file.sync_data()
+            }
+            None => self.file.sync_all(),
+        }
+    }
+
     /// Whether this commit is a delta: only the bytes of the changes it was begun with
     /// are written, in order.
     pub fn is_delta(&self) -> bool {
@@ -1375,47 +1417,37 @@ impl WriteBack {
     /// fdatasync, or a file's footer, fsync and directory fsync; then the entry is queued
     /// (and the one it replaces removed; a delta's keeps its records as its own). Returns
     /// its number. `park`: an fsync of a file still open for writing (see [`PARK`]).
-    pub async fn commit(&self, mut slot: Slot, ino: Ino, park: bool) -> FsResult<u64> {
-        if slot.written != slot.size {
-            self.abandon(slot);
-            return Err(FsError::EIO);
-        }
-        slot.crc.update(&slot.trailer);
-        let crc = slot.crc.clone().finalize();
-        let mut tail = slot.trailer.clone();
-        let (file, at) = (slot.file.clone(), slot.base + slot.written);
-        let header = match &slot.loc {
-            Loc::File(_) => {
-                tail.extend_from_slice(&((slot.trailer.len() as u32).to_le_bytes()));
-                tail.extend_from_slice(&crc.to_le_bytes());
-                tail.extend_from_slice(MAGIC);
-                None
+    pub async fn commit(&self, slot: Slot, ino: Ino, park: bool) -> FsResult<u64> {
+        self.commit_filled(slot, ino, park, |_| Ok(())).await
+    }
+
+    /// [`Self::commit`] after `fill` writes the slot's bytes ([`Slot::write_blocking`]), in
+    /// the same blocking call as the sync: a small commit costs one thread hand-off.
+    pub async fn commit_filled(
+        &self,
+        mut slot: Slot,
+        ino: Ino,
+        park: bool,
+        fill: impl FnOnce(&mut Slot) -> std::io::Result<()> + Send + 'static,
+    ) -> FsResult<u64> {
+        let (loc, replaces, size) = (slot.loc.clone(), slot.replaces, slot.size);
+        let done = tokio::task::spawn_blocking(move || {
+            let r = fill(&mut slot).and_then(|()| slot.seal());
+            (slot, r)
+        })
+        .await;
+        let slot = match done {
+            Ok((slot, Ok(()))) => slot,
+            Ok((slot, Err(e))) => {
+                self.abandon(slot);
+                return Err(wb_io(e));
             }
-            Loc::Rec { seg, rec } => {
-                tail.extend_from_slice(&crc.to_le_bytes());
-                Some((
-                    record_header(seg.nonce, slot.seq, slot.size, slot.trailer.len() as u32),
-                    *rec,
-                ))
+            Err(_) => {
+                self.forget_loc(&loc);
+                self.unhold(replaces, size);
+                return Err(FsError::EIO);
             }
         };
-        let synced = tokio::task::spawn_blocking(move || {
-            file.write_all_at(&tail, at)?;
-            match header {
-                Some((h, rec)) => {
-                    file.write_all_at(&h, rec)?;
-                    file.sync_data()
-                }
-                None => file.sync_all(),
-            }
-        })
-        .await
-        .map_err(|_| FsError::EIO)
-        .and_then(|r| r.map_err(wb_io));
-        if let Err(e) = synced {
-            self.abandon(slot);
-            return Err(e);
-        }
         if matches!(slot.loc, Loc::File(_)) {
             if let Err(e) = self.sync_dir().await {
                 self.abandon(slot);

@@ -3,6 +3,19 @@
 //! the write-back directory.
 
 use super::*;
+use crate::files::writeback::Slot;
+
+/// Commits of at most this many bytes are written in the blocking call that syncs them
+/// (one thread hand-off for a small file's close or a small fsync's delta).
+const SMALL_COMMIT: u64 = 1 << 20;
+
+/// Where bytes a commit writes are now.
+enum Fill {
+    Mem(Bytes),
+    /// `len` bytes of the staging file at `at`.
+    Staged(Arc<File>, u64, u64),
+    Zeros(u64),
+}
 
 impl WriteState {
     /// Background mode's publish: makes the current content, with its metadata, durable as
@@ -111,10 +124,25 @@ impl WriteState {
                 changes.clone(),
             )
             .await?;
-        let ranges = match (&changes, slot.is_delta()) {
+        let ranges: Vec<Range<u64>> = match (&changes, slot.is_delta()) {
             (Some(c), true) => c.ranges.clone(),
             _ => std::iter::once(0..size).collect(),
         };
+        let file = (!slot.is_delta()).then(|| slot.file());
+        let total: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+        if let Some(fills) = self.fills(&ranges).filter(|_| total <= SMALL_COMMIT) {
+            let largest = fills.iter().map(|f| match f {
+                Fill::Staged(_, _, n) | Fill::Zeros(n) => *n,
+                Fill::Mem(_) => 0,
+            });
+            let buf = match largest.max().unwrap_or(0) {
+                0 => None,
+                n => Some(self.cfg.budget.buffer(n).await),
+            };
+            let fill = move |slot: &mut Slot| write_fills(slot, fills, buf);
+            let seq = wb.commit_filled(slot, ino, park, fill).await?;
+            return Ok((seq, file));
+        }
         for r in ranges {
             let mut at = r.start;
             while at < r.end {
@@ -132,9 +160,34 @@ impl WriteState {
                 at += n;
             }
         }
-        let file = (!slot.is_delta()).then(|| slot.file());
         let seq = wb.commit(slot, ino, park).await?;
         Ok((seq, file))
+    }
+
+    /// Where the current bytes of `ranges` are, for [`write_fills`]; None when some are not
+    /// at hand (only in the base object, or in a failed upload).
+    fn fills(&self, ranges: &[Range<u64>]) -> Option<Vec<Fill>> {
+        let mut out = Vec::new();
+        for r in ranges {
+            for (seg, src) in self.sources(r.clone()) {
+                let n = seg.end - seg.start;
+                out.push(match src {
+                    Source::Staging => {
+                        let at = seg.start + self.staging_offset;
+                        Fill::Staged(self.staging.clone()?, at, n)
+                    }
+                    Source::Tail => {
+                        let t = self.tail.as_ref()?;
+                        let from = (seg.start - t.start) as usize;
+                        let bytes = &t.buf.as_slice()[from..from + n as usize];
+                        Fill::Mem(Bytes::copy_from_slice(bytes))
+                    }
+                    Source::Zeros => Fill::Zeros(n),
+                    Source::Base | Source::Uploaded => return None,
+                });
+            }
+        }
+        Some(out)
     }
 
     /// Fetches every byte still only in the base object into the staging file.
@@ -421,4 +474,25 @@ impl WriteState {
             }
         }
     }
+}
+
+/// Writes `fills` into `slot` in order (blocking), staged bytes through `buf` (large enough
+/// for the largest).
+fn write_fills(slot: &mut Slot, fills: Vec<Fill>, mut buf: Option<PoolBuf>) -> std::io::Result<()> {
+    for f in fills {
+        match f {
+            Fill::Mem(b) => slot.write_blocking(&b)?,
+            Fill::Staged(file, at, n) => {
+                let b = &mut buf.as_mut().expect("a buffer").as_mut()[..n as usize];
+                file.read_exact_at(b, at)?;
+                slot.write_blocking(b)?;
+            }
+            Fill::Zeros(n) => {
+                let b = &mut buf.as_mut().expect("a buffer").as_mut()[..n as usize];
+                b.fill(0);
+                slot.write_blocking(b)?;
+            }
+        }
+    }
+    Ok(())
 }
