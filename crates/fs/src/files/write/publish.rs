@@ -45,6 +45,9 @@ impl WriteState {
             &self.cfg.metrics.publish_errors
         });
         match r {
+            // A file that stays open keeps its own copy (the next write would copy the
+            // entry's back); a closed one is read from its entry until it is uploaded.
+            Ok((seq, Some(_))) if park && !self.staging_shared => self.own_content(seq, size),
             Ok((seq, Some(file))) => self.serve_entry(seq, file, size),
             Ok((seq, None)) => {
                 self.committed = Some(seq);
@@ -67,6 +70,22 @@ impl WriteState {
         self.meta = meta;
         self.size.store(size, Ordering::Relaxed);
         self.serve_entry(seq, (file, offset), size);
+    }
+
+    /// Entry `seq` holds the whole content now, which stays where it is (the staging file
+    /// and the tail): nothing of the base object is needed any more.
+    fn own_content(&mut self, seq: u64, size: u64) {
+        self.dirty = Extents::default();
+        if size > 0 {
+            self.dirty.insert(0..size);
+        }
+        self.base = None;
+        self.base_len = 0;
+        self.generations.clear();
+        self.uploaded_only.clear();
+        self.committed = Some(seq);
+        self.phase = Phase::Clean;
+        self.conflict = false;
     }
 
     /// The state's content is entry `seq` now, read from `file` at `offset`.
