@@ -54,6 +54,8 @@ const REC_HEADER: u64 = 64;
 /// Files up to this size (with their trailer) are committed as segment records; larger ones
 /// as files of their own.
 const RECORD_MAX: u64 = 4 << 20;
+/// Records up to this size are written whole at their seal (see [`Slot::write_blocking`]).
+const HELD_MAX: u64 = 256 << 10;
 /// Upload results kept for later versions of the same files (their `If-Match`).
 const RESULTS_KEPT: usize = 200_000;
 /// ETags of possibly landed versions an entry carries (see `Entry::landed`) at most.
@@ -521,6 +523,9 @@ pub struct Slot {
     trailer: Vec<u8>,
     crc: crc32fast::Hasher,
     written: u64,
+    /// A small record's bytes, written whole with its header and trailer at its seal (see
+    /// [`Slot::write_blocking`]).
+    held: Vec<u8>,
 }
 
 impl Slot {
@@ -540,10 +545,18 @@ impl Slot {
         (self.file.clone(), self.base)
     }
 
-    /// Appends `data` (blocking; see [`Self::write`]).
+    /// Appends `data` (blocking; see [`Self::write`]). A small record keeps its bytes until
+    /// its seal writes it whole pages at a time: a write of part of a page the kernel does
+    /// not have cached reads it from disk first (a record does not start its page's bytes,
+    /// its header does).
     pub fn write_blocking(&mut self, data: &[u8]) -> std::io::Result<()> {
         self.crc.update(data);
-        self.file.write_all_at(data, self.base + self.written)?;
+        let small = REC_HEADER + self.size + self.trailer.len() as u64 + 4 <= HELD_MAX;
+        if matches!(self.loc, Loc::Rec { .. }) && small && self.held.len() as u64 == self.written {
+            self.held.extend_from_slice(data);
+        } else {
+            self.file.write_all_at(data, self.base + self.written)?;
+        }
         self.written += data.len() as u64;
         Ok(())
     }
@@ -572,13 +585,30 @@ impl Slot {
                 Some((record_header(seg.nonce, self.seq, self.size, tlen), *rec))
             }
         };
-        self.file.write_all_at(&tail, at)?;
         match header {
+            // All of it at once, to the end of its last page (the record's own): the
+            // record's CRC, not the order of the writes, tells a torn one.
+            Some((h, rec)) if self.held.len() as u64 == self.written => {
+                let mut whole = Vec::with_capacity(h.len() + self.held.len() + tail.len());
+                whole.extend_from_slice(&h);
+                whole.append(&mut self.held);
+                whole.extend_from_slice(&tail);
+                whole.resize(
+                    (whole.len() as u64).div_ceil(REC_ALIGN) as usize * REC_ALIGN as usize,
+                    0,
+                );
+                self.file.write_all_at(&whole, rec)?;
+                self.file.sync_data()
+            }
             Some((h, rec)) => {
+                self.file.write_all_at(&tail, at)?;
                 self.file.write_all_at(&h, rec)?;
                 self.file.sync_data()
             }
-            None => self.file.sync_all(),
+            None => {
+                self.file.write_all_at(&tail, at)?;
+                self.file.sync_all()
+            }
         }
     }
 
@@ -1278,6 +1308,7 @@ impl WriteBack {
             trailer,
             crc: crc32fast::Hasher::new(),
             written: 0,
+            held: Vec::new(),
         })
     }
 
