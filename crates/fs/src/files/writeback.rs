@@ -725,6 +725,9 @@ impl WriteBack {
             .copied()
             .collect();
         let mut found = found;
+        // A delta whose base is missing is what a crash left of a dropped entry, unless the
+        // base may be in what could not be read.
+        let unread = !damaged.is_empty() || !inner.unreadable.is_empty();
         for seq in heads {
             // Its records, following each delta to the entry it extends; oldest first.
             let mut chain = Vec::new();
@@ -749,11 +752,11 @@ impl WriteBack {
             }
             if broken {
                 let head = chain.last().expect("the head").1.describe();
-                if damaged.is_empty() {
-                    // What a drop after an upload leaves when a crash stops it (records go
-                    // oldest first): the version is in the bucket.
+                if !unread {
+                    // Records are dropped oldest first (after an upload, an unlink): the
+                    // rest of one a crash stopped.
                     tracing::warn!(
-                        "write-back directory: removing {} (a version whose upload landed)",
+                        "write-back directory: removing {} (left of an entry being dropped)",
                         head.display()
                     );
                     chain.iter().for_each(|(_, l)| drop_loc_blocking(l));
@@ -1068,7 +1071,7 @@ impl WriteBack {
     }
 
     /// The entry a delta of `len` bytes for `key` could extend: `prev`, while it is the
-    /// key's entry, waiting (queued, or failed for a reason other than a conflict), and its
+    /// key's entry, queued (not uploading, not failed), and its
     /// records would not grow past twice the file or [`PIECES_MAX`].
     fn extendable(&self, key: &str, prev: Option<u64>, size: u64, len: u64) -> Option<u64> {
         self.extendable_in(&self.inner.lock(), key, prev, size, len)
@@ -1088,7 +1091,8 @@ impl WriteBack {
             .copied()
             .filter(|s| Some(*s) == prev)?;
         let e = inner.entries.get(&s)?;
-        let ok = matches!(e.status, Status::Queued | Status::Failed)
+        // Not over a failed one: a whole commit is its fix when its record went bad.
+        let ok = e.status == Status::Queued
             && !e.conflict
             && e.moving.is_none()
             && e.content.0.len() < PIECES_MAX
