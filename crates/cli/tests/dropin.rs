@@ -682,7 +682,7 @@ fn mount_and_df_show_the_bucketfs_type_and_the_bucket() {
 
 /// A test fstab mounted by mount(8) itself: `mount -a -T FSTAB` with a `bucketfs` line (run
 /// through `/sbin/mount.bucketfs`, as `bucketfs install` lays it out) and an s3fs-style
-/// `fuse.s3fs` line (mount.fuse runs `s3fs` from PATH, the link to bucketfs). mount(8) looks
+/// `fuse.s3fs` line (mount.fuse runs `s3fs`, the link to bucketfs, from its shell's default path). mount(8) looks
 /// for helpers in /sbin only, so the run happens in a private mount namespace where a copy of
 /// /usr/sbin with the helper link is bound over it: the system's /sbin is never touched. Inside
 /// it a file is written through each mount, read back, and both are unmounted.
@@ -702,6 +702,9 @@ fn mount_a_with_a_test_fstab_mounts_both_lines() {
         std::os::unix::fs::symlink(orig.join(e.file_name()), sbin.join(e.file_name())).unwrap();
     }
     link_named(&sbin, "mount.bucketfs");
+    // mount(8) of util-linux 2.38.1-5+deb12u3 passes its helpers no PATH, so mount.fuse's
+    // shell finds `s3fs` only on its default path, of which /usr/sbin is part.
+    link_named(&sbin, "s3fs");
     let bin_dir = d.join("bin");
     fs::create_dir(&bin_dir).unwrap();
     link_named(&bin_dir, "s3fs");
