@@ -173,6 +173,55 @@ pub struct Segment {
     /// Random, in the segment's first block and every record header: file bytes that look
     /// like a record header are never taken for one.
     nonce: u64,
+    /// Its fdatasyncs, shared by the writers waiting at the time.
+    sync: SharedSync,
+}
+
+/// fdatasyncs of one file shared by the writers waiting at the time (blocking): a writer
+/// takes a ticket once its writes are done, and any sync that starts after that covers them;
+/// one leader syncs while the others wait for it. 128 closes at once cost a few syncs.
+#[derive(Default)]
+struct SharedSync {
+    state: Mutex<SyncState>,
+    done: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct SyncState {
+    issued: u64,
+    synced: u64,
+    running: bool,
+}
+
+impl SharedSync {
+    /// Returns once a sync of `file` that started after this call has succeeded; the
+    /// error of the sync it led otherwise.
+    fn sync(&self, file: &File) -> std::io::Result<()> {
+        let mut s = self.state.lock();
+        s.issued += 1;
+        let ticket = s.issued;
+        loop {
+            if s.synced >= ticket {
+                return Ok(());
+            }
+            if s.running {
+                self.done.wait(&mut s);
+                continue;
+            }
+            s.running = true;
+            let upto = s.issued;
+            drop(s);
+            let r = file.sync_data();
+            let mut s = self.state.lock();
+            s.running = false;
+            if r.is_ok() {
+                s.synced = s.synced.max(upto);
+            }
+            drop(s);
+            self.done.notify_all();
+            return r;
+        }
+    }
 }
 
 /// Where an entry's bytes are.
@@ -582,13 +631,14 @@ impl Slot {
             Loc::Rec { seg, rec } => {
                 tail.extend_from_slice(&crc.to_le_bytes());
                 let tlen = self.trailer.len() as u32;
-                Some((record_header(seg.nonce, self.seq, self.size, tlen), *rec))
+                let h = record_header(seg.nonce, self.seq, self.size, tlen);
+                Some((h, *rec, seg.clone()))
             }
         };
         match header {
             // All of it at once, to the end of its last page (the record's own): the
             // record's CRC, not the order of the writes, tells a torn one.
-            Some((h, rec)) if self.held.len() as u64 == self.written => {
+            Some((h, rec, seg)) if self.held.len() as u64 == self.written => {
                 let mut whole = Vec::with_capacity(h.len() + self.held.len() + tail.len());
                 whole.extend_from_slice(&h);
                 whole.append(&mut self.held);
@@ -598,12 +648,12 @@ impl Slot {
                     0,
                 );
                 self.file.write_all_at(&whole, rec)?;
-                self.file.sync_data()
+                seg.sync.sync(&self.file)
             }
-            Some((h, rec)) => {
+            Some((h, rec, seg)) => {
                 self.file.write_all_at(&tail, at)?;
                 self.file.write_all_at(&h, rec)?;
-                self.file.sync_data()
+                seg.sync.sync(&self.file)
             }
             None => {
                 self.file.write_all_at(&tail, at)?;
@@ -1426,10 +1476,10 @@ impl WriteBack {
                 self.sync_dir().await
             }
             Loc::Rec { seg, rec } => {
-                let (file, at) = (seg.file.clone(), *rec);
+                let (seg, at) = (seg.clone(), *rec);
                 tokio::task::spawn_blocking(move || {
-                    file.write_all_at(&[0u8; REC_HEADER as usize], at)?;
-                    file.sync_data()
+                    seg.file.write_all_at(&[0u8; REC_HEADER as usize], at)?;
+                    seg.sync.sync(&seg.file)
                 })
                 .await
                 .map_err(|_| FsError::EIO)?
@@ -2963,6 +3013,7 @@ fn open_segment(id: u64, path: &Path) -> std::io::Result<Option<Records>> {
             path: path.to_path_buf(),
             file: Arc::new(file),
             nonce,
+            sync: SharedSync::default(),
         },
         recs,
         err,
@@ -2999,6 +3050,7 @@ fn create_segment(id: u64, path: &Path) -> std::io::Result<Segment> {
         path: path.to_path_buf(),
         file: Arc::new(file),
         nonce: u64::from_le_bytes(nonce),
+        sync: SharedSync::default(),
     })
 }
 
