@@ -190,17 +190,23 @@ struct SharedSync {
 struct SyncState {
     issued: u64,
     synced: u64,
+    /// Every ticket up to this was covered by a sync that failed: its writes may be lost
+    /// (a later sync would not say so: the kernel reports a writeback error once).
+    failed: u64,
     running: bool,
 }
 
 impl SharedSync {
-    /// Returns once a sync of `file` that started after this call has succeeded; the
-    /// error of the sync it led otherwise.
+    /// Returns once a sync of `file` that started after this call has succeeded; `EIO`
+    /// when one that covered it failed.
     fn sync(&self, file: &File) -> std::io::Result<()> {
         let mut s = self.state.lock();
         s.issued += 1;
         let ticket = s.issued;
         loop {
+            if s.failed >= ticket {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
             if s.synced >= ticket {
                 return Ok(());
             }
@@ -214,8 +220,9 @@ impl SharedSync {
             let r = file.sync_data();
             let mut s = self.state.lock();
             s.running = false;
-            if r.is_ok() {
-                s.synced = s.synced.max(upto);
+            match &r {
+                Ok(()) => s.synced = s.synced.max(upto),
+                Err(_) => s.failed = s.failed.max(upto),
             }
             drop(s);
             self.done.notify_all();
@@ -775,10 +782,13 @@ impl WriteBack {
             .copied()
             .collect();
         let mut found = found;
-        // A delta whose base is missing is what a crash left of a dropped entry, unless the
-        // base may be in what could not be read.
+        // While a part of the directory cannot be read, nothing found is uploaded: a delta
+        // in that part may extend any entry here (uploading that entry would put an older
+        // version in the bucket and lose the delta), or be the base a delta found here needs.
         let unread = !damaged.is_empty() || !inner.unreadable.is_empty();
-        for seq in heads {
+        // Newest first: of two deltas over one entry (one whose commit failed after its
+        // record reached the disk), the later, acknowledged one takes it.
+        for seq in heads.into_iter().rev() {
             // Its records, following each delta to the entry it extends; oldest first.
             let mut chain = Vec::new();
             let mut next = Some(seq);
@@ -800,7 +810,7 @@ impl WriteBack {
                 chain.iter().for_each(|(_, l)| drop_loc_blocking(l));
                 continue;
             }
-            if broken {
+            if broken || unread {
                 let head = chain.last().expect("the head").1.describe();
                 if !unread {
                     // Records are dropped oldest first (after an upload, an unlink): the
@@ -816,7 +826,7 @@ impl WriteBack {
                             *inner.segs.live.entry(seg.id).or_default() += 1;
                         }
                     }
-                    let e = "the version it changes is in a part that could not be read";
+                    let e = "kept while a part of the write-back directory cannot be read";
                     tracing::error!(
                         "write-back directory: {}: {e}; kept, not uploaded",
                         head.display()
@@ -836,13 +846,12 @@ impl WriteBack {
                     })
                     .collect(),
             );
-            if let Some(old) = inner.by_key.insert(t.key.clone(), seq) {
-                // Two of one key (cannot happen): the later one is the file.
-                if let Some(e) = inner.entries.remove(&old) {
-                    inner.bytes -= e.content.stored();
-                    e.content.0.iter().for_each(|p| drop_loc_blocking(&p.loc));
-                }
+            if inner.by_key.contains_key(&t.key) {
+                // Two of one key (cannot happen): the later one, met first, is the file.
+                content.0.iter().for_each(|p| drop_loc_blocking(&p.loc));
+                continue;
             }
+            inner.by_key.insert(t.key.clone(), seq);
             for p in &content.0 {
                 if let Loc::Rec { seg, .. } = &p.loc {
                     *inner.segs.live.entry(seg.id).or_default() += 1;
@@ -1048,26 +1057,29 @@ impl WriteBack {
         changes: Option<Changes>,
     ) -> FsResult<Slot> {
         if let Some(c) = changes {
+            // A delta only when it has room now (nobody waiting for room either): else the
+            // whole commit, which counts the entry it replaces as free, waits its turn.
             let len = c.len();
-            if self.extendable(key, prev, size, len).is_some() {
-                self.room(key, len, false).await?;
-                let held = {
-                    let mut inner = self.inner.lock();
-                    self.extendable_in(&inner, key, prev, size, len)
-                        .inspect(|s| {
-                            let e = inner.entries.get_mut(s).expect("extendable");
-                            e.status = Status::Held;
-                        })
-                };
-                match held {
-                    Some(s) => return self.begin_delta(key, size, meta, s, c).await,
-                    None => self.unhold(None, len),
+            let held = {
+                let mut inner = self.inner.lock();
+                let fits = inner.room_queue.is_empty()
+                    && (inner.bytes == 0 || inner.bytes + len <= self.cfg.max_bytes);
+                let s = self
+                    .extendable_in(&inner, key, prev, size, len)
+                    .filter(|_| fits);
+                if let Some(s) = s {
+                    inner.bytes += len;
+                    inner.entries.get_mut(&s).expect("extendable").status = Status::Held;
                 }
+                s
+            };
+            if let Some(s) = held {
+                return self.begin_delta(key, size, meta, s, c).await;
             }
         }
         // Room first (held by the slot from then on): the queued entry stays free to upload
         // meanwhile, and the room it would free counts only while it is queued.
-        self.room(key, size, true).await?;
+        self.room(key, size).await?;
         let (cond, replaces, mut landed) = loop {
             let changed = self.changed.notified();
             let decided = {
@@ -1123,10 +1135,6 @@ impl WriteBack {
     /// The entry a delta of `len` bytes for `key` could extend: `prev`, while it is the
     /// key's entry, queued (not uploading, not failed), and its
     /// records would not grow past twice the file or [`PIECES_MAX`].
-    fn extendable(&self, key: &str, prev: Option<u64>, size: u64, len: u64) -> Option<u64> {
-        self.extendable_in(&self.inner.lock(), key, prev, size, len)
-    }
-
     fn extendable_in(
         &self,
         inner: &Inner,
@@ -1203,8 +1211,7 @@ impl WriteBack {
     /// by smaller ones that keep fitting; one that takes no more than the entry it replaces
     /// goes at once (it takes no room another could get). The wait is bounded: see
     /// `WriteBackConfig::space_wait`.
-    /// `replacing`: the commit replaces the key's entry (else it extends it: nothing frees).
-    async fn room(&self, key: &str, size: u64, replacing: bool) -> FsResult<()> {
+    async fn room(&self, key: &str, size: u64) -> FsResult<()> {
         let started = Instant::now();
         let mut waiting: Option<RoomTicket<'_>> = None;
         loop {
@@ -1215,7 +1222,7 @@ impl WriteBack {
                     .by_key
                     .get(key)
                     .and_then(|s| inner.entries.get(s))
-                    .filter(|e| replacing && matches!(e.status, Status::Queued | Status::Failed));
+                    .filter(|e| matches!(e.status, Status::Queued | Status::Failed));
                 let freed = replaced.map_or(0, |e| e.content.stored());
                 // A conflict this commit replaces goes with it: not stuck for it.
                 let unstuck = replaced
@@ -1538,6 +1545,16 @@ impl WriteBack {
                 self.abandon(slot);
                 return Err(e);
             }
+        }
+        // A delta's base is held by this commit; were it gone, the delta alone would be
+        // taken for the whole file.
+        if slot.delta.is_some()
+            && !slot
+                .replaces
+                .is_some_and(|s| self.inner.lock().entries.contains_key(&s))
+        {
+            self.abandon(slot);
+            return Err(FsError::EIO);
         }
         let piece = Piece {
             loc: slot.loc.clone(),
@@ -3548,5 +3565,98 @@ mod tests {
         assert!(got[..] == want[..], "the version uploaded differs");
         assert!(store.head("b").await.is_err(), "a cut chain went up");
         assert_eq!(wb.counts().0, 0);
+    }
+
+    /// Review finding: a delta whose commit failed after its record reached the disk (its
+    /// sync said EIO) stays valid there beside the delta that then extended the same entry
+    /// and returned. After a restart the acknowledged one is the file, not the failed one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn of_two_deltas_over_one_entry_the_acknowledged_one_comes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        for _ in 0..200 {
+            if wb.inner.lock().segs.spare.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let base = vec![5u8; 8192];
+        let w = put(&wb, "a", &base).await;
+        let c = |b: u64| Changes {
+            keep: 8192,
+            ranges: std::iter::once(b..b + 4).collect(),
+        };
+        // The failed one: sealed (valid on disk), then abandoned as a failed sync leaves it.
+        let meta = UserMeta::new();
+        let mut failed = wb
+            .begin("a", 8192, &meta, Some(w), Cond::Absent, Some(c(0)))
+            .await
+            .unwrap();
+        assert!(failed.is_delta());
+        failed.write_blocking(b"FAIL").unwrap();
+        failed.seal().unwrap();
+        wb.abandon(failed);
+        let ok = delta(&wb, "a", w, 8192, c(100), b"GOOD").await;
+        assert_eq!(wb.inner.lock().entries[&ok].content.0.len(), 2);
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        assert_eq!(n, 1);
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let mut want = base.clone();
+        want[100..104].copy_from_slice(b"GOOD");
+        let got = store.get_range("a", 0..9000, None).await.unwrap();
+        assert!(got[..] == want[..], "not the acknowledged version");
+    }
+
+    /// Review finding: while a part of the directory cannot be read, an entry found whole is
+    /// not uploaded (a delta in the unreadable part may extend it: uploading it would store
+    /// an older version and lose the delta); the next start that reads everything uploads
+    /// the version with its delta.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nothing_goes_up_while_a_delta_may_be_in_what_cannot_be_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        for _ in 0..200 {
+            if wb.inner.lock().segs.spare.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // A whole file of its own (over 4 MiB), its delta a record of a segment.
+        let size = 5u64 << 20;
+        let mut want = vec![3u8; size as usize];
+        let w = put(&wb, "big", &want).await;
+        let c = Changes {
+            keep: size,
+            ranges: std::iter::once(10..20).collect(),
+        };
+        let d = delta(&wb, "big", w, size, c, &[9; 10]).await;
+        want[10..20].fill(9);
+        let seg = match wb.inner.lock().entries[&d].content.head() {
+            Loc::Rec { seg, .. } => seg.path.clone(),
+            Loc::File(_) => panic!("the delta is not a record"),
+        };
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        FAIL_READS.with(|f| *f.borrow_mut() = vec![seg.clone()]);
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        FAIL_READS.with(|f| f.borrow_mut().clear());
+        assert_eq!(n, 0, "an entry was queued while a delta may be unreadable");
+        wb.drain(Duration::from_secs(2), |_, _| {}).await;
+        assert!(
+            store.head("big").await.is_err(),
+            "the older version went up"
+        );
+        assert!(wb.pending().iter().all(|p| p.state == "unreadable"));
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        assert_eq!(n, 1);
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let got = store.get_range("big", 0..size + 1, None).await.unwrap();
+        assert!(got[..] == want[..], "the version uploaded differs");
     }
 }

@@ -125,14 +125,20 @@ impl WriteState {
             Some(e) => Cond::Match(e.to_string()),
             None => Cond::Absent,
         };
-        let changes = self.since_commit.as_ref().map(|(written, keep)| Changes {
-            keep: (*keep).min(size),
-            ranges: written
-                .segments(0..size)
-                .filter(|(_, w)| *w)
-                .map(|(r, _)| r)
-                .collect(),
-        });
+        // Deltas for fsyncs of a file that stays open; a close stores it whole, which lets
+        // the state give back its tail and staging file while the upload waits.
+        let changes = self
+            .since_commit
+            .as_ref()
+            .filter(|_| park)
+            .map(|(written, keep)| Changes {
+                keep: (*keep).min(size),
+                ranges: written
+                    .segments(0..size)
+                    .filter(|(_, w)| *w)
+                    .map(|(r, _)| r)
+                    .collect(),
+            });
         let mut slot = wb
             .begin(
                 &self.key,
