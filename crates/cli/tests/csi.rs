@@ -1301,14 +1301,34 @@ fn csi_a_pods_bind_of_a_dead_daemons_mount_gets_the_new_mount() {
         fuse_mounted(&target) && fs::read_dir(&target).is_ok()
     });
     fs::write(target.join("new.txt"), "new").unwrap();
-    wait_for(
-        "the pod to see the new mount",
-        Duration::from_secs(10),
-        || {
-            in_pod(&cat(&view.join("new.txt"))) == (true, "new".into())
-                && in_pod(&cat(&ro_view.join("new.txt"))) == (true, "new".into())
-        },
-    );
+    let sees_new = || {
+        in_pod(&cat(&view.join("new.txt"))) == (true, "new".into())
+            && in_pod(&cat(&ro_view.join("new.txt"))) == (true, "new".into())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !sees_new() {
+        if std::time::Instant::now() > deadline {
+            // Failed once in four full runs under load: say what the driver did.
+            let log = fs::read_to_string(&driver.log).unwrap_or_default();
+            let said: Vec<&str> = log
+                .lines()
+                .filter(|l| {
+                    ["dead", "replac", "gone", "WARN", "ERROR"]
+                        .iter()
+                        .any(|w| l.contains(w))
+                })
+                .collect();
+            panic!(
+                "timed out waiting for the pod to see the new mount; pod: {:?}; driver said:\n{}",
+                in_pod(&format!(
+                    "ls -la '{}'; cat /proc/self/mountinfo",
+                    view.display()
+                )),
+                said.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert_eq!(in_pod(&cat(&view.join("old.txt"))), (true, "old".into()));
     // The read-only bind stays read-only.
     let w = format!("echo x > '{}'", ro_view.join("w.txt").display());

@@ -8,7 +8,7 @@ use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{Attr, FileKind, Ino, PosixMeta};
 use crate::paths::{MountPath, ObjectKey};
 use bucketfs_store::{ListDetail, ListFrom, ObjectMeta};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -83,6 +83,8 @@ pub struct DirStream {
     entries: Vec<DirEntry>,
     /// Name to position in `entries`, while the listing is incomplete.
     index: HashMap<String, usize>,
+    /// When its first page was asked for: names added here since may be missing from it.
+    started: Option<Instant>,
 }
 
 impl DirStream {
@@ -107,6 +109,7 @@ impl DirStream {
             done: false,
             entries,
             index: HashMap::new(),
+            started: None,
         }
     }
 
@@ -169,8 +172,22 @@ impl Namespace {
             .unwrap_or_default()
     }
 
-    /// Notes that `name` now exists in directory `parent` (its cached listing lacks it).
+    /// Notes that `name` now exists in directory `parent` (its cached listing lacks it, and
+    /// so does a listing whose LIST was sent before now: see [`Self::added_since`]).
     pub fn note_added(&self, parent: Ino, name: &str) {
+        let now = Instant::now();
+        {
+            let mut all = self.recent_adds.lock();
+            if all.len() >= MAX_TRACKED_DIRS {
+                let ttl = self.ttl;
+                all.retain(|_, q| q.back().is_some_and(|(t, _)| t.elapsed() < ttl));
+            }
+            let q = all.entry(parent).or_default();
+            while q.front().is_some_and(|(t, _)| t.elapsed() >= self.ttl) {
+                q.pop_front();
+            }
+            q.push_back((now, name.to_string()));
+        }
         if let Some(l) = self
             .table
             .lock()
@@ -179,6 +196,19 @@ impl Namespace {
         {
             l.added.insert(name.to_string());
         }
+    }
+
+    /// Names noted as added to `dir` at or after `since` (a listing begun then may lack them).
+    fn added_since(&self, dir: Ino, since: Instant) -> HashSet<String> {
+        self.recent_adds
+            .lock()
+            .get(&dir)
+            .map_or_else(HashSet::new, |q| {
+                q.iter()
+                    .filter(|(t, _)| *t >= since)
+                    .map(|(_, n)| n.clone())
+                    .collect()
+            })
     }
 
     /// Lists `parent` once for the lookups of its names when enough of them miss within a
@@ -286,6 +316,9 @@ impl Namespace {
     /// and records the listing for negative lookups and statahead.
     async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
         let first = !matches!(st.from, ListFrom::Token(_));
+        // Before the page is taken or asked for: a kept page is dropped by any change made
+        // here, so one still kept predates none.
+        st.started.get_or_insert_with(Instant::now);
         if first {
             // Subdirectories made here must be in the bucket for the listing to show them.
             self.markers.wait_below(&st.prefix).await?;
@@ -348,7 +381,7 @@ impl Namespace {
             return Ok(());
         }
         st.done = true;
-        let mut t = self.table.lock();
+        let t = self.table.lock();
         for c in t.children_of(st.ino) {
             // Created here and not uploaded yet: show it anyway.
             if (c.fetched.is_none() || c.writing) && !st.index.contains_key(&c.name) {
@@ -363,8 +396,16 @@ impl Namespace {
                 e.ino = ino;
             }
         }
+        // A name created or renamed here while the pages were fetched may be missing from
+        // them: not taken for absent (a lookup of it, seeing it missing, said ENOENT).
+        let since = st.started.unwrap_or_else(Instant::now);
+        drop(t);
+        let added = self.added_since(st.ino, since);
+        let mut t = self.table.lock();
         if let Some(i) = t.get_mut(st.ino) {
-            i.listing = Some(DirListing::new(names));
+            let mut l = DirListing::new(names);
+            l.added = added;
+            i.listing = Some(l);
         }
         Ok(())
     }

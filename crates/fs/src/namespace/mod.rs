@@ -56,6 +56,10 @@ pub struct Namespace {
     lookups: Arc<Lookups>,
     /// Lookup misses per directory without a listing (see [`Namespace::list_for_lookups`]).
     dir_misses: Mutex<HashMap<Ino, DirMisses>>,
+    /// Names created (or renamed to) here per directory within the stat TTL, oldest first:
+    /// a listing whose first LIST was sent before one of them lacks it (see
+    /// [`Namespace::note_added`]).
+    recent_adds: Mutex<HashMap<Ino, std::collections::VecDeque<(std::time::Instant, String)>>>,
     /// Directory markers mkdir has not finished uploading.
     pub markers: PendingMarkers,
     /// Open directory listings by handle.
@@ -98,6 +102,7 @@ impl Namespace {
             metrics,
             table: Mutex::new(InodeTable::new(root)),
             dir_misses: Mutex::new(HashMap::new()),
+            recent_adds: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             // Apart from file handles' numbers, so that one is never taken for the other.
             next_dir_fh: AtomicU64::new(1 << 62),

@@ -10,6 +10,7 @@ use bucketfs_store::{StoreError, UserMeta};
 use bytes::Bytes;
 use std::ffi::OsStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// s3fs-style metadata of a file with permissions `perm` and mtime `secs`.
 fn file_meta(perm: u32, secs: u64) -> UserMeta {
@@ -729,4 +730,90 @@ async fn lookups_in_a_directory_whose_listing_went_stale_list_it_at_once() {
     assert_eq!(fs.lookup(d.ino, OsStr::new("f0")).await.unwrap().size, 0);
     assert_eq!(metrics.requests(Op::Head) - heads, 0, "no HEAD per name");
     assert_eq!(metrics.requests(Op::List) - lists, 1, "one LIST of d");
+}
+
+/// A LIST answered with what the store held before this mount changed the directory
+/// (the store's answer was on its way while a file was created here): once armed, the next
+/// LIST takes its page, then waits for `go` before answering.
+struct SlowList {
+    inner: Arc<MemoryStore>,
+    armed: std::sync::atomic::AtomicBool,
+    taken: tokio::sync::Notify,
+    go: tokio::sync::Notify,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for SlowList {
+    type Inner = MemoryStore;
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        from: bucketfs_store::ListFrom,
+        max_keys: usize,
+        detail: bucketfs_store::ListDetail,
+    ) -> bucketfs_store::StoreResult<bucketfs_store::ListPage> {
+        let page = self
+            .inner
+            .list(prefix, delimiter, from, max_keys, detail)
+            .await;
+        if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let go = self.go.notified();
+            self.taken.notify_one();
+            go.await;
+        }
+        page
+    }
+}
+
+/// Found by the soak (a renamed file read back as `ENOENT`): a listing whose LIST was sent
+/// before a file was created (or renamed to) here lacks it; once the kernel forgot the file,
+/// a lookup must not take that listing's silence for absence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_older_than_a_file_made_here_does_not_hide_it() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "d/a", b"a").await;
+    let store = Arc::new(SlowList {
+        inner: mem.clone(),
+        armed: std::sync::atomic::AtomicBool::new(false),
+        taken: tokio::sync::Notify::new(),
+        go: tokio::sync::Notify::new(),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(store.clone(), config(&cache));
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    // A change here drops the page the lookup kept, so the listing sends its own LIST.
+    write_file(&fs, "x", b"x").await;
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let taken = store.taken.notified();
+    let lister = {
+        let fs = fs.clone();
+        tokio::spawn(async move { list(&fs, d.ino).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), taken)
+        .await
+        .expect("the LIST was not sent");
+    // The LIST has its page; now a file is made here and closed (sync mode: stored).
+    let (new, h) = tokio::time::timeout(
+        Duration::from_secs(10),
+        fs.create(d.ino, OsStr::new("new"), 0o644, 0o022, libc::O_WRONLY, ME),
+    )
+    .await
+    .expect("create waited for the listing")
+    .unwrap();
+    fs.write(new.ino, h.fh, 0, Bytes::from_static(b"new"))
+        .await
+        .unwrap();
+    fs.flush(new.ino, h.fh).await.unwrap();
+    fs.release(new.ino, h.fh).await.unwrap();
+    store.go.notify_one();
+    let names = lister.await.unwrap();
+    assert!(names.contains(&"a".to_string()), "{names:?}");
+    // The kernel forgets the file; then looks it up again within the stat TTL.
+    fs.forget(new.ino, 1);
+    let again = fs.lookup(d.ino, OsStr::new("new")).await;
+    assert!(again.is_ok(), "a file made here looked up as {again:?}");
 }
