@@ -354,6 +354,15 @@ struct Segs {
     next_id: u64,
 }
 
+impl Segs {
+    /// Counts a record found at start as live: its segment stays until it is dropped.
+    fn hold(&mut self, loc: &Loc) {
+        if let Loc::Rec { seg, .. } = loc {
+            *self.live.entry(seg.id).or_default() += 1;
+        }
+    }
+}
+
 struct Entry {
     key: String,
     /// The file's size.
@@ -821,11 +830,7 @@ impl WriteBack {
                     );
                     chain.iter().for_each(|(_, l)| drop_loc_blocking(l));
                 } else {
-                    for (_, l) in &chain {
-                        if let Loc::Rec { seg, .. } = l {
-                            *inner.segs.live.entry(seg.id).or_default() += 1;
-                        }
-                    }
+                    chain.iter().for_each(|(_, l)| inner.segs.hold(l));
                     let e = "kept while a part of the write-back directory cannot be read";
                     tracing::error!(
                         "write-back directory: {}: {e}; kept, not uploaded",
@@ -852,11 +857,7 @@ impl WriteBack {
                 continue;
             }
             inner.by_key.insert(t.key.clone(), seq);
-            for p in &content.0 {
-                if let Loc::Rec { seg, .. } = &p.loc {
-                    *inner.segs.live.entry(seg.id).or_default() += 1;
-                }
-            }
+            content.0.iter().for_each(|p| inner.segs.hold(&p.loc));
             inner.bytes += content.stored();
             inner.unadopted.push(seq);
             inner.entries.insert(
@@ -3278,6 +3279,16 @@ mod tests {
         (wb, n)
     }
 
+    /// Waits for the first segment, so small entries go to records.
+    async fn wait_for_segment(wb: &WriteBack) {
+        for _ in 0..200 {
+            if wb.inner.lock().segs.spare.is_some() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn put(wb: &WriteBack, key: &str, body: &[u8]) -> u64 {
         let mut slot = wb
             .begin(
@@ -3352,13 +3363,7 @@ mod tests {
         let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
         let (wb, n) = open_wb(dir.path(), &store).await;
         assert_eq!(n, 0);
-        // Wait for the first segment, so entries go to records.
-        for _ in 0..200 {
-            if wb.inner.lock().segs.spare.is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for_segment(&wb).await;
         let forged = {
             let mut b = vec![0u8; 8192];
             b[4096 - 64..4096].copy_from_slice(&record_header(7, 99, 10, 10));
@@ -3450,12 +3455,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
         let (wb, _) = open_wb(dir.path(), &store).await;
-        for _ in 0..200 {
-            if wb.inner.lock().segs.spare.is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for_segment(&wb).await;
         let big = vec![7u8; 5 << 20];
         let a = put(&wb, "a", b"alpha").await;
         let b = put(&wb, "b", &big).await;
@@ -3522,12 +3522,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
         let (wb, _) = open_wb(dir.path(), &store).await;
-        for _ in 0..200 {
-            if wb.inner.lock().segs.spare.is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for_segment(&wb).await;
         let mut want: Vec<u8> = (0..10240u32).map(|i| (i % 251) as u8).collect();
         let a = put(&wb, "a", &want).await;
         let c = Changes {
@@ -3575,12 +3570,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
         let (wb, _) = open_wb(dir.path(), &store).await;
-        for _ in 0..200 {
-            if wb.inner.lock().segs.spare.is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for_segment(&wb).await;
         let base = vec![5u8; 8192];
         let w = put(&wb, "a", &base).await;
         let c = |b: u64| Changes {
@@ -3619,12 +3609,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
         let (wb, _) = open_wb(dir.path(), &store).await;
-        for _ in 0..200 {
-            if wb.inner.lock().segs.spare.is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for_segment(&wb).await;
         // A whole file of its own (over 4 MiB), its delta a record of a segment.
         let size = 5u64 << 20;
         let mut want = vec![3u8; size as usize];

@@ -49,11 +49,7 @@ impl WriteState {
             // entry's back); a closed one is read from its entry until it is uploaded.
             Ok((seq, Some(_))) if park && !self.staging_shared => self.own_content(seq, size),
             Ok((seq, Some(file))) => self.serve_entry(seq, file, size),
-            Ok((seq, None)) => {
-                self.committed = Some(seq);
-                self.phase = Phase::Clean;
-                self.conflict = false;
-            }
+            Ok((seq, None)) => self.committed_as(seq),
             Err(e) => {
                 self.phase = Phase::Failed;
                 return Err(e);
@@ -83,6 +79,11 @@ impl WriteState {
         self.base_len = 0;
         self.generations.clear();
         self.uploaded_only.clear();
+        self.committed_as(seq);
+    }
+
+    /// Entry `seq` stores the content as it is now.
+    fn committed_as(&mut self, seq: u64) {
         self.committed = Some(seq);
         self.phase = Phase::Clean;
         self.conflict = false;
@@ -96,19 +97,11 @@ impl WriteState {
         self.staging_direct = None;
         self.staging_shared = true;
         self.local = Extents::default();
-        self.dirty = Extents::default();
         if size > 0 {
             self.local.insert(0..size);
-            self.dirty.insert(0..size);
         }
-        self.base = None;
-        self.base_len = 0;
-        self.generations.clear();
-        self.uploaded_only.clear();
-        self.committed = Some(seq);
         self.since_commit = None;
-        self.phase = Phase::Clean;
-        self.conflict = false;
+        self.own_content(seq, size);
     }
 
     /// The commit's entry, and where its record holds the whole content (None: it is a
