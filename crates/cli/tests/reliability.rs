@@ -19,6 +19,28 @@ use std::time::{Duration, Instant};
 // Crash safety
 // ---------------------------------------------------------------------------------------------
 
+/// Requests are answered on the FUSE thread that read them when they need nothing from the
+/// network: a bug that panics there costs its own request (EIO), never the thread. More
+/// panics than the mount has FUSE threads, then the mount still answers everything else.
+#[test]
+fn a_request_that_panics_gets_eio_and_the_mount_keeps_serving() {
+    let b = s3().new_bucket("panicop");
+    s3().put(&b, "f", b"still here".to_vec());
+    let mut spec = MountSpec::s3(&b, "");
+    spec.envs
+        .push(("BUCKETFS_TEST_POINT".into(), "readlink=panic".into()));
+    let m = spec.mount();
+    std::os::unix::fs::symlink("f", m.join("l")).unwrap();
+    for _ in 0..12 {
+        let e = fs::read_link(m.join("l")).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    }
+    assert_eq!(fs::read(m.join("f")).unwrap(), b"still here");
+    fs::write(m.join("g"), b"new").unwrap();
+    assert_eq!(s3().get(&b, "g").as_deref(), Some(&b"new"[..]));
+    assert_eq!(fs::read_dir(m.path()).unwrap().count(), 3);
+}
+
 /// A child forked while a file is open for writing closes its copy of the descriptor at exec
 /// (O_CLOEXEC). That close is a FUSE flush, but not the writer's close: the file must not be
 /// published, half-written, because some other process exec'd.

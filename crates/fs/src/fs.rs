@@ -416,6 +416,7 @@ impl Fs {
     }
 
     pub async fn readlink(&self, ino: Ino) -> FsResult<Bytes> {
+        crate::testpoint::reached("readlink").await;
         let (path, size, cached) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;

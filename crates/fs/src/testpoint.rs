@@ -1,6 +1,7 @@
 //! Named points where the integration tests stop or kill the daemon, to force an interleaving
 //! or a crash at an exact step. Inert unless `BUCKETFS_TEST_POINT` is set (the tests set it):
-//! `NAME=abort` SIGKILLs the process there (a crash: no cleanup at all);
+//! `NAME=abort` SIGKILLs the process there (a crash: no cleanup at all); `NAME=panic` panics
+//! there (a bug in that operation);
 //! `NAME=pause:FILE` creates FILE there and waits while it exists (the test removes it to go
 //! on). Several are separated by commas. Only in builds with debug assertions (the tests'):
 //! a release daemon ignores the variable, so a setting left behind cannot let users of the
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 enum Action {
     Abort,
+    Panic,
     Pause(PathBuf),
 }
 
@@ -30,6 +32,7 @@ fn points() -> &'static [(String, Action)] {
                 let action = match action.split_once(':') {
                     Some(("pause", file)) => Action::Pause(file.into()),
                     None if action == "abort" => Action::Abort,
+                    None if action == "panic" => Action::Panic,
                     _ => return None,
                 };
                 Some((name.to_string(), action))
@@ -50,6 +53,7 @@ pub(crate) async fn reached(name: &str) {
                 // SAFETY: kill(2) of this process: a crash, as kill -9 from outside.
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
+            Action::Panic => panic!("test point {name}: panicking"),
             Action::Pause(file) => {
                 let _ = std::fs::File::create(file);
                 while file.exists() {

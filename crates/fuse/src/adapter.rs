@@ -1,10 +1,12 @@
 //! The `fuser::Filesystem` implementation: one kernel request → one async `Fs` call.
 //!
 //! Each request handler copies what it needs out of the request (names, the caller's uid/gid,
-//! write data), spawns a task on the tokio runtime and returns at once, so a FUSE thread never
-//! waits for the network. The task awaits the fs call and answers the kernel (fuser 0.18 replies
-//! are `Send`). Errors are errnos (`FsError(e)` → `reply.error(Errno::from_i32(e))`); a panic in
-//! a task drops its reply, which fuser answers with `EIO`.
+//! write data) into a future that calls the fs and answers the kernel (fuser 0.18 replies are
+//! `Send`). The FUSE thread polls it once itself: a call answered from memory or the local disk
+//! finishes there, with no thread switch; one that waits for the network goes on as a task on
+//! the tokio runtime, so a FUSE thread never waits for the network. Errors are errnos
+//! (`FsError(e)` → `reply.error(Errno::from_i32(e))`); a panic in a call drops its reply, which
+//! fuser answers with `EIO`.
 //!
 //! FUSE passthrough (Linux 6.9+, `CAP_SYS_ADMIN`, a data cache, not `--no-passthrough`): an
 //! open whose `OpenReply::local` names a file is answered with a backing id of it, and the
@@ -223,12 +225,24 @@ impl FuseFs {
         !same_process(pid, opener)
     }
 
-    fn spawn<F>(&self, fut: F)
+    /// Serves a request: polled here first, so one that needs nothing from the network is
+    /// answered on this FUSE thread (see `bucketfs_fs::poll_here`); the rest of one that must
+    /// wait runs as a task.
+    fn serve<F>(&self, fut: F)
     where
         F: Future<Output = ()> + Send + 'static,
     {
         // One request is one operation: its store calls share one stall deadline.
-        self.rt.spawn(bucketfs_fs::within_operation(fut));
+        let mut op = Box::pin(bucketfs_fs::within_operation(fut));
+        let _rt = self.rt.enter();
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            bucketfs_fs::poll_here(op.as_mut())
+        }));
+        // A panic dropped nothing yet: dropping the operation drops its reply (EIO), as a
+        // task's panic does, and this thread goes on serving.
+        if matches!(polled, Ok(std::task::Poll::Pending)) {
+            self.rt.spawn(op);
+        }
     }
 
     /// Asks the kernel for passthrough when it can be used, and says once why not.
@@ -391,7 +405,7 @@ impl Filesystem for FuseFs {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let fs = self.fs.clone();
         let name = name.to_owned();
-        self.spawn(async move {
+        self.serve(async move {
             let r = fs.lookup(parent.0, &name).await;
             Self::reply_entry(&fs, "lookup", r, reply);
         });
@@ -406,7 +420,7 @@ impl Filesystem for FuseFs {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let fs = self.fs.clone();
-        self.spawn(async move {
+        self.serve(async move {
             match fs.getattr(ino.0).await {
                 Ok(a) => reply.attr(&fs.attr_ttl(), &file_attr(&a)),
                 Err(e) => reply.error(errno("getattr", e)),
@@ -441,7 +455,7 @@ impl Filesystem for FuseFs {
             atime: atime.map(time),
             mtime: mtime.map(time),
         };
-        self.spawn(async move {
+        self.serve(async move {
             match fs.setattr(ino.0, fh.map(|f| f.0), set).await {
                 Ok(a) => reply.attr(&fs.attr_ttl(), &file_attr(&a)),
                 Err(e) => reply.error(errno("setattr", e)),
@@ -451,7 +465,7 @@ impl Filesystem for FuseFs {
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let fs = self.fs.clone();
-        self.spawn(async move {
+        self.serve(async move {
             match fs.readlink(ino.0).await {
                 Ok(target) => reply.data(&target),
                 Err(e) => reply.error(errno("readlink", e)),
@@ -472,7 +486,7 @@ impl Filesystem for FuseFs {
         let fs = self.fs.clone();
         let name = name.to_owned();
         let who = caller(req);
-        self.spawn(async move {
+        self.serve(async move {
             let r = fs.mknod(parent.0, &name, mode, umask, who).await;
             Self::reply_entry(&fs, "mknod", r, reply);
         });
@@ -490,7 +504,7 @@ impl Filesystem for FuseFs {
         let fs = self.fs.clone();
         let name = name.to_owned();
         let who = caller(req);
-        self.spawn(async move {
+        self.serve(async move {
             let r = fs.mkdir(parent.0, &name, mode, umask, who).await;
             Self::reply_entry(&fs, "mkdir", r, reply);
         });
@@ -499,7 +513,7 @@ impl Filesystem for FuseFs {
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let fs = self.fs.clone();
         let name = name.to_owned();
-        self.spawn(async move {
+        self.serve(async move {
             Self::reply_empty("unlink", fs.unlink(parent.0, &name).await, reply);
         });
     }
@@ -507,7 +521,7 @@ impl Filesystem for FuseFs {
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let fs = self.fs.clone();
         let name = name.to_owned();
-        self.spawn(async move {
+        self.serve(async move {
             Self::reply_empty("rmdir", fs.rmdir(parent.0, &name).await, reply);
         });
     }
@@ -524,7 +538,7 @@ impl Filesystem for FuseFs {
         let name = link_name.to_owned();
         let target = target.to_owned();
         let who = caller(req);
-        self.spawn(async move {
+        self.serve(async move {
             let r = fs.symlink(parent.0, &name, &target, who).await;
             Self::reply_entry(&fs, "symlink", r, reply);
         });
@@ -543,7 +557,7 @@ impl Filesystem for FuseFs {
         let fs = self.fs.clone();
         let name = name.to_owned();
         let newname = newname.to_owned();
-        self.spawn(async move {
+        self.serve(async move {
             let r = fs
                 .rename(parent.0, &name, newparent.0, &newname, flags.bits())
                 .await;
@@ -557,7 +571,7 @@ impl Filesystem for FuseFs {
         let opener = (writable && req.pid() != 0).then(|| req.pid());
         let writers = self.writers.clone();
         let (backings, refused) = (self.backings.clone(), self.refused.clone());
-        self.spawn(async move {
+        self.serve(async move {
             match fs.open(ino.0, flags.0).await {
                 Ok(o) => {
                     if let Some(p) = opener {
@@ -590,7 +604,7 @@ impl Filesystem for FuseFs {
         reply: ReplyData,
     ) {
         let fs = self.fs.clone();
-        self.spawn(async move {
+        self.serve(async move {
             match fs.read(ino.0, fh.0, offset, size).await {
                 Ok(data) => reply.data(&data),
                 Err(e) => reply.error(errno("read", e)),
@@ -616,7 +630,7 @@ impl Filesystem for FuseFs {
         match self.fs.write_now(ino.0, fh.0, offset, data, kill_suid) {
             Now::Done(Ok(n)) => reply.written(n),
             Now::Done(Err(e)) => reply.error(errno("write", e)),
-            Now::Later(task) => self.spawn(async move {
+            Now::Later(task) => self.serve(async move {
                 match task.await {
                     Ok(n) => reply.written(n),
                     Err(e) => reply.error(errno("write", e)),
@@ -656,7 +670,7 @@ impl Filesystem for FuseFs {
         }
         match self.fs.publish_now(ino.0, fh.0, false) {
             Now::Done(r) => Self::reply_empty("flush", r, reply),
-            Now::Later(task) => self.spawn(async move {
+            Now::Later(task) => self.serve(async move {
                 Self::reply_empty("flush", task.await, reply);
             }),
         }
@@ -683,7 +697,7 @@ impl Filesystem for FuseFs {
             }
         }
         let fs = self.fs.clone();
-        self.spawn(async move {
+        self.serve(async move {
             Self::reply_empty("release", fs.release(ino.0, fh.0).await, reply);
         });
     }
@@ -698,7 +712,7 @@ impl Filesystem for FuseFs {
     ) {
         match self.fs.publish_now(ino.0, fh.0, true) {
             Now::Done(r) => Self::reply_empty("fsync", r, reply),
-            Now::Later(task) => self.spawn(async move {
+            Now::Later(task) => self.serve(async move {
                 Self::reply_empty("fsync", task.await, reply);
             }),
         }
@@ -713,14 +727,14 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.spawn(async move {
+        self.serve(async move {
             Self::reply_empty("fsyncdir", fs.fsyncdir(ino.0).await, reply);
         });
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
-        self.spawn(async move {
+        self.serve(async move {
             match fs.opendir(ino.0).await {
                 Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
                 Err(e) => reply.error(errno("opendir", e)),
@@ -737,7 +751,7 @@ impl Filesystem for FuseFs {
         mut reply: ReplyDirectory,
     ) {
         let fs = self.fs.clone();
-        self.spawn(async move {
+        self.serve(async move {
             match fs.readdir(ino.0, fh.0, offset as i64).await {
                 Ok(entries) => {
                     for e in &entries {
@@ -767,7 +781,7 @@ impl Filesystem for FuseFs {
         mut reply: ReplyDirectoryPlus,
     ) {
         let fs = self.fs.clone();
-        self.spawn(async move {
+        self.serve(async move {
             match fs.readdir(ino.0, fh.0, offset as i64).await {
                 Ok(entries) => {
                     let ttl = fs.attr_ttl();
@@ -852,7 +866,7 @@ impl Filesystem for FuseFs {
         let who = caller(req);
         let opener = (req.pid() != 0).then(|| req.pid());
         let writers = self.writers.clone();
-        self.spawn(async move {
+        self.serve(async move {
             match fs.create(parent.0, &name, mode, umask, flags, who).await {
                 Ok((a, o)) => {
                     if let Some(p) = opener {

@@ -110,6 +110,7 @@ pub fn mount(
     };
     cfg.n_threads = Some(opts.n_threads.max(1));
     cfg.clone_fd = true;
+    bucketfs_fs::set_fuse_threads(opts.n_threads.max(1));
 
     let notifier = adapter.notifier_slot();
     let mount_id = adapter.mount_id_slot();

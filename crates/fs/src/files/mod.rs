@@ -194,9 +194,8 @@ impl OpenFiles {
         size: u64,
     ) -> Option<std::fs::File> {
         let cache = self.rcfg.data_cache.clone()?;
-        tokio::task::spawn_blocking(move || cache.local_copy(&key, &etag, size))
+        crate::inline::local_io(move || cache.local_copy(&key, &etag, size))
             .await
-            .ok()
             .flatten()
     }
 

@@ -436,7 +436,7 @@ impl Lookups {
             return;
         }
         let key = dir_key.clone();
-        let Ok(Some(blob)) = tokio::task::spawn_blocking(move || disk.load(&key)).await else {
+        let Some(Some(blob)) = crate::inline::local_io(move || disk.load(&key)).await else {
             return;
         };
         // Not one without user metadata when a LIST now would carry it (a HEAD per file).
