@@ -18,8 +18,8 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 
-/// FUSE threads that may be inside a local-disk step at once.
-static IN_PLACE_MAX: AtomicUsize = AtomicUsize::new(1);
+/// FUSE threads that may be inside a local-disk step at once (see [`set_fuse_threads`]).
+static IN_PLACE_MAX: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     /// This thread is polling an operation in [`poll_here`].
@@ -29,9 +29,9 @@ thread_local! {
 static IN_PLACE: AtomicUsize = AtomicUsize::new(0);
 
 /// The mount serves requests on `n` FUSE threads: all but one may run local-disk steps in
-/// place.
+/// place (with one thread, none does).
 pub fn set_fuse_threads(n: usize) {
-    IN_PLACE_MAX.store(n.saturating_sub(1).max(1), Ordering::Relaxed);
+    IN_PLACE_MAX.store(n.saturating_sub(1), Ordering::Relaxed);
 }
 
 /// Polls `fut` once on this thread. `Ready`: it finished here. `Pending`: it waits for
@@ -82,6 +82,15 @@ mod tests {
     async fn a_step_runs_in_place_only_when_polled_here_and_a_place_is_free() {
         let me = std::thread::current().id();
         let here = move || std::thread::current().id() == me;
+        // One FUSE thread: none in place, it must stay free.
+        set_fuse_threads(1);
+        let mut fut = Box::pin(local_io(here));
+        let r = match poll_here(fut.as_mut()) {
+            Poll::Ready(r) => r,
+            Poll::Pending => fut.await,
+        };
+        assert_eq!(r, Some(false), "the only FUSE thread ran a disk step");
+        set_fuse_threads(4);
         // Polled here: run on this thread.
         let mut fut = Box::pin(local_io(here));
         assert_eq!(poll_here(fut.as_mut()), Poll::Ready(Some(true)));

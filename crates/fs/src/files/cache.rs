@@ -255,6 +255,9 @@ struct Index {
     seals: HashMap<u128, Seal>,
     /// Whole objects used since their last use was last written to their manifest.
     used: HashSet<u128>,
+    /// Whole objects whose manifest was read and gave no seal (another boot's, damaged):
+    /// not read again by a rescan (an open reads it, and checks the copy).
+    unsealed: HashSet<u128>,
 }
 
 impl Index {
@@ -270,6 +273,7 @@ impl Index {
         self.listings.remove(&name);
         self.seals.remove(&name);
         self.used.remove(&name);
+        self.unsealed.remove(&name);
         let (size, used) = self.files.remove(&name)?;
         self.lru.remove(&(used, name));
         self.bytes -= size;
@@ -290,6 +294,12 @@ impl Index {
         if let Some(seal) = seal {
             self.seals.insert(name, seal);
         }
+    }
+
+    /// A whole object in use: like [`Index::touch`], and marked whole.
+    fn touch_whole(&mut self, name: u128, size: u64, now: u64) {
+        self.touch(name, size, now);
+        self.wholes.insert(name);
     }
 
     fn insert_listing(&mut self, name: u128, size: u64, used: u64) {
@@ -474,6 +484,8 @@ pub struct DataCache {
     boot: String,
     /// The key of [`DataCache::ident`], this process's own.
     ident_key: std::collections::hash_map::RandomState,
+    /// A thread is reading manifests for their seals ([`DataCache::read_seals`]).
+    reading_seals: AtomicBool,
 }
 
 impl std::fmt::Debug for DataCache {
@@ -540,6 +552,7 @@ impl DataCache {
             whole_files: AtomicBool::new(false),
             boot,
             ident_key: Default::default(),
+            reading_seals: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&cache);
         std::thread::Builder::new()
@@ -570,6 +583,7 @@ impl DataCache {
     fn keep_seal(&self, ix: &mut Index, name: u128, id: &BlockId<'_>, m: &Manifest) {
         if !self.boot.is_empty() && m.boot == self.boot && ix.files.contains_key(&name) {
             ix.seals.insert(name, m.seal(self.ident(id)));
+            ix.unsealed.remove(&name);
         }
     }
 
@@ -659,7 +673,7 @@ impl DataCache {
         // Its last use, on the manifest (the data file's own times are part of the seal).
         touch(&mf);
         let bytes = md.len() + man.len() as u64;
-        self.index.lock().insert_whole(name, bytes, now_tick());
+        self.index.lock().touch_whole(name, bytes, now_tick());
         Ok((f, m, bytes))
     }
 
@@ -775,9 +789,10 @@ impl DataCache {
     ) -> Option<Vec<bool>> {
         let id = self.id(key, etag, WHOLE);
         let name = id.name();
-        let sealed = self
-            .open_sealed(&id, name, size)
-            .and_then(|(f, seal)| Some((f, vec![seal.crc?])));
+        // Only a copy of one block: the CRCs of a larger one are in its manifest alone.
+        let one_block = self.index.lock().seals.get(&name).and_then(|s| s.crc);
+        let sealed =
+            one_block.and_then(|crc| Some((self.open_sealed(&id, name, size)?.0, vec![crc])));
         let whole = || self.open_whole(&id, size).map(|(f, m, _)| (f, m.crcs));
         let (f, crcs) = match sealed.map_or_else(whole, Ok) {
             Ok(w) => w,
@@ -1255,7 +1270,7 @@ impl DataCache {
     /// Rereads the directory: block files (size and mtime, or the later use this mount saw)
     /// replace the index, with the seals of whole objects sealed in this boot (their
     /// manifests read once); temporary files of crashed writers go.
-    fn rescan(&self) {
+    fn rescan(self: &Arc<Self>) {
         self.persist_uses();
         let mut found: Vec<(u128, u64, u64)> = Vec::new();
         let mut listings: Vec<(u128, u64, u64)> = Vec::new();
@@ -1325,12 +1340,6 @@ impl DataCache {
                 false
             }
         });
-        let known: HashSet<u128> = self.index.lock().seals.keys().copied().collect();
-        let read: Vec<(u128, Seal)> = wholes
-            .keys()
-            .filter(|n| !known.contains(n))
-            .filter_map(|&n| Some((n, self.read_seal(n)?)))
-            .collect();
         {
             let mut ix = self.index.lock();
             let mut fresh = Index::default();
@@ -1346,20 +1355,53 @@ impl DataCache {
                 let used = ix.files.get(&n).map_or(t, |&(_, u)| u.max(t));
                 fresh.insert_listing(n, size, used);
             }
-            // A seal an open kept meanwhile is newer than one read above.
-            for (n, seal) in read.into_iter().chain(ix.seals.drain()) {
-                if fresh.wholes.contains(&n) {
-                    fresh.seals.insert(n, seal);
-                }
-            }
-            fresh.used = ix
-                .used
-                .drain()
-                .filter(|n| fresh.wholes.contains(n))
-                .collect();
+            let whole = |n: &u128| fresh.wholes.contains(n);
+            let seals = ix.seals.drain().filter(|(n, _)| whole(n)).collect();
+            let used = ix.used.drain().filter(whole).collect();
+            let unsealed = ix.unsealed.drain().filter(whole).collect();
+            (fresh.seals, fresh.used, fresh.unsealed) = (seals, used, unsealed);
             *ix = fresh;
         }
         self.evict_to(self.max_bytes);
+        self.read_seals();
+    }
+
+    /// Reads, on a thread of its own (the writer goes on meanwhile), the manifests of the
+    /// whole objects found without a seal and not read before: each at most once per mount.
+    fn read_seals(self: &Arc<Self>) {
+        if self.boot.is_empty() || self.reading_seals.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let todo: Vec<u128> = {
+            let ix = self.index.lock();
+            ix.wholes
+                .iter()
+                .filter(|n| !ix.seals.contains_key(n) && !ix.unsealed.contains(n))
+                .copied()
+                .collect()
+        };
+        let cache = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("data-cache-seals".into())
+            .spawn(move || {
+                for n in todo {
+                    let Some(c) = cache.upgrade() else { return };
+                    let seal = c.read_seal(n);
+                    let mut ix = c.index.lock();
+                    if ix.wholes.contains(&n) && !ix.seals.contains_key(&n) {
+                        match seal {
+                            Some(s) => drop(ix.seals.insert(n, s)),
+                            None => drop(ix.unsealed.insert(n)),
+                        }
+                    }
+                }
+                if let Some(c) = cache.upgrade() {
+                    c.reading_seals.store(false, Ordering::Release);
+                }
+            });
+        if spawned.is_err() {
+            self.reading_seals.store(false, Ordering::Release);
+        }
     }
 }
 
@@ -1730,7 +1772,9 @@ mod tests {
         };
         let m = Arc::new(FsMetrics::default());
         let other = DataCache::start_in_boot(&cfg, 8, m, "another boot".into());
-        wait_until("scanned", || other.index.lock().wholes.contains(&name));
+        wait_until("manifest read", || {
+            other.index.lock().unsealed.contains(&name)
+        });
         assert!(other.index.lock().seals.is_empty());
         drop(other);
         // This boot's: the scan reads each manifest once, and opens need the data file alone.

@@ -245,12 +245,14 @@ impl OpenFiles {
     /// A passthrough handle of `ino` closed (or the kernel refused it).
     pub fn drop_through(&self, ino: Ino) {
         let mut th = self.through.lock();
-        if let Some(t) = th.get_mut(&ino) {
+        let last = th.get_mut(&ino).is_some_and(|t| {
             t.handles = t.handles.saturating_sub(1);
-            if t.handles == 0 {
-                th.remove(&ino);
-            }
-        }
+            t.handles == 0
+        });
+        let gone = last.then(|| th.remove(&ino));
+        drop(th);
+        // The copy is closed here, not under the lock every open takes.
+        drop(gone);
     }
 
     /// Handle `fh` is served by the daemon after all.

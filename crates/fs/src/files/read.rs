@@ -532,13 +532,13 @@ async fn fetch_cached(
     let blocks = blocks_within(&range, size);
     let (mut buf, hits, cache, key, etag) = {
         let r = range.clone();
-        crate::inline::local_io(move || {
+        tokio::task::spawn_blocking(move || {
             let mut buf = buf;
             let hits = cache.read_blocks(&key, &etag, size, r, buf.as_mut_slice());
             (buf, hits, cache, key, etag)
         })
         .await
-        .ok_or(FsError::EIO)?
+        .map_err(|_| FsError::EIO)?
     };
     let hit = |i: u64| hits[(i - blocks.start) as usize];
     // The span still needed: the range less the cached blocks at either end.
