@@ -1515,7 +1515,8 @@ impl WriteBack {
     }
 
     /// [`Self::commit`] after `fill` writes the slot's bytes ([`Slot::write_blocking`]), in
-    /// the same blocking call as the sync: a small commit costs one thread hand-off.
+    /// the same blocking call as the sync: a small commit costs one thread hand-off, none
+    /// when the FUSE thread runs it in place ([`crate::inline::local_io`]).
     pub async fn commit_filled(
         &self,
         mut slot: Slot,
@@ -1524,18 +1525,18 @@ impl WriteBack {
         fill: impl FnOnce(&mut Slot) -> std::io::Result<()> + Send + 'static,
     ) -> FsResult<u64> {
         let (loc, replaces, size) = (slot.loc.clone(), slot.replaces, slot.size);
-        let done = tokio::task::spawn_blocking(move || {
+        let done = crate::inline::local_io(move || {
             let r = fill(&mut slot).and_then(|()| slot.seal());
             (slot, r)
         })
         .await;
         let slot = match done {
-            Ok((slot, Ok(()))) => slot,
-            Ok((slot, Err(e))) => {
+            Some((slot, Ok(()))) => slot,
+            Some((slot, Err(e))) => {
                 self.abandon(slot);
                 return Err(wb_io(e));
             }
-            Err(_) => {
+            None => {
                 self.forget_loc(&loc);
                 self.unhold(replaces, size);
                 return Err(FsError::EIO);
