@@ -325,7 +325,7 @@ impl Mounts {
             self.forget(&target);
         } else {
             if let Some(d) = dead {
-                crate::repair::replace_dead_binds(&d, &target);
+                crate::repair::repair_binds(d, target.clone());
             }
             // An unpublish given up on before this publish starts its deadline afresh.
             self.unpublishing
@@ -617,7 +617,7 @@ impl Mounts {
                 Ok(()) => {
                     if let Some(d) = dead {
                         // Pods' binds of the dead mount get the new one.
-                        crate::repair::replace_dead_binds(&d, &r.target);
+                        crate::repair::repair_binds(d, r.target.clone());
                     }
                 }
                 Err(e) => warn!("{e}"),

@@ -22,8 +22,9 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 use tracing::{info, warn};
 
 const OPEN_TREE_CLONE: libc::c_uint = 1;
@@ -64,10 +65,35 @@ impl Dead {
     }
 }
 
+/// [`replace_dead_binds`] now, then again 1, 4 and 14 s later on a thread of its own (holding
+/// `dead`), while `target` still holds the mount there now: a namespace the first pass
+/// missed (its process starting, its mounts changing at that moment) gets the new mount too.
+/// A later pass finds nothing left to replace in the namespaces done.
+pub fn repair_binds(dead: Dead, target: PathBuf) {
+    replace_dead_binds(&dead, &target);
+    let Some(now) = crate::mounts::mount_at(&target).map(|m| m.dev) else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("bind-repair".into())
+        .spawn(move || {
+            for wait in [1, 3, 10] {
+                std::thread::sleep(Duration::from_secs(wait));
+                if crate::mounts::mount_at(&target).map(|m| m.dev).as_ref() != Some(&now) {
+                    return;
+                }
+                replace_dead_binds(&dead, &target);
+            }
+        });
+    if let Err(e) = spawned {
+        warn!("cannot start the repeated repair of pods' binds: {e}");
+    }
+}
+
 /// Replaces, in every other mount namespace, each mount of the dead file system `dead` by a
 /// copy of what is mounted at `target` now (the same subdirectory of it, for a bind of a
 /// subdirectory). Returns how many it replaced.
-pub fn replace_dead_binds(dead: &Dead, target: &Path) -> usize {
+fn replace_dead_binds(dead: &Dead, target: &Path) -> usize {
     let dead = dead.dev.as_str();
     let own = fs::read_link("/proc/self/ns/mnt").ok();
     let mut seen = HashSet::new();

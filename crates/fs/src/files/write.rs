@@ -1120,11 +1120,13 @@ fn write_part_blocking(
     staging.write_all_at(data, at)
 }
 
+/// Writes `data` to the staging file at `offset`: in place on a FUSE thread (see
+/// [`crate::inline::local_io`]; a page-cache write), else on the blocking pool.
 async fn write_at(staging: &Arc<File>, offset: u64, data: Bytes) -> FsResult<()> {
     let staging = staging.clone();
-    tokio::task::spawn_blocking(move || staging.write_all_at(&data, offset))
+    crate::inline::local_io(move || staging.write_all_at(&data, offset))
         .await
-        .map_err(|_| FsError::EIO)?
+        .ok_or(FsError::EIO)?
         .map_err(io_err)
 }
 
@@ -1135,7 +1137,7 @@ where
     B: AsMut<[u8]> + Send + 'static,
 {
     let staging = staging.clone();
-    tokio::task::spawn_blocking(move || {
+    crate::inline::local_io(move || {
         let dst = &mut buf.as_mut()[at..at + (r.end - r.start) as usize];
         let mut done = 0;
         while done < dst.len() {
@@ -1149,7 +1151,7 @@ where
         Ok::<_, std::io::Error>(buf)
     })
     .await
-    .map_err(|_| FsError::EIO)?
+    .ok_or(FsError::EIO)?
     .map_err(io_err)
 }
 
