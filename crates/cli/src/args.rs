@@ -93,7 +93,8 @@ pub enum Command {
     /// Live view of a mount: throughput, requests/s by type, cache hit rates, memory in use.
     Stats(StatsArgs),
     /// Files of a mount with --upload background that are not in the bucket yet: each with
-    /// its state (queued, uploading, failed, conflict), size, key and last error.
+    /// its state (queued; parked: fsync'd while still open, goes up at its close or 5 s
+    /// after; uploading; failed; conflict), size, key and last error.
     Pending(PendingArgs),
     /// Make the mount forget what it cached about PATHs (attributes, directory listings), so
     /// changes made by other clients show now instead of after --stat-ttl.

@@ -2188,6 +2188,7 @@ impl WriteBack {
                     (Status::Failed, true) => "conflict",
                     (Status::Failed, false) => "failed",
                     (Status::Uploading, _) => "uploading",
+                    _ if e.parked.is_some() => "parked",
                     _ => "queued",
                 },
                 error: e.error.clone(),

@@ -142,6 +142,12 @@ async fn fsyncs_of_an_open_file_store_only_their_changes_and_upload_once_at_clos
     );
     let read = e.fs.read(attr.ino, h.fh, 0, MIB as u32).await.unwrap();
     assert!(read[..] == want[..], "the open file reads other bytes");
+    let states: Vec<_> = e.fs.pending_uploads().iter().map(|p| p.state).collect();
+    assert_eq!(
+        states,
+        ["parked"],
+        "what `bucketfs pending` shows while the file is open"
+    );
     e.fs.release(attr.ino, h.fh).await.unwrap();
     for _ in 0..100 {
         if e.metrics.requests(Op::Put) > puts {
