@@ -233,8 +233,10 @@ impl FuseFs {
         F: Future<Output = ()> + Send + 'static,
     {
         // One request is one operation: its store calls share one stall deadline.
-        let mut op = Box::pin(bucketfs_fs::within_operation(fut));
+        // Entered first, so that it is left last: an operation dropped here (finished, or
+        // after a panic) drops what it holds inside the runtime's context.
         let _rt = self.rt.enter();
+        let mut op = Box::pin(bucketfs_fs::within_operation(fut));
         let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             bucketfs_fs::poll_here(op.as_mut())
         }));
