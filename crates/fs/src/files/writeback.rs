@@ -3282,6 +3282,20 @@ mod tests {
     }
 
     /// Waits for the first segment, so small entries go to records.
+    /// A write-back directory in a new temp dir over a new memory store, opened and with
+    /// its first segment ready.
+    async fn started_wb() -> (
+        tempfile::TempDir,
+        Arc<bucketfs_store::memory::MemoryStore>,
+        Arc<WriteBack>,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        wait_for_segment(&wb).await;
+        (dir, store, wb)
+    }
+
     async fn wait_for_segment(wb: &WriteBack) {
         for _ in 0..200 {
             if wb.inner.lock().segs.spare.is_some() {
@@ -3454,10 +3468,7 @@ mod tests {
     /// can read them uploads them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn unreadable_entries_are_kept_and_listed() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
-        let (wb, _) = open_wb(dir.path(), &store).await;
-        wait_for_segment(&wb).await;
+        let (dir, store, wb) = started_wb().await;
         let big = vec![7u8; 5 << 20];
         let a = put(&wb, "a", b"alpha").await;
         let b = put(&wb, "b", &big).await;
@@ -3521,10 +3532,7 @@ mod tests {
     /// records go oldest first) is removed, never uploaded as an older version.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deltas_come_back_after_a_restart_and_a_chain_without_its_base_does_not() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
-        let (wb, _) = open_wb(dir.path(), &store).await;
-        wait_for_segment(&wb).await;
+        let (dir, store, wb) = started_wb().await;
         let mut want: Vec<u8> = (0..10240u32).map(|i| (i % 251) as u8).collect();
         let a = put(&wb, "a", &want).await;
         let c = Changes {
@@ -3569,10 +3577,7 @@ mod tests {
     /// and returned. After a restart the acknowledged one is the file, not the failed one.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn of_two_deltas_over_one_entry_the_acknowledged_one_comes_back() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
-        let (wb, _) = open_wb(dir.path(), &store).await;
-        wait_for_segment(&wb).await;
+        let (dir, store, wb) = started_wb().await;
         let base = vec![5u8; 8192];
         let w = put(&wb, "a", &base).await;
         let c = |b: u64| Changes {
@@ -3608,10 +3613,7 @@ mod tests {
     /// the version with its delta.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn nothing_goes_up_while_a_delta_may_be_in_what_cannot_be_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
-        let (wb, _) = open_wb(dir.path(), &store).await;
-        wait_for_segment(&wb).await;
+        let (dir, store, wb) = started_wb().await;
         // A whole file of its own (over 4 MiB), its delta a record of a segment.
         let size = 5u64 << 20;
         let mut want = vec![3u8; size as usize];

@@ -1,6 +1,8 @@
 //! Directories, listings and lookups: markers, prefixes, statahead, readdirplus, request counts.
 
-use crate::support::{config, env, env_on, faulty_fs, list, put, random, write_file, Env, ME};
+use crate::support::{
+    config, env, env_on, faulty_fs, list, put, random, write_file, write_file_in, Env, ME,
+};
 use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, ROOT_INO};
 use bucketfs_store::fault::Fault;
 use bucketfs_store::memory::MemoryStore;
@@ -797,23 +799,17 @@ async fn a_listing_older_than_a_file_made_here_does_not_hide_it() {
         .await
         .expect("the LIST was not sent");
     // The LIST has its page; now a file is made here and closed (sync mode: stored).
-    let (new, h) = tokio::time::timeout(
+    let new = tokio::time::timeout(
         Duration::from_secs(10),
-        fs.create(d.ino, OsStr::new("new"), 0o644, 0o022, libc::O_WRONLY, ME),
+        write_file_in(&fs, d.ino, "new", b"new"),
     )
     .await
-    .expect("create waited for the listing")
-    .unwrap();
-    fs.write(new.ino, h.fh, 0, Bytes::from_static(b"new"))
-        .await
-        .unwrap();
-    fs.flush(new.ino, h.fh).await.unwrap();
-    fs.release(new.ino, h.fh).await.unwrap();
+    .expect("the file's create or close waited for the listing");
     store.go.notify_one();
     let names = lister.await.unwrap();
     assert!(names.contains(&"a".to_string()), "{names:?}");
     // The kernel forgets the file; then looks it up again within the stat TTL.
-    fs.forget(new.ino, 1);
+    fs.forget(new, 1);
     let again = fs.lookup(d.ino, OsStr::new("new")).await;
     assert!(again.is_ok(), "a file made here looked up as {again:?}");
 }

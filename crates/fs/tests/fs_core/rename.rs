@@ -1,7 +1,8 @@
 //! Renames of files and directories, open or being written.
 
 use crate::support::{
-    config, env, hidden_keys, list, object, put, random, write_file, write_mib, write_open, ME, MIB,
+    config, env, hidden_keys, list, object, put, random, write_file, write_file_in, write_mib,
+    write_open, ME, MIB,
 };
 use bucketfs_fs::{Fs, FsConfig, FsError, ROOT_INO};
 use bucketfs_store::memory::MemoryStore;
@@ -87,15 +88,7 @@ async fn directory_rename_on_the_local_store_leaves_no_old_directory() {
         .mkdir(d.ino, OsStr::new("e"), 0o755, 0, ME)
         .await
         .unwrap();
-    let (f, h) = fs
-        .create(e.ino, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
-        .await
-        .unwrap();
-    fs.write(f.ino, h.fh, 0, Bytes::from_static(b"content"))
-        .await
-        .unwrap();
-    fs.flush(f.ino, h.fh).await.unwrap();
-    fs.release(f.ino, h.fh).await.unwrap();
+    write_file_in(&fs, e.ino, "f", b"content").await;
     fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
         .await
         .unwrap();

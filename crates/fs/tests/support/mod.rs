@@ -93,8 +93,13 @@ pub async fn put(mem: &MemoryStore, key: &str, data: &[u8]) {
 
 /// Writes `data` as a new file `name` in the root in 1 MiB writes and closes it.
 pub async fn write_file(fs: &Fs, name: &str, data: &[u8]) -> u64 {
+    write_file_in(fs, ROOT_INO, name, data).await
+}
+
+/// [`write_file`] in directory `parent`.
+pub async fn write_file_in(fs: &Fs, parent: u64, name: &str, data: &[u8]) -> u64 {
     let (attr, open) = fs
-        .create(ROOT_INO, OsStr::new(name), 0o644, 0o022, libc::O_WRONLY, ME)
+        .create(parent, OsStr::new(name), 0o644, 0o022, libc::O_WRONLY, ME)
         .await
         .unwrap();
     write_mib(fs, attr.ino, open.fh, 0, data).await;
