@@ -97,6 +97,55 @@ fn a_second_read_after_remount_comes_from_the_data_cache() {
     assert!(stats.contains("data cache   hits 10"), "{stats}");
 }
 
+/// An unmount right after a read waits for the cache's writer: the blocks it queued are on
+/// disk for the next mount (they were dropped with the cache, and the next mount fetched them
+/// again). The writer is held at each block until the unmount has begun.
+#[test]
+fn blocks_read_just_before_an_unmount_are_cached_for_the_next_mount() {
+    let b = s3().new_bucket("dcache-unmount");
+    let data = pattern::bytes(5, (3 * MIB + 7) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let points = tempfile::tempdir().unwrap();
+    let pause = points.path().join("pause");
+    let mut spec = MountSpec::s3(&b, "")
+        .arg("--data-cache")
+        .arg(cache.path().to_str().unwrap())
+        .arg("--no-passthrough");
+    spec.envs.push((
+        "BUCKETFS_TEST_POINT".into(),
+        format!("cache.write=pause:{}", pause.display()),
+    ));
+    let m = spec.mount();
+    assert!(read_file(&m.join("f")) == data);
+    wait_for(
+        "the cache writer at its pause",
+        Duration::from_secs(20),
+        || pause.exists(),
+    );
+    // Lets each block through once the unmount is under way.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let releaser = {
+        let (done, pause) = (done.clone(), pause.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::fs::remove_file(&pause);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let (st, log) = m.unmount();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    releaser.join().unwrap();
+    assert!(st.is_some_and(|s| s.success()), "{log}");
+    assert_eq!(block_files(cache.path()).len(), 4, "{log}");
+
+    let (m, _) = mount_cached(&b, cache.path(), &[]);
+    let (g, _) = read_counted(&m, "f", &data);
+    assert_eq!(g, 0, "read from the blocks the first mount cached");
+}
+
 #[test]
 fn a_replaced_object_is_read_anew_never_from_its_old_blocks() {
     let b = s3().new_bucket("dcache-etag");

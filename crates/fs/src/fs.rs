@@ -117,6 +117,9 @@ pub type StaleCache = Box<dyn Fn(Ino) + Send + Sync>;
 /// (the object keeps changing under it).
 const REPIN_TRIES: u32 = 3;
 
+/// How long an unmount waits for the data cache's writer to write the blocks queued.
+const CACHE_SETTLE: Duration = Duration::from_secs(10);
+
 fn now() -> SystemTime {
     SystemTime::now()
 }
@@ -1054,6 +1057,14 @@ impl Fs {
         if let Err(e) = self.ns.markers.wait_below(&root).await {
             tracing::error!("directory markers not stored at shutdown: {e}");
             failed += self.ns.markers.len();
+        }
+        if let Some(c) = self.files.data_cache() {
+            if !c.settle(CACHE_SETTLE).await {
+                tracing::warn!(
+                    "the data cache's writer did not finish within {CACHE_SETTLE:?}; blocks \
+                     still queued are not cached"
+                );
+            }
         }
         self.files.uploads().retry_aborts().await;
         let left = self.files.uploads().pending_aborts();

@@ -43,23 +43,38 @@ fn points() -> &'static [(String, Action)] {
 
 /// The daemon is at point `name`.
 pub(crate) async fn reached(name: &str) {
-    for (n, action) in points() {
-        if n != name {
-            continue;
+    for file in act(name) {
+        while file.exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        match action {
+    }
+}
+
+/// [`reached`] on a thread of its own (not a runtime's).
+pub(crate) fn reached_blocking(name: &str) {
+    for file in act(name) {
+        while file.exists() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// Aborts or panics as point `name` says; returns the files of its pauses (each created).
+fn act(name: &str) -> impl Iterator<Item = &'static PathBuf> + '_ {
+    points()
+        .iter()
+        .filter(move |(n, _)| n == name)
+        .filter_map(move |(_, action)| match action {
             Action::Abort => {
                 tracing::error!("test point {name}: killing the daemon");
                 // SAFETY: kill(2) of this process: a crash, as kill -9 from outside.
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                None
             }
             Action::Panic => panic!("test point {name}: panicking"),
             Action::Pause(file) => {
                 let _ = std::fs::File::create(file);
-                while file.exists() {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
+                Some(file)
             }
-        }
-    }
+        })
 }

@@ -956,6 +956,20 @@ impl DataCache {
         Ok(())
     }
 
+    /// Waits, at most `limit`, until the writer has written every block queued so far, so
+    /// that what a mount read just before its unmount is cached for the next one. False
+    /// when the limit passed first (a slow or hung cache disk).
+    pub async fn settle(&self, limit: Duration) -> bool {
+        let start = std::time::Instant::now();
+        while self.metrics.data_cache_queued.load(Ordering::Relaxed) > 0 {
+            if start.elapsed() >= limit {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
+    }
+
     /// Hands block `index` of `key` version `etag` (`size` bytes) to the writer, unless its
     /// queue is full.
     pub fn put(&self, key: &str, etag: &str, size: u64, index: u64, data: Bytes) {
@@ -1463,6 +1477,7 @@ fn writer(cache: std::sync::Weak<DataCache>, rx: Receiver<Job>) {
             scanned = std::time::Instant::now();
         }
         if let Some(job) = job {
+            crate::testpoint::reached_blocking("cache.write");
             c.write(&job);
             c.metrics.data_cache_queued.fetch_sub(1, Ordering::Relaxed);
         }
