@@ -550,6 +550,8 @@ impl Lookups {
                 }
                 let mut all = self.subtree_pages.lock();
                 let pages = all.entry(parent.clone()).or_default();
+                // Answered pages left by a lookup that stopped waiting (each removes its own).
+                pages.retain(|_, p| p.peek().is_none());
                 let lo = from.clone().unwrap_or_default();
                 let found = pages
                     .range(lo..=name.to_string())
@@ -565,11 +567,13 @@ impl Lookups {
                     }
                 }
             };
-            let next = page.await;
+            let next = page.clone().await;
             if mine {
                 let mut all = self.subtree_pages.lock();
                 if let Some(pages) = all.get_mut(&parent) {
-                    pages.remove(&start);
+                    if pages.get(&start).is_some_and(|p| p.ptr_eq(&page)) {
+                        pages.remove(&start);
+                    }
                     if pages.is_empty() {
                         all.remove(&parent);
                     }
