@@ -79,20 +79,3 @@ pub fn run(cmd: &str, args: &[&str]) -> String {
     );
     String::from_utf8(out.stdout).unwrap()
 }
-
-/// Opens and reads `paths` from `threads` threads at once (each takes the next), checking
-/// each against its bytes.
-pub fn read_all(paths: &[(std::path::PathBuf, Vec<u8>)], threads: usize) {
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some((p, want)) = paths.get(i) else {
-                    return;
-                };
-                assert!(read_file(p) == *want, "{}: wrong bytes", p.display());
-            });
-        }
-    });
-}

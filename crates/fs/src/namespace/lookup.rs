@@ -550,8 +550,6 @@ impl Lookups {
                 }
                 let mut all = self.subtree_pages.lock();
                 let pages = all.entry(parent.clone()).or_default();
-                // Answered pages left by a lookup that stopped waiting (each removes its own).
-                pages.retain(|_, p| p.peek().is_none());
                 let lo = from.clone().unwrap_or_default();
                 let found = pages
                     .range(lo..=name.to_string())
@@ -567,13 +565,11 @@ impl Lookups {
                     }
                 }
             };
-            let next = page.clone().await;
+            let next = page.await;
             if mine {
                 let mut all = self.subtree_pages.lock();
                 if let Some(pages) = all.get_mut(&parent) {
-                    if pages.get(&start).is_some_and(|p| p.ptr_eq(&page)) {
-                        pages.remove(&start);
-                    }
+                    pages.remove(&start);
                     if pages.is_empty() {
                         all.remove(&parent);
                     }
