@@ -50,7 +50,7 @@ fn lists(req: &std::collections::BTreeMap<String, u64>) -> u64 {
 }
 
 #[test]
-fn concurrent_opens_across_directories_share_a_few_subtree_listings() {
+fn concurrent_opens_across_directories_list_each_directory_once() {
     let b = s3().new_bucket("epoch-coalesce");
     let dirs = 100;
     let files = data_set(&b, "set", dirs, 3 * dirs);
@@ -59,12 +59,12 @@ fn concurrent_opens_across_directories_share_a_few_subtree_listings() {
     read_all(&under(&m, &files), 128);
     let req = requests_between(&before, &store_requests(m.path()));
     eprintln!("{req:?}");
-    // `set` itself, then one subtree listing of it from the first directory looked up (300
-    // files: one page) answers the lookups of every directory and file below (a few more
-    // when the lookups of directories begin out of order). Before: each directory listed
-    // once (101 LISTs), and before that about 1.5 LISTs per directory.
+    // `set` itself, then each directory once: its page answers the lookups of its files
+    // (a few more when `set` is listed again for the lookups of its names). Before (about
+    // 1.5 LISTs per directory), directories stat'ed ahead were listed twice (a one-key LIST,
+    // then the page) and lookups finding the page missing each fetched it again.
     assert!(
-        lists(&req) <= 6,
+        lists(&req) <= dirs as u64 + 5,
         "{} LISTs for {dirs} directories: {req:?}",
         lists(&req)
     );
@@ -105,8 +105,7 @@ fn after_a_remount_saved_directory_pages_younger_than_the_stat_ttl_answer_lookup
     let before = store_requests(m.path());
     read_all(&under(&m, &files), 8);
     let req = requests_between(&before, &store_requests(m.path()));
-    // `set`, then its subtree listing (the pages saved 5.5 s earlier answered nothing).
-    assert!(lists(&req) >= 2, "{req:?}");
+    assert!(lists(&req) > dirs as u64, "{req:?}");
     assert_eq!(req.get("get"), None, "the bytes still come from the cache");
 }
 

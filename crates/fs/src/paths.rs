@@ -39,14 +39,6 @@ impl MountPath {
         }
     }
 
-    /// Its directory and its name (`None` for the root).
-    pub fn parent_and_name(&self) -> Option<(MountPath, &str)> {
-        match self.0.rsplit_once('/') {
-            Some((dir, name)) => Some((Self(dir.to_string()), name)),
-            None => (!self.0.is_empty()).then(|| (Self::root(), self.0.as_str())),
-        }
-    }
-
     /// Whether this path is strictly below directory `dir`.
     pub fn is_below(&self, dir: &MountPath) -> bool {
         match dir.0.is_empty() {

@@ -20,13 +20,12 @@ use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{FileKind, PosixMeta};
 use crate::namespace::names::{listable, UNLINKED_DIR};
 use crate::namespace::saved::{self, ListingDisk};
-use crate::namespace::subtree;
 use crate::paths::{Keys, MountPath, ObjectKey};
 use bucketfs_store::{ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, StoreError};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
 use parking_lot::Mutex;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
@@ -65,9 +64,6 @@ struct Cached {
 
 type Probe = Shared<BoxFuture<'static, Result<Found, FsError>>>;
 
-/// A subtree listing's page in flight (see [`subtree`]): where the next one starts.
-type SubtreePage = Shared<BoxFuture<'static, Option<String>>>;
-
 /// How long and how much the stat cache remembers.
 #[derive(Debug, Clone, Copy)]
 pub struct CacheLimits {
@@ -86,14 +82,8 @@ const UNUSED_LISTED_FILES: u64 = 64;
 /// Keys asked for per LIST page of a directory listing (the most S3 returns in one).
 pub const LIST_PAGE: usize = 1000;
 /// First pages of looked-up directories kept for their listing once their entries are in
-/// the stat cache (oldest dropped first): this many full pages' worth of entries, in at most
-/// [`KEPT_PAGES_MAX`] pages (a subtree listing keeps one per directory it holds whole).
+/// the stat cache (oldest dropped first).
 const KEPT_PAGES: usize = 16;
-const KEPT_ENTRIES: usize = KEPT_PAGES * LIST_PAGE;
-const KEPT_PAGES_MAX: usize = 1024;
-/// Directories remembered as holding a subdirectory bigger than a page, at most (see
-/// [`Lookups::list_subtrees`]).
-const MAX_DEEP_DIRS: usize = 4096;
 /// Directories one statahead fetches a first page for: few enough that the kept pages of
 /// the directories a walk reaches first are not pushed out by those after.
 const STATAHEAD_PAGES: usize = KEPT_PAGES / 2;
@@ -136,7 +126,19 @@ impl Keep {
         {
             disk.save(dir_key, saved::encode(&page, *sent, self.detail));
         }
-        let page = KeptPage {
+        let mut pages = self.pages.lock();
+        pages.retain(|k| k.at.elapsed() < self.ttl && k.dir_key != dir_key);
+        // A page not fed yet belongs to a lookup still finishing, which feeds the stat cache
+        // from it: older fed pages go first, so many directories looked up at once (a job
+        // opening files across a tree) do not each lose theirs and probe every file alone.
+        // Unfed pages are as many as such lookups in flight, and expire with the TTL.
+        while pages.len() >= KEPT_PAGES {
+            match pages.iter().position(|k| k.fed) {
+                Some(i) => drop(pages.remove(i)),
+                None => break,
+            }
+        }
+        pages.push_back(KeptPage {
             dir_key: dir_key.to_string(),
             page,
             epoch: self.epoch,
@@ -144,28 +146,8 @@ impl Keep {
             fed: false,
             detail: self.detail,
             saved: false,
-        };
-        push_kept(&mut self.pages.lock(), page, self.ttl);
+        });
     }
-}
-
-/// Adds `page` to the kept pages, in place of one of its directory, once expired ones
-/// (`ttl`) and, beyond [`KEPT_ENTRIES`] or [`KEPT_PAGES_MAX`], the oldest fed ones are gone.
-/// A page not fed yet belongs to a lookup still finishing, which feeds the stat cache from
-/// it: older fed pages go first, so many directories looked up at once (a job opening files
-/// across a tree) do not each lose theirs and probe every file alone. Unfed pages are as
-/// many as such lookups in flight, and expire with the TTL.
-fn push_kept(pages: &mut VecDeque<KeptPage>, page: KeptPage, ttl: Duration) {
-    pages.retain(|k| k.at.elapsed() < ttl && k.dir_key != page.dir_key);
-    let size = |k: &KeptPage| k.page.objects.len() + k.page.common_prefixes.len();
-    let mut entries: usize = pages.iter().map(size).sum();
-    while pages.len() >= KEPT_PAGES_MAX || entries + size(&page) > KEPT_ENTRIES {
-        match pages.iter().position(|k| k.fed) {
-            Some(i) => entries -= pages.remove(i).map_or(0, |k| size(&k)),
-            None => break,
-        }
-    }
-    pages.push_back(page);
 }
 
 pub struct Lookups {
@@ -192,12 +174,6 @@ pub struct Lookups {
     page_fetches: Mutex<HashMap<MountPath, Shared<BoxFuture<'static, ()>>>>,
     /// Where first pages are saved for later mounts (`--data-cache`), see [`saved`].
     disk: OnceLock<Arc<dyn ListingDisk>>,
-    /// Subtree listings' pages in flight, by directory listed and the entry each starts at:
-    /// the lookups of its subdirectories from there on wait for them.
-    subtree_pages: Mutex<HashMap<MountPath, BTreeMap<String, SubtreePage>>>,
-    /// Directories whose subtree listing met a subdirectory bigger than a page, and when:
-    /// their subdirectories are listed one by one for a stat TTL.
-    deep: Mutex<HashMap<MountPath, Instant>>,
 }
 
 impl Lookups {
@@ -215,8 +191,6 @@ impl Lookups {
             kept: KeptPages::default(),
             page_fetches: Mutex::new(HashMap::new()),
             disk: OnceLock::new(),
-            subtree_pages: Mutex::new(HashMap::new()),
-            deep: Mutex::new(HashMap::new()),
         })
     }
 
@@ -400,18 +374,12 @@ impl Lookups {
     /// first page and keeps it for [`Self::take_page`]. `epoch` is [`Self::epoch`] from
     /// before the caller made sure that no directory made here below `path` is missing from
     /// the bucket (such a page would lack it).
-    /// With `siblings`, a directory its parent's listing showed is found by a subtree
-    /// listing of the parent from it on (see [`Self::list_subtrees`]).
     pub async fn stat_before_listing(
-        self: &Arc<Self>,
+        &self,
         path: &MountPath,
         epoch: u64,
-        siblings: bool,
     ) -> FsResult<(Found, bool)> {
         self.load_saved(path).await;
-        if siblings {
-            self.list_subtrees(path, epoch).await;
-        }
         let (r, paged) = self.stat_keeping(path, Some(epoch)).await;
         let page_missing = match &r {
             // A probe that kept its page: fed by whoever came first (and perhaps dropped
@@ -502,186 +470,29 @@ impl Lookups {
         if !usable() {
             return;
         }
-        let page = KeptPage {
-            dir_key,
-            page: s.page,
-            epoch: 0,
-            at,
-            fed: false,
-            detail: s.detail,
-            saved: true,
-        };
-        push_kept(&mut self.kept.lock(), page, self.limits.ttl);
+        {
+            let mut kept = self.kept.lock();
+            kept.retain(|k| k.dir_key != dir_key);
+            while kept.len() >= KEPT_PAGES {
+                match kept.iter().position(|k| k.fed) {
+                    Some(i) => drop(kept.remove(i)),
+                    None => break,
+                }
+            }
+            kept.push_back(KeptPage {
+                dir_key,
+                page: s.page,
+                epoch: 0,
+                at,
+                fed: false,
+                detail: s.detail,
+                saved: true,
+            });
+        }
         if !self.cached_complete(path) {
             self.put_from(path, Some(found), true, false, at);
         }
         self.feed_kept(path);
-    }
-
-    /// Before the lookup of directory `path`, which its parent's listing showed (a job
-    /// opening files across a tree): one LIST of the parent with no delimiter, from `path`
-    /// on, with user metadata, answers the lookups of `path`, of its siblings after it and
-    /// of everything below them that the page holds whole (see [`subtree`]), instead of a
-    /// LIST each. The lookups of siblings meanwhile wait for it, and those the page did not
-    /// reach share the next page. Left to the usual probe: a store whose listings lack user
-    /// metadata, a walk that stats nothing (`find`: listings without it), a subdirectory
-    /// bigger than a page (the parent is then not listed so for a TTL), a failed LIST, and
-    /// a change made here while it was in flight (the page may predate it).
-    async fn list_subtrees(self: &Arc<Self>, path: &MountPath, epoch: u64) {
-        if self.limits.ttl.is_zero() || self.detail_now() != ListDetail::UserMeta {
-            return;
-        }
-        let Some((parent, name)) = path.parent_and_name() else {
-            return;
-        };
-        let listed_dir = || {
-            self.fresh(path).is_some_and(|c| {
-                c.from_listing
-                    && !c.complete
-                    && c.found.as_ref().is_some_and(|f| f.kind == FileKind::Dir)
-            })
-        };
-        // Pages that start at or after `from` (at first: any before `name`) are awaited.
-        let mut from: Option<String> = None;
-        while listed_dir() {
-            let (start, page, mine) = {
-                if self.is_deep(&parent) {
-                    return;
-                }
-                let mut all = self.subtree_pages.lock();
-                let pages = all.entry(parent.clone()).or_default();
-                let lo = from.clone().unwrap_or_default();
-                let found = pages
-                    .range(lo..=name.to_string())
-                    .next_back()
-                    .map(|(s, p)| (s.clone(), p.clone()));
-                match found {
-                    Some((s, p)) => (s, p, false),
-                    None => {
-                        let s = from.clone().unwrap_or_else(|| name.to_string());
-                        let p = self.subtree_page(parent.clone(), s.clone(), epoch);
-                        pages.insert(s.clone(), p.clone());
-                        (s, p, true)
-                    }
-                }
-            };
-            let next = page.await;
-            if mine {
-                let mut all = self.subtree_pages.lock();
-                if let Some(pages) = all.get_mut(&parent) {
-                    pages.remove(&start);
-                    if pages.is_empty() {
-                        all.remove(&parent);
-                    }
-                }
-            }
-            // The next page, if `path` is still to come; each starts after the last.
-            match next {
-                Some(n) if n.as_str() <= name && n > start => from = Some(n),
-                _ => return,
-            }
-        }
-    }
-
-    /// Whether a subtree listing of `dir` met a subdirectory bigger than a page within
-    /// the stat TTL.
-    fn is_deep(&self, dir: &MountPath) -> bool {
-        let mut deep = self.deep.lock();
-        match deep.get(dir) {
-            Some(at) if at.elapsed() < self.limits.ttl => true,
-            Some(_) => {
-                deep.remove(dir);
-                false
-            }
-            None => false,
-        }
-    }
-
-    /// One page of the subtree listing of `dir` after its entry `start`, sent at `epoch`:
-    /// feeds the stat cache with what it holds whole; where the next page starts.
-    fn subtree_page(self: &Arc<Self>, dir: MountPath, start: String, epoch: u64) -> SubtreePage {
-        let this = self.clone();
-        async move {
-            let prefix = this.keys.dir_key(&dir).into_string();
-            let (at, sent) = (Instant::now(), SystemTime::now());
-            let from = ListFrom::After(format!("{prefix}{start}"));
-            tracing::trace!("subtree listing of {prefix:?} after {start:?}");
-            let page = match (this.store)
-                .list(&prefix, None, from, LIST_PAGE, ListDetail::UserMeta)
-                .await
-            {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::debug!("subtree listing of {prefix:?}: {e}");
-                    return None;
-                }
-            };
-            let truncated = page.next_continuation.is_some();
-            let s = subtree::split(&prefix, page);
-            if truncated && s.next.is_none() {
-                let mut deep = this.deep.lock();
-                if deep.len() >= MAX_DEEP_DIRS {
-                    let ttl = this.limits.ttl;
-                    deep.retain(|_, t| t.elapsed() < ttl);
-                }
-                deep.insert(dir.clone(), Instant::now());
-            }
-            if this.epoch() != epoch {
-                return None;
-            }
-            for (rel, page) in s.complete {
-                this.feed_subtree(&dir, &prefix, &rel, page, epoch, (at, sent));
-            }
-            s.next
-        }
-        .boxed()
-        .shared()
-    }
-
-    /// Caches directory `rel` below `dir` (keys from `prefix`), which a subtree listing sent
-    /// at `epoch` (at `sent`) held whole: it, complete, and its entries, as the page its
-    /// lookup would have fetched; that page is saved for later mounts too.
-    fn feed_subtree(
-        &self,
-        dir: &MountPath,
-        prefix: &str,
-        rel: &str,
-        page: ListPage,
-        epoch: u64,
-        sent: (Instant, SystemTime),
-    ) {
-        let mut names = rel.split('/');
-        let hidden = dir.is_root() && names.clone().next() == Some(UNLINKED_DIR);
-        if hidden || !names.all(listable) {
-            return;
-        }
-        let path = dir.join(rel);
-        let dir_key = format!("{prefix}{rel}/");
-        let marker = page.objects.first().filter(|o| o.key == dir_key);
-        // A marker without its metadata needs a HEAD: the lookup's own probe does it.
-        if marker.is_some_and(|m| !m.user_complete) {
-            return;
-        }
-        let found = Found {
-            kind: FileKind::Dir,
-            obj: marker.cloned().unwrap_or_default(),
-            has_marker: marker.is_some(),
-        };
-        for (name, f) in page_entries(&page, dir_key.len(), false) {
-            self.learned(&path.join(name), f, epoch, false, sent.0);
-        }
-        self.put_from(&path, Some(found), true, false, sent.0);
-        self.save_page(&dir_key, &page, sent.1, ListDetail::UserMeta);
-        let page = KeptPage {
-            dir_key,
-            page,
-            epoch,
-            at: sent.0,
-            fed: true,
-            detail: ListDetail::UserMeta,
-            saved: false,
-        };
-        push_kept(&mut self.kept.lock(), page, self.limits.ttl);
     }
 
     /// Fetches the first page of directory `path` as its lookup would and feeds the stat
@@ -850,7 +661,7 @@ impl Lookups {
                     let this = this.clone();
                     async move {
                         match dir {
-                            true => drop(this.stat_before_listing(&p, epoch, true).await),
+                            true => drop(this.stat_before_listing(&p, epoch).await),
                             false => {
                                 if matches!(this.stat(&p).await, Ok((f, _)) if f.kind == FileKind::Dir)
                                 {
@@ -1115,10 +926,7 @@ mod tests {
         let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
         let m = metered.metrics();
         let l = Lookups::new(Arc::new(metered), Keys::default(), limits());
-        let (d, _) = l
-            .stat_before_listing(&"d".into(), l.epoch(), false)
-            .await
-            .unwrap();
+        let (d, _) = l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
         assert_eq!(d.kind, FileKind::Dir);
         let after_dir = m.total_requests();
         // Files and subdirectories of the page are known now, with their metadata.
@@ -1157,10 +965,7 @@ mod tests {
         // showed `d` as a directory.
         l.list_user_meta.store(false, Ordering::Relaxed);
         l.listed(&"d".into(), Found::listed_dir(), l.epoch());
-        let (d, _) = l
-            .stat_before_listing(&"d".into(), l.epoch(), false)
-            .await
-            .unwrap();
+        let (d, _) = l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
         assert_eq!(d.obj.user["mode"], (libc::S_IFDIR | 0o700).to_string());
         assert!(d.has_marker);
         assert_eq!((m.requests(Op::List), m.requests(Op::Head)), (1, 1));
@@ -1168,9 +973,7 @@ mod tests {
         assert!(l.take_page(&"d/".into(), ListDetail::Plain).is_some());
         l.forget(&"d".into());
         l.listed(&"d".into(), Found::listed_dir(), l.epoch());
-        l.stat_before_listing(&"d".into(), l.epoch(), false)
-            .await
-            .unwrap();
+        l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
         assert!(l.take_page(&"d/".into(), ListDetail::UserMeta).is_none());
     }
 
@@ -1181,16 +984,6 @@ mod tests {
             mem.put(&format!("d{d}/f"), bytes::Bytes::new(), &UserMeta::new())
                 .await
                 .unwrap();
-        }
-        // More than a page in `d0`: no subtree listing answers them (its tests are below).
-        for i in 0..LIST_PAGE {
-            mem.put(
-                &format!("d0/g{i:04}"),
-                bytes::Bytes::new(),
-                &UserMeta::new(),
-            )
-            .await
-            .unwrap();
         }
         let dirs: Vec<MountPath> = (0..10).map(|d| MountPath::new(format!("d{d}"))).collect();
         let run = |pages: bool| {
@@ -1224,21 +1017,14 @@ mod tests {
     #[tokio::test]
     async fn kept_pages_are_few_used_once_and_expire() {
         let mem = Arc::new(MemoryStore::with_list_metadata());
-        // Full pages: KEPT_PAGES of them fit.
         for d in 0..20 {
-            for i in 0..LIST_PAGE {
-                mem.put(
-                    &format!("d{d:02}/f{i:04}"),
-                    bytes::Bytes::new(),
-                    &UserMeta::new(),
-                )
+            mem.put(&format!("d{d:02}/f"), bytes::Bytes::new(), &UserMeta::new())
                 .await
                 .unwrap();
-            }
         }
         let l = Lookups::new(mem.clone(), Keys::default(), limits());
         for d in 0..20 {
-            l.stat_before_listing(&MountPath::new(format!("d{d:02}")), l.epoch(), false)
+            l.stat_before_listing(&MountPath::new(format!("d{d:02}")), l.epoch())
                 .await
                 .unwrap();
             assert!(l.kept.lock().len() <= KEPT_PAGES);
@@ -1248,7 +1034,7 @@ mod tests {
             "the oldest were dropped"
         );
         let (page, _) = l.take_page(&"d19/".into(), ListDetail::UserMeta).unwrap();
-        assert_eq!(page.objects[0].key, "d19/f0000");
+        assert_eq!(page.objects[0].key, "d19/f");
         assert!(
             l.take_page(&"d19/".into(), ListDetail::UserMeta).is_none(),
             "given out once"
@@ -1266,7 +1052,7 @@ mod tests {
             ..limits()
         };
         let l = Lookups::new(mem, Keys::default(), short);
-        l.stat_before_listing(&"d01".into(), l.epoch(), false)
+        l.stat_before_listing(&"d01".into(), l.epoch())
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(60)).await;
@@ -1274,132 +1060,6 @@ mod tests {
             l.take_page(&"d01/".into(), ListDetail::UserMeta).is_none(),
             "expired with the stat TTL"
         );
-    }
-
-    /// A store holding `dirs` directories of `files` files each (`dNN/fNN`), with a marker
-    /// carrying a mode in `d01`, and lookups that know them from their parent's listing.
-    async fn tree(
-        dirs: usize,
-        files: usize,
-    ) -> (Arc<Lookups>, Arc<bucketfs_store::metrics::StoreMetrics>) {
-        let mem = Arc::new(MemoryStore::with_list_metadata());
-        let mut mode = UserMeta::new();
-        mode.insert("mode".into(), (libc::S_IFDIR | 0o700).to_string());
-        mem.put("d01/", bytes::Bytes::new(), &mode).await.unwrap();
-        mem.put("d01/sub/x", bytes::Bytes::new(), &UserMeta::new())
-            .await
-            .unwrap();
-        for d in 0..dirs {
-            for f in 0..files {
-                mem.put(
-                    &format!("d{d:02}/f{f:02}"),
-                    bytes::Bytes::new(),
-                    &UserMeta::new(),
-                )
-                .await
-                .unwrap();
-            }
-        }
-        let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
-        let m = metered.metrics();
-        let room = CacheLimits {
-            max_entries: 10_000,
-            ..limits()
-        };
-        let l = Lookups::new(Arc::new(metered), Keys::default(), room);
-        for d in 0..dirs {
-            l.listed(
-                &MountPath::new(format!("d{d:02}")),
-                Found::listed_dir(),
-                l.epoch(),
-            );
-        }
-        (l, m)
-    }
-
-    #[tokio::test]
-    async fn concurrent_lookups_of_sibling_directories_share_a_few_subtree_listings() {
-        // 60 x 20 files: two pages of 1,000 keys.
-        let (l, m) = tree(60, 20).await;
-        let lookups = (0..60).map(|d| {
-            let l = l.clone();
-            async move {
-                let p = MountPath::new(format!("d{d:02}"));
-                l.stat_before_listing(&p, l.epoch(), true).await.unwrap()
-            }
-        });
-        let dirs = futures::future::join_all(lookups).await;
-        assert!(dirs.iter().all(|(f, _)| f.kind == FileKind::Dir));
-        // The second page starts at the directory the first ended in (instead of 60 LISTs).
-        assert_eq!(m.requests(Op::List), 2);
-        assert_eq!(m.total_requests(), 2);
-        // Every file and subdirectory is known, with its metadata; the marker's too.
-        for d in 0..60 {
-            for f in 0..20 {
-                let p = MountPath::new(format!("d{d:02}/f{f:02}"));
-                assert!(l.stat(&p).await.unwrap().1, "{p:?}");
-            }
-        }
-        let (d01, cached) = l.stat(&"d01".into()).await.unwrap();
-        assert!(cached && d01.has_marker);
-        assert_eq!(d01.obj.user["mode"], (libc::S_IFDIR | 0o700).to_string());
-        assert!(l.stat(&"d01/sub".into()).await.unwrap().1);
-        assert!(l.stat(&"d01/sub/x".into()).await.unwrap().1);
-        assert_eq!(m.total_requests(), 2, "no request after them");
-        // Their listings start without a request too.
-        assert!(l.take_page(&"d59/".into(), ListDetail::UserMeta).is_some());
-        // Not what a change made here may be missing from.
-        let (l, m) = tree(3, 2).await;
-        let epoch = l.epoch();
-        l.forget(&"elsewhere".into());
-        l.stat_before_listing(&"d00".into(), epoch, true)
-            .await
-            .unwrap();
-        assert!(!l.cached_complete(&"d01".into()));
-        assert!(!l.cached_complete(&"d00/f00".into()));
-        assert_eq!(
-            m.requests(Op::List),
-            2,
-            "the subtree listing, then the probe"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_subdirectory_bigger_than_a_page_stops_subtree_listings_of_its_parent() {
-        let (l, m) = tree(3, 2).await;
-        for i in 0..LIST_PAGE {
-            l.store
-                .put(
-                    &format!("d00/big{i:04}"),
-                    bytes::Bytes::new(),
-                    &UserMeta::new(),
-                )
-                .await
-                .unwrap();
-        }
-        l.stat_before_listing(&"d00".into(), l.epoch(), true)
-            .await
-            .unwrap();
-        // A page of `d00` alone, then its own probe.
-        assert_eq!(m.requests(Op::List), 2);
-        l.stat_before_listing(&"d01".into(), l.epoch(), true)
-            .await
-            .unwrap();
-        l.stat_before_listing(&"d02".into(), l.epoch(), true)
-            .await
-            .unwrap();
-        assert_eq!(
-            m.requests(Op::List),
-            4,
-            "one probe each, no subtree listing"
-        );
-        // Without siblings (a directory made here below the parent is on its way): the probe.
-        let (l, m) = tree(3, 2).await;
-        l.stat_before_listing(&"d00".into(), l.epoch(), false)
-            .await
-            .unwrap();
-        assert!(!l.cached_complete(&"d01".into()));
-        assert_eq!(m.requests(Op::List), 1);
     }
 
     #[tokio::test]

@@ -18,7 +18,6 @@ pub mod lookup;
 pub mod markers;
 pub mod names;
 pub mod saved;
-pub mod subtree;
 
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta, ROOT_INO};
@@ -312,11 +311,7 @@ impl Namespace {
         // the check invalidates the page.
         let epoch = self.lookups.epoch();
         let stat = if lookups > 0 && !self.markers.any_below(&dir_key) {
-            // Its siblings' subtrees too, unless one made here may be missing from them.
-            let siblings = !self.markers.any_below(&self.dir_key(&parent_path));
-            self.lookups
-                .stat_before_listing(&path, epoch, siblings)
-                .await
+            self.lookups.stat_before_listing(&path, epoch).await
         } else {
             self.lookups.stat(&path).await
         };
