@@ -97,6 +97,20 @@ fn a_second_read_after_remount_comes_from_the_data_cache() {
     assert!(stats.contains("data cache   hits 10"), "{stats}");
 }
 
+/// A mount of `bucket` caching in `dir` (no passthrough) whose cache writer stops before each
+/// block while `pause` exists (the test point creates it there).
+fn mount_holding_the_writer(bucket: &str, dir: &Path, pause: &Path) -> Mount {
+    let mut spec = MountSpec::s3(bucket, "")
+        .arg("--data-cache")
+        .arg(dir.to_str().unwrap())
+        .arg("--no-passthrough");
+    spec.envs.push((
+        "BUCKETFS_TEST_POINT".into(),
+        format!("cache.write=pause:{}", pause.display()),
+    ));
+    spec.mount()
+}
+
 /// An unmount right after a read waits for the cache's writer: the blocks it queued are on
 /// disk for the next mount (they were dropped with the cache, and the next mount fetched them
 /// again). The writer is held at each block until the unmount has begun.
@@ -108,15 +122,7 @@ fn blocks_read_just_before_an_unmount_are_cached_for_the_next_mount() {
     let cache = tempfile::tempdir().unwrap();
     let points = tempfile::tempdir().unwrap();
     let pause = points.path().join("pause");
-    let mut spec = MountSpec::s3(&b, "")
-        .arg("--data-cache")
-        .arg(cache.path().to_str().unwrap())
-        .arg("--no-passthrough");
-    spec.envs.push((
-        "BUCKETFS_TEST_POINT".into(),
-        format!("cache.write=pause:{}", pause.display()),
-    ));
-    let m = spec.mount();
+    let m = mount_holding_the_writer(&b, cache.path(), &pause);
     assert!(read_file(&m.join("f")) == data);
     wait_for(
         "the cache writer at its pause",
@@ -144,6 +150,34 @@ fn blocks_read_just_before_an_unmount_are_cached_for_the_next_mount() {
     let (m, _) = mount_cached(&b, cache.path(), &[]);
     let (g, _) = read_counted(&m, "f", &data);
     assert_eq!(g, 0, "read from the blocks the first mount cached");
+}
+
+/// A cache writer that never gets on (a hung cache disk) holds an unmount 10 s at most: the
+/// daemon then exits 0 and says that the blocks still queued are not cached.
+#[test]
+fn a_stuck_cache_writer_holds_an_unmount_10_s_at_most() {
+    let b = s3().new_bucket("dcache-stuck");
+    let data = pattern::bytes(6, (2 * MIB) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let points = tempfile::tempdir().unwrap();
+    let pause = points.path().join("pause");
+    let m = mount_holding_the_writer(&b, cache.path(), &pause);
+    assert!(read_file(&m.join("f")) == data);
+    wait_for(
+        "the cache writer at its pause",
+        Duration::from_secs(20),
+        || pause.exists(),
+    );
+    let t = Instant::now();
+    let (st, log) = m.unmount();
+    let took = t.elapsed();
+    assert!(st.is_some_and(|s| s.success()), "{log}");
+    assert!(
+        took >= Duration::from_secs(9) && took < Duration::from_secs(20),
+        "{took:?}"
+    );
+    assert!(log.contains("blocks still queued are not cached"), "{log}");
 }
 
 #[test]
