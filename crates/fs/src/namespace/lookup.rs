@@ -470,6 +470,11 @@ impl Lookups {
         if !usable() {
             return;
         }
+        // Known before its page is: a lookup of it meanwhile that sees the page kept (so
+        // loads nothing) finds it known instead of probing it with a LIST.
+        if !self.cached_complete(path) {
+            self.put_from(path, Some(found), true, false, at);
+        }
         {
             let mut kept = self.kept.lock();
             kept.retain(|k| k.dir_key != dir_key);
@@ -488,9 +493,6 @@ impl Lookups {
                 detail: s.detail,
                 saved: true,
             });
-        }
-        if !self.cached_complete(path) {
-            self.put_from(path, Some(found), true, false, at);
         }
         self.feed_kept(path);
     }
