@@ -97,18 +97,42 @@ fn a_second_read_after_remount_comes_from_the_data_cache() {
     assert!(stats.contains("data cache   hits 10"), "{stats}");
 }
 
-/// A mount of `bucket` caching in `dir` (no passthrough) whose cache writer stops before each
-/// block while `pause` exists (the test point creates it there).
-fn mount_holding_the_writer(bucket: &str, dir: &Path, pause: &Path) -> Mount {
-    let mut spec = MountSpec::s3(bucket, "")
+/// A file of `size` bytes read through a mount (caching without passthrough) whose cache
+/// writer now waits at its first block: the test point `cache.write` stops it before each
+/// block while `pause`'s file exists.
+struct HeldWriter {
+    mount: Mount,
+    bucket: String,
+    data: Vec<u8>,
+    cache: tempfile::TempDir,
+    pause: Pause,
+    _points: tempfile::TempDir,
+}
+
+fn read_with_the_writer_held(tag: &str, size: usize) -> HeldWriter {
+    let bucket = s3().new_bucket(tag);
+    let data = pattern::bytes(5, size);
+    s3().put(&bucket, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let points = tempfile::tempdir().unwrap();
+    let pause = Pause::new(points.path());
+    let mut spec = MountSpec::s3(&bucket, "")
         .arg("--data-cache")
-        .arg(dir.to_str().unwrap())
+        .arg(cache.path().to_str().unwrap())
         .arg("--no-passthrough");
-    spec.envs.push((
-        "BUCKETFS_TEST_POINT".into(),
-        format!("cache.write=pause:{}", pause.display()),
-    ));
-    spec.mount()
+    spec.envs
+        .push(("BUCKETFS_TEST_POINT".into(), pause.point("cache.write")));
+    let mount = spec.mount();
+    assert!(read_file(&mount.join("f")) == data);
+    pause.reached();
+    HeldWriter {
+        mount,
+        bucket,
+        data,
+        cache,
+        pause,
+        _points: points,
+    }
 }
 
 /// An unmount right after a read waits for the cache's writer: the blocks it queued are on
@@ -116,39 +140,27 @@ fn mount_holding_the_writer(bucket: &str, dir: &Path, pause: &Path) -> Mount {
 /// again). The writer is held at each block until the unmount has begun.
 #[test]
 fn blocks_read_just_before_an_unmount_are_cached_for_the_next_mount() {
-    let b = s3().new_bucket("dcache-unmount");
-    let data = pattern::bytes(5, (3 * MIB + 7) as usize);
-    s3().put(&b, "f", data.clone());
-    let cache = tempfile::tempdir().unwrap();
-    let points = tempfile::tempdir().unwrap();
-    let pause = points.path().join("pause");
-    let m = mount_holding_the_writer(&b, cache.path(), &pause);
-    assert!(read_file(&m.join("f")) == data);
-    wait_for(
-        "the cache writer at its pause",
-        Duration::from_secs(20),
-        || pause.exists(),
-    );
+    let h = read_with_the_writer_held("dcache-unmount", (3 * MIB + 7) as usize);
     // Lets each block through once the unmount is under way.
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let releaser = {
-        let (done, pause) = (done.clone(), pause.clone());
+        let (done, file) = (done.clone(), h.pause.file().to_path_buf());
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(300));
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                let _ = std::fs::remove_file(&pause);
+                let _ = std::fs::remove_file(&file);
                 std::thread::sleep(Duration::from_millis(5));
             }
         })
     };
-    let (st, log) = m.unmount();
+    let (st, log) = h.mount.unmount();
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     releaser.join().unwrap();
     assert!(st.is_some_and(|s| s.success()), "{log}");
-    assert_eq!(block_files(cache.path()).len(), 4, "{log}");
+    assert_eq!(block_files(h.cache.path()).len(), 4, "{log}");
 
-    let (m, _) = mount_cached(&b, cache.path(), &[]);
-    let (g, _) = read_counted(&m, "f", &data);
+    let (m, _) = mount_cached(&h.bucket, h.cache.path(), &[]);
+    let (g, _) = read_counted(&m, "f", &h.data);
     assert_eq!(g, 0, "read from the blocks the first mount cached");
 }
 
@@ -156,21 +168,9 @@ fn blocks_read_just_before_an_unmount_are_cached_for_the_next_mount() {
 /// daemon then exits 0 and says that the blocks still queued are not cached.
 #[test]
 fn a_stuck_cache_writer_holds_an_unmount_10_s_at_most() {
-    let b = s3().new_bucket("dcache-stuck");
-    let data = pattern::bytes(6, (2 * MIB) as usize);
-    s3().put(&b, "f", data.clone());
-    let cache = tempfile::tempdir().unwrap();
-    let points = tempfile::tempdir().unwrap();
-    let pause = points.path().join("pause");
-    let m = mount_holding_the_writer(&b, cache.path(), &pause);
-    assert!(read_file(&m.join("f")) == data);
-    wait_for(
-        "the cache writer at its pause",
-        Duration::from_secs(20),
-        || pause.exists(),
-    );
+    let h = read_with_the_writer_held("dcache-stuck", (2 * MIB) as usize);
     let t = Instant::now();
-    let (st, log) = m.unmount();
+    let (st, log) = h.mount.unmount();
     let took = t.elapsed();
     assert!(st.is_some_and(|s| s.success()), "{log}");
     assert!(

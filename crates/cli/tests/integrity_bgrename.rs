@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -32,38 +32,6 @@ fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'st
         let _ = tx.send(f());
     });
     rx.recv_timeout(limit).ok()
-}
-
-/// A pause point's file: the daemon creates it when it gets there and goes on once it is
-/// removed.
-struct Pause(PathBuf);
-
-impl Pause {
-    fn new(dir: &Path) -> Pause {
-        Pause(dir.join("pause"))
-    }
-
-    fn point(&self, name: &str) -> String {
-        format!("{name}=pause:{}", self.0.display())
-    }
-
-    fn reached(&self) {
-        wait_for(
-            "the daemon at its pause point",
-            Duration::from_secs(30),
-            || self.0.exists(),
-        );
-    }
-
-    fn go_on(&self) {
-        std::fs::remove_file(&self.0).unwrap();
-    }
-}
-
-impl Drop for Pause {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }
 
 /// A file opened for writing below a directory after its rename began, and closed while the
@@ -413,10 +381,13 @@ fn a_directory_rename_ends_while_a_writer_below_keeps_closing() {
     let mut rounds = 0;
     while rounds < 5 {
         let t = std::time::Instant::now();
-        while !pause.0.exists() && !rename.is_finished() && t.elapsed() < Duration::from_secs(20) {
+        while !pause.file().exists()
+            && !rename.is_finished()
+            && t.elapsed() < Duration::from_secs(20)
+        {
             std::thread::sleep(Duration::from_millis(10));
         }
-        if !pause.0.exists() {
+        if !pause.file().exists() {
             break;
         }
         rounds += 1;

@@ -13,7 +13,7 @@
 //! * [`data_cache`]: mounts with `--data-cache` and the files of their cache directory.
 //! * [`files`]: checked file operations through a mount, running a command.
 //! * [`pattern`]: reproducible pseudo-random file contents, written and checked in 1 MiB blocks.
-//! * [`wait`]: polling until a condition holds.
+//! * [`wait`]: polling until a condition holds; [`Pause`], a test point the daemon waits at.
 //! * [`minio`]: stopping and restarting the shared server; [`private_minio`]: a server of one
 //!   test (TLS, a tiny disk).
 //! * [`writer`]: a writer in its own process.
