@@ -467,3 +467,58 @@ fn a_descriptor_reading_across_a_change_gets_estale() {
     drop(m);
     s3.remove_bucket(&b);
 }
+
+/// A file bigger than a part streams its parts while it is written, into an upload created
+/// with the metadata of that moment. `install -m 0751` (fchmod before its close) and a
+/// rewrite (`cp` over a file with an old mtime, O_TRUNC) of such a file: the bucket and a
+/// later mount show the new mode and a new mtime. Before, the mode of the create and the
+/// old object's mtime were stored (the close completed the upload as created).
+#[test]
+fn a_big_file_keeps_a_chmod_made_while_it_streams_and_gets_a_new_mtime_when_rewritten() {
+    let s3 = s3();
+    let b = s3.new_bucket("meta-stream");
+    let mode = (libc::S_IFREG | 0o600).to_string();
+    let old = [("mtime", "1000000000"), ("mode", mode.as_str())];
+    s3.put_with_meta(&b, "rewritten", vec![b'o'; 10], &old);
+    let src = tempfile::NamedTempFile::new().unwrap();
+    let data: Vec<u8> = (0..20u32 << 20).map(|i| (i % 251) as u8).collect();
+    fs::write(src.path(), &data).unwrap();
+    let m = Mount::s3(&b);
+    let started = SystemTime::now() - Duration::from_secs(1);
+    let st = Command::new("install")
+        .args(["-m", "0751"])
+        .arg(src.path())
+        .arg(m.join("installed"))
+        .status()
+        .unwrap();
+    assert!(st.success(), "install failed");
+    let st = Command::new("cp")
+        .arg(src.path())
+        .arg(m.join("rewritten"))
+        .status()
+        .unwrap();
+    assert!(st.success(), "cp failed");
+    assert_eq!(stored_mode(&b, "installed"), libc::S_IFREG | 0o751);
+    assert!(
+        stored_mtime(&b, "rewritten") >= secs(started),
+        "the old mtime was stored"
+    );
+    let here = times(&m.join("rewritten")).0;
+    let m = m.remount();
+    for name in ["installed", "rewritten"] {
+        assert_eq!(fs::read(m.join(name)).unwrap(), data, "{name}");
+    }
+    let md = fs::metadata(m.join("installed")).unwrap();
+    assert_eq!(md.mode(), libc::S_IFREG | 0o751);
+    let md = fs::metadata(m.join("rewritten")).unwrap();
+    assert_eq!(
+        md.mode(),
+        libc::S_IFREG | 0o600,
+        "the rewrite kept the file's mode"
+    );
+    assert_eq!(
+        md.modified().unwrap(),
+        here,
+        "the mtime shown before the remount is not the one stored"
+    );
+}

@@ -279,6 +279,9 @@ type PartOutcome = Result<String, (StoreError, Option<PartBody>)>;
 struct Stream {
     upload: Upload,
     slots: BTreeMap<u64, PartSlot>,
+    /// The metadata the upload was created with, which its object will carry: a change
+    /// since (chmod, chown, utimens through the file) is stored after it completes.
+    meta: UserMeta,
 }
 
 pub struct WriteConfig {
@@ -356,6 +359,9 @@ pub struct WriteState {
     /// The mtime to publish; `None` keeps the one in `meta` (nothing written since open, so
     /// a chmod or an atime-only utimens through the descriptor leaves the stored mtime).
     pub mtime: Option<SystemTime>,
+    /// `mtime` was set by utimens, not by a write since: a streamed upload must store it
+    /// (see [`Self::set_mtime`]).
+    mtime_set: bool,
     /// Background mode: the write-back entry of the last commit (see [`Self::commit`]).
     committed: Option<u64>,
     /// Background mode: what changed since that commit made the content (written ranges,
@@ -415,6 +421,7 @@ impl WriteState {
             phase: Phase::Clean,
             conflict: false,
             mtime: None,
+            mtime_set: false,
             committed: None,
             since_commit: None,
             staging_shared: false,
@@ -530,6 +537,13 @@ impl WriteState {
     fn touch(&mut self) {
         self.mark_changed();
         self.mtime = Some(SystemTime::now());
+        self.mtime_set = false;
+    }
+
+    /// An mtime set by utimens: the object stores it, unless a write comes after.
+    pub fn set_mtime(&mut self, t: SystemTime) {
+        self.mtime = Some(t);
+        self.mtime_set = true;
     }
 
     /// Bookkeeping of bytes `r` just written.

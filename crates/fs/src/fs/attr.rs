@@ -74,6 +74,10 @@ impl Fs {
             let mut st = w.state.lock().await;
             if !st.is_retired() {
                 change.write_into(&mut st.meta);
+                if let Some(t) = change.mtime {
+                    // Stored already; the close must not put the last write's back.
+                    st.set_mtime(t);
+                }
                 if let (Some(old), Some(new)) = (etag.as_deref(), new_etag) {
                     st.restamp_base(old, new);
                 }
@@ -130,8 +134,8 @@ impl Fs {
             let filled = self.filled_meta(ino, kind, &st.meta)?;
             filled.write_into(&mut st.meta);
             c.write_into(&mut st.meta);
-            if c.mtime.is_some() {
-                st.mtime = c.mtime;
+            if let Some(t) = c.mtime {
+                st.set_mtime(t);
             }
             st.mark_changed();
         }

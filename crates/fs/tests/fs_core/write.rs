@@ -425,3 +425,118 @@ async fn rewriting_or_cutting_a_streamed_part_keeps_its_other_bytes() {
     assert_eq!(object(&e.mem, "f").await, data);
     assert_eq!(e.mem.pending_uploads(), 0);
 }
+
+/// A file bigger than a part streams its parts into an upload created with the metadata of
+/// the moment. A chmod, chown or utimens through the open file after that (`install -m`
+/// does fchmod before its close) is stored at the close, by one copy of the object onto
+/// itself; a later mount sees it. Before: the object kept the metadata of the upload's
+/// start and the change was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_changed_while_parts_stream_is_stored_at_close() {
+    let e = env();
+    let data = random(12 * MIB as usize, 31);
+    let (a, h) =
+        e.fs.create(ROOT_INO, OsStr::new("big"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    write_mib(&e.fs, a.ino, h.fh, 0, &data).await;
+    assert_eq!(e.metrics.requests(Op::CreateMultipart), 1, "parts stream");
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000);
+    let set = SetAttr {
+        mode: Some(0o751),
+        uid: Some(42),
+        mtime: Some(t),
+        ..Default::default()
+    };
+    e.fs.setattr(a.ino, Some(h.fh), set).await.unwrap();
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    let m = e.mem.head("big").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o751).to_string());
+    assert_eq!(m.user["uid"], "42");
+    assert_eq!(m.user["mtime"], "1000000000");
+    assert_eq!(object(&e.mem, "big").await, data);
+    assert_eq!(e.metrics.requests(Op::Copy), 1);
+    let cache = tempfile::tempdir().unwrap();
+    let later = bucketfs_fs::Fs::new(e.mem.clone(), crate::support::config(&cache));
+    let b = later.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
+    assert_eq!((b.perm, b.uid, b.mtime), (0o751, 42, t));
+    // The ETag this mount keeps is the copy's: a rewrite pinned to it is not refused.
+    let h = e.fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+    e.fs.write(a.ino, h.fh, 0, Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "big").await[..1], *b"x");
+}
+
+/// A utimens during the write, then more writes: the mtime is a write's (POSIX), and no
+/// copy is needed for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_after_a_utimens_while_streaming_sets_the_mtime_again() {
+    let e = env();
+    let data = random(12 * MIB as usize, 32);
+    let (a, h) =
+        e.fs.create(ROOT_INO, OsStr::new("big"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    let started = std::time::SystemTime::now();
+    write_mib(&e.fs, a.ino, h.fh, 0, &data[..6 * MIB as usize]).await;
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000);
+    let set = SetAttr {
+        mtime: Some(t),
+        ..Default::default()
+    };
+    e.fs.setattr(a.ino, Some(h.fh), set).await.unwrap();
+    write_mib(&e.fs, a.ino, h.fh, 6 * MIB, &data[6 * MIB as usize..]).await;
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let later = bucketfs_fs::Fs::new(e.mem.clone(), crate::support::config(&cache));
+    let b = later.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
+    assert!(
+        b.mtime >= started - std::time::Duration::from_secs(1),
+        "{:?}",
+        b.mtime
+    );
+    assert_eq!(e.metrics.requests(Op::Copy), 0);
+    assert_eq!(object(&e.mem, "big").await, data);
+}
+
+/// A rewrite (O_TRUNC) of an existing file bigger than a part stores a new mtime, not the
+/// old object's (its metadata is where the upload's came from), and this mount shows the
+/// mtime stored, as a later mount will. No copy: the upload is created with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewrite_streamed_in_parts_stores_a_new_mtime() {
+    let e = env();
+    let mut old = bucketfs_store::UserMeta::new();
+    old.insert("mtime".into(), "1000000000".into());
+    old.insert("mode".into(), (libc::S_IFREG | 0o640).to_string());
+    e.mem
+        .put("big", Bytes::from_static(b"old"), &old)
+        .await
+        .unwrap();
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
+    let opened = std::time::SystemTime::now();
+    let h =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    let data = random(12 * MIB as usize, 33);
+    write_mib(&e.fs, a.ino, h.fh, 0, &data).await;
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    let here = e.fs.getattr(a.ino).await.unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let later = bucketfs_fs::Fs::new(e.mem.clone(), crate::support::config(&cache));
+    let b = later.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
+    assert!(b.mtime >= opened, "the old mtime was kept: {:?}", b.mtime);
+    assert_eq!(
+        here.mtime, b.mtime,
+        "this mount shows another mtime than the bucket's"
+    );
+    assert_eq!(b.perm, 0o640);
+    assert_eq!(e.metrics.requests(Op::Copy), 0);
+    assert_eq!(object(&e.mem, "big").await, data);
+}

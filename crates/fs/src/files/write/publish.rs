@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::files::writeback::Slot;
+use crate::meta::META_MTIME;
 
 /// Commits of at most this many bytes are written in the blocking call that syncs them
 /// (one thread hand-off for a small file's close or a small fsync's delta).
@@ -360,8 +361,8 @@ impl WriteState {
                 let done = stream.upload.complete(&completed, pin.as_deref()).await;
                 match done {
                     Ok(etag) => {
-                        self.stream = None;
-                        Ok(etag)
+                        let stored = self.stream.take().expect("stream").meta;
+                        self.settle_meta(stored, etag, size).await
                     }
                     Err(e) => {
                         let what = format!("complete upload of {key}");
@@ -376,6 +377,54 @@ impl WriteState {
                 Err(e)
             }
         }
+    }
+
+    /// The multipart upload just completed as `etag` carries `stored`, the metadata it was
+    /// created with. A chmod, chown or utimens through the file since then is stored now,
+    /// by a copy of the object onto itself pinned to `etag`; returns the object's ETag. A
+    /// write's mtime after the upload began is not such a change: the object keeps the
+    /// mtime it was created with (a copy per streamed file would double its cost), and so
+    /// does this state, so that stat shows what a later mount will.
+    ///
+    /// If the copy fails, the content stays published as `etag` (the base from now on) and
+    /// the metadata left to store: the next publish builds on it server-side.
+    pub(super) async fn settle_meta(
+        &mut self,
+        stored: UserMeta,
+        etag: String,
+        size: u64,
+    ) -> FsResult<String> {
+        if !self.mtime_set {
+            match stored.get(META_MTIME) {
+                Some(m) => self.meta.insert(META_MTIME.into(), m.clone()),
+                None => self.meta.remove(META_MTIME),
+            };
+            self.mtime = None;
+        }
+        if self.meta == stored {
+            return Ok(etag);
+        }
+        self.base = Some(Base {
+            etag: etag.clone(),
+            size,
+        });
+        self.base_len = size;
+        self.dirty.clear();
+        self.generations.clear();
+        self.uploaded_only.clear();
+        if size > self.cfg.limits.max_copy_object {
+            // Too big for one copy: a new upload of parts copied from the object.
+            return Box::pin(self.publish_multipart(size)).await;
+        }
+        let what = format!("set metadata of {}", self.key);
+        self.store
+            .copy(&self.key, &self.key, Some(&self.meta), Some(&etag))
+            .await
+            .map_err(|e| self.publish_err(&what, e, true))?;
+        let head = self.store.head(&self.key).await;
+        head.ok()
+            .and_then(|o| o.etag)
+            .ok_or_else(|| log_store_err(&what, StoreError::Other("no ETag after the copy".into())))
     }
 
     /// After a publish failed with `e`: the upload is aborted, unless it holds bytes found

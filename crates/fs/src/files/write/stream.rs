@@ -41,15 +41,22 @@ impl WriteState {
     /// Opens the multipart upload parts stream into, if not open yet.
     pub(super) async fn start_stream(&mut self) -> FsResult<()> {
         if self.stream.is_none() {
+            // The object's mtime is the latest write's as of now; a later write's would cost
+            // a copy of the object, so the publish keeps this one (and stat shows it).
+            let mut meta = self.meta.clone();
+            if let Some(t) = self.mtime {
+                mtime_into(&mut meta, t);
+            }
             let upload = self
                 .cfg
                 .uploads
-                .create(&self.key, &self.meta)
+                .create(&self.key, &meta)
                 .await
                 .map_err(|e| log_store_err(&format!("start upload of {}", self.key), e))?;
             self.stream = Some(Stream {
                 upload,
                 slots: BTreeMap::new(),
+                meta,
             });
         }
         Ok(())
