@@ -62,6 +62,8 @@ pub struct FsMetrics {
     pub writeback_upload_errors: AtomicU64,
     pub writeback_conflicts: AtomicU64,
     pub writeback_space_waits: AtomicU64,
+    /// Parts an upload did not send, as they went up while the file was written.
+    pub writeback_early_parts: AtomicU64,
     /// Files and bytes waiting for upload now, and how many of them failed.
     pub writeback_pending: AtomicU64,
     pub writeback_pending_bytes: AtomicU64,
@@ -87,7 +89,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 30] = [
+        let counters: [(&str, &str, &AtomicU64); 31] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -161,6 +163,11 @@ impl FsMetrics {
                 "bucketfs_writeback_deltas_total",
                 "counter",
                 &self.writeback_deltas,
+            ),
+            (
+                "bucketfs_writeback_early_parts_total",
+                "counter",
+                &self.writeback_early_parts,
             ),
             (
                 "bucketfs_writeback_uploaded_total",

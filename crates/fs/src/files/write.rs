@@ -34,7 +34,8 @@ use crate::metrics::{inc, inc_by, FsMetrics};
 use crate::paths::ObjectKey;
 use crate::pool::PoolBuf;
 use bucketfs_store::{
-    run_bounded, CompletedPart, ObjectStore, StoreError, StoreLimits, Upload, Uploads, UserMeta,
+    run_bounded, CompletedPart, ObjectStore, StoreError, StoreLimits, StoreResult, Upload, Uploads,
+    UserMeta,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -350,6 +351,12 @@ pub struct WriteState {
     /// Times each part was touched, so a part uploaded early is resent if rewritten.
     generations: BTreeMap<u64, u64>,
     stream: Option<Stream>,
+    /// Background mode: the stream's upload being created, in the background (a writer
+    /// never waits for the store there), with the metadata it is created with.
+    opening: Option<JoinHandle<StoreResult<(Upload, UserMeta)>>>,
+    /// Background mode: no part of this file goes up early any more (its upload could not
+    /// be created, or it was renamed).
+    early_off: bool,
     /// User metadata the published object carries.
     pub meta: UserMeta,
     phase: Phase,
@@ -417,6 +424,8 @@ impl WriteState {
             local: Extents::default(),
             generations: BTreeMap::new(),
             stream: None,
+            opening: None,
+            early_off: false,
             meta,
             phase: Phase::Clean,
             conflict: false,
@@ -610,10 +619,12 @@ impl WriteState {
     /// the background from the same buffer, for reads and rewrites before publish. Where the
     /// staging file cannot be had, the part is held only by the upload (the write goes on).
     async fn ship_tail(&mut self) -> FsResult<()> {
-        if self.phase == Phase::Unlinked || self.cfg.writeback.is_some() {
-            // Never published (or, in background mode, committed whole at close): keep the
-            // bytes for reads through open descriptors.
+        if self.phase == Phase::Unlinked {
+            // Never published: keep the bytes for reads through open descriptors.
             return self.spill_tail().await;
+        }
+        if self.cfg.writeback.is_some() {
+            return self.ship_tail_early().await;
         }
         let Some(i) = self
             .tail

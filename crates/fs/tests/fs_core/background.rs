@@ -165,3 +165,192 @@ async fn fsyncs_of_an_open_file_store_only_their_changes_and_upload_once_at_clos
         "the bucket holds other bytes"
     );
 }
+
+/// Creates `name` and writes `data` in 1 MiB writes; returns (ino, fh), still open.
+async fn create_and_write(e: &crate::support::Env, name: &str, data: &[u8]) -> (u64, u64) {
+    let (a, h) =
+        e.fs.create(
+            ROOT_INO,
+            OsStr::new(name),
+            0o644,
+            0,
+            libc::O_WRONLY,
+            crate::support::ME,
+        )
+        .await
+        .unwrap();
+    crate::support::write_mib(&e.fs, a.ino, h.fh, 0, data).await;
+    (a.ino, h.fh)
+}
+
+/// Closes (flush, release) and waits for every upload.
+async fn close_and_drain(e: &crate::support::Env, ino: u64, fh: u64) {
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    let (left, _) =
+        e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+            .await;
+    assert_eq!(left, 0);
+}
+
+fn early_parts(e: &crate::support::Env) -> u64 {
+    e.fs.metrics().writeback_early_parts.load(Ordering::Relaxed)
+}
+
+/// Uploads left open in the store once their aborts (in the background) are done.
+async fn open_uploads(e: &crate::support::Env) -> usize {
+    for _ in 0..100 {
+        if e.mem.list_multipart_uploads("").await.unwrap().is_empty() {
+            return 0;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    e.mem.list_multipart_uploads("").await.unwrap().len()
+}
+
+/// Background mode, a file of several parts: its parts go up while it is written (before
+/// the close; before: none until its entry's upload), the entry's upload completes that
+/// upload without sending them again, and the bucket gets the file byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_files_parts_go_up_while_it_is_written_and_only_once() {
+    use bucketfs_store::metrics::Op;
+    let state = tempfile::tempdir().unwrap();
+    // The entry waits an hour: only early parts go up before the drain.
+    let e = background_env(&state, Duration::from_secs(3600));
+    let data = crate::support::random(30 << 20, 41);
+    let (ino, fh) = create_and_write(&e, "big", &data).await;
+    let parts = 6; // 5 MiB parts in these tests
+    for _ in 0..100 {
+        if e.metrics.requests(Op::UploadPart) >= parts - 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        e.metrics.requests(Op::UploadPart) >= 1,
+        "no part went up while the file was written"
+    );
+    close_and_drain(&e, ino, fh).await;
+    assert!(
+        object(&e.mem, "big").await == data,
+        "the bucket holds other bytes"
+    );
+    assert_eq!(
+        e.metrics.requests(Op::UploadPart),
+        parts,
+        "a part was sent twice"
+    );
+    assert_eq!(e.metrics.requests(Op::CreateMultipart), 1);
+    assert!(early_parts(&e) >= 1);
+    assert_eq!(open_uploads(&e).await, 0);
+}
+
+/// A part written again after it went up early is sent again from the entry (its early
+/// body is stale), after the early request ended: the bucket has the last bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_written_again_after_it_went_up_early_is_sent_again() {
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::from_secs(3600));
+    let mut data = crate::support::random(30 << 20, 42);
+    let (ino, fh) = create_and_write(&e, "big", &data).await;
+    let patch = crate::support::random(4096, 43);
+    for at in [(12 << 20) + 5, (21 << 20) + 77] {
+        e.fs.write(ino, fh, at, Bytes::copy_from_slice(&patch))
+            .await
+            .unwrap();
+        data[at as usize..at as usize + patch.len()].copy_from_slice(&patch);
+    }
+    close_and_drain(&e, ino, fh).await;
+    assert!(
+        object(&e.mem, "big").await == data,
+        "a stale early part was kept"
+    );
+    assert_eq!(open_uploads(&e).await, 0);
+}
+
+/// A chmod through the open file after its parts began to go up: the entry's metadata is
+/// not the early upload's, so that upload is dropped (aborted) and the file goes up whole
+/// with the new mode. A rename before the upload: the early upload (of the old key) is
+/// dropped, the file goes up under the new name only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_parts_are_dropped_for_a_chmod_or_a_rename_before_the_upload() {
+    use bucketfs_fs::SetAttr;
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::from_secs(3600));
+    let data = crate::support::random(20 << 20, 44);
+    let (ino, fh) = create_and_write(&e, "chmodded", &data).await;
+    let set = SetAttr {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    e.fs.setattr(ino, Some(fh), set).await.unwrap();
+    close_and_drain(&e, ino, fh).await;
+    assert!(object(&e.mem, "chmodded").await == data);
+    let m = e.mem.head("chmodded").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
+
+    let (ino, fh) = create_and_write(&e, "before", &data).await;
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    e.fs.rename(
+        ROOT_INO,
+        OsStr::new("before"),
+        ROOT_INO,
+        OsStr::new("after"),
+        0,
+    )
+    .await
+    .unwrap();
+    let (left, _) =
+        e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+            .await;
+    assert_eq!(left, 0);
+    assert!(object(&e.mem, "after").await == data);
+    assert!(
+        e.mem.head("before").await.is_err(),
+        "the old name was stored"
+    );
+    assert_eq!(open_uploads(&e).await, 0, "an early upload was left open");
+}
+
+/// fsync before the close (fio's end_fsync, `dd conv=fsync`): the fsync's commit takes the
+/// parts sent early (the close after it has nothing to commit), and they are not sent
+/// again. A write and an fsync after that store a delta with a later mtime than the early
+/// upload's: that upload is dropped, and the bucket gets the last bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_parts_survive_an_fsync_before_the_close() {
+    use bucketfs_store::metrics::Op;
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::from_secs(3600));
+    let data = crate::support::random(30 << 20, 45);
+    let (ino, fh) = create_and_write(&e, "big", &data).await;
+    e.fs.fsync(ino, fh).await.unwrap();
+    close_and_drain(&e, ino, fh).await;
+    assert!(object(&e.mem, "big").await == data);
+    assert!(
+        early_parts(&e) >= 1,
+        "the fsync dropped the parts sent early"
+    );
+    assert_eq!(
+        e.metrics.requests(Op::UploadPart),
+        6,
+        "a part was sent twice"
+    );
+
+    let mut data = crate::support::random(30 << 20, 46);
+    let (ino, fh) = create_and_write(&e, "big2", &data).await;
+    e.fs.fsync(ino, fh).await.unwrap();
+    let patch = crate::support::random(4096, 47);
+    let at = (16 << 20) + 3;
+    e.fs.write(ino, fh, at, Bytes::copy_from_slice(&patch))
+        .await
+        .unwrap();
+    data[at as usize..at as usize + patch.len()].copy_from_slice(&patch);
+    e.fs.fsync(ino, fh).await.unwrap();
+    close_and_drain(&e, ino, fh).await;
+    assert!(
+        object(&e.mem, "big2").await == data,
+        "a stale early part was kept"
+    );
+    assert_eq!(open_uploads(&e).await, 0);
+}

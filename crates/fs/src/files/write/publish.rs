@@ -3,7 +3,7 @@
 //! the write-back directory.
 
 use super::*;
-use crate::files::writeback::Slot;
+use crate::files::writeback::{EarlyParts, Slot};
 use crate::meta::META_MTIME;
 
 /// Commits of at most this many bytes are written in the blocking call that syncs them
@@ -39,7 +39,12 @@ impl WriteState {
             mtime_into(&mut self.meta, t);
         }
         self.settle_spills().await;
-        let r = self.commit_into(&wb, ino, size, park).await;
+        // An fsync's whole commit takes them too (fio's end_fsync, `dd conv=fsync`: the
+        // close after it has nothing to commit). Parts written after it do not go up
+        // early: its later fsyncs store deltas.
+        self.early_off |= park;
+        let early = self.early_parts(size);
+        let r = self.commit_into(&wb, ino, size, park, early).await;
         inc(if r.is_ok() {
             &self.cfg.metrics.files_published
         } else {
@@ -113,6 +118,7 @@ impl WriteState {
         ino: Ino,
         size: u64,
         park: bool,
+        early: Option<EarlyParts>,
     ) -> FsResult<(u64, Option<(Arc<File>, u64)>)> {
         self.localize().await?;
         let origin = match self.base_etag() {
@@ -143,6 +149,9 @@ impl WriteState {
                 changes.clone(),
             )
             .await?;
+        if let Some(e) = early.filter(|_| !slot.is_delta()) {
+            slot.attach_early(e);
+        }
         let ranges: Vec<Range<u64>> = match (&changes, slot.is_delta()) {
             (Some(c), true) => c.ranges.clone(),
             _ => std::iter::once(0..size).collect(),
@@ -535,6 +544,8 @@ impl WriteState {
     /// Aborts the multipart upload in progress, if any, once its running part uploads are
     /// done (see `bucketfs_store::upload`).
     pub async fn abort_stream(&mut self) {
+        // One being created aborts itself once made (see `Upload`'s drop).
+        self.opening = None;
         if let Some(stream) = self.stream.take() {
             if let Err(e) = stream.upload.abort().await {
                 tracing::warn!("abort upload of {}: {e}; will retry", self.key);

@@ -3,6 +3,8 @@
 //! and a failed one is kept to be sent again at publish.
 
 use super::*;
+use crate::files::writeback::EarlyParts;
+use crate::meta::META_MTIME;
 
 impl WriteState {
     /// Starts uploads of parts in `touched` that are now completely written. A part whose
@@ -36,6 +38,130 @@ impl WriteState {
                 .await;
         }
         Ok(())
+    }
+
+    /// Background mode: the close commits the whole file locally (see `publish.rs`), so the
+    /// tail goes to the staging file as in [`Self::spill_tail`]; while an upload slot is
+    /// free, its part also goes up now from the same memory, into an upload the close hands
+    /// to the file's write-back entry (see [`EarlyParts`]). A big file is then mostly in the
+    /// bucket once its close returns, and the writer never waits for the store: a part with
+    /// no free slot, or before the upload exists, is left to the entry's upload.
+    pub(super) async fn ship_tail_early(&mut self) -> FsResult<()> {
+        let Some((r, i)) = self
+            .tail
+            .as_ref()
+            .map(|t| (t.range(), self.cfg.layout.index_of(t.start)))
+        else {
+            return Ok(());
+        };
+        let whole = r == self.cfg.layout.bounds(i);
+        if !whole || !self.early_part_ready() {
+            return self.spill_tail().await;
+        }
+        self.settle_spills().await;
+        // A copy, so the tail survives a failed write (as in spill_tail).
+        let copy = Bytes::copy_from_slice(self.tail.as_ref().expect("checked").buf.as_slice());
+        self.stage(r.start, copy).await?;
+        self.local.insert(r);
+        let tail = self.tail.take().expect("checked");
+        let generation = self.generations.get(&i).copied().unwrap_or(0);
+        let (body, mem) = tail.buf.freeze();
+        // The staging file holds the bytes: a failed upload drops its copy.
+        self.spawn_part_upload(i, generation, body, Arc::new(mem), false)
+            .await;
+        Ok(())
+    }
+
+    /// Background mode: whether a part may go up now. The file's upload is open (else its
+    /// creation starts now, in the background) and fewer than `--upload-concurrency` of its
+    /// parts are in flight.
+    fn early_part_ready(&mut self) -> bool {
+        if self.early_off {
+            return false;
+        }
+        if self.stream.is_none() {
+            match self.opening.take() {
+                None => {
+                    let mut meta = self.meta.clone();
+                    if let Some(t) = self.mtime {
+                        mtime_into(&mut meta, t);
+                    }
+                    let (uploads, key) = (self.cfg.uploads.clone(), self.key.to_string());
+                    self.opening = Some(tokio::spawn(async move {
+                        let upload = uploads.create(&key, &meta).await?;
+                        Ok((upload, meta))
+                    }));
+                    return false;
+                }
+                Some(t) if !t.is_finished() => {
+                    self.opening = Some(t);
+                    return false;
+                }
+                Some(t) => match t.now_or_never() {
+                    Some(Ok(Ok((upload, meta)))) if upload.key() == self.key.as_str() => {
+                        self.stream = Some(Stream {
+                            upload,
+                            slots: BTreeMap::new(),
+                            meta,
+                        });
+                    }
+                    _ => {
+                        self.early_off = true;
+                        return false;
+                    }
+                },
+            }
+        }
+        let Some(stream) = &self.stream else {
+            return false;
+        };
+        let running = stream
+            .slots
+            .values()
+            .filter(|s| matches!(s, PartSlot::Uploading { task, .. } if !task.is_finished()))
+            .count();
+        running < self.cfg.upload_concurrency.max(1)
+    }
+
+    /// Background mode, at a close's commit of `size` bytes: the parts sent early, for the
+    /// entry (see [`EarlyParts`]). The state takes the upload's mtime, as a publish does
+    /// (see [`Self::settle_meta`]), unless utimens set one.
+    pub(super) fn early_parts(&mut self, size: u64) -> Option<EarlyParts> {
+        self.opening = None;
+        let stream = self.stream.take()?;
+        if !self.mtime_set {
+            match stream.meta.get(META_MTIME) {
+                Some(m) => self.meta.insert(META_MTIME.into(), m.clone()),
+                None => self.meta.remove(META_MTIME),
+            };
+            self.mtime = None;
+        }
+        let layout = self.cfg.layout;
+        let parts = stream
+            .slots
+            .into_iter()
+            .map(|(i, slot)| {
+                let current = self.generations.get(&i).copied().unwrap_or(0);
+                let (generation, request) = match slot {
+                    PartSlot::Uploading { generation, task } => {
+                        (generation, async move { task.await.ok()?.ok() }.boxed())
+                    }
+                    PartSlot::Done { generation, etag } => {
+                        (generation, futures::future::ready(Some(etag)).boxed())
+                    }
+                    PartSlot::Failed { generation, .. } => {
+                        (generation, futures::future::ready(None).boxed())
+                    }
+                };
+                let valid = generation == current && layout.bounds(i).end <= size;
+                (i as u32 + 1, (valid, request))
+            })
+            .collect();
+        Some(EarlyParts {
+            upload: stream.upload,
+            meta: stream.meta,
+            parts,
+        })
     }
 
     /// Opens the multipart upload parts stream into, if not open yet.
