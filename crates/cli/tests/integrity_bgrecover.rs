@@ -685,3 +685,53 @@ fn a_failed_check_after_a_lost_answer_is_not_a_conflict() {
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
     assert_eq!(s3().get(&b, "f").unwrap(), b"ours");
 }
+
+/// Big files (several 8 MiB parts) in background mode: their parts go up while they are
+/// written, and their staging file becomes their entry (no copy). The daemon is killed
+/// (kill -9) after one was closed, its upload not completed, and while another is open
+/// after an fsync and a write past it. The next mount (same state directory) uploads the
+/// closed file and the fsync'd version of the open one, byte-exact, and leaves no
+/// multipart upload open in the bucket (the dead daemon's are aborted).
+#[test]
+fn big_files_written_in_background_mode_survive_a_kill_9() {
+    use std::os::unix::fs::FileExt;
+    let b = s3().new_bucket("bgbig");
+    let state = state_dir();
+    let spec = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "600"],
+    );
+    let mut m = spec.mount();
+    let closed = pattern::bytes(71, 40 << 20);
+    write_file(&m.join("closed"), &closed);
+    let fsynced = pattern::bytes(72, 40 << 20);
+    let mut f = std::fs::File::create(m.join("open")).unwrap();
+    f.write_all(&fsynced).unwrap();
+    f.sync_all().unwrap();
+    f.write_all_at(&[b'x'; 4096], 1 << 20).unwrap();
+    let early = s3().list_multipart_uploads(&b);
+    assert!(
+        !early.is_empty(),
+        "no part went up while the files were written"
+    );
+    m.kill9();
+    drop(f);
+    drop(m);
+    let m = spec.mount();
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(
+        s3().get(&b, "closed").unwrap() == closed,
+        "closed: other bytes"
+    );
+    assert!(
+        s3().get(&b, "open").unwrap() == fsynced,
+        "open: not the fsync'd version"
+    );
+    assert_eq!(
+        s3().list_multipart_uploads(&b),
+        Vec::new(),
+        "uploads left open"
+    );
+}

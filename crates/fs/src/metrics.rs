@@ -64,6 +64,8 @@ pub struct FsMetrics {
     pub writeback_space_waits: AtomicU64,
     /// Parts an upload did not send, as they went up while the file was written.
     pub writeback_early_parts: AtomicU64,
+    /// Commits that took the writer's staging file as their entry's file (no copy).
+    pub writeback_adopted: AtomicU64,
     /// Files and bytes waiting for upload now, and how many of them failed.
     pub writeback_pending: AtomicU64,
     pub writeback_pending_bytes: AtomicU64,
@@ -89,7 +91,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 31] = [
+        let counters: [(&str, &str, &AtomicU64); 32] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -168,6 +170,11 @@ impl FsMetrics {
                 "bucketfs_writeback_early_parts_total",
                 "counter",
                 &self.writeback_early_parts,
+            ),
+            (
+                "bucketfs_writeback_adopted_total",
+                "counter",
+                &self.writeback_adopted,
             ),
             (
                 "bucketfs_writeback_uploaded_total",

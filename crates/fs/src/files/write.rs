@@ -296,7 +296,8 @@ pub struct WriteConfig {
     /// Part buffers take their memory from here (writers wait when it is full).
     pub budget: Arc<MemoryBudget>,
     /// `--upload background`: close commits to this write-back directory (see
-    /// [`WriteState::commit`]) and nothing streams to the store while a file is written.
+    /// [`WriteState::commit`]); full parts go up while a file is written only as a head
+    /// start for its entry's upload (see `WriteState::ship_tail_early`).
     pub writeback: Option<Arc<WriteBack>>,
     /// Free space the staging disk keeps (see [`WriteState::ship_tail`]).
     pub cache_min_free: MinFree,
@@ -748,7 +749,7 @@ impl WriteState {
             return Ok(());
         }
         let src = self.staging.clone().expect("a shared staging file");
-        let dst = Arc::new(tempfile::tempfile_in(&self.cache_dir).map_err(io_err)?);
+        let dst = Arc::new(self.new_staging().map_err(io_err)?);
         let ranges: Vec<Range<u64>> = self
             .local
             .segments(0..self.size())
@@ -779,12 +780,21 @@ impl WriteState {
         Ok(())
     }
 
+    /// A new staging file: in background mode one a commit can take as its entry's file
+    /// (see `Slot::adopt`), else in the cache directory.
+    fn new_staging(&self) -> std::io::Result<File> {
+        match &self.cfg.writeback {
+            Some(wb) => wb.unnamed_file(),
+            None => tempfile::tempfile_in(&self.cache_dir),
+        }
+    }
+
     /// The staging file, created on first use.
     fn staging(&mut self) -> FsResult<Arc<File>> {
         if let Some(f) = &self.staging {
             return Ok(f.clone());
         }
-        let f = Arc::new(tempfile::tempfile_in(&self.cache_dir).map_err(io_err)?);
+        let f = Arc::new(self.new_staging().map_err(io_err)?);
         self.staging = Some(f.clone());
         self.staging_direct = open_direct(&f).map(Arc::new);
         Ok(f)

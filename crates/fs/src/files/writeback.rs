@@ -547,6 +547,10 @@ pub struct WriteBack {
     /// An entry finished (uploaded, failed, removed) or room was freed.
     changed: Notify,
     dir_sync: DirSync,
+    /// Part buffers the uploads hold at once, all workers together: as many as workers, so
+    /// that the parts one entry sends at once never take more of the memory budget than
+    /// one part per worker would (commits wait for the budget too).
+    buffers: tokio::sync::Semaphore,
     dir_file: File,
     on_uploaded: Mutex<Option<Arc<OnUploaded>>>,
     /// Itself, for the tasks it starts.
@@ -617,6 +621,9 @@ pub struct Slot {
     /// [`Slot::write_blocking`]).
     held: Vec<u8>,
     early: Option<EarlyParts>,
+    /// The entry's file is a file the caller wrote, named as the entry (see
+    /// [`Slot::adopt`]): the seal reads its bytes for the CRC instead of writing them.
+    adopted: bool,
 }
 
 impl Slot {
@@ -656,6 +663,15 @@ impl Slot {
     /// header and an fdatasync, or a file's footer and fsync (its directory is the
     /// caller's). Fails (`EIO`) unless every byte was written.
     fn seal(&mut self) -> std::io::Result<()> {
+        if self.adopted && self.written == 0 {
+            let mut buf = vec![0u8; 1 << 20];
+            while self.written < self.size {
+                let n = (self.size - self.written).min(buf.len() as u64) as usize;
+                self.file.read_exact_at(&mut buf[..n], self.written)?;
+                self.crc.update(&buf[..n]);
+                self.written += n as u64;
+            }
+        }
         if self.written != self.size {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
@@ -699,9 +715,62 @@ impl Slot {
             }
             None => {
                 self.file.write_all_at(&tail, at)?;
+                if self.adopted {
+                    // The writer's file may be longer (a shrink).
+                    self.file.set_len(at + tail.len() as u64)?;
+                }
                 self.file.sync_all()
             }
         }
+    }
+
+    /// Takes `file`, which holds the version's bytes from 0 (and was made by
+    /// [`WriteBack::unnamed_file`]), as the entry's file instead of writing them again: it
+    /// gets the entry's name now, through a link and an atomic rename over the empty file
+    /// (a crash before the seal leaves a file with no footer, removed at the next start,
+    /// as any torn entry). False, and nothing changed, when the slot is not a file of its
+    /// own or the link fails (another file system, a file made otherwise): write the bytes.
+    pub fn adopt(&mut self, file: &Arc<File>) -> bool {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        let Loc::File(path) = &self.loc else {
+            return false;
+        };
+        if !self.may_adopt() {
+            return false;
+        }
+        let link = path.with_extension("adopt");
+        let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).ok();
+        let proc = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        let (Some(src), Some(dst)) = (c(&proc), c(&link)) else {
+            return false;
+        };
+        // SAFETY: two NUL-terminated paths.
+        let rc = unsafe {
+            libc::linkat(
+                libc::AT_FDCWD,
+                src.as_ptr(),
+                libc::AT_FDCWD,
+                dst.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
+        };
+        if rc != 0 {
+            return false;
+        }
+        if std::fs::rename(&link, path).is_err() {
+            let _ = std::fs::remove_file(&link);
+            return false;
+        }
+        self.file = file.clone();
+        self.adopted = true;
+        true
+    }
+
+    /// Whether [`Self::adopt`] may take a file: a whole version in a file of its own,
+    /// nothing written yet.
+    pub fn may_adopt(&self) -> bool {
+        matches!(self.loc, Loc::File(_)) && self.written == 0 && self.delta.is_none()
     }
 
     /// Parts of this version sent while it was written: its upload completes them.
@@ -929,6 +998,7 @@ impl WriteBack {
         inner.unadopted.retain(|s| inner.entries.contains_key(s));
         inner.next_seq = max_seq.max(now_seq()) + 1;
         let n = inner.entries.len();
+        let buffers = tokio::sync::Semaphore::new(cfg.concurrency.max(1));
         let wb = Arc::new(Self {
             cfg,
             store,
@@ -940,6 +1010,7 @@ impl WriteBack {
             work: Arc::new(Notify::new()),
             changed: Notify::new(),
             dir_sync: DirSync::default(),
+            buffers,
             dir_file,
             on_uploaded: Mutex::new(None),
             me: Mutex::new(None),
@@ -1060,6 +1131,22 @@ impl WriteBack {
     pub fn holds_entries(dir: &Path) -> bool {
         std::fs::read_dir(dir)
             .is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| e.file_name() != "lock")))
+    }
+
+    /// A new file in the directory with no name (`O_TMPFILE`), for a writer's bytes that a
+    /// commit may take as its entry's file (see [`Slot::adopt`]); where the file system
+    /// has no such files, an ordinary temporary file (which no slot can adopt).
+    pub fn unnamed_file(&self) -> std::io::Result<File> {
+        let made = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_TMPFILE)
+            .open(&self.cfg.dir);
+        match made {
+            Ok(f) => Ok(f),
+            Err(_) => tempfile::tempfile_in(&self.cfg.dir),
+        }
     }
 
     pub fn config(&self) -> &WriteBackConfig {
@@ -1404,6 +1491,7 @@ impl WriteBack {
             written: 0,
             held: Vec::new(),
             early: None,
+            adopted: false,
         })
     }
 
@@ -1605,8 +1693,8 @@ impl WriteBack {
                 old.as_ref().and_then(|o| o.parked).unwrap_or(first)
             });
             let content = match old.take_if(|_| slot.delta.is_some()) {
-                // Its records are the new entry's now. Not its parts sent early: the delta
-                // comes with a later mtime than their upload's.
+                // Its records are the new entry's now. Not its parts sent early: a delta
+                // follows a write, whose mtime their upload does not carry.
                 Some(o) => {
                     let mut c = o.content;
                     c.0.push(piece);
@@ -2474,6 +2562,7 @@ impl WriteBack {
         let landed = &job.landed;
         let pin = cond.if_match();
         let (r, ours) = if size <= self.layout.part_size {
+            let _buffer = self.buffers.acquire().await;
             let body = self.read_part(content, 0, size).await.map_err(|e| {
                 Refused(
                     format!("{}: {e}", content.head().describe().display()),
@@ -2533,9 +2622,10 @@ impl WriteBack {
         }
     }
 
-    /// A multipart upload from the entry file, [`PARTS_AT_ONCE`] parts in flight; the
-    /// result and the ETag it would have: S3's rule over the ETags the parts got, which are
-    /// their MD5s wherever that rule holds (no MD5 of the bytes here).
+    /// A multipart upload from the entry file, completing the one of its parts sent early
+    /// if it can; the result and the ETag it would have. An early upload the store no
+    /// longer has (aborted by a lifecycle rule after a long wait) is not taken for a
+    /// deleted object: the parts go again into a new upload.
     async fn upload_multipart(
         &self,
         key: &str,
@@ -2545,7 +2635,35 @@ impl WriteBack {
         content: &Content,
         early: Option<EarlyParts>,
     ) -> (Result<String, StoreError>, String) {
-        let (mut upload, sent) = match reuse_early(early, key, meta).await {
+        let Some(reused) = reuse_early(early, key, meta).await else {
+            return self.send_parts(key, size, meta, pin, content, None).await;
+        };
+        match self
+            .send_parts(key, size, meta, pin, content, Some(reused))
+            .await
+        {
+            (Err(StoreError::NotFound(e)), _) => {
+                tracing::info!("{key}: the upload its parts went into early is gone ({e})");
+                self.send_parts(key, size, meta, pin, content, None).await
+            }
+            r => r,
+        }
+    }
+
+    /// The parts of a multipart upload from the entry file (into `upload` with the parts
+    /// it has, else a new one), [`PARTS_AT_ONCE`] in flight, then its completion; the
+    /// result and the ETag it would have: S3's rule over the ETags the parts got, which are
+    /// their MD5s wherever that rule holds (no MD5 of the bytes here).
+    async fn send_parts(
+        &self,
+        key: &str,
+        size: u64,
+        meta: &UserMeta,
+        pin: Option<&str>,
+        content: &Content,
+        upload: Option<(Upload, HashMap<u32, String>)>,
+    ) -> (Result<String, StoreError>, String) {
+        let (mut upload, sent) = match upload {
             Some(reused) => reused,
             None => match self.uploads.create(key, meta).await {
                 Ok(u) => (u, HashMap::new()),
@@ -2570,6 +2688,7 @@ impl WriteBack {
                             etag: etag.clone(),
                         });
                     }
+                    let _buffer = self.buffers.acquire().await;
                     let body = self
                         .read_part(content, r.start, r.end - r.start)
                         .await
@@ -3554,9 +3673,10 @@ mod tests {
         }
     }
 
-    /// A large entry's parts go up [`PARTS_AT_ONCE`] at a time, not one after another (a
-    /// 1 GiB file took 5 s to drain against 2 for the same upload in sync mode); the ETag
-    /// the uploader expects, from the parts' ETags, is the one the store gives.
+    /// A large entry's parts go up several at a time, not one after another (a 1 GiB file
+    /// took 5 s to drain against 2 for the same upload in sync mode), but never more than
+    /// one buffer per worker in all; the ETag the uploader expects, from the parts' ETags,
+    /// is the one the store gives.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_large_entrys_parts_upload_at_once_and_its_etag_is_known() {
         let dir = tempfile::tempdir().unwrap();
@@ -3585,7 +3705,8 @@ mod tests {
         assert_eq!(mem.head("copy").await.unwrap().etag.unwrap(), etag);
         let most = store.most.load(Ordering::SeqCst);
         assert!(most > 1, "parts went up one at a time");
-        assert!(most <= PARTS_AT_ONCE, "{most} parts in flight");
+        // No more part buffers at once than workers (2 here): the budget is shared.
+        assert!(most <= 2, "{most} parts in flight");
         wb.drain(Duration::from_secs(5), |_, _| {}).await;
         let got = mem.get_range("big", 0..(51 << 20), None).await.unwrap();
         assert!(got[..] == body[..], "bytes differ");

@@ -354,3 +354,132 @@ async fn early_parts_survive_an_fsync_before_the_close() {
     );
     assert_eq!(open_uploads(&e).await, 0);
 }
+
+fn adopted(e: &crate::support::Env) -> u64 {
+    e.fs.metrics().writeback_adopted.load(Ordering::Relaxed)
+}
+
+/// A big file's staging file (made in the write-back directory) becomes its entry's file
+/// at the close, with no copy; the entry reads back whole. An fsync of a file that stays
+/// open does the same, and a write after it goes to a copy: the entry stays as fsync'd
+/// (were the write to change it in place, its CRC would fail and recovery would drop an
+/// acknowledged version). Then the close uploads the last version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_files_staging_file_becomes_its_entry_and_stays_as_committed() {
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::from_secs(3600));
+    let data = crate::support::random(20 << 20, 51);
+    let (ino, fh) = create_and_write(&e, "closed", &data).await;
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    assert_eq!(adopted(&e), 1, "the close copied the file");
+    assert!(crate::support::read_all(&e.fs, "closed").await == data);
+
+    let mut data = crate::support::random(20 << 20, 52);
+    let (ino, fh) = create_and_write(&e, "open", &data).await;
+    e.fs.fsync(ino, fh).await.unwrap();
+    assert_eq!(adopted(&e), 2, "the fsync copied the file");
+    let entry = std::fs::read_dir(state.path().join("wb"))
+        .unwrap()
+        .map(|d| d.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "wb"))
+        .map(|p| std::fs::read(p).unwrap())
+        .find(|b| b.len() > data.len() && b[..64] == data[..64])
+        .expect("the fsync's entry");
+    let patch = vec![9u8; 4096];
+    e.fs.write(ino, fh, 4 << 20, Bytes::copy_from_slice(&patch))
+        .await
+        .unwrap();
+    let after = std::fs::read_dir(state.path().join("wb"))
+        .unwrap()
+        .map(|d| d.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "wb"))
+        .map(|p| std::fs::read(p).unwrap())
+        .find(|b| b.len() == entry.len() && b[..64] == data[..64])
+        .expect("the fsync's entry, after the write");
+    assert!(after == entry, "a write after the fsync changed its entry");
+    data[4 << 20..(4 << 20) + 4096].copy_from_slice(&patch);
+    close_and_drain(&e, ino, fh).await;
+    assert!(object(&e.mem, "open").await == data);
+    assert!(object(&e.mem, "closed").await == crate::support::random(20 << 20, 51));
+}
+
+/// The early upload of a rewrite is gone from the store when the entry's upload comes (a
+/// lifecycle rule aborting old uploads, a long queue): the parts go again into a new
+/// upload. Before, the store's NoSuchUpload was taken for the object deleted by another
+/// client, and the version, stored as a new file only while the key stays free, became a
+/// conflict for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewrite_whose_early_upload_vanished_is_uploaded_anew() {
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::from_secs(3600));
+    put(&e.mem, "big", b"theirs, before").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
+    let h =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    let data = crate::support::random(20 << 20, 61);
+    crate::support::write_mib(&e.fs, a.ino, h.fh, 0, &data).await;
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    let open = e.mem.list_multipart_uploads("").await.unwrap();
+    assert!(!open.is_empty(), "no part went up early");
+    for u in open {
+        e.mem.abort_multipart(&u.key, &u.upload_id).await.unwrap();
+    }
+    let (left, failed) =
+        e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+            .await;
+    assert_eq!((left, failed), (0, 0), "{:?}", e.fs.pending_uploads());
+    assert!(object(&e.mem, "big").await == data);
+}
+
+/// A part written again while its earlier body still goes up to a store that stalls: the
+/// write goes on (the part is left to the entry's upload) instead of waiting for that
+/// request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_written_again_while_its_early_body_stalls_does_not_wait() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    let state = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    faulty.inject(
+        Op::UploadPart,
+        0,
+        None,
+        Fault::Delay(Duration::from_secs(3600)),
+    );
+    let mut cfg = config(&cache);
+    cfg.writeback = Some(WriteBackConfig {
+        dir: state.path().join("wb"),
+        max_bytes: 1 << 30,
+        concurrency: 2,
+        fsync_waits_upload: false,
+        delay: Duration::from_secs(3600),
+        space_wait: Duration::from_secs(60),
+    });
+    let fs = Fs::new(faulty, cfg);
+    let (a, h) = fs
+        .create(
+            ROOT_INO,
+            OsStr::new("f"),
+            0o644,
+            0,
+            libc::O_RDWR,
+            crate::support::ME,
+        )
+        .await
+        .unwrap();
+    let data = crate::support::random(20 << 20, 62);
+    let rewrite = async {
+        for _ in 0..3 {
+            crate::support::write_mib(&fs, a.ino, h.fh, 0, &data).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), rewrite)
+        .await
+        .expect("a write waited for the stalled store");
+}

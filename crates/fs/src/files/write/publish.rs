@@ -41,9 +41,15 @@ impl WriteState {
         self.settle_spills().await;
         // An fsync's whole commit takes them too (fio's end_fsync, `dd conv=fsync`: the
         // close after it has nothing to commit). Parts written after it do not go up
-        // early: its later fsyncs store deltas.
+        // early: its later fsyncs store deltas. A commit that may be a delta drops them.
         self.early_off |= park;
-        let early = self.early_parts(size);
+        let early = match park && self.since_commit.is_some() {
+            true => {
+                self.abort_stream().await;
+                None
+            }
+            false => self.early_parts(size),
+        };
         let r = self.commit_into(&wb, ino, size, park, early).await;
         inc(if r.is_ok() {
             &self.cfg.metrics.files_published
@@ -152,6 +158,17 @@ impl WriteState {
         if let Some(e) = early.filter(|_| !slot.is_delta()) {
             slot.attach_early(e);
         }
+        if slot.may_adopt() && self.staging_holds(size).await {
+            let staging = self.staging.clone().expect("staging_holds");
+            if slot.adopt(&staging) {
+                // The staging file is the entry's now: read as is, copied before a change.
+                let file = slot.file();
+                let seq = wb.commit(slot, ino, park).await?;
+                inc(&self.cfg.metrics.writeback_adopted);
+                self.staging_shared = true;
+                return Ok((seq, Some(file)));
+            }
+        }
         let ranges: Vec<Range<u64>> = match (&changes, slot.is_delta()) {
             (Some(c), true) => c.ranges.clone(),
             _ => std::iter::once(0..size).collect(),
@@ -190,6 +207,21 @@ impl WriteState {
         }
         let seq = wb.commit(slot, ino, park).await?;
         Ok((seq, file))
+    }
+
+    /// Whether the staging file holds the whole content, `size` bytes from 0 (the tail moved
+    /// there first), so that a commit can take it as its entry's file.
+    async fn staging_holds(&mut self, size: u64) -> bool {
+        if self.staging.is_none() || self.staging_shared || self.staging_offset != 0 {
+            return false;
+        }
+        if self.spill_tail().await.is_err() {
+            return false;
+        }
+        // Holes (zeros) too would read right; they are rare enough to copy.
+        self.sources(0..size)
+            .iter()
+            .all(|(_, src)| *src == Source::Staging)
     }
 
     /// Where the current bytes of `ranges` are, for [`write_fills`]; None when some are not
@@ -546,6 +578,12 @@ impl WriteState {
     pub async fn abort_stream(&mut self) {
         // One being created aborts itself once made (see `Upload`'s drop).
         self.opening = None;
+        if self.cfg.writeback.is_some() {
+            // Dropped, it aborts in the background once its parts end: an unlink or a
+            // commit in background mode never waits for the store.
+            self.stream = None;
+            return;
+        }
         if let Some(stream) = self.stream.take() {
             if let Err(e) = stream.upload.abort().await {
                 tracing::warn!("abort upload of {}: {e}; will retry", self.key);

@@ -55,7 +55,12 @@ impl WriteState {
             return Ok(());
         };
         let whole = r == self.cfg.layout.bounds(i);
-        if !whole || !self.early_part_ready() {
+        // A part written again while its earlier body is still going up waits for nothing
+        // (spawn_part_upload would wait for that request).
+        let sending = self.stream.as_ref().is_some_and(|s| {
+            matches!(s.slots.get(&i), Some(PartSlot::Uploading { task, .. }) if !task.is_finished())
+        });
+        if !whole || sending || !self.early_part_ready() {
             return self.spill_tail().await;
         }
         self.settle_spills().await;
@@ -93,11 +98,12 @@ impl WriteState {
                     }));
                     return false;
                 }
-                Some(t) if !t.is_finished() => {
-                    self.opening = Some(t);
-                    return false;
-                }
-                Some(t) => match t.now_or_never() {
+                Some(mut t) => match (&mut t).now_or_never() {
+                    // Not made yet (or the task's poll budget is spent): the next part.
+                    None => {
+                        self.opening = Some(t);
+                        return false;
+                    }
                     Some(Ok(Ok((upload, meta)))) if upload.key() == self.key.as_str() => {
                         self.stream = Some(Stream {
                             upload,
@@ -123,19 +129,27 @@ impl WriteState {
         running < self.cfg.upload_concurrency.max(1)
     }
 
-    /// Background mode, at a close's commit of `size` bytes: the parts sent early, for the
-    /// entry (see [`EarlyParts`]). The state takes the upload's mtime, as a publish does
-    /// (see [`Self::settle_meta`]), unless utimens set one.
+    /// Background mode, at a commit of the whole file (`size` bytes): the parts sent early,
+    /// for the entry (see [`EarlyParts`]), if the upload can become the object: its
+    /// metadata is the file's but for the mtime of a write since it began. The state then
+    /// takes the upload's mtime, as a publish does (see [`Self::settle_meta`]). Else
+    /// (chmod, chown or utimens since) the upload is dropped, which aborts it.
     pub(super) fn early_parts(&mut self, size: u64) -> Option<EarlyParts> {
         self.opening = None;
         let stream = self.stream.take()?;
-        if !self.mtime_set {
-            match stream.meta.get(META_MTIME) {
-                Some(m) => self.meta.insert(META_MTIME.into(), m.clone()),
-                None => self.meta.remove(META_MTIME),
-            };
-            self.mtime = None;
+        let unmoved = |m: &UserMeta| {
+            let mut m = m.clone();
+            m.remove(META_MTIME);
+            m
+        };
+        if self.mtime_set || unmoved(&stream.meta) != unmoved(&self.meta) {
+            return None;
         }
+        match stream.meta.get(META_MTIME) {
+            Some(m) => self.meta.insert(META_MTIME.into(), m.clone()),
+            None => self.meta.remove(META_MTIME),
+        };
+        self.mtime = None;
         let layout = self.cfg.layout;
         let parts = stream
             .slots
