@@ -483,3 +483,78 @@ async fn a_part_written_again_while_its_early_body_stalls_does_not_wait() {
         .await
         .expect("a write waited for the stalled store");
 }
+
+/// Big files written while the store stalls every part: the parts they send early keep
+/// their tail's memory until the store answers, which stays within the half of the budget
+/// writers' tails may hold, so the close of a file whose bytes are staged (written out of
+/// order), whose commit needs a buffer of the budget, does not wait for the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_sent_early_to_a_stalled_store_leave_memory_for_a_close() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    let state = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    faulty.inject(
+        Op::UploadPart,
+        0,
+        None,
+        Fault::Delay(Duration::from_secs(3600)),
+    );
+    let mut cfg = config(&cache);
+    cfg.max_memory = 40 << 20;
+    cfg.writeback = Some(WriteBackConfig {
+        dir: state.path().join("wb"),
+        max_bytes: 1 << 30,
+        concurrency: 2,
+        fsync_waits_upload: false,
+        delay: Duration::from_secs(3600),
+        space_wait: Duration::from_secs(60),
+    });
+    let fs = Fs::new(faulty, cfg);
+    let big = crate::support::random(30 << 20, 63);
+    let mut open = Vec::new();
+    for i in 0..4 {
+        let (a, h) = fs
+            .create(
+                ROOT_INO,
+                OsStr::new(&format!("big{i}")),
+                0o644,
+                0,
+                libc::O_WRONLY,
+                crate::support::ME,
+            )
+            .await
+            .unwrap();
+        crate::support::write_mib(&fs, a.ino, h.fh, 0, &big).await;
+        open.push((a.ino, h.fh));
+    }
+    let held = fs.metrics().buffer_bytes.load(Ordering::Relaxed);
+    assert!(held >= 10 << 20, "parts went up early: {held} bytes held");
+    assert!(held <= 20 << 20, "more than half the budget held: {held}");
+    let close_one = async {
+        let (a, h) = fs
+            .create(
+                ROOT_INO,
+                OsStr::new("staged"),
+                0o644,
+                0,
+                libc::O_WRONLY,
+                crate::support::ME,
+            )
+            .await
+            .unwrap();
+        // Backwards: every write goes to the staging file.
+        for i in (0..4u64).rev() {
+            fs.write(a.ino, h.fh, i << 18, Bytes::from(vec![i as u8; 1 << 18]))
+                .await
+                .unwrap();
+        }
+        fs.flush(a.ino, h.fh).await.unwrap();
+        fs.release(a.ino, h.fh).await.unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(10), close_one)
+        .await
+        .expect("a close waited for memory the stalled store holds");
+}
