@@ -735,3 +735,55 @@ fn big_files_written_in_background_mode_survive_a_kill_9() {
         "uploads left open"
     );
 }
+
+/// The daemon dies (kill at the test point) while a big file's close names its staging
+/// file as its entry: after the sync, before the rename over the entry's name. The close
+/// never returned, so the next mount uploads nothing of that file and leaves nothing of it
+/// in the write-back directory; a file closed before is uploaded.
+#[test]
+fn a_crash_while_a_close_names_its_staging_file_uploads_nothing_of_it() {
+    let b = s3().new_bucket("bgadopt");
+    let state = state_dir();
+    let mut spec = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "600"],
+    );
+    spec.envs
+        .push(("BUCKETFS_TEST_POINT".into(), "writeback.adopt=abort".into()));
+    let mut m = spec.mount();
+    write_file(&m.join("small"), b"closed before");
+    let mut f = std::fs::File::create(m.join("big")).unwrap();
+    f.write_all(&pattern::bytes(81, 20 << 20)).unwrap();
+    assert!(
+        close_checked(f).is_err(),
+        "the close returned although the daemon died"
+    );
+    m.kill9();
+    drop(m);
+    let spec = background(MountSpec::s3(&b, ""), state.path(), &[]);
+    let m = spec.mount();
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(s3().get(&b, "small").unwrap(), b"closed before");
+    assert_eq!(
+        s3().get(&b, "big"),
+        None,
+        "a close that never returned was uploaded"
+    );
+    let mut left = Vec::new();
+    let mut dirs = vec![state.path().join("writeback")];
+    while let Some(d) = dirs.pop() {
+        for p in std::fs::read_dir(&d).unwrap().flatten().map(|e| e.path()) {
+            if p.is_dir() {
+                dirs.push(p);
+            } else if !p.ends_with("lock") && p.extension().is_none_or(|x| x != "wbs") {
+                left.push(p);
+            }
+        }
+    }
+    assert!(
+        left.is_empty(),
+        "left in the write-back directory: {left:?}"
+    );
+}

@@ -783,12 +783,18 @@ impl WriteState {
         Ok(())
     }
 
-    /// A new staging file: in background mode one a commit can take as its entry's file
-    /// (see `Slot::adopt`), else in the cache directory.
+    /// A new staging file in the cache directory; in background mode, when the write-back
+    /// directory is on the same file system, one there that a commit can take as its
+    /// entry's file (see `Slot::adopt`). On another file system a commit could not take it,
+    /// and staging there would move the writers' disk use off the cache directory's disk.
     fn new_staging(&self) -> std::io::Result<File> {
+        use std::os::unix::fs::MetadataExt;
+        let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
         match &self.cfg.writeback {
-            Some(wb) => wb.unnamed_file(),
-            None => tempfile::tempfile_in(&self.cache_dir),
+            Some(wb) if dev(&wb.config().dir).is_some_and(|d| Some(d) == dev(&self.cache_dir)) => {
+                wb.unnamed_file()
+            }
+            _ => tempfile::tempfile_in(&self.cache_dir),
         }
     }
 
@@ -808,8 +814,12 @@ impl WriteState {
         self.unshare().await?;
         let staging = self.staging()?;
         inc_by(&self.cfg.metrics.staged_bytes, data.len() as u64);
-        // Background mode: what is staged is committed (fsync'd) at close.
-        let flush = self.cfg.writeback.is_some() && data.len() as u64 >= FLUSH_MIN;
+        // Background mode: what is staged is committed (fsync'd) at close, in place when the
+        // file is bigger than a record.
+        let len = data.len() as u64;
+        let flush = self.cfg.writeback.is_some()
+            && len >= FLUSH_MIN
+            && offset + len > crate::files::writeback::RECORD_MAX;
         write_at(&staging, offset, data, flush).await
     }
 

@@ -57,7 +57,7 @@ const REC_ALIGN: u64 = 4096;
 const REC_HEADER: u64 = 64;
 /// Files up to this size (with their trailer) are committed as segment records; larger ones
 /// as files of their own.
-const RECORD_MAX: u64 = 4 << 20;
+pub(crate) const RECORD_MAX: u64 = 4 << 20;
 /// Records up to this size are written whole at their seal (see [`Slot::write_blocking`]).
 const HELD_MAX: u64 = 256 << 10;
 /// Upload results kept for later versions of the same files (their `If-Match`).
@@ -621,9 +621,10 @@ pub struct Slot {
     /// [`Slot::write_blocking`]).
     held: Vec<u8>,
     early: Option<EarlyParts>,
-    /// The entry's file is a file the caller wrote, named as the entry (see
-    /// [`Slot::adopt`]): the seal reads its bytes for the CRC instead of writing them.
-    adopted: bool,
+    /// The entry's file is a file the caller wrote (see [`Slot::adopt`]), linked here: the
+    /// seal reads its bytes for the CRC instead of writing them, then renames this link over
+    /// the entry's name.
+    adopting: Option<PathBuf>,
 }
 
 impl Slot {
@@ -663,7 +664,18 @@ impl Slot {
     /// header and an fdatasync, or a file's footer and fsync (its directory is the
     /// caller's). Fails (`EIO`) unless every byte was written.
     fn seal(&mut self) -> std::io::Result<()> {
-        if self.adopted && self.written == 0 {
+        let r = self.seal_bytes();
+        if r.is_err() {
+            if let Some(link) = self.adopting.take() {
+                let _ = std::fs::remove_file(link);
+            }
+        }
+        r
+    }
+
+    /// [`Self::seal`], leaving an adopted file's link to the caller when it fails.
+    fn seal_bytes(&mut self) -> std::io::Result<()> {
+        if self.adopting.is_some() && self.written == 0 {
             let mut buf = vec![0u8; 1 << 20];
             while self.written < self.size {
                 let n = (self.size - self.written).min(buf.len() as u64) as usize;
@@ -715,28 +727,34 @@ impl Slot {
             }
             None => {
                 self.file.write_all_at(&tail, at)?;
-                if self.adopted {
+                if self.adopting.is_some() {
                     // The writer's file may be longer (a shrink).
                     self.file.set_len(at + tail.len() as u64)?;
                 }
-                self.file.sync_all()
+                self.file.sync_all()?;
+                if let (Some(link), Loc::File(path)) = (&self.adopting, &self.loc) {
+                    crate::testpoint::reached_blocking("writeback.adopt");
+                    std::fs::rename(link, path)?;
+                }
+                Ok(())
             }
         }
     }
 
     /// Takes `file`, which holds the version's bytes from 0 (and was made by
-    /// [`WriteBack::unnamed_file`]), as the entry's file instead of writing them again: it
-    /// gets the entry's name now, through a link and an atomic rename over the empty file
-    /// (a crash before the seal leaves a file with no footer, removed at the next start,
-    /// as any torn entry). False, and nothing changed, when the slot is not a file of its
-    /// own or the link fails (another file system, a file made otherwise): write the bytes.
+    /// [`WriteBack::unnamed_file`]), as the entry's file instead of writing them again. It
+    /// is linked as `SEQ.adopt` now, and the seal renames that over the entry's name once
+    /// the file is whole and synced: the entry's name never holds a file that is not (a
+    /// crash before leaves the link, which the next start removes as not an entry). False,
+    /// and nothing changed, when the slot is not a file of its own or the link fails
+    /// (another file system, a file made otherwise): write the bytes.
     pub fn adopt(&mut self, file: &Arc<File>) -> bool {
         use std::os::fd::AsRawFd;
         use std::os::unix::ffi::OsStrExt;
         let Loc::File(path) = &self.loc else {
             return false;
         };
-        if !self.may_adopt() {
+        if !self.may_adopt() || self.adopting.is_some() {
             return false;
         }
         let link = path.with_extension("adopt");
@@ -758,12 +776,8 @@ impl Slot {
         if rc != 0 {
             return false;
         }
-        if std::fs::rename(&link, path).is_err() {
-            let _ = std::fs::remove_file(&link);
-            return false;
-        }
         self.file = file.clone();
-        self.adopted = true;
+        self.adopting = Some(link);
         true
     }
 
@@ -1491,7 +1505,7 @@ impl WriteBack {
             written: 0,
             held: Vec::new(),
             early: None,
-            adopted: false,
+            adopting: None,
         })
     }
 
@@ -3114,8 +3128,17 @@ fn recover(dir: &Path) -> std::io::Result<Recovered> {
             continue;
         }
         match read_entry(&d.path()) {
-            Ok(Some(t)) => {
+            // An entry's trailer names the entry its file is named after.
+            Ok(Some(t)) if d.path() == entry_path(dir, t.seq) => {
                 out.entries.insert(t.seq, (t, Loc::File(d.path())));
+            }
+            Ok(Some(_)) => {
+                tracing::warn!(
+                    "write-back directory: removing {} (its trailer names another entry)",
+                    d.path().display()
+                );
+                std::fs::remove_file(d.path())?;
+                removed = true;
             }
             Ok(None) => {
                 tracing::warn!(
@@ -3641,6 +3664,27 @@ mod tests {
         let etag = store.head("big").await.unwrap().etag.unwrap();
         assert!(etag.ends_with("-3\""), "three parts: {etag}");
         assert_eq!(budget.available(), free, "part buffers not given back");
+    }
+
+    /// An entry file whose trailer names another entry than its file name (a file that
+    /// holds an entry image it did not commit: a copy, a writer's bytes) is not taken for
+    /// one at start: removed, never uploaded.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_entry_file_named_for_another_entry_is_not_recovered() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        let seq = put(&wb, "big", &vec![5u8; 5 << 20]).await;
+        let path = entry_path(dir.path(), seq);
+        let image = std::fs::read(&path).unwrap();
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(entry_path(dir.path(), seq + 1000), &image).unwrap();
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        assert_eq!(n, 0, "an entry image under another name was recovered");
+        assert!(wb.pending().is_empty());
+        assert!(!entry_path(dir.path(), seq + 1000).exists());
     }
 
     /// The memory store with each UploadPart taking 50 ms; the most in flight at once.

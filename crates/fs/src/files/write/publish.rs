@@ -162,10 +162,13 @@ impl WriteState {
             let staging = self.staging.clone().expect("staging_holds");
             if slot.adopt(&staging) {
                 // The staging file is the entry's now: read as is, copied before a change.
+                // After a failed commit too: its sync may have failed (the kernel reports
+                // that once), so it is never taken as an entry again; the next commit
+                // writes a copy.
                 let file = slot.file();
+                self.staging_shared = true;
                 let seq = wb.commit(slot, ino, park).await?;
                 inc(&self.cfg.metrics.writeback_adopted);
-                self.staging_shared = true;
                 return Ok((seq, Some(file)));
             }
         }
