@@ -51,6 +51,10 @@ const FOOTER: usize = 4 + 4 + 8;
 /// the cost of a file of its own with its directory fsync.
 const SEGMENT_SIZE: u64 = 64 << 20;
 const SEG_MAGIC: &[u8; 8] = b"BFSWSEG1";
+/// Emptied segments kept for reuse: a new nonce makes one a fresh segment at the cost of one
+/// block's write, where a new file costs 64 MiB of zeros written and synced (as much again as
+/// the records it will hold).
+const FREE_KEPT: usize = 2;
 const REC_MAGIC: &[u8; 8] = b"BFSWREC1";
 /// Records start at multiples of this (so recovery can step over a torn one).
 const REC_ALIGN: u64 = 4096;
@@ -351,7 +355,8 @@ impl Content {
     }
 }
 
-/// The segment being filled, the next one, and how many live records each has.
+/// The segment being filled, the next one, how many live records each has, and emptied
+/// ones kept for reuse.
 #[derive(Default)]
 struct Segs {
     current: Option<(Arc<Segment>, u64)>,
@@ -359,6 +364,7 @@ struct Segs {
     making: bool,
     live: HashMap<u64, usize>,
     sealed: std::collections::HashSet<u64>,
+    free: Vec<Arc<Segment>>,
     next_id: u64,
 }
 
@@ -368,6 +374,29 @@ impl Segs {
         if let Loc::Rec { seg, .. } = loc {
             *self.live.entry(seg.id).or_default() += 1;
         }
+    }
+
+    /// A segment that takes no more records and holds no live one: kept for reuse (see
+    /// [`FREE_KEPT`]), else removed.
+    fn retire(&mut self, seg: Arc<Segment>) {
+        self.live.remove(&seg.id);
+        self.sealed.remove(&seg.id);
+        if self.free.len() < FREE_KEPT && !self.free.iter().any(|f| f.id == seg.id) {
+            self.free.push(seg);
+        } else {
+            let _ = std::fs::remove_file(&seg.path);
+        }
+    }
+
+    /// An emptied segment nothing else refers to: no entry, reader or staging file (an
+    /// open file's bytes may be read from a record after its upload) can see its bytes
+    /// change when it is reused.
+    fn take_free(&mut self) -> Option<Segment> {
+        let i = self
+            .free
+            .iter()
+            .position(|s| Arc::strong_count(s) == 1 && Arc::strong_count(&s.file) == 1)?;
+        Arc::try_unwrap(self.free.swap_remove(i)).ok()
     }
 }
 
@@ -1004,7 +1033,7 @@ impl WriteBack {
         for seg in segments {
             inner.segs.next_id = inner.segs.next_id.max(seg.id + 1);
             if inner.segs.live.get(&seg.id).copied().unwrap_or(0) == 0 {
-                let _ = std::fs::remove_file(&seg.path);
+                inner.segs.retire(seg);
             } else {
                 inner.segs.sealed.insert(seg.id);
             }
@@ -1522,7 +1551,7 @@ impl WriteBack {
             let spare = segs.spare.take()?;
             if let Some((old, _)) = segs.current.take() {
                 if segs.live.get(&old.id).copied().unwrap_or(0) == 0 {
-                    let _ = std::fs::remove_file(&old.path);
+                    segs.retire(old);
                 } else {
                     segs.sealed.insert(old.id);
                 }
@@ -1544,23 +1573,32 @@ impl WriteBack {
         Some((seg, at))
     }
 
-    /// Prepares the next segment in the background, unless one is ready or on its way.
+    /// Prepares the next segment in the background (an emptied one reused, else a new
+    /// one), unless one is ready or on its way.
     fn make_spare(&self) {
-        let id = {
+        let (id, reuse) = {
             let mut inner = self.inner.lock();
             if inner.segs.spare.is_some() || inner.segs.making {
                 return;
             }
             inner.segs.making = true;
-            let id = inner.segs.next_id;
-            inner.segs.next_id += 1;
-            id
+            match inner.segs.take_free() {
+                Some(seg) => (seg.id, Some(seg)),
+                None => {
+                    let id = inner.segs.next_id;
+                    inner.segs.next_id += 1;
+                    (id, None)
+                }
+            }
         };
         let path = self.cfg.dir.join(format!("seg-{id:020}.wbs"));
         let dir = self.dir_file.try_clone();
         let me = self.me.lock().clone();
         tokio::spawn(async move {
             let made = tokio::task::spawn_blocking(move || -> std::io::Result<Segment> {
+                if let Some(seg) = reuse {
+                    return reuse_segment(seg);
+                }
                 let seg = create_segment(id, &path)?;
                 dir?.sync_all()?;
                 Ok(seg)
@@ -1599,9 +1637,8 @@ impl WriteBack {
                 let segs = &mut inner.segs;
                 let live = segs.live.entry(seg.id).or_default();
                 *live = live.saturating_sub(1);
-                if *live == 0 && segs.sealed.remove(&seg.id) {
-                    segs.live.remove(&seg.id);
-                    let _ = std::fs::remove_file(&seg.path);
+                if *live == 0 && segs.sealed.contains(&seg.id) {
+                    segs.retire(seg.clone());
                 }
             }
         }
@@ -2768,6 +2805,9 @@ impl Drop for WriteBack {
                 let _ = std::fs::remove_file(&seg.path);
             }
         }
+        for seg in segs.free.drain(..) {
+            let _ = std::fs::remove_file(&seg.path);
+        }
     }
 }
 
@@ -3259,6 +3299,38 @@ fn create_segment(id: u64, path: &Path) -> std::io::Result<Segment> {
         .write(true)
         .mode(0o600)
         .open(path)?;
+    let zeros = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < SEGMENT_SIZE {
+        file.write_all_at(&zeros, at)?;
+        at += zeros.len() as u64;
+    }
+    let nonce = write_segment_head(&file)?;
+    file.sync_all()?;
+    Ok(Segment {
+        id,
+        path: path.to_path_buf(),
+        file: Arc::new(file),
+        nonce,
+        sync: SharedSync::default(),
+    })
+}
+
+/// An emptied segment made a fresh one: a new nonce in its first block, synced before it
+/// takes a record, so every record it held (uploaded, replaced, torn) is invalid for good.
+/// Its blocks stay written, so a record in it still needs only an fdatasync.
+fn reuse_segment(seg: Segment) -> std::io::Result<Segment> {
+    let nonce = write_segment_head(&seg.file)?;
+    seg.file.sync_data()?;
+    Ok(Segment {
+        nonce,
+        sync: SharedSync::default(),
+        ..seg
+    })
+}
+
+/// Writes a segment's first block's magic and a new random nonce; returns the nonce.
+fn write_segment_head(file: &File) -> std::io::Result<u64> {
     let mut nonce = [0u8; 8];
     File::open("/dev/urandom")?
         .read_exact_at(&mut nonce, 0)
@@ -3266,23 +3338,10 @@ fn create_segment(id: u64, path: &Path) -> std::io::Result<Segment> {
             use std::io::Read;
             File::open("/dev/urandom")?.read_exact(&mut nonce)
         })?;
-    let zeros = vec![0u8; 1 << 20];
-    let mut at = 0;
-    while at < SEGMENT_SIZE {
-        file.write_all_at(&zeros, at)?;
-        at += zeros.len() as u64;
-    }
     let mut head = Vec::from(&SEG_MAGIC[..]);
     head.extend_from_slice(&nonce);
     file.write_all_at(&head, 0)?;
-    file.sync_all()?;
-    Ok(Segment {
-        id,
-        path: path.to_path_buf(),
-        file: Arc::new(file),
-        nonce: u64::from_le_bytes(nonce),
-        sync: SharedSync::default(),
-    })
+    Ok(u64::from_le_bytes(nonce))
 }
 
 fn record_header(nonce: u64, seq: u64, size: u64, tlen: u32) -> [u8; REC_HEADER as usize] {
@@ -3636,6 +3695,169 @@ mod tests {
             &forged[..]
         );
         assert!(store.head("c").await.is_err());
+    }
+
+    /// A segment whose records all went up is reused for the next segment with a new nonce
+    /// (no new 64 MiB file of zeros), and a record its old nonce would have made valid (a
+    /// header whose zeroing a crash lost) is not taken for one after a restart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_emptied_segment_is_reused_and_its_old_records_never_come_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let dyn_store: Arc<dyn ObjectStore> = store.clone();
+        let cfg = WriteBackConfig {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 1 << 30,
+            concurrency: 2,
+            fsync_waits_upload: false,
+            delay: Duration::ZERO,
+            space_wait: Duration::from_secs(60),
+        };
+        let (wb, _) = WriteBack::open(
+            cfg,
+            dyn_store.clone(),
+            Uploads::new(dyn_store),
+            8 << 20,
+            None,
+            Arc::default(),
+        )
+        .unwrap();
+        wait_for_segment(&wb).await;
+        let seg_files = || {
+            let mut v: Vec<String> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".wbs"))
+                .collect();
+            v.sort();
+            v
+        };
+        let body = vec![7u8; 3 << 20];
+        let current_id = |wb: &WriteBack| wb.inner.lock().segs.current.as_ref().map(|c| c.0.id);
+        // Fill the first segment until the second takes records; all go up.
+        let first = {
+            put(&wb, "k0", &body).await;
+            current_id(&wb).unwrap()
+        };
+        let mut n = 1;
+        while current_id(&wb) == Some(first) {
+            put(&wb, &format!("k{n}"), &body).await;
+            n += 1;
+        }
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let old = {
+            let inner = wb.inner.lock();
+            let f = inner.segs.free.iter().find(|s| s.id == first);
+            let f = f.expect("the emptied first segment is kept for reuse");
+            (f.nonce, f.file.clone())
+        };
+        // What a lost zeroing would leave: a record valid under the old nonce.
+        let ghost = b"ghost bytes";
+        let t = Trailer {
+            seq: 1,
+            key: "ghost".into(),
+            size: ghost.len() as u64,
+            meta: UserMeta::new(),
+            cond: Cond::Any,
+            replaces: None,
+            from: None,
+            landed: Vec::new(),
+            delta: None,
+        }
+        .encode();
+        let mut rec = record_header(old.0, 1, ghost.len() as u64, t.len() as u32).to_vec();
+        let mut content = ghost.to_vec();
+        content.extend_from_slice(&t);
+        let crc = crc32fast::hash(&content);
+        rec.extend_from_slice(&content);
+        rec.extend_from_slice(&crc.to_le_bytes());
+        old.1.write_all_at(&rec, REC_ALIGN).unwrap();
+        drop(old.1);
+        let files_before = seg_files();
+        // Fill the second one: the third takes over and the first becomes the spare.
+        let second = current_id(&wb).unwrap();
+        while current_id(&wb) == Some(second) {
+            put(&wb, &format!("k{n}"), &body).await;
+            n += 1;
+        }
+        for _ in 0..200 {
+            if wb.inner.lock().segs.spare.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let spare = wb.inner.lock().segs.spare.clone().expect("a spare segment");
+        assert_eq!(spare.id, first, "the emptied segment is the new spare");
+        assert_ne!(spare.nonce, old.0, "under a new nonce");
+        assert_eq!(seg_files(), files_before, "no new segment file");
+        // A restart finds nothing in it (the copy stands for it: an unmount removes it).
+        let copy = dir.path().join(format!("seg-{:020}.wbs", 1000));
+        std::fs::copy(&spare.path, &copy).unwrap();
+        drop(spare);
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (_wb, found) = open_wb(dir.path(), &store).await;
+        assert_eq!(found, 0, "no record of the reused segment comes back");
+        assert!(store.head("ghost").await.is_err());
+        assert_eq!(
+            store.get_range("k1", 0..10, None).await.unwrap()[..],
+            [7u8; 10]
+        );
+    }
+
+    /// An emptied segment whose file something still reads (a staging file shared with a
+    /// record, an orphan's bytes) is not reused: those bytes stay as they were.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_segment_still_read_is_not_reused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let dyn_store: Arc<dyn ObjectStore> = store.clone();
+        let cfg = WriteBackConfig {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 1 << 30,
+            concurrency: 2,
+            fsync_waits_upload: false,
+            delay: Duration::ZERO,
+            space_wait: Duration::from_secs(60),
+        };
+        let (wb, _) = WriteBack::open(
+            cfg,
+            dyn_store.clone(),
+            Uploads::new(dyn_store),
+            8 << 20,
+            None,
+            Arc::default(),
+        )
+        .unwrap();
+        wait_for_segment(&wb).await;
+        let body = vec![7u8; 3 << 20];
+        let current_id = |wb: &WriteBack| wb.inner.lock().segs.current.as_ref().map(|c| c.0.id);
+        let s0 = put(&wb, "k0", &body).await;
+        let held = wb.inner.lock().entries[&s0].content.head().open().unwrap();
+        let first = current_id(&wb).unwrap();
+        let mut n = 1;
+        while current_id(&wb) == Some(first) {
+            put(&wb, &format!("k{n}"), &body).await;
+            n += 1;
+        }
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let second = current_id(&wb).unwrap();
+        while current_id(&wb) == Some(second) {
+            put(&wb, &format!("k{n}"), &body).await;
+            n += 1;
+        }
+        for _ in 0..200 {
+            if wb.inner.lock().segs.spare.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let spare = wb.inner.lock().segs.spare.as_ref().map(|s| s.id);
+        assert!(spare.is_some_and(|id| id != first), "{spare:?}");
+        let mut got = vec![0u8; body.len()];
+        held.0.read_exact_at(&mut got, held.1).unwrap();
+        assert!(got == body, "the held record's bytes are unchanged");
     }
 
     /// A large entry goes up as a multipart upload in the part layout, its part buffers taken
