@@ -55,6 +55,10 @@ const SEG_MAGIC: &[u8; 8] = b"BFSWSEG1";
 /// block's write, where a new file costs 64 MiB of zeros written and synced (as much again as
 /// the records it will hold).
 const FREE_KEPT: usize = 2;
+/// The next segment is made once the one being filled holds this much: a mount that commits
+/// little writes no second segment's zeros, and a quarter of a segment of records is time
+/// enough to make one.
+const SPARE_AT: u64 = SEGMENT_SIZE / 4;
 const REC_MAGIC: &[u8; 8] = b"BFSWREC1";
 /// Records start at multiples of this (so recovery can step over a torn one).
 const REC_ALIGN: u64 = 4096;
@@ -1566,9 +1570,6 @@ impl WriteBack {
                 }
             }
             segs.current = Some((spare, REC_ALIGN));
-            drop(inner);
-            self.make_spare();
-            inner = self.inner.lock();
         }
         let segs = &mut inner.segs;
         let (seg, next) = segs.current.as_mut()?;
@@ -1577,9 +1578,22 @@ impl WriteBack {
         }
         let at = *next;
         *next += len;
+        let want_spare = *next >= SPARE_AT;
         let seg = seg.clone();
         *segs.live.entry(seg.id).or_default() += 1;
+        let want_spare = want_spare && segs.spare.is_none() && !segs.making;
+        drop(inner);
+        if want_spare {
+            self.make_spare();
+        }
         Some((seg, at))
+    }
+
+    /// Whether the next segment is ready or on its way.
+    #[cfg(test)]
+    fn spare_asked(&self) -> bool {
+        let inner = self.inner.lock();
+        inner.segs.spare.is_some() || inner.segs.making
     }
 
     /// Prepares the next segment in the background (an emptied one reused, else a new
@@ -3790,9 +3804,8 @@ mod tests {
         old.1.write_all_at(&rec, REC_ALIGN).unwrap();
         drop(old.1);
         let files_before = seg_files();
-        // Fill the second one: the third takes over and the first becomes the spare.
-        let second = current_id(&wb).unwrap();
-        while current_id(&wb) == Some(second) {
+        // Fill the second one until it wants a spare: the first becomes it.
+        while !wb.spare_asked() {
             put(&wb, &format!("k{n}"), &body).await;
             n += 1;
         }
@@ -3820,6 +3833,43 @@ mod tests {
             store.get_range("k1", 0..10, None).await.unwrap()[..],
             [7u8; 10]
         );
+    }
+
+    /// A mount that commits little writes one segment's zeros, not two: the next segment is
+    /// made once the first holds a quarter of its size.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_next_segment_is_made_once_the_first_is_a_quarter_full() {
+        let (dir, _store, wb) = started_wb().await;
+        let seg_files = || {
+            std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .ends_with(".wbs")
+                })
+                .count()
+        };
+        for i in 0..50 {
+            put(&wb, &format!("small{i}"), &[1u8; 4096]).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!wb.spare_asked());
+        assert_eq!(seg_files(), 1);
+        let body = vec![7u8; 3 << 20];
+        let mut n = 0;
+        while !wb.spare_asked() {
+            put(&wb, &format!("k{n}"), &body).await;
+            n += 1;
+        }
+        assert!(
+            (5..=6).contains(&n),
+            "{n} records of 3 MiB before the next segment"
+        );
+        wait_for_segment(&wb).await;
+        assert_eq!(seg_files(), 2);
     }
 
     /// An emptied segment whose file something still reads (a staging file shared with a
@@ -3859,8 +3909,7 @@ mod tests {
             n += 1;
         }
         wb.drain(Duration::from_secs(5), |_, _| {}).await;
-        let second = current_id(&wb).unwrap();
-        while current_id(&wb) == Some(second) {
+        while !wb.spare_asked() {
             put(&wb, &format!("k{n}"), &body).await;
             n += 1;
         }
