@@ -33,7 +33,12 @@ pub fn cache_files(dir: &Path, ext: &str) -> Vec<PathBuf> {
         };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if e.metadata().unwrap().is_dir() {
+            // The type from the directory entry: a temporary file the cache's writer renames
+            // or removes meanwhile has no metadata left to read.
+            let Ok(kind) = e.file_type() else {
+                continue;
+            };
+            if kind.is_dir() {
                 todo.push(e.path());
             } else if name.ends_with(ext) && !name.starts_with(".tmp-") {
                 out.push(e.path());
