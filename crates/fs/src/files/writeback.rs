@@ -3595,6 +3595,22 @@ mod tests {
         (dir, store, wb)
     }
 
+    /// The names of the segment files in `dir`, sorted.
+    fn segment_files(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".wbs"))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// The id of the segment being filled.
+    fn current_segment(wb: &WriteBack) -> Option<u64> {
+        wb.inner.lock().segs.current.as_ref().map(|c| c.0.id)
+    }
+
     async fn wait_for_segment(wb: &WriteBack) {
         for _ in 0..200 {
             if wb.inner.lock().segs.spare.is_some() {
@@ -3731,46 +3747,16 @@ mod tests {
     /// header whose zeroing a crash lost) is not taken for one after a restart.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_emptied_segment_is_reused_and_its_old_records_never_come_back() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
-        let dyn_store: Arc<dyn ObjectStore> = store.clone();
-        let cfg = WriteBackConfig {
-            dir: dir.path().to_path_buf(),
-            max_bytes: 1 << 30,
-            concurrency: 2,
-            fsync_waits_upload: false,
-            // Uploads wait for the drains.
-            delay: Duration::from_secs(3600),
-            space_wait: Duration::from_secs(60),
-        };
-        let (wb, _) = WriteBack::open(
-            cfg,
-            dyn_store.clone(),
-            Uploads::new(dyn_store),
-            8 << 20,
-            None,
-            Arc::default(),
-        )
-        .unwrap();
-        wait_for_segment(&wb).await;
-        let seg_files = || {
-            let mut v: Vec<String> = std::fs::read_dir(dir.path())
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .filter(|n| n.ends_with(".wbs"))
-                .collect();
-            v.sort();
-            v
-        };
+        // Uploads wait for the drains (see `open_wb`).
+        let (dir, store, wb) = started_wb().await;
         let body = vec![7u8; 3 << 20];
-        let current_id = |wb: &WriteBack| wb.inner.lock().segs.current.as_ref().map(|c| c.0.id);
         // Fill the first segment until the second takes records; all go up.
         let first = {
             put(&wb, "k0", &body).await;
-            current_id(&wb).unwrap()
+            current_segment(&wb).unwrap()
         };
         let mut n = 1;
-        while current_id(&wb) == Some(first) {
+        while current_segment(&wb) == Some(first) {
             put(&wb, &format!("k{n}"), &body).await;
             n += 1;
         }
@@ -3803,22 +3789,21 @@ mod tests {
         rec.extend_from_slice(&crc.to_le_bytes());
         old.1.write_all_at(&rec, REC_ALIGN).unwrap();
         drop(old.1);
-        let files_before = seg_files();
+        let files_before = segment_files(dir.path());
         // Fill the second one until it wants a spare: the first becomes it.
         while !wb.spare_asked() {
             put(&wb, &format!("k{n}"), &body).await;
             n += 1;
         }
-        for _ in 0..200 {
-            if wb.inner.lock().segs.spare.is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for_segment(&wb).await;
         let spare = wb.inner.lock().segs.spare.clone().expect("a spare segment");
         assert_eq!(spare.id, first, "the emptied segment is the new spare");
         assert_ne!(spare.nonce, old.0, "under a new nonce");
-        assert_eq!(seg_files(), files_before, "no new segment file");
+        assert_eq!(
+            segment_files(dir.path()),
+            files_before,
+            "no new segment file"
+        );
         // A restart finds nothing in it (the copy stands for it: an unmount removes it).
         let copy = dir.path().join(format!("seg-{:020}.wbs", 1000));
         std::fs::copy(&spare.path, &copy).unwrap();
@@ -3840,24 +3825,12 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_next_segment_is_made_once_the_first_is_a_quarter_full() {
         let (dir, _store, wb) = started_wb().await;
-        let seg_files = || {
-            std::fs::read_dir(dir.path())
-                .unwrap()
-                .filter(|e| {
-                    e.as_ref()
-                        .unwrap()
-                        .file_name()
-                        .to_string_lossy()
-                        .ends_with(".wbs")
-                })
-                .count()
-        };
         for i in 0..50 {
             put(&wb, &format!("small{i}"), &[1u8; 4096]).await;
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(!wb.spare_asked());
-        assert_eq!(seg_files(), 1);
+        assert_eq!(segment_files(dir.path()).len(), 1);
         let body = vec![7u8; 3 << 20];
         let mut n = 0;
         while !wb.spare_asked() {
@@ -3869,42 +3842,21 @@ mod tests {
             "{n} records of 3 MiB before the next segment"
         );
         wait_for_segment(&wb).await;
-        assert_eq!(seg_files(), 2);
+        assert_eq!(segment_files(dir.path()).len(), 2);
     }
 
     /// An emptied segment whose file something still reads (a staging file shared with a
     /// record, an orphan's bytes) is not reused: a new one is made.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_segment_still_read_is_not_reused() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
-        let dyn_store: Arc<dyn ObjectStore> = store.clone();
-        let cfg = WriteBackConfig {
-            dir: dir.path().to_path_buf(),
-            max_bytes: 1 << 30,
-            concurrency: 2,
-            fsync_waits_upload: false,
-            // Uploads wait for the drain.
-            delay: Duration::from_secs(3600),
-            space_wait: Duration::from_secs(60),
-        };
-        let (wb, _) = WriteBack::open(
-            cfg,
-            dyn_store.clone(),
-            Uploads::new(dyn_store),
-            8 << 20,
-            None,
-            Arc::default(),
-        )
-        .unwrap();
-        wait_for_segment(&wb).await;
+        // Uploads wait for the drain (see `open_wb`).
+        let (_dir, _store, wb) = started_wb().await;
         let body = vec![7u8; 3 << 20];
-        let current_id = |wb: &WriteBack| wb.inner.lock().segs.current.as_ref().map(|c| c.0.id);
         let s0 = put(&wb, "k0", &body).await;
         let held = wb.inner.lock().entries[&s0].content.head().open().unwrap();
-        let first = current_id(&wb).unwrap();
+        let first = current_segment(&wb).unwrap();
         let mut n = 1;
-        while current_id(&wb) == Some(first) {
+        while current_segment(&wb) == Some(first) {
             put(&wb, &format!("k{n}"), &body).await;
             n += 1;
         }
@@ -3913,12 +3865,7 @@ mod tests {
             put(&wb, &format!("k{n}"), &body).await;
             n += 1;
         }
-        for _ in 0..200 {
-            if wb.inner.lock().segs.spare.is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for_segment(&wb).await;
         let spare = wb.inner.lock().segs.spare.as_ref().map(|s| s.id);
         assert!(spare.is_some_and(|id| id != first), "{spare:?}");
         drop(held);

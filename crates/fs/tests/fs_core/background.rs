@@ -49,14 +49,7 @@ async fn an_unlink_never_deletes_a_version_written_after_its_check() {
     });
     let (cache, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let mut cfg = config(&cache);
-    cfg.writeback = Some(WriteBackConfig {
-        dir: state.path().join("wb"),
-        max_bytes: 1 << 30,
-        concurrency: 2,
-        fsync_waits_upload: false,
-        delay: Duration::from_secs(3600),
-        space_wait: Duration::from_secs(60),
-    });
+    cfg.writeback = Some(writeback_config(&state, Duration::from_secs(3600)));
     let fs = Fs::new(store.clone(), cfg);
     let attr = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
     let h = fs
@@ -77,16 +70,21 @@ async fn an_unlink_never_deletes_a_version_written_after_its_check() {
     assert_eq!(object(&mem, "f").await, b"theirs, new");
 }
 
-/// A background fs over a metered memory store, its state directory in `state`.
-fn background_env(state: &tempfile::TempDir, delay: Duration) -> crate::support::Env {
-    let wb = WriteBackConfig {
+/// Background upload with its write-back directory in `state`, uploads after `delay`.
+fn writeback_config(state: &tempfile::TempDir, delay: Duration) -> WriteBackConfig {
+    WriteBackConfig {
         dir: state.path().join("wb"),
         max_bytes: 1 << 30,
         concurrency: 2,
         fsync_waits_upload: false,
         delay,
         space_wait: Duration::from_secs(60),
-    };
+    }
+}
+
+/// A background fs over a metered memory store, its state directory in `state`.
+fn background_env(state: &tempfile::TempDir, delay: Duration) -> crate::support::Env {
+    let wb = writeback_config(state, delay);
     crate::support::env_with(MemoryStore::new(), move |mut c| {
         c.writeback = Some(wb);
         c
@@ -435,32 +433,30 @@ async fn a_rewrite_whose_early_upload_vanished_is_uploaded_anew() {
     assert!(object(&e.mem, "big").await == data);
 }
 
-/// A part written again while its earlier body still goes up to a store that stalls: the
-/// write goes on (the part is left to the entry's upload) instead of waiting for that
-/// request.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_part_written_again_while_its_early_body_stalls_does_not_wait() {
+/// A memory store that never answers an `UploadPart`.
+fn store_stalling_every_part() -> Arc<bucketfs_store::fault::FaultStore> {
     use bucketfs_store::fault::{Fault, FaultStore};
     use bucketfs_store::metrics::Op;
-    let state = tempfile::tempdir().unwrap();
-    let cache = tempfile::tempdir().unwrap();
-    let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let faulty = Arc::new(FaultStore::new(Arc::new(MemoryStore::new())));
     faulty.inject(
         Op::UploadPart,
         0,
         None,
         Fault::Delay(Duration::from_secs(3600)),
     );
+    faulty
+}
+
+/// A part written again while its earlier body still goes up to a store that stalls: the
+/// write goes on (the part is left to the entry's upload) instead of waiting for that
+/// request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_written_again_while_its_early_body_stalls_does_not_wait() {
+    let state = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let faulty = store_stalling_every_part();
     let mut cfg = config(&cache);
-    cfg.writeback = Some(WriteBackConfig {
-        dir: state.path().join("wb"),
-        max_bytes: 1 << 30,
-        concurrency: 2,
-        fsync_waits_upload: false,
-        delay: Duration::from_secs(3600),
-        space_wait: Duration::from_secs(60),
-    });
+    cfg.writeback = Some(writeback_config(&state, Duration::from_secs(3600)));
     let fs = Fs::new(faulty, cfg);
     let (a, h) = fs
         .create(
@@ -490,28 +486,12 @@ async fn a_part_written_again_while_its_early_body_stalls_does_not_wait() {
 /// order), whose commit needs a buffer of the budget, does not wait for the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parts_sent_early_to_a_stalled_store_leave_memory_for_a_close() {
-    use bucketfs_store::fault::{Fault, FaultStore};
-    use bucketfs_store::metrics::Op;
     let state = tempfile::tempdir().unwrap();
     let cache = tempfile::tempdir().unwrap();
-    let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    faulty.inject(
-        Op::UploadPart,
-        0,
-        None,
-        Fault::Delay(Duration::from_secs(3600)),
-    );
+    let faulty = store_stalling_every_part();
     let mut cfg = config(&cache);
     cfg.max_memory = 40 << 20;
-    cfg.writeback = Some(WriteBackConfig {
-        dir: state.path().join("wb"),
-        max_bytes: 1 << 30,
-        concurrency: 2,
-        fsync_waits_upload: false,
-        delay: Duration::from_secs(3600),
-        space_wait: Duration::from_secs(60),
-    });
+    cfg.writeback = Some(writeback_config(&state, Duration::from_secs(3600)));
     let fs = Fs::new(faulty, cfg);
     let big = crate::support::random(30 << 20, 63);
     let mut open = Vec::new();
