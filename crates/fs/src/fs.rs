@@ -339,7 +339,7 @@ impl Fs {
     /// Server-side copy of any size; `meta` replaces the user metadata when given. With
     /// `src_etag`, every request copies from that version of `src` only, and a copy onto
     /// itself lands only over it, so the copy is never a mix of two versions nor written
-    /// over another client's: a mismatch is ESTALE.
+    /// over another client's: a mismatch is ESTALE. Returns the copy's ETag.
     async fn copy_object(
         &self,
         src: &str,
@@ -347,7 +347,7 @@ impl Fs {
         size: u64,
         meta: Option<&UserMeta>,
         src_etag: Option<&str>,
-    ) -> FsResult<()> {
+    ) -> FsResult<String> {
         let what = format!("copy {src} to {dst}");
         let fail = |e: StoreError| match e {
             StoreError::PreconditionFailed(_) => {
@@ -407,15 +407,17 @@ impl Fs {
         // Onto itself (chmod of a huge file): only over the version copied.
         let dst_etag = src_etag.filter(|_| src == dst);
         let done = match parts {
-            Ok(p) => upload.complete(&p, dst_etag).await.map(|_| ()),
+            Ok(p) => upload.complete(&p, dst_etag).await,
             Err(e) => Err(e),
         };
-        if let Err(e) = done {
-            // A failed abort stays on the orphan list, retried later.
-            let _ = upload.abort().await;
-            return Err(fail(e));
+        match done {
+            Ok(etag) => Ok(etag),
+            Err(e) => {
+                // A failed abort stays on the orphan list, retried later.
+                let _ = upload.abort().await;
+                Err(fail(e))
+            }
         }
-        Ok(())
     }
 
     pub async fn readlink(&self, ino: Ino) -> FsResult<Bytes> {

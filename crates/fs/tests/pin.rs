@@ -6,12 +6,15 @@
 mod support;
 
 use bucketfs_fs::{Fs, FsError, SetAttr, ROOT_INO};
+use bucketfs_store::layer::StoreLayer;
 use bucketfs_store::memory::MemoryStore;
-use bucketfs_store::{ObjectStore, UserMeta};
+use bucketfs_store::{ObjectStore, StoreResult, UserMeta};
 use bytes::Bytes;
 use rand::{RngCore, SeedableRng};
 use std::ffi::OsStr;
-use support::{env, object, write_mib, MIB};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use support::{config, env, object, write_mib, MIB};
 
 fn random(n: u64, seed: u64) -> Vec<u8> {
     let mut v = vec![0u8; n as usize];
@@ -207,4 +210,134 @@ async fn a_rename_of_a_file_being_rewritten_racing_a_replace_fails() {
     );
     assert!(e.mem.head("b").await.unwrap_err().is_not_found());
     assert_eq!(e.mem.pending_uploads(), 0);
+}
+
+/// Another client writing `theirs` to `key` right after the store answers this mount's copy
+/// onto `key` (once armed): before this mount's next request about it.
+struct WritesAfterCopy {
+    inner: Arc<MemoryStore>,
+    key: &'static str,
+    theirs: &'static [u8],
+    armed: AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl StoreLayer for WritesAfterCopy {
+    type Inner = MemoryStore;
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> StoreResult<String> {
+        let r = self.inner.copy(src_key, dst_key, meta, src_if_match).await;
+        if dst_key == self.key && self.armed.swap(false, Ordering::SeqCst) {
+            put(&self.inner, dst_key, self.theirs, &[]).await;
+        }
+        r
+    }
+}
+
+/// A mount over `mem` whose copies onto `key` are followed by another client's write of
+/// `theirs` there, once armed.
+fn writes_after_copy(
+    mem: &Arc<MemoryStore>,
+    key: &'static str,
+    theirs: &'static [u8],
+) -> (Arc<WritesAfterCopy>, Arc<Fs>, tempfile::TempDir) {
+    let store = Arc::new(WritesAfterCopy {
+        inner: mem.clone(),
+        key,
+        theirs,
+        armed: AtomicBool::new(false),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(store.clone(), config(&cache));
+    (store, fs, cache)
+}
+
+/// An append after a chmod builds on the version the chmod's copy made, never on one another
+/// client wrote right after it: before, the mount learnt its new ETag with a HEAD after the
+/// copy, took the other client's version for its own, and appended to the first 4 bytes of
+/// it ("thei+more" over "theirs, longer", with close saying 0).
+#[tokio::test]
+async fn an_append_after_a_chmod_never_builds_on_a_version_written_after_the_copy() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "f", b"ours", &[]).await;
+    let (store, fs, _cache) = writes_after_copy(&mem, "f", b"theirs, longer");
+    let a = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    store.armed.store(true, Ordering::SeqCst);
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..SetAttr::default()
+    };
+    fs.setattr(a.ino, None, chmod).await.unwrap();
+    let (ino, fh) = open(&fs, "f", libc::O_WRONLY | libc::O_APPEND).await;
+    fs.write(ino, fh, 4, Bytes::from_static(b"+more"))
+        .await
+        .unwrap();
+    assert_eq!(fs.flush(ino, fh).await, Err(FsError(libc::ESTALE)));
+    fs.release(ino, fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, b"theirs, longer");
+}
+
+/// The same for a rename: the moved file's ETag is the copy's, not a HEAD's of the new name.
+#[tokio::test]
+async fn an_append_after_a_rename_never_builds_on_a_version_written_after_the_copy() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "a", b"ours", &[]).await;
+    let (store, fs, _cache) = writes_after_copy(&mem, "b", b"theirs, longer");
+    fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    store.armed.store(true, Ordering::SeqCst);
+    fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .unwrap();
+    let (ino, fh) = open(&fs, "b", libc::O_WRONLY | libc::O_APPEND).await;
+    fs.write(ino, fh, 4, Bytes::from_static(b"+more"))
+        .await
+        .unwrap();
+    assert_eq!(fs.flush(ino, fh).await, Err(FsError(libc::ESTALE)));
+    fs.release(ino, fh).await.unwrap();
+    assert_eq!(object(&mem, "b").await, b"theirs, longer");
+}
+
+/// The same for a close that stores a metadata change made while the file's parts streamed
+/// (a copy of the completed object onto itself).
+#[tokio::test]
+async fn an_append_after_a_close_that_copied_never_builds_on_a_version_written_after_it() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "f", b"old", &[]).await;
+    // Longer than ours: the append's base range is all in it.
+    let theirs: &'static [u8] = random(7 * MIB, 2).leak();
+    let (store, fs, _cache) = writes_after_copy(&mem, "f", theirs);
+    let (ino, fh) = open(&fs, "f", libc::O_WRONLY | libc::O_TRUNC).await;
+    let ours = random(6 * MIB, 1);
+    write_mib(&fs, ino, fh, 0, &ours).await;
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..SetAttr::default()
+    };
+    fs.setattr(ino, Some(fh), chmod).await.unwrap();
+    store.armed.store(true, Ordering::SeqCst);
+    fs.flush(ino, fh).await.unwrap();
+    fs.release(ino, fh).await.unwrap();
+    assert!(
+        !store.armed.load(Ordering::SeqCst),
+        "the close stored the mode with a copy"
+    );
+    let (ino, fh) = open(&fs, "f", libc::O_WRONLY | libc::O_APPEND).await;
+    fs.write(ino, fh, ours.len() as u64, Bytes::from_static(b"+more"))
+        .await
+        .unwrap();
+    // Before: their first 6 MiB and "+more", with close saying 0.
+    assert_eq!(fs.flush(ino, fh).await, Err(FsError(libc::ESTALE)));
+    fs.release(ino, fh).await.unwrap();
+    assert!(
+        object(&mem, "f").await == theirs,
+        "the other version is intact"
+    );
 }

@@ -280,7 +280,7 @@ impl crate::layer::StoreLayer for FaultStore {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         self.wrap(
             Op::Copy,
             self.inner.copy(src_key, dst_key, meta, src_if_match),

@@ -562,7 +562,7 @@ impl crate::layer::StoreLayer for JournalStore {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         self.keeping(dst_key)?;
         self.inner.copy(src_key, dst_key, meta, src_if_match).await
     }

@@ -123,7 +123,7 @@ pub trait StoreLayer: Send + Sync + 'static {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         self.inner()
             .copy(src_key, dst_key, meta, src_if_match)
             .await
@@ -263,7 +263,7 @@ impl<L: StoreLayer> ObjectStore for L {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         StoreLayer::copy(self, src_key, dst_key, meta, src_if_match).await
     }
 

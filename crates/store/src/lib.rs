@@ -150,14 +150,15 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// `src_if_match`, only from the source version with that ETag
     /// (`x-amz-copy-source-if-match`); a copy onto itself then also asks the destination to
     /// still have it (`If-Match`, where the store honours it), so it never lands over a
-    /// version another client wrote meanwhile.
+    /// version another client wrote meanwhile. Returns the new object's ETag, as the copy's
+    /// answer gives it: a HEAD after the copy could name a version another client wrote since.
     async fn copy(
         &self,
         src_key: &str,
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()>;
+    ) -> StoreResult<String>;
 
     /// DELETE. Deleting a missing key succeeds, as in S3.
     async fn delete(&self, key: &str) -> StoreResult<()>;

@@ -597,7 +597,7 @@ impl ObjectStore for LocalStore {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         let src_key = src_key.to_string();
         let dst_key = dst_key.to_string();
         let meta = meta.cloned();
@@ -622,8 +622,7 @@ impl ObjectStore for LocalStore {
                 None => read_xattrs(&p)?,
             };
             let dst_if_match = src_if_match.as_deref().filter(|_| src_key == dst_key);
-            s.publish(&tmp, &dst_key, &meta, dst_if_match)?;
-            Ok(())
+            s.publish(&tmp, &dst_key, &meta, dst_if_match)
         })
         .await
     }
@@ -708,15 +707,15 @@ pub(crate) mod tests {
             .unwrap();
         // Copies from a pinned source, onto another key and onto itself.
         let copy = |dst: &'static str, tag: String| async move {
-            s.copy("k", dst, Some(&UserMeta::new()), Some(&tag))
-                .await
-                .map(|()| String::new())
+            s.copy("k", dst, Some(&UserMeta::new()), Some(&tag)).await
         };
         assert!(pf(copy("k2", old.clone()).await));
         assert!(pf(copy("k", old.clone()).await));
-        copy("k2", cur.clone()).await.unwrap();
-        copy("k", cur.clone()).await.unwrap();
+        let copied = copy("k2", cur.clone()).await.unwrap();
+        assert_eq!(Some(copied), s.head("k2").await.unwrap().etag);
+        let copied = copy("k", cur.clone()).await.unwrap();
         let cur = s.head("k").await.unwrap().etag.unwrap();
+        assert_eq!(copied, cur, "a copy answers with the ETag of what it made");
         // Part copies and Complete If-Match; a refused Complete leaves the upload open.
         let id = s.create_multipart("k", &none).await.unwrap();
         assert!(pf(s

@@ -276,13 +276,13 @@ impl ObjectStore for MemoryStore {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         let src = self.get(src_key)?;
         check_etag(Some(&src), src_key, src_if_match)?;
         let meta = meta.cloned().unwrap_or(src.meta);
         let dst_if_match = src_if_match.filter(|_| src_key == dst_key);
-        self.insert(dst_key, src.data, meta, None, dst_if_match)?;
-        Ok(())
+        // A copy of a multipart object is a single-part object: its ETag is its MD5.
+        self.insert(dst_key, src.data, meta, None, dst_if_match)
     }
 
     async fn delete(&self, key: &str) -> StoreResult<()> {

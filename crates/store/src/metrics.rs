@@ -289,7 +289,7 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for MeteredStore<S> {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         let r = self.inner.copy(src_key, dst_key, meta, src_if_match).await;
         self.metrics.count(Op::Copy, &r);
         r

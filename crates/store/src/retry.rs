@@ -652,7 +652,7 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         self.retry(&format!("CopyObject {src_key} -> {dst_key}"), || {
             self.inner.copy(src_key, dst_key, meta, src_if_match)
         })

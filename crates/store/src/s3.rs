@@ -824,7 +824,7 @@ impl ObjectStore for S3Store {
         dst_key: &str,
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         let _slot = self.slot().await;
         let mut req = self
             .client
@@ -844,7 +844,8 @@ impl ObjectStore for S3Store {
                 .set_metadata(Some(to_hashmap(m)));
         }
         // The size is unknown here and a server-side copy of up to 5 GiB can take minutes.
-        req.customize()
+        let out = req
+            .customize()
             .config_override(
                 aws_sdk_s3::config::Builder::default()
                     .timeout_config(timeouts(Duration::from_secs(600))),
@@ -852,7 +853,9 @@ impl ObjectStore for S3Store {
             .send()
             .await
             .map_err(|e| map_err(&format!("copy {src_key} -> {dst_key}"), e))?;
-        Ok(())
+        out.copy_object_result()
+            .and_then(|r| norm_etag(r.e_tag()))
+            .ok_or_else(|| StoreError::Other(format!("copy {src_key} -> {dst_key}: no ETag")))
     }
 
     async fn delete(&self, key: &str) -> StoreResult<()> {

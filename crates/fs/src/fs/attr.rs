@@ -253,10 +253,10 @@ impl Fs {
             // chmod once after ESTALE) sees it, and the change applies to it.
             let _ = self.ns.refresh(ino);
         }
-        copied?;
-        let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+        // The copy's own answer: a HEAD now could name a version another client wrote since.
+        let etag = copied?;
         if let Some(i) = self.ns.table().get_mut(ino) {
-            i.etag = etag;
+            i.etag = Some(etag);
         }
         Ok(())
     }

@@ -234,16 +234,11 @@ impl Fs {
             Err(StoreError::NotFound(_)) => return Ok(None),
             Err(e) => return Err(log_store_err(&what, e)),
         };
-        self.copy_object(&src, &dst, size, None, etag.as_deref())
-            .await?;
         // Readers pin the copy's own ETag with If-Match.
-        let e = match self.store.head(&dst).await.map(|o| o.etag) {
-            Ok(Some(etag)) => return Ok(Some((hidden, etag))),
-            Ok(None) => StoreError::Other(format!("no ETag for {dst}")),
-            Err(e) => e,
-        };
-        self.delete_hidden(hidden).await;
-        Err(log_store_err(&what, e))
+        let etag = self
+            .copy_object(&src, &dst, size, None, etag.as_deref())
+            .await?;
+        Ok(Some((hidden, etag)))
     }
 
     /// The last step of unlinking open file `ino`, or of renaming another file over it: its

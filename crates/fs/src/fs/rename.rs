@@ -282,15 +282,16 @@ impl Fs {
         let (src, dst) = (self.ns.key(path), self.ns.key(new_path));
         let Some(st) = st else {
             let (size, etag) = version;
-            self.copy_object(&src, &dst, size, None, etag.as_deref())
+            // The copy has an ETag of its own (a multipart source's never carries over):
+            // readers pin it with If-Match.
+            let copied = self
+                .copy_object(&src, &dst, size, None, etag.as_deref())
                 .await?;
             self.store
                 .delete(&src)
                 .await
                 .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
-            // The copy has an ETag of its own (a multipart source's never carries over):
-            // readers pin it with If-Match, so learn it now.
-            return Ok(self.store.head(&dst).await.ok().and_then(|o| o.etag));
+            return Ok(Some(copied));
         };
         st.leave_key(&src)?;
         // Background mode: a version still to upload waits (no upload under either name)
@@ -408,13 +409,11 @@ impl Fs {
                     Some(Cond::Match(e)) => Some(e.clone()),
                     _ => st.base_etag().map(str::to_string),
                 };
-                self.copy_object(src, dst, o.size, None, pin.as_deref())
-                    .await?;
-                // Learnt before the source goes: the state reads its base from the copy.
-                match self.store.head(dst).await {
-                    Ok(o) => o.etag,
-                    Err(e) => return Err(log_store_err(&what, e)),
-                }
+                // The state reads its base from the copy, pinned to the copy's own ETag.
+                Some(
+                    self.copy_object(src, dst, o.size, None, pin.as_deref())
+                        .await?,
+                )
             }
             None => {
                 // The name's old object (a file replaced) is gone; this one comes at close.
@@ -712,6 +711,7 @@ impl Fs {
                 async move {
                     self.copy_object(&o.key, &to, o.size, None, o.etag.as_deref())
                         .await
+                        .map(drop)
                 }
                 .boxed()
             })
