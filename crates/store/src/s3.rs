@@ -55,6 +55,14 @@ pub struct S3Config {
 /// closes, deletes or lookups) queues here instead of opening a connection each.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
 
+/// LIST requests for more than one key in flight at once. The server reads each entry's
+/// metadata for a page (from a cold disk after a restart), and all pages in flight share its
+/// disk: 100 pages of 1,000 entries sent at once (128 readers entering 100 cold directories)
+/// all ended together after more than 30 s with no answer to any request, which the retry
+/// layer took for a dead store and failed 6,805 reads with `EIO`. A few at a time end one by
+/// one, every answer counts as progress, and a one-key LIST (a lookup's probe) never waits.
+const PAGE_LISTS_IN_FLIGHT: usize = 8;
+
 /// Time allowed for one attempt of a request without a large body (HEAD, LIST, DELETE,
 /// copies, completing an upload), and the base of every other attempt's time.
 pub const ATTEMPT_BASE: Duration = Duration::from_secs(30);
@@ -93,6 +101,8 @@ pub struct S3Store {
     server: AtomicU8,
     /// One permit per request in flight ([`S3Config::max_connections`]).
     slots: Arc<RequestSlots>,
+    /// One permit per LIST of more than one key in flight ([`PAGE_LISTS_IN_FLIGHT`]).
+    page_lists: Semaphore,
     /// Set once the store refused `If-Match` on a DELETE (`501`/`400`): later deletes go
     /// plain, as on stores that ignore it (callers HEAD first).
     no_conditional_delete: AtomicBool,
@@ -365,6 +375,7 @@ impl S3Store {
             list_metadata: cfg.list_metadata,
             server: AtomicU8::new(SERVER_UNKNOWN),
             slots: Arc::new(RequestSlots::new(max_connections)),
+            page_lists: Semaphore::new(PAGE_LISTS_IN_FLIGHT),
             no_conditional_delete: AtomicBool::new(false),
         })
     }
@@ -874,6 +885,11 @@ impl ObjectStore for S3Store {
         max_keys: usize,
         detail: ListDetail,
     ) -> StoreResult<ListPage> {
+        // Taken before the request slot, which is never held while waiting for another.
+        let _page = match max_keys > 1 {
+            true => Some(self.page_lists.acquire().await.expect("never closed")),
+            false => None,
+        };
         let _slot = self.slot().await;
         let (start_after, token) = match from {
             ListFrom::Start => (None, None),
@@ -983,6 +999,15 @@ mod tests {
     /// A plain-HTTP server that answers every request after `delay` and records the most
     /// requests it was ever answering at once.
     fn slow_server(delay: Duration) -> (String, Arc<AtomicUsize>) {
+        slow_answer(
+            delay,
+            "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nETag: \"e\"\r\n\r\n".into(),
+        )
+    }
+
+    /// A plain-HTTP server that answers every request (with no body) with `answer` after
+    /// `delay`; also gives the most requests it held at once.
+    fn slow_answer(delay: Duration, answer: String) -> (String, Arc<AtomicUsize>) {
         use std::io::{BufRead, BufReader, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -993,6 +1018,7 @@ mod tests {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { return };
                 let (active, most) = (active.clone(), most.clone());
+                let answer = answer.clone();
                 std::thread::spawn(move || {
                     let mut reader = BufReader::new(conn.try_clone().unwrap());
                     loop {
@@ -1010,7 +1036,6 @@ mod tests {
                         most.fetch_max(now, AtomicOrdering::SeqCst);
                         std::thread::sleep(delay);
                         active.fetch_sub(1, AtomicOrdering::SeqCst);
-                        let answer = "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nETag: \"e\"\r\n\r\n";
                         if conn.write_all(answer.as_bytes()).is_err() {
                             return;
                         }
@@ -1069,6 +1094,54 @@ mod tests {
             "{waiting} requests waiting at most"
         );
         assert_eq!((slots.in_use(), slots.waiting()), (0, 0), "all settled");
+    }
+
+    /// LIST pages wait for one of a few permits; one-key LISTs (lookups' probes) do not.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn page_lists_in_flight_are_bounded_and_one_key_lists_are_not() {
+        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><ListBucketResult \
+            xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Name>b</Name><Prefix>p/</Prefix>\
+            <KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>\
+            </ListBucketResult>";
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        for (max_keys, bounded) in [(1000, true), (1, false)] {
+            let (url, most) = slow_answer(Duration::from_millis(200), answer.clone());
+            let store = S3Store::new(&S3Config {
+                bucket: "b".into(),
+                endpoint_url: Some(url),
+                region: Some("us-east-1".into()),
+                force_path_style: true,
+                access_key_id: Some("k".into()),
+                secret_access_key: Some("s".into()),
+                max_attempts: 1,
+                list_metadata: ListMetadata::Off,
+                ..S3Config::default()
+            })
+            .await
+            .unwrap();
+            let lists = (0..24).map(|i| {
+                let prefix = format!("p{i}/");
+                let store = &store;
+                async move {
+                    let detail = ListDetail::Plain;
+                    store
+                        .list(&prefix, Some("/"), ListFrom::Start, max_keys, detail)
+                        .await
+                }
+            });
+            for r in futures::future::join_all(lists).await {
+                assert!(r.unwrap().objects.is_empty());
+            }
+            let most = most.load(AtomicOrdering::SeqCst);
+            match bounded {
+                // 24 without the bound.
+                true => assert!((2..=PAGE_LISTS_IN_FLIGHT).contains(&most), "{most} pages"),
+                false => assert!(most > PAGE_LISTS_IN_FLIGHT, "{most} one-key LISTs"),
+            }
+        }
     }
 
     /// A plain-HTTP server that answers every request with `body` (as XML, status 200).

@@ -46,6 +46,13 @@ pub enum ListingSays {
 
 /// Lookups that must miss in one directory, within a stat TTL, before it is listed for them.
 const LIST_AFTER_MISSES: u32 = 3;
+/// Entries of a directory per lookup that must miss in it, within a stat TTL, before it is
+/// listed again for them (with metadata, or when a page does not hold it all). A page entry
+/// costs the server a small part of a HEAD (MinIO: 20-90 us each, a HEAD 0.5-1 ms), so a
+/// directory of 1,000 files read 4 files per TTL (100,000 files read over 100 directories)
+/// costs 4 HEADs, not a page of 1,000 entries each TTL: at that size the pages took most of
+/// the server's time.
+const ENTRIES_PER_MISS: usize = 32;
 /// Directories whose misses are counted at once, at most (older counts are dropped beyond).
 const MAX_TRACKED_DIRS: usize = 4096;
 
@@ -54,14 +61,18 @@ pub struct DirMisses {
     since: Instant,
     count: u32,
     listing: Option<Arc<tokio::sync::OnceCell<()>>>,
+    /// Entries the last listing made for lookups found, and whether that was all of them
+    /// (kept from one stat TTL to the next).
+    found: Option<(usize, bool)>,
 }
 
 impl DirMisses {
-    fn new() -> Self {
+    fn new(found: Option<(usize, bool)>) -> Self {
         Self {
             since: Instant::now(),
             count: 0,
             listing: None,
+            found,
         }
     }
 }
@@ -211,33 +222,67 @@ impl Namespace {
             })
     }
 
+    /// Whether `parent`'s listing, fresh or stale, lacks `name` (nor was it made here since):
+    /// its lookup is most likely the one before a create.
+    pub fn listing_lacks(&self, parent: Ino, name: &str) -> bool {
+        let t = self.table.lock();
+        t.get(parent)
+            .and_then(|p| p.listing.as_ref())
+            .is_some_and(|l| {
+                l.names.binary_search_by(|n| n.as_str().cmp(name)).is_err()
+                    && !l.added.contains(name)
+            })
+    }
+
     /// Lists `parent` once for the lookups of its names when enough of them miss within a
     /// stat TTL (an application opening the files of a directory one by one): one LIST page,
-    /// with user metadata where the store has it, then answers them all from the cache,
-    /// instead of a HEAD and a LIST per name. Returns whether such a listing was made (or
-    /// awaited, when another lookup started it); false leaves the lookup to probe its name.
-    pub async fn list_for_lookups(&self, parent: Ino, parent_path: &MountPath) -> bool {
+    /// then answers them all from the cache, instead of a HEAD and a LIST per name. With
+    /// `detail` (user metadata where the store has it) when the lookups are of names it
+    /// shows; a writer creating names it lacks needs their absence only, and a page of
+    /// metadata costs the server a read of every entry's (on MinIO 5-10x a plain page),
+    /// each stat TTL, for as long as the directory grows. Returns whether such a listing was
+    /// made (or awaited, when another lookup started it); false leaves the lookup to probe
+    /// its name.
+    pub async fn list_for_lookups(
+        &self,
+        parent: Ino,
+        parent_path: &MountPath,
+        detail: ListDetail,
+    ) -> bool {
         // A directory listed (or made) here before, whose listing went stale: its names are
         // being looked up again (a writer creating files for longer than the stat TTL, a
         // reader going through it), so one LIST now answers them all instead of a HEAD and
         // a LIST per name until enough of them missed.
-        let listed_before = self
+        let listed = self
             .table
             .lock()
             .get(parent)
-            .is_some_and(|p| p.listing.is_some());
+            .and_then(|p| p.listing.as_ref().map(|l| l.names.len()));
         let gate = {
             let ttl = self.ttl;
             let mut all = self.dir_misses.lock();
             if all.len() >= MAX_TRACKED_DIRS {
                 all.retain(|_, m| m.since.elapsed() < ttl);
             }
-            let m = all.entry(parent).or_insert_with(DirMisses::new);
+            let m = all.entry(parent).or_insert_with(|| DirMisses::new(None));
             if m.since.elapsed() >= ttl {
-                *m = DirMisses::new();
+                *m = DirMisses::new(m.found);
             }
             m.count += 1;
-            if m.listing.is_none() && (m.count >= LIST_AFTER_MISSES || listed_before) {
+            // A big directory's page costs more than probing the few names looked up in it:
+            // only as many misses as it has entries per ENTRIES_PER_MISS list it again. Not
+            // for a writer's plain page of a directory it holds whole (cheap, and it answers
+            // every name the writer makes next).
+            let (entries, whole) = m.found.unwrap_or((listed.unwrap_or(0), true));
+            let base = match listed {
+                Some(_) => 1,
+                None => LIST_AFTER_MISSES,
+            };
+            let need = match (detail, whole) {
+                (ListDetail::Plain, true) => base,
+                _ => base.max((entries / ENTRIES_PER_MISS) as u32),
+            };
+            if m.listing.is_none() && m.count >= need {
                 m.listing = Some(Arc::default());
             }
             m.listing.clone()
@@ -250,12 +295,17 @@ impl Namespace {
                 parent,
                 parent_path.clone(),
                 self.dir_key(parent_path),
-                ListDetail::UserMeta,
+                detail,
                 Vec::new(),
             );
             // One page: a bigger directory keeps probing the names beyond it.
-            if let Err(e) = self.next_page(&mut st).await {
-                tracing::debug!("listing {parent_path:?} for lookups: {e:?}");
+            match self.next_page(&mut st).await {
+                Ok(()) => {
+                    if let Some(m) = self.dir_misses.lock().get_mut(&parent) {
+                        m.found = Some((st.entries.len(), st.done));
+                    }
+                }
+                Err(e) => tracing::debug!("listing {parent_path:?} for lookups: {e:?}"),
             }
         })
         .await;

@@ -275,9 +275,13 @@ impl Namespace {
         let path = parent_path.join(name);
         let mut cached = self.lookups.cached_complete(&path);
         let mut says = self.listing_says(parent, name);
+        let detail = match self.listing_lacks(parent, name) {
+            true => ListDetail::Plain,
+            false => ListDetail::UserMeta,
+        };
         if matches!(says, ListingSays::Unknown)
             && !self.lookups.known(&path)
-            && self.list_for_lookups(parent, &parent_path).await
+            && self.list_for_lookups(parent, &parent_path, detail).await
         {
             cached = self.lookups.cached_complete(&path);
             says = self.listing_says(parent, name);

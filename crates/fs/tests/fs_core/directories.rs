@@ -8,7 +8,7 @@ use bucketfs_store::fault::Fault;
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::metrics::Op;
 use bucketfs_store::ObjectStore;
-use bucketfs_store::{StoreError, UserMeta};
+use bucketfs_store::{ListDetail, StoreError, UserMeta};
 use bytes::Bytes;
 use std::ffi::OsStr;
 use std::sync::Arc;
@@ -729,9 +729,80 @@ async fn lookups_in_a_directory_whose_listing_went_stale_list_it_at_once() {
             FsError::ENOENT
         );
     }
-    assert_eq!(fs.lookup(d.ino, OsStr::new("f0")).await.unwrap().size, 0);
     assert_eq!(metrics.requests(Op::Head) - heads, 0, "no HEAD per name");
     assert_eq!(metrics.requests(Op::List) - lists, 1, "one LIST of d");
+    // That LIST, for names it lacked, carried no metadata: f0 costs its HEAD.
+    assert_eq!(fs.lookup(d.ino, OsStr::new("f0")).await.unwrap().size, 0);
+    assert_eq!(metrics.requests(Op::Head) - heads, 1);
+}
+
+/// The LIST pages a store sends for `d/`, by what they carry.
+struct ListsOfD {
+    inner: Arc<MemoryStore>,
+    details: parking_lot::Mutex<Vec<ListDetail>>,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for ListsOfD {
+    type Inner = MemoryStore;
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        from: bucketfs_store::ListFrom,
+        max_keys: usize,
+        detail: ListDetail,
+    ) -> bucketfs_store::StoreResult<bucketfs_store::ListPage> {
+        if prefix == "d/" && max_keys > 1 {
+            self.details.lock().push(detail);
+        }
+        self.inner
+            .list(prefix, delimiter, from, max_keys, detail)
+            .await
+    }
+}
+
+/// A directory whose listing went stale is listed again for the lookups of its names, with
+/// user metadata only when they are of names it showed: a writer creating names it lacks
+/// (each create's lookup) needs their absence alone, and a page of metadata makes the server
+/// read every entry's, each stat TTL, for as long as the writer goes on (at 1,000 files per
+/// directory, most of MinIO's time). Before, every such LIST asked for metadata.
+#[tokio::test]
+async fn a_stale_directory_is_listed_with_metadata_only_for_names_it_showed() {
+    let mem = Arc::new(MemoryStore::with_list_metadata());
+    put(&mem, "d/a", b"a").await;
+    put(&mem, "d/b", b"bb").await;
+    let store = Arc::new(ListsOfD {
+        inner: mem.clone(),
+        details: parking_lot::Mutex::new(Vec::new()),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let ttl = Duration::from_millis(300);
+    let fs = Fs::new(
+        store.clone(),
+        FsConfig {
+            stat_ttl: ttl,
+            negative_ttl: ttl,
+            ..config(&cache)
+        },
+    );
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!(list(&fs, d.ino).await.len(), 4);
+    store.details.lock().clear();
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    for n in ["new0", "new1", "new2"] {
+        let r = fs.lookup(d.ino, OsStr::new(n)).await;
+        assert_eq!(r.unwrap_err(), FsError::ENOENT);
+    }
+    assert_eq!(*store.details.lock(), [ListDetail::Plain]);
+    store.details.lock().clear();
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    assert_eq!(fs.lookup(d.ino, OsStr::new("b")).await.unwrap().size, 2);
+    assert_eq!(fs.lookup(d.ino, OsStr::new("a")).await.unwrap().size, 1);
+    assert_eq!(*store.details.lock(), [ListDetail::UserMeta]);
 }
 
 /// A LIST answered with what the store held before this mount changed the directory
@@ -812,4 +883,57 @@ async fn a_listing_older_than_a_file_made_here_does_not_hide_it() {
     fs.forget(new, 1);
     let again = fs.lookup(d.ino, OsStr::new("new")).await;
     assert!(again.is_ok(), "a file made here looked up as {again:?}");
+}
+
+/// A big directory whose listing went stale is not listed again for the first few lookups
+/// of its names: a page of its entries costs the server more than their HEADs. Only once as
+/// many lookups missed within a stat TTL as it has entries per 32 (here 200 / 32 = 6) is it
+/// listed, and that listing answers the rest. Before, the first miss listed it: reading
+/// 100,000 files in 100 directories of 1,000 sent a page of 1,000 entries with metadata per
+/// directory and TTL, 16,700 LISTs for 60,000 files read.
+#[tokio::test]
+async fn a_big_stale_directory_is_listed_again_only_for_many_lookups() {
+    use bucketfs_store::metrics::MeteredStore;
+    let mem = Arc::new(MemoryStore::with_list_metadata());
+    for i in 0..200 {
+        put(&mem, &format!("d/f{i:03}"), b"x").await;
+    }
+    let lists = Arc::new(ListsOfD {
+        inner: mem.clone(),
+        details: parking_lot::Mutex::new(Vec::new()),
+    });
+    let metered = MeteredStore::new(lists.clone() as Arc<dyn ObjectStore>);
+    let metrics = metered.metrics();
+    let cache = tempfile::tempdir().unwrap();
+    let ttl = Duration::from_millis(300);
+    let fs = Fs::new(
+        Arc::new(metered),
+        FsConfig {
+            stat_ttl: ttl,
+            negative_ttl: ttl,
+            ..config(&cache)
+        },
+    );
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!(list(&fs, d.ino).await.len(), 202);
+    lists.details.lock().clear();
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    let heads = metrics.requests(Op::Head);
+    for i in 0..5 {
+        let a = fs.lookup(d.ino, OsStr::new(&format!("f{i:03}"))).await;
+        assert_eq!(a.unwrap().size, 1);
+    }
+    assert!(lists.details.lock().is_empty(), "no page for 5 lookups");
+    assert_eq!(metrics.requests(Op::Head) - heads, 5, "a HEAD each");
+    let before = metrics.total_requests();
+    for i in 5..20 {
+        let a = fs.lookup(d.ino, OsStr::new(&format!("f{i:03}"))).await;
+        assert_eq!(a.unwrap().size, 1);
+    }
+    assert_eq!(*lists.details.lock(), [ListDetail::UserMeta]);
+    assert_eq!(
+        metrics.total_requests() - before,
+        1,
+        "the sixth miss lists it, and the listing answers the rest"
+    );
 }
