@@ -105,9 +105,16 @@ struct KeptPage {
 
 type KeptPages = Arc<Mutex<VecDeque<KeptPage>>>;
 
+/// Directories (keys, `dir/`) whose first page a lookup fetched was not all of them.
+type BigDirs = Arc<Mutex<HashSet<String>>>;
+
+/// Big directories remembered at most (forgotten all at once beyond).
+const BIG_DIRS: usize = 4096;
+
 /// Where a probe keeps the full first page its LIST fetched.
 struct Keep {
     pages: KeptPages,
+    big: BigDirs,
     epoch: u64,
     ttl: Duration,
     /// What the page's entries carry (see [`Lookups::list_detail`]).
@@ -118,6 +125,13 @@ struct Keep {
 
 impl Keep {
     fn put(self, dir_key: &str, page: ListPage) {
+        if page.next_continuation.is_some() {
+            let mut big = self.big.lock();
+            if big.len() >= BIG_DIRS {
+                big.clear();
+            }
+            big.insert(dir_key.to_string());
+        }
         // Only with user metadata (see `Lookups::save_page`).
         if let Some((disk, sent)) = self
             .disk
@@ -169,6 +183,9 @@ pub struct Lookups {
     changes: AtomicU64,
     /// First pages fetched by lookups of directories, for their listings.
     kept: KeptPages,
+    /// Directories bigger than a page: the kernel's lookup of one (each stat TTL, while a job
+    /// works in it) fetches no page, see [`Self::stat_before_listing`].
+    big: BigDirs,
     /// Page fetches in flight ([`Self::fetch_page`]), by directory: the lookups of one
     /// directory that all find its page missing (many files opened in it at once) share one.
     page_fetches: Mutex<HashMap<MountPath, Shared<BoxFuture<'static, ()>>>>,
@@ -189,6 +206,7 @@ impl Lookups {
             list_user_meta: AtomicBool::new(true),
             changes: AtomicU64::new(0),
             kept: KeptPages::default(),
+            big: BigDirs::default(),
             page_fetches: Mutex::new(HashMap::new()),
             disk: OnceLock::new(),
         })
@@ -237,6 +255,7 @@ impl Lookups {
     fn keep(&self, epoch: u64) -> Option<Keep> {
         (!self.limits.ttl.is_zero()).then(|| Keep {
             pages: self.kept.clone(),
+            big: self.big.clone(),
             epoch,
             ttl: self.limits.ttl,
             detail: self.detail_now(),
@@ -379,6 +398,16 @@ impl Lookups {
         path: &MountPath,
         epoch: u64,
     ) -> FsResult<(Found, bool)> {
+        // A directory bigger than a page: its lookup comes back each stat TTL while a job
+        // reads or writes in it (the kernel revalidates the dentry), and a page of up to
+        // 1,000 entries each time, for a listing that rarely follows, cost the server more
+        // than the job's own requests (100 directories of 1,000 files: 20,028 pages in a cold
+        // read of them). Its lookups list it when they need to (see `list_for_lookups`), and
+        // a readdir fetches its own first page.
+        let dir_key = format!("{}/", self.keys.key(path));
+        if self.big.lock().contains(&dir_key) {
+            return self.stat(path).await;
+        }
         self.load_saved(path).await;
         let (r, paged) = self.stat_keeping(path, Some(epoch)).await;
         let page_missing = match &r {
