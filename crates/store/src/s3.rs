@@ -1109,19 +1109,7 @@ mod tests {
         );
         for (max_keys, bounded) in [(1000, true), (1, false)] {
             let (url, most) = slow_answer(Duration::from_millis(200), answer.clone());
-            let store = S3Store::new(&S3Config {
-                bucket: "b".into(),
-                endpoint_url: Some(url),
-                region: Some("us-east-1".into()),
-                force_path_style: true,
-                access_key_id: Some("k".into()),
-                secret_access_key: Some("s".into()),
-                max_attempts: 1,
-                list_metadata: ListMetadata::Off,
-                ..S3Config::default()
-            })
-            .await
-            .unwrap();
+            let store = plain_store(url).await;
             let lists = (0..24).map(|i| {
                 let prefix = format!("p{i}/");
                 let store = &store;

@@ -275,16 +275,15 @@ impl Namespace {
         let path = parent_path.join(name);
         let mut cached = self.lookups.cached_complete(&path);
         let mut says = self.listing_says(parent, name);
-        let detail = match self.listing_lacks(parent, name) {
-            true => ListDetail::Plain,
-            false => ListDetail::UserMeta,
-        };
-        if matches!(says, ListingSays::Unknown)
-            && !self.lookups.known(&path)
-            && self.list_for_lookups(parent, &parent_path, detail).await
-        {
-            cached = self.lookups.cached_complete(&path);
-            says = self.listing_says(parent, name);
+        if matches!(says, ListingSays::Unknown) && !self.lookups.known(&path) {
+            let detail = match self.listing_lacks(parent, name) {
+                true => ListDetail::Plain,
+                false => ListDetail::UserMeta,
+            };
+            if self.list_for_lookups(parent, &parent_path, detail).await {
+                cached = self.lookups.cached_complete(&path);
+                says = self.listing_says(parent, name);
+            }
         }
         match says {
             ListingSays::Absent if !cached => {

@@ -692,16 +692,7 @@ async fn lookups_in_a_directory_whose_listing_went_stale_list_it_at_once() {
     let mem = Arc::new(MemoryStore::with_list_metadata());
     let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
     let metrics = metered.metrics();
-    let cache = tempfile::tempdir().unwrap();
-    let ttl = std::time::Duration::from_millis(300);
-    let fs = Fs::new(
-        Arc::new(metered),
-        FsConfig {
-            stat_ttl: ttl,
-            negative_ttl: ttl,
-            ..config(&cache)
-        },
-    );
+    let (fs, _cache) = short_ttl_fs(Arc::new(metered));
     let d = fs
         .mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0o022, ME)
         .await
@@ -721,7 +712,7 @@ async fn lookups_in_a_directory_whose_listing_went_stale_list_it_at_once() {
         );
     }
     assert_eq!(metrics.total_requests(), before);
-    tokio::time::sleep(ttl + std::time::Duration::from_millis(100)).await;
+    outlive_short_ttl().await;
     let (heads, lists) = (metrics.requests(Op::Head), metrics.requests(Op::List));
     for n in ["h0", "h1", "h2", "h3"] {
         assert_eq!(
@@ -736,10 +727,38 @@ async fn lookups_in_a_directory_whose_listing_went_stale_list_it_at_once() {
     assert_eq!(metrics.requests(Op::Head) - heads, 1);
 }
 
+/// Stat and negative TTL of the mounts [`short_ttl_fs`] makes.
+const SHORT_TTL: Duration = Duration::from_millis(300);
+
+/// A mount over `store` that believes what it learnt for [`SHORT_TTL`] only.
+fn short_ttl_fs(store: Arc<dyn ObjectStore>) -> (Arc<Fs>, tempfile::TempDir) {
+    let cache = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        stat_ttl: SHORT_TTL,
+        negative_ttl: SHORT_TTL,
+        ..config(&cache)
+    };
+    (Fs::new(store, cfg), cache)
+}
+
+/// Waits until what a [`short_ttl_fs`] mount learnt is stale.
+async fn outlive_short_ttl() {
+    tokio::time::sleep(SHORT_TTL + Duration::from_millis(100)).await;
+}
+
 /// The LIST pages a store sends for `d/`, by what they carry.
 struct ListsOfD {
     inner: Arc<MemoryStore>,
     details: parking_lot::Mutex<Vec<ListDetail>>,
+}
+
+impl ListsOfD {
+    fn over(inner: &Arc<MemoryStore>) -> Arc<Self> {
+        Arc::new(Self {
+            inner: inner.clone(),
+            details: parking_lot::Mutex::new(Vec::new()),
+        })
+    }
 }
 
 #[async_trait::async_trait]
@@ -775,31 +794,19 @@ async fn a_stale_directory_is_listed_with_metadata_only_for_names_it_showed() {
     let mem = Arc::new(MemoryStore::with_list_metadata());
     put(&mem, "d/a", b"a").await;
     put(&mem, "d/b", b"bb").await;
-    let store = Arc::new(ListsOfD {
-        inner: mem.clone(),
-        details: parking_lot::Mutex::new(Vec::new()),
-    });
-    let cache = tempfile::tempdir().unwrap();
-    let ttl = Duration::from_millis(300);
-    let fs = Fs::new(
-        store.clone(),
-        FsConfig {
-            stat_ttl: ttl,
-            negative_ttl: ttl,
-            ..config(&cache)
-        },
-    );
+    let store = ListsOfD::over(&mem);
+    let (fs, _cache) = short_ttl_fs(store.clone());
     let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
     assert_eq!(list(&fs, d.ino).await.len(), 4);
     store.details.lock().clear();
-    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    outlive_short_ttl().await;
     for n in ["new0", "new1", "new2"] {
         let r = fs.lookup(d.ino, OsStr::new(n)).await;
         assert_eq!(r.unwrap_err(), FsError::ENOENT);
     }
     assert_eq!(*store.details.lock(), [ListDetail::Plain]);
     store.details.lock().clear();
-    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    outlive_short_ttl().await;
     assert_eq!(fs.lookup(d.ino, OsStr::new("b")).await.unwrap().size, 2);
     assert_eq!(fs.lookup(d.ino, OsStr::new("a")).await.unwrap().size, 1);
     assert_eq!(*store.details.lock(), [ListDetail::UserMeta]);
@@ -898,26 +905,14 @@ async fn a_big_stale_directory_is_listed_again_only_for_many_lookups() {
     for i in 0..200 {
         put(&mem, &format!("d/f{i:03}"), b"x").await;
     }
-    let lists = Arc::new(ListsOfD {
-        inner: mem.clone(),
-        details: parking_lot::Mutex::new(Vec::new()),
-    });
+    let lists = ListsOfD::over(&mem);
     let metered = MeteredStore::new(lists.clone() as Arc<dyn ObjectStore>);
     let metrics = metered.metrics();
-    let cache = tempfile::tempdir().unwrap();
-    let ttl = Duration::from_millis(300);
-    let fs = Fs::new(
-        Arc::new(metered),
-        FsConfig {
-            stat_ttl: ttl,
-            negative_ttl: ttl,
-            ..config(&cache)
-        },
-    );
+    let (fs, _cache) = short_ttl_fs(Arc::new(metered));
     let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
     assert_eq!(list(&fs, d.ino).await.len(), 202);
     lists.details.lock().clear();
-    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    outlive_short_ttl().await;
     let heads = metrics.requests(Op::Head);
     for i in 0..5 {
         let a = fs.lookup(d.ino, OsStr::new(&format!("f{i:03}"))).await;
@@ -948,24 +943,12 @@ async fn a_directory_bigger_than_a_page_is_looked_up_again_without_one() {
     for i in 0..1100 {
         put(&mem, &format!("d/f{i:04}"), b"x").await;
     }
-    let lists = Arc::new(ListsOfD {
-        inner: mem.clone(),
-        details: parking_lot::Mutex::new(Vec::new()),
-    });
-    let cache = tempfile::tempdir().unwrap();
-    let ttl = Duration::from_millis(300);
-    let fs = Fs::new(
-        lists.clone(),
-        FsConfig {
-            stat_ttl: ttl,
-            negative_ttl: ttl,
-            ..config(&cache)
-        },
-    );
+    let lists = ListsOfD::over(&mem);
+    let (fs, _cache) = short_ttl_fs(lists.clone());
     let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
     assert_eq!(lists.details.lock().len(), 1, "the first lookup's page");
     for _ in 0..2 {
-        tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+        outlive_short_ttl().await;
         let again = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
         assert_eq!((again.ino, again.kind), (d.ino, FileKind::Dir));
     }
