@@ -566,3 +566,103 @@ fn kill_9_after_fsyncs_of_an_open_file_keeps_exactly_the_last_fsynced_version() 
     );
     assert!(read_file(&m.join("db")) == fsynced);
 }
+
+/// Group commit through a real mount: a program that writes to each of its open files and
+/// then fsyncs each in turn (sysbench's rndwr, a database's checkpoint) pays about one sync
+/// of the write-back directory per round, not one per file. kill -9 after a write to every
+/// file and an fsync of the first only: after the next mount the first is exactly as
+/// fsync'd, and each other file is its last fsync'd version or the state it had at the
+/// first's fsync (taken along), never anything else.
+#[test]
+fn fsyncs_of_many_open_files_share_syncs_and_survive_kill_9() {
+    use std::os::unix::fs::FileExt;
+    let b = s3().new_bucket("bggroup");
+    let state = state_dir();
+    let addr = free_local_addr();
+    let m = bg_spec(&b, state.path())
+        .arg("--metrics-addr")
+        .arg(&addr)
+        .mount();
+    let (n, size) = (16usize, 256usize << 10);
+    let mut files = Vec::new();
+    let (mut now, mut fsynced) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(m.join(format!("t{i}")))
+            .unwrap();
+        let data = pattern::bytes(i as u64, size);
+        f.write_all_at(&data, 0).unwrap();
+        f.sync_all().unwrap();
+        files.push(f);
+        now.push(data.clone());
+        fsynced.push(data);
+    }
+    let write_all = |round: usize, now: &mut Vec<Vec<u8>>| {
+        for (i, f) in files.iter().enumerate() {
+            let block = pattern::bytes((1000 * round + i) as u64, 16 << 10);
+            let at = (i * 7919 + round * 4099) * 4 % (size - block.len());
+            f.write_all_at(&block, at as u64).unwrap();
+            now[i][at..at + block.len()].copy_from_slice(&block);
+        }
+    };
+    let syncs = || metric(&addr, "bucketfs_writeback_syncs_total");
+    let mut rounds = Vec::new();
+    for round in 1..=3 {
+        write_all(round, &mut now);
+        let before = syncs();
+        for f in &files {
+            f.sync_all().unwrap();
+        }
+        rounds.push(syncs() - before);
+        fsynced.clone_from(&now);
+    }
+    assert!(
+        rounds.iter().min().is_some_and(|r| *r <= 3 * n as u64 / 4),
+        "syncs per round of {n} fsyncs of changed files: {rounds:?} (one per file without group commit)"
+    );
+    write_all(4, &mut now);
+    let along = metric(&addr, "bucketfs_writeback_along_total");
+    files[0].sync_all().unwrap();
+    // The commits taken along run beside the fsync: wait for them to be counted.
+    wait_for("the files taken along", Duration::from_secs(10), || {
+        metric(&addr, "bucketfs_writeback_along_total") > along
+    });
+    let mut m = m;
+    m.kill9();
+    drop(files);
+    drop(m);
+    let m = bg_spec(&b, state.path()).mount();
+    let mut taken = 0;
+    for i in 0..n {
+        let got = read_file(&m.join(format!("t{i}")));
+        if i == 0 {
+            assert!(got == now[0], "t0 is not its fsync'd version");
+        } else if got == now[i] {
+            taken += 1;
+        } else {
+            assert!(
+                got == fsynced[i],
+                "t{i} is neither its fsync'd version nor a later state"
+            );
+        }
+    }
+    assert!(taken > 0, "no file was taken along by the last fsync");
+    // And the bucket gets the same versions.
+    wait_for(
+        "the recovered versions to land",
+        Duration::from_secs(30),
+        || (0..n).all(|i| s3().get(&b, &format!("t{i}")).is_some()),
+    );
+    drop(m); // the unmount waits for the uploads
+    for i in 0..n {
+        let got = s3().get(&b, &format!("t{i}")).unwrap();
+        assert!(
+            got == now[i] || (i > 0 && got == fsynced[i]),
+            "the bucket holds another version of t{i}"
+        );
+    }
+}

@@ -56,6 +56,10 @@ pub struct FsMetrics {
     /// that waited for room; commits that stored only what changed since the last one.
     pub writeback_committed: AtomicU64,
     pub writeback_deltas: AtomicU64,
+    /// Commits of other files' changes an fsync took along (one sync for all of them).
+    pub writeback_along: AtomicU64,
+    /// Syncs of the write-back directory's files (one covers the commits waiting at the time).
+    pub writeback_syncs: AtomicU64,
     pub writeback_uploaded: AtomicU64,
     pub writeback_replaced: AtomicU64,
     pub writeback_cancelled: AtomicU64,
@@ -91,7 +95,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 32] = [
+        let counters: [(&str, &str, &AtomicU64); 34] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -165,6 +169,16 @@ impl FsMetrics {
                 "bucketfs_writeback_deltas_total",
                 "counter",
                 &self.writeback_deltas,
+            ),
+            (
+                "bucketfs_writeback_along_total",
+                "counter",
+                &self.writeback_along,
+            ),
+            (
+                "bucketfs_writeback_syncs_total",
+                "counter",
+                &self.writeback_syncs,
             ),
             (
                 "bucketfs_writeback_early_parts_total",

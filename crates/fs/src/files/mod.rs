@@ -42,6 +42,9 @@ use writeback::WriteBack;
 pub struct OpenWrite {
     pub state: tokio::sync::Mutex<WriteState>,
     pub size: Arc<AtomicU64>,
+    /// An fsync of it came since another file's fsync last took its changes along (see
+    /// [`OpenFiles::fsynced_writes`]).
+    pub fsynced: AtomicBool,
 }
 
 /// One open descriptor of a file.
@@ -295,6 +298,7 @@ impl OpenFiles {
         Arc::new(OpenWrite {
             state: tokio::sync::Mutex::new(st),
             size,
+            fsynced: AtomicBool::new(false),
         })
     }
 
@@ -357,6 +361,24 @@ impl OpenFiles {
     pub fn live_size(&self, ino: Ino) -> Option<u64> {
         let w = self.writes.lock();
         w.get(&ino).map(|e| e.write.size.load(Ordering::Relaxed))
+    }
+
+    /// The write states of files other than `except` fsync'd since their changes were last
+    /// taken along by another file's fsync (group commit: see `Fs::commit_along`).
+    pub fn fsynced_writes(&self, except: Ino) -> Vec<(Ino, Arc<OpenWrite>)> {
+        self.writes
+            .lock()
+            .iter()
+            .filter(|(ino, e)| **ino != except && e.write.fsynced.load(Ordering::Relaxed))
+            .map(|(ino, e)| (*ino, e.write.clone()))
+            .collect()
+    }
+
+    /// An fsync of handle `h` came (see [`OpenWrite::fsynced`]).
+    pub fn note_fsync(&self, h: &FileHandle) {
+        if let Some(w) = &h.write {
+            w.fsynced.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Every registered write state.

@@ -1048,6 +1048,28 @@ impl WriteState {
         matches!(self.phase, Phase::Changed | Phase::Failed)
     }
 
+    /// Background mode: the bytes written since the last commit, while a commit of them
+    /// could be a delta over it (None: the next commit stores the whole file) and nothing
+    /// failed since.
+    pub fn delta_len(&self) -> Option<u64> {
+        let (written, _) = self.since_commit.as_ref()?;
+        (self.phase == Phase::Changed).then(|| {
+            written
+                .segments(0..self.size())
+                .filter(|(_, w)| *w)
+                .map(|(r, _)| r.end - r.start)
+                .sum()
+        })
+    }
+
+    /// A commit nobody waited for failed: the next fsync or close commits again and
+    /// reports what it meets (a failed phase means its caller was told).
+    pub fn untold_failure(&mut self) {
+        if self.phase == Phase::Failed {
+            self.phase = Phase::Changed;
+        }
+    }
+
     /// Something (content or metadata) now differs from the bucket.
     pub fn mark_changed(&mut self) {
         if matches!(self.phase, Phase::Clean | Phase::Failed) {

@@ -213,9 +213,9 @@ struct SyncState {
 }
 
 impl SharedSync {
-    /// Returns once a sync of `file` that started after this call has succeeded; `EIO`
-    /// when one that covered it failed.
-    fn sync(&self, file: &File) -> std::io::Result<()> {
+    /// Returns once a sync of `file` that started after this call has succeeded (true: this
+    /// call ran it); `EIO` when one that covered it failed.
+    fn sync(&self, file: &File) -> std::io::Result<bool> {
         let mut s = self.state.lock();
         s.issued += 1;
         let ticket = s.issued;
@@ -224,7 +224,7 @@ impl SharedSync {
                 return Err(std::io::Error::from_raw_os_error(libc::EIO));
             }
             if s.synced >= ticket {
-                return Ok(());
+                return Ok(false);
             }
             if s.running {
                 self.done.wait(&mut s);
@@ -242,7 +242,7 @@ impl SharedSync {
             }
             drop(s);
             self.done.notify_all();
-            return r;
+            return r.map(|()| true);
         }
     }
 }
@@ -698,8 +698,9 @@ impl Slot {
 
     /// Makes the bytes written durable as an entry (blocking): the trailer, then a record's
     /// header and an fdatasync, or a file's footer and fsync (its directory is the
-    /// caller's). Fails (`EIO`) unless every byte was written.
-    fn seal(&mut self) -> std::io::Result<()> {
+    /// caller's). Fails (`EIO`) unless every byte was written. True when this call ran a
+    /// sync (a record's may be covered by another commit's).
+    fn seal(&mut self) -> std::io::Result<bool> {
         let r = self.seal_bytes();
         if r.is_err() {
             if let Some(link) = self.adopting.take() {
@@ -710,7 +711,7 @@ impl Slot {
     }
 
     /// [`Self::seal`], leaving an adopted file's link to the caller when it fails.
-    fn seal_bytes(&mut self) -> std::io::Result<()> {
+    fn seal_bytes(&mut self) -> std::io::Result<bool> {
         if self.adopting.is_some() && self.written == 0 {
             let mut buf = vec![0u8; 1 << 20];
             while self.written < self.size {
@@ -772,7 +773,7 @@ impl Slot {
                     crate::testpoint::reached_blocking("writeback.adopt");
                     std::fs::rename(link, path)?;
                 }
-                Ok(())
+                Ok(true)
             }
         }
     }
@@ -1233,11 +1234,7 @@ impl WriteBack {
             let len = c.len();
             let held = {
                 let mut inner = self.inner.lock();
-                let fits = inner.room_queue.is_empty()
-                    && (inner.bytes == 0 || inner.bytes + len <= self.cfg.max_bytes);
-                let s = self
-                    .extendable_in(&inner, key, prev, size, len)
-                    .filter(|_| fits);
+                let s = self.delta_room(&inner, key, prev, size, len);
                 if let Some(s) = s {
                     inner.bytes += len;
                     inner.entries.get_mut(&s).expect("extendable").status = Status::Held;
@@ -1301,6 +1298,29 @@ impl WriteBack {
                 Err(e)
             }
         }
+    }
+
+    /// Whether a commit of `len` changed bytes of `key` (`size` bytes, last committed as
+    /// `prev`) would be a delta now (see [`Self::begin`]).
+    pub fn takes_delta(&self, key: &str, prev: Option<u64>, size: u64, len: u64) -> bool {
+        let inner = self.inner.lock();
+        self.delta_room(&inner, key, prev, size, len).is_some()
+    }
+
+    /// The entry a delta of `len` bytes would extend, when it also has room now (nobody
+    /// waiting for room either).
+    fn delta_room(
+        &self,
+        inner: &Inner,
+        key: &str,
+        prev: Option<u64>,
+        size: u64,
+        len: u64,
+    ) -> Option<u64> {
+        let fits = inner.room_queue.is_empty()
+            && (inner.bytes == 0 || inner.bytes + len <= self.cfg.max_bytes);
+        self.extendable_in(inner, key, prev, size, len)
+            .filter(|_| fits)
     }
 
     /// The entry a delta of `len` bytes for `key` could extend: `prev`, while it is the
@@ -1732,7 +1752,12 @@ impl WriteBack {
         })
         .await;
         let mut slot = match done {
-            Some((slot, Ok(()))) => slot,
+            Some((slot, Ok(synced))) => {
+                if synced {
+                    inc(&self.metrics.writeback_syncs);
+                }
+                slot
+            }
             Some((slot, Err(e))) => {
                 self.abandon(slot);
                 return Err(wb_io(e));

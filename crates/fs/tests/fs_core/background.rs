@@ -538,3 +538,120 @@ async fn parts_sent_early_to_a_stalled_store_leave_memory_for_a_close() {
         .await
         .expect("a close waited for memory the stalled store holds");
 }
+
+fn syncs(e: &crate::support::Env) -> u64 {
+    e.fs.metrics().writeback_syncs.load(Ordering::Relaxed)
+}
+
+fn taken_along(e: &crate::support::Env) -> u64 {
+    e.fs.metrics().writeback_along.load(Ordering::Relaxed)
+}
+
+/// Group commit: a program that writes to many open files and then fsyncs each in turn
+/// (a database's checkpoint, sysbench's rndwr) pays about one sync of the write-back
+/// directory per round, not one per file: the first fsync takes the others' changes along
+/// and their own fsyncs find nothing to do. Every file still reads, and uploads at its
+/// close, byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsyncs_of_many_files_in_turn_share_one_sync() {
+    use crate::support::random;
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::from_secs(3600));
+    let n = 32;
+    let mut files = Vec::new();
+    for i in 0..n {
+        let data = random(64 << 10, 100 + i as u64);
+        let (ino, fh) = create_and_write(&e, &format!("f{i}"), &data).await;
+        e.fs.fsync(ino, fh).await.unwrap();
+        files.push((ino, fh, data));
+    }
+    // Rounds of a write to each file, then an fsync of each.
+    let mut rounds = Vec::new();
+    for r in 0..3u64 {
+        let before = syncs(&e);
+        for (i, (ino, fh, data)) in files.iter_mut().enumerate() {
+            let block = random(4096, 200 + r * 100 + i as u64);
+            let at = (i as u64 * 1237 + r * 4999) % (60 << 10);
+            e.fs.write(*ino, *fh, at, Bytes::copy_from_slice(&block))
+                .await
+                .unwrap();
+            data[at as usize..at as usize + block.len()].copy_from_slice(&block);
+        }
+        for (ino, fh, _) in &files {
+            e.fs.fsync(*ino, *fh).await.unwrap();
+        }
+        rounds.push(syncs(&e) - before);
+    }
+    // Shared by the commits in flight at the same moment (waves of them, as they reach
+    // the sync): fewer than the fsyncs, however the threads are scheduled.
+    assert!(
+        rounds.iter().min().is_some_and(|r| *r <= 3 * n as u64 / 4),
+        "syncs per round of {n} fsyncs of changed files: {rounds:?} (one each before), {} taken along",
+        taken_along(&e)
+    );
+    assert!(
+        taken_along(&e) >= 3 * (n - 8) as u64,
+        "{} taken along",
+        taken_along(&e)
+    );
+    for (i, (ino, fh, data)) in files.iter().enumerate() {
+        let read = e.fs.read(*ino, *fh, 0, data.len() as u32).await.unwrap();
+        assert!(read[..] == data[..], "f{i} reads other bytes");
+        e.fs.flush(*ino, *fh).await.unwrap();
+        e.fs.release(*ino, *fh).await.unwrap();
+    }
+    let (left, _) =
+        e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+            .await;
+    assert_eq!(left, 0);
+    for (i, (_, _, data)) in files.iter().enumerate() {
+        assert!(
+            object(&e.mem, &format!("f{i}")).await == *data,
+            "the bucket holds other bytes for f{i}"
+        );
+    }
+}
+
+/// What an fsync takes along is bounded: never a file's first version (a file neither
+/// closed nor fsync'd never comes back after a crash), and a file written beside one that
+/// is fsync'd often is taken once per fsync of its own, not at every other fsync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_fsync_takes_along_only_files_fsyncd_since_and_never_a_first_version() {
+    use crate::support::random;
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::from_secs(3600));
+    let (new_ino, new_fh) = create_and_write(&e, "never-synced", &random(8192, 1)).await;
+    let (data_ino, data_fh) = create_and_write(&e, "data", &random(64 << 10, 2)).await;
+    e.fs.fsync(data_ino, data_fh).await.unwrap();
+    let (wal_ino, wal_fh) = create_and_write(&e, "wal", &random(4096, 3)).await;
+    let block = random(4096, 4);
+    for i in 0..10u64 {
+        e.fs.write(data_ino, data_fh, i * 4096, Bytes::copy_from_slice(&block))
+            .await
+            .unwrap();
+        e.fs.write(new_ino, new_fh, i, Bytes::copy_from_slice(&block[..1]))
+            .await
+            .unwrap();
+        e.fs.write(
+            wal_ino,
+            wal_fh,
+            4096 * (i + 1),
+            Bytes::copy_from_slice(&block),
+        )
+        .await
+        .unwrap();
+        e.fs.fsync(wal_ino, wal_fh).await.unwrap();
+    }
+    // Its commit runs in the background: give it time to land before counting.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(taken_along(&e), 1, "times the data file was taken along");
+    let pending: Vec<String> = e.fs.pending_uploads().into_iter().map(|p| p.key).collect();
+    assert!(
+        !pending.iter().any(|k| k == "never-synced"),
+        "a file never closed or fsync'd was committed: {pending:?}"
+    );
+    for (ino, fh) in [(new_ino, new_fh), (data_ino, data_fh), (wal_ino, wal_fh)] {
+        e.fs.flush(ino, fh).await.unwrap();
+        e.fs.release(ino, fh).await.unwrap();
+    }
+}
