@@ -26,6 +26,7 @@ impl FsError {
     pub const ELOOP: FsError = FsError(libc::ELOOP);
     /// The object changed in the store since the file was opened (see `write.rs`).
     pub const ESTALE: FsError = FsError(libc::ESTALE);
+    pub const EAGAIN: FsError = FsError(libc::EAGAIN);
 }
 
 impl fmt::Display for FsError {

@@ -117,10 +117,11 @@ pub type StaleCache = Box<dyn Fn(Ino) + Send + Sync>;
 /// (the object keeps changing under it).
 const REPIN_TRIES: u32 = 3;
 
-/// Most files, and most of their changed bytes, one fsync takes along (see
-/// [`Fs::commit_along`]).
+/// Most files, most of their changed bytes, and most of one file's, one fsync takes along
+/// (see [`Fs::commit_along`]).
 const ALONG_FILES: usize = 128;
 const ALONG_BYTES: u64 = 16 << 20;
+const ALONG_FILE_MAX: u64 = 1 << 20;
 
 /// How long an unmount waits for the data cache's writer to write the blocks queued.
 const CACHE_SETTLE: Duration = Duration::from_secs(10);
@@ -864,10 +865,11 @@ impl Fs {
     /// Makes everything written so far durable in the bucket (in background mode: in the
     /// write-back directory, or with `fsync_waits_upload` in the bucket).
     pub async fn fsync(self: &Arc<Self>, ino: Ino, fh: u64) -> FsResult<()> {
-        if let Ok(h) = self.files.handle(ino, fh) {
-            self.files.note_fsync(&h);
+        let h = self.files.handle(ino, fh)?;
+        self.files.note_fsync(&h);
+        if let Some(w) = &h.write {
+            self.commit_along(ino, w);
         }
-        self.commit_along(ino);
         let committed = self.publish_handle(ino, fh, true).await?;
         match (self.files.writeback(), committed) {
             (Some(wb), Some(seq)) if wb.config().fsync_waits_upload => wb.wait_uploaded(seq).await,
@@ -875,28 +877,26 @@ impl Fs {
         }
     }
 
-    /// Background mode with local fsyncs: group commit. An fsync that will sync the
-    /// write-back directory first starts commits of what other open files wrote since their
-    /// last fsync, so that its sync covers theirs; their own fsyncs then find nothing to do.
-    /// A program that fsyncs each of its files in turn (a database's checkpoint, sysbench's
-    /// rndwr) pays about one device flush per round instead of one per file.
+    /// Background mode with local fsyncs: group commit. An fsync through `write` that has
+    /// something to store first starts commits of what other open files wrote since their
+    /// own last fsync: they run together on the blocking pool and share their syncs, and
+    /// the files' own fsyncs then find nothing to store. A program that fsyncs each of its
+    /// files in turn (a database's checkpoint, sysbench's rndwr) pays a few device flushes
+    /// per round instead of one per file.
     ///
-    /// Only files fsync'd since they were last taken along (a file written but never fsync'd
-    /// is taken at most once per fsync of its own: no write amplification when one file is
-    /// fsync'd often beside files that are not), whose commit would be a small delta over the
-    /// version an fsync of theirs already made durable (never a file's first version: one
-    /// not closed or fsync'd yet never comes back after a crash), and not busy. A commit
-    /// taken along that fails is left for the file's own fsync or close, which report.
-    fn commit_along(self: &Arc<Self>, ino: Ino) {
+    /// Only files fsync'd since they were last taken along (a file written beside one that
+    /// is fsync'd often is taken once per fsync of its own: no write amplification), whose
+    /// changes are a small delta over the version an fsync of theirs made (never a file's
+    /// first version: a new file never comes back after a crash unless acknowledged; never
+    /// a file cut shorter since), taken only if that delta has room at once (see
+    /// [`WriteState::commit_along`]).
+    fn commit_along(self: &Arc<Self>, ino: Ino, write: &OpenWrite) {
         let Some(wb) = self.files.writeback() else {
-            return;
-        };
-        let Some(own) = self.files.write_of(ino) else {
             return;
         };
         // Nothing of its own to sync: the others' commits would each pay their own.
         if wb.config().fsync_waits_upload
-            || own
+            || write
                 .state
                 .try_lock()
                 .is_ok_and(|st| !st.has_changes_to_publish())
@@ -906,40 +906,30 @@ impl Fs {
         let mut room = ALONG_BYTES;
         let mut taken = 0;
         for (other, w) in self.files.fsynced_writes(ino) {
-            if taken == ALONG_FILES {
+            if taken == ALONG_FILES || room == 0 {
                 break;
             }
-            let take = w.state.try_lock().is_ok_and(|st| {
-                st.delta_len().is_some_and(|len| {
-                    let delta = wb.takes_delta(st.key.as_str(), st.committed(), st.size(), len);
-                    let fits = len <= room && delta;
-                    if fits {
-                        room -= len;
-                    }
-                    fits
-                })
+            let len = w.state.try_lock().ok().and_then(|st| {
+                let len = st.along_len()?;
+                let delta = wb.takes_delta(st.key.as_str(), st.committed(), st.size(), len);
+                (len <= ALONG_FILE_MAX.min(room) && delta).then_some(len)
             });
-            if !take {
+            let Some(len) = len else {
+                continue;
+            };
+            if !w.fsynced.swap(false, std::sync::atomic::Ordering::Relaxed) {
                 continue;
             }
+            room -= len;
             taken += 1;
-            w.fsynced.store(false, std::sync::atomic::Ordering::Relaxed);
-            // A task each: their commits run on the blocking pool together, and their syncs
-            // (this fsync's too) are shared (see `writeback::SharedSync`).
             let fs = self.clone();
             tokio::spawn(async move {
-                let Ok(mut st) = w.state.try_lock() else {
-                    return;
-                };
-                if st.delta_len().is_none() {
-                    return;
-                }
-                match fs.persist(other, &mut st, true).await {
-                    Ok(()) => crate::metrics::inc(&fs.files.metrics().writeback_along),
-                    Err(e) => {
-                        tracing::debug!("{}: commit along another fsync: {e}", st.key);
-                        st.untold_failure();
-                    }
+                // Its own fsync or a write may come first: the commit then finds less or
+                // nothing to do.
+                let mut st = w.state.lock().await;
+                if st.commit_along(other, ALONG_FILE_MAX).await {
+                    fs.ns.changed_here(other, st.size(), st.meta.clone());
+                    crate::metrics::inc(&fs.files.metrics().writeback_along);
                 }
             });
         }

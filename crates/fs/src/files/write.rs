@@ -375,14 +375,33 @@ pub struct WriteState {
     mtime_set: bool,
     /// Background mode: the write-back entry of the last commit (see [`Self::commit`]).
     committed: Option<u64>,
-    /// Background mode: what changed since that commit made the content (written ranges,
-    /// the smallest size since), for a delta commit; None: not known (no commit yet, or the
-    /// entry was made otherwise).
-    since_commit: Option<(Extents, u64)>,
+    /// Background mode: what changed since that commit made the content, for a delta
+    /// commit; None: not known (no commit yet, or the entry was made otherwise).
+    since_commit: Option<SinceCommit>,
     /// The staging file is that entry's file: it is read, and copied before a change.
     staging_shared: bool,
     /// Where the file's bytes start in a shared staging file (a segment record's).
     staging_offset: u64,
+}
+
+/// What changed in a file since its last commit (background mode).
+pub(crate) struct SinceCommit {
+    /// The byte ranges written.
+    written: Extents,
+    /// The smallest size the file had.
+    keep: u64,
+    /// Its size at the commit.
+    committed: u64,
+}
+
+impl SinceCommit {
+    pub(crate) fn new(size: u64) -> Self {
+        Self {
+            written: Extents::default(),
+            keep: size,
+            committed: size,
+        }
+    }
 }
 
 /// Whether `len` bytes at `offset` end within the largest object the store allows.
@@ -561,8 +580,8 @@ impl WriteState {
 
     /// Bookkeeping of bytes `r` just written.
     fn wrote(&mut self, r: Range<u64>) {
-        if let Some((written, _)) = &mut self.since_commit {
-            written.insert(r.clone());
+        if let Some(since) = &mut self.since_commit {
+            since.written.insert(r.clone());
         }
         self.dirty.insert(r.clone());
         self.touch_parts(r.clone());
@@ -852,9 +871,9 @@ impl WriteState {
         self.spill_tail().await?;
         self.settle_spills().await;
         if size < old {
-            if let Some((written, keep)) = &mut self.since_commit {
-                written.truncate(size);
-                *keep = (*keep).min(size);
+            if let Some(since) = &mut self.since_commit {
+                since.written.truncate(size);
+                since.keep = since.keep.min(size);
             }
             self.dirty.truncate(size);
             self.local.truncate(size);
@@ -1048,13 +1067,16 @@ impl WriteState {
         matches!(self.phase, Phase::Changed | Phase::Failed)
     }
 
-    /// Background mode: the bytes written since the last commit, while a commit of them
-    /// could be a delta over it (None: the next commit stores the whole file) and nothing
-    /// failed since.
-    pub fn delta_len(&self) -> Option<u64> {
-        let (written, _) = self.since_commit.as_ref()?;
-        (self.phase == Phase::Changed).then(|| {
-            written
+    /// Background mode: the bytes written since the last commit, when another file's fsync
+    /// may commit them along (see `Fs::commit_along`): as a delta over that commit, nothing
+    /// failed since, and the file never cut shorter since (a truncate then a rewrite is
+    /// never stored half done).
+    pub fn along_len(&self) -> Option<u64> {
+        let since = self.since_commit.as_ref()?;
+        let ok = self.phase == Phase::Changed && since.keep >= since.committed;
+        ok.then(|| {
+            since
+                .written
                 .segments(0..self.size())
                 .filter(|(_, w)| *w)
                 .map(|(r, _)| r.end - r.start)

@@ -206,9 +206,10 @@ struct SharedSync {
 struct SyncState {
     issued: u64,
     synced: u64,
-    /// Every ticket up to this was covered by a sync that failed: its writes may be lost
-    /// (a later sync would not say so: the kernel reports a writeback error once).
-    failed: u64,
+    /// A sync failed: writes made before it may be lost, and a later sync would not say so
+    /// (the kernel reports a writeback error once), whenever their writer took its ticket.
+    /// So no ticket after that succeeds; new records go to another segment.
+    poisoned: bool,
     running: bool,
 }
 
@@ -216,15 +217,20 @@ impl SharedSync {
     /// Returns once a sync of `file` that started after this call has succeeded (true: this
     /// call ran it); `EIO` when one that covered it failed.
     fn sync(&self, file: &File) -> std::io::Result<bool> {
+        self.sync_by(|| file.sync_data())
+    }
+
+    /// [`Self::sync`] with `sync` as the file's fdatasync.
+    fn sync_by(&self, sync: impl FnOnce() -> std::io::Result<()>) -> std::io::Result<bool> {
         let mut s = self.state.lock();
         s.issued += 1;
         let ticket = s.issued;
         loop {
-            if s.failed >= ticket {
-                return Err(std::io::Error::from_raw_os_error(libc::EIO));
-            }
             if s.synced >= ticket {
                 return Ok(false);
+            }
+            if s.poisoned {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
             }
             if s.running {
                 self.done.wait(&mut s);
@@ -233,17 +239,22 @@ impl SharedSync {
             s.running = true;
             let upto = s.issued;
             drop(s);
-            let r = file.sync_data();
+            let r = sync();
             let mut s = self.state.lock();
             s.running = false;
             match &r {
                 Ok(()) => s.synced = s.synced.max(upto),
-                Err(_) => s.failed = s.failed.max(upto),
+                Err(_) => s.poisoned = true,
             }
             drop(s);
             self.done.notify_all();
             return r.map(|()| true);
         }
+    }
+
+    /// A sync of it failed (see [`SyncState::poisoned`]).
+    fn poisoned(&self) -> bool {
+        self.state.lock().poisoned
     }
 }
 
@@ -1229,20 +1240,8 @@ impl WriteBack {
         changes: Option<Changes>,
     ) -> FsResult<Slot> {
         if let Some(c) = changes {
-            // A delta only when it has room now (nobody waiting for room either): else the
-            // whole commit, which counts the entry it replaces as free, waits its turn.
-            let len = c.len();
-            let held = {
-                let mut inner = self.inner.lock();
-                let s = self.delta_room(&inner, key, prev, size, len);
-                if let Some(s) = s {
-                    inner.bytes += len;
-                    inner.entries.get_mut(&s).expect("extendable").status = Status::Held;
-                }
-                s
-            };
-            if let Some(s) = held {
-                return self.begin_delta(key, size, meta, s, c).await;
+            if let Some(slot) = self.try_delta(key, size, meta, prev, c).await? {
+                return Ok(slot);
             }
         }
         // Room first (held by the slot from then on): the queued entry stays free to upload
@@ -1297,6 +1296,33 @@ impl WriteBack {
                 self.unhold(replaces, size);
                 Err(e)
             }
+        }
+    }
+
+    /// [`Self::begin`] of a delta (`c` over `prev`) when one is taken now, else None.
+    pub async fn try_delta(
+        &self,
+        key: &str,
+        size: u64,
+        meta: &UserMeta,
+        prev: Option<u64>,
+        c: Changes,
+    ) -> FsResult<Option<Slot>> {
+        // A delta only when it has room now (nobody waiting for room either): else the
+        // whole commit, which counts the entry it replaces as free, waits its turn.
+        let len = c.len();
+        let held = {
+            let mut inner = self.inner.lock();
+            let s = self.delta_room(&inner, key, prev, size, len);
+            if let Some(s) = s {
+                inner.bytes += len;
+                inner.entries.get_mut(&s).expect("extendable").status = Status::Held;
+            }
+            s
+        };
+        match held {
+            Some(s) => self.begin_delta(key, size, meta, s, c).await.map(Some),
+            None => Ok(None),
         }
     }
 
@@ -1574,7 +1600,7 @@ impl WriteBack {
         let fits = segs
             .current
             .as_ref()
-            .is_some_and(|(_, next)| next + len <= SEGMENT_SIZE);
+            .is_some_and(|(seg, next)| next + len <= SEGMENT_SIZE && !seg.sync.poisoned());
         if !fits {
             let Some(spare) = segs.spare.take() else {
                 // One that failed to be made is tried again.
@@ -3520,6 +3546,24 @@ impl DirSync {
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
+
+    /// A failed fdatasync may have carried the bytes of a writer that took its ticket after
+    /// it started, and the kernel reports a writeback error once: that writer's own later
+    /// sync succeeding proves nothing. So after a failure no sync of the file succeeds (its
+    /// records go to another segment); a ticket covered before the failure stays good.
+    #[test]
+    fn after_a_failed_sync_no_later_sync_of_the_file_succeeds() {
+        let eio = || Err(std::io::Error::from_raw_os_error(libc::EIO));
+        let s = SharedSync::default();
+        assert!(s.sync_by(|| Ok(())).unwrap(), "the first sync runs");
+        assert!(s.sync_by(eio).is_err());
+        let later = s.sync_by(|| Ok(()));
+        assert!(
+            later.is_err(),
+            "a sync after a failed one said the bytes were durable"
+        );
+        assert!(s.poisoned());
+    }
 
     #[test]
     fn trailer_round_trips() {

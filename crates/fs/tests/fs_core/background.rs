@@ -613,8 +613,9 @@ async fn fsyncs_of_many_files_in_turn_share_one_sync() {
 }
 
 /// What an fsync takes along is bounded: never a file's first version (a file neither
-/// closed nor fsync'd never comes back after a crash), and a file written beside one that
-/// is fsync'd often is taken once per fsync of its own, not at every other fsync.
+/// closed nor fsync'd never comes back after a crash), never a file cut shorter since its
+/// fsync (a truncate then a rewrite is never stored half done), and a file written beside
+/// one that is fsync'd often is taken once per fsync of its own, not at every other fsync.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_fsync_takes_along_only_files_fsyncd_since_and_never_a_first_version() {
     use crate::support::random;
@@ -623,6 +624,18 @@ async fn an_fsync_takes_along_only_files_fsyncd_since_and_never_a_first_version(
     let (new_ino, new_fh) = create_and_write(&e, "never-synced", &random(8192, 1)).await;
     let (data_ino, data_fh) = create_and_write(&e, "data", &random(64 << 10, 2)).await;
     e.fs.fsync(data_ino, data_fh).await.unwrap();
+    let cut_old = random(64 << 10, 5);
+    let (cut_ino, cut_fh) = create_and_write(&e, "cut", &cut_old).await;
+    e.fs.fsync(cut_ino, cut_fh).await.unwrap();
+    // Cut, then the start of a rewrite: a delta small enough to be taken.
+    let cut = bucketfs_fs::SetAttr {
+        size: Some(40 << 10),
+        ..bucketfs_fs::SetAttr::default()
+    };
+    e.fs.setattr(cut_ino, Some(cut_fh), cut).await.unwrap();
+    e.fs.write(cut_ino, cut_fh, 0, Bytes::from(random(4096, 6)))
+        .await
+        .unwrap();
     let (wal_ino, wal_fh) = create_and_write(&e, "wal", &random(4096, 3)).await;
     let block = random(4096, 4);
     for i in 0..10u64 {
@@ -642,15 +655,33 @@ async fn an_fsync_takes_along_only_files_fsyncd_since_and_never_a_first_version(
         .unwrap();
         e.fs.fsync(wal_ino, wal_fh).await.unwrap();
     }
-    // Its commit runs in the background: give it time to land before counting.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Its commit runs beside the fsync that took it.
+    for _ in 0..250 {
+        if taken_along(&e) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(taken_along(&e), 1, "times the data file was taken along");
-    let pending: Vec<String> = e.fs.pending_uploads().into_iter().map(|p| p.key).collect();
+    let pending: Vec<(String, u64)> =
+        e.fs.pending_uploads()
+            .into_iter()
+            .map(|p| (p.key, p.size))
+            .collect();
     assert!(
-        !pending.iter().any(|k| k == "never-synced"),
+        !pending.iter().any(|(k, _)| k == "never-synced"),
         "a file never closed or fsync'd was committed: {pending:?}"
     );
-    for (ino, fh) in [(new_ino, new_fh), (data_ino, data_fh), (wal_ino, wal_fh)] {
+    assert!(
+        pending.contains(&("cut".to_string(), cut_old.len() as u64)),
+        "the cut file's version is not the one its fsync stored: {pending:?}"
+    );
+    for (ino, fh) in [
+        (new_ino, new_fh),
+        (data_ino, data_fh),
+        (wal_ino, wal_fh),
+        (cut_ino, cut_fh),
+    ] {
         e.fs.flush(ino, fh).await.unwrap();
         e.fs.release(ino, fh).await.unwrap();
     }

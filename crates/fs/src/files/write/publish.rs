@@ -30,6 +30,32 @@ impl WriteState {
     /// staging file then. `park`: an fsync of a file that stays open (its entry waits for
     /// the close, see `writeback::PARK`).
     pub async fn commit(&mut self, ino: Ino, park: bool) -> FsResult<()> {
+        self.commit_as(ino, park, false).await
+    }
+
+    /// Another file's fsync commits this one's changes along (group commit: see
+    /// `Fs::commit_along`): as a delta of at most `max` bytes over the last commit, taken
+    /// now (never a whole file, never a wait for room or an upload), else nothing (false).
+    /// A failure is left to the file's own next fsync or close, which commit again and
+    /// report it.
+    pub async fn commit_along(&mut self, ino: Ino, max: u64) -> bool {
+        if self.along_len().is_none_or(|n| n > max) {
+            return false;
+        }
+        match self.commit_as(ino, true, true).await {
+            Ok(()) => true,
+            Err(e) => {
+                if e != FsError::EAGAIN {
+                    tracing::debug!("{}: commit along another fsync: {e}", self.key);
+                }
+                self.untold_failure();
+                false
+            }
+        }
+    }
+
+    /// [`Self::commit`]; `delta_only`: [`Self::commit_along`]'s (`EAGAIN` when it is not).
+    async fn commit_as(&mut self, ino: Ino, park: bool, delta_only: bool) -> FsResult<()> {
         let wb = self.cfg.writeback.clone().expect("background mode");
         if !self.has_changes_to_publish() {
             return Ok(());
@@ -50,7 +76,12 @@ impl WriteState {
             }
             false => self.early_parts(size),
         };
-        let r = self.commit_into(&wb, ino, size, park, early).await;
+        let r = self
+            .commit_into(&wb, ino, size, park, early, delta_only)
+            .await;
+        if delta_only && r.as_ref().is_err_and(|e| *e == FsError::EAGAIN) {
+            return Err(FsError::EAGAIN);
+        }
         inc(if r.is_ok() {
             &self.cfg.metrics.files_published
         } else {
@@ -67,7 +98,7 @@ impl WriteState {
                 return Err(e);
             }
         }
-        self.since_commit = Some((Extents::default(), size));
+        self.since_commit = Some(SinceCommit::new(size));
         Ok(())
     }
 
@@ -125,6 +156,7 @@ impl WriteState {
         size: u64,
         park: bool,
         early: Option<EarlyParts>,
+        delta_only: bool,
     ) -> FsResult<(u64, Option<(Arc<File>, u64)>)> {
         self.localize().await?;
         let origin = match self.base_etag() {
@@ -137,24 +169,26 @@ impl WriteState {
             .since_commit
             .as_ref()
             .filter(|_| park)
-            .map(|(written, keep)| Changes {
-                keep: (*keep).min(size),
-                ranges: written
+            .map(|since| Changes {
+                keep: since.keep.min(size),
+                ranges: since
+                    .written
                     .segments(0..size)
                     .filter(|(_, w)| *w)
                     .map(|(r, _)| r)
                     .collect(),
             });
-        let mut slot = wb
-            .begin(
-                &self.key,
-                size,
-                &self.meta,
-                self.committed,
-                origin,
-                changes.clone(),
-            )
-            .await?;
+        let mut slot = match (delta_only, changes.clone()) {
+            (true, Some(c)) => wb
+                .try_delta(&self.key, size, &self.meta, self.committed, c)
+                .await?
+                .ok_or(FsError::EAGAIN)?,
+            (true, None) => return Err(FsError::EAGAIN),
+            (false, changes) => {
+                wb.begin(&self.key, size, &self.meta, self.committed, origin, changes)
+                    .await?
+            }
+        };
         if let Some(e) = early.filter(|_| !slot.is_delta()) {
             slot.attach_early(e);
         }
