@@ -308,7 +308,7 @@ pub const OPTIONS: &[OptionSpec] = &[
         .help("Turn --passthrough off (the default; kept for older configurations)."),
     value("max_prefetch", "SIZE")
         .env()
-        .default("64M")
+        .default("256M")
         .help("Most data one sequential reader prefetches ahead of itself (K/M/G)."),
     value("fuse_threads", "N")
         .env()

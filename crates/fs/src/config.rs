@@ -98,7 +98,7 @@ impl Default for FsConfig {
             stat_cache_size: 200_000,
             part_size: 8 * 1024 * 1024,
             upload_concurrency: 8,
-            max_prefetch: 64 * 1024 * 1024,
+            max_prefetch: 256 * 1024 * 1024,
             max_memory: crate::budget::default_budget(),
             cache_dir: std::env::temp_dir(),
             cache_min_free: MinFree::Bytes(1 << 30),
