@@ -181,7 +181,12 @@ mod minio_outage {
             pattern::write(&mut f, 17, len).unwrap();
             close_checked(f).unwrap();
         }
-        let m = Mount::s3(&b);
+        // A window much smaller than the file: the outage meets reads still to fetch (the
+        // default 256 MiB would have the whole file in memory before it).
+        let m = MountSpec::s3(&b, "")
+            .arg("--max-prefetch")
+            .arg("16M")
+            .mount();
         let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let outage = outage_at(progress.clone(), 24 * MIB as u64, Duration::from_secs(2));
         let mut r = Paced {

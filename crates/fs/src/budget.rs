@@ -415,6 +415,11 @@ impl MemoryBudget {
         while c.bytes > limit && c.evict_one() {}
     }
 
+    /// The whole budget, in bytes.
+    pub fn total(&self) -> u64 {
+        self.units * UNIT
+    }
+
     /// Most bytes the block cache keeps: a quarter of the budget.
     pub fn block_cache_limit(&self) -> u64 {
         self.units * UNIT / 4

@@ -117,7 +117,9 @@ impl OpenFiles {
         let part_size = cfg.part_size.max(limits.min_part);
         let rcfg = Arc::new(ReadConfig {
             part_size,
-            max_window: cfg.max_prefetch,
+            // A quarter of the budget at most: one reader never holds the memory the
+            // others and the writers need.
+            max_window: cfg.max_prefetch.min(budget.total() / 4),
             budget: budget.clone(),
             data_cache: cfg.data_cache.as_ref().map(|c| {
                 cache::DataCache::start(c, cache::queue_len(cfg.max_memory), metrics.clone())
