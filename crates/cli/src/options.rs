@@ -213,8 +213,9 @@ pub const OPTIONS: &[OptionSpec] = &[
          refused",
     ),
     value("part_size", "SIZE").env().default("8M").help(
-        "Multipart part size for uploads and for each prefetch request, in bytes or with \
-         a K/M/G suffix (powers of 1024): 8M, 16MiB, 8388608. 5M to 5G.",
+        "Multipart part size for uploads (a sequential reader's prefetch requests grow to at \
+         least this), in bytes or with a K/M/G suffix (powers of 1024): 8M, 16MiB, 8388608. \
+         5M to 5G.",
     ),
     value("stat_ttl", "SECONDS").env().default("5").help(
         "How long file attributes and directory entries are cached, in seconds (0.5, 5) \
@@ -309,7 +310,7 @@ pub const OPTIONS: &[OptionSpec] = &[
     value("max_prefetch", "SIZE")
         .env()
         .default("256M")
-        .help("Most data one sequential reader prefetches ahead of itself (K/M/G)."),
+        .help("Most data one sequential reader prefetches ahead of itself (K/M/G; at most a quarter of --max-memory)."),
     value("fuse_threads", "N")
         .env()
         .default("4")

@@ -51,8 +51,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// Size of a cached block (and the alignment of a reader's requests when the cache is on).
 pub const BLOCK: u64 = 1 << 20;
 /// Blocks waiting to be written at most: an eighth of the memory budget (they hold their
-/// chunks' buffers), between 8 and 64. A stream's prefetch brings several 8 MiB chunks at
-/// once; beyond this a fetched block is not cached.
+/// chunks' buffers), between 8 and 64. A stream's prefetch brings several chunks of up to
+/// 32 MiB at once; beyond this a fetched block is not cached.
 pub fn queue_len(budget: u64) -> usize {
     (budget / 8 / BLOCK).clamp(8, 64) as usize
 }

@@ -1,5 +1,5 @@
 //! The read path of one open handle: ranged GETs pinned to the ETag seen at open, with an
-//! adaptive prefetch window fetched as parallel part-sized GETs.
+//! adaptive prefetch window fetched as parallel ranged GETs.
 //!
 //! A handle keeps a queue of consecutive chunks (fetched or in flight) starting at or just
 //! before the read position. A read that continues near where the last one ended (tolerating
@@ -34,6 +34,10 @@ use tokio::time::Instant;
 
 /// First window of a sequential stream.
 const MIN_WINDOW: u64 = 1024 * 1024;
+/// A stream's window doubles freely up to this; beyond, it grows to at most four times what
+/// the stream has read, so a short read of a big file (`head`, a file's header) never sends
+/// more GETs than a window of this size.
+const FREE_WINDOW: u64 = 64 * 1024 * 1024;
 /// Reads within this distance of the last one still count as sequential.
 const SEQ_SLACK: u64 = 1024 * 1024;
 /// How far behind the read position chunks are kept (the kernel may re-read a little).
@@ -54,12 +58,14 @@ pub struct ReadConfig {
 const MAX_STREAM_CHUNK: u64 = 32 * 1024 * 1024;
 
 impl ReadConfig {
-    /// Largest chunk of a stream: a sixteenth of the largest window, at least a part. A
-    /// full window is then up to 16 GETs in flight, and a big one asks for fewer, larger
-    /// ranges (each GET costs the store a seek and a round trip: reading 20 GiB cold from
-    /// MinIO here, 8 MiB chunks of a 256 MiB window ran at 784 MB/s, 16 MiB ones at 945).
+    /// Largest chunk of a stream: a sixteenth of the largest window, at least a part, at
+    /// most 32 MiB (or a part, if larger). A full window is then about 16 GETs in flight,
+    /// and a big one asks for fewer, larger ranges (each GET costs the store a seek and a
+    /// round trip: reading 20 GiB cold from MinIO here, 8 MiB chunks of a 256 MiB window ran
+    /// at 784 MB/s, 16 MiB ones at 945).
     fn stream_chunk(&self) -> u64 {
-        (self.max_window / 16).clamp(self.part_size.min(MAX_STREAM_CHUNK), MAX_STREAM_CHUNK)
+        let most = self.part_size.max(MAX_STREAM_CHUNK);
+        (self.max_window / 16).clamp(self.part_size.min(most), most)
     }
 
     /// Alignment of the requests that are not a stream's: a data cache's blocks if any.
@@ -181,6 +187,8 @@ pub struct Reader {
     held: Arc<Held>,
     window: u64,
     last_end: Option<u64>,
+    /// Where the current sequential stream started.
+    stream_start: u64,
     /// Opened with `O_DIRECT`: the kernel keeps no page cache of what it reads.
     direct: bool,
     /// A direct reader keeps the chunks it consumes in the block cache, so the next pass
@@ -227,6 +235,7 @@ impl Reader {
             held,
             window: MIN_WINDOW,
             last_end: None,
+            stream_start: 0,
             direct,
             rereading,
             high_water: 0,
@@ -321,12 +330,16 @@ impl Reader {
                 || (offset + SEQ_SLACK >= l && offset <= l + SEQ_SLACK && covered.contains(&offset))
         });
         if sequential {
-            self.window = (self.window * 2).min(self.cfg.max_window.max(MIN_WINDOW));
-        } else if self.last_end.is_some() {
-            if self.window > MIN_WINDOW {
+            let read = end.saturating_sub(self.stream_start);
+            self.window = (self.window * 2)
+                .min(self.cfg.max_window.max(MIN_WINDOW))
+                .min(FREE_WINDOW.max(4 * read));
+        } else {
+            if self.last_end.is_some() && self.window > MIN_WINDOW {
                 inc(&m.prefetch_resets);
             }
             self.window = MIN_WINDOW;
+            self.stream_start = offset;
         }
         self.last_end = Some(end);
         if self.direct && offset + KEEP_BEHIND < self.high_water {
@@ -734,6 +747,42 @@ mod tests {
         }
         let n = gets.requests(Op::Get);
         assert!((16..=20).contains(&n), "{n} GETs for 64 MiB");
+    }
+
+    /// A short read of a big file (`head`, a header) fetches at most [`FREE_WINDOW`] ahead,
+    /// however large the window may grow for a long stream.
+    #[tokio::test]
+    async fn a_short_read_of_a_big_file_fetches_at_most_the_free_window() {
+        use bucketfs_store::metrics::MeteredStore;
+        let (store, cfg, data, etag) = setup(1024 * MIB, 192 * MIB as usize).await;
+        let cfg = Arc::new(ReadConfig {
+            part_size: 8 * MIB,
+            max_window: 256 * MIB,
+            budget: cfg.budget.clone(),
+            metrics: cfg.metrics.clone(),
+            data_cache: None,
+        });
+        let metered = Arc::new(MeteredStore::new(store));
+        let m = metered.metrics();
+        let mut r = Reader::new(
+            metered,
+            cfg.clone(),
+            "f".into(),
+            Some(etag),
+            data.len() as u64,
+            false,
+        );
+        for i in 0..16u64 {
+            let b = r.read(i * 128 * 1024, 128 * 1024).await.unwrap();
+            assert_eq!(b.len(), 128 * 1024);
+        }
+        let asked = 1024 * MIB - cfg.budget.available();
+        assert!(
+            asked <= FREE_WINDOW + 2 * 16 * MIB,
+            "{} MiB fetched ahead for 2 MiB read ({} GETs)",
+            asked / MIB,
+            m.requests(Op::Get)
+        );
     }
 
     #[tokio::test]
