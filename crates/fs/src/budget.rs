@@ -37,6 +37,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -506,7 +507,8 @@ impl MemoryBudget {
     }
 }
 
-/// A default budget from the machine's memory: an eighth of RAM, between 256 MiB and 4 GiB.
+/// A default budget from the memory this process may use: an eighth of RAM, or of its
+/// cgroup's limit when lower (a container's), between 256 MiB and 4 GiB.
 pub fn default_budget() -> u64 {
     let total = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -518,11 +520,69 @@ pub fn default_budget() -> u64 {
         })
         .map(|kb| kb * 1024)
         .unwrap_or(2 << 30);
-    (total / 8).clamp(256 << 20, 4 << 30)
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let limit = cgroup_limit(&own, Path::new("/sys/fs/cgroup")).unwrap_or(u64::MAX);
+    (total.min(limit) / 8).clamp(256 << 20, 4 << 30)
+}
+
+/// The tightest memory limit on a process whose `/proc/self/cgroup` says `own`, with the
+/// cgroup file systems under `root`: its cgroup's and every ancestor's (v2 `memory.max`,
+/// v1 `memory.limit_in_bytes`). None when nothing limits it.
+fn cgroup_limit(own: &str, root: &Path) -> Option<u64> {
+    let mut tightest: Option<u64> = None;
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(_), Some(ctrl), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let (top, file) = if ctrl.is_empty() {
+            (root.to_path_buf(), "memory.max")
+        } else if ctrl.split(',').any(|c| c == "memory") {
+            (root.join("memory"), "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        let mut dir = top.join(path.trim_start_matches('/'));
+        loop {
+            let limit = std::fs::read_to_string(dir.join(file))
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            if let Some(l) = limit {
+                tightest = Some(tightest.map_or(l, |t| t.min(l)));
+            }
+            if dir == top || !dir.pop() {
+                break;
+            }
+        }
+    }
+    tightest
 }
 
 #[cfg(test)]
 mod tests {
+    /// A container's memory limit (cgroup v2, set on an ancestor too) sizes the default
+    /// budget, not the machine's RAM; "max" and unreadable files limit nothing; v1 too.
+    #[test]
+    fn the_tightest_cgroup_memory_limit_is_found() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let pod = r.join("kubepods/pod1");
+        let own = pod.join("ctr");
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::write(r.join("memory.max"), "max\n").unwrap();
+        std::fs::write(r.join("kubepods/memory.max"), "8589934592\n").unwrap();
+        std::fs::write(pod.join("memory.max"), "1073741824\n").unwrap();
+        std::fs::write(own.join("memory.max"), "max\n").unwrap();
+        let v2 = "0::/kubepods/pod1/ctr\n";
+        assert_eq!(super::cgroup_limit(v2, r), Some(1 << 30));
+        assert_eq!(super::cgroup_limit("0::/elsewhere\n", r), None);
+        let v1_dir = r.join("memory/docker/abc");
+        std::fs::create_dir_all(&v1_dir).unwrap();
+        std::fs::write(v1_dir.join("memory.limit_in_bytes"), "536870912\n").unwrap();
+        let v1 = "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n";
+        assert_eq!(super::cgroup_limit(v1, r), Some(512 << 20));
+    }
+
     use super::*;
 
     #[test]
