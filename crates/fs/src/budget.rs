@@ -560,6 +560,8 @@ fn cgroup_limit(own: &str, root: &Path) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// A container's memory limit (cgroup v2, set on an ancestor too) sizes the default
     /// budget, not the machine's RAM; "max" and unreadable files limit nothing; v1 too.
     #[test]
@@ -574,16 +576,14 @@ mod tests {
         std::fs::write(pod.join("memory.max"), "1073741824\n").unwrap();
         std::fs::write(own.join("memory.max"), "max\n").unwrap();
         let v2 = "0::/kubepods/pod1/ctr\n";
-        assert_eq!(super::cgroup_limit(v2, r), Some(1 << 30));
-        assert_eq!(super::cgroup_limit("0::/elsewhere\n", r), None);
+        assert_eq!(cgroup_limit(v2, r), Some(1 << 30));
+        assert_eq!(cgroup_limit("0::/elsewhere\n", r), None);
         let v1_dir = r.join("memory/docker/abc");
         std::fs::create_dir_all(&v1_dir).unwrap();
         std::fs::write(v1_dir.join("memory.limit_in_bytes"), "536870912\n").unwrap();
         let v1 = "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n";
-        assert_eq!(super::cgroup_limit(v1, r), Some(512 << 20));
+        assert_eq!(cgroup_limit(v1, r), Some(512 << 20));
     }
-
-    use super::*;
 
     #[test]
     fn lasting_reservations_stay_within_half_the_budget() {

@@ -3,9 +3,9 @@
 //!
 //! A handle keeps a queue of consecutive chunks (fetched or in flight) starting at or just
 //! before the read position. A read that continues near where the last one ended (tolerating
-//! the kernel's readahead reordering) is sequential: the window ahead of the reader doubles up
-//! to `max_window`, and chunks of up to a sixteenth of that (at least a part) keep that much in
-//! flight. Any other read is
+//! the kernel's readahead reordering) is sequential: the window ahead of the reader doubles
+//! (past 64 MiB, only as the stream proves long) up to `max_window`, and chunks of up to a
+//! sixteenth of that (at least a part) keep that much in flight. Any other read is
 //! random: unless the queue already holds the bytes, its fetched chunks go to the budget's
 //! block cache and only the aligned 128 KiB blocks the read touches are fetched (or served from
 //! that cache). Files no larger than one part come in a single GET. Chunks take their memory from the global budget; prefetch only uses memory that
@@ -65,7 +65,7 @@ impl ReadConfig {
     /// at 784 MB/s, 16 MiB ones at 945).
     fn stream_chunk(&self) -> u64 {
         let most = self.part_size.max(MAX_STREAM_CHUNK);
-        (self.max_window / 16).clamp(self.part_size.min(most), most)
+        (self.max_window / 16).clamp(self.part_size, most)
     }
 
     /// Alignment of the requests that are not a stream's: a data cache's blocks if any.
