@@ -714,31 +714,44 @@ mod tests {
         );
     }
 
+    /// A metered stream reader of a `size`-byte object with `part_size` parts and windows up
+    /// to `max_window`, over a budget of `budget` bytes; its object's bytes, its config and
+    /// the store's request counts.
+    async fn metered_stream(
+        budget: u64,
+        size: usize,
+        part_size: u64,
+        max_window: u64,
+    ) -> (
+        Reader,
+        Vec<u8>,
+        Arc<ReadConfig>,
+        Arc<bucketfs_store::metrics::StoreMetrics>,
+    ) {
+        use bucketfs_store::metrics::MeteredStore;
+        let (store, cfg, data, etag) = setup(budget, size).await;
+        let cfg = Arc::new(ReadConfig {
+            part_size,
+            max_window,
+            budget: cfg.budget.clone(),
+            metrics: cfg.metrics.clone(),
+            data_cache: None,
+        });
+        let metered = Arc::new(MeteredStore::new(store));
+        let requests = metered.metrics();
+        let len = data.len() as u64;
+        let r = Reader::new(metered, cfg.clone(), "f".into(), Some(etag), len, false);
+        (r, data, cfg, requests)
+    }
+
     /// A stream's chunks grow with its window up to a sixteenth of the largest window (at
     /// least a part): a big window asks for fewer, larger ranges. With 2 MiB parts and a
     /// 64 MiB window, 64 MiB read in 1 MiB reads take about 16 GETs of 4 MiB (32 of one part
     /// each before).
     #[tokio::test]
     async fn a_big_windows_chunks_are_a_sixteenth_of_it() {
-        use bucketfs_store::metrics::MeteredStore;
-        let (store, cfg, data, etag) = setup(256 * MIB, 64 * MIB as usize).await;
-        let cfg = Arc::new(ReadConfig {
-            part_size: 2 * MIB,
-            max_window: 64 * MIB,
-            budget: cfg.budget.clone(),
-            metrics: cfg.metrics.clone(),
-            data_cache: None,
-        });
-        let metered = Arc::new(MeteredStore::new(store));
-        let gets = metered.metrics();
-        let mut r = Reader::new(
-            metered,
-            cfg,
-            "f".into(),
-            Some(etag),
-            data.len() as u64,
-            false,
-        );
+        let (mut r, data, _, gets) =
+            metered_stream(256 * MIB, 64 * MIB as usize, 2 * MIB, 64 * MIB).await;
         let mut pos = 0;
         while pos < data.len() {
             let b = r.read(pos as u64, 1 << 20).await.unwrap();
@@ -753,25 +766,8 @@ mod tests {
     /// however large the window may grow for a long stream.
     #[tokio::test]
     async fn a_short_read_of_a_big_file_fetches_at_most_the_free_window() {
-        use bucketfs_store::metrics::MeteredStore;
-        let (store, cfg, data, etag) = setup(1024 * MIB, 192 * MIB as usize).await;
-        let cfg = Arc::new(ReadConfig {
-            part_size: 8 * MIB,
-            max_window: 256 * MIB,
-            budget: cfg.budget.clone(),
-            metrics: cfg.metrics.clone(),
-            data_cache: None,
-        });
-        let metered = Arc::new(MeteredStore::new(store));
-        let m = metered.metrics();
-        let mut r = Reader::new(
-            metered,
-            cfg.clone(),
-            "f".into(),
-            Some(etag),
-            data.len() as u64,
-            false,
-        );
+        let (mut r, _, cfg, m) =
+            metered_stream(1024 * MIB, 192 * MIB as usize, 8 * MIB, 256 * MIB).await;
         for i in 0..16u64 {
             let b = r.read(i * 128 * 1024, 128 * 1024).await.unwrap();
             assert_eq!(b.len(), 128 * 1024);

@@ -215,7 +215,7 @@ struct SyncState {
 
 impl SharedSync {
     /// Returns once a sync of `file` that started after this call has succeeded (true: this
-    /// call ran it); `EIO` when one that covered it failed.
+    /// call ran it); `EIO` once any sync of it failed (see [`SyncState::poisoned`]).
     fn sync(&self, file: &File) -> std::io::Result<bool> {
         self.sync_by(|| file.sync_data())
     }

@@ -404,8 +404,7 @@ impl Lookups {
         // than the job's own requests (100 directories of 1,000 files: 20,028 pages in a cold
         // read of them). Its lookups list it when they need to (see `list_for_lookups`), and
         // a readdir fetches its own first page.
-        let dir_key = format!("{}/", self.keys.key(path));
-        if self.big.lock().contains(&dir_key) {
+        if self.big.lock().contains(self.keys.dir_key(path).as_str()) {
             return self.stat(path).await;
         }
         self.load_saved(path).await;
