@@ -722,6 +722,36 @@ fn a_large_write_leaves_cache_min_free_on_the_staging_disk() {
 }
 
 // ---------------------------------------------------------------------------------------------
+
+/// Closing a file written big enough to stream leaves its staging file to be freed, which
+/// takes the disk about 0.2 s a GiB here (a virtual disk's discard). The release of the last
+/// descriptor is answered first: an unmount right after the close finds no request of the
+/// close still unanswered (before, the kernel had ended the release by then and the daemon
+/// logged "Failed to send FUSE reply"), and the object is whole.
+#[test]
+fn a_big_files_release_is_answered_before_its_staging_file_is_freed() {
+    let b = s3().new_bucket("relbig");
+    let m = MountSpec::s3(&b, "").mount();
+    let path = m.join("big.bin");
+    let mut f = File::create(&path).unwrap();
+    let chunk = vec![0x5au8; 1 << 20];
+    for _ in 0..768 {
+        f.write_all(&chunk).unwrap();
+    }
+    f.sync_all().unwrap();
+    drop(f);
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(
+        !log.contains("Failed to send FUSE reply"),
+        "a request of the close was still unanswered at the unmount: {log}"
+    );
+    assert_eq!(
+        s3().head(&b, "big.bin").map(|h| h.size),
+        Some(768 << 20),
+        "the object is whole"
+    );
+}
 // Security
 // ---------------------------------------------------------------------------------------------
 

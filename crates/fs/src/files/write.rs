@@ -416,6 +416,30 @@ fn io_err(e: std::io::Error) -> FsError {
     FsError::from(e)
 }
 
+/// A staging file at least this big is closed on a blocking thread (see `Drop`).
+const CLOSE_AWAY_MIN: u64 = 16 << 20;
+
+impl Drop for WriteState {
+    /// Closing the last descriptor of a big staging file frees its blocks, which takes the
+    /// file system a while (about 0.2 s a GiB on a virtual disk that discards them). A state
+    /// goes at a release or a publish, on a FUSE thread or before a reply: neither may wait.
+    fn drop(&mut self) {
+        close_away([self.staging.take(), self.staging_direct.take()]);
+    }
+}
+
+/// Closes a staging file and its `O_DIRECT` twin; on a blocking thread when it is big (see
+/// `Drop for WriteState`).
+fn close_away(files: [Option<Arc<File>>; 2]) {
+    let big = files[0]
+        .as_ref()
+        .and_then(|f| f.metadata().ok())
+        .is_some_and(|m| m.len() >= CLOSE_AWAY_MIN);
+    if let (true, Ok(rt)) = (big, tokio::runtime::Handle::try_current()) {
+        rt.spawn_blocking(move || drop(files));
+    }
+}
+
 impl WriteState {
     /// A state over `base` (None for a new or empty object), staging in `cache_dir`.
     pub fn new(

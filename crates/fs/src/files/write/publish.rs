@@ -135,9 +135,9 @@ impl WriteState {
     /// The state's content is entry `seq` now, read from `file` at `offset`.
     fn serve_entry(&mut self, seq: u64, (file, offset): (Arc<File>, u64), size: u64) {
         self.tail = None;
-        self.staging = Some(file);
+        let old = [self.staging.replace(file), self.staging_direct.take()];
+        super::close_away(old);
         self.staging_offset = offset;
-        self.staging_direct = None;
         self.staging_shared = true;
         self.local = Extents::default();
         if size > 0 {
