@@ -751,6 +751,7 @@ fn a_big_files_release_is_answered_before_its_staging_file_is_freed() {
         Some(768 << 20),
         "the object is whole"
     );
+    s3().delete(&b, "big.bin");
 }
 // Security
 // ---------------------------------------------------------------------------------------------
