@@ -272,15 +272,15 @@ impl Lookups {
     }
 
     fn fresh(&self, path: &MountPath) -> Option<Cached> {
-        let mut cache = self.cache.lock();
-        match cache.get(path) {
-            Some(c) if self.alive(c) => Some(c.clone()),
-            Some(_) => {
-                cache.remove(path);
-                None
-            }
-            None => None,
-        }
+        let cache = self.cache.lock();
+        cache.get(path).filter(|c| self.alive(c)).cloned()
+    }
+
+    /// What kind of thing `path` was when last seen, however long ago: which request its
+    /// probe sends first. Stale entries stay cached for this (see [`Self::put_from`]).
+    fn last_kind(&self, path: &MountPath) -> Option<FileKind> {
+        let cache = self.cache.lock();
+        cache.get(path)?.found.as_ref().map(|f| f.kind)
     }
 
     /// What is cached for `path` and whether it is complete, without a request and without
@@ -624,7 +624,9 @@ impl Lookups {
             Some((None, _)) => return (Err(FsError::ENOENT), false),
             Some((Some(f), true)) => return (Ok((f, true)), false),
             Some((Some(f), false)) => Some(f.kind),
-            None => None,
+            // A name seen before, stale now (a job reading a big directory for longer than
+            // the TTL, the next epoch's open): a file costs a HEAD, not a HEAD and a LIST.
+            None => self.last_kind(path),
         };
         let (probe, started, paged) = {
             let mut inflight = self.inflight.lock();

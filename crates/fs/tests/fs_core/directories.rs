@@ -913,13 +913,15 @@ async fn a_big_stale_directory_is_listed_again_only_for_many_lookups() {
     assert_eq!(list(&fs, d.ino).await.len(), 202);
     lists.details.lock().clear();
     outlive_short_ttl().await;
-    let heads = metrics.requests(Op::Head);
+    let (heads, all) = (metrics.requests(Op::Head), metrics.total_requests());
     for i in 0..5 {
         let a = fs.lookup(d.ino, OsStr::new(&format!("f{i:03}"))).await;
         assert_eq!(a.unwrap().size, 1);
     }
     assert!(lists.details.lock().is_empty(), "no page for 5 lookups");
     assert_eq!(metrics.requests(Op::Head) - heads, 5, "a HEAD each");
+    // The old listing showed them as files: no LIST of `name/` beside the HEAD (before, 10).
+    assert_eq!(metrics.total_requests() - all, 5, "nothing but the HEADs");
     let before = metrics.total_requests();
     for i in 5..20 {
         let a = fs.lookup(d.ino, OsStr::new(&format!("f{i:03}"))).await;
@@ -931,6 +933,33 @@ async fn a_big_stale_directory_is_listed_again_only_for_many_lookups() {
         1,
         "the sixth miss lists it, and the listing answers the rest"
     );
+}
+
+/// A file looked up again after the stat TTL (the next epoch of a job, on the same mount)
+/// costs one HEAD: it was a file when last seen, so no LIST asks whether it became a
+/// directory unless the HEAD finds nothing. Before, each such lookup sent a HEAD and a LIST.
+#[tokio::test]
+async fn a_file_seen_before_is_looked_up_again_with_one_head() {
+    use bucketfs_store::metrics::MeteredStore;
+    let mem = Arc::new(MemoryStore::with_list_metadata());
+    put(&mem, "f", b"x").await;
+    put(&mem, "g", b"y").await;
+    let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
+    let metrics = metered.metrics();
+    let (fs, _cache) = short_ttl_fs(Arc::new(metered));
+    assert_eq!(fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap().size, 1);
+    for _ in 0..2 {
+        outlive_short_ttl().await;
+        let before = metrics.total_requests();
+        assert_eq!(fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap().size, 1);
+        assert_eq!(metrics.total_requests() - before, 1, "one HEAD");
+    }
+    // Another client made it a directory: the HEAD finds nothing, and the probe looks again.
+    mem.delete("f").await.unwrap();
+    put(&mem, "f/inner", b"z").await;
+    outlive_short_ttl().await;
+    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(f.kind, FileKind::Dir);
 }
 
 /// The kernel looks a directory up again each stat TTL while a job works in it. For one
