@@ -279,6 +279,10 @@ impl Lookups {
     /// What kind of thing `path` was when last seen, however long ago: which request its
     /// probe sends first. Stale entries stay cached for this (see [`Self::put_from`]).
     fn last_kind(&self, path: &MountPath) -> Option<FileKind> {
+        // `--stat-ttl 0` remembers nothing, not even this.
+        if self.limits.ttl.is_zero() {
+            return None;
+        }
         let cache = self.cache.lock();
         cache.get(path)?.found.as_ref().map(|f| f.kind)
     }
@@ -710,9 +714,9 @@ impl Lookups {
     }
 }
 
-/// HEAD `key` and LIST `key/` together; with a hint from a listing, the one it names first
-/// (a file: only the HEAD; a directory: only the LIST), and the other only if that finds
-/// nothing. So `find` and `ls -l` stat listed subdirectories with one LIST each. The LIST
+/// HEAD `key` and LIST `key/` together; with a hint (a listing's, or what the name was when
+/// last seen), the one it names first (a file: only the HEAD; a directory: only the LIST),
+/// and the other only if that finds nothing. So `find` and `ls -l` stat listed subdirectories with one LIST each. The LIST
 /// asks for one key, or with `keep` for a full page, kept if it shows a directory.
 async fn probe(
     store: Arc<dyn ObjectStore>,
@@ -749,7 +753,16 @@ async fn probe(
         }
         Some(_) => match store.head(&key).await {
             Ok(obj) => return Ok(found_object(obj)),
-            Err(StoreError::NotFound(_)) => {}
+            Err(StoreError::NotFound(_)) => {
+                // No file: a directory now, or nothing (not the HEAD again).
+                let page = list()
+                    .await
+                    .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+                return match dir_from_page(&*store, &dir_key, page, keep, None).await? {
+                    Some(dir) => Ok(dir),
+                    None => Err(FsError::ENOENT),
+                };
+            }
             Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
         },
         None => {}

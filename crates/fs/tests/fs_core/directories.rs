@@ -954,10 +954,41 @@ async fn a_file_seen_before_is_looked_up_again_with_one_head() {
         assert_eq!(fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap().size, 1);
         assert_eq!(metrics.total_requests() - before, 1, "one HEAD");
     }
-    // Another client made it a directory: the HEAD finds nothing, and the probe looks again.
+    // Another client made it a directory: the HEAD finds nothing, then one LIST (not the
+    // HEAD again).
     mem.delete("f").await.unwrap();
     put(&mem, "f/inner", b"z").await;
     outlive_short_ttl().await;
+    let before = metrics.total_requests();
+    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(f.kind, FileKind::Dir);
+    assert_eq!(metrics.total_requests() - before, 2, "a HEAD, then a LIST");
+    // Deleted by another client: the same two, then nothing there.
+    fs.lookup(ROOT_INO, OsStr::new("g")).await.unwrap();
+    mem.delete("g").await.unwrap();
+    outlive_short_ttl().await;
+    let before = metrics.total_requests();
+    let e = fs.lookup(ROOT_INO, OsStr::new("g")).await.unwrap_err();
+    assert_eq!(e, FsError::ENOENT);
+    assert_eq!(metrics.total_requests() - before, 2, "a HEAD, then a LIST");
+}
+
+/// `--stat-ttl 0` remembers nothing: a directory another client adds beside a file this
+/// mount has seen shows at the next lookup (a directory wins over a file of the same name).
+#[tokio::test]
+async fn stat_ttl_zero_shows_a_directory_added_beside_a_known_file() {
+    let mem = Arc::new(MemoryStore::with_list_metadata());
+    put(&mem, "f", b"x").await;
+    let cache = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        stat_ttl: Duration::ZERO,
+        negative_ttl: Duration::ZERO,
+        ..config(&cache)
+    };
+    let fs = Fs::new(mem.clone(), cfg);
+    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(f.kind, FileKind::File);
+    put(&mem, "f/inner", b"z").await;
     let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
     assert_eq!(f.kind, FileKind::Dir);
 }
