@@ -47,12 +47,16 @@ pub enum ListingSays {
 /// Lookups that must miss in one directory, within a stat TTL, before it is listed for them.
 const LIST_AFTER_MISSES: u32 = 3;
 /// Entries of a directory per lookup that must miss in it, within a stat TTL, before it is
-/// listed again for them (with metadata, or when a page does not hold it all). A page entry
-/// costs the server a small part of a HEAD (MinIO: 20-90 us each, a HEAD 0.5-1 ms), so a
-/// directory of 1,000 files read 4 files per TTL (100,000 files read over 100 directories)
-/// costs 4 HEADs, not a page of 1,000 entries each TTL: at that size the pages took most of
-/// the server's time.
+/// listed again for them when a page does not hold it all. A plain page entry costs the
+/// server a small part of a HEAD (MinIO: 35 us each, a HEAD 0.5-0.7 ms), so a directory of
+/// 1,000 files read 4 files per TTL (100,000 files read over 100 directories) costs 4 HEADs,
+/// not a page of 1,000 entries each TTL: at that size the pages took most of the server's
+/// time.
 const ENTRIES_PER_MISS: usize = 32;
+/// The same for a listing with user metadata, which MinIO reads for every entry (about 90 us
+/// each: a page of 1,000 costs it as much as 150 HEADs). Where a store lists no metadata,
+/// such a listing saves the HEADs of the names it shows nothing anyway.
+const META_ENTRIES_PER_MISS: usize = 6;
 /// Directories whose misses are counted at once, at most (older counts are dropped beyond).
 const MAX_TRACKED_DIRS: usize = 4096;
 
@@ -270,7 +274,8 @@ impl Namespace {
             }
             m.count += 1;
             // A big directory's page costs more than probing the few names looked up in it:
-            // only as many misses as it has entries per ENTRIES_PER_MISS list it again. Not
+            // only as many misses as it has entries per ENTRIES_PER_MISS (with metadata,
+            // META_ENTRIES_PER_MISS) list it again. Not
             // for a writer's plain page of a directory it holds whole (cheap, and it answers
             // every name the writer makes next).
             let (entries, whole) = m.found.unwrap_or((listed.unwrap_or(0), true));
@@ -280,7 +285,8 @@ impl Namespace {
             };
             let need = match (detail, whole) {
                 (ListDetail::Plain, true) => base,
-                _ => base.max((entries / ENTRIES_PER_MISS) as u32),
+                (ListDetail::Plain, false) => base.max((entries / ENTRIES_PER_MISS) as u32),
+                (ListDetail::UserMeta, _) => base.max((entries / META_ENTRIES_PER_MISS) as u32),
             };
             if m.listing.is_none() && m.count >= need {
                 m.listing = Some(Arc::default());
