@@ -219,7 +219,8 @@ pub const OPTIONS: &[OptionSpec] = &[
     ),
     value("stat_ttl", "SECONDS").env().default("5").help(
         "How long file attributes and directory entries are cached, in seconds (0.5, 5) \
-         or with a unit (500ms, 2m). Changes made by other clients show up after this.",
+         or with a unit (500ms, 2m). Changes made by other clients show up after this (one \
+         exception: docs/SEMANTICS.md, lookup and stat).",
     ),
     value("negative_ttl", "SECONDS").env().default("5").help(
         "How long a name the bucket does not have is remembered as missing (same formats \
