@@ -275,9 +275,9 @@ impl Namespace {
             m.count += 1;
             // A big directory's page costs more than probing the few names looked up in it:
             // only as many misses as it has entries per ENTRIES_PER_MISS (with metadata,
-            // META_ENTRIES_PER_MISS) list it again. Not
-            // for a writer's plain page of a directory it holds whole (cheap, and it answers
-            // every name the writer makes next).
+            // META_ENTRIES_PER_MISS) list it again. Not for a writer's plain page of a
+            // directory it holds whole (cheap, and it answers every name the writer makes
+            // next).
             let (entries, whole) = m.found.unwrap_or((listed.unwrap_or(0), true));
             let base = match listed {
                 Some(_) => 1,

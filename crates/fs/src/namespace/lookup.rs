@@ -716,8 +716,9 @@ impl Lookups {
 
 /// HEAD `key` and LIST `key/` together; with a hint (a listing's, or what the name was when
 /// last seen), the one it names first (a file: only the HEAD; a directory: only the LIST),
-/// and the other only if that finds nothing. So `find` and `ls -l` stat listed subdirectories with one LIST each. The LIST
-/// asks for one key, or with `keep` for a full page, kept if it shows a directory.
+/// and the other only if that finds nothing. So `find` and `ls -l` stat listed
+/// subdirectories with one LIST each. The LIST asks for one key, or with `keep` for a full
+/// page, kept if it shows a directory.
 async fn probe(
     store: Arc<dyn ObjectStore>,
     key: String,
