@@ -308,10 +308,10 @@ pub const OPTIONS: &[OptionSpec] = &[
     flag("no_passthrough")
         .env()
         .help("Turn --passthrough off (the default; kept for older configurations)."),
-    value("max_prefetch", "SIZE")
-        .env()
-        .default("256M")
-        .help("Most data one sequential reader prefetches ahead of itself (K/M/G; at most a quarter of --max-memory)."),
+    value("max_prefetch", "SIZE").env().default("256M").help(
+        "Most data one sequential reader prefetches ahead of itself (K/M/G; at most a \
+         quarter of --max-memory).",
+    ),
     value("fuse_threads", "N")
         .env()
         .default("4")
