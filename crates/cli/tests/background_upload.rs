@@ -666,3 +666,53 @@ fn fsyncs_of_many_open_files_share_syncs_and_survive_kill_9() {
         );
     }
 }
+
+/// Removing an uploaded version's file from the write-back directory frees its blocks (0.2 s
+/// a GiB on this disk), so it runs on a thread of its own: with the daemon's one runtime
+/// thread (`TOKIO_WORKER_THREADS=1`) and the removal held at its test point, a lookup that
+/// needs the store is still answered, and the removal finishes once let on.
+#[test]
+fn removing_an_uploaded_big_file_never_holds_the_runtime() {
+    let b = s3().new_bucket("bgdrop");
+    let state = state_dir();
+    let work = tempfile::tempdir().unwrap();
+    let pause = Pause::new(work.path());
+    let mut spec = bg_spec(&b, state.path());
+    spec.envs.extend([
+        ("TOKIO_WORKER_THREADS".to_string(), "1".to_string()),
+        (
+            "BUCKETFS_TEST_POINT".to_string(),
+            pause.point("writeback.drop_file"),
+        ),
+    ]);
+    let m = spec.mount();
+    // Past the largest size a segment record holds, so the version is a file of its own.
+    let body = pattern::bytes(7, 6 << 20);
+    write_file(&m.join("big.bin"), &body);
+    pause.reached();
+    assert_eq!(s3().get(&b, "big.bin"), Some(body.clone()), "uploaded");
+    s3().put(&b, "other", b"theirs".to_vec());
+    let other = m.join("other");
+    let looked_up = std::thread::scope(|s| {
+        let h = s.spawn(|| std::fs::metadata(&other).map(|md| md.len()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !h.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let finished = h.is_finished();
+        pause.go_on();
+        (finished, h.join().unwrap().ok())
+    });
+    assert_eq!(
+        looked_up,
+        (true, Some(6)),
+        "a lookup while the removal was held was answered within 10 s"
+    );
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    let left = cache_files(state.path(), ".wb");
+    assert!(
+        left.is_empty(),
+        "the uploaded version's file is gone: {left:?}"
+    );
+}

@@ -1724,7 +1724,15 @@ impl WriteBack {
     async fn drop_loc(&self, loc: &Loc) -> FsResult<()> {
         match loc {
             Loc::File(p) => {
-                match std::fs::remove_file(p) {
+                // Its blocks are freed here (0.2 s a GiB on ext4): not on a runtime thread.
+                let path = p.clone();
+                let removed = tokio::task::spawn_blocking(move || {
+                    crate::testpoint::reached_blocking("writeback.drop_file");
+                    std::fs::remove_file(path)
+                })
+                .await
+                .map_err(|_| FsError::EIO)?;
+                match removed {
                     Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(wb_io(e)),
                     _ => self.forget_loc(loc),
                 }
