@@ -2000,8 +2000,8 @@ mod tests {
         assert!(FsMetrics::get(&m.data_cache_hits) >= 3);
         assert_eq!(FsMetrics::get(&m.data_cache_misses), 0);
         drop(r);
-        // A hole in the middle (block 1 gone) and a damaged block at the end: one GET for
-        // the span between the sound blocks at either end, the right bytes, both rewritten.
+        // A hole in the middle (block 1 gone) and a damaged block at the end: a GET for
+        // each, the right bytes, both rewritten.
         store.clear();
         let (r0, _, cache) = reader(dir.path());
         drop(r0);
@@ -2020,5 +2020,103 @@ mod tests {
         wait_until("rewritten", || {
             FsMetrics::get(&m.data_cache_bytes) > 3 * MIB && last.exists()
         });
+    }
+
+    /// Blocks missed in the middle of a chunk are fetched alone, each run with its own GET
+    /// (at once); the cached blocks between them are not fetched again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_the_blocks_missing_in_a_chunk_are_fetched() {
+        use bucketfs_store::metrics::MeteredStore;
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let mem: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
+        let data: Vec<u8> = (0..(8 * MIB) as usize)
+            .map(|i| (i * 7 % 253) as u8)
+            .collect();
+        let etag = mem
+            .put("f", Bytes::from(data.clone()), &UserMeta::default())
+            .await
+            .unwrap();
+        let read_all = |dir: &Path| {
+            let (cache, metrics) = start(dir, 64 << 20);
+            let cfg = Arc::new(ReadConfig {
+                part_size: 8 * MIB,
+                max_window: 8 * MIB,
+                budget: MemoryBudget::new(64 * MIB, metrics.clone()),
+                metrics: metrics.clone(),
+                data_cache: Some(cache.clone()),
+            });
+            let store = Arc::new(MeteredStore::new(mem.clone()));
+            let s: Arc<dyn ObjectStore> = store.clone();
+            let r = Reader::new(s, cfg, "f".into(), Some(etag.clone()), 8 * MIB, false);
+            (r, metrics, cache, store)
+        };
+        let (mut r, m, _c, _) = read_all(dir.path());
+        assert!(r.read(0, (8 * MIB) as u32).await.unwrap()[..] == data[..]);
+        drop(r);
+        wait_until("eight blocks", || {
+            FsMetrics::get(&m.data_cache_bytes) >= 8 * MIB
+        });
+        // Blocks 2, 3 and 6 evicted: two runs missing, four cached blocks around them.
+        let (r0, _, cache, _) = read_all(dir.path());
+        drop(r0);
+        for i in [2, 3, 6] {
+            std::fs::remove_file(cache.path(cache.id("f", &etag, i).name())).unwrap();
+        }
+        let (mut r, m, _c, store) = read_all(dir.path());
+        assert!(r.read(0, (8 * MIB) as u32).await.unwrap()[..] == data[..]);
+        assert_eq!(FsMetrics::get(&m.data_cache_hits), 5);
+        assert_eq!(
+            store.metrics().requests(Op::Get),
+            2,
+            "one GET per missing run"
+        );
+        assert_eq!(
+            store.metrics().bytes_down(),
+            3 * MIB,
+            "only the missing blocks"
+        );
+    }
+
+    #[test]
+    fn missing_spans_join_the_closest_runs_past_four() {
+        use crate::files::read::missing_spans;
+        const MIB: u64 = 1 << 20;
+        let size = 16 * MIB + 5;
+        // Cut ends, every other block missed: many runs, joined down to four.
+        let range = MIB / 2..16 * MIB + 5;
+        let spans = missing_spans(&range, size, blocks_within(&range, size), |i| {
+            i % 2 == 0 && i != 16
+        });
+        assert_eq!(spans.len(), 4);
+        let covered: u64 = spans.iter().map(|s| s.end - s.start).sum();
+        assert!(spans.windows(2).all(|w| w[0].end < w[1].start));
+        assert_eq!(spans[0].start, MIB / 2, "the cut first block is fetched");
+        assert_eq!(spans[3].end, size, "up to the end");
+        for i in (1..17).filter(|i| i % 2 == 1 || *i == 16) {
+            let b = block_range(i, size);
+            assert!(
+                spans.iter().any(|s| s.start <= b.start && b.end <= s.end),
+                "block {i}"
+            );
+        }
+        assert!(
+            covered < range.end - range.start,
+            "some cached blocks are left out"
+        );
+        // Everything cached: nothing to fetch; nothing cached: one span.
+        assert!(
+            missing_spans(&(0..size), size, blocks_within(&(0..size), size), |_| true).is_empty()
+        );
+        assert_eq!(
+            missing_spans(&(0..size), size, blocks_within(&(0..size), size), |_| false),
+            vec![0..size]
+        );
+        // Within one block: the range itself.
+        let r = 10..20;
+        assert_eq!(
+            missing_spans(&r, size, blocks_within(&r, size), |_| true),
+            vec![10..20]
+        );
     }
 }

@@ -543,8 +543,9 @@ async fn fetch(
 }
 
 /// [`fetch`] through the data cache: the blocks of `range` it holds are read into `buf`, the
-/// store is asked for the span that is left (one GET), and the whole blocks that GET brought
-/// go to the cache's writer. `size` is the object's, `etag` its version.
+/// store is asked for the spans that are left ([`missing_spans`], their GETs at once), and
+/// the whole blocks those GETs brought go to the cache's writer. `size` is the object's,
+/// `etag` its version.
 async fn fetch_cached(
     store: Arc<dyn ObjectStore>,
     cache: Arc<DataCache>,
@@ -565,37 +566,83 @@ async fn fetch_cached(
         .await
         .map_err(|_| FsError::EIO)?
     };
-    let hit = |i: u64| hits[(i - blocks.start) as usize];
-    // The span still needed: the range less the cached blocks at either end.
-    let (mut lo, mut hi) = (range.start, range.end);
-    let (mut first, mut last) = (blocks.start, blocks.end);
-    while first < last && block_range(first, size).start == lo && hit(first) {
-        lo = block_range(first, size).end;
-        first += 1;
-    }
-    while last > first && block_range(last - 1, size).end == hi && hit(last - 1) {
-        hi = block_range(last - 1, size).start;
-        last -= 1;
-    }
-    if lo < hi {
-        let at = |p: u64| (p - range.start) as usize;
-        let dst = &mut buf.as_mut_slice()[at(lo)..at(hi)];
-        let n = match store.get_range_into(&key, lo..hi, Some(&etag), dst).await {
-            Ok(n) => n as u64,
-            Err(e) => return Err(log_store_err(&format!("read {key}"), e)),
-        };
-        if n < hi - lo {
-            // The object is shorter than it was said to be: the caller's length check fails.
-            return Ok(buf.freeze(at(lo) + n as usize));
+    let first = blocks.start;
+    let hit = |i: u64| hits[(i - first) as usize];
+    let spans = missing_spans(&range, size, blocks.clone(), hit);
+    let fetched = {
+        // Each span's GET fills its own part of the buffer.
+        let (mut rest, mut at) = (buf.as_mut_slice(), range.start);
+        let mut gets = Vec::with_capacity(spans.len());
+        for span in &spans {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut((span.start - at) as usize);
+            let (dst, tail) = tail.split_at_mut((span.end - span.start) as usize);
+            (rest, at) = (tail, span.end);
+            let (store, key, etag) = (&store, &key, &etag);
+            gets.push(async move {
+                match store
+                    .get_range_into(key, span.clone(), Some(etag.as_str()), dst)
+                    .await
+                {
+                    Ok(n) => Ok(n as u64),
+                    Err(e) => Err(log_store_err(&format!("read {key}"), e)),
+                }
+            });
         }
+        futures::future::try_join_all(gets).await?
+    };
+    if let Some((span, n)) = spans
+        .iter()
+        .zip(fetched)
+        .find(|(span, n)| *n < span.end - span.start)
+    {
+        // The object is shorter than it was said to be: the caller's length check fails.
+        return Ok(buf.freeze((span.start + n - range.start) as usize));
     }
     let data = buf.freeze((range.end - range.start) as usize);
-    for i in (first..last).filter(|&i| !hit(i)) {
+    for i in blocks.filter(|&i| !hit(i)) {
         let b = block_range(i, size);
         let part = data.slice((b.start - range.start) as usize..(b.end - range.start) as usize);
         cache.put(&key, &etag, size, i, part);
     }
     Ok(data)
+}
+
+/// Most GETs one chunk's missing blocks are fetched with; past that, the spans closest
+/// together are joined (the cached blocks between them come from the store again).
+const GETS_PER_CHUNK: usize = 4;
+
+/// The parts of `range` the cache did not serve: each run of blocks it missed, and the
+/// parts of blocks that the range's ends cut (never cached whole here). `blocks` are the
+/// object's blocks wholly within `range`, `hit` whether the cache served one.
+pub(crate) fn missing_spans(
+    range: &Range<u64>,
+    size: u64,
+    blocks: Range<u64>,
+    hit: impl Fn(u64) -> bool,
+) -> Vec<Range<u64>> {
+    let mut spans: Vec<Range<u64>> = Vec::new();
+    let mut add = |r: Range<u64>| match spans.last_mut() {
+        Some(last) if last.end == r.start => last.end = r.end,
+        _ if r.is_empty() => {}
+        _ => spans.push(r),
+    };
+    if blocks.is_empty() {
+        add(range.clone());
+    } else {
+        add(range.start..block_range(blocks.start, size).start);
+        for i in blocks.clone().filter(|&i| !hit(i)) {
+            add(block_range(i, size));
+        }
+        add(block_range(blocks.end - 1, size).end.min(range.end)..range.end);
+    }
+    while spans.len() > GETS_PER_CHUNK {
+        let i = (1..spans.len())
+            .min_by_key(|&i| spans[i].start - spans[i - 1].end)
+            .unwrap_or(1);
+        spans[i - 1].end = spans[i].end;
+        spans.remove(i);
+    }
+    spans
 }
 
 #[cfg(test)]
