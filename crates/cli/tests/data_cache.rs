@@ -1,7 +1,8 @@
 //! The data cache on local disk (`--data-cache DIR`, `--data-cache-size SIZE`) through real
 //! mounts against MinIO: reads after a remount come from it, a replaced object is never served
 //! from old blocks, it stays within its size, a damaged block is refetched, a full cache disk
-//! only costs GETs, and two mounts share one directory.
+//! only costs GETs, blocks gone from the middle of a file are fetched alone, and two mounts share
+//! one directory.
 
 mod common;
 
@@ -285,6 +286,40 @@ fn a_corrupt_or_truncated_block_is_refetched_never_served() {
     });
     let m = m.remount();
     assert_eq!(read_counted(&m, "f", &data).0, 0);
+}
+
+/// Blocks gone from the middle of a cached file (evicted, or by another mount sharing the
+/// directory) are fetched alone: the cached blocks between them cost no byte from the store.
+#[test]
+fn only_the_missing_blocks_of_a_partly_cached_file_are_fetched() {
+    let b = s3().new_bucket("dcache-holes");
+    let data = pattern::bytes(6, (8 * MIB) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (m, _) = mount_cached(&b, cache.path(), &[]);
+    read_counted(&m, "f", &data);
+    wait_blocks(cache.path(), 8);
+    drop(m);
+    // Blocks 2, 3 and 6 go (a block file ends with its bytes).
+    let block = |i: usize| &data[i * MIB as usize..(i + 1) * MIB as usize];
+    let mut removed = 0;
+    for (path, _) in block_files(cache.path()) {
+        let bytes = std::fs::read(&path).unwrap();
+        if [2, 3, 6].iter().any(|&i| bytes.ends_with(block(i))) {
+            std::fs::remove_file(&path).unwrap();
+            removed += 1;
+        }
+    }
+    assert_eq!(removed, 3);
+    let (m, addr) = mount_cached(&b, cache.path(), &[]);
+    let down = metric(&addr, "bucketfs_store_bytes_down_total");
+    let (g, _) = read_counted(&m, "f", &data);
+    assert_eq!(metric(&addr, "bucketfs_data_cache_hits_total"), 5);
+    assert_eq!(
+        metric(&addr, "bucketfs_store_bytes_down_total") - down,
+        3 * MIB,
+        "only the missing blocks come from the store ({g} GETs)"
+    );
 }
 
 #[test]
