@@ -716,3 +716,74 @@ fn removing_an_uploaded_big_file_never_holds_the_runtime() {
         "the uploaded version's file is gone: {left:?}"
     );
 }
+
+/// A big file fsync'd while open becomes a write-back entry that is its staging file; once
+/// uploaded, the state may hold its last descriptor. The next write copies the bytes to a
+/// staging file of its own and closes the old one away from the runtime (its blocks are freed
+/// then): the close passes the test point of closes on a blocking thread after that write.
+#[test]
+fn a_write_after_a_big_fsynced_version_uploaded_frees_it_off_the_runtime() {
+    let b = s3().new_bucket("bgunshare");
+    let state = state_dir();
+    let work = tempfile::tempdir().unwrap();
+    let pause = Pause::new(work.path());
+    let mut spec = bg_spec(&b, state.path());
+    spec.envs.push((
+        "BUCKETFS_TEST_POINT".to_string(),
+        pause.point("write.close_away"),
+    ));
+    let m = spec.mount();
+    // Every pass of the point is counted and let on at once.
+    let passes = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let counter = {
+        let (passes, stop, file) = (passes.clone(), stop.clone(), pause.file().to_path_buf());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if std::fs::remove_file(&file).is_ok() {
+                    passes.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let body = pattern::bytes(9, 20 << 20);
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(m.join("big.bin"))
+        .unwrap();
+    f.write_all(&body).unwrap();
+    f.sync_all().unwrap();
+    wait_for(
+        "the fsync'd version uploaded",
+        Duration::from_secs(60),
+        || {
+            s3().head(&b, "big.bin")
+                .is_some_and(|h| h.size == body.len() as u64)
+        },
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let before = passes.load(Ordering::Relaxed);
+    use std::os::unix::fs::FileExt;
+    // Inside a part (a write that starts one goes to memory first).
+    f.write_all_at(b"X", (3 << 20) + 5).unwrap();
+    wait_for(
+        "the old staging file closed away",
+        Duration::from_secs(10),
+        || passes.load(Ordering::Relaxed) > before,
+    );
+    drop(f);
+    let (status, log) = m.unmount();
+    stop.store(true, Ordering::Relaxed);
+    counter.join().unwrap();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    let mut want = body;
+    want[(3 << 20) + 5] = b'X';
+    assert!(
+        s3().get(&b, "big.bin") == Some(want),
+        "the last version whole"
+    );
+}

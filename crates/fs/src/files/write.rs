@@ -436,7 +436,10 @@ fn close_away(files: [Option<Arc<File>>; 2]) {
         .and_then(|f| f.metadata().ok())
         .is_some_and(|m| m.len() >= CLOSE_AWAY_MIN);
     if let (true, Ok(rt)) = (big, tokio::runtime::Handle::try_current()) {
-        rt.spawn_blocking(move || drop(files));
+        rt.spawn_blocking(move || {
+            crate::testpoint::reached_blocking("write.close_away");
+            drop(files)
+        });
     }
 }
 
@@ -819,8 +822,12 @@ impl WriteState {
         .await
         .map_err(|_| FsError::EIO)?
         .map_err(io_err)?;
-        self.staging_direct = open_direct(&dst).map(Arc::new);
-        self.staging = Some(dst);
+        // The shared file may be the last link to an uploaded entry: freed away from here.
+        let direct = open_direct(&dst).map(Arc::new);
+        close_away([
+            self.staging.replace(dst),
+            std::mem::replace(&mut self.staging_direct, direct),
+        ]);
         self.staging_shared = false;
         self.staging_offset = 0;
         Ok(())

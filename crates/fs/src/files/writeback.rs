@@ -1732,11 +1732,11 @@ impl WriteBack {
                 })
                 .await
                 .map_err(|_| FsError::EIO)?;
+                // Removed: a file has nothing else in the books to forget.
                 match removed {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(wb_io(e)),
-                    _ => self.forget_loc(loc),
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(wb_io(e)),
+                    _ => self.sync_dir().await,
                 }
-                self.sync_dir().await
             }
             Loc::Rec { seg, rec } => {
                 let (seg, at) = (seg.clone(), *rec);
