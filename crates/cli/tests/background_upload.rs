@@ -20,6 +20,14 @@ fn bg_spec(bucket: &str, state: &Path) -> MountSpec {
     background(MountSpec::s3(bucket, ""), state, &[])
 }
 
+/// [`bg_spec`] with the daemon stopping at test point `point` (see [`Pause`]).
+fn bg_spec_at(bucket: &str, state: &Path, pause: &Pause, point: &str) -> MountSpec {
+    let mut spec = bg_spec(bucket, state);
+    spec.envs
+        .push(("BUCKETFS_TEST_POINT".to_string(), pause.point(point)));
+    spec
+}
+
 /// The mount's `bucketfs_store_requests_total{op="put"}` and similar, by operation.
 fn puts(mp: &Path) -> u64 {
     store_requests(mp).get("put").copied().unwrap_or(0)
@@ -677,14 +685,9 @@ fn removing_an_uploaded_big_file_never_holds_the_runtime() {
     let state = state_dir();
     let work = tempfile::tempdir().unwrap();
     let pause = Pause::new(work.path());
-    let mut spec = bg_spec(&b, state.path());
-    spec.envs.extend([
-        ("TOKIO_WORKER_THREADS".to_string(), "1".to_string()),
-        (
-            "BUCKETFS_TEST_POINT".to_string(),
-            pause.point("writeback.drop_file"),
-        ),
-    ]);
+    let mut spec = bg_spec_at(&b, state.path(), &pause, "writeback.drop_file");
+    spec.envs
+        .push(("TOKIO_WORKER_THREADS".to_string(), "1".to_string()));
     let m = spec.mount();
     // Past the largest size a segment record holds, so the version is a file of its own.
     let body = pattern::bytes(7, 6 << 20);
@@ -727,12 +730,7 @@ fn a_write_after_a_big_fsynced_version_uploaded_frees_it_off_the_runtime() {
     let state = state_dir();
     let work = tempfile::tempdir().unwrap();
     let pause = Pause::new(work.path());
-    let mut spec = bg_spec(&b, state.path());
-    spec.envs.push((
-        "BUCKETFS_TEST_POINT".to_string(),
-        pause.point("write.close_away"),
-    ));
-    let m = spec.mount();
+    let m = bg_spec_at(&b, state.path(), &pause, "write.close_away").mount();
     // Every pass of the point is counted and let on at once.
     let passes = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));

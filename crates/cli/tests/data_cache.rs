@@ -53,6 +53,20 @@ fn read_counted(m: &Mount, name: &str, want: &[u8]) -> (u64, Duration) {
     (gets(&requests_between(&before, &after)), took)
 }
 
+/// A new bucket `tag` holding `f`, `mib` MiB of pattern `seed`, read once through a mount
+/// caching in a new directory: every block is on disk and the mount is gone.
+fn cached_object(tag: &str, seed: u64, mib: u64) -> (String, Vec<u8>, tempfile::TempDir) {
+    let b = s3().new_bucket(tag);
+    let data = pattern::bytes(seed, (mib * MIB) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (m, _) = mount_cached(&b, cache.path(), &[]);
+    read_counted(&m, "f", &data);
+    wait_blocks(cache.path(), mib as usize);
+    drop(m);
+    (b, data, cache)
+}
+
 #[test]
 fn a_second_read_after_remount_comes_from_the_data_cache() {
     let b = s3().new_bucket("dcache-remount");
@@ -249,14 +263,7 @@ fn the_data_cache_stays_within_its_size_evicting_the_oldest_blocks() {
 
 #[test]
 fn a_corrupt_or_truncated_block_is_refetched_never_served() {
-    let b = s3().new_bucket("dcache-corrupt");
-    let data = pattern::bytes(5, (3 * MIB) as usize);
-    s3().put(&b, "f", data.clone());
-    let cache = tempfile::tempdir().unwrap();
-    let (m, _) = mount_cached(&b, cache.path(), &[]);
-    read_counted(&m, "f", &data);
-    wait_blocks(cache.path(), 3);
-    drop(m);
+    let (b, data, cache) = cached_object("dcache-corrupt", 5, 3);
     let files = block_files(cache.path());
     assert_eq!(files.len(), 3);
     // One bit flipped in the data of one block, another block cut short.
@@ -292,14 +299,7 @@ fn a_corrupt_or_truncated_block_is_refetched_never_served() {
 /// directory) are fetched alone: the cached blocks between them cost no byte from the store.
 #[test]
 fn only_the_missing_blocks_of_a_partly_cached_file_are_fetched() {
-    let b = s3().new_bucket("dcache-holes");
-    let data = pattern::bytes(6, (8 * MIB) as usize);
-    s3().put(&b, "f", data.clone());
-    let cache = tempfile::tempdir().unwrap();
-    let (m, _) = mount_cached(&b, cache.path(), &[]);
-    read_counted(&m, "f", &data);
-    wait_blocks(cache.path(), 8);
-    drop(m);
+    let (b, data, cache) = cached_object("dcache-holes", 6, 8);
     // Blocks 2, 3 and 6 go (a block file ends with its bytes).
     let block = |i: usize| &data[i * MIB as usize..(i + 1) * MIB as usize];
     let mut removed = 0;

@@ -1943,6 +1943,28 @@ mod tests {
         assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1);
     }
 
+    /// A reader of `f` (version `etag`, `size` bytes) through `store`, with a fresh cache over
+    /// `dir` and a fresh budget: what a remount gives it. The cache outlives the reader (its
+    /// writer drops what is queued when it goes).
+    fn cached_reader(
+        dir: &Path,
+        store: Arc<dyn ObjectStore>,
+        etag: &str,
+        size: u64,
+    ) -> (Reader, Arc<FsMetrics>, Arc<DataCache>) {
+        const MIB: u64 = 1 << 20;
+        let (cache, metrics) = start(dir, 64 << 20);
+        let cfg = Arc::new(ReadConfig {
+            part_size: 8 * MIB,
+            max_window: 8 * MIB,
+            budget: MemoryBudget::new(64 * MIB, metrics.clone()),
+            metrics: metrics.clone(),
+            data_cache: Some(cache.clone()),
+        });
+        let r = Reader::new(store, cfg, "f".into(), Some(etag.to_string()), size, false);
+        (r, metrics, cache)
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_new_reader_reads_cached_blocks_with_no_get() {
         const MIB: u64 = 1 << 20;
@@ -1956,28 +1978,7 @@ mod tests {
             .await
             .unwrap();
         let store = Arc::new(FaultStore::new(mem));
-        // A fresh cache and budget each time: a remount.
-        let reader = |dir: &Path| {
-            let (cache, metrics) = start(dir, 64 << 20);
-            let cfg = Arc::new(ReadConfig {
-                part_size: 8 * MIB,
-                max_window: 8 * MIB,
-                budget: MemoryBudget::new(64 * MIB, metrics.clone()),
-                metrics: metrics.clone(),
-                data_cache: Some(cache.clone()),
-            });
-            let s: Arc<dyn ObjectStore> = store.clone();
-            let r = Reader::new(
-                s,
-                cfg,
-                "f".into(),
-                Some(etag.clone()),
-                data.len() as u64,
-                false,
-            );
-            // The cache outlives the reader: its writer drops what is queued when it goes.
-            (r, metrics, cache)
-        };
+        let reader = |dir: &Path| cached_reader(dir, store.clone(), &etag, data.len() as u64);
         let (mut r, m, _cache) = reader(dir.path());
         let got = r.read(0, data.len() as u32).await.unwrap();
         assert!(got[..] == data[..]);
@@ -2038,17 +2039,8 @@ mod tests {
             .await
             .unwrap();
         let read_all = |dir: &Path| {
-            let (cache, metrics) = start(dir, 64 << 20);
-            let cfg = Arc::new(ReadConfig {
-                part_size: 8 * MIB,
-                max_window: 8 * MIB,
-                budget: MemoryBudget::new(64 * MIB, metrics.clone()),
-                metrics: metrics.clone(),
-                data_cache: Some(cache.clone()),
-            });
             let store = Arc::new(MeteredStore::new(mem.clone()));
-            let s: Arc<dyn ObjectStore> = store.clone();
-            let r = Reader::new(s, cfg, "f".into(), Some(etag.clone()), 8 * MIB, false);
+            let (r, metrics, cache) = cached_reader(dir, store.clone(), &etag, 8 * MIB);
             (r, metrics, cache, store)
         };
         let (mut r, m, _c, _) = read_all(dir.path());
