@@ -10,7 +10,7 @@
 //!   retry layer counts successes itself. A slow transfer makes progress; a store that
 //!   accepts a request and never answers does not.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,6 +82,9 @@ pub struct AttemptProgress {
     pub store: Arc<Clock>,
     /// The last progress of this attempt (its start if none).
     pub own: Clock,
+    /// Waits in progress for a place in a queue (a request slot): the attempt is not idle
+    /// while it queues behind other requests, only the store can stall.
+    queued: AtomicU32,
 }
 
 impl AttemptProgress {
@@ -89,7 +92,13 @@ impl AttemptProgress {
         Arc::new(Self {
             store,
             own: Clock::new(),
+            queued: AtomicU32::new(0),
         })
+    }
+
+    /// Whether the attempt waits in a queue ([`queued`]) rather than for the store.
+    pub fn is_queued(&self) -> bool {
+        self.queued.load(Ordering::Relaxed) > 0
     }
 
     pub fn tick(&self) {
@@ -110,10 +119,23 @@ impl AttemptProgress {
     }
 }
 
-/// Restarts the idle time of the attempt the current task runs, without noting progress of
-/// the store: the attempt has just got a connection after queueing for one.
-pub fn restart_idle() {
-    let _ = ATTEMPT.try_with(|p| p.own.tick());
+/// Waits for `place` (a request slot) as a queue wait of the attempt the current task runs:
+/// its idle time does not run meanwhile and starts again once the wait ends, without noting
+/// progress of the store. The store's own stall bound still applies.
+pub async fn queued<F: std::future::Future>(place: F) -> F::Output {
+    /// Ends the queue wait however it ends (a dropped attempt included).
+    struct Queued(Arc<AttemptProgress>);
+    impl Drop for Queued {
+        fn drop(&mut self) {
+            self.0.own.tick();
+            self.0.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    let _queued = AttemptProgress::current().map(|p| {
+        p.queued.fetch_add(1, Ordering::Relaxed);
+        Queued(p)
+    });
+    place.await
 }
 
 /// Notes progress of the attempt the current task runs (nothing outside an attempt).

@@ -278,10 +278,13 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
         let run = progress.scope(fut);
         tokio::pin!(run);
         loop {
-            let (stall_at, idle_at) = (
-                self.deadline(start),
-                progress.own.last() + self.policy.max_elapsed,
-            );
+            let stall_at = self.deadline(start);
+            // Queued behind other requests, the attempt waits for them, not for the store:
+            // only the store's stall bound applies.
+            let idle_at = match progress.is_queued() {
+                true => stall_at,
+                false => progress.own.last() + self.policy.max_elapsed,
+            };
             let now = Instant::now();
             if now >= stall_at {
                 return Err(Cut::Stalled);
@@ -292,7 +295,7 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
             tokio::select! {
                 r = &mut run => return Ok(r),
                 _ = &mut opened => return Err(Cut::Outage),
-                // Progress may have moved both: look again.
+                // Progress may have moved both, and the queue wait may have ended: look again.
                 _ = tokio::time::sleep_until(stall_at.min(idle_at).into()) => {}
             }
         }
@@ -920,6 +923,39 @@ mod tests {
             (Duration::from_millis(440)..Duration::from_millis(600)).contains(&took),
             "{took:?}"
         );
+    }
+
+    /// Three calls queue for one place (a request slot) and each then moves a byte every
+    /// 50 ms for a second: the last waits two seconds, ten times the budget, in the queue.
+    #[tokio::test]
+    async fn an_attempt_waiting_in_a_queue_is_not_idle() {
+        let (_mem, _fault, retry) = setup(quick(200));
+        let retry = retry.cutting_stalls();
+        let slot = tokio::sync::Semaphore::new(1);
+        let call = || {
+            retry.retry("queued", || async {
+                let _slot = crate::liveness::queued(slot.acquire()).await;
+                for _ in 0..20 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    crate::liveness::tick();
+                }
+                Ok(())
+            })
+        };
+        let (a, b, c) = tokio::join!(call(), call(), call());
+        assert!(a.is_ok() && b.is_ok() && c.is_ok(), "{a:?} {b:?} {c:?}");
+        assert_eq!(RetryMetrics::get(&retry.metrics().stalls), 0);
+        // A queue that does not move while the store makes no progress is a stall.
+        let held = slot.acquire().await.unwrap();
+        let t = Instant::now();
+        let r = call().await;
+        assert!(r.unwrap_err().is_transient());
+        assert!(
+            t.elapsed() < Duration::from_millis(600),
+            "{:?}",
+            t.elapsed()
+        );
+        drop(held);
     }
 
     #[tokio::test]

@@ -384,10 +384,8 @@ impl S3Store {
     /// the reading of the body), so requests in flight, and with them open connections,
     /// never exceed the configured number. A slot is never held while waiting for another.
     async fn slot(&self) -> SemaphorePermit<'_> {
-        let slot = self.slots.acquire().await;
         // Time spent queueing behind other requests is not this request's stall.
-        crate::liveness::restart_idle();
-        slot
+        crate::liveness::queued(self.slots.acquire()).await
     }
 
     /// The request bound, for its gauges.
@@ -887,7 +885,11 @@ impl ObjectStore for S3Store {
     ) -> StoreResult<ListPage> {
         // Taken before the request slot, which is never held while waiting for another.
         let _page = match max_keys > 1 {
-            true => Some(self.page_lists.acquire().await.expect("never closed")),
+            true => Some(
+                crate::liveness::queued(self.page_lists.acquire())
+                    .await
+                    .expect("never closed"),
+            ),
             false => None,
         };
         let _slot = self.slot().await;
@@ -983,6 +985,7 @@ impl ObjectStore for S3Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
     use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
     use std::sync::Arc;
 
@@ -1008,21 +1011,35 @@ mod tests {
     /// A plain-HTTP server that answers every request (with no body) with `answer` after
     /// `delay`; also gives the most requests it held at once.
     fn slow_answer(delay: Duration, answer: String) -> (String, Arc<AtomicUsize>) {
-        use std::io::{BufRead, BufReader, Write};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
         let active = Arc::new(AtomicUsize::new(0));
         let most = Arc::new(AtomicUsize::new(0));
         let seen = most.clone();
+        let url = serve(move |conn| {
+            let now = active.fetch_add(1, AtomicOrdering::SeqCst) + 1;
+            most.fetch_max(now, AtomicOrdering::SeqCst);
+            std::thread::sleep(delay);
+            active.fetch_sub(1, AtomicOrdering::SeqCst);
+            conn.write_all(answer.as_bytes())
+        });
+        (url, seen)
+    }
+
+    /// A plain-HTTP server on a thread per connection: `answer` writes the answer to each
+    /// request (requests have no body: one ends at its blank line).
+    fn serve(
+        answer: impl Fn(&mut std::net::TcpStream) -> std::io::Result<()> + Send + Sync + 'static,
+    ) -> String {
+        use std::io::{BufRead, BufReader};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let answer = Arc::new(answer);
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { return };
-                let (active, most) = (active.clone(), most.clone());
                 let answer = answer.clone();
                 std::thread::spawn(move || {
                     let mut reader = BufReader::new(conn.try_clone().unwrap());
                     loop {
-                        // HEAD requests have no body: a request ends at its blank line.
                         let mut line = String::new();
                         loop {
                             line.clear();
@@ -1032,33 +1049,22 @@ mod tests {
                                 Ok(_) => {}
                             }
                         }
-                        let now = active.fetch_add(1, AtomicOrdering::SeqCst) + 1;
-                        most.fetch_max(now, AtomicOrdering::SeqCst);
-                        std::thread::sleep(delay);
-                        active.fetch_sub(1, AtomicOrdering::SeqCst);
-                        if conn.write_all(answer.as_bytes()).is_err() {
+                        if answer(&mut conn).is_err() {
                             return;
                         }
                     }
                 });
             }
         });
-        (url, seen)
+        url
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn requests_in_flight_never_exceed_max_connections() {
         let (url, most) = slow_server(Duration::from_millis(200));
         let store = S3Store::new(&S3Config {
-            bucket: "b".into(),
-            endpoint_url: Some(url),
-            region: Some("us-east-1".into()),
-            force_path_style: true,
-            access_key_id: Some("k".into()),
-            secret_access_key: Some("s".into()),
-            max_attempts: 1,
             max_connections: 3,
-            ..S3Config::default()
+            ..plain_config(url)
         })
         .await
         .unwrap();
@@ -1143,33 +1149,45 @@ mod tests {
 
     /// A plain-HTTP server that answers every request with `answer` (status line to body).
     fn fixed_answer(answer: Vec<u8>) -> String {
-        use std::io::{BufRead, BufReader, Write};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut conn) = conn else { return };
-                let answer = answer.clone();
-                std::thread::spawn(move || {
-                    let mut reader = BufReader::new(conn.try_clone().unwrap());
-                    loop {
-                        let mut line = String::new();
-                        loop {
-                            line.clear();
-                            match reader.read_line(&mut line) {
-                                Ok(0) | Err(_) => return,
-                                Ok(_) if line == "\r\n" => break,
-                                Ok(_) => {}
-                            }
-                        }
-                        if conn.write_all(&answer).is_err() {
-                            return;
-                        }
-                    }
-                });
+        serve(move |conn| conn.write_all(&answer))
+    }
+
+    /// A link slower than the requests queued on it: each GET moves bytes (a 20-byte body,
+    /// a byte every 50 ms) but holds the only request slot for a second, so the third waits
+    /// two seconds in the queue, ten times the stall bound. Waiting behind requests that
+    /// move bytes is not a stall: no attempt is cut and every GET gets its bytes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_get_queued_behind_slow_transfers_is_never_cut() {
+        let url = serve(|conn| {
+            conn.write_all(
+                b"HTTP/1.1 206 Partial Content\r\nETag: \"e\"\r\n\
+                  Content-Range: bytes 0-19/20\r\nContent-Length: 20\r\n\r\n",
+            )?;
+            for _ in 0..20 {
+                conn.flush()?;
+                std::thread::sleep(Duration::from_millis(50));
+                conn.write_all(b"x")?;
             }
+            Ok(())
         });
-        url
+        let s3 = S3Store::new(&S3Config {
+            max_connections: 1,
+            ..plain_config(url)
+        })
+        .await
+        .unwrap();
+        let policy = crate::retry::RetryPolicy {
+            max_elapsed: Duration::from_millis(200),
+            ..Default::default()
+        };
+        let store = crate::retry::RetryStore::new(Arc::new(s3), policy).cutting_stalls();
+        let gets = (0..3).map(|_| store.get_range("k", 0..20, None));
+        for r in futures::future::join_all(gets).await {
+            assert_eq!(r.unwrap(), &[b'x'; 20][..]);
+        }
+        let m = store.metrics();
+        let stalls = crate::retry::RetryMetrics::get(&m.stalls);
+        assert_eq!(stalls, 0, "attempts cut while queued");
     }
 
     #[tokio::test]
@@ -1193,7 +1211,12 @@ mod tests {
 
     /// A store on the plain-HTTP test server at `url`, one attempt per request.
     async fn plain_store(url: String) -> S3Store {
-        S3Store::new(&S3Config {
+        S3Store::new(&plain_config(url)).await.unwrap()
+    }
+
+    /// A store at `url` with fixed credentials and no retries of the SDK's own.
+    fn plain_config(url: String) -> S3Config {
+        S3Config {
             bucket: "b".into(),
             endpoint_url: Some(url),
             region: Some("us-east-1".into()),
@@ -1202,9 +1225,7 @@ mod tests {
             secret_access_key: Some("s".into()),
             max_attempts: 1,
             ..S3Config::default()
-        })
-        .await
-        .unwrap()
+        }
     }
 
     async fn list_from(body: &'static [u8]) -> StoreResult<ListPage> {
