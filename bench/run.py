@@ -7,8 +7,9 @@ peer FUSE-over-S3 tool found, on one MinIO, plus the store limit (`bucketfs benc
   python3 bench/run.py --size ci --publish                      # also write bench/RESULTS.md
 
 See bench/README.md. Needs root (FUSE mounts, drop_caches), fio and sysbench (installed with
-apt-get when missing), and MinIO unless --endpoint is given. Exits 1 when any bucketfs scenario
-or verification failed, or the limit could not be measured although `bucketfs bench` exists.
+apt-get when missing, as are s3fs and rclone when --systems names them), and MinIO unless
+--endpoint is given. Exits 1 when any bucketfs scenario or verification failed, or the limit
+could not be measured although `bucketfs bench` exists.
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def ensure_venv(argv: list[str]) -> None:
     os.execv(str(py), [str(py), str(Path(__file__).resolve()), *argv])
 
 
-def ensure_tools(need_sysbench: bool) -> None:
-    missing = [t for t in (["fio"] + (["sysbench"] if need_sysbench else [])) if not shutil.which(t)]
+# Peers that Debian packages under their own name, installed when asked for by --systems.
+APT_PEERS = ("s3fs", "rclone")
+
+
+def ensure_tools(need_sysbench: bool, systems: list[str]) -> None:
+    tools = ["fio"] + (["sysbench"] if need_sysbench else []) + [p for p in APT_PEERS if p in systems]
+    missing = [t for t in tools if not shutil.which(t)]
     if missing and os.geteuid() == 0 and shutil.which("apt-get"):
         print(f"bench: installing {' '.join(missing)} (apt-get)", flush=True)
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -228,7 +234,7 @@ def main(argv: list[str]) -> int:
             print(f"bench: --store-cpus {a.store_cpus!r} must be a proper subset of the CPUs this may use "
                   f"({format_cpu_list(usable)})", file=sys.stderr)
             return 2
-    ensure_tools("sysbench" in groups)
+    ensure_tools("sysbench" in groups, a.systems.split(","))
 
     try:
         import pandas  # noqa: F401
