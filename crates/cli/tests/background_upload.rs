@@ -695,19 +695,8 @@ fn removing_an_uploaded_big_file_never_holds_the_runtime() {
     pause.reached();
     assert_eq!(s3().get(&b, "big.bin"), Some(body.clone()), "uploaded");
     s3().put(&b, "other", b"theirs".to_vec());
-    let other = m.join("other");
-    let looked_up = std::thread::scope(|s| {
-        let h = s.spawn(|| std::fs::metadata(&other).map(|md| md.len()));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !h.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let finished = h.is_finished();
-        pause.go_on();
-        (finished, h.join().unwrap().ok())
-    });
     assert_eq!(
-        looked_up,
+        stat_then_go_on(&pause, &m.join("other")),
         (true, Some(6)),
         "a lookup while the removal was held was answered within 10 s"
     );
@@ -717,6 +706,74 @@ fn removing_an_uploaded_big_file_never_holds_the_runtime() {
     assert!(
         left.is_empty(),
         "the uploaded version's file is gone: {left:?}"
+    );
+}
+
+/// Stats `path` (a lookup that needs a HEAD) while the daemon is held at `pause`, then lets
+/// it on: whether the stat was answered within 10 s, and the size it gave.
+fn stat_then_go_on(pause: &Pause, path: &Path) -> (bool, Option<u64>) {
+    std::thread::scope(|s| {
+        let h = s.spawn(|| std::fs::metadata(path).map(|md| md.len()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !h.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let finished = h.is_finished();
+        pause.go_on();
+        (finished, h.join().unwrap().ok())
+    })
+}
+
+/// A commit that fails part way leaves a partly written file of its own in the write-back
+/// directory: here the directory's disk (a 96 MiB tmpfs holding its 64 MiB segment, so the
+/// staging file cannot be linked in and its bytes are copied) fills in the middle of a 40 MiB
+/// file. The close fails, the file goes off the runtime (with one runtime thread and its
+/// removal held at the test point, a lookup that needs the store is still answered), and the
+/// mount writes on.
+#[test]
+fn a_commit_that_fills_the_writeback_disk_fails_and_drops_its_file_off_the_runtime() {
+    let b = s3().new_bucket("bgabandon");
+    let disk = SmallDisk::new(96).expect("mount a tmpfs (run as root)");
+    let state = disk.path().join("state");
+    let work = tempfile::tempdir().unwrap();
+    let pause = Pause::new(work.path());
+    let mut spec = bg_spec_at(&b, &state, &pause, "writeback.abandon_file");
+    spec.envs
+        .push(("TOKIO_WORKER_THREADS".to_string(), "1".to_string()));
+    let m = spec.mount();
+    s3().put(&b, "other", b"other!".to_vec());
+    let path = m.join("big.bin");
+    let closed = std::thread::spawn(move || {
+        let mut f = std::fs::File::create(&path)?;
+        f.write_all(&pattern::bytes(5, 40 << 20))?;
+        close_checked(f)
+    });
+    pause.reached();
+    assert_eq!(
+        stat_then_go_on(&pause, &m.join("other")),
+        (true, Some(6)),
+        "a lookup while the removal was held was answered within 10 s"
+    );
+    let _passes = pause.let_on();
+    let closed = closed.join().unwrap();
+    let errno = closed.as_ref().err().and_then(|e| e.raw_os_error());
+    assert!(
+        matches!(errno, Some(libc::ENOSPC) | Some(libc::EIO)),
+        "the close failed: {closed:?}"
+    );
+    write_file(&m.join("small"), b"after");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(
+        s3().get(&b, "small"),
+        Some(b"after".to_vec()),
+        "the mount wrote on"
+    );
+    assert_eq!(s3().head(&b, "big.bin").map(|h| h.size), None, "{log}");
+    let left = cache_files(&state, ".wb");
+    assert!(
+        left.is_empty(),
+        "the failed version's file is gone: {left:?}"
     );
 }
 
@@ -731,20 +788,7 @@ fn a_write_after_a_big_fsynced_version_uploaded_frees_it_off_the_runtime() {
     let work = tempfile::tempdir().unwrap();
     let pause = Pause::new(work.path());
     let m = bg_spec_at(&b, state.path(), &pause, "write.close_away").mount();
-    // Every pass of the point is counted and let on at once.
-    let passes = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let counter = {
-        let (passes, stop, file) = (passes.clone(), stop.clone(), pause.file().to_path_buf());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                if std::fs::remove_file(&file).is_ok() {
-                    passes.fetch_add(1, Ordering::Relaxed);
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        })
-    };
+    let passes = pause.let_on();
     let body = pattern::bytes(9, 20 << 20);
     let mut f = std::fs::OpenOptions::new()
         .create(true)
@@ -764,19 +808,18 @@ fn a_write_after_a_big_fsynced_version_uploaded_frees_it_off_the_runtime() {
         },
     );
     std::thread::sleep(Duration::from_millis(300));
-    let before = passes.load(Ordering::Relaxed);
+    let before = passes.count();
     use std::os::unix::fs::FileExt;
     // Inside a part (a write that starts one goes to memory first).
     f.write_all_at(b"X", (3 << 20) + 5).unwrap();
     wait_for(
         "the old staging file closed away",
         Duration::from_secs(10),
-        || passes.load(Ordering::Relaxed) > before,
+        || passes.count() > before,
     );
     drop(f);
     let (status, log) = m.unmount();
-    stop.store(true, Ordering::Relaxed);
-    counter.join().unwrap();
+    drop(passes);
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
     let mut want = body;
     want[(3 << 20) + 5] = b'X';

@@ -1,6 +1,8 @@
 //! Waiting for a condition, and the daemon waiting at a test point.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Polls `f` every 50 ms until it holds; panics after `limit`.
@@ -41,6 +43,49 @@ impl Pause {
 
     pub fn go_on(&self) {
         std::fs::remove_file(&self.0).unwrap();
+    }
+
+    /// Lets every pass of the point on at once from now on, counting them, until the
+    /// returned guard drops.
+    pub fn let_on(&self) -> Passes {
+        let count = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (file, n, end) = (self.0.clone(), count.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !end.load(Ordering::Relaxed) {
+                if std::fs::remove_file(&file).is_ok() {
+                    n.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        Passes {
+            count,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+/// The passes of a pause point let on by [`Pause::let_on`].
+pub struct Passes {
+    count: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Passes {
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Passes {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 

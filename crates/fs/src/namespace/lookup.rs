@@ -21,7 +21,9 @@ use crate::meta::{FileKind, PosixMeta};
 use crate::namespace::names::{listable, UNLINKED_DIR};
 use crate::namespace::saved::{self, ListingDisk};
 use crate::paths::{Keys, MountPath, ObjectKey};
-use bucketfs_store::{ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, StoreError};
+use bucketfs_store::{
+    ListDetail, ListFrom, ListPage, ObjectMeta, ObjectStore, StoreError, StoreResult,
+};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
 use parking_lot::Mutex;
@@ -731,6 +733,15 @@ async fn probe(
         None => (1, ListDetail::UserMeta),
     };
     let list = || store.list(&dir_key, Some("/"), ListFrom::Start, max_keys, detail);
+    // The directory a LIST of `key/` shows, if any (its page kept as `keep` says).
+    let dir_of = |page: StoreResult<ListPage>, marker| async {
+        let page = page.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
+        dir_from_page(&*store, &dir_key, page, keep, marker).await
+    };
+    let file_of = |head: StoreResult<ObjectMeta>| match head {
+        Ok(obj) => Ok(found_object(obj)),
+        Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
+    };
     tracing::trace!("probe {key} (hint {hint:?}): LIST {max_keys} keys, {detail:?}");
     match hint {
         Some(FileKind::Dir) => {
@@ -742,40 +753,26 @@ async fn probe(
             } else {
                 (list().await, None)
             };
-            let page = page.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-            if let Some(dir) = dir_from_page(&*store, &dir_key, page, keep, marker).await? {
-                return Ok(dir);
+            match dir_of(page, marker).await? {
+                Some(dir) => Ok(dir),
+                // Not a directory any more: perhaps a file now.
+                None => file_of(store.head(&key).await),
             }
-            // Not a directory any more: perhaps a file now.
-            return match store.head(&key).await {
-                Ok(obj) => Ok(found_object(obj)),
-                Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
-            };
         }
         Some(_) => match store.head(&key).await {
-            Ok(obj) => return Ok(found_object(obj)),
+            // No file: a directory now, or nothing (not the HEAD again).
             Err(StoreError::NotFound(_)) => {
-                // No file: a directory now, or nothing (not the HEAD again).
-                let page = list()
-                    .await
-                    .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-                return match dir_from_page(&*store, &dir_key, page, keep, None).await? {
-                    Some(dir) => Ok(dir),
-                    None => Err(FsError::ENOENT),
-                };
+                dir_of(list().await, None).await?.ok_or(FsError::ENOENT)
             }
-            Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
+            head => file_of(head),
         },
-        None => {}
-    }
-    let (head, list) = tokio::join!(store.head(&key), list());
-    let page = list.map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-    if let Some(dir) = dir_from_page(&*store, &dir_key, page, keep, None).await? {
-        return Ok(dir);
-    }
-    match head {
-        Ok(obj) => Ok(found_object(obj)),
-        Err(e) => Err(log_store_err(&format!("stat {key}"), e)),
+        None => {
+            let (head, page) = tokio::join!(store.head(&key), list());
+            match dir_of(page, None).await? {
+                Some(dir) => Ok(dir),
+                None => file_of(head),
+            }
+        }
     }
 }
 

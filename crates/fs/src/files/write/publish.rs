@@ -236,14 +236,22 @@ impl WriteState {
                     Err(e) => Err(e),
                 };
                 if let Err(e) = w {
-                    wb.abandon(slot);
+                    // This descriptor of the entry's file may be its last (it frees the
+                    // blocks): closed off the runtime, as the slot's is.
+                    super::close_away([file.map(|(f, _)| f), None]);
+                    wb.abandon(slot).await;
                     return Err(e);
                 }
                 at += n;
             }
         }
-        let seq = wb.commit(slot, ino, park).await?;
-        Ok((seq, file))
+        match wb.commit(slot, ino, park).await {
+            Ok(seq) => Ok((seq, file)),
+            Err(e) => {
+                super::close_away([file.map(|(f, _)| f), None]);
+                Err(e)
+            }
+        }
     }
 
     /// Whether the staging file holds the whole content, `size` bytes from 0 (the tail moved
