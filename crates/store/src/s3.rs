@@ -109,26 +109,55 @@ pub struct S3Store {
 }
 
 /// The bound on S3 requests in flight (`--max-connections`), and how busy it is: gauges for
-/// tuning it.
+/// tuning it. Requests that move a body (GET, PUT, parts, copies, LIST pages) take one of
+/// `max` slots; requests without one (HEAD, one-key LIST, DELETE, multipart bookkeeping) may
+/// also take one of `max / 16` spare slots, so a lookup never waits behind transfers that
+/// fill every slot on a slow link.
 #[derive(Debug)]
 pub struct RequestSlots {
     sem: Semaphore,
+    /// Slots only bodiless requests take.
+    spare: Semaphore,
     max: usize,
+    spares: usize,
     waiting: AtomicUsize,
+}
+
+/// Requests in flight at most, and connections kept, for `--max-connections max`: the
+/// spare slots of [`RequestSlots`] included.
+pub const fn most_connections(max: usize) -> usize {
+    max + max / 16
+}
+
+/// What a request carries, for the slot it may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Carries {
+    /// A body of data either way: one of the `max` slots.
+    Body,
+    /// No body worth waiting for: a spare slot too.
+    Little,
 }
 
 impl RequestSlots {
     fn new(max: usize) -> Self {
+        let spares = most_connections(max) - max;
         Self {
             sem: Semaphore::new(max),
+            spare: Semaphore::new(spares),
             max,
+            spares,
             waiting: AtomicUsize::new(0),
         }
     }
 
+    /// Connections the requests may hold at once.
+    fn most(&self) -> usize {
+        self.max + self.spares
+    }
+
     /// Requests holding a slot (sent, or having their answer read).
     pub fn in_use(&self) -> usize {
-        self.max - self.sem.available_permits()
+        self.most() - self.sem.available_permits() - self.spare.available_permits()
     }
 
     /// Requests waiting for a slot.
@@ -136,8 +165,12 @@ impl RequestSlots {
         self.waiting.load(Ordering::Relaxed)
     }
 
-    async fn acquire(&self) -> SemaphorePermit<'_> {
+    async fn acquire(&self, carries: Carries) -> SemaphorePermit<'_> {
+        let little = carries == Carries::Little;
         if let Ok(p) = self.sem.try_acquire() {
+            return p;
+        }
+        if let (true, Ok(p)) = (little, self.spare.try_acquire()) {
             return p;
         }
         /// Counts a waiter out however its wait ends (a dropped request future included).
@@ -149,10 +182,15 @@ impl RequestSlots {
         }
         self.waiting.fetch_add(1, Ordering::Relaxed);
         let _waiter = Waiter(&self.waiting);
-        self.sem
-            .acquire()
-            .await
-            .expect("the request semaphore is never closed")
+        // A dropped acquire gives back a permit it was handed: the one not taken is not lost.
+        let permit = match little {
+            true => tokio::select! {
+                p = self.sem.acquire() => p,
+                p = self.spare.acquire() => p,
+            },
+            false => self.sem.acquire().await,
+        };
+        permit.expect("the request semaphores are never closed")
     }
 }
 
@@ -268,7 +306,7 @@ impl S3Store {
     /// whatever is there). A missing key succeeds.
     async fn delete_pinned(&self, key: &str, pin: Option<&str>) -> StoreResult<()> {
         let pin = pin.filter(|_| !self.no_conditional_delete.load(Ordering::Relaxed));
-        let _slot = self.slot().await;
+        let _slot = self.light_slot().await;
         let mut r = self.delete_request(key, pin).await;
         if let (Some(_), Err(SdkError::ServiceError(se))) = (pin, &r) {
             // A store without conditional DELETE (AWS general-purpose buckets before
@@ -338,7 +376,8 @@ impl S3Store {
             0 => DEFAULT_MAX_CONNECTIONS,
             n => n.min(Semaphore::MAX_PERMITS),
         };
-        loader = loader.http_client(crate::tls::http_client(&cfg.tls, max_connections));
+        let slots = Arc::new(RequestSlots::new(max_connections));
+        loader = loader.http_client(crate::tls::http_client(&cfg.tls, slots.most()));
         let sdk = loader.load().await;
         let mut b = aws_sdk_s3::config::Builder::from(&sdk)
             .force_path_style(cfg.force_path_style)
@@ -374,7 +413,7 @@ impl S3Store {
             unsigned_payload: cfg.unsigned_payload.unwrap_or(https),
             list_metadata: cfg.list_metadata,
             server: AtomicU8::new(SERVER_UNKNOWN),
-            slots: Arc::new(RequestSlots::new(max_connections)),
+            slots,
             page_lists: Semaphore::new(PAGE_LISTS_IN_FLIGHT),
             no_conditional_delete: AtomicBool::new(false),
         })
@@ -385,7 +424,12 @@ impl S3Store {
     /// never exceed the configured number. A slot is never held while waiting for another.
     async fn slot(&self) -> SemaphorePermit<'_> {
         // Time spent queueing behind other requests is not this request's stall.
-        crate::liveness::queued(self.slots.acquire()).await
+        crate::liveness::queued(self.slots.acquire(Carries::Body)).await
+    }
+
+    /// [`Self::slot`] for a request without a body: it may take a spare slot.
+    async fn light_slot(&self) -> SemaphorePermit<'_> {
+        crate::liveness::queued(self.slots.acquire(Carries::Little)).await
     }
 
     /// The request bound, for its gauges.
@@ -462,7 +506,7 @@ impl S3Store {
     /// mount fails at startup with a clear message instead of at first use.
     /// With `ListMetadata::Auto` it also finds out whether the server is MinIO.
     pub async fn check_access(&self, prefix: &str) -> StoreResult<()> {
-        let _slot = self.slot().await;
+        let _slot = self.light_slot().await;
         let (req, capture) = self.list_request(
             self.client
                 .list_objects_v2()
@@ -554,7 +598,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
-        let _slot = self.slot().await;
+        let _slot = self.light_slot().await;
         let out = self
             .client
             .head_object()
@@ -650,7 +694,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
-        let _slot = self.slot().await;
+        let _slot = self.light_slot().await;
         let out = self
             .client
             .create_multipart_upload()
@@ -732,7 +776,7 @@ impl ObjectStore for S3Store {
         parts: &[CompletedPart],
         if_match: Option<&str>,
     ) -> StoreResult<String> {
-        let _slot = self.slot().await;
+        let _slot = self.light_slot().await;
         let parts = parts
             .iter()
             .map(|p| {
@@ -762,7 +806,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
-        let _slot = self.slot().await;
+        let _slot = self.light_slot().await;
         match self
             .client
             .abort_multipart_upload()
@@ -781,7 +825,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn list_multipart_uploads(&self, prefix: &str) -> StoreResult<Vec<MultipartUpload>> {
-        let _slot = self.slot().await;
+        let _slot = self.light_slot().await;
         let mut out = Vec::new();
         let (mut key_marker, mut id_marker) = (None::<String>, None::<String>);
         loop {
@@ -892,7 +936,10 @@ impl ObjectStore for S3Store {
             ),
             false => None,
         };
-        let _slot = self.slot().await;
+        let _slot = match max_keys > 1 {
+            true => self.slot().await,
+            false => self.light_slot().await,
+        };
         let (start_after, token) = match from {
             ListFrom::Start => (None, None),
             ListFrom::After(k) => (Some(k), None),
@@ -988,6 +1035,7 @@ mod tests {
     use std::io::Write;
     use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
     use std::sync::Arc;
+    use std::time::Instant;
 
     #[test]
     fn attempt_timeouts_scale_with_the_body() {
@@ -1014,7 +1062,7 @@ mod tests {
         let active = Arc::new(AtomicUsize::new(0));
         let most = Arc::new(AtomicUsize::new(0));
         let seen = most.clone();
-        let url = serve(move |conn| {
+        let url = serve(move |conn, _| {
             let now = active.fetch_add(1, AtomicOrdering::SeqCst) + 1;
             most.fetch_max(now, AtomicOrdering::SeqCst);
             std::thread::sleep(delay);
@@ -1025,9 +1073,9 @@ mod tests {
     }
 
     /// A plain-HTTP server on a thread per connection: `answer` writes the answer to each
-    /// request (requests have no body: one ends at its blank line).
+    /// request, given its method (requests have no body: one ends at its blank line).
     fn serve(
-        answer: impl Fn(&mut std::net::TcpStream) -> std::io::Result<()> + Send + Sync + 'static,
+        answer: impl Fn(&mut std::net::TcpStream, &str) -> std::io::Result<()> + Send + Sync + 'static,
     ) -> String {
         use std::io::{BufRead, BufReader};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1040,16 +1088,19 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut reader = BufReader::new(conn.try_clone().unwrap());
                     loop {
-                        let mut line = String::new();
+                        let (mut line, mut method) = (String::new(), None);
                         loop {
                             line.clear();
                             match reader.read_line(&mut line) {
                                 Ok(0) | Err(_) => return,
                                 Ok(_) if line == "\r\n" => break,
-                                Ok(_) => {}
+                                Ok(_) => {
+                                    let first = line.split(' ').next().unwrap_or_default();
+                                    method.get_or_insert_with(|| first.to_string());
+                                }
                             }
                         }
-                        if answer(&mut conn).is_err() {
+                        if answer(&mut conn, method.as_deref().unwrap_or_default()).is_err() {
                             return;
                         }
                     }
@@ -1147,9 +1198,76 @@ mod tests {
         fixed_answer([head.as_bytes(), body].concat())
     }
 
+    /// A slow link: a GET's answer is a 20-byte body sent a byte every `pause`; a HEAD's
+    /// comes at once.
+    fn trickle_server(pause: Duration) -> String {
+        serve(move |conn, method| {
+            conn.write_all(
+                b"HTTP/1.1 206 Partial Content\r\nETag: \"e\"\r\n\
+                  Content-Range: bytes 0-19/20\r\nContent-Length: 20\r\n\r\n",
+            )?;
+            if method == "HEAD" {
+                return conn.flush();
+            }
+            for _ in 0..20 {
+                conn.flush()?;
+                std::thread::sleep(pause);
+                conn.write_all(b"x")?;
+            }
+            Ok(())
+        })
+    }
+
+    /// 17 GETs on a slow link hold the 16 slots of `--max-connections 16` and queue: a HEAD
+    /// (a lookup) takes the spare slot and is answered at once, not after a transfer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lookup_never_waits_behind_transfers_filling_every_slot() {
+        let url = trickle_server(Duration::from_millis(100));
+        let store = Arc::new(
+            S3Store::new(&S3Config {
+                max_connections: 16,
+                ..plain_config(url)
+            })
+            .await
+            .unwrap(),
+        );
+        let slots = store.request_slots();
+        let gets: Vec<_> = (0..17)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.get_range("k", 0..20, None).await })
+            })
+            .collect();
+        let t = Instant::now();
+        while slots.in_use() < 16 || slots.waiting() < 1 {
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "the GETs never filled the slots"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            (slots.in_use(), slots.waiting()),
+            (16, 1),
+            "a GET took the spare"
+        );
+        let t = Instant::now();
+        let head = store.head("k").await.unwrap();
+        let took = t.elapsed();
+        assert_eq!(head.size, 20);
+        // Each GET holds its slot for 2 s.
+        assert!(
+            took < Duration::from_millis(1000),
+            "the HEAD waited {took:?}"
+        );
+        for g in gets {
+            assert_eq!(g.await.unwrap().unwrap(), &[b'x'; 20][..]);
+        }
+    }
+
     /// A plain-HTTP server that answers every request with `answer` (status line to body).
     fn fixed_answer(answer: Vec<u8>) -> String {
-        serve(move |conn| conn.write_all(&answer))
+        serve(move |conn, _| conn.write_all(&answer))
     }
 
     /// A link slower than the requests queued on it: each GET moves bytes (a 20-byte body,
@@ -1158,18 +1276,7 @@ mod tests {
     /// move bytes is not a stall: no attempt is cut and every GET gets its bytes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_get_queued_behind_slow_transfers_is_never_cut() {
-        let url = serve(|conn| {
-            conn.write_all(
-                b"HTTP/1.1 206 Partial Content\r\nETag: \"e\"\r\n\
-                  Content-Range: bytes 0-19/20\r\nContent-Length: 20\r\n\r\n",
-            )?;
-            for _ in 0..20 {
-                conn.flush()?;
-                std::thread::sleep(Duration::from_millis(50));
-                conn.write_all(b"x")?;
-            }
-            Ok(())
-        });
+        let url = trickle_server(Duration::from_millis(50));
         let s3 = S3Store::new(&S3Config {
             max_connections: 1,
             ..plain_config(url)
