@@ -357,8 +357,8 @@ pub const OPTIONS: &[OptionSpec] = &[
         ),
     value("max_connections", "N").env().default("128").help(
         "Most S3 requests moving data in flight at once (1-4096), and so most connections \
-         open to the store; N/16 more slots (N + N/16 in all) are kept for lookups and other \
-         requests without a body, which do not wait behind transfers while one is free. \
+         open to the store; N/8 more slots (N + N/8 in all) are kept for metadata requests \
+         (HEAD, LIST, DELETE), so lookups and listings do not wait behind transfers. \
          Further requests wait for one to finish.",
     ),
     value("bucket", "NAME")

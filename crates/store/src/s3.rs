@@ -47,7 +47,7 @@ pub struct S3Config {
     pub list_metadata: ListMetadata,
     /// Most requests moving data in flight at once, and so most connections open (each
     /// request holds one until its answer is read); see [`RequestSlots`] for the spare slots
-    /// of requests without a body. 0 means [`DEFAULT_MAX_CONNECTIONS`].
+    /// of metadata requests. 0 means [`DEFAULT_MAX_CONNECTIONS`].
     pub max_connections: usize,
 }
 
@@ -110,15 +110,16 @@ pub struct S3Store {
 }
 
 /// The bound on S3 requests in flight (`--max-connections`), and how busy it is: gauges for
-/// tuning it. Requests that move a body or may take long (GET, PUT, parts, copies, LIST
-/// pages, completing a multipart upload) take one of `max` slots; requests without one
-/// (HEAD, LISTs of one or two keys, DELETE, starting or aborting a multipart upload) take
-/// one of `max / 16` spare slots first, else one of the `max`. So while spares are free, a
-/// lookup does not wait behind transfers that fill every slot on a slow link.
+/// tuning it. Requests that move data or may take long (GET, PUT, parts, copies, completing
+/// a multipart upload, listing uploads) take one of `max` slots; metadata requests (HEAD,
+/// LIST, DELETE, starting or aborting a multipart upload) take one of `max / 8` spare slots
+/// first, else one of the `max`. LIST pages hold at most [`PAGE_LISTS_IN_FLIGHT`] spares, so
+/// at the default 128 at least 8 stay for lookups: a lookup or a listing does not wait
+/// behind transfers that fill every slot on a slow link.
 #[derive(Debug)]
 pub struct RequestSlots {
     sem: Semaphore,
-    /// Slots only bodiless requests take.
+    /// Slots only metadata requests take.
     spare: Semaphore,
     max: usize,
     spares: usize,
@@ -128,7 +129,7 @@ pub struct RequestSlots {
 /// Requests in flight at most, and connections kept, for `--max-connections max`: the
 /// spare slots of [`RequestSlots`] included.
 pub const fn most_connections(max: usize) -> usize {
-    max + max / 16
+    max + max / 8
 }
 
 /// What a request carries, for the slot it may take.
@@ -136,7 +137,7 @@ pub const fn most_connections(max: usize) -> usize {
 enum Carries {
     /// A body of data either way: one of the `max` slots.
     Body,
-    /// No body worth waiting for: a spare slot too.
+    /// Metadata: a spare slot first.
     Little,
 }
 
@@ -431,7 +432,7 @@ impl S3Store {
         crate::liveness::queued(self.slots.acquire(Carries::Body)).await
     }
 
-    /// [`Self::slot`] for a request without a body: it may take a spare slot.
+    /// [`Self::slot`] for a metadata request: it may take a spare slot.
     async fn light_slot(&self) -> SemaphorePermit<'_> {
         crate::liveness::queued(self.slots.acquire(Carries::Little)).await
     }
@@ -940,11 +941,7 @@ impl ObjectStore for S3Store {
             ),
             false => None,
         };
-        // rmdir's emptiness check asks for two keys: no page either.
-        let _slot = match max_keys > 2 {
-            true => self.slot().await,
-            false => self.light_slot().await,
-        };
+        let _slot = self.light_slot().await;
         let (start_after, token) = match from {
             ListFrom::Start => (None, None),
             ListFrom::After(k) => (Some(k), None),
@@ -1078,7 +1075,7 @@ mod tests {
     }
 
     /// A plain-HTTP server on a thread per connection: `answer` writes the answer to each
-    /// request, given its method (requests have no body: one ends at its blank line).
+    /// request, given its first line (requests have no body: one ends at its blank line).
     fn serve(
         answer: impl Fn(&mut std::net::TcpStream, &str) -> std::io::Result<()> + Send + Sync + 'static,
     ) -> String {
@@ -1093,19 +1090,18 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut reader = BufReader::new(conn.try_clone().unwrap());
                     loop {
-                        let (mut line, mut method) = (String::new(), None);
+                        let (mut line, mut first) = (String::new(), None);
                         loop {
                             line.clear();
                             match reader.read_line(&mut line) {
                                 Ok(0) | Err(_) => return,
                                 Ok(_) if line == "\r\n" => break,
                                 Ok(_) => {
-                                    let first = line.split(' ').next().unwrap_or_default();
-                                    method.get_or_insert_with(|| first.to_string());
+                                    first.get_or_insert_with(|| line.clone());
                                 }
                             }
                         }
-                        if answer(&mut conn, method.as_deref().unwrap_or_default()).is_err() {
+                        if answer(&mut conn, first.as_deref().unwrap_or_default()).is_err() {
                             return;
                         }
                     }
@@ -1158,10 +1154,10 @@ mod tests {
         assert_eq!((slots.in_use(), slots.waiting()), (0, 0), "all settled");
     }
 
-    /// At `--max-connections 16`, 40 HEADs reach the server 17 at a time: the 16 slots and
-    /// the one spare of requests without a body, never more.
+    /// At `--max-connections 16`, 40 HEADs reach the server 18 at a time: the 16 slots and
+    /// the 2 spares of metadata requests, never more.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn bodiless_requests_take_the_spare_slots_and_no_more() {
+    async fn metadata_requests_take_the_spare_slots_and_no_more() {
         let (url, most) = slow_server(Duration::from_millis(200));
         let store = S3Store::new(&S3Config {
             max_connections: 16,
@@ -1176,20 +1172,13 @@ mod tests {
         }
         let most = most.load(AtomicOrdering::SeqCst);
         assert_eq!(most, most_connections(16), "requests at once");
-        assert_eq!(most, 17);
+        assert_eq!(most, 18);
     }
 
     /// LIST pages wait for one of a few permits; one-key LISTs (lookups' probes) do not.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn page_lists_in_flight_are_bounded_and_one_key_lists_are_not() {
-        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><ListBucketResult \
-            xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Name>b</Name><Prefix>p/</Prefix>\
-            <KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>\
-            </ListBucketResult>";
-        let answer = format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
+        let answer = String::from_utf8(answer_with(EMPTY_PAGE.as_bytes())).unwrap();
         for (max_keys, bounded) in [(1000, true), (1, false)] {
             let (url, most) = slow_answer(Duration::from_millis(200), answer.clone());
             let store = plain_store(url).await;
@@ -1217,22 +1206,36 @@ mod tests {
 
     /// A plain-HTTP server that answers every request with `body` (as XML, status 200).
     fn fixed_server(body: &'static [u8]) -> String {
+        fixed_answer(answer_with(body))
+    }
+
+    /// A LIST page with no entry.
+    const EMPTY_PAGE: &str = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><ListBucketResult \
+        xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Name>b</Name><Prefix>p/</Prefix>\
+        <KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>\
+        </ListBucketResult>";
+
+    /// A 200 answer with `body` as XML.
+    fn answer_with(body: &[u8]) -> Vec<u8> {
         let head = format!(
             "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n",
             body.len()
         );
-        fixed_answer([head.as_bytes(), body].concat())
+        [head.as_bytes(), body].concat()
     }
 
     /// A slow link: a GET's answer is a 20-byte body sent a byte every `pause`; a HEAD's
-    /// comes at once.
+    /// and a LIST's (an empty page) come at once.
     fn trickle_server(pause: Duration) -> String {
-        serve(move |conn, method| {
+        serve(move |conn, request| {
+            if request.contains("list-type=2") {
+                return conn.write_all(&answer_with(EMPTY_PAGE.as_bytes()));
+            }
             conn.write_all(
                 b"HTTP/1.1 206 Partial Content\r\nETag: \"e\"\r\n\
                   Content-Range: bytes 0-19/20\r\nContent-Length: 20\r\n\r\n",
             )?;
-            if method == "HEAD" {
+            if request.starts_with("HEAD") {
                 return conn.flush();
             }
             for _ in 0..20 {
@@ -1245,7 +1248,8 @@ mod tests {
     }
 
     /// 17 GETs on a slow link hold the 16 slots of `--max-connections 16` and queue: a HEAD
-    /// (a lookup) takes the spare slot and is answered before any transfer ends.
+    /// and a LIST page (a lookup) take spare slots and are answered before any transfer
+    /// ends.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lookup_never_waits_behind_transfers_filling_every_slot() {
         let url = trickle_server(Duration::from_millis(150));
@@ -1279,11 +1283,16 @@ mod tests {
         );
         let t = Instant::now();
         let head = store.head("k").await.unwrap();
+        let page = store
+            .list("d/", Some("/"), ListFrom::Start, 1000, ListDetail::Plain)
+            .await
+            .unwrap();
         let took = t.elapsed();
         assert_eq!(head.size, 20);
+        assert!(page.objects.is_empty());
         // Each GET holds its slot for 3 s.
         let ended = gets.iter().filter(|g| g.is_finished()).count();
-        assert_eq!(ended, 0, "the HEAD waited for a transfer ({took:?})");
+        assert_eq!(ended, 0, "the lookup waited for a transfer ({took:?})");
         for g in gets {
             assert_eq!(g.await.unwrap().unwrap(), &[b'x'; 20][..]);
         }
