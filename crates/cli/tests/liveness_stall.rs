@@ -1,7 +1,8 @@
 //! A stalled store (it accepts connections, reads requests and never answers) gives every
 //! syscall an error within `--retry-timeout` plus a small margin, calls fail fast while the
 //! outage lasts, and once the store answers again everything works with exact data: no
-//! partial object, a written file complete after a retried close, or absent.
+//! partial object, a written file complete after a retried close, or absent. A slow link
+//! that keeps moving bytes is no stall: nothing fails and lookups are still answered.
 //!
 //! The stall comes from the test proxy between the mount and MinIO, switched at runtime.
 //! Every timed syscall runs on a thread of its own with a limit, so a regression fails the
@@ -329,4 +330,65 @@ fn metadata_calls_under_a_stall_fail_in_bounded_time() {
     pattern::check_slice(&s3.get(&b, "new3").unwrap(), 13, 4096).unwrap();
     drop(m);
     assert!(s3.list_multipart_uploads(&b).is_empty());
+}
+
+/// A slow link, not a stalled one: each connection moves 32 KiB/s. 20 readers of 256 KiB
+/// files at `--max-connections 16 --retry-timeout 3` keep the 16 slots busy about 8 s each,
+/// so 4 GETs queue that long (before: cut after 3 s in the queue, twice, and `EIO`).
+/// Meanwhile a stat of a file in a directory never listed (a HEAD and a LIST page) is
+/// answered on the spare slots in a few of the link's round trips (before: it queued behind
+/// the reads and failed the same way). Every read returns its exact bytes.
+#[test]
+fn a_slow_link_with_more_reads_than_connections_fails_nothing_and_answers_lookups() {
+    let s3 = s3();
+    let b = s3.new_bucket("slowlink");
+    let files: Vec<Vec<u8>> = (0..20).map(|i| pattern::bytes(i, 256 << 10)).collect();
+    for (i, f) in files.iter().enumerate() {
+        s3.put(&b, &format!("f{i:02}"), f.clone());
+    }
+    s3.put(&b, "sub/probe", b"probe".to_vec());
+    let proxy = FaultProxy::start(&minio_addr());
+    let mut spec = via_proxy(&b, &proxy);
+    spec.args.extend(
+        ["--retry-timeout", "3", "--max-connections", "16"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    let m = spec.watchdog(Duration::from_secs(300)).mount();
+    // The root's listing at full speed: the reads' lookups need no request.
+    assert_eq!(fs::read_dir(m.path()).unwrap().count(), 21);
+    proxy.set_bandwidth(32 * 1024);
+    let readers: Vec<_> = files
+        .iter()
+        .enumerate()
+        .map(|(i, want)| {
+            let (path, want) = (m.join(format!("f{i:02}")), want.clone());
+            std::thread::spawn(move || {
+                let got = fs::read(&path);
+                (
+                    got.as_ref().map(|g| g == &want).map_err(|e| e.to_string()),
+                    path,
+                )
+            })
+        })
+        .collect();
+    // Every slot busy with a transfer and GETs queued behind them.
+    std::thread::sleep(Duration::from_millis(1500));
+    let probe = m.join("sub/probe");
+    let (size, took) = timed("stat sub/probe", move || {
+        fs::metadata(&probe).map(|md| md.len())
+    });
+    assert_eq!(
+        size.ok(),
+        Some(5),
+        "the stat during the reads, after {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "the stat waited {took:?} for the transfers"
+    );
+    for r in readers {
+        let (ok, path) = r.join().unwrap();
+        assert_eq!(ok, Ok(true), "{}: {}", path.display(), m.log());
+    }
 }
