@@ -132,13 +132,13 @@ pub const fn most_connections(max: usize) -> usize {
     max + max / 8
 }
 
-/// What a request carries, for the slot it may take.
+/// What a request is, for the slot it may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Carries {
-    /// A body of data either way: one of the `max` slots.
-    Body,
+enum SlotKind {
+    /// It moves data or may take long: one of the `max` slots.
+    Data,
     /// Metadata: a spare slot first.
-    Little,
+    Metadata,
 }
 
 impl RequestSlots {
@@ -168,10 +168,10 @@ impl RequestSlots {
         self.waiting.load(Ordering::Relaxed)
     }
 
-    async fn acquire(&self, carries: Carries) -> SemaphorePermit<'_> {
-        let little = carries == Carries::Little;
+    async fn acquire(&self, kind: SlotKind) -> SemaphorePermit<'_> {
+        let metadata = kind == SlotKind::Metadata;
         // A spare first: the `max` stay for transfers.
-        if let (true, Ok(p)) = (little, self.spare.try_acquire()) {
+        if let (true, Ok(p)) = (metadata, self.spare.try_acquire()) {
             return p;
         }
         if let Ok(p) = self.sem.try_acquire() {
@@ -187,7 +187,7 @@ impl RequestSlots {
         self.waiting.fetch_add(1, Ordering::Relaxed);
         let _waiter = Waiter(&self.waiting);
         // A dropped acquire gives back a permit it was handed: the one not taken is not lost.
-        let permit = match little {
+        let permit = match metadata {
             true => tokio::select! {
                 p = self.sem.acquire() => p,
                 p = self.spare.acquire() => p,
@@ -310,7 +310,7 @@ impl S3Store {
     /// whatever is there). A missing key succeeds.
     async fn delete_pinned(&self, key: &str, pin: Option<&str>) -> StoreResult<()> {
         let pin = pin.filter(|_| !self.no_conditional_delete.load(Ordering::Relaxed));
-        let _slot = self.light_slot().await;
+        let _slot = self.metadata_slot().await;
         let mut r = self.delete_request(key, pin).await;
         if let (Some(_), Err(SdkError::ServiceError(se))) = (pin, &r) {
             // A store without conditional DELETE (AWS general-purpose buckets before
@@ -429,12 +429,12 @@ impl S3Store {
     /// while waiting for another.
     async fn slot(&self) -> SemaphorePermit<'_> {
         // Time spent queueing behind other requests is not this request's stall.
-        crate::liveness::queued(self.slots.acquire(Carries::Body)).await
+        crate::liveness::queued(self.slots.acquire(SlotKind::Data)).await
     }
 
     /// [`Self::slot`] for a metadata request: it may take a spare slot.
-    async fn light_slot(&self) -> SemaphorePermit<'_> {
-        crate::liveness::queued(self.slots.acquire(Carries::Little)).await
+    async fn metadata_slot(&self) -> SemaphorePermit<'_> {
+        crate::liveness::queued(self.slots.acquire(SlotKind::Metadata)).await
     }
 
     /// The request bound, for its gauges.
@@ -511,7 +511,7 @@ impl S3Store {
     /// mount fails at startup with a clear message instead of at first use.
     /// With `ListMetadata::Auto` it also finds out whether the server is MinIO.
     pub async fn check_access(&self, prefix: &str) -> StoreResult<()> {
-        let _slot = self.light_slot().await;
+        let _slot = self.metadata_slot().await;
         let (req, capture) = self.list_request(
             self.client
                 .list_objects_v2()
@@ -603,7 +603,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
-        let _slot = self.light_slot().await;
+        let _slot = self.metadata_slot().await;
         let out = self
             .client
             .head_object()
@@ -699,7 +699,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
-        let _slot = self.light_slot().await;
+        let _slot = self.metadata_slot().await;
         let out = self
             .client
             .create_multipart_upload()
@@ -811,7 +811,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
-        let _slot = self.light_slot().await;
+        let _slot = self.metadata_slot().await;
         match self
             .client
             .abort_multipart_upload()
@@ -941,7 +941,7 @@ impl ObjectStore for S3Store {
             ),
             false => None,
         };
-        let _slot = self.light_slot().await;
+        let _slot = self.metadata_slot().await;
         let (start_after, token) = match from {
             ListFrom::Start => (None, None),
             ListFrom::After(k) => (Some(k), None),
