@@ -20,6 +20,15 @@ fn bg_spec(bucket: &str, state: &Path) -> MountSpec {
     background(MountSpec::s3(bucket, ""), state, &[])
 }
 
+/// [`bg_spec_at`] with the daemon on one runtime thread (`TOKIO_WORKER_THREADS=1`): work
+/// held on a runtime thread would stop every request.
+fn bg_spec_at_on_one_thread(bucket: &str, state: &Path, pause: &Pause, point: &str) -> MountSpec {
+    let mut spec = bg_spec_at(bucket, state, pause, point);
+    spec.envs
+        .push(("TOKIO_WORKER_THREADS".to_string(), "1".to_string()));
+    spec
+}
+
 /// [`bg_spec`] with the daemon stopping at test point `point` (see [`Pause`]).
 fn bg_spec_at(bucket: &str, state: &Path, pause: &Pause, point: &str) -> MountSpec {
     let mut spec = bg_spec(bucket, state);
@@ -685,10 +694,7 @@ fn removing_an_uploaded_big_file_never_holds_the_runtime() {
     let state = state_dir();
     let work = tempfile::tempdir().unwrap();
     let pause = Pause::new(work.path());
-    let mut spec = bg_spec_at(&b, state.path(), &pause, "writeback.drop_file");
-    spec.envs
-        .push(("TOKIO_WORKER_THREADS".to_string(), "1".to_string()));
-    let m = spec.mount();
+    let m = bg_spec_at_on_one_thread(&b, state.path(), &pause, "writeback.drop_file").mount();
     // Past the largest size a segment record holds, so the version is a file of its own.
     let body = pattern::bytes(7, 6 << 20);
     write_file(&m.join("big.bin"), &body);
@@ -737,10 +743,7 @@ fn a_commit_that_fills_the_writeback_disk_fails_and_drops_its_file_off_the_runti
     let state = disk.path().join("state");
     let work = tempfile::tempdir().unwrap();
     let pause = Pause::new(work.path());
-    let mut spec = bg_spec_at(&b, &state, &pause, "writeback.abandon_file");
-    spec.envs
-        .push(("TOKIO_WORKER_THREADS".to_string(), "1".to_string()));
-    let m = spec.mount();
+    let m = bg_spec_at_on_one_thread(&b, &state, &pause, "writeback.abandon_file").mount();
     s3().put(&b, "other", b"other!".to_vec());
     let path = m.join("big.bin");
     let closed = std::thread::spawn(move || {

@@ -122,7 +122,6 @@ pub struct RequestSlots {
     /// Slots only metadata requests take.
     spare: Semaphore,
     max: usize,
-    spares: usize,
     waiting: AtomicUsize,
 }
 
@@ -143,19 +142,17 @@ enum SlotKind {
 
 impl RequestSlots {
     fn new(max: usize) -> Self {
-        let spares = most_connections(max) - max;
         Self {
             sem: Semaphore::new(max),
-            spare: Semaphore::new(spares),
+            spare: Semaphore::new(most_connections(max) - max),
             max,
-            spares,
             waiting: AtomicUsize::new(0),
         }
     }
 
     /// Connections the requests may hold at once.
     fn most(&self) -> usize {
-        self.max + self.spares
+        most_connections(self.max)
     }
 
     /// Requests holding a slot (sent, or having their answer read).
@@ -1114,12 +1111,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn requests_in_flight_never_exceed_max_connections() {
         let (url, most) = slow_server(Duration::from_millis(200));
-        let store = S3Store::new(&S3Config {
-            max_connections: 3,
-            ..plain_config(url)
-        })
-        .await
-        .unwrap();
+        let store = store_bounded(url, 3).await;
         // The gauges, sampled while the requests run.
         let slots = store.request_slots();
         let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1159,12 +1151,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn metadata_requests_take_the_spare_slots_and_no_more() {
         let (url, most) = slow_server(Duration::from_millis(200));
-        let store = S3Store::new(&S3Config {
-            max_connections: 16,
-            ..plain_config(url)
-        })
-        .await
-        .unwrap();
+        let store = store_bounded(url, 16).await;
         let keys: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
         let heads = keys.iter().map(|k| store.head(k));
         for r in futures::future::join_all(heads).await {
@@ -1253,14 +1240,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lookup_never_waits_behind_transfers_filling_every_slot() {
         let url = trickle_server(Duration::from_millis(150));
-        let store = Arc::new(
-            S3Store::new(&S3Config {
-                max_connections: 16,
-                ..plain_config(url)
-            })
-            .await
-            .unwrap(),
-        );
+        let store = Arc::new(store_bounded(url, 16).await);
         let slots = store.request_slots();
         let gets: Vec<_> = (0..17)
             .map(|_| {
@@ -1310,12 +1290,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_get_queued_behind_slow_transfers_is_never_cut() {
         let url = trickle_server(Duration::from_millis(50));
-        let s3 = S3Store::new(&S3Config {
-            max_connections: 1,
-            ..plain_config(url)
-        })
-        .await
-        .unwrap();
+        let s3 = store_bounded(url, 1).await;
         let policy = crate::retry::RetryPolicy {
             max_elapsed: Duration::from_millis(500),
             ..Default::default()
@@ -1352,6 +1327,16 @@ mod tests {
     /// A store on the plain-HTTP test server at `url`, one attempt per request.
     async fn plain_store(url: String) -> S3Store {
         S3Store::new(&plain_config(url)).await.unwrap()
+    }
+
+    /// [`plain_store`] with `--max-connections max`.
+    async fn store_bounded(url: String, max: usize) -> S3Store {
+        S3Store::new(&S3Config {
+            max_connections: max,
+            ..plain_config(url)
+        })
+        .await
+        .unwrap()
     }
 
     /// A store at `url` with fixed credentials and no retries of the SDK's own.

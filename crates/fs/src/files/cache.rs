@@ -1943,6 +1943,22 @@ mod tests {
         assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1);
     }
 
+    /// A memory store holding `f`: `len` bytes of a pattern (byte `i` is `i * step % modulo`).
+    /// Returns the store, the bytes and their ETag.
+    async fn stored_f(
+        len: usize,
+        step: usize,
+        modulo: usize,
+    ) -> (Arc<dyn ObjectStore>, Vec<u8>, String) {
+        let mem: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
+        let data: Vec<u8> = (0..len).map(|i| (i * step % modulo) as u8).collect();
+        let etag = mem
+            .put("f", Bytes::from(data.clone()), &UserMeta::default())
+            .await
+            .unwrap();
+        (mem, data, etag)
+    }
+
     /// A reader of `f` (version `etag`, `size` bytes) through `store`, with a fresh cache over
     /// `dir` and a fresh budget: what a remount gives it. The cache outlives the reader (its
     /// writer drops what is queued when it goes).
@@ -1969,14 +1985,7 @@ mod tests {
     async fn a_new_reader_reads_cached_blocks_with_no_get() {
         const MIB: u64 = 1 << 20;
         let dir = tempfile::tempdir().unwrap();
-        let mem: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
-        let data: Vec<u8> = (0..(3 * MIB + 777) as usize)
-            .map(|i| (i * 13 % 251) as u8)
-            .collect();
-        let etag = mem
-            .put("f", Bytes::from(data.clone()), &UserMeta::default())
-            .await
-            .unwrap();
+        let (mem, data, etag) = stored_f((3 * MIB + 777) as usize, 13, 251).await;
         let store = Arc::new(FaultStore::new(mem));
         let reader = |dir: &Path| cached_reader(dir, store.clone(), &etag, data.len() as u64);
         let (mut r, m, _cache) = reader(dir.path());
@@ -2030,14 +2039,7 @@ mod tests {
         use bucketfs_store::metrics::MeteredStore;
         const MIB: u64 = 1 << 20;
         let dir = tempfile::tempdir().unwrap();
-        let mem: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
-        let data: Vec<u8> = (0..(8 * MIB) as usize)
-            .map(|i| (i * 7 % 253) as u8)
-            .collect();
-        let etag = mem
-            .put("f", Bytes::from(data.clone()), &UserMeta::default())
-            .await
-            .unwrap();
+        let (mem, data, etag) = stored_f((8 * MIB) as usize, 7, 253).await;
         let read_all = |dir: &Path| {
             let store = Arc::new(MeteredStore::new(mem.clone()));
             let (r, metrics, cache) = cached_reader(dir, store.clone(), &etag, 8 * MIB);
