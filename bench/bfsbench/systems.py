@@ -146,10 +146,13 @@ class System:
                 proc.wait()
                 raise RuntimeError(f"{self.name} did not mount within {timeout:.0f} s")
             time.sleep(0.05)
-        # The mount is listed once the kernel connection exists; make sure it answers.
+        # The mount is listed once the kernel connection exists; make sure it answers. A stat
+        # of its root, not a listing: geesefs lists the whole prefix without a delimiter for
+        # its root's readdir, which put the `ls` directory's metadata in the store's page
+        # cache before a "cold" listing phase (0.10-0.12 s against 0.35-0.41 without it).
         while True:
             try:
-                os.listdir(mnt)
+                os.stat(mnt)
                 break
             except OSError as e:
                 if time.time() > deadline:
