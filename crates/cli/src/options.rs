@@ -281,7 +281,7 @@ pub const OPTIONS: &[OptionSpec] = &[
     ),
     value("writeback_size", "SIZE").env().default("4G").help(
         "Most bytes of files waiting for upload with --upload background (K/M/G); a close \
-         waits for room when it is full.",
+         waits for room when it is full, then uploads its file itself (as --upload sync).",
     ),
     value("max_memory", "SIZE")
         .env()

@@ -730,14 +730,13 @@ fn stat_then_go_on(pause: &Pause, path: &Path) -> (bool, Option<u64>) {
     })
 }
 
-/// A commit that fails part way leaves a partly written file of its own in the write-back
-/// directory: here the directory's disk (a 96 MiB tmpfs holding its 64 MiB segment, so the
-/// staging file cannot be linked in and its bytes are copied) fills in the middle of a 40 MiB
-/// file. The close fails, the file goes off the runtime (with one runtime thread and its
-/// removal held at the test point, a lookup that needs the store is still answered), and the
-/// mount writes on.
+/// A commit whose record fills the write-back directory's disk (a 96 MiB tmpfs: the
+/// staging file cannot be linked in and its bytes are copied) in the middle of a 40 MiB
+/// file: its file goes off the runtime (with one runtime thread and its removal held at the
+/// test point, a lookup that needs the store is still answered), and the close uploads the
+/// file to the bucket itself before it returns (before: `ENOSPC`); the mount writes on.
 #[test]
-fn a_commit_that_fills_the_writeback_disk_fails_and_drops_its_file_off_the_runtime() {
+fn a_commit_that_fills_the_writeback_disk_drops_its_file_off_the_runtime_and_uploads_itself() {
     let b = s3().new_bucket("bgabandon");
     let disk = SmallDisk::new(96).expect("mount a tmpfs (run as root)");
     let state = disk.path().join("state");
@@ -746,11 +745,15 @@ fn a_commit_that_fills_the_writeback_disk_fails_and_drops_its_file_off_the_runti
     let m = bg_spec_at_on_one_thread(&b, &state, &pause, "writeback.abandon_file").mount();
     s3().put(&b, "other", b"other!".to_vec());
     let path = m.join("big.bin");
-    let closed = std::thread::spawn(move || {
-        let mut f = std::fs::File::create(&path)?;
-        f.write_all(&pattern::bytes(5, 40 << 20))?;
-        close_checked(f)
-    });
+    let body = pattern::bytes(5, 40 << 20);
+    let closed = {
+        let body = body.clone();
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(&path)?;
+            f.write_all(&body)?;
+            close_checked(f)
+        })
+    };
     pause.reached();
     assert_eq!(
         stat_then_go_on(&pause, &m.join("other")),
@@ -758,23 +761,67 @@ fn a_commit_that_fills_the_writeback_disk_fails_and_drops_its_file_off_the_runti
         "a lookup while the removal was held was answered within 10 s"
     );
     let _passes = pause.let_on();
-    let closed = closed.join().unwrap();
-    let errno = closed.as_ref().err().and_then(|e| e.raw_os_error());
-    assert_eq!(errno, Some(libc::ENOSPC), "the close failed: {closed:?}");
+    closed.join().unwrap().expect("the close uploads the file");
+    assert!(
+        s3().get(&b, "big.bin") == Some(body),
+        "in the bucket, byte-exact, when the close returned"
+    );
     write_file(&m.join("small"), b"after");
     let (status, log) = m.unmount();
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(log.contains("no room in the write-back directory"), "{log}");
     assert_eq!(
         s3().get(&b, "small"),
         Some(b"after".to_vec()),
         "the mount wrote on"
     );
-    assert_eq!(s3().head(&b, "big.bin").map(|h| h.size), None, "{log}");
     let left = cache_files(&state, ".wb");
     assert!(
         left.is_empty(),
         "the failed version's file is gone: {left:?}"
     );
+}
+
+/// The write-back directory's disk filled by another program (a 96 MiB tmpfs; the mount's
+/// 64 MiB segment, made at start, keeps room for small records): each close of a file too
+/// big for a record (over 4 MiB) uploads it to the bucket before it returns (before: every
+/// such close failed with `ENOSPC`), so nothing is refused while the bucket has room. Once
+/// there is room again, closes go through the write-back directory, and a file written
+/// both ways ends as its last version.
+#[test]
+fn a_full_writeback_disk_makes_closes_upload_their_files_themselves() {
+    let b = s3().new_bucket("bgdiskfull");
+    let disk = SmallDisk::new(96).expect("mount a tmpfs (run as root)");
+    let state = disk.path().join("state");
+    let m = background(MountSpec::s3(&b, ""), &state, &["--upload-delay", "2"]).mount();
+    let filler = disk.path().join("filler");
+    {
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![7u8; 1 << 20];
+        while f.write_all(&chunk).is_ok() {}
+    }
+    let body = |i: u64| pattern::bytes(i, (5 << 20) + i as usize * 1000);
+    for i in 0..4 {
+        let name = format!("f{i}");
+        write_file(&m.join(&name), &body(i));
+        assert!(
+            s3().get(&b, &name) == Some(body(i)),
+            "{name} in the bucket when its close returned"
+        );
+    }
+    std::fs::remove_file(&filler).unwrap();
+    write_file(&m.join("f0"), &body(9));
+    assert!(
+        s3().get(&b, "f0") == Some(body(0)),
+        "with room again, the close waits for no upload (--upload-delay 2)"
+    );
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(log.contains("no room in the write-back directory"), "{log}");
+    assert!(s3().get(&b, "f0") == Some(body(9)), "{log}");
+    for i in 1..4 {
+        assert!(s3().get(&b, &format!("f{i}")) == Some(body(i)), "f{i}");
+    }
 }
 
 /// A big file fsync'd while open becomes a write-back entry that is its staging file; once

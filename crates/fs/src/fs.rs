@@ -8,7 +8,7 @@
 
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
-use crate::files::write::{Appended, Base, WriteState};
+use crate::files::write::{Appended, Base, Stored, WriteState};
 use crate::files::{FileHandle, OpenFiles, OpenWrite};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta};
 use crate::metrics::FsMetrics;
@@ -776,8 +776,10 @@ impl Fs {
     /// records it in the namespace.
     pub(crate) async fn persist(&self, ino: Ino, st: &mut WriteState, park: bool) -> FsResult<()> {
         if self.files.writeback().is_some() {
-            st.commit(ino, park).await?;
-            self.ns.changed_here(ino, st.size(), st.meta.clone());
+            match st.commit(ino, park).await? {
+                Stored::Committed => self.ns.changed_here(ino, st.size(), st.meta.clone()),
+                Stored::Uploaded => self.published(ino, st),
+            }
         } else {
             st.publish().await?;
             self.published(ino, st);

@@ -66,6 +66,9 @@ pub struct FsMetrics {
     pub writeback_upload_errors: AtomicU64,
     pub writeback_conflicts: AtomicU64,
     pub writeback_space_waits: AtomicU64,
+    /// Closes and fsyncs that uploaded to the bucket directly: the write-back directory had
+    /// no room (its bound, or its disk, full).
+    pub writeback_direct: AtomicU64,
     /// Parts an upload did not send, as they went up while the file was written.
     pub writeback_early_parts: AtomicU64,
     /// Commits that took the writer's staging file as their entry's file (no copy).
@@ -95,7 +98,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 34] = [
+        let counters: [(&str, &str, &AtomicU64); 35] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -219,6 +222,11 @@ impl FsMetrics {
                 "bucketfs_writeback_space_waits_total",
                 "counter",
                 &self.writeback_space_waits,
+            ),
+            (
+                "bucketfs_writeback_direct_uploads_total",
+                "counter",
+                &self.writeback_direct,
             ),
             (
                 "bucketfs_writeback_pending_files",

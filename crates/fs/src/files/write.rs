@@ -51,6 +51,7 @@ use std::time::SystemTime;
 use tokio::task::JoinHandle;
 
 mod publish;
+pub use publish::Stored;
 mod stream;
 
 /// Where each part of a multipart object starts and ends. Parts are `part_size` bytes for the

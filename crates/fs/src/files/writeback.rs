@@ -101,7 +101,7 @@ pub enum Cond {
 }
 
 impl Cond {
-    fn if_match(&self) -> Option<&str> {
+    pub fn if_match(&self) -> Option<&str> {
         match self {
             Cond::Absent => Some(IF_ABSENT),
             Cond::Match(e) => Some(e),
@@ -551,6 +551,10 @@ struct Inner {
     freed_at: Option<Instant>,
     /// When a full directory was last logged.
     full_logged: Option<Instant>,
+    /// When uploads around a full directory were last logged ([`WriteBack::log_direct`]).
+    direct_logged: Option<Instant>,
+    /// Keys being uploaded directly by closes ([`WriteBack::direct_cond`]).
+    direct: Vec<String>,
     /// Key prefixes of directories being renamed: entries below are not uploaded.
     paused: Vec<String>,
 }
@@ -566,6 +570,27 @@ impl Inner {
                 self.ready.push_back(seq);
             }
         }
+    }
+
+    /// Entry `seq` goes up next (a close waits for it, see [`WriteBack::direct_cond`]):
+    /// due now, first in the queue; failed (not a conflict), tried again now.
+    fn expedite(&mut self, seq: u64) {
+        let now = Instant::now();
+        self.unpark(seq, now);
+        let Some(e) = self.entries.get_mut(&seq) else {
+            return;
+        };
+        match e.status {
+            Status::Failed if !e.conflict => {
+                e.status = Status::Queued;
+                e.next_try = None;
+            }
+            Status::Queued => {}
+            _ => return,
+        }
+        e.not_before = now;
+        self.ready.retain(|s| *s != seq);
+        self.ready.push_front(seq);
     }
 
     /// Bytes that no upload will free by itself: conflicts.
@@ -639,6 +664,25 @@ impl Drop for Paused {
             }
         }
         self.wb.work.notify_waiters();
+        self.wb.changed.notify_waiters();
+    }
+}
+
+/// A close uploading its file directly (see [`WriteBack::direct_cond`]): a directory rename
+/// above waits for it to end.
+pub struct DirectUpload {
+    wb: Arc<WriteBack>,
+    key: String,
+}
+
+impl Drop for DirectUpload {
+    fn drop(&mut self) {
+        {
+            let mut inner = self.wb.inner.lock();
+            if let Some(i) = inner.direct.iter().position(|k| *k == self.key) {
+                inner.direct.swap_remove(i);
+            }
+        }
         self.wb.changed.notify_waiters();
     }
 }
@@ -853,7 +897,11 @@ impl Slot {
 }
 
 fn wb_io(e: std::io::Error) -> FsError {
-    tracing::warn!("write-back directory: {e}");
+    match e.raw_os_error() {
+        // Said by the close that uploads instead, at most every 10 s (`log_direct`).
+        Some(libc::ENOSPC | libc::EDQUOT) => tracing::debug!("write-back directory: {e}"),
+        _ => tracing::warn!("write-back directory: {e}"),
+    }
     FsError::from(e)
 }
 
@@ -1299,6 +1347,74 @@ impl WriteBack {
         }
     }
 
+    /// A commit of `key` failed for want of room (the bound stayed full, or the local disk
+    /// is), and the file goes to the bucket directly instead: waits until no entry of the
+    /// key is left to upload (an earlier version, sent first, lands before it, so it never
+    /// lands over this one), at most `space_wait`. Returns the condition the direct upload
+    /// takes, the one [`Self::begin`] would have given its entry (`prev`, `origin`: as
+    /// there), and a guard that a directory rename above the key waits for (see
+    /// [`Self::pause_below`]). None when an entry of the key never goes up by itself (a
+    /// conflict) or is not up in time, or a directory above is being renamed (the upload
+    /// would land under the old name): the commit's error stands.
+    pub async fn direct_cond(
+        self: &Arc<Self>,
+        key: &str,
+        prev: Option<u64>,
+        origin: Cond,
+    ) -> Option<(Cond, DirectUpload)> {
+        let deadline = Instant::now() + self.cfg.space_wait;
+        let mut sent = None;
+        loop {
+            let changed = self.changed.notified();
+            {
+                let mut inner = self.inner.lock();
+                if inner.paused.iter().any(|p| key.starts_with(p.as_str())) {
+                    return None;
+                }
+                let waiting = inner.by_key.get(key).copied();
+                match waiting.and_then(|s| inner.entries.get(&s)) {
+                    None => {
+                        let known = prev.and_then(|p| inner.results.get(&p).cloned());
+                        inner.direct.push(key.to_string());
+                        let guard = DirectUpload {
+                            wb: self.clone(),
+                            key: key.to_string(),
+                        };
+                        return Some((known.map(Cond::Match).unwrap_or(origin), guard));
+                    }
+                    Some(e) if e.conflict => return None,
+                    Some(_) => {}
+                }
+                if let Some(s) = waiting.filter(|s| sent != Some(*s)) {
+                    sent = Some(s);
+                    inner.expedite(s);
+                    drop(inner);
+                    self.work.notify_waiters();
+                }
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            let _ = tokio::time::timeout(left, changed).await;
+        }
+    }
+
+    /// Says, at most every 10 s, that closes upload directly (see [`Self::direct_cond`]).
+    pub fn log_direct(&self, key: &str, e: FsError) {
+        let mut inner = self.inner.lock();
+        let now = Instant::now();
+        if inner
+            .direct_logged
+            .is_some_and(|t| now.duration_since(t) <= Duration::from_secs(10))
+        {
+            return;
+        }
+        inner.direct_logged = Some(now);
+        drop(inner);
+        tracing::warn!(
+            "{key}: no room in the write-back directory ({e}): closes and fsyncs upload to \
+             the bucket before they return until there is room again"
+        );
+    }
+
     /// [`Self::begin`] of a delta (`c` over `prev`) when one is taken now, else None.
     pub async fn try_delta(
         &self,
@@ -1507,8 +1623,8 @@ impl WriteBack {
         tracing::error!(
             "write-back directory full ({} file(s), {:.1} MB, {failed} failed of which \
              {conflicts} conflict(s), bound {:.1} MB) and no upload freed room for {:.0} s: \
-             closes fail with ENOSPC until uploads land or conflicts are resolved (see \
-             `bucketfs pending`)",
+             closes upload their files themselves until uploads land or conflicts are \
+             resolved (see `bucketfs pending`)",
             inner.entries.len(),
             inner.bytes as f64 / 1e6,
             self.cfg.max_bytes as f64 / 1e6,
@@ -2347,12 +2463,14 @@ impl WriteBack {
         };
         loop {
             let changed = self.changed.notified();
-            let busy = self
-                .inner
-                .lock()
-                .entries
-                .values()
-                .any(|e| e.key.starts_with(prefix) && e.status == Status::Uploading);
+            let busy = {
+                let inner = self.inner.lock();
+                inner.direct.iter().any(|k| k.starts_with(prefix))
+                    || inner
+                        .entries
+                        .values()
+                        .any(|e| e.key.starts_with(prefix) && e.status == Status::Uploading)
+            };
             if !busy {
                 return guard;
             }

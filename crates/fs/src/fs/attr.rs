@@ -33,9 +33,13 @@ impl Fs {
             }
             // truncate(2) on a path nobody has open: nobody will close it, publish now.
             let open = self.ns.table().get(ino).map_or(0, |i| i.open_handles);
-            return self
+            let a = self
                 .setattr_state(ino, kind, &mut st, &set, open == 0)
-                .await;
+                .await?;
+            // A closed file's state kept for its upload goes once nothing is left to upload
+            // (its version went to the bucket directly: no upload's news will retire it).
+            self.drop_if_uploaded(ino, &w, &mut st);
+            return Ok(a);
         }
         let (etag, size, user) = {
             let t = self.ns.table();

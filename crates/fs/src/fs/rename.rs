@@ -255,7 +255,7 @@ impl Fs {
     /// Background mode: the state of a file just moved, kept only for an upload that is done
     /// (it landed before the rename moved its object, so the upload's news, about the old
     /// name, does not retire it), goes as it would have then.
-    fn drop_if_uploaded(&self, ino: Ino, w: &Arc<OpenWrite>, st: &mut WriteState) {
+    pub(super) fn drop_if_uploaded(&self, ino: Ino, w: &Arc<OpenWrite>, st: &mut WriteState) {
         let Some(wb) = self.files.writeback() else {
             return;
         };

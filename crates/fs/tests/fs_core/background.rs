@@ -686,3 +686,58 @@ async fn an_fsync_takes_along_only_files_fsyncd_since_and_never_a_first_version(
         e.fs.release(ino, fh).await.unwrap();
     }
 }
+
+/// A write-back directory with no room for a close (its bound held by a conflict, which
+/// never goes up by itself) makes that close upload the file itself, as sync mode does,
+/// instead of failing with `ENOSPC`; and only once the version of the same file still
+/// queued before it has landed (sent at once, not after its 120 s delay), so that version
+/// never lands over it (nor fails as a conflict against it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_with_no_room_uploads_itself_after_the_version_queued_before_it() {
+    use crate::support::{random, write_mib};
+    const KIB: u64 = 1024;
+    let state = tempfile::tempdir().unwrap();
+    let mut wb = writeback_config(&state, Duration::from_secs(120));
+    wb.max_bytes = 1024 * KIB;
+    wb.space_wait = Duration::from_secs(5);
+    let e = crate::support::env_with(MemoryStore::new(), move |mut c| {
+        c.writeback = Some(wb);
+        c
+    });
+    let conflicts = || e.fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
+    let direct = || e.fs.metrics().writeback_direct.load(Ordering::Relaxed);
+    // 600 KiB held by a conflict: another client made the key before the upload.
+    let (ino, fh) = create_and_write(&e, "c", &random(600 * KIB as usize, 1)).await;
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    put(&e.mem, "c", b"theirs").await;
+    // Its upload tried now (a drain does not wait for the delay).
+    e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+        .await;
+    assert_eq!(conflicts(), 1, "c is a conflict");
+    // f's first version (300 KiB) fits and waits its 120 s.
+    let v1 = random(300 * KIB as usize, 2);
+    let (ino, fh) = create_and_write(&e, "f", &v1).await;
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    // Its second (500 KiB) does not: 600 + 500 KiB over the bound, with v1's room free.
+    let v2 = random(500 * KIB as usize, 3);
+    let h =
+        e.fs.open(ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    write_mib(&e.fs, ino, h.fh, 0, &v2).await;
+    e.fs.flush(ino, h.fh).await.expect("the close uploads it");
+    assert!(object(&e.mem, "f").await == v2, "in the bucket at close");
+    assert_eq!(direct(), 1);
+    e.fs.release(ino, h.fh).await.unwrap();
+    // v1 landed before v2 went up: nothing lands over it later, no conflict.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        object(&e.mem, "f").await == v2,
+        "the older version landed over it"
+    );
+    assert_eq!(conflicts(), 1, "the older version failed as a conflict");
+    let pending: Vec<String> = e.fs.pending_uploads().into_iter().map(|p| p.key).collect();
+    assert_eq!(pending, vec!["c".to_string()], "only the conflict is left");
+}

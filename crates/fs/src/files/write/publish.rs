@@ -5,10 +5,20 @@
 use super::*;
 use crate::files::writeback::{EarlyParts, Slot};
 use crate::meta::META_MTIME;
+use bucketfs_store::IF_ABSENT;
 
 /// Commits of at most this many bytes are written in the blocking call that syncs them
 /// (one thread hand-off for a small file's close or a small fsync's delta).
 const SMALL_COMMIT: u64 = 1 << 20;
+
+/// Where [`WriteState::commit`] stored the content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// In the write-back directory: it uploads in the background.
+    Committed,
+    /// In the bucket (the write-back directory had no room).
+    Uploaded,
+}
 
 /// Where bytes a commit writes are now.
 enum Fill {
@@ -29,8 +39,70 @@ impl WriteState {
     /// stored, as a delta over it (see [`WriteBack::begin`]); the state keeps its own
     /// staging file then. `park`: an fsync of a file that stays open (its entry waits for
     /// the close, see `writeback::PARK`).
-    pub async fn commit(&mut self, ino: Ino, park: bool) -> FsResult<()> {
-        self.commit_as(ino, park, false).await
+    ///
+    /// With no room for it there (the bound stays full, or the local disk is), the content
+    /// goes to the bucket before this returns instead ([`Stored::Uploaded`]): never `ENOSPC`
+    /// while the bucket takes it.
+    pub async fn commit(&mut self, ino: Ino, park: bool) -> FsResult<Stored> {
+        let committed = match self.uploaded_only.is_empty() {
+            true => self.commit_as(ino, park, false).await,
+            // Bytes only their uploaded part holds (their staging copy failed: the disk is
+            // full) cannot be committed; completing the upload stores them.
+            false => Err(FsError(libc::ENOSPC)),
+        };
+        match committed {
+            Ok(()) => Ok(Stored::Committed),
+            Err(e) if no_room(e) => {
+                self.publish_direct(e).await?;
+                Ok(Stored::Uploaded)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`Self::commit`] found no room in the write-back directory (`e`): the content goes to
+    /// the bucket now, as in sync mode, once no earlier version of its key is left to
+    /// upload, and under the condition its entry would have had (another client's change
+    /// since is never overwritten; an object deleted since is stored as a new one, as the
+    /// entry's upload would). `e` stands when that cannot be (a conflict of the key waits to
+    /// be resolved, a directory above is being renamed).
+    async fn publish_direct(&mut self, e: FsError) -> FsResult<()> {
+        let wb = self.cfg.writeback.clone().expect("background mode");
+        let origin = match self.base_etag() {
+            Some(t) => Cond::Match(t.to_string()),
+            None => Cond::Absent,
+        };
+        let Some((mut cond, _direct)) = wb.direct_cond(&self.key, self.committed, origin).await
+        else {
+            return Err(e);
+        };
+        if self.conflict {
+            // Refused before (ESTALE) and stored again: this version goes over the other
+            // client's, as the write-back directory does with a rewrite of a conflict.
+            cond = Cond::Any;
+            self.conflict = false;
+        }
+        wb.log_direct(&self.key, e);
+        let mut r = self
+            .publish_pinned(cond.if_match().map(str::to_string))
+            .await;
+        if r == Err(FsError::ESTALE) && matches!(cond, Cond::Match(_)) {
+            if let Err(StoreError::NotFound(_)) = self.store.head(&self.key).await {
+                tracing::warn!(
+                    "{}: deleted by another client since this mount knew it; this mount's \
+                     version is stored as a new file",
+                    self.key
+                );
+                self.conflict = false;
+                r = self.publish_pinned(Some(IF_ABSENT.to_string())).await;
+            }
+        }
+        r?;
+        inc(&self.cfg.metrics.writeback_direct);
+        // The object is this content now: the next commit builds on it, not on an entry.
+        self.committed = None;
+        self.since_commit = None;
+        Ok(())
     }
 
     /// Another file's fsync commits this one's changes along (group commit: see
@@ -81,6 +153,13 @@ impl WriteState {
             .await;
         if delta_only && r.as_ref().is_err_and(|e| *e == FsError::EAGAIN) {
             return Err(FsError::EAGAIN);
+        }
+        if let Err(e) = &r {
+            if !delta_only && no_room(*e) {
+                // Not a failure yet: the content goes to the bucket instead (`commit`).
+                self.phase = Phase::Failed;
+                return Err(*e);
+            }
         }
         inc(if r.is_ok() {
             &self.cfg.metrics.files_published
@@ -321,10 +400,16 @@ impl WriteState {
     /// clean and the new object is the base; on failure the content stays staged (a later
     /// flush tries again) and any multipart upload is aborted.
     pub async fn publish(&mut self) -> FsResult<()> {
+        let pin = self.publish_condition().map(str::to_string);
+        self.publish_pinned(pin).await
+    }
+
+    /// [`Self::publish`] under `pin` (`If-Match`, or [`bucketfs_store::IF_ABSENT`]) instead of the base's.
+    async fn publish_pinned(&mut self, pin: Option<String>) -> FsResult<()> {
         if !self.has_changes_to_publish() {
             return Ok(());
         }
-        if self.conflict && self.publish_condition().is_some() {
+        if self.conflict && pin.is_some() {
             // Said already, with the log line; nothing to ask the store.
             return Err(FsError::ESTALE);
         }
@@ -336,9 +421,9 @@ impl WriteState {
         // Bytes only the open upload holds can only be published by completing it.
         let result = if size <= self.cfg.layout.part_size && self.uploaded_only.is_empty() {
             self.abort_stream().await;
-            self.publish_small(size).await
+            self.publish_small(size, pin.as_deref()).await
         } else {
-            self.publish_multipart(size).await
+            self.publish_multipart(size, pin.as_deref()).await
         };
         self.phase = if result.is_ok() {
             Phase::Clean
@@ -369,9 +454,9 @@ impl WriteState {
 
     /// One PUT of the whole file. Its body is a budget buffer (many small files published at
     /// once must not each hold a copy outside the budget), held for the request.
-    pub(super) async fn publish_small(&mut self, size: u64) -> FsResult<String> {
+    pub(super) async fn publish_small(&mut self, size: u64, pin: Option<&str>) -> FsResult<String> {
         if size == 0 {
-            return self.put_whole(Bytes::new()).await;
+            return self.put_whole(Bytes::new(), pin).await;
         }
         let len = size as usize;
         let (mut buf, _mem) = self.cfg.budget.buffer(size).await.split_mem();
@@ -384,10 +469,10 @@ impl WriteState {
             // appends after this publish (fsync).
             let tail = self.tail.as_ref().expect("checked").buf.as_slice();
             buf.as_mut_slice()[..len].copy_from_slice(tail);
-            return self.put_whole(buf.freeze(len)).await;
+            return self.put_whole(buf.freeze(len), pin).await;
         }
         let body = self.assemble_into(0..size, buf).await?.freeze(len);
-        let r = self.put_whole(body.clone()).await;
+        let r = self.put_whole(body.clone(), pin).await;
         // The whole small file is at hand: keep it, so the next rewrite of a few bytes needs
         // no GET.
         if r.is_ok() && self.stage(0, body).await.is_ok() {
@@ -397,8 +482,7 @@ impl WriteState {
         r
     }
 
-    pub(super) async fn put_whole(&self, body: Bytes) -> FsResult<String> {
-        let pin = self.publish_condition();
+    pub(super) async fn put_whole(&self, body: Bytes, pin: Option<&str>) -> FsResult<String> {
         self.store
             .put_if(&self.key, body, &self.meta, pin)
             .await
@@ -433,7 +517,11 @@ impl WriteState {
         }
     }
 
-    pub(super) async fn publish_multipart(&mut self, size: u64) -> FsResult<String> {
+    pub(super) async fn publish_multipart(
+        &mut self,
+        size: u64,
+        pin: Option<&str>,
+    ) -> FsResult<String> {
         let key = self.key.clone();
         let parts = self.cfg.layout.parts(size);
         if parts.len() > self.cfg.limits.max_parts as usize {
@@ -442,9 +530,8 @@ impl WriteState {
         self.start_stream().await?;
         match self.send_parts(&parts).await {
             Ok(completed) => {
-                let pin = self.publish_condition().map(str::to_string);
                 let stream = self.stream.as_mut().expect("stream");
-                let done = stream.upload.complete(&completed, pin.as_deref()).await;
+                let done = stream.upload.complete(&completed, pin).await;
                 match done {
                     Ok(etag) => {
                         let stored = self.stream.take().expect("stream").meta;
@@ -500,7 +587,8 @@ impl WriteState {
         self.uploaded_only.clear();
         if size > self.cfg.limits.max_copy_object {
             // Too big for one copy: a new upload of parts copied from the object.
-            return Box::pin(self.publish_multipart(size)).await;
+            let pin = self.publish_condition().map(str::to_string);
+            return Box::pin(self.publish_multipart(size, pin.as_deref())).await;
         }
         let what = format!("set metadata of {}", self.key);
         // The copy's own answer names the version it made: a HEAD after it could name a
@@ -633,6 +721,12 @@ impl WriteState {
             }
         }
     }
+}
+
+/// A commit's error that says the write-back directory has no room for it (its bound, or
+/// its disk).
+fn no_room(e: FsError) -> bool {
+    matches!(e.0, libc::ENOSPC | libc::EDQUOT)
 }
 
 /// Writes `fills` into `slot` in order (blocking), staged bytes through `buf` (large enough
