@@ -1363,7 +1363,7 @@ impl WriteBack {
         origin: Cond,
     ) -> Option<(Cond, DirectUpload)> {
         let deadline = Instant::now() + self.cfg.space_wait;
-        let mut sent = None;
+        let mut waited = None;
         loop {
             let changed = self.changed.notified();
             {
@@ -1374,7 +1374,12 @@ impl WriteBack {
                 let waiting = inner.by_key.get(key).copied();
                 match waiting.and_then(|s| inner.entries.get(&s)) {
                     None => {
-                        let known = prev.and_then(|p| inner.results.get(&p).cloned());
+                        // The version the key's last entry (the one waited for, else the
+                        // file's own last) made is the object now.
+                        let known = waited
+                            .or(prev)
+                            .and_then(|s| inner.results.get(&s).cloned())
+                            .or_else(|| prev.and_then(|p| inner.results.get(&p).cloned()));
                         inner.direct.push(key.to_string());
                         let guard = DirectUpload {
                             wb: self.clone(),
@@ -1385,8 +1390,8 @@ impl WriteBack {
                     Some(e) if e.conflict => return None,
                     Some(_) => {}
                 }
-                if let Some(s) = waiting.filter(|s| sent != Some(*s)) {
-                    sent = Some(s);
+                if let Some(s) = waiting.filter(|s| waited != Some(*s)) {
+                    waited = Some(s);
                     inner.expedite(s);
                     drop(inner);
                     self.work.notify_waiters();

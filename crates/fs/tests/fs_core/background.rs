@@ -741,3 +741,47 @@ async fn a_close_with_no_room_uploads_itself_after_the_version_queued_before_it(
     let pending: Vec<String> = e.fs.pending_uploads().into_iter().map(|p| p.key).collect();
     assert_eq!(pending, vec!["c".to_string()], "only the conflict is left");
 }
+
+/// A file uploaded directly (no room in the write-back directory) that another client
+/// changed since this mount read it is refused (`ESTALE`), and so is every later close or
+/// fsync of it until it is written again: only a version written after the refusal goes
+/// over the other client's (before: the next close overwrote it, unasked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_upload_refused_as_a_conflict_stays_refused_until_written_again() {
+    use crate::support::{random, write_mib};
+    const KIB: u64 = 1024;
+    let state = tempfile::tempdir().unwrap();
+    let mut wb = writeback_config(&state, Duration::from_secs(120));
+    wb.max_bytes = 1024 * KIB;
+    let e = crate::support::env_with(MemoryStore::new(), move |mut c| {
+        c.writeback = Some(wb);
+        c
+    });
+    // 600 KiB held by a conflict.
+    let (ino, fh) = create_and_write(&e, "c", &random(600 * KIB as usize, 1)).await;
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    put(&e.mem, "c", b"theirs").await;
+    e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+        .await;
+    put(&e.mem, "g", b"base").await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("g")).await.unwrap();
+    let h = e.fs.open(attr.ino, libc::O_RDWR).await.unwrap();
+    let ours = random(500 * KIB as usize, 2);
+    write_mib(&e.fs, attr.ino, h.fh, 0, &ours).await;
+    put(&e.mem, "g", b"theirs, since").await;
+    let refused = e.fs.fsync(attr.ino, h.fh).await;
+    assert_eq!(refused, Err(bucketfs_fs::FsError::ESTALE));
+    let again = e.fs.flush(attr.ino, h.fh).await;
+    assert_eq!(again, Err(bucketfs_fs::FsError::ESTALE), "refused again");
+    assert_eq!(object(&e.mem, "g").await, b"theirs, since");
+    // Written again: that version goes over theirs.
+    e.fs.write(attr.ino, h.fh, 0, Bytes::from_static(b"X"))
+        .await
+        .unwrap();
+    e.fs.flush(attr.ino, h.fh).await.expect("a rewrite goes up");
+    let mut want = ours;
+    want[0] = b'X';
+    assert!(object(&e.mem, "g").await == want);
+    e.fs.release(attr.ino, h.fh).await.unwrap();
+}

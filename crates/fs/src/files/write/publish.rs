@@ -44,16 +44,12 @@ impl WriteState {
     /// goes to the bucket before this returns instead ([`Stored::Uploaded`]): never `ENOSPC`
     /// while the bucket takes it.
     pub async fn commit(&mut self, ino: Ino, park: bool) -> FsResult<Stored> {
-        let committed = match self.uploaded_only.is_empty() {
-            true => self.commit_as(ino, park, false).await,
-            // Bytes only their uploaded part holds (their staging copy failed: the disk is
-            // full) cannot be committed; completing the upload stores them.
-            false => Err(FsError(libc::ENOSPC)),
-        };
-        match committed {
+        // Written since the last try failed (or since the last commit).
+        let changed = self.phase == Phase::Changed;
+        match self.commit_as(ino, park, false).await {
             Ok(()) => Ok(Stored::Committed),
             Err(e) if no_room(e) => {
-                self.publish_direct(e).await?;
+                self.publish_direct(e, changed).await?;
                 Ok(Stored::Uploaded)
             }
             Err(e) => Err(e),
@@ -66,7 +62,9 @@ impl WriteState {
     /// since is never overwritten; an object deleted since is stored as a new one, as the
     /// entry's upload would). `e` stands when that cannot be (a conflict of the key waits to
     /// be resolved, a directory above is being renamed).
-    async fn publish_direct(&mut self, e: FsError) -> FsResult<()> {
+    /// `changed`: written since the last try failed; after a conflict (`ESTALE`), only
+    /// such a version goes over the other client's, as in the write-back directory.
+    async fn publish_direct(&mut self, e: FsError, changed: bool) -> FsResult<()> {
         let wb = self.cfg.writeback.clone().expect("background mode");
         let origin = match self.base_etag() {
             Some(t) => Cond::Match(t.to_string()),
@@ -74,11 +72,18 @@ impl WriteState {
         };
         let Some((mut cond, _direct)) = wb.direct_cond(&self.key, self.committed, origin).await
         else {
+            inc(&self.cfg.metrics.publish_errors);
+            tracing::warn!(
+                "{}: no room in the write-back directory ({e}) and no upload of it now (a \
+                 version of it in conflict, or a directory above being renamed)",
+                self.key
+            );
             return Err(e);
         };
-        if self.conflict {
-            // Refused before (ESTALE) and stored again: this version goes over the other
-            // client's, as the write-back directory does with a rewrite of a conflict.
+        if self.conflict && changed {
+            // Refused before (ESTALE) and written again: this version goes over the other
+            // client's, as the write-back directory does with a rewrite of a conflict. Not
+            // written again, it is refused again.
             cond = Cond::Any;
             self.conflict = false;
         }
