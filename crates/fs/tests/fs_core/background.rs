@@ -687,6 +687,31 @@ async fn an_fsync_takes_along_only_files_fsyncd_since_and_never_a_first_version(
     }
 }
 
+const KIB: u64 = 1024;
+
+/// A background fs whose write-back directory (bound 1 MiB, uploads after 120 s, a close
+/// waiting at most 5 s for room) has 600 KiB held by a conflict, which never goes up by
+/// itself: another client made `c` before its upload, tried at once by a drain.
+async fn env_with_600k_conflict(state: &tempfile::TempDir) -> crate::support::Env {
+    let mut wb = writeback_config(state, Duration::from_secs(120));
+    wb.max_bytes = 1024 * KIB;
+    wb.space_wait = Duration::from_secs(5);
+    let e = crate::support::env_with(MemoryStore::new(), move |mut c| {
+        c.writeback = Some(wb);
+        c
+    });
+    let c = crate::support::random(600 * KIB as usize, 1);
+    let (ino, fh) = create_and_write(&e, "c", &c).await;
+    e.fs.flush(ino, fh).await.unwrap();
+    e.fs.release(ino, fh).await.unwrap();
+    put(&e.mem, "c", b"theirs").await;
+    e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+        .await;
+    let conflicts = e.fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
+    assert_eq!(conflicts, 1, "c is a conflict");
+    e
+}
+
 /// A write-back directory with no room for a close (its bound held by a conflict, which
 /// never goes up by itself) makes that close upload the file itself, as sync mode does,
 /// instead of failing with `ENOSPC`; and only once the version of the same file still
@@ -695,26 +720,10 @@ async fn an_fsync_takes_along_only_files_fsyncd_since_and_never_a_first_version(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_close_with_no_room_uploads_itself_after_the_version_queued_before_it() {
     use crate::support::{random, write_mib};
-    const KIB: u64 = 1024;
     let state = tempfile::tempdir().unwrap();
-    let mut wb = writeback_config(&state, Duration::from_secs(120));
-    wb.max_bytes = 1024 * KIB;
-    wb.space_wait = Duration::from_secs(5);
-    let e = crate::support::env_with(MemoryStore::new(), move |mut c| {
-        c.writeback = Some(wb);
-        c
-    });
+    let e = env_with_600k_conflict(&state).await;
     let conflicts = || e.fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
     let direct = || e.fs.metrics().writeback_direct.load(Ordering::Relaxed);
-    // 600 KiB held by a conflict: another client made the key before the upload.
-    let (ino, fh) = create_and_write(&e, "c", &random(600 * KIB as usize, 1)).await;
-    e.fs.flush(ino, fh).await.unwrap();
-    e.fs.release(ino, fh).await.unwrap();
-    put(&e.mem, "c", b"theirs").await;
-    // Its upload tried now (a drain does not wait for the delay).
-    e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
-        .await;
-    assert_eq!(conflicts(), 1, "c is a conflict");
     // f's first version (300 KiB) fits and waits its 120 s.
     let v1 = random(300 * KIB as usize, 2);
     let (ino, fh) = create_and_write(&e, "f", &v1).await;
@@ -749,21 +758,8 @@ async fn a_close_with_no_room_uploads_itself_after_the_version_queued_before_it(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_direct_upload_refused_as_a_conflict_stays_refused_until_written_again() {
     use crate::support::{random, write_mib};
-    const KIB: u64 = 1024;
     let state = tempfile::tempdir().unwrap();
-    let mut wb = writeback_config(&state, Duration::from_secs(120));
-    wb.max_bytes = 1024 * KIB;
-    let e = crate::support::env_with(MemoryStore::new(), move |mut c| {
-        c.writeback = Some(wb);
-        c
-    });
-    // 600 KiB held by a conflict.
-    let (ino, fh) = create_and_write(&e, "c", &random(600 * KIB as usize, 1)).await;
-    e.fs.flush(ino, fh).await.unwrap();
-    e.fs.release(ino, fh).await.unwrap();
-    put(&e.mem, "c", b"theirs").await;
-    e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
-        .await;
+    let e = env_with_600k_conflict(&state).await;
     put(&e.mem, "g", b"base").await;
     let attr = e.fs.lookup(ROOT_INO, OsStr::new("g")).await.unwrap();
     let h = e.fs.open(attr.ino, libc::O_RDWR).await.unwrap();
