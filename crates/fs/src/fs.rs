@@ -484,7 +484,7 @@ impl Fs {
             .add_new(parent, &name, path, FileKind::Dir, &pm, 0, None, false);
         if let Some(i) = self.ns.table().get_mut(ino) {
             // Just made: known to be empty.
-            i.listing = Some(DirListing::new(Vec::new()));
+            i.listing = Some(DirListing::new(Vec::new(), std::time::Instant::now()));
         }
         Ok(attr)
     }
@@ -568,10 +568,13 @@ impl Fs {
             let mut st = w.state.lock().await;
             return st.read(offset..offset.saturating_add(size as u64)).await;
         }
-        let (path, etag, file_size) = {
+        let (path, etag, file_size, cached_etag, filled, learned) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
-            (i.path.clone(), i.etag.clone(), i.attr.size)
+            let cached = i.cached_etag.clone();
+            let learned = i.learned_changes;
+            let (etag, size) = (i.etag.clone(), i.attr.size);
+            (i.path.clone(), etag, size, cached, i.pages_filled, learned)
         };
         let mut slot = reader.lock().await;
         let key = self.ns.key(&path);
@@ -580,17 +583,27 @@ impl Fs {
             *slot = None;
         }
         let new_reader = |etag, size| self.files.new_reader(key.clone(), etag, size, direct);
-        let r = slot.get_or_insert_with(|| new_reader(etag, file_size));
+        let r = slot.get_or_insert_with(|| match &handle.opened_on {
+            // The version opened, not another client's learnt since (see `OpenedVersion`).
+            Some(o) if o.key == key && o.learned_changes != learned => {
+                new_reader(Some(o.etag.clone()), o.size)
+            }
+            _ => new_reader(etag, file_size),
+        });
         let got = r.read(offset, size).await;
         if got != Err(FsError::ESTALE) {
+            if got.is_ok() && !direct && (!filled || cached_etag.as_deref() != r.etag()) {
+                self.filled_pages(ino, r.etag());
+            }
             return got;
         }
         // The object changed after this mount last looked at it (the ETag it had is older).
         // A descriptor that has read nothing yet, opened without the kernel's cached pages,
-        // gets everything it reads from here: it reads the object as it is now. Any other
-        // may have been given bytes of the old version: ESTALE, and the next open starts
-        // from the new one.
-        let fresh = !r.has_served() && !kernel_pages;
+        // while no other read filled them since, gets everything it reads from here: it reads
+        // the object as it is now. Any other may have been given bytes of the old version:
+        // ESTALE, and the next open starts from the new one.
+        let filled = self.ns.table().get(ino).is_some_and(|i| i.pages_filled);
+        let fresh = !r.has_served() && !kernel_pages && !filled;
         let mut tries = 0;
         let mut grew = false;
         let got = loop {
@@ -613,7 +626,21 @@ impl Fs {
                 f(ino);
             }
         }
+        if got.is_ok() && !direct {
+            self.filled_pages(ino, r.etag());
+        }
         got
+    }
+
+    /// A read of `ino` filled the kernel's page cache with bytes of version `etag`: the next
+    /// open keeps those pages only if they are all of the version it opens.
+    fn filled_pages(&self, ino: Ino, etag: Option<&str>) {
+        self.ns.with(ino, |i| {
+            i.pages_filled = true;
+            if i.cached_etag.as_deref() != etag {
+                i.cached_etag = None;
+            }
+        });
     }
 
     /// Learns the object of open file `ino` (at `key`) as it is now in the store, after a
@@ -829,6 +856,7 @@ impl Fs {
         if st.committed() != Some(u.seq) || st.key.as_str() != u.key || st.is_unlinked() {
             return;
         }
+        st.commit_landed(u.etag.clone());
         let clean = !st.has_changes_to_publish();
         if clean {
             self.ns
@@ -997,13 +1025,25 @@ impl Fs {
             return Ok(());
         }
         let w = write.expect("writer handle");
+        self.last_writer_done(ino, &w, true).await;
+        if let Some(path) = hidden {
+            self.delete_hidden(path).await;
+        }
+        Ok(())
+    }
+
+    /// The last writer of `ino` (a descriptor, or a `truncate` of a file nobody had open:
+    /// `close` false) is done with write state `w`: what is left of its changes is published,
+    /// and the state goes, unless the inode still needs it (an upload to land in background
+    /// mode, readers of an unlinked file).
+    pub(super) async fn last_writer_done(&self, ino: Ino, w: &Arc<OpenWrite>, close: bool) {
         let mut st = w.state.lock().await;
         if st.has_changes_to_publish() && !st.failed() {
             // Normally flush already published; this catches a flush that never came.
             if let Err(e) = self.persist(ino, &mut st, false).await {
                 tracing::error!("{}: data not uploaded and now lost: {e}", st.key);
             }
-        } else if st.failed() {
+        } else if st.failed() && close {
             tracing::error!("{}: closed after a failed upload; data not stored", st.key);
         }
         st.abort_stream().await;
@@ -1024,7 +1064,7 @@ impl Fs {
                     .zip(self.files.writeback())
                     .is_some_and(|(seq, wb)| wb.is_pending(seq));
             if let Some(i) = t.get_mut(ino).filter(|_| !uploading) {
-                if self.files.is_sole(ino, &w) {
+                if self.files.is_sole(ino, w) {
                     // An unlinked file's bytes may exist nowhere else: its readers read them
                     // from the state until the last close.
                     if !st.is_unlinked() || i.open_handles == 0 {
@@ -1041,11 +1081,6 @@ impl Fs {
             }
             t.maybe_drop(ino);
         }
-        drop(st);
-        if let Some(path) = hidden {
-            self.delete_hidden(path).await;
-        }
-        Ok(())
     }
 
     // ---- directories ----

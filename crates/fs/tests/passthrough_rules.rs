@@ -107,3 +107,53 @@ async fn a_truncate_waits_for_the_readers_of_a_copy_then_fails() {
     fs.release(a, fh).await.unwrap();
     assert_eq!(fs.setattr(a, None, set).await.unwrap().size, 3);
 }
+
+/// A truncate of a file nobody has open keeps out a read-only open while it uploads: that
+/// open reads through the fs (the new size once it is stored), never the old whole copy,
+/// which the kernel would go on reading after the truncate returned (and which would keep
+/// out every later open with `ETXTBSY`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_while_a_truncate_uploads_never_reads_the_old_copy() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    let mem = Arc::new(MemoryStore::new());
+    let data = Bytes::from(support::random((MIB + 5) as usize, 8));
+    mem.put("a", data, &UserMeta::default()).await.unwrap();
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let dc = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        data_cache: Some(DataCacheConfig {
+            dir: dc.path().to_path_buf(),
+            max_bytes: 64 * MIB,
+            scope: "test".into(),
+        }),
+        ..support::config(&cache)
+    };
+    let fs = Fs::new(faulty.clone() as Arc<dyn ObjectStore>, cfg);
+    assert!(fs.enable_passthrough());
+    let (ino, fh) = whole_copy_open(&fs, "a", MIB + 5).await;
+    fs.passed_through(ino, fh, true);
+    fs.release(ino, fh).await.unwrap();
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(Duration::from_secs(1)));
+    let truncate = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let set = bucketfs_fs::SetAttr {
+                size: Some(3),
+                ..Default::default()
+            };
+            fs.setattr(ino, None, set).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!truncate.is_finished(), "the truncate's upload is held");
+    let r = fs.open(ino, libc::O_RDONLY).await.unwrap();
+    assert!(
+        r.local.is_none(),
+        "an open during the truncate got the old copy"
+    );
+    assert_eq!(truncate.await.unwrap().unwrap().size, 3);
+    assert_eq!(fs.read(ino, r.fh, 0, 4096).await.unwrap().len(), 3);
+    fs.release(ino, r.fh).await.unwrap();
+}

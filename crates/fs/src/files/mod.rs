@@ -57,10 +57,25 @@ pub struct FileHandle {
     /// never read through the fs.
     pub keep_cache: bool,
     pub reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
+    /// Read-only: the object as it was opened (see [`OpenedVersion`]).
+    pub opened_on: Option<OpenedVersion>,
     /// The inode's write state, when opened for writing.
     pub write: Option<Arc<OpenWrite>>,
     /// Handed to the kernel with a local copy (passthrough): its reads never come here.
     pub through: bool,
+}
+
+/// The object a read-only descriptor opened. Its first reader reads that version when the
+/// mount has learnt another client's since (a `stat` before the first read): the kernel's
+/// pages are of the version opened. Changes made through this mount since (a truncate, a
+/// chmod's copy, a rename) are not another version of it: the kernel's pages follow them.
+#[derive(Debug, Clone)]
+pub struct OpenedVersion {
+    pub key: ObjectKey,
+    pub etag: String,
+    pub size: u64,
+    /// The inode's `learned_changes` at the open.
+    pub learned_changes: u64,
 }
 
 impl FileHandle {

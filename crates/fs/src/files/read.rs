@@ -252,6 +252,11 @@ impl Reader {
         self.held.queue.lock()
     }
 
+    /// The version it reads.
+    pub fn etag(&self) -> Option<&str> {
+        self.etag.as_deref()
+    }
+
     /// Whether any byte of its version went to the caller yet.
     pub fn has_served(&self) -> bool {
         self.served

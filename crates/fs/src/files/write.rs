@@ -376,6 +376,9 @@ pub struct WriteState {
     mtime_set: bool,
     /// Background mode: the write-back entry of the last commit (see [`Self::commit`]).
     committed: Option<u64>,
+    /// Background mode: the ETag that commit's upload landed as, once the file system
+    /// learnt it: what the next version replaces when there is no base object.
+    committed_etag: Option<String>,
     /// Background mode: what changed since that commit made the content, for a delta
     /// commit; None: not known (no commit yet, or the entry was made otherwise).
     since_commit: Option<SinceCommit>,
@@ -483,6 +486,7 @@ impl WriteState {
             mtime: None,
             mtime_set: false,
             committed: None,
+            committed_etag: None,
             since_commit: None,
             staging_shared: false,
             staging_offset: 0,
@@ -1172,6 +1176,7 @@ impl WriteState {
     pub fn move_base(&mut self, key: ObjectKey, etag: String) {
         debug_assert!(self.stream.is_none());
         self.key = key;
+        self.committed_etag = None;
         if let Some(b) = &mut self.base {
             b.etag = etag;
         }
@@ -1209,6 +1214,8 @@ impl WriteState {
         self.abort_stream().await;
         self.generations.clear();
         self.key = key;
+        // The copy under `key` of what the old key held.
+        self.committed_etag.clone_from(&etag);
         if let (Some(b), Some(etag)) = (&mut self.base, etag) {
             b.etag = etag;
         }

@@ -68,8 +68,26 @@ const REC_HEADER: u64 = 64;
 pub(crate) const RECORD_MAX: u64 = 4 << 20;
 /// Records up to this size are written whole at their seal (see [`Slot::write_blocking`]).
 const HELD_MAX: u64 = 256 << 10;
-/// Upload results kept for later versions of the same files (their `If-Match`).
+/// Upload results kept for later versions of the same files (their `If-Match`), until the
+/// file system learns them (see `WriteState::commit_landed`).
 const RESULTS_KEPT: usize = 200_000;
+
+/// [`RESULTS_KEPT`]; fewer in builds with debug assertions (the tests') when
+/// `BUCKETFS_TEST_RESULTS_KEPT` says so.
+fn results_kept() -> usize {
+    static KEPT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KEPT.get_or_init(|| {
+        let test = cfg!(debug_assertions)
+            .then(|| {
+                std::env::var("BUCKETFS_TEST_RESULTS_KEPT")
+                    .ok()?
+                    .parse()
+                    .ok()
+            })
+            .flatten();
+        test.unwrap_or(RESULTS_KEPT)
+    })
+}
 /// ETags of possibly landed versions an entry carries (see `Entry::landed`) at most.
 const LANDED_KEPT: usize = 8;
 /// Most records one entry's content spans (a whole file and deltas over it); the commit
@@ -1987,7 +2005,7 @@ impl WriteBack {
             if let Some(r) = slot.replaces {
                 inner.successor.insert(r, slot.seq);
                 inner.successor_order.push_back(r);
-                while inner.successor_order.len() > RESULTS_KEPT {
+                while inner.successor_order.len() > results_kept() {
                     if let Some(s) = inner.successor_order.pop_front() {
                         inner.successor.remove(&s);
                     }
@@ -2712,7 +2730,7 @@ impl WriteBack {
                     }
                     inner.results.insert(seq, etag.clone());
                     inner.results_order.push_back(seq);
-                    while inner.results_order.len() > RESULTS_KEPT {
+                    while inner.results_order.len() > results_kept() {
                         if let Some(old) = inner.results_order.pop_front() {
                             inner.results.remove(&old);
                         }
@@ -2877,7 +2895,15 @@ impl WriteBack {
                 }
                 if let Ok(o) = &head {
                     if o.etag.as_deref() == Some(ours.as_str()) && o.size == size {
-                        return Ok(ours);
+                        if o.user == *meta {
+                            return Ok(ours);
+                        }
+                        // Our bytes with other metadata: an earlier version of ours (a
+                        // chmod since) whose answer was lost, or metadata the store wrote
+                        // its own way. This version goes over it.
+                        if cond.if_match() != Some(ours.as_str()) {
+                            return Err(UploadErr::Ours(ours));
+                        }
                     }
                     match &o.etag {
                         Some(etag)

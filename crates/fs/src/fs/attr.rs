@@ -20,6 +20,9 @@ impl Fs {
                 FileKind::Symlink => return Err(FsError::EINVAL),
                 FileKind::File => {}
             }
+            if write.is_none() {
+                return self.truncate_closed(ino, &path, &set).await;
+            }
             self.wait_not_through(ino).await?;
         }
         self.ns.changing(&path);
@@ -46,15 +49,6 @@ impl Fs {
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
             (i.etag.clone(), i.attr.size, i.user.clone())
         };
-        if set.size.is_some() {
-            // A state of its own, published now.
-            let base = etag.map(|etag| Base { etag, size });
-            let w = self.files.new_write(self.ns.key(&path), base, user);
-            let mut st = w.state.lock().await;
-            let a = self.setattr_state(ino, kind, &mut st, &set, true).await?;
-            self.keep_until_uploaded(ino, &w, &st);
-            return Ok(a);
-        }
         let Some(change) = Self::meta_change(kind, &set) else {
             return self.getattr(ino).await;
         };
@@ -98,24 +92,43 @@ impl Fs {
         Ok(self.current_attr(i))
     }
 
-    /// Background mode: write state `w` (`st`, locked) of `ino`, not registered, committed a
-    /// version still to upload: it is registered, as a closed file's, so this mount shows
-    /// that version until the upload lands (see `Fs::uploaded`).
-    pub(super) fn keep_until_uploaded(&self, ino: Ino, w: &Arc<OpenWrite>, st: &WriteState) {
-        let Some(wb) = self.files.writeback() else {
-            return;
+    /// truncate(2) of file `ino` (at `path`) that no write state holds: through a state of
+    /// its own, published now. The state is registered as a writer's from before the wait
+    /// for passthrough readers until it is published, so an open meanwhile shares it: a
+    /// writer builds on the new size (its close never puts the old bytes back), a reader
+    /// reads the new content, never a local copy of the old one; and the last of them
+    /// publishes what is left.
+    async fn truncate_closed(&self, ino: Ino, path: &MountPath, set: &SetAttr) -> FsResult<Attr> {
+        let w = {
+            let mut t = self.ns.table();
+            let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+            i.writing = true;
+            // The kernel's pages are of the old size.
+            i.cached_etag = None;
+            let base = i.etag.clone().map(|etag| Base {
+                etag,
+                size: i.attr.size,
+            });
+            let key = self.ns.key(&i.path);
+            self.files
+                .add_writer(ino, || self.files.new_write(key, base, i.user.clone()))
         };
-        if !st.committed().is_some_and(|s| wb.is_pending(s)) {
-            return;
+        let set_now = async {
+            self.wait_not_through(ino).await?;
+            self.ns.changing(path);
+            let mut st = w.state.lock().await;
+            self.setattr_state(ino, FileKind::File, &mut st, set, true)
+                .await
+        };
+        let a = set_now.await;
+        let last = {
+            let _t = self.ns.table();
+            self.files.drop_writer(ino) == 0
+        };
+        if last {
+            self.last_writer_done(ino, &w, false).await;
         }
-        let mut t = self.ns.table();
-        if let Some(i) = t.get_mut(ino) {
-            if self.files.write_of(ino).is_none() {
-                i.writing = true;
-                self.files.add_writer(ino, || w.clone());
-                self.files.drop_writer(ino);
-            }
-        }
+        a
     }
 
     /// Applies `set` to file `ino` through its write state `st` (held locked), and publishes

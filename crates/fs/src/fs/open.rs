@@ -1,7 +1,17 @@
 use super::*;
+use crate::files::OpenedVersion;
 
 /// Times (20 ms apart) an open waits for the passthrough handles of its inode to close.
 const THROUGH_WAITS: u32 = 50;
+
+/// What [`Fs::open_registered`] gives an open: the write state, whether the kernel keeps its
+/// pages, the local copy read through, and the version opened (read-only).
+type OpenedInode = (
+    Option<Arc<OpenWrite>>,
+    bool,
+    Option<Arc<std::fs::File>>,
+    Option<OpenedVersion>,
+);
 
 impl Fs {
     /// `flags` are the open(2) flags.
@@ -45,7 +55,7 @@ impl Fs {
         // While the inode is open for passthrough, an open that cannot share it waits for
         // those handles to close (the kernel tells us a little after the close itself).
         let mut waits = 0;
-        let (write, keep_cache, local) = loop {
+        let (write, keep_cache, local, opened_on) = loop {
             match self.open_registered(ino, writable, shareable, &mut local)? {
                 Some(r) => break r,
                 None => self.wait_through(ino, &mut waits).await?,
@@ -65,6 +75,7 @@ impl Fs {
             flags,
             keep_cache,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
+            opened_on,
             write,
             through: local.is_some(),
         });
@@ -98,16 +109,15 @@ impl Fs {
     }
 
     /// The inode's side of an open, under the table's lock: its write state, whether the
-    /// kernel keeps its pages, and the local copy it reads through. `None`: busy (see
-    /// [`OpenFiles::choose_through`]).
-    #[allow(clippy::type_complexity)]
+    /// kernel keeps its pages, the local copy it reads through, and the version a read-only
+    /// open reads. `None`: busy (see [`OpenFiles::choose_through`]).
     fn open_registered(
         &self,
         ino: Ino,
         writable: bool,
         shareable: bool,
         local: &mut Option<(String, std::fs::File)>,
-    ) -> FsResult<Option<(Option<Arc<OpenWrite>>, bool, Option<Arc<std::fs::File>>)>> {
+    ) -> FsResult<Option<OpenedInode>> {
         let mut t = self.ns.table();
         let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
         match i.kind {
@@ -138,14 +148,25 @@ impl Fs {
         // The kernel may keep its cached pages if the object is the one it cached them from.
         let keep = write.is_none() && i.etag.is_some() && i.cached_etag == i.etag;
         // A passthrough open fills no page of this inode: what the kernel holds is unchanged.
+        // Any other open but a kept one drops the kernel's pages.
         if through.is_none() {
             i.cached_etag = if write.is_none() {
                 i.etag.clone()
             } else {
                 None
             };
+            i.pages_filled &= keep;
         }
-        Ok(Some((write, keep, through)))
+        let opened_on = match (&write, &i.etag) {
+            (None, Some(etag)) => Some(OpenedVersion {
+                key: self.ns.key(&i.path),
+                etag: etag.clone(),
+                size: i.attr.size,
+                learned_changes: i.learned_changes,
+            }),
+            _ => None,
+        };
+        Ok(Some((write, keep, through, opened_on)))
     }
 
     /// Creates and opens a regular file; the lookup count of the new inode goes up by one.
@@ -190,6 +211,7 @@ impl Fs {
             flags,
             keep_cache: false,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
+            opened_on: None,
             write: Some(w),
             through: false,
         });

@@ -27,9 +27,10 @@ pub struct DirListing {
 }
 
 impl DirListing {
-    pub fn new(names: Vec<String>) -> Self {
+    /// A listing of `names` as the store said them at `at`.
+    pub fn new(names: Vec<String>, at: Instant) -> Self {
         Self {
-            at: Instant::now(),
+            at,
             names,
             added: HashSet::new(),
             hits: 0,
@@ -52,8 +53,15 @@ pub struct Inode {
     /// Directories: whether a `path/` marker object exists.
     pub has_marker: bool,
     pub symlink_target: Option<Bytes>,
-    /// ETag of the content the kernel may hold in its page cache from an earlier open.
+    /// ETag of the content the kernel may hold in its page cache from an earlier open
+    /// (None: unknown, or none; the next open drops the pages).
     pub cached_etag: Option<String>,
+    /// Some read of this mount filled the kernel's page cache since an open last dropped it:
+    /// a descriptor may have been handed those bytes without asking this mount.
+    pub pages_filled: bool,
+    /// Times this mount learnt from the store a version other than the one it knew (another
+    /// client's change): a descriptor opened before then reads the version it opened.
+    pub learned_changes: u64,
     pub lookups: u64,
     pub open_handles: u64,
     /// A write state of this mount holds the file's content and attributes (see
@@ -91,6 +99,8 @@ impl Inode {
             has_marker: false,
             symlink_target: None,
             cached_etag: None,
+            pages_filled: false,
+            learned_changes: 0,
             listing: None,
             lookups: 0,
             open_handles: 0,

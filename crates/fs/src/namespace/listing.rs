@@ -100,6 +100,9 @@ pub struct DirStream {
     index: HashMap<String, usize>,
     /// When its first page was asked for: names added here since may be missing from it.
     started: Option<Instant>,
+    /// When the LIST of its first page was sent (earlier than `started` for a page a lookup
+    /// kept): what the listing says is believed until the TTL counted from then.
+    listed_at: Option<Instant>,
 }
 
 impl DirStream {
@@ -125,6 +128,7 @@ impl DirStream {
             entries,
             index: HashMap::new(),
             started: None,
+            listed_at: None,
         }
     }
 
@@ -396,10 +400,11 @@ impl Namespace {
                 "LIST"
             }
         );
-        let (page, epoch) = match kept {
+        let (page, epoch, at) = match kept {
             Some(kept) => kept,
             None => {
                 let epoch = self.lookups.epoch();
+                let at = Instant::now();
                 let sent = std::time::SystemTime::now();
                 let page = self
                     .store
@@ -409,9 +414,10 @@ impl Namespace {
                 if first {
                     self.lookups.save_page(&st.prefix, &page, sent, st.detail);
                 }
-                (page, epoch)
+                (page, epoch, at)
             }
         };
+        st.listed_at.get_or_insert(at);
         let at_root = st.path.is_root();
         for (name, found) in page_entries(&page, st.prefix.len(), at_root) {
             let path = st.path.join(name);
@@ -430,7 +436,7 @@ impl Namespace {
                 let ino = self.table.lock().entry_ino(st.ino, name, &path);
                 st.push(name, found.kind, ino);
             }
-            self.lookups.listed(&path, found, epoch);
+            self.lookups.listed(&path, found, epoch, at);
         }
         if let Some(t) = page.next_continuation {
             st.from = ListFrom::Token(t);
@@ -459,7 +465,7 @@ impl Namespace {
         let added = self.added_since(st.ino, since);
         let mut t = self.table.lock();
         if let Some(i) = t.get_mut(st.ino) {
-            let mut l = DirListing::new(names);
+            let mut l = DirListing::new(names, st.listed_at.unwrap_or(since));
             l.added = added;
             i.listing = Some(l);
         }
@@ -491,15 +497,16 @@ impl Namespace {
             }
             t.get(dir)?.path.join(&e.name)
         };
-        let (found, complete) = self.lookups.peek(&path).unwrap_or_else(|| {
+        let (found, complete, at) = self.lookups.peek(&path).unwrap_or_else(|| {
             let found = Found {
                 kind: e.kind,
                 obj: ObjectMeta::default(),
                 has_marker: false,
             };
-            (found, false)
+            (found, false, Instant::now())
         });
-        let attr = self.remember(dir, &e.name, path, found, 1, Instant::now());
+        // Fresh for the TTL from when the store said it, not from now.
+        let attr = self.remember(dir, &e.name, path, found, 1, at);
         if !complete {
             // Not fresh: the next stat or lookup of it asks the store.
             let stale = self.stale_instant();

@@ -291,8 +291,9 @@ impl Lookups {
 
     /// What is cached for `path` and whether it is complete, without a request and without
     /// counting as a stat of a listed entry.
-    pub fn peek(&self, path: &MountPath) -> Option<(Found, bool)> {
-        self.fresh(path).and_then(|c| Some((c.found?, c.complete)))
+    pub fn peek(&self, path: &MountPath) -> Option<(Found, bool, Instant)> {
+        self.fresh(path)
+            .and_then(|c| Some((c.found?, c.complete, c.at)))
     }
 
     fn put(&self, path: &MountPath, found: Option<Found>, complete: bool) {
@@ -354,13 +355,18 @@ impl Lookups {
     /// is as good as a HEAD (complete, newer than what is cached), unless this mount changed
     /// something since the LIST was sent (the answer may predate the change); one without it
     /// is partial and does not replace a complete entry of the same kind.
-    pub fn listed(&self, path: &MountPath, found: Found, epoch: u64) {
-        self.learned(path, found, epoch, true, Instant::now());
+    /// `at`: when the LIST was sent (what it says is believed until the TTL counted from then).
+    pub fn listed(&self, path: &MountPath, found: Found, epoch: u64, at: Instant) {
+        self.learned(path, found, epoch, true, at);
     }
 
     /// [`Self::listed`], as learned at `at`; `count`: as a listed file that a walk which
     /// stats nothing would not use (see [`Self::list_detail`]).
     fn learned(&self, path: &MountPath, found: Found, epoch: u64, count: bool, at: Instant) {
+        if self.fresh(path).is_some_and(|c| c.at > at) {
+            // Learned since that LIST was sent (a page a lookup kept, used later).
+            return;
+        }
         let complete = found.obj.user_complete && epoch == self.epoch();
         if !complete
             && self.fresh(path).is_some_and(|c| {
@@ -600,7 +606,11 @@ impl Lookups {
     /// changed nothing since it was fetched (it may predate the change), and only if it
     /// carries what the listing wants (`detail`: a page without metadata would leave `ls -l`
     /// a HEAD per file).
-    pub fn take_page(&self, dir_key: &ObjectKey, detail: ListDetail) -> Option<(ListPage, u64)> {
+    pub fn take_page(
+        &self,
+        dir_key: &ObjectKey,
+        detail: ListDetail,
+    ) -> Option<(ListPage, u64, Instant)> {
         let mut kept = self.kept.lock();
         if kept.is_empty() {
             return None;
@@ -610,7 +620,7 @@ impl Lookups {
         let i = kept.iter().position(|k| *dir_key == *k.dir_key)?;
         let k = kept.remove(i)?;
         let enough = k.detail == ListDetail::UserMeta || detail == ListDetail::Plain;
-        enough.then_some((k.page, k.epoch))
+        enough.then_some((k.page, k.epoch, k.at))
     }
 
     /// [`Self::stat`]; with `keep_epoch`, a probe it starts keeps the page it fetches. Also
@@ -889,14 +899,14 @@ mod tests {
             })
         };
         let epoch = l.epoch();
-        l.listed(&"a".into(), listed(), epoch);
+        l.listed(&"a".into(), listed(), epoch, Instant::now());
         assert!(l.cached_complete(&"a".into()));
         // A LIST sent before `a` was changed here answers after the change.
         let epoch = l.epoch();
         l.forget(&"a".into());
-        l.listed(&"a".into(), listed(), epoch);
+        l.listed(&"a".into(), listed(), epoch, Instant::now());
         assert!(!l.cached_complete(&"a".into()));
-        l.listed(&"a".into(), listed(), l.epoch());
+        l.listed(&"a".into(), listed(), l.epoch(), Instant::now());
         assert!(l.cached_complete(&"a".into()));
     }
 
@@ -1007,7 +1017,7 @@ mod tests {
         // A walk that stats no file turned listing metadata off; the parent's listing
         // showed `d` as a directory.
         l.list_user_meta.store(false, Ordering::Relaxed);
-        l.listed(&"d".into(), Found::listed_dir(), l.epoch());
+        l.listed(&"d".into(), Found::listed_dir(), l.epoch(), Instant::now());
         let (d, _) = l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
         assert_eq!(d.obj.user["mode"], (libc::S_IFDIR | 0o700).to_string());
         assert!(d.has_marker);
@@ -1015,7 +1025,7 @@ mod tests {
         // A listing without metadata takes the page; one that wants metadata does not.
         assert!(l.take_page(&"d/".into(), ListDetail::Plain).is_some());
         l.forget(&"d".into());
-        l.listed(&"d".into(), Found::listed_dir(), l.epoch());
+        l.listed(&"d".into(), Found::listed_dir(), l.epoch(), Instant::now());
         l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
         assert!(l.take_page(&"d/".into(), ListDetail::UserMeta).is_none());
     }
@@ -1035,7 +1045,7 @@ mod tests {
             async move {
                 let l = Lookups::new(mem, Keys::default(), limits());
                 for d in &dirs {
-                    l.listed(d, Found::listed_dir(), l.epoch());
+                    l.listed(d, Found::listed_dir(), l.epoch(), Instant::now());
                 }
                 l.statahead(dirs.clone(), pages);
                 // With pages, the directories past the first few are left to their lookups.
@@ -1076,7 +1086,7 @@ mod tests {
             l.take_page(&"d00/".into(), ListDetail::UserMeta).is_none(),
             "the oldest were dropped"
         );
-        let (page, _) = l.take_page(&"d19/".into(), ListDetail::UserMeta).unwrap();
+        let (page, _, _) = l.take_page(&"d19/".into(), ListDetail::UserMeta).unwrap();
         assert_eq!(page.objects[0].key, "d19/f");
         assert!(
             l.take_page(&"d19/".into(), ListDetail::UserMeta).is_none(),
@@ -1110,7 +1120,12 @@ mod tests {
         let l = Lookups::new(Arc::new(MemoryStore::new()), Keys::default(), limits());
         let f = || found_object(ObjectMeta::default());
         for i in 0..5000 {
-            l.listed(&MountPath::new(format!("f{i}")), f(), l.epoch());
+            l.listed(
+                &MountPath::new(format!("f{i}")),
+                f(),
+                l.epoch(),
+                Instant::now(),
+            );
             assert!(l.cache.lock().len() <= 1000);
         }
         assert!(

@@ -231,6 +231,9 @@ impl Namespace {
                     (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
                 }
                 i.attr = a;
+                if i.etag != f.obj.etag {
+                    i.learned_changes += 1;
+                }
                 i.etag = f.obj.etag.clone();
                 i.user = f.obj.user;
                 i.has_marker = f.has_marker;
@@ -563,6 +566,9 @@ impl Namespace {
         self.lookups.forget(&i.path);
         let grew = obj.size > i.attr.size;
         i.attr = self.policy.attr_of_object(ino, i.kind, obj);
+        if i.etag != obj.etag {
+            i.learned_changes += 1;
+        }
         i.etag = obj.etag.clone();
         i.user = obj.user.clone();
         i.fetched = Some(Instant::now());

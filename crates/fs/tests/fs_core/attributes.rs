@@ -148,3 +148,42 @@ async fn paths_whose_key_exceeds_1024_bytes_are_refused() {
         .await
         .is_ok());
 }
+
+/// A truncate of a file nobody has open, and an open for writing while it uploads: the
+/// writer shares the truncated content, so its close stores its write over the new size
+/// (before: it had a state of its own over the old version, and its close failed with
+/// `ESTALE`; in background mode it put the old bytes back over the acknowledged truncate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_for_writing_while_a_truncate_uploads_builds_on_the_truncated_file() {
+    use bucketfs_store::fault::Fault;
+    use bucketfs_store::metrics::Op;
+    use std::time::Duration;
+    let mem = Arc::new(MemoryStore::new());
+    let old = crate::support::random(1 << 20, 5);
+    put(&mem, "f", &old).await;
+    let (faulty, fs, _cache) = crate::support::faulty_fs(&mem);
+    let a = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(Duration::from_secs(1)));
+    let truncate = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let set = SetAttr {
+                size: Some(512 << 10),
+                ..SetAttr::default()
+            };
+            fs.setattr(a.ino, None, set).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!truncate.is_finished(), "the truncate's upload is held");
+    let h = fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+    assert_eq!(truncate.await.unwrap().unwrap().size, 512 << 10);
+    fs.write(a.ino, h.fh, 0, bytes::Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    fs.flush(a.ino, h.fh).await.unwrap();
+    fs.release(a.ino, h.fh).await.unwrap();
+    let mut want = old[..512 << 10].to_vec();
+    want[0] = b'x';
+    assert_eq!(object(&mem, "f").await, want);
+}

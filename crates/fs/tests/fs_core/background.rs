@@ -781,3 +781,63 @@ async fn a_direct_upload_refused_as_a_conflict_stays_refused_until_written_again
     assert!(object(&e.mem, "g").await == want);
     e.fs.release(attr.ino, h.fh).await.unwrap();
 }
+
+/// A file whose upload landed with its answer lost (its entry failed, to be tried again),
+/// then chmod'ed: the chmod's version, the same bytes with another mode, goes over the
+/// landed one, so the bucket gets the new mode (before: the upload took the object, whose
+/// ETag and size were its own, for itself already there, and the mode never reached the
+/// bucket).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chmod_after_an_upload_whose_answer_was_lost_reaches_the_bucket() {
+    use bucketfs_fs::SetAttr;
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    faulty.inject(Op::Put, 0, Some(1), Fault::DropAfter);
+    let state = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mut cfg = config(&cache);
+    cfg.writeback = Some(writeback_config(&state, Duration::ZERO));
+    let fs = Fs::new(faulty, cfg);
+    let (a, h) = fs
+        .create(
+            ROOT_INO,
+            OsStr::new("f"),
+            0o644,
+            0,
+            libc::O_WRONLY,
+            crate::support::ME,
+        )
+        .await
+        .unwrap();
+    fs.write(a.ino, h.fh, 0, Bytes::from_static(b"data"))
+        .await
+        .unwrap();
+    fs.flush(a.ino, h.fh).await.unwrap();
+    fs.release(a.ino, h.fh).await.unwrap();
+    let errors = || fs.metrics().writeback_upload_errors.load(Ordering::Relaxed);
+    for _ in 0..500 {
+        if errors() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(errors(), 1, "the upload landed and failed");
+    let mode = |m: &ObjectMeta| {
+        m.user
+            .get("mode")
+            .map(|v| v.parse::<u32>().unwrap() & 0o7777)
+    };
+    assert_eq!(mode(&mem.head("f").await.unwrap()), Some(0o644));
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..SetAttr::default()
+    };
+    fs.setattr(a.ino, None, chmod).await.unwrap();
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    assert_eq!(left, 0);
+    assert_eq!(mode(&mem.head("f").await.unwrap()), Some(0o600));
+    assert_eq!(object(&mem, "f").await, b"data");
+    assert_eq!(fs.metrics().writeback_conflicts.load(Ordering::Relaxed), 0);
+}

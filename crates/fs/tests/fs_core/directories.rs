@@ -1020,3 +1020,36 @@ async fn a_directory_bigger_than_a_page_is_looked_up_again_without_one() {
     );
     assert_eq!(list(&fs, d.ino).await.len(), 1102);
 }
+
+/// A listing that starts from the page a lookup of its directory kept shows what that LIST
+/// saw, and believes it for the stat TTL counted from when the LIST was sent, not from the
+/// listing: another client's change made just after the lookup shows T after it (before:
+/// up to 2 T, the page's entries and the listing's "no such name" taken as new).
+#[tokio::test]
+async fn a_listing_from_a_kept_page_is_believed_for_the_ttl_from_its_list() {
+    let ttl = Duration::from_secs(1);
+    let mem = MemoryStore::new();
+    put(&mem, "d/f", &[1; 100]).await;
+    let e = crate::support::env_with(mem, |c| FsConfig {
+        stat_ttl: ttl,
+        negative_ttl: ttl,
+        ..c
+    });
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let lists = e.metrics.requests(Op::List);
+    put(&e.mem, "d/f", &[2; 200]).await;
+    put(&e.mem, "d/g", b"new").await;
+    tokio::time::sleep(ttl * 7 / 10).await;
+    assert_eq!(list(&e.fs, d.ino).await, [".", "..", "f"]);
+    assert_eq!(
+        e.metrics.requests(Op::List),
+        lists,
+        "the kept page was used"
+    );
+    // T after the lookup's LIST, 0.5 T after the listing.
+    tokio::time::sleep(ttl / 2).await;
+    let g = e.fs.lookup(d.ino, OsStr::new("g")).await;
+    assert_eq!(g.map(|a| a.size), Ok(3), "d/g, added T ago");
+    let f = e.fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    assert_eq!(f.size, 200, "d/f, replaced T ago");
+}

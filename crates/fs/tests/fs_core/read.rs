@@ -1,7 +1,7 @@
 //! Reads: GET sizes, readahead, block reuse and the page cache.
 
 use crate::support::{env, put, random, MIB};
-use bucketfs_fs::{Fs, ROOT_INO};
+use bucketfs_fs::{Fs, FsError, ROOT_INO};
 use bucketfs_store::metrics::Op;
 use bytes::Bytes;
 use rand::{Rng, SeedableRng};
@@ -75,6 +75,60 @@ async fn unchanged_files_keep_the_page_cache() {
     assert!(!h3.keep_cache);
     assert_eq!(&e.fs.read(a.ino, h3.fh, 0, 10).await.unwrap()[..], b"v2");
     e.fs.release(a.ino, h3.fh).await.unwrap();
+}
+
+/// A descriptor opened on the kernel's kept pages of a version reads that version, even when
+/// a stat learns another client's newer one before its first read: it gets `ESTALE`, never
+/// the kept pages of one version and the rest of the file from the other.
+#[tokio::test]
+async fn a_descriptor_keeping_the_kernels_pages_never_reads_a_version_learnt_after_its_open() {
+    let e = env();
+    put(&e.mem, "k", b"v1v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let h1 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, h1.fh, 0, 4).await.unwrap()[..], b"v1v1");
+    e.fs.release(a.ino, h1.fh).await.unwrap();
+    let h2 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(h2.keep_cache);
+    put(&e.mem, "k", b"v2v2").await;
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.getattr(a.ino).await.unwrap(); // learns v2
+    let r = e.fs.read(a.ino, h2.fh, 0, 4).await;
+    assert_eq!(
+        r,
+        Err(FsError(libc::ESTALE)),
+        "a read of the kept descriptor"
+    );
+    e.fs.release(a.ino, h2.fh).await.unwrap();
+    let h3 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!h3.keep_cache, "the kernel's pages are of the old version");
+    assert_eq!(&e.fs.read(a.ino, h3.fh, 0, 4).await.unwrap()[..], b"v2v2");
+    e.fs.release(a.ino, h3.fh).await.unwrap();
+}
+
+/// A descriptor that has read nothing, opened without kept pages, finds the object replaced
+/// by another client: it reads the new version only if no other descriptor filled the
+/// kernel's pages since it opened (the kernel may have handed it those without asking);
+/// otherwise `ESTALE`.
+#[tokio::test]
+async fn a_replaced_object_is_read_anew_only_if_no_other_descriptor_filled_pages() {
+    let e = env();
+    put(&e.mem, "k", b"v1v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let idle = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let busy = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, busy.fh, 0, 4).await.unwrap()[..], b"v1v1");
+    put(&e.mem, "k", b"v2v2").await;
+    let r = e.fs.read(a.ino, idle.fh, 0, 4).await;
+    assert_eq!(r, Err(FsError(libc::ESTALE)), "pages of v1 were filled");
+    e.fs.release(a.ino, idle.fh).await.unwrap();
+    e.fs.release(a.ino, busy.fh).await.unwrap();
+    // Alone, it reads the new version.
+    let sole = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!sole.keep_cache);
+    put(&e.mem, "k", b"v3v3").await;
+    assert_eq!(&e.fs.read(a.ino, sole.fh, 0, 4).await.unwrap()[..], b"v3v3");
+    e.fs.release(a.ino, sole.fh).await.unwrap();
 }
 
 #[tokio::test]

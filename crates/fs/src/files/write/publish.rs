@@ -66,10 +66,7 @@ impl WriteState {
     /// such a version goes over the other client's, as in the write-back directory.
     async fn publish_direct(&mut self, e: FsError, changed: bool) -> FsResult<()> {
         let wb = self.cfg.writeback.clone().expect("background mode");
-        let origin = match self.base_etag() {
-            Some(t) => Cond::Match(t.to_string()),
-            None => Cond::Absent,
-        };
+        let origin = self.origin();
         let Some((mut cond, _direct)) = wb.direct_cond(&self.key, self.committed, origin).await
         else {
             inc(&self.cfg.metrics.publish_errors);
@@ -195,6 +192,21 @@ impl WriteState {
         self.serve_entry(seq, (file, offset), size);
     }
 
+    /// What the next version replaces in the bucket, as far as this state knows: its base
+    /// object, else the last commit's version once its upload landed, else nothing. (The
+    /// write-back directory knows better while it remembers the last commit's upload.)
+    fn origin(&self) -> Cond {
+        match self.base_etag().or(self.committed_etag.as_deref()) {
+            Some(e) => Cond::Match(e.to_string()),
+            None => Cond::Absent,
+        }
+    }
+
+    /// The upload of the last commit landed as `etag` (see `Fs::uploaded`).
+    pub fn commit_landed(&mut self, etag: String) {
+        self.committed_etag = Some(etag);
+    }
+
     /// Entry `seq` holds the whole content now, which stays where it is (the staging file
     /// and the tail): nothing of the base object is needed any more.
     fn own_content(&mut self, seq: u64, size: u64) {
@@ -243,10 +255,7 @@ impl WriteState {
         delta_only: bool,
     ) -> FsResult<(u64, Option<(Arc<File>, u64)>)> {
         self.localize().await?;
-        let origin = match self.base_etag() {
-            Some(e) => Cond::Match(e.to_string()),
-            None => Cond::Absent,
-        };
+        let origin = self.origin();
         // Deltas for fsyncs of a file that stays open; a close stores it whole, which lets
         // the state give back its tail and staging file while the upload waits.
         let changes = self

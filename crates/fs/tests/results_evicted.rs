@@ -1,0 +1,71 @@
+//! Background upload of a file kept open while far more uploads land than the write-back
+//! directory remembers the results of (`BUCKETFS_TEST_RESULTS_KEPT`, set for this test
+//! binary alone: it is read once per process).
+
+mod support;
+
+use bucketfs_fs::{Fs, WriteBackConfig, ROOT_INO};
+use bucketfs_store::memory::MemoryStore;
+use bytes::Bytes;
+use std::ffi::OsStr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A file open for writing whose fsync'd version landed, then forgotten by the write-back
+/// directory under many other uploads: its next version replaces the landed one (`If-Match`
+/// its ETag, learnt by the open file), instead of being refused as a conflict with another
+/// client (before: sent as a new file, `If-None-Match: *`, and kept in the write-back
+/// directory for good as "changed by another client").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_files_next_version_replaces_its_landed_one_after_its_result_was_forgotten() {
+    std::env::set_var("BUCKETFS_TEST_RESULTS_KEPT", "2");
+    let mem = Arc::new(MemoryStore::new());
+    let state = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mut cfg = support::config(&cache);
+    cfg.writeback = Some(WriteBackConfig {
+        dir: state.path().join("wb"),
+        max_bytes: 1 << 30,
+        concurrency: 2,
+        fsync_waits_upload: true,
+        delay: Duration::ZERO,
+        space_wait: Duration::from_secs(60),
+    });
+    let fs = Fs::new(mem.clone(), cfg);
+    let create = |name: &'static str| {
+        let fs = fs.clone();
+        async move {
+            let (a, h) = fs
+                .create(
+                    ROOT_INO,
+                    OsStr::new(name),
+                    0o644,
+                    0,
+                    libc::O_RDWR,
+                    support::ME,
+                )
+                .await
+                .unwrap();
+            (a.ino, h.fh)
+        }
+    };
+    let (f, fh) = create("f").await;
+    fs.write(f, fh, 0, Bytes::from_static(b"v1")).await.unwrap();
+    fs.fsync(f, fh).await.unwrap(); // in the bucket when it returns
+    assert_eq!(support::object(&mem, "f").await, b"v1");
+    for name in ["g1", "g2", "g3", "g4"] {
+        let (g, gh) = create(name).await;
+        fs.flush(g, gh).await.unwrap();
+        fs.release(g, gh).await.unwrap();
+    }
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    assert_eq!(left, 0);
+    fs.write(f, fh, 0, Bytes::from_static(b"v2")).await.unwrap();
+    fs.flush(f, fh).await.unwrap();
+    fs.release(f, fh).await.unwrap();
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    let conflicts = fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
+    assert_eq!((left, conflicts), (0, 0), "v2 was refused as a conflict");
+    assert_eq!(support::object(&mem, "f").await, b"v2");
+}
