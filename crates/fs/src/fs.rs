@@ -9,10 +9,10 @@
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::files::write::{Appended, Base, Stored, WriteState};
-use crate::files::{FileHandle, OpenFiles, OpenWrite};
+use crate::files::{FileHandle, OpenFiles, OpenWrite, OpenedVersion};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta};
 use crate::metrics::FsMetrics;
-use crate::namespace::inode::{DirListing, Inode};
+use crate::namespace::inode::{DirListing, Inode, KernelPages};
 pub use crate::namespace::listing::DirEntry;
 use crate::namespace::lookup::CacheLimits;
 use crate::namespace::names::{check_name, UNLINKED_DIR};
@@ -562,19 +562,26 @@ impl Fs {
     pub async fn read(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
         let handle = self.files.handle(ino, fh)?;
         let (reader, direct) = (handle.reader, handle.flags & libc::O_DIRECT != 0);
-        let kernel_pages = handle.keep_cache;
+        let opened_on = handle.opened_on.as_ref();
         if let Some(w) = self.files.write_of(ino) {
             // Someone is writing this file: read its current content, staged bytes included.
             let mut st = w.state.lock().await;
-            return st.read(offset..offset.saturating_add(size as u64)).await;
+            let got = st.read(offset..offset.saturating_add(size as u64)).await;
+            drop(st);
+            if !direct {
+                self.ns.with(ino, |i| i.pages = KernelPages::Unknown);
+            }
+            return got;
         }
-        let (path, etag, file_size, cached_etag, filled, learned) = {
+        let (path, etag, file_size, pages_of, learned) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
-            let cached = i.cached_etag.clone();
-            let learned = i.learned_changes;
+            let pages_of = match &i.pages {
+                KernelPages::Of(e) => Some(e.clone()),
+                _ => None,
+            };
             let (etag, size) = (i.etag.clone(), i.attr.size);
-            (i.path.clone(), etag, size, cached, i.pages_filled, learned)
+            (i.path.clone(), etag, size, pages_of, i.learned_changes)
         };
         let mut slot = reader.lock().await;
         let key = self.ns.key(&path);
@@ -583,34 +590,33 @@ impl Fs {
             *slot = None;
         }
         let new_reader = |etag, size| self.files.new_reader(key.clone(), etag, size, direct);
-        let r = slot.get_or_insert_with(|| match &handle.opened_on {
-            // The version opened, not another client's learnt since (see `OpenedVersion`).
-            Some(o) if o.key == key && o.learned_changes != learned => {
-                new_reader(Some(o.etag.clone()), o.size)
-            }
+        let r = slot.get_or_insert_with(|| match opened_on {
+            // The version opened, not another client's learnt since (see `OpenedVersion`),
+            // under the key it has now (a rename here keeps its bytes).
+            Some(o) if o.learned_changes != learned => new_reader(Some(o.etag.clone()), o.size),
             _ => new_reader(etag, file_size),
         });
         let got = r.read(offset, size).await;
         if got != Err(FsError::ESTALE) {
-            if got.is_ok() && !direct && (!filled || cached_etag.as_deref() != r.etag()) {
+            if got.is_ok() && !direct && pages_of.as_deref() != r.etag() {
                 self.filled_pages(ino, r.etag());
             }
             return got;
         }
         // The object changed after this mount last looked at it (the ETag it had is older).
-        // A descriptor that has read nothing yet, opened without the kernel's cached pages,
-        // while no other read filled them since, gets everything it reads from here: it reads
-        // the object as it is now. Any other may have been given bytes of the old version:
-        // ESTALE, and the next open starts from the new one.
-        let filled = self.ns.table().get(ino).is_some_and(|i| i.pages_filled);
-        let fresh = !r.has_served() && !kernel_pages && !filled;
+        // A descriptor that has read nothing yet reads the object as it is now, if the
+        // kernel cannot have handed it bytes of another version either: with O_DIRECT, or
+        // while the pages it may have been handed since its open (see `OpenedVersion`) are
+        // all of the new version. Any other gets ESTALE, and the next open starts from the
+        // new one.
+        let unread = !r.has_served();
         let mut tries = 0;
         let mut grew = false;
         let got = loop {
             tries += 1;
             let (etag, len, longer) = self.repin(ino, &key).await?;
             grew |= longer;
-            if !fresh {
+            if !(unread && (direct || self.pages_only_of(ino, opened_on, etag.as_deref()))) {
                 break Err(FsError::ESTALE);
             }
             *r = new_reader(etag, len);
@@ -632,15 +638,19 @@ impl Fs {
         got
     }
 
-    /// A read of `ino` filled the kernel's page cache with bytes of version `etag`: the next
-    /// open keeps those pages only if they are all of the version it opens.
+    /// Whether every page of `ino` the kernel may have handed a descriptor opened on `opened`
+    /// since its open is of version `etag`.
+    fn pages_only_of(&self, ino: Ino, opened: Option<&OpenedVersion>, etag: Option<&str>) -> bool {
+        let t = self.ns.table();
+        let (Some(i), Some(o)) = (t.get(ino), opened) else {
+            return false;
+        };
+        i.page_drops == o.page_drops && i.pages.only_of(etag)
+    }
+
+    /// A read of `ino` filled the kernel's page cache with bytes of version `etag`.
     fn filled_pages(&self, ino: Ino, etag: Option<&str>) {
-        self.ns.with(ino, |i| {
-            i.pages_filled = true;
-            if i.cached_etag.as_deref() != etag {
-                i.cached_etag = None;
-            }
-        });
+        self.ns.with(ino, |i| i.pages.filled(etag));
     }
 
     /// Learns the object of open file `ino` (at `key`) as it is now in the store, after a

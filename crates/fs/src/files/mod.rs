@@ -53,9 +53,6 @@ pub struct FileHandle {
     pub ino: Ino,
     /// The open(2) flags.
     pub flags: i32,
-    /// Opened with the kernel's cached pages kept: it may have handed out bytes this handle
-    /// never read through the fs.
-    pub keep_cache: bool,
     pub reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
     /// Read-only: the object as it was opened (see [`OpenedVersion`]).
     pub opened_on: Option<OpenedVersion>,
@@ -71,11 +68,13 @@ pub struct FileHandle {
 /// chmod's copy, a rename) are not another version of it: the kernel's pages follow them.
 #[derive(Debug, Clone)]
 pub struct OpenedVersion {
-    pub key: ObjectKey,
     pub etag: String,
     pub size: u64,
     /// The inode's `learned_changes` at the open.
     pub learned_changes: u64,
+    /// The inode's `page_drops` after the open: while it stays, the inode's `pages` say
+    /// every page the kernel may have handed this descriptor.
+    pub page_drops: u64,
 }
 
 impl FileHandle {

@@ -32,6 +32,9 @@ impl Fs {
                 drop(st);
                 self.ns.attr(ino)?;
                 write = self.files.write_of(ino);
+                if write.is_none() && set.size.is_some() {
+                    return self.truncate_closed(ino, &path, &set).await;
+                }
                 continue;
             }
             // truncate(2) on a path nobody has open: nobody will close it, publish now.
@@ -104,7 +107,7 @@ impl Fs {
             let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
             i.writing = true;
             // The kernel's pages are of the old size.
-            i.cached_etag = None;
+            i.pages = KernelPages::Unknown;
             let base = i.etag.clone().map(|etag| Base {
                 etag,
                 size: i.attr.size,

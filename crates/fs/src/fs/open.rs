@@ -1,5 +1,4 @@
 use super::*;
-use crate::files::OpenedVersion;
 
 /// Times (20 ms apart) an open waits for the passthrough handles of its inode to close.
 const THROUGH_WAITS: u32 = 50;
@@ -73,7 +72,6 @@ impl Fs {
         let fh = self.files.add_handle(FileHandle {
             ino,
             flags,
-            keep_cache,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             opened_on,
             write,
@@ -145,24 +143,24 @@ impl Fs {
             })
         });
         i.open_handles += 1;
-        // The kernel may keep its cached pages if the object is the one it cached them from.
-        let keep = write.is_none() && i.etag.is_some() && i.cached_etag == i.etag;
+        // The kernel may keep its cached pages if they are of the object as it is now.
+        let keep = write.is_none() && i.etag.is_some() && i.pages.only_of(i.etag.as_deref());
         // A passthrough open fills no page of this inode: what the kernel holds is unchanged.
-        // Any other open but a kept one drops the kernel's pages.
-        if through.is_none() {
-            i.cached_etag = if write.is_none() {
-                i.etag.clone()
-            } else {
-                None
+        // Any other open but a kept one drops the kernel's pages; a writer's fill them with
+        // what it writes.
+        if through.is_none() && !keep {
+            i.pages = match write {
+                None => KernelPages::Dropped,
+                Some(_) => KernelPages::Unknown,
             };
-            i.pages_filled &= keep;
+            i.page_drops += 1;
         }
         let opened_on = match (&write, &i.etag) {
             (None, Some(etag)) => Some(OpenedVersion {
-                key: self.ns.key(&i.path),
                 etag: etag.clone(),
                 size: i.attr.size,
                 learned_changes: i.learned_changes,
+                page_drops: i.page_drops,
             }),
             _ => None,
         };
@@ -209,7 +207,6 @@ impl Fs {
         let fh = self.files.add_handle(FileHandle {
             ino,
             flags,
-            keep_cache: false,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             opened_on: None,
             write: Some(w),

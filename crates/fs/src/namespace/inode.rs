@@ -38,6 +38,40 @@ impl DirListing {
     }
 }
 
+/// What the kernel's page cache of a file holds, as far as this mount can tell. The kernel
+/// fills it from this mount's reads and hands it to any descriptor without asking; an open
+/// without `FOPEN_KEEP_CACHE` (other than a passthrough one) drops it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelPages {
+    /// Nothing since an open dropped them.
+    Dropped,
+    /// Only bytes of this version, read through this mount.
+    Of(String),
+    /// Bytes of several versions, or of content written here, or not known: the next open
+    /// drops them.
+    Unknown,
+}
+
+impl KernelPages {
+    /// A read through this mount filled pages with bytes of version `etag`.
+    pub fn filled(&mut self, etag: Option<&str>) {
+        *self = match (&*self, etag) {
+            (Self::Dropped, Some(e)) => Self::Of(e.to_string()),
+            (Self::Of(o), Some(e)) if o == e => return,
+            _ => Self::Unknown,
+        };
+    }
+
+    /// Whether every page held is of version `etag` (none is).
+    pub fn only_of(&self, etag: Option<&str>) -> bool {
+        match self {
+            Self::Dropped => true,
+            Self::Of(o) => Some(o.as_str()) == etag,
+            Self::Unknown => false,
+        }
+    }
+}
+
 pub struct Inode {
     pub ino: Ino,
     pub parent: Ino,
@@ -53,12 +87,10 @@ pub struct Inode {
     /// Directories: whether a `path/` marker object exists.
     pub has_marker: bool,
     pub symlink_target: Option<Bytes>,
-    /// ETag of the content the kernel may hold in its page cache from an earlier open
-    /// (None: unknown, or none; the next open drops the pages).
-    pub cached_etag: Option<String>,
-    /// Some read of this mount filled the kernel's page cache since an open last dropped it:
-    /// a descriptor may have been handed those bytes without asking this mount.
-    pub pages_filled: bool,
+    /// What the kernel's page cache of the file holds.
+    pub pages: KernelPages,
+    /// Opens that made the kernel drop its pages (see [`KernelPages`]).
+    pub page_drops: u64,
     /// Times this mount learnt from the store a version other than the one it knew (another
     /// client's change): a descriptor opened before then reads the version it opened.
     pub learned_changes: u64,
@@ -98,8 +130,8 @@ impl Inode {
             user: UserMeta::new(),
             has_marker: false,
             symlink_target: None,
-            cached_etag: None,
-            pages_filled: false,
+            pages: KernelPages::Unknown,
+            page_drops: 0,
             learned_changes: 0,
             listing: None,
             lookups: 0,

@@ -101,7 +101,7 @@ pub struct DirStream {
     /// When its first page was asked for: names added here since may be missing from it.
     started: Option<Instant>,
     /// When the LIST of its first page was sent (earlier than `started` for a page a lookup
-    /// kept): what the listing says is believed until the TTL counted from then.
+    /// kept).
     listed_at: Option<Instant>,
 }
 
@@ -465,7 +465,12 @@ impl Namespace {
         let added = self.added_since(st.ino, since);
         let mut t = self.table.lock();
         if let Some(i) = t.get_mut(st.ino) {
-            let mut l = DirListing::new(names, st.listed_at.unwrap_or(since));
+            // As of its end, less the age its first page had when taken (a page a lookup
+            // kept): the names it lacks are believed no longer than that page's entries.
+            let now = Instant::now();
+            let kept_for = st.listed_at.map(|l| since.saturating_duration_since(l));
+            let at = kept_for.and_then(|d| now.checked_sub(d)).unwrap_or(now);
+            let mut l = DirListing::new(names, at);
             l.added = added;
             i.listing = Some(l);
         }

@@ -123,6 +123,8 @@ struct Keep {
     detail: ListDetail,
     /// Where the page is saved for later mounts, with the time its LIST is sent.
     disk: Option<(Arc<dyn ListingDisk>, SystemTime)>,
+    /// When its LIST is sent.
+    sent: Instant,
 }
 
 impl Keep {
@@ -158,7 +160,7 @@ impl Keep {
             dir_key: dir_key.to_string(),
             page,
             epoch: self.epoch,
-            at: Instant::now(),
+            at: self.sent,
             fed: false,
             detail: self.detail,
             saved: false,
@@ -262,6 +264,7 @@ impl Lookups {
             ttl: self.limits.ttl,
             detail: self.detail_now(),
             disk: self.disk.get().map(|d| (d.clone(), SystemTime::now())),
+            sent: Instant::now(),
         })
     }
 
@@ -363,10 +366,6 @@ impl Lookups {
     /// [`Self::listed`], as learned at `at`; `count`: as a listed file that a walk which
     /// stats nothing would not use (see [`Self::list_detail`]).
     fn learned(&self, path: &MountPath, found: Found, epoch: u64, count: bool, at: Instant) {
-        if self.fresh(path).is_some_and(|c| c.at > at) {
-            // Learned since that LIST was sent (a page a lookup kept, used later).
-            return;
-        }
         let complete = found.obj.user_complete && epoch == self.epoch();
         if !complete
             && self.fresh(path).is_some_and(|c| {

@@ -572,8 +572,6 @@ impl Namespace {
         i.etag = obj.etag.clone();
         i.user = obj.user.clone();
         i.fetched = Some(Instant::now());
-        // Pages the kernel keeps may be of either version: the next open drops them.
-        i.cached_etag = None;
         grew
     }
 

@@ -187,3 +187,36 @@ async fn an_open_for_writing_while_a_truncate_uploads_builds_on_the_truncated_fi
     want[0] = b'x';
     assert_eq!(object(&mem, "f").await, want);
 }
+
+/// A truncate by path that finds the file's write state being retired by its last close
+/// (publishing, here held at its `PUT`) truncates once the close is done, through a state of
+/// its own (in a build of 2026-12-02 it returned 0 and changed nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncate_during_the_last_close_of_a_writer_is_not_lost() {
+    use bucketfs_store::fault::Fault;
+    use bucketfs_store::metrics::Op;
+    use std::time::Duration;
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "f", b"old").await;
+    let (faulty, fs, _cache) = crate::support::faulty_fs(&mem);
+    let a = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = fs.open(a.ino, libc::O_WRONLY).await.unwrap();
+    fs.write(a.ino, h.fh, 0, bytes::Bytes::from(vec![7u8; 1 << 20]))
+        .await
+        .unwrap();
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(Duration::from_secs(1)));
+    // A release with no flush before it: it publishes, holding the state.
+    let close = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.release(a.ino, h.fh).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let set = SetAttr {
+        size: Some(0),
+        ..SetAttr::default()
+    };
+    assert_eq!(fs.setattr(a.ino, None, set).await.unwrap().size, 0);
+    close.await.unwrap().unwrap();
+    assert_eq!(object(&mem, "f").await, b"");
+    assert_eq!(fs.getattr(a.ino).await.unwrap().size, 0);
+}

@@ -148,3 +148,58 @@ async fn random_reads_reuse_recently_fetched_blocks() {
         "{gets} GETs for 2,000 random 16 KiB reads of 16 MiB"
     );
 }
+
+/// Two descriptors that have read nothing find the object replaced by another client: the
+/// first reads the new version, and so does the second, since the only pages the first
+/// filled are of that version; so does an `O_DIRECT` one, whatever the pages hold (the
+/// kernel never hands it any).
+#[tokio::test]
+async fn descriptors_that_read_nothing_all_read_a_replaced_object_anew() {
+    let e = env();
+    put(&e.mem, "k", b"v1v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let fd1 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let fd2 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let busy = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    put(&e.mem, "k", b"v2v2").await;
+    for (h, what) in [(&fd1, "the first"), (&fd2, "the second")] {
+        let r = e.fs.read(a.ino, h.fh, 0, 4).await;
+        assert_eq!(r.as_deref().ok(), Some(&b"v2v2"[..]), "{what}");
+    }
+    let d =
+        e.fs.open(a.ino, libc::O_RDONLY | libc::O_DIRECT)
+            .await
+            .unwrap();
+    assert_eq!(&e.fs.read(a.ino, busy.fh, 0, 4).await.unwrap()[..], b"v2v2");
+    put(&e.mem, "k", b"v3v3").await;
+    let r = e.fs.read(a.ino, d.fh, 0, 4).await;
+    assert_eq!(r.as_deref().ok(), Some(&b"v3v3"[..]), "O_DIRECT");
+    for h in [fd1, fd2, busy, d] {
+        e.fs.release(a.ino, h.fh).await.unwrap();
+    }
+}
+
+/// Bytes read through a writer's state fill the kernel's pages too: a descriptor that has
+/// read nothing, once the writer published and another client replaced the object, gets
+/// `ESTALE` rather than the other client's version (it may hold this mount's from those
+/// pages).
+#[tokio::test]
+async fn pages_filled_through_a_writer_keep_a_descriptor_from_reading_another_version() {
+    let e = env();
+    put(&e.mem, "k", b"v1v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let w = e.fs.open(a.ino, libc::O_RDWR).await.unwrap();
+    let idle = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let busy = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    assert_eq!(&e.fs.read(a.ino, busy.fh, 0, 4).await.unwrap()[..], b"v2v1");
+    e.fs.flush(a.ino, w.fh).await.unwrap();
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    put(&e.mem, "k", b"v3v3").await;
+    let r = e.fs.read(a.ino, idle.fh, 0, 4).await;
+    assert_eq!(r, Err(FsError(libc::ESTALE)));
+    e.fs.release(a.ino, idle.fh).await.unwrap();
+    e.fs.release(a.ino, busy.fh).await.unwrap();
+}
