@@ -9,7 +9,7 @@
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::files::write::{Appended, Base, Stored, WriteState};
-use crate::files::{FileHandle, OpenFiles, OpenWrite, OpenedVersion};
+use crate::files::{FileHandle, OpenFiles, OpenWrite};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta};
 use crate::metrics::FsMetrics;
 use crate::namespace::inode::{DirListing, Inode, KernelPages};
@@ -561,44 +561,50 @@ impl Fs {
     /// Reads up to `size` bytes at `offset`; shorter only at end of file.
     pub async fn read(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
         let handle = self.files.handle(ino, fh)?;
-        let (reader, direct) = (handle.reader, handle.flags & libc::O_DIRECT != 0);
-        let opened_on = handle.opened_on.as_ref();
+        let (reader, direct) = (handle.reader.clone(), handle.flags & libc::O_DIRECT != 0);
         if let Some(w) = self.files.write_of(ino) {
             // Someone is writing this file: read its current content, staged bytes included.
             let mut st = w.state.lock().await;
             let got = st.read(offset..offset.saturating_add(size as u64)).await;
             drop(st);
             if !direct {
-                self.ns.with(ino, |i| i.pages = KernelPages::Unknown);
+                self.filled_pages(ino, None);
             }
             return got;
         }
-        let (path, etag, file_size, pages_of, learned) = {
+        let (path, etag, file_size, pages, learned) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
-            let pages_of = match &i.pages {
-                KernelPages::Of(e) => Some(e.clone()),
-                _ => None,
-            };
             let (etag, size) = (i.etag.clone(), i.attr.size);
-            (i.path.clone(), etag, size, pages_of, i.learned_changes)
+            (
+                i.path.clone(),
+                etag,
+                size,
+                i.pages.clone(),
+                i.learned_changes,
+            )
         };
         let mut slot = reader.lock().await;
         let key = self.ns.key(&path);
+        let mut served = false;
         if slot.as_ref().is_some_and(|r| *r.key() != key) {
-            // Renamed while open: read the object under its new key.
-            *slot = None;
+            // Renamed while open: read the object under its new key (what the old reader
+            // handed out still counts).
+            served = slot.take().is_some_and(|r| r.has_served());
         }
         let new_reader = |etag, size| self.files.new_reader(key.clone(), etag, size, direct);
-        let r = slot.get_or_insert_with(|| match opened_on {
+        let r = slot.get_or_insert_with(|| match &handle.opened_on {
             // The version opened, not another client's learnt since (see `OpenedVersion`),
             // under the key it has now (a rename here keeps its bytes).
             Some(o) if o.learned_changes != learned => new_reader(Some(o.etag.clone()), o.size),
             _ => new_reader(etag, file_size),
         });
+        if served {
+            r.mark_served();
+        }
         let got = r.read(offset, size).await;
         if got != Err(FsError::ESTALE) {
-            if got.is_ok() && !direct && pages_of.as_deref() != r.etag() {
+            if got.is_ok() && !direct && !pages.holds(r.etag()) {
                 self.filled_pages(ino, r.etag());
             }
             return got;
@@ -606,9 +612,8 @@ impl Fs {
         // The object changed after this mount last looked at it (the ETag it had is older).
         // A descriptor that has read nothing yet reads the object as it is now, if the
         // kernel cannot have handed it bytes of another version either: with O_DIRECT, or
-        // while the pages it may have been handed since its open (see `OpenedVersion`) are
-        // all of the new version. Any other gets ESTALE, and the next open starts from the
-        // new one.
+        // while the pages it may have been handed since its open are all of the new
+        // version. Any other gets ESTALE, and the next open starts from the new one.
         let unread = !r.has_served();
         let mut tries = 0;
         let mut grew = false;
@@ -616,7 +621,7 @@ impl Fs {
             tries += 1;
             let (etag, len, longer) = self.repin(ino, &key).await?;
             grew |= longer;
-            if !(unread && (direct || self.pages_only_of(ino, opened_on, etag.as_deref()))) {
+            if !(unread && (direct || self.pages_only_of(ino, &handle, etag.as_deref()))) {
                 break Err(FsError::ESTALE);
             }
             *r = new_reader(etag, len);
@@ -638,14 +643,12 @@ impl Fs {
         got
     }
 
-    /// Whether every page of `ino` the kernel may have handed a descriptor opened on `opened`
-    /// since its open is of version `etag`.
-    fn pages_only_of(&self, ino: Ino, opened: Option<&OpenedVersion>, etag: Option<&str>) -> bool {
+    /// Whether every page of `ino` the kernel may have handed descriptor `h` since its open
+    /// is of version `etag`.
+    fn pages_only_of(&self, ino: Ino, h: &FileHandle, etag: Option<&str>) -> bool {
         let t = self.ns.table();
-        let (Some(i), Some(o)) = (t.get(ino), opened) else {
-            return false;
-        };
-        i.page_drops == o.page_drops && i.pages.only_of(etag)
+        t.get(ino)
+            .is_some_and(|i| i.page_drops == h.page_drops && i.pages.only_of(etag))
     }
 
     /// A read of `ino` filled the kernel's page cache with bytes of version `etag`.
@@ -684,9 +687,13 @@ impl Fs {
         Ok(len)
     }
 
-    /// The file's content changed here: its mtime is now.
+    /// The file's content changed here: its mtime is now, and the kernel's pages may hold
+    /// what was written.
     fn wrote(&self, ino: Ino) {
-        self.ns.with(ino, |i| i.attr.mtime = now());
+        self.ns.with(ino, |i| {
+            i.attr.mtime = now();
+            i.pages = KernelPages::Unknown;
+        });
     }
 
     /// A write, finished on the calling (FUSE) thread straight from its buffer when it is an

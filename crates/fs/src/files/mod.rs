@@ -55,7 +55,10 @@ pub struct FileHandle {
     pub flags: i32,
     pub reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
     /// Read-only: the object as it was opened (see [`OpenedVersion`]).
-    pub opened_on: Option<OpenedVersion>,
+    pub opened_on: Option<Arc<OpenedVersion>>,
+    /// The inode's `page_drops` after the open: while it stays, the inode's `pages` say
+    /// every page the kernel may have handed this descriptor.
+    pub page_drops: u64,
     /// The inode's write state, when opened for writing.
     pub write: Option<Arc<OpenWrite>>,
     /// Handed to the kernel with a local copy (passthrough): its reads never come here.
@@ -72,9 +75,6 @@ pub struct OpenedVersion {
     pub size: u64,
     /// The inode's `learned_changes` at the open.
     pub learned_changes: u64,
-    /// The inode's `page_drops` after the open: while it stays, the inode's `pages` say
-    /// every page the kernel may have handed this descriptor.
-    pub page_drops: u64,
 }
 
 impl FileHandle {
@@ -345,6 +345,11 @@ impl OpenFiles {
         });
         e.writers += 1;
         e.write.clone()
+    }
+
+    /// How many writers have `ino`'s write state.
+    pub fn writers(&self, ino: Ino) -> u64 {
+        self.writes.lock().get(&ino).map_or(0, |e| e.writers)
     }
 
     /// One writer of `ino` closed; returns how many are left.

@@ -257,6 +257,11 @@ impl Reader {
         self.etag.as_deref()
     }
 
+    /// Counts as having handed bytes out (its descriptor's earlier reader did).
+    pub fn mark_served(&mut self) {
+        self.served = true;
+    }
+
     /// Whether any byte of its version went to the caller yet.
     pub fn has_served(&self) -> bool {
         self.served

@@ -96,7 +96,7 @@ impl Fs {
     }
 
     /// truncate(2) of file `ino` (at `path`) that no write state holds: through a state of
-    /// its own, published now. The state is registered as a writer's from before the wait
+    /// its own, published now (unless a writer opened it meanwhile). The state is registered as a writer's from before the wait
     /// for passthrough readers until it is published, so an open meanwhile shares it: a
     /// writer builds on the new size (its close never puts the old bytes back), a reader
     /// reads the new content, never a local copy of the old one; and the last of them
@@ -120,7 +120,9 @@ impl Fs {
             self.wait_not_through(ino).await?;
             self.ns.changing(path);
             let mut st = w.state.lock().await;
-            self.setattr_state(ino, FileKind::File, &mut st, set, true)
+            // A writer that opened meanwhile publishes it with what it writes, at its close.
+            let alone = self.files.writers(ino) == 1;
+            self.setattr_state(ino, FileKind::File, &mut st, set, alone)
                 .await
         };
         let a = set_now.await;

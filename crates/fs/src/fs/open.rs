@@ -1,4 +1,5 @@
 use super::*;
+use crate::files::OpenedVersion;
 
 /// Times (20 ms apart) an open waits for the passthrough handles of its inode to close.
 const THROUGH_WAITS: u32 = 50;
@@ -9,7 +10,8 @@ type OpenedInode = (
     Option<Arc<OpenWrite>>,
     bool,
     Option<Arc<std::fs::File>>,
-    Option<OpenedVersion>,
+    Option<Arc<OpenedVersion>>,
+    u64,
 );
 
 impl Fs {
@@ -54,7 +56,7 @@ impl Fs {
         // While the inode is open for passthrough, an open that cannot share it waits for
         // those handles to close (the kernel tells us a little after the close itself).
         let mut waits = 0;
-        let (write, keep_cache, local, opened_on) = loop {
+        let (write, keep_cache, local, opened_on, page_drops) = loop {
             match self.open_registered(ino, writable, shareable, &mut local)? {
                 Some(r) => break r,
                 None => self.wait_through(ino, &mut waits).await?,
@@ -74,6 +76,7 @@ impl Fs {
             flags,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             opened_on,
+            page_drops,
             write,
             through: local.is_some(),
         });
@@ -143,8 +146,12 @@ impl Fs {
             })
         });
         i.open_handles += 1;
-        // The kernel may keep its cached pages if they are of the object as it is now.
-        let keep = write.is_none() && i.etag.is_some() && i.pages.only_of(i.etag.as_deref());
+        // The kernel may keep its cached pages if they are of the object as it is now, and no
+        // other client's change was learnt since they were last dropped.
+        let keep = write.is_none()
+            && i.etag.is_some()
+            && i.pages.only_of(i.etag.as_deref())
+            && i.pages_learned == i.learned_changes;
         // A passthrough open fills no page of this inode: what the kernel holds is unchanged.
         // Any other open but a kept one drops the kernel's pages; a writer's fill them with
         // what it writes.
@@ -154,17 +161,17 @@ impl Fs {
                 Some(_) => KernelPages::Unknown,
             };
             i.page_drops += 1;
+            i.pages_learned = i.learned_changes;
         }
         let opened_on = match (&write, &i.etag) {
-            (None, Some(etag)) => Some(OpenedVersion {
+            (None, Some(etag)) => Some(Arc::new(OpenedVersion {
                 etag: etag.clone(),
                 size: i.attr.size,
                 learned_changes: i.learned_changes,
-                page_drops: i.page_drops,
-            }),
+            })),
             _ => None,
         };
-        Ok(Some((write, keep, through, opened_on)))
+        Ok(Some((write, keep, through, opened_on, i.page_drops)))
     }
 
     /// Creates and opens a regular file; the lookup count of the new inode goes up by one.
@@ -209,6 +216,7 @@ impl Fs {
             flags,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
             opened_on: None,
+            page_drops: 0,
             write: Some(w),
             through: false,
         });

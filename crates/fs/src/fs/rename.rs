@@ -343,11 +343,17 @@ impl Fs {
                 return Err(log_store_err(&what, e));
             }
         };
-        if let Err(e) = check_expected(src, old.as_ref(), expect.as_ref()) {
-            if let Some((wb, seq, _)) = &held {
-                wb.release(*seq);
+        if unexpected(old.as_ref(), expect.as_ref()) {
+            let ours = match &held {
+                Some((wb, seq, _)) => landed_ours(wb, *seq, old.as_ref()).await,
+                None => false,
+            };
+            if !ours {
+                if let Some((wb, seq, _)) = &held {
+                    wb.release(*seq);
+                }
+                return Err(theirs(src));
             }
-            return Err(e);
         }
         let rekeyed = match &held {
             Some((wb, seq, cond)) => {
@@ -658,11 +664,9 @@ impl Fs {
             return Ok(());
         };
         let listed = objects.iter().find(|o| o.key == key);
-        if check {
-            if let Err(e) = check_expected(&key, listed, Some(&cond)) {
-                wb.release(seq);
-                return Err(e);
-            }
+        if check && unexpected(listed, Some(&cond)) && !landed_ours(wb, seq, listed).await {
+            wb.release(seq);
+            return Err(theirs(&key));
         }
         let new_key = format!("{dst}{}", &key[src.len()..]);
         let from = Moved::now(&key, listed.and_then(|o| o.etag.clone()));
@@ -776,22 +780,32 @@ async fn undo_rekeys(wb: &WriteBack, moving: Vec<Rekeyed>) {
     }
 }
 
-/// `ESTALE` (with a log line) unless `found`, the object at `key`, is what `expect` says: a
-/// version waiting for upload moves only with the object it was based on, never with one
+/// Whether `found`'s ETag is that of a version of this mount's that entry `seq` replaced or
+/// is, whose upload failed after it may have landed (its answer lost): see `Entry::landed`.
+async fn landed_ours(wb: &WriteBack, seq: u64, found: Option<&ObjectMeta>) -> bool {
+    let Some(etag) = found.and_then(|o| o.etag.as_ref()) else {
+        return false;
+    };
+    wb.landed(seq).contains(etag) || wb.etag_if_tried(seq).await.as_ref() == Some(etag)
+}
+
+/// Whether `found`, the object at a key, is not what `expect` says a version waiting for
+/// upload may replace: a version moves only with the object it was based on, never with one
 /// another client wrote since. An object another client deleted is no conflict: the version
 /// goes on as a new file (as its upload would).
-fn check_expected(key: &str, found: Option<&ObjectMeta>, expect: Option<&Cond>) -> FsResult<()> {
-    let theirs = match (expect, found) {
+fn unexpected(found: Option<&ObjectMeta>, expect: Option<&Cond>) -> bool {
+    match (expect, found) {
         (Some(Cond::Absent), Some(_)) => true,
         (Some(Cond::Match(e)), Some(o)) => o.etag.as_deref() != Some(e.as_str()),
         _ => false,
-    };
-    if theirs {
-        tracing::warn!(
-            "rename of {key}: another client wrote it since this mount's version (waiting for \
-             upload); not moved"
-        );
-        return Err(FsError::ESTALE);
     }
-    Ok(())
+}
+
+/// The rename of `key` refused: another client wrote it (see [`unexpected`]).
+fn theirs(key: &str) -> FsError {
+    tracing::warn!(
+        "rename of {key}: another client wrote it since this mount's version (waiting for \
+         upload); not moved"
+    );
+    FsError::ESTALE
 }

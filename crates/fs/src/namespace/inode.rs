@@ -53,13 +53,23 @@ pub enum KernelPages {
 }
 
 impl KernelPages {
-    /// A read through this mount filled pages with bytes of version `etag`.
+    /// A read through this mount filled pages with bytes of version `etag` (None: not
+    /// known).
     pub fn filled(&mut self, etag: Option<&str>) {
         *self = match (&*self, etag) {
             (Self::Dropped, Some(e)) => Self::Of(e.to_string()),
             (Self::Of(o), Some(e)) if o == e => return,
             _ => Self::Unknown,
         };
+    }
+
+    /// Whether a read of version `etag` can leave this as it is.
+    pub fn holds(&self, etag: Option<&str>) -> bool {
+        match self {
+            Self::Dropped => false,
+            Self::Of(o) => Some(o.as_str()) == etag,
+            Self::Unknown => true,
+        }
     }
 
     /// Whether every page held is of version `etag` (none is).
@@ -91,6 +101,10 @@ pub struct Inode {
     pub pages: KernelPages,
     /// Opens that made the kernel drop its pages (see [`KernelPages`]).
     pub page_drops: u64,
+    /// `learned_changes` at the last of them: an open keeps the pages only while it is
+    /// unchanged (after another client's change the next open drops them, so that a file
+    /// changed over and over is read anew by each open, as before the pages were kept).
+    pub pages_learned: u64,
     /// Times this mount learnt from the store a version other than the one it knew (another
     /// client's change): a descriptor opened before then reads the version it opened.
     pub learned_changes: u64,
@@ -132,6 +146,7 @@ impl Inode {
             symlink_target: None,
             pages: KernelPages::Unknown,
             page_drops: 0,
+            pages_learned: 0,
             learned_changes: 0,
             listing: None,
             lookups: 0,

@@ -782,14 +782,9 @@ async fn a_direct_upload_refused_as_a_conflict_stays_refused_until_written_again
     e.fs.release(attr.ino, h.fh).await.unwrap();
 }
 
-/// A file whose upload landed with its answer lost (its entry failed, to be tried again),
-/// then chmod'ed: the chmod's version, the same bytes with another mode, goes over the
-/// landed one, so the bucket gets the new mode (before: the upload took the object, whose
-/// ETag and size were its own, for itself already there, and the mode never reached the
-/// bucket).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chmod_after_an_upload_whose_answer_was_lost_reaches_the_bucket() {
-    use bucketfs_fs::SetAttr;
+/// A background fs (uploads at once) whose file `f` ("data", mode 0644) went up with the
+/// answer to its `PUT` lost: its entry failed, to be tried again later; and its inode.
+async fn fs_with_a_lost_answer() -> (Arc<MemoryStore>, Arc<Fs>, u64, [tempfile::TempDir; 2]) {
     use bucketfs_store::fault::{Fault, FaultStore};
     use bucketfs_store::metrics::Op;
     let mem = Arc::new(MemoryStore::new());
@@ -824,20 +819,51 @@ async fn a_chmod_after_an_upload_whose_answer_was_lost_reaches_the_bucket() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(errors(), 1, "the upload landed and failed");
-    let mode = |m: &ObjectMeta| {
-        m.user
-            .get("mode")
-            .map(|v| v.parse::<u32>().unwrap() & 0o7777)
-    };
-    assert_eq!(mode(&mem.head("f").await.unwrap()), Some(0o644));
+    assert_eq!(object(&mem, "f").await, b"data");
+    (mem, fs, a.ino, [state, cache])
+}
+
+/// The mode an object's metadata says.
+fn stored_mode(m: &ObjectMeta) -> Option<u32> {
+    m.user
+        .get("mode")
+        .map(|v| v.parse::<u32>().unwrap() & 0o7777)
+}
+
+/// A file whose upload landed with its answer lost (its entry failed, to be tried again),
+/// then chmod'ed: the chmod's version, the same bytes with another mode, goes over the
+/// landed one, so the bucket gets the new mode (before: the upload took the object, whose
+/// ETag and size were its own, for itself already there, and the mode never reached the
+/// bucket).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chmod_after_an_upload_whose_answer_was_lost_reaches_the_bucket() {
+    use bucketfs_fs::SetAttr;
+    let (mem, fs, ino, _dirs) = fs_with_a_lost_answer().await;
+    assert_eq!(stored_mode(&mem.head("f").await.unwrap()), Some(0o644));
     let chmod = SetAttr {
         mode: Some(0o600),
         ..SetAttr::default()
     };
-    fs.setattr(a.ino, None, chmod).await.unwrap();
+    fs.setattr(ino, None, chmod).await.unwrap();
     let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
     assert_eq!(left, 0);
-    assert_eq!(mode(&mem.head("f").await.unwrap()), Some(0o600));
+    assert_eq!(stored_mode(&mem.head("f").await.unwrap()), Some(0o600));
     assert_eq!(object(&mem, "f").await, b"data");
+    assert_eq!(fs.metrics().writeback_conflicts.load(Ordering::Relaxed), 0);
+}
+
+/// A file whose upload landed with its answer lost, renamed: the object at its name is this
+/// mount's own version, not another client's, so the rename goes through and the file ends
+/// at its new name alone (before: `ESTALE` until the entry's retry, 10 s to 5 min later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rename_after_an_upload_whose_answer_was_lost_goes_through() {
+    let (mem, fs, _ino, _dirs) = fs_with_a_lost_answer().await;
+    fs.rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("g"), 0)
+        .await
+        .unwrap();
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    assert_eq!(left, 0);
+    assert_eq!(object(&mem, "g").await, b"data");
+    assert!(mem.head("f").await.is_err(), "f is gone");
     assert_eq!(fs.metrics().writeback_conflicts.load(Ordering::Relaxed), 0);
 }
