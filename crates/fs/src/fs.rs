@@ -593,12 +593,15 @@ impl Fs {
             served = slot.take().is_some_and(|r| r.has_served());
         }
         let new_reader = |etag, size| self.files.new_reader(key.clone(), etag, size, direct);
-        let r = slot.get_or_insert_with(|| match &handle.opened_on {
-            // The version opened, not another client's learnt since (see `OpenedVersion`),
-            // under the key it has now (a rename here keeps its bytes).
-            Some(o) if o.learned_changes != learned => new_reader(Some(o.etag.clone()), o.size),
-            _ => new_reader(etag, file_size),
-        });
+        if slot.is_none()
+            && handle.learned_changes != learned
+            && !(!served && (direct || self.pages_only_of(ino, &handle, etag.as_deref())))
+        {
+            // Another client's version was learnt since the open, and the kernel may have
+            // handed this descriptor pages of the one before (as a read would find it, below).
+            return Err(FsError::ESTALE);
+        }
+        let r = slot.get_or_insert_with(|| new_reader(etag, file_size));
         if served {
             r.mark_served();
         }

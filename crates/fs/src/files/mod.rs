@@ -54,8 +54,9 @@ pub struct FileHandle {
     /// The open(2) flags.
     pub flags: i32,
     pub reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
-    /// Read-only: the object as it was opened (see [`OpenedVersion`]).
-    pub opened_on: Option<Arc<OpenedVersion>>,
+    /// The inode's `learned_changes` at the open: another client's version learnt since is
+    /// read only by a descriptor the kernel cannot have handed pages of the one before.
+    pub learned_changes: u64,
     /// The inode's `page_drops` after the open: while it stays, the inode's `pages` say
     /// every page the kernel may have handed this descriptor.
     pub page_drops: u64,
@@ -63,18 +64,6 @@ pub struct FileHandle {
     pub write: Option<Arc<OpenWrite>>,
     /// Handed to the kernel with a local copy (passthrough): its reads never come here.
     pub through: bool,
-}
-
-/// The object a read-only descriptor opened. Its first reader reads that version when the
-/// mount has learnt another client's since (a `stat` before the first read): the kernel's
-/// pages are of the version opened. Changes made through this mount since (a truncate, a
-/// chmod's copy, a rename) are not another version of it: the kernel's pages follow them.
-#[derive(Debug, Clone)]
-pub struct OpenedVersion {
-    pub etag: String,
-    pub size: u64,
-    /// The inode's `learned_changes` at the open.
-    pub learned_changes: u64,
 }
 
 impl FileHandle {

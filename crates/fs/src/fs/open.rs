@@ -1,16 +1,15 @@
 use super::*;
-use crate::files::OpenedVersion;
 
 /// Times (20 ms apart) an open waits for the passthrough handles of its inode to close.
 const THROUGH_WAITS: u32 = 50;
 
 /// What [`Fs::open_registered`] gives an open: the write state, whether the kernel keeps its
-/// pages, the local copy read through, and the version opened (read-only).
+/// pages, the local copy read through, and the inode's `learned_changes` and `page_drops`.
 type OpenedInode = (
     Option<Arc<OpenWrite>>,
     bool,
     Option<Arc<std::fs::File>>,
-    Option<Arc<OpenedVersion>>,
+    u64,
     u64,
 );
 
@@ -56,7 +55,7 @@ impl Fs {
         // While the inode is open for passthrough, an open that cannot share it waits for
         // those handles to close (the kernel tells us a little after the close itself).
         let mut waits = 0;
-        let (write, keep_cache, local, opened_on, page_drops) = loop {
+        let (write, keep_cache, local, learned_changes, page_drops) = loop {
             match self.open_registered(ino, writable, shareable, &mut local)? {
                 Some(r) => break r,
                 None => self.wait_through(ino, &mut waits).await?,
@@ -75,7 +74,7 @@ impl Fs {
             ino,
             flags,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
-            opened_on,
+            learned_changes,
             page_drops,
             write,
             through: local.is_some(),
@@ -110,8 +109,8 @@ impl Fs {
     }
 
     /// The inode's side of an open, under the table's lock: its write state, whether the
-    /// kernel keeps its pages, the local copy it reads through, and the version a read-only
-    /// open reads. `None`: busy (see [`OpenFiles::choose_through`]).
+    /// kernel keeps its pages, the local copy it reads through, and what a reader checks
+    /// (see [`FileHandle`]). `None`: busy (see [`OpenFiles::choose_through`]).
     fn open_registered(
         &self,
         ino: Ino,
@@ -156,22 +155,23 @@ impl Fs {
         // Any other open but a kept one drops the kernel's pages; a writer's fill them with
         // what it writes.
         if through.is_none() && !keep {
+            // Dropping none takes nothing from what a descriptor may have been handed.
+            if i.pages != KernelPages::Dropped {
+                i.page_drops += 1;
+            }
             i.pages = match write {
                 None => KernelPages::Dropped,
                 Some(_) => KernelPages::Unknown,
             };
-            i.page_drops += 1;
             i.pages_learned = i.learned_changes;
         }
-        let opened_on = match (&write, &i.etag) {
-            (None, Some(etag)) => Some(Arc::new(OpenedVersion {
-                etag: etag.clone(),
-                size: i.attr.size,
-                learned_changes: i.learned_changes,
-            })),
-            _ => None,
-        };
-        Ok(Some((write, keep, through, opened_on, i.page_drops)))
+        Ok(Some((
+            write,
+            keep,
+            through,
+            i.learned_changes,
+            i.page_drops,
+        )))
     }
 
     /// Creates and opens a regular file; the lookup count of the new inode goes up by one.
@@ -202,21 +202,25 @@ impl Fs {
         let (ino, attr) = self
             .ns
             .add_new(parent, &name, path, FileKind::File, &pm, 0, None, true);
-        {
+        let (learned_changes, page_drops) = {
             let mut t = self.ns.table();
-            if let Some(i) = t.get_mut(ino) {
-                i.writing = true;
-                i.open_handles = 1;
-                self.files.forget_write(ino);
-                self.files.add_writer(ino, || w.clone());
+            match t.get_mut(ino) {
+                Some(i) => {
+                    i.writing = true;
+                    i.open_handles = 1;
+                    self.files.forget_write(ino);
+                    self.files.add_writer(ino, || w.clone());
+                    (i.learned_changes, i.page_drops)
+                }
+                None => (0, 0),
             }
-        }
+        };
         let fh = self.files.add_handle(FileHandle {
             ino,
             flags,
             reader: Arc::new(tokio::sync::Mutex::new(None)),
-            opened_on: None,
-            page_drops: 0,
+            learned_changes,
+            page_drops,
             write: Some(w),
             through: false,
         });

@@ -343,6 +343,7 @@ impl Fs {
                 return Err(log_store_err(&what, e));
             }
         };
+        let mut expect = expect;
         if unexpected(old.as_ref(), expect.as_ref()) {
             let ours = match &held {
                 Some((wb, seq, _)) => landed_ours(wb, *seq, old.as_ref()).await,
@@ -354,6 +355,8 @@ impl Fs {
                 }
                 return Err(theirs(src));
             }
+            // This mount's own version: the copy is pinned to it.
+            expect = old.as_ref().and_then(|o| o.etag.clone()).map(Cond::Match);
         }
         let rekeyed = match &held {
             Some((wb, seq, cond)) => {
@@ -782,11 +785,16 @@ async fn undo_rekeys(wb: &WriteBack, moving: Vec<Rekeyed>) {
 
 /// Whether `found`'s ETag is that of a version of this mount's that entry `seq` replaced or
 /// is, whose upload failed after it may have landed (its answer lost): see `Entry::landed`.
+/// The entry's own ETag (an MD5 of its whole content) is worked out only for an object of its
+/// size.
 async fn landed_ours(wb: &WriteBack, seq: u64, found: Option<&ObjectMeta>) -> bool {
-    let Some(etag) = found.and_then(|o| o.etag.as_ref()) else {
+    let Some((etag, size)) = found.and_then(|o| Some((o.etag.as_ref()?, o.size))) else {
         return false;
     };
-    wb.landed(seq).contains(etag) || wb.etag_if_tried(seq).await.as_ref() == Some(etag)
+    if wb.landed(seq).contains(etag) {
+        return true;
+    }
+    wb.tried_size(seq) == Some(size) && wb.etag_if_tried(seq).await.as_ref() == Some(etag)
 }
 
 /// Whether `found`, the object at a key, is not what `expect` says a version waiting for

@@ -782,9 +782,12 @@ async fn a_direct_upload_refused_as_a_conflict_stays_refused_until_written_again
     e.fs.release(attr.ino, h.fh).await.unwrap();
 }
 
-/// A background fs (uploads at once) whose file `f` ("data", mode 0644) went up with the
-/// answer to its `PUT` lost: its entry failed, to be tried again later; and its inode.
-async fn fs_with_a_lost_answer() -> (Arc<MemoryStore>, Arc<Fs>, u64, [tempfile::TempDir; 2]) {
+/// A background fs (uploads at once) whose file `f` ("data", mode 0644; `over` an object
+/// another client made) went up with the answer to its `PUT` lost: its entry failed, to be
+/// tried again later; and its inode.
+async fn fs_with_a_lost_answer(
+    over: bool,
+) -> (Arc<MemoryStore>, Arc<Fs>, u64, [tempfile::TempDir; 2]) {
     use bucketfs_store::fault::{Fault, FaultStore};
     use bucketfs_store::metrics::Op;
     let mem = Arc::new(MemoryStore::new());
@@ -794,14 +797,21 @@ async fn fs_with_a_lost_answer() -> (Arc<MemoryStore>, Arc<Fs>, u64, [tempfile::
     let cache = tempfile::tempdir().unwrap();
     let mut cfg = config(&cache);
     cfg.writeback = Some(writeback_config(&state, Duration::ZERO));
+    if over {
+        put(&mem, "f", b"base").await;
+    }
     let fs = Fs::new(faulty, cfg);
+    if over {
+        // As the kernel does before a create.
+        fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    }
     let (a, h) = fs
         .create(
             ROOT_INO,
             OsStr::new("f"),
             0o644,
             0,
-            libc::O_WRONLY,
+            libc::O_WRONLY | libc::O_TRUNC,
             crate::support::ME,
         )
         .await
@@ -838,7 +848,7 @@ fn stored_mode(m: &ObjectMeta) -> Option<u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chmod_after_an_upload_whose_answer_was_lost_reaches_the_bucket() {
     use bucketfs_fs::SetAttr;
-    let (mem, fs, ino, _dirs) = fs_with_a_lost_answer().await;
+    let (mem, fs, ino, _dirs) = fs_with_a_lost_answer(false).await;
     assert_eq!(stored_mode(&mem.head("f").await.unwrap()), Some(0o644));
     let chmod = SetAttr {
         mode: Some(0o600),
@@ -854,16 +864,19 @@ async fn a_chmod_after_an_upload_whose_answer_was_lost_reaches_the_bucket() {
 
 /// A file whose upload landed with its answer lost, renamed: the object at its name is this
 /// mount's own version, not another client's, so the rename goes through and the file ends
-/// at its new name alone (before: `ESTALE` until the entry's retry, 10 s to 5 min later).
+/// at its new name alone (before: `ESTALE` until the entry's retry, 10 s to 5 min later),
+/// also when that version replaced another client's object.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rename_after_an_upload_whose_answer_was_lost_goes_through() {
-    let (mem, fs, _ino, _dirs) = fs_with_a_lost_answer().await;
-    fs.rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("g"), 0)
-        .await
-        .unwrap();
-    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
-    assert_eq!(left, 0);
-    assert_eq!(object(&mem, "g").await, b"data");
-    assert!(mem.head("f").await.is_err(), "f is gone");
-    assert_eq!(fs.metrics().writeback_conflicts.load(Ordering::Relaxed), 0);
+    for over in [false, true] {
+        let (mem, fs, _ino, _dirs) = fs_with_a_lost_answer(over).await;
+        fs.rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("g"), 0)
+            .await
+            .unwrap_or_else(|e| panic!("over an object: {over}: {e:?}"));
+        let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+        assert_eq!(left, 0);
+        assert_eq!(object(&mem, "g").await, b"data");
+        assert!(mem.head("f").await.is_err(), "f is gone");
+        assert_eq!(fs.metrics().writeback_conflicts.load(Ordering::Relaxed), 0);
+    }
 }

@@ -232,3 +232,39 @@ async fn pages_written_here_keep_a_descriptor_from_reading_another_version() {
     assert_eq!(&e.fs.read(a.ino, next.fh, 0, 4).await.unwrap()[..], b"v3v3");
     e.fs.release(a.ino, next.fh).await.unwrap();
 }
+
+/// Another client's version learnt after a descriptor opened (a `stat`, another open): the
+/// descriptor, unread, reads it if no page of the version before can have reached it
+/// (another open in between dropped none), and gets `ESTALE` when the kernel kept such pages
+/// for it; never the old version's bytes under pages of the new one.
+#[tokio::test]
+async fn a_version_learnt_after_an_open_is_read_only_where_no_older_page_can_be() {
+    let e = crate::support::env_with(bucketfs_store::memory::MemoryStore::new(), |c| {
+        bucketfs_fs::FsConfig {
+            stat_ttl: std::time::Duration::ZERO,
+            ..c
+        }
+    });
+    put(&e.mem, "k", b"v1v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    // Nothing read: the pages hold nothing.
+    let d1 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    put(&e.mem, "k", b"v2v2").await;
+    let d2 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap(); // learns v2
+    for h in [&d1, &d2] {
+        assert_eq!(&e.fs.read(a.ino, h.fh, 0, 4).await.unwrap()[..], b"v2v2");
+    }
+    e.fs.release(a.ino, d2.fh).await.unwrap();
+    // Pages of v2 kept for d3; v3 learnt by another open, which drops them.
+    let d3 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(d3.keep_cache);
+    put(&e.mem, "k", b"v3v3").await;
+    let d4 = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!d4.keep_cache);
+    let r = e.fs.read(a.ino, d3.fh, 0, 4).await;
+    assert_eq!(r, Err(FsError(libc::ESTALE)), "d3 may hold pages of v2");
+    assert_eq!(&e.fs.read(a.ino, d4.fh, 0, 4).await.unwrap()[..], b"v3v3");
+    for h in [d1, d3, d4] {
+        e.fs.release(a.ino, h.fh).await.unwrap();
+    }
+}
