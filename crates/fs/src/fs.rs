@@ -601,6 +601,15 @@ impl Fs {
             // handed this descriptor pages of the one before (as a read would find it, below).
             return Err(FsError::ESTALE);
         }
+        if !direct
+            && handle.learned_changes != learned
+            && slot.as_ref().is_some_and(|r| r.etag() != etag.as_deref())
+        {
+            // Its reader, of the version before another client's learnt since the open, could
+            // serve bytes from memory with no refused GET, and they would go into the
+            // kernel's pages, which a newer open reads (it has served some: ESTALE).
+            return Err(FsError::ESTALE);
+        }
         let r = slot.get_or_insert_with(|| new_reader(etag, file_size));
         if served {
             r.mark_served();

@@ -502,14 +502,30 @@ impl Namespace {
             }
             t.get(dir)?.path.join(&e.name)
         };
-        let (found, complete, at) = self.lookups.peek(&path).unwrap_or_else(|| {
+        let Some((found, complete, at)) = self.lookups.peek(&path) else {
+            let stale = self.stale_instant();
+            let mut t = self.table.lock();
+            if let Some(i) = t.child(dir, &e.name).and_then(|c| t.get_mut(c)) {
+                if i.kind == e.kind {
+                    // Known, its attributes out of date: kept (its ETag too), and asked for
+                    // at its next stat.
+                    i.lookups += 1;
+                    i.fetched = stale.or(i.fetched);
+                    return Some((i.attr.clone(), false));
+                }
+            }
+            drop(t);
             let found = Found {
                 kind: e.kind,
                 obj: ObjectMeta::default(),
                 has_marker: false,
             };
-            (found, false, Instant::now())
-        });
+            let attr = self.remember(dir, &e.name, path, found, 1, Instant::now());
+            if let Some(i) = self.table.lock().get_mut(attr.ino) {
+                i.fetched = stale.or(i.fetched);
+            }
+            return Some((attr, false));
+        };
         // Fresh for the TTL from when the store said it, not from now.
         let attr = self.remember(dir, &e.name, path, found, 1, at);
         if !complete {

@@ -231,7 +231,7 @@ impl Namespace {
                     (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
                 }
                 i.attr = a;
-                if i.etag != f.obj.etag {
+                if another_version(&i.etag, &f.obj.etag) {
                     i.learned_changes += 1;
                 }
                 i.etag = f.obj.etag.clone();
@@ -566,7 +566,7 @@ impl Namespace {
         self.lookups.forget(&i.path);
         let grew = obj.size > i.attr.size;
         i.attr = self.policy.attr_of_object(ino, i.kind, obj);
-        if i.etag != obj.etag {
+        if another_version(&i.etag, &obj.etag) {
             i.learned_changes += 1;
         }
         i.etag = obj.etag.clone();
@@ -633,4 +633,10 @@ impl Namespace {
         }
         Ok(())
     }
+}
+
+/// Whether ETag `new`, learnt from the store, says another version than `old`, known before
+/// (unknown on either side says nothing: a directory rename here forgets its files' ETags).
+fn another_version(old: &Option<String>, new: &Option<String>) -> bool {
+    matches!((old, new), (Some(o), Some(n)) if o != n)
 }

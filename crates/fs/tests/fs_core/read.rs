@@ -268,3 +268,87 @@ async fn a_version_learnt_after_an_open_is_read_only_where_no_older_page_can_be(
         e.fs.release(a.ino, h.fh).await.unwrap();
     }
 }
+
+/// A descriptor that read part of a version keeps serving it from memory (a small file comes
+/// in one GET): once another client's version is learnt, its next read gets `ESTALE` rather
+/// than put more bytes of the old version into the kernel's pages, which a newer open reads.
+#[tokio::test]
+async fn a_reader_of_a_replaced_version_stops_once_the_new_one_is_learnt() {
+    let e = env();
+    put(&e.mem, "k", &[1; 256 << 10]).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let old = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(
+        &e.fs.read(a.ino, old.fh, 0, 4096).await.unwrap()[..],
+        &[1; 4096]
+    );
+    put(&e.mem, "k", &[2; 256 << 10]).await;
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.getattr(a.ino).await.unwrap(); // learns the new version
+    let new = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let r = e.fs.read(a.ino, old.fh, 128 << 10, 4096).await;
+    assert_eq!(r, Err(FsError(libc::ESTALE)));
+    assert_eq!(
+        &e.fs.read(a.ino, new.fh, 0, 4096).await.unwrap()[..],
+        &[2; 4096]
+    );
+    e.fs.release(a.ino, old.fh).await.unwrap();
+    e.fs.release(a.ino, new.fh).await.unwrap();
+}
+
+/// With nothing cached to tell (no stat cache), a readdirplus entry of a file this mount
+/// knows keeps its ETag: a kept descriptor reads on, and the next open keeps the pages (an
+/// earlier build took the entry for another version: `ESTALE`, and no page kept again).
+#[tokio::test]
+async fn a_readdirplus_without_a_stat_cache_is_no_new_version() {
+    let e = crate::support::env_with(bucketfs_store::memory::MemoryStore::new(), |c| {
+        bucketfs_fs::FsConfig {
+            stat_cache_size: 0,
+            ..c
+        }
+    });
+    put(&e.mem, "d/f", b"v1v1").await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let a = e.fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, h.fh, 0, 4).await.unwrap()[..], b"v1v1");
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    let kept = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(kept.keep_cache);
+    e.fs.refresh(a.ino).unwrap();
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    for entry in e.fs.readdir(d.ino, fh, 0).await.unwrap() {
+        e.fs.plus_entry(d.ino, &entry);
+    }
+    e.fs.releasedir(d.ino, fh);
+    assert_eq!(&e.fs.read(a.ino, kept.fh, 0, 4).await.unwrap()[..], b"v1v1");
+    e.fs.release(a.ino, kept.fh).await.unwrap();
+    e.fs.getattr(a.ino).await.unwrap();
+    let again = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(again.keep_cache, "the pages are of the version there");
+    e.fs.release(a.ino, again.fh).await.unwrap();
+}
+
+/// A file open below a directory renamed here, stat'ed under its new name: its descriptor
+/// reads on (the rename forgot the ETag; learning it again is no other client's change).
+#[tokio::test]
+async fn a_descriptor_reads_on_after_its_directory_is_renamed_and_stated() {
+    let e = env();
+    put(&e.mem, "d/f", &[3; 64 << 10]).await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let a = e.fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(
+        &e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap()[..],
+        &[3; 4096]
+    );
+    e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+        .await
+        .unwrap();
+    let d2 = e.fs.lookup(ROOT_INO, OsStr::new("d2")).await.unwrap();
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.lookup(d2.ino, OsStr::new("f")).await.unwrap();
+    let r = e.fs.read(a.ino, h.fh, 4096, 4096).await;
+    assert_eq!(r.as_deref().ok(), Some(&[3u8; 4096][..]));
+    e.fs.release(a.ino, h.fh).await.unwrap();
+}
