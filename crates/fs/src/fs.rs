@@ -572,17 +572,13 @@ impl Fs {
             }
             return got;
         }
-        let (path, etag, file_size, pages, learned) = {
+        let (path, etag, file_size, pages_current, learned) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
+            // A read of the current version leaves such pages as they are (no lock after it).
+            let current = i.pages.holds(i.etag.as_deref());
             let (etag, size) = (i.etag.clone(), i.attr.size);
-            (
-                i.path.clone(),
-                etag,
-                size,
-                i.pages.clone(),
-                i.learned_changes,
-            )
+            (i.path.clone(), etag, size, current, i.learned_changes)
         };
         let mut slot = reader.lock().await;
         let key = self.ns.key(&path);
@@ -610,13 +606,13 @@ impl Fs {
             // kernel's pages, which a newer open reads (it has served some: ESTALE).
             return Err(FsError::ESTALE);
         }
-        let r = slot.get_or_insert_with(|| new_reader(etag, file_size));
+        let r = slot.get_or_insert_with(|| new_reader(etag.clone(), file_size));
         if served {
             r.mark_served();
         }
         let got = r.read(offset, size).await;
         if got != Err(FsError::ESTALE) {
-            if got.is_ok() && !direct && !pages.holds(r.etag()) {
+            if got.is_ok() && !direct && !(pages_current && r.etag() == etag.as_deref()) {
                 self.filled_pages(ino, r.etag());
             }
             return got;

@@ -13,6 +13,24 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::MIB;
 
+/// An fs over `store` with a data cache of 64 MiB and passthrough on, and the directories
+/// it keeps (cache and data cache; keep them alive).
+fn passthrough_fs(store: Arc<dyn ObjectStore>) -> (Arc<Fs>, [tempfile::TempDir; 2]) {
+    let cache = tempfile::tempdir().unwrap();
+    let dc = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        data_cache: Some(DataCacheConfig {
+            dir: dc.path().to_path_buf(),
+            max_bytes: 64 * MIB,
+            scope: "test".into(),
+        }),
+        ..support::config(&cache)
+    };
+    let fs = Fs::new(store, cfg);
+    assert!(fs.enable_passthrough());
+    (fs, [cache, dc])
+}
+
 async fn whole_copy_open(fs: &Fs, name: &str, size: u64) -> (u64, u64) {
     let ino = fs.lookup(ROOT_INO, name.as_ref()).await.unwrap().ino;
     // Read once through the daemon: the cache writes its blocks and assembles them.
@@ -45,18 +63,7 @@ async fn a_refused_backing_elsewhere_does_not_lock_out_readers_of_a_shared_copy(
         let data = Bytes::from(support::random((MIB + 5) as usize, 7));
         mem.put(k, data, &UserMeta::default()).await.unwrap();
     }
-    let cache = tempfile::tempdir().unwrap();
-    let dc = tempfile::tempdir().unwrap();
-    let cfg = FsConfig {
-        data_cache: Some(DataCacheConfig {
-            dir: dc.path().to_path_buf(),
-            max_bytes: 64 * MIB,
-            scope: "test".into(),
-        }),
-        ..support::config(&cache)
-    };
-    let fs = Fs::new(mem.clone() as Arc<dyn ObjectStore>, cfg);
-    assert!(fs.enable_passthrough());
+    let (fs, _dirs) = passthrough_fs(mem.clone());
     let (a, fh_a) = whole_copy_open(&fs, "a", MIB + 5).await;
     fs.passed_through(a, fh_a, true);
     // The kernel refuses b's copy: passthrough goes off for the mount.
@@ -82,18 +89,7 @@ async fn a_truncate_waits_for_the_readers_of_a_copy_then_fails() {
     let mem = Arc::new(MemoryStore::new());
     let data = Bytes::from(support::random((MIB + 5) as usize, 8));
     mem.put("a", data, &UserMeta::default()).await.unwrap();
-    let cache = tempfile::tempdir().unwrap();
-    let dc = tempfile::tempdir().unwrap();
-    let cfg = FsConfig {
-        data_cache: Some(DataCacheConfig {
-            dir: dc.path().to_path_buf(),
-            max_bytes: 64 * MIB,
-            scope: "test".into(),
-        }),
-        ..support::config(&cache)
-    };
-    let fs = Fs::new(mem.clone() as Arc<dyn ObjectStore>, cfg);
-    assert!(fs.enable_passthrough());
+    let (fs, _dirs) = passthrough_fs(mem.clone());
     let (a, fh) = whole_copy_open(&fs, "a", MIB + 5).await;
     fs.passed_through(a, fh, true);
     let set = bucketfs_fs::SetAttr {
@@ -120,18 +116,7 @@ async fn an_open_while_a_truncate_uploads_never_reads_the_old_copy() {
     let data = Bytes::from(support::random((MIB + 5) as usize, 8));
     mem.put("a", data, &UserMeta::default()).await.unwrap();
     let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let dc = tempfile::tempdir().unwrap();
-    let cfg = FsConfig {
-        data_cache: Some(DataCacheConfig {
-            dir: dc.path().to_path_buf(),
-            max_bytes: 64 * MIB,
-            scope: "test".into(),
-        }),
-        ..support::config(&cache)
-    };
-    let fs = Fs::new(faulty.clone() as Arc<dyn ObjectStore>, cfg);
-    assert!(fs.enable_passthrough());
+    let (fs, _dirs) = passthrough_fs(faulty.clone());
     let (ino, fh) = whole_copy_open(&fs, "a", MIB + 5).await;
     fs.passed_through(ino, fh, true);
     fs.release(ino, fh).await.unwrap();

@@ -182,55 +182,41 @@ async fn descriptors_that_read_nothing_all_read_a_replaced_object_anew() {
     }
 }
 
-/// Bytes read through a writer's state fill the kernel's pages too: a descriptor that has
-/// read nothing, once the writer published and another client replaced the object, gets
-/// `ESTALE` rather than the other client's version (it may hold this mount's from those
-/// pages).
+/// What a writer here puts into the kernel's pages counts as filling them: bytes read through
+/// its state (by another descriptor), and bytes it writes. A descriptor opened while the
+/// writer was, that has read nothing, once the writer closed and another client replaced the
+/// object, gets `ESTALE` rather than the other client's version (the kernel may have handed
+/// it those pages); and the next open drops them.
 #[tokio::test]
-async fn pages_filled_through_a_writer_keep_a_descriptor_from_reading_another_version() {
-    let e = env();
-    put(&e.mem, "k", b"v1v1").await;
-    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
-    let w = e.fs.open(a.ino, libc::O_RDWR).await.unwrap();
-    let idle = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
-    let busy = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
-    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"v2"))
-        .await
-        .unwrap();
-    assert_eq!(&e.fs.read(a.ino, busy.fh, 0, 4).await.unwrap()[..], b"v2v1");
-    e.fs.flush(a.ino, w.fh).await.unwrap();
-    e.fs.release(a.ino, w.fh).await.unwrap();
-    put(&e.mem, "k", b"v3v3").await;
-    let r = e.fs.read(a.ino, idle.fh, 0, 4).await;
-    assert_eq!(r, Err(FsError(libc::ESTALE)));
-    e.fs.release(a.ino, idle.fh).await.unwrap();
-    e.fs.release(a.ino, busy.fh).await.unwrap();
-}
-
-/// Bytes written here fill the kernel's pages (a writer's writes go through them): a
-/// descriptor opened while the writer was, that has read nothing, once the writer published
-/// and another client replaced the object, gets `ESTALE` rather than the other client's
-/// version; and the next open drops the pages.
-#[tokio::test]
-async fn pages_written_here_keep_a_descriptor_from_reading_another_version() {
-    let e = env();
-    put(&e.mem, "k", b"v1v1").await;
-    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
-    let w = e.fs.open(a.ino, libc::O_RDWR).await.unwrap();
-    let idle = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
-    e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"v2"))
-        .await
-        .unwrap();
-    e.fs.flush(a.ino, w.fh).await.unwrap();
-    e.fs.release(a.ino, w.fh).await.unwrap();
-    put(&e.mem, "k", b"v3v3").await;
-    let r = e.fs.read(a.ino, idle.fh, 0, 4).await;
-    assert_eq!(r, Err(FsError(libc::ESTALE)));
-    e.fs.release(a.ino, idle.fh).await.unwrap();
-    let next = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
-    assert!(!next.keep_cache);
-    assert_eq!(&e.fs.read(a.ino, next.fh, 0, 4).await.unwrap()[..], b"v3v3");
-    e.fs.release(a.ino, next.fh).await.unwrap();
+async fn pages_a_writer_fills_keep_a_descriptor_from_reading_another_version() {
+    for (reads_through, writes) in [(true, false), (false, true)] {
+        let e = env();
+        put(&e.mem, "k", b"v1v1").await;
+        let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+        let w = e.fs.open(a.ino, libc::O_RDWR).await.unwrap();
+        let idle = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+        let busy = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+        if writes {
+            e.fs.write(a.ino, w.fh, 0, Bytes::from_static(b"v2"))
+                .await
+                .unwrap();
+        }
+        if reads_through {
+            assert_eq!(&e.fs.read(a.ino, busy.fh, 0, 4).await.unwrap()[..], b"v1v1");
+        }
+        e.fs.flush(a.ino, w.fh).await.unwrap();
+        e.fs.release(a.ino, w.fh).await.unwrap();
+        put(&e.mem, "k", b"v3v3").await;
+        let r = e.fs.read(a.ino, idle.fh, 0, 4).await;
+        let case = format!("read through the state: {reads_through}, written: {writes}");
+        assert_eq!(r, Err(FsError(libc::ESTALE)), "{case}");
+        e.fs.release(a.ino, idle.fh).await.unwrap();
+        e.fs.release(a.ino, busy.fh).await.unwrap();
+        let next = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+        assert!(!next.keep_cache, "{case}");
+        assert_eq!(&e.fs.read(a.ino, next.fh, 0, 4).await.unwrap()[..], b"v3v3");
+        e.fs.release(a.ino, next.fh).await.unwrap();
+    }
 }
 
 /// Another client's version learnt after a descriptor opened (a `stat`, another open): the
