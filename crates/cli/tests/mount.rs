@@ -1059,6 +1059,47 @@ fn refresh_shows_other_clients_changes_at_once() {
     assert!(!out.status.success());
 }
 
+/// Another client's change shows within one stat TTL of when this mount learnt the old
+/// version, however the kernel asks: the daemon answers a lookup or a readdirplus from its
+/// cache with what is left of the TTL, not a whole new one (the kernel would keep the old
+/// attributes for up to two TTLs).
+#[test]
+fn other_clients_changes_show_within_one_stat_ttl() {
+    let s3 = s3();
+    let b = s3.new_bucket("kernelttl");
+    s3.put(&b, "d/looked", "12345");
+    s3.put(&b, "d/listed", "12345");
+    let ttl = Duration::from_secs(4);
+    let m = MountSpec::s3(&b, "").arg("--stat-ttl").arg("4").mount();
+    let t0 = std::time::Instant::now();
+    let sizes =
+        |m: &Mount| ["looked", "listed"].map(|n| fs::metadata(m.join("d").join(n)).unwrap().len());
+    // Learnt (by the LIST of d) no earlier than t0.
+    assert_eq!(sizes(&m), [5, 5]);
+    s3.put(&b, "d/looked", "1234567890");
+    s3.put(&b, "d/listed", "1234567890");
+    // Halfway through the TTL the kernel forgets the entries and asks again, one by a
+    // lookup, one by a listing: the mount answers from its cache (the old size, still
+    // within its TTL)...
+    std::thread::sleep(ttl / 2);
+    fs::write("/proc/sys/vm/drop_caches", "2").expect("drop_caches (needs root)");
+    assert_eq!(fs::metadata(m.join("d/looked")).unwrap().len(), 5);
+    let listed = ls_l(&m.join("d"));
+    assert!(listed.iter().any(|(n, _, _)| n == "listed"), "{listed:?}");
+    // ...and the kernel keeps those answers only for what is left of it: one TTL and a
+    // second after the mount learnt the old sizes, both show the new ones.
+    std::thread::sleep(
+        (t0 + ttl + Duration::from_secs(1)).saturating_duration_since(std::time::Instant::now()),
+    );
+    let seen = sizes(&m);
+    let late = t0.elapsed();
+    assert!(
+        late < ttl + ttl / 2,
+        "the test ran too slowly to tell ({late:?})"
+    );
+    assert_eq!(seen, [10, 10], "the old sizes were kept past one stat TTL");
+}
+
 /// Creates `n` files with distinct modes and mtimes and a symlink in directory `d` of `m`,
 /// and a directory `sub` with mode 0710 in the root. Returns the (name, permissions, mtime) of
 /// each file.

@@ -274,9 +274,10 @@ impl Fs {
         &self.cfg
     }
 
-    /// How long the kernel may cache entries and attributes this fs returns.
-    pub fn attr_ttl(&self) -> Duration {
-        self.cfg.stat_ttl
+    /// How long the kernel may keep the entry and attributes just given for `a`: see
+    /// [`Namespace::kernel_ttl`].
+    pub fn kernel_ttl(&self, a: &Attr) -> Duration {
+        self.ns.kernel_ttl(a.ino)
     }
 
     /// Number of inodes the table holds (for tests of forget).

@@ -321,7 +321,7 @@ impl FuseFs {
 
     fn reply_entry(fs: &Fs, op: &'static str, r: Result<Attr, FsError>, reply: ReplyEntry) {
         match r {
-            Ok(a) => reply.entry(&fs.attr_ttl(), &file_attr(&a), Generation(0)),
+            Ok(a) => reply.entry(&fs.kernel_ttl(&a), &file_attr(&a), Generation(0)),
             Err(e) => reply.error(errno(op, e)),
         }
     }
@@ -424,7 +424,7 @@ impl Filesystem for FuseFs {
         let fs = self.fs.clone();
         self.serve(async move {
             match fs.getattr(ino.0).await {
-                Ok(a) => reply.attr(&fs.attr_ttl(), &file_attr(&a)),
+                Ok(a) => reply.attr(&fs.kernel_ttl(&a), &file_attr(&a)),
                 Err(e) => reply.error(errno("getattr", e)),
             }
         });
@@ -459,7 +459,7 @@ impl Filesystem for FuseFs {
         };
         self.serve(async move {
             match fs.setattr(ino.0, fh.map(|f| f.0), set).await {
-                Ok(a) => reply.attr(&fs.attr_ttl(), &file_attr(&a)),
+                Ok(a) => reply.attr(&fs.kernel_ttl(&a), &file_attr(&a)),
                 Err(e) => reply.error(errno("setattr", e)),
             }
         });
@@ -786,13 +786,17 @@ impl Filesystem for FuseFs {
         self.serve(async move {
             match fs.readdir(ino.0, fh.0, offset as i64).await {
                 Ok(entries) => {
-                    let ttl = fs.attr_ttl();
                     for e in &entries {
                         // Registered one at a time: the entry that does not fit is given back.
                         let Some((attr, complete)) = fs.plus_entry(ino.0, e) else {
                             continue;
                         };
-                        let t = if complete { ttl } else { Duration::ZERO };
+                        // What a listing carried without user metadata is asked again at its stat.
+                        let t = if complete {
+                            fs.kernel_ttl(&attr)
+                        } else {
+                            Duration::ZERO
+                        };
                         let full = reply.add(
                             INodeNo(attr.ino),
                             e.next_offset as u64,
@@ -876,7 +880,7 @@ impl Filesystem for FuseFs {
                     }
                     let f = open_flags(flags, o.keep_cache);
                     reply.created(
-                        &fs.attr_ttl(),
+                        &fs.kernel_ttl(&a),
                         &file_attr(&a),
                         Generation(0),
                         FileHandle(o.fh),

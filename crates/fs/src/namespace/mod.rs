@@ -168,6 +168,21 @@ impl Namespace {
         fetched.is_none_or(|t| t.elapsed() < self.ttl)
     }
 
+    /// How long the kernel may keep what this mount tells it now about `ino` (its entry and
+    /// its attributes): what is left of the TTL of what was learnt from the store, so that
+    /// another client's change shows within one TTL of the store saying it, not two. All
+    /// of it for what this mount alone knows: the root, a file being written here, one
+    /// never stored, an unlinked one.
+    pub fn kernel_ttl(&self, ino: Ino) -> Duration {
+        let t = self.table.lock();
+        match t.get(ino) {
+            Some(i) if ino != ROOT_INO && !i.writing && !i.unlinked => i
+                .fetched
+                .map_or(self.ttl, |at| self.ttl.saturating_sub(at.elapsed())),
+            _ => self.ttl,
+        }
+    }
+
     /// Attributes of `ino` answerable without the store: the root, a directory, an unlinked
     /// file, one being written here, or one fetched within the TTL. `None`: ask the store.
     pub fn known_attr(&self, ino: Ino) -> FsResult<Option<Attr>> {
