@@ -1,5 +1,6 @@
 use super::*;
 use crate::files::writeback::{Cond, Holding, Moved, WriteBack};
+use crate::namespace::{Copied, Copies, RenamedObjects};
 use crate::testpoint;
 
 /// A file still open here whose name a rename takes (see [`Fs::rename_file`]).
@@ -154,7 +155,10 @@ impl Fs {
         if kind == FileKind::Dir {
             // The namespace moves as soon as the objects did, before the files being written
             // below are re-pointed: a file opened below from then on has its new key.
-            let renamed = || self.ns.renamed(src, (parent, &path), to, None);
+            let renamed = |copies| {
+                let below = RenamedObjects::Below(copies);
+                self.ns.renamed(src, (parent, &path), to, below);
+            };
             return self
                 .rename_dir(&path, &new_path, target.is_some(), renamed)
                 .await;
@@ -174,7 +178,8 @@ impl Fs {
             }
             moved?
         };
-        self.ns.renamed(src, (parent, &path), to, new_etag);
+        let file = RenamedObjects::File(new_etag);
+        self.ns.renamed(src, (parent, &path), to, file);
         Ok(())
     }
 
@@ -456,7 +461,7 @@ impl Fs {
         path: &MountPath,
         new_path: &MountPath,
         replace: bool,
-        renamed: impl FnOnce(),
+        renamed: impl FnOnce(Copies),
     ) -> FsResult<()> {
         let (src, dst) = (self.ns.dir_key(path), self.ns.dir_key(new_path));
         let wb = self.files.writeback().cloned();
@@ -499,15 +504,18 @@ impl Fs {
                 return Err(e);
             }
         }
-        if let Err(e) = self.move_objects(&src, &dst, &objects, replace).await {
-            if let Some(wb) = &wb {
-                undo_rekeys(wb, moving).await;
+        let copies = match self.move_objects(&src, &dst, &objects, replace).await {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(wb) = &wb {
+                    undo_rekeys(wb, moving).await;
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         // Files being written below, one at a time; a version one of them committed since
         // moves first.
-        renamed();
+        renamed(copies);
         let mut done: Vec<Ino> = Vec::new();
         for (ino, mut st) in locked {
             let p = {
@@ -696,7 +704,7 @@ impl Fs {
         dst: &ObjectKey,
         objects: &[ObjectMeta],
         replace: bool,
-    ) -> FsResult<()> {
+    ) -> FsResult<Copies> {
         if replace {
             self.store
                 .delete(dst)
@@ -710,22 +718,24 @@ impl Fs {
                 .await
                 .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
         }
-        let copies: Vec<BoxFuture<'_, FsResult<()>>> = objects
+        let copies: Vec<BoxFuture<'_, FsResult<(String, Copied)>>> = objects
             .iter()
             .map(|o| {
                 let to = format!("{dst}{}", &o.key[src.len()..]);
                 // Each object as listed: its size and version go together.
                 async move {
-                    self.copy_object(&o.key, &to, o.size, None, o.etag.as_deref())
-                        .await
-                        .map(drop)
+                    let etag = self
+                        .copy_object(&o.key, &to, o.size, None, o.etag.as_deref())
+                        .await?;
+                    let from = o.etag.clone();
+                    Ok((to, Copied { from, etag }))
                 }
                 .boxed()
             })
             .collect();
         // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
         // would skip its abort.
-        run_bounded(copies, RENAME_CONCURRENCY).await?;
+        let copies = run_bounded(copies, RENAME_CONCURRENCY).await?;
         testpoint::reached("rename_dir.copied").await;
         // Objects first, then directory markers deepest first, so that a store where a
         // marker is a real directory (the local one) can remove it once it is empty.
@@ -754,7 +764,7 @@ impl Fs {
                 .await
                 .map_err(|e| log_store_err(&format!("delete {}", m.key), e))?;
         }
-        Ok(())
+        Ok(copies.into_iter().collect())
     }
 }
 

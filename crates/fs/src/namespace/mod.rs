@@ -24,7 +24,7 @@ use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta, ROOT_INO};
 use crate::metrics::{inc, FsMetrics};
 use crate::paths::{Keys, MountPath, ObjectKey};
 use bucketfs_store::{ListDetail, ListFrom, ObjectMeta, ObjectStore, UserMeta};
-use inode::{Inode, InodeTable};
+use inode::{Inode, InodeTable, KernelPages};
 use listing::{DirMisses, DirStream, ListingSays};
 use lookup::{CacheLimits, Found, Lookups};
 use markers::PendingMarkers;
@@ -459,7 +459,7 @@ impl Namespace {
         ino: Ino,
         from: (Ino, &MountPath),
         to: (Ino, &MountPath, &str),
-        etag: Option<String>,
+        objects: RenamedObjects,
     ) {
         let ((parent, path), (new_parent, new_parent_path, new_name)) = (from, to);
         let new_path = new_parent_path.join(new_name);
@@ -475,16 +475,39 @@ impl Namespace {
             return;
         };
         i.attr.ctime = SystemTime::now();
-        if i.kind != FileKind::Dir {
-            i.etag = etag;
-        } else {
-            // Every object below was copied: their ETags are unknown until asked again.
-            let stale = self.stale_instant();
-            for d in t.descendants(&new_path) {
-                if let Some(i) = t.get_mut(d) {
-                    if !i.writing {
-                        i.etag = None;
-                        i.fetched = stale.or(i.fetched);
+        match objects {
+            RenamedObjects::File(etag) => i.etag = etag,
+            RenamedObjects::Below(copies) => {
+                // Every object below was copied: each inode names its copy now, whose
+                // ETag the rename knows. The copy's time is asked again (an object with
+                // no mtime of its own shows the copy's).
+                let stale = self.stale_instant();
+                for d in t.descendants(&new_path) {
+                    let Some(i) = t.get_mut(d) else { continue };
+                    if i.writing {
+                        continue;
+                    }
+                    let copy = copies.get(self.key(&i.path).as_str());
+                    i.fetched = stale.or(i.fetched);
+                    match copy {
+                        // The version it knew: the same bytes under another ETag, pages
+                        // of it included.
+                        Some(c) if i.etag.is_some() && c.from == i.etag => {
+                            if matches!(&i.pages, KernelPages::Of(e) if Some(e) == c.from.as_ref())
+                            {
+                                i.pages = KernelPages::Of(c.etag.clone());
+                            }
+                            i.etag = Some(c.etag.clone());
+                        }
+                        // Another client's, copied: a descriptor that read the version
+                        // before stops there (see `Inode::learned_changes`).
+                        Some(c) if c.from.is_some() => {
+                            if i.etag.is_some() {
+                                i.learned_changes += 1;
+                            }
+                            i.etag = Some(c.etag.clone());
+                        }
+                        _ => i.etag = None,
                     }
                 }
             }
@@ -652,6 +675,25 @@ impl Namespace {
 
 /// Whether ETag `new`, learnt from the store, says another version than `old`, known before
 /// (unknown on either side says nothing: a directory rename here forgets its files' ETags).
+/// What a rename left in the store of what it moved.
+pub enum RenamedObjects {
+    /// A file: its object's ETag (`None`: not stored yet, or not known).
+    File(Option<String>),
+    /// A directory: the copies of the objects below it, by their new keys.
+    Below(Copies),
+}
+
+/// An object a directory rename copied, pinned to the version it listed.
+pub struct Copied {
+    /// The ETag of the version copied, as listed.
+    pub from: Option<String>,
+    /// The copy's.
+    pub etag: String,
+}
+
+/// The copies a directory rename made, by key.
+pub type Copies = HashMap<String, Copied>;
+
 fn another_version(old: &Option<String>, new: &Option<String>) -> bool {
     matches!((old, new), (Some(o), Some(n)) if o != n)
 }

@@ -338,3 +338,42 @@ async fn a_descriptor_reads_on_after_its_directory_is_renamed_and_stated() {
     assert_eq!(r.as_deref().ok(), Some(&[3u8; 4096][..]));
     e.fs.release(a.ino, h.fh).await.unwrap();
 }
+
+/// A file open below a directory renamed here names the copy the rename made, whose ETag
+/// the rename knows: its descriptor reads on from the copy, pinned to it, so another
+/// client's version put there after the rename is refused (`ESTALE`) instead of read into
+/// the same descriptor (an earlier build forgot the ETag and read on unconditionally); and
+/// the kernel's pages, the same bytes, are kept by the next open. A version another client
+/// put before the rename is what was copied: a descriptor that read the one before stops.
+#[tokio::test]
+async fn a_descriptor_below_a_renamed_directory_reads_only_the_copy_of_its_version() {
+    for replaced in ["after the rename", "before the rename"] {
+        let e = env();
+        put(&e.mem, "d/f", &[3; 32 << 20]).await;
+        let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+        let a = e.fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+        let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+        assert_eq!(
+            &e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap()[..],
+            &[3; 4096]
+        );
+        if replaced == "before the rename" {
+            put(&e.mem, "d/f", &[9; 32 << 20]).await;
+        }
+        e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+            .await
+            .unwrap();
+        if replaced == "after the rename" {
+            let r = e.fs.read(a.ino, h.fh, 4096, 4096).await;
+            assert_eq!(r.map(|b| (b.len(), b[4095])), Ok((4096, 3)), "{replaced}");
+            let again = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+            assert!(again.keep_cache, "the pages are the copy's bytes");
+            e.fs.release(a.ino, again.fh).await.unwrap();
+            put(&e.mem, "d2/f", &[9; 32 << 20]).await;
+        }
+        // Far from what it read: a GET.
+        let r = e.fs.read(a.ino, h.fh, 30 << 20, 4096).await;
+        assert_eq!(r.map(|b| b[0]), Err(FsError(libc::ESTALE)), "{replaced}");
+        e.fs.release(a.ino, h.fh).await.unwrap();
+    }
+}
