@@ -274,10 +274,22 @@ impl Fs {
         &self.cfg
     }
 
-    /// How long the kernel may keep the entry and attributes just given for `a`: see
-    /// [`Namespace::kernel_ttl`].
-    pub fn kernel_ttl(&self, a: &Attr) -> Duration {
+    /// How long the kernel may keep the entry and attributes of a lookup, create or
+    /// readdirplus reply for `a`: see [`Namespace::kernel_ttl`].
+    pub fn entry_ttl(&self, a: &Attr) -> Duration {
         self.ns.kernel_ttl(a.ino)
+    }
+
+    /// How long the kernel may keep the attributes of a getattr or setattr reply for `a`. A
+    /// directory's are answered from what this mount holds, however old (whether it still
+    /// exists is its entry's question): all of T, or a process working in it would send a
+    /// getattr for each file it opens there once T passed.
+    pub fn attr_ttl(&self, a: &Attr) -> Duration {
+        if a.kind == FileKind::Dir {
+            self.cfg.stat_ttl
+        } else {
+            self.ns.kernel_ttl(a.ino)
+        }
     }
 
     /// Number of inodes the table holds (for tests of forget).

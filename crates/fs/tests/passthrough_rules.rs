@@ -142,3 +142,66 @@ async fn an_open_while_a_truncate_uploads_never_reads_the_old_copy() {
     assert_eq!(fs.read(ino, r.fh, 0, 4096).await.unwrap().len(), 3);
     fs.release(ino, r.fh).await.unwrap();
 }
+
+/// A file read through a local copy, then renamed or chmod'ed here: this mount's own copy
+/// of the object, pinned to the version read, holds the same bytes under a new ETag (an
+/// object stored in parts gets one). Opens of it go on sharing the local copy (an earlier
+/// build took the new ETag for another version: every open waited and got `ETXTBSY` until
+/// the first reader closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rename_or_chmod_here_keeps_sharing_the_local_copy() {
+    let mem = Arc::new(MemoryStore::new());
+    let size = 5 * MIB + 5;
+    let data = Bytes::from(support::random(size as usize, 9));
+    let none = UserMeta::default();
+    for key in ["chmod", "rename"] {
+        let id = mem.create_multipart(key, &none).await.unwrap();
+        let mut parts = Vec::new();
+        for (n, range) in [
+            (1, 0..5 * MIB as usize),
+            (2, 5 * MIB as usize..size as usize),
+        ] {
+            let etag = mem
+                .upload_part(key, &id, n, data.slice(range))
+                .await
+                .unwrap();
+            parts.push(bucketfs_store::CompletedPart {
+                part_number: n,
+                etag,
+            });
+        }
+        mem.complete_multipart(key, &id, &parts, None)
+            .await
+            .unwrap();
+    }
+    let (fs, _dirs) = passthrough_fs(mem.clone());
+    for step in ["chmod", "rename"] {
+        let (ino, fh) = whole_copy_open(&fs, step, size).await;
+        fs.passed_through(ino, fh, true);
+        let before = mem.head(step).await.unwrap().etag;
+        let key = if step == "chmod" {
+            let set = bucketfs_fs::SetAttr {
+                mode: Some(0o100600),
+                ..Default::default()
+            };
+            fs.setattr(ino, None, set).await.unwrap();
+            "chmod"
+        } else {
+            fs.rename(ROOT_INO, "rename".as_ref(), ROOT_INO, "renamed".as_ref(), 0)
+                .await
+                .unwrap();
+            "renamed"
+        };
+        let after = mem.head(key).await.unwrap().etag;
+        assert_ne!(before, after, "{step}: the copy has another ETag");
+        let r = fs.open(ino, libc::O_RDONLY).await;
+        let r = r.unwrap_or_else(|e| panic!("{step}: an open of the same bytes refused: {e:?}"));
+        assert!(
+            r.local.is_some(),
+            "{step}: the open does not share the copy"
+        );
+        fs.passed_through(ino, r.fh, true);
+        fs.release(ino, r.fh).await.unwrap();
+        fs.release(ino, fh).await.unwrap();
+    }
+}

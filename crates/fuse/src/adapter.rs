@@ -321,7 +321,7 @@ impl FuseFs {
 
     fn reply_entry(fs: &Fs, op: &'static str, r: Result<Attr, FsError>, reply: ReplyEntry) {
         match r {
-            Ok(a) => reply.entry(&fs.kernel_ttl(&a), &file_attr(&a), Generation(0)),
+            Ok(a) => reply.entry(&fs.entry_ttl(&a), &file_attr(&a), Generation(0)),
             Err(e) => reply.error(errno(op, e)),
         }
     }
@@ -424,7 +424,7 @@ impl Filesystem for FuseFs {
         let fs = self.fs.clone();
         self.serve(async move {
             match fs.getattr(ino.0).await {
-                Ok(a) => reply.attr(&fs.kernel_ttl(&a), &file_attr(&a)),
+                Ok(a) => reply.attr(&fs.attr_ttl(&a), &file_attr(&a)),
                 Err(e) => reply.error(errno("getattr", e)),
             }
         });
@@ -459,7 +459,7 @@ impl Filesystem for FuseFs {
         };
         self.serve(async move {
             match fs.setattr(ino.0, fh.map(|f| f.0), set).await {
-                Ok(a) => reply.attr(&fs.kernel_ttl(&a), &file_attr(&a)),
+                Ok(a) => reply.attr(&fs.attr_ttl(&a), &file_attr(&a)),
                 Err(e) => reply.error(errno("setattr", e)),
             }
         });
@@ -793,7 +793,7 @@ impl Filesystem for FuseFs {
                         };
                         // What a listing carried without user metadata is asked again at its stat.
                         let t = if complete {
-                            fs.kernel_ttl(&attr)
+                            fs.entry_ttl(&attr)
                         } else {
                             Duration::ZERO
                         };
@@ -880,7 +880,7 @@ impl Filesystem for FuseFs {
                     }
                     let f = open_flags(flags, o.keep_cache);
                     reply.created(
-                        &fs.kernel_ttl(&a),
+                        &fs.entry_ttl(&a),
                         &file_attr(&a),
                         Generation(0),
                         FileHandle(o.fh),

@@ -296,10 +296,6 @@ impl Inner {
         Ok(tmp)
     }
 
-    fn read_range(&self, path: &Path, range: Range<u64>) -> StoreResult<Bytes> {
-        read_range_of(File::open(path)?, range)
-    }
-
     /// Every key under the directory part of `prefix` that starts with `prefix`, sorted.
     /// Directories appear as marker keys (`name/`); with `recursive` their contents follow.
     fn collect(&self, prefix: &str, recursive: bool) -> StoreResult<Vec<ObjectMeta>> {
@@ -419,16 +415,19 @@ impl ObjectStore for LocalStore {
         let key = key.to_string();
         let if_match = if_match.map(str::to_string);
         self.run(move |s| {
-            let (p, md) = s.object_md(&key)?;
-            if let Some(tag) = if_match {
-                if tag != etag_of(&md) {
-                    return Err(StoreError::PreconditionFailed(key));
-                }
+            let (p, _) = s.object_md(&key)?;
+            // The ETag is checked on the open file, as `open_source` does: a publish that
+            // renames another version over the key in between cannot hand out its bytes
+            // under this one's ETag.
+            let f = File::open(&p).map_err(|_| StoreError::NotFound(key.clone()))?;
+            let md = f.metadata()?;
+            if if_match.is_some_and(|tag| tag != etag_of(&md)) {
+                return Err(StoreError::PreconditionFailed(key));
             }
             if md.is_dir() {
                 return Ok(Bytes::new());
             }
-            s.read_range(&p, range)
+            read_range_of(f, range)
         })
         .await
     }
@@ -735,6 +734,64 @@ pub(crate) mod tests {
             .await
             .unwrap();
         assert_eq!(&s.get_range("k", 0..9, None).await.unwrap()[..], b"cu");
+    }
+
+    /// A GET pinned to an ETag returns that version's bytes or is refused, never another
+    /// version's, while other versions are renamed over the key (an earlier build checked the
+    /// ETag on the path, then opened the path again: another version's bytes under it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pinned_get_never_returns_another_versions_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(LocalStore::open(dir.path()).unwrap());
+        let none = UserMeta::new();
+        let versions = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        let first = s
+            .put("k", Bytes::from(vec![0u8; 4096]), &none)
+            .await
+            .unwrap();
+        versions.lock().unwrap().insert(first, 0u8);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (s, versions, stop) = (s.clone(), versions.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut i = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    i += 1;
+                    let byte = (i % 250) as u8 + 1;
+                    let body = Bytes::from(vec![byte; 4096]);
+                    let etag = s.put("k", body, &UserMeta::new()).await.unwrap();
+                    versions.lock().unwrap().insert(etag, byte);
+                }
+            })
+        };
+        let (mut served, mut refused) = (0, 0);
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while std::time::Instant::now() < until {
+            let etag = s.head("k").await.unwrap().etag.unwrap();
+            match s.get_range("k", 0..4096, Some(&etag)).await {
+                Ok(b) => {
+                    served += 1;
+                    let byte = loop {
+                        if let Some(b) = versions.lock().unwrap().get(&etag) {
+                            break *b;
+                        }
+                        tokio::task::yield_now().await;
+                    };
+                    assert!(
+                        b.iter().all(|&x| x == byte),
+                        "bytes of another version under {etag}"
+                    );
+                }
+                Err(StoreError::PreconditionFailed(_)) => refused += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        writer.await.unwrap();
+        assert!(
+            served > 100 && refused > 0,
+            "{served} served, {refused} refused"
+        );
     }
 
     #[tokio::test]

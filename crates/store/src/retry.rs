@@ -312,7 +312,13 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
             return call().await;
         }
         let begun = Instant::now();
-        let start = operation_start().unwrap_or(begun).min(begun);
+        let mut start = operation_start().unwrap_or(begun).min(begun);
+        if self.deadline(start) <= begun {
+            // The operation spent its budget waiting for something else than the store (a
+            // lock, room for a write-back), which was asked nothing meanwhile: not a stall.
+            // This call has a budget of its own.
+            start = begun;
+        }
         if self.shared.in_outage() {
             self.shared
                 .metrics
@@ -866,6 +872,39 @@ mod tests {
             retry.head("k").await.unwrap_err();
         }
         assert!(t.elapsed() < Duration::from_millis(20), "{:?}", t.elapsed());
+    }
+
+    /// An operation that waited longer than the budget for something else than the store,
+    /// which nothing was asked of meanwhile, then calls it: the call has a budget of its own
+    /// (an earlier build cut it before it was sent and declared an outage: every call of
+    /// the mount failed at once until a probe).
+    #[tokio::test]
+    async fn a_call_after_the_operation_waited_elsewhere_has_a_budget_of_its_own() {
+        let (mem, _fault, retry) = setup(quick(200));
+        let retry = retry.cutting_stalls();
+        mem.put("k", Bytes::from_static(b"abc"), &UserMeta::new())
+            .await
+            .unwrap();
+        let got = crate::liveness::within_operation(async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            retry.head("k").await
+        })
+        .await;
+        assert_eq!(got.unwrap().size, 3);
+        assert_eq!(RetryMetrics::get(&retry.metrics().outages), 0);
+        // On a store that does not answer, such a call is cut its budget after it began.
+        let (_mem, _fault, retry) = hanging(quick(200));
+        let t = Instant::now();
+        crate::liveness::within_operation(async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(retry.head("k").await.unwrap_err().is_transient());
+        })
+        .await;
+        let took = t.elapsed();
+        assert!(
+            (Duration::from_millis(490)..Duration::from_millis(650)).contains(&took),
+            "{took:?}"
+        );
     }
 
     #[tokio::test]

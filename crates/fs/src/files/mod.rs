@@ -245,6 +245,17 @@ impl OpenFiles {
         }
     }
 
+    /// This mount's own copy gave version `old` of `ino` the ETag `new` (a rename, a chmod):
+    /// the same bytes, so opens of `new` share the local copy its passthrough handles hold
+    /// (they would wait and get `ETXTBSY` otherwise).
+    pub fn retag_through(&self, ino: Ino, old: &str, new: &str) {
+        if let Some(t) = self.through.lock().get_mut(&ino) {
+            if t.etag == old {
+                t.etag = new.to_string();
+            }
+        }
+    }
+
     /// Whether `ino` is open for passthrough.
     pub fn is_through(&self, ino: Ino) -> bool {
         self.through.lock().contains_key(&ino)

@@ -276,10 +276,17 @@ impl Fs {
             let _ = self.ns.refresh(ino);
         }
         // The copy's own answer: a HEAD now could name a version another client wrote since.
-        let etag = copied?;
+        let new = copied?;
+        let mut retagged = Vec::new();
         if let Some(i) = self.ns.table().get_mut(ino) {
-            i.etag = Some(etag);
+            // A copy pinned to the version it knew: the same bytes.
+            if let Some(old) = etag.filter(|&e| i.etag.as_deref() == Some(e)) {
+                i.pages.retag(old, &new);
+                retagged.push((ino, old.to_string(), new.clone()));
+            }
+            i.etag = Some(new);
         }
+        self.retagged(retagged);
         Ok(())
     }
 }

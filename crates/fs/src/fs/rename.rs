@@ -157,7 +157,8 @@ impl Fs {
             // below are re-pointed: a file opened below from then on has its new key.
             let renamed = |copies| {
                 let below = RenamedObjects::Below(copies);
-                self.ns.renamed(src, (parent, &path), to, below);
+                let retagged = self.ns.renamed(src, (parent, &path), to, below);
+                self.retagged(retagged);
             };
             return self
                 .rename_dir(&path, &new_path, target.is_some(), renamed)
@@ -179,8 +180,17 @@ impl Fs {
             moved?
         };
         let file = RenamedObjects::File(new_etag);
-        self.ns.renamed(src, (parent, &path), to, file);
+        let retagged = self.ns.renamed(src, (parent, &path), to, file);
+        self.retagged(retagged);
         Ok(())
+    }
+
+    /// Versions this mount's own copies gave new ETags (inode, old, new): their passthrough
+    /// opens go on sharing the local copy.
+    pub(super) fn retagged(&self, retagged: Vec<(Ino, String, String)>) {
+        for (ino, old, new) in retagged {
+            self.files.retag_through(ino, &old, &new);
+        }
     }
 
     /// Moves file `src` (its inode and write state) from `path` to `new_path`. The file whose
@@ -727,8 +737,8 @@ impl Fs {
                     let etag = self
                         .copy_object(&o.key, &to, o.size, None, o.etag.as_deref())
                         .await?;
-                    let from = o.etag.clone();
-                    Ok((to, Copied { from, etag }))
+                    let (from, size) = (o.etag.clone(), o.size);
+                    Ok((to, Copied { from, size, etag }))
                 }
                 .boxed()
             })

@@ -63,6 +63,13 @@ impl KernelPages {
         };
     }
 
+    /// This mount's own copy gave version `old` the ETag `new`: the same bytes.
+    pub fn retag(&mut self, old: &str, new: &str) {
+        if matches!(self, Self::Of(e) if e == old) {
+            *self = Self::Of(new.to_string());
+        }
+    }
+
     /// Whether a read of version `etag` can leave this as it is.
     pub fn holds(&self, etag: Option<&str>) -> bool {
         match self {

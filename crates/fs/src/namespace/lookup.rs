@@ -601,7 +601,9 @@ impl Lookups {
     }
 
     /// The first LIST page of directory `dir_key` a lookup kept (marker first), with the epoch
-    /// it was sent at. Each is given out once, within the stat TTL, and only while this mount
+    /// it was sent at. Each is given out once, while half the stat TTL is left (the kernel is
+    /// told to keep the entries of a listing only as long as what is left: one about to
+    /// expire would leave `ls -l` a lookup and a request per file), and only while this mount
     /// changed nothing since it was fetched (it may predate the change), and only if it
     /// carries what the listing wants (`detail`: a page without metadata would leave `ls -l`
     /// a HEAD per file).
@@ -616,7 +618,10 @@ impl Lookups {
         }
         let epoch = self.epoch();
         kept.retain(|k| k.at.elapsed() < self.limits.ttl && k.epoch == epoch);
-        let i = kept.iter().position(|k| *dir_key == *k.dir_key)?;
+        let young = self.limits.ttl / 2;
+        let i = kept
+            .iter()
+            .position(|k| *dir_key == *k.dir_key && k.at.elapsed() < young)?;
         let k = kept.remove(i)?;
         let enough = k.detail == ListDetail::UserMeta || detail == ListDetail::Plain;
         enough.then_some((k.page, k.epoch, k.at))

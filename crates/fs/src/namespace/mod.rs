@@ -24,7 +24,7 @@ use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta, ROOT_INO};
 use crate::metrics::{inc, FsMetrics};
 use crate::paths::{Keys, MountPath, ObjectKey};
 use bucketfs_store::{ListDetail, ListFrom, ObjectMeta, ObjectStore, UserMeta};
-use inode::{Inode, InodeTable, KernelPages};
+use inode::{Inode, InodeTable};
 use listing::{DirMisses, DirStream, ListingSays};
 use lookup::{CacheLimits, Found, Lookups};
 use markers::PendingMarkers;
@@ -453,14 +453,15 @@ impl Namespace {
     }
 
     /// `ino`, at `from` (parent and path), now is `to` (parent, the parent's path, and name)
-    /// in the store; a file's object there has ETag `etag` (`None`: ask).
+    /// in the store, where the rename left `objects`. Returns the files below a directory
+    /// whose version it copied as they knew it: (inode, old ETag, the copy's).
     pub fn renamed(
         &self,
         ino: Ino,
         from: (Ino, &MountPath),
         to: (Ino, &MountPath, &str),
         objects: RenamedObjects,
-    ) {
+    ) -> Vec<(Ino, String, String)> {
         let ((parent, path), (new_parent, new_parent_path, new_name)) = (from, to);
         let new_path = new_parent_path.join(new_name);
         self.lookups.forget(path);
@@ -471,12 +472,20 @@ impl Namespace {
         self.dir_changed(new_parent);
         let mut t = self.table.lock();
         t.rename(ino, new_parent, new_name, new_parent_path);
+        let mut retagged = Vec::new();
         let Some(i) = t.get_mut(ino) else {
-            return;
+            return retagged;
         };
         i.attr.ctime = SystemTime::now();
         match objects {
-            RenamedObjects::File(etag) => i.etag = etag,
+            RenamedObjects::File(etag) => {
+                // A closed file's copy, pinned to the version it knew: the same bytes.
+                if let (Some(old), Some(new)) = (i.etag.clone(), etag.as_deref()) {
+                    i.pages.retag(&old, new);
+                    retagged.push((ino, old, new.to_string()));
+                }
+                i.etag = etag;
+            }
             RenamedObjects::Below(copies) => {
                 // Every object below was copied: each inode names its copy now, whose
                 // ETag the rename knows. The copy's time is asked again (an object with
@@ -493,11 +502,9 @@ impl Namespace {
                         // The version it knew: the same bytes under another ETag, pages
                         // of it included.
                         Some(c) if i.etag.is_some() && c.from == i.etag => {
-                            if matches!(&i.pages, KernelPages::Of(e) if Some(e) == c.from.as_ref())
-                            {
-                                i.pages = KernelPages::Of(c.etag.clone());
-                            }
-                            i.etag = Some(c.etag.clone());
+                            let old = i.etag.replace(c.etag.clone()).unwrap_or_default();
+                            i.pages.retag(&old, &c.etag);
+                            retagged.push((d, old, c.etag.clone()));
                         }
                         // Another client's, copied: a descriptor that read the version
                         // before stops there (see `Inode::learned_changes`).
@@ -505,7 +512,10 @@ impl Namespace {
                             if i.etag.is_some() {
                                 i.learned_changes += 1;
                             }
+                            // Its size goes with its ETag (a truncate or a reader builds on
+                            // the pair); the rest is asked again.
                             i.etag = Some(c.etag.clone());
+                            i.attr.size = c.size;
                         }
                         _ => i.etag = None,
                     }
@@ -513,6 +523,7 @@ impl Namespace {
             }
         }
         t.maybe_drop(ino);
+        retagged
     }
 
     /// The path of object `key` of this mount, if it is one (not hidden, below the prefix).
@@ -673,8 +684,6 @@ impl Namespace {
     }
 }
 
-/// Whether ETag `new`, learnt from the store, says another version than `old`, known before
-/// (unknown on either side says nothing: a directory rename here forgets its files' ETags).
 /// What a rename left in the store of what it moved.
 pub enum RenamedObjects {
     /// A file: its object's ETag (`None`: not stored yet, or not known).
@@ -687,6 +696,8 @@ pub enum RenamedObjects {
 pub struct Copied {
     /// The ETag of the version copied, as listed.
     pub from: Option<String>,
+    /// Its size, as listed.
+    pub size: u64,
     /// The copy's.
     pub etag: String,
 }
@@ -694,6 +705,9 @@ pub struct Copied {
 /// The copies a directory rename made, by key.
 pub type Copies = HashMap<String, Copied>;
 
+/// Whether ETag `new`, learnt from the store, says another version than `old`, known before
+/// (unknown on either side says nothing: a file whose directory a rename copied without
+/// knowing its version has none).
 fn another_version(old: &Option<String>, new: &Option<String>) -> bool {
     matches!((old, new), (Some(o), Some(n)) if o != n)
 }

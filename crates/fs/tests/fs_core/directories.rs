@@ -1027,7 +1027,7 @@ async fn a_directory_bigger_than_a_page_is_looked_up_again_without_one() {
 /// up to 2 T, the page's entries and the listing's "no such name" taken as new).
 #[tokio::test]
 async fn a_listing_from_a_kept_page_is_believed_for_the_ttl_from_its_list() {
-    let ttl = Duration::from_secs(1);
+    let ttl = Duration::from_secs(2);
     let mem = MemoryStore::new();
     put(&mem, "d/f", &[1; 100]).await;
     let e = crate::support::env_with(mem, |c| FsConfig {
@@ -1039,17 +1039,66 @@ async fn a_listing_from_a_kept_page_is_believed_for_the_ttl_from_its_list() {
     let lists = e.metrics.requests(Op::List);
     put(&e.mem, "d/f", &[2; 200]).await;
     put(&e.mem, "d/g", b"new").await;
-    tokio::time::sleep(ttl * 7 / 10).await;
+    // Used while half of T is left.
+    tokio::time::sleep(ttl * 4 / 10).await;
     assert_eq!(list(&e.fs, d.ino).await, [".", "..", "f"]);
     assert_eq!(
         e.metrics.requests(Op::List),
         lists,
         "the kept page was used"
     );
-    // T after the lookup's LIST, 0.5 T after the listing.
-    tokio::time::sleep(ttl / 2).await;
+    // 1.1 T after the lookup's LIST, 0.7 T after the listing.
+    tokio::time::sleep(ttl * 7 / 10).await;
     let g = e.fs.lookup(d.ino, OsStr::new("g")).await;
     assert_eq!(g.map(|a| a.size), Ok(3), "d/g, added T ago");
     let f = e.fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
     assert_eq!(f.size, 200, "d/f, replaced T ago");
+}
+
+/// What the kernel is told to keep: of a file or a directory's entry, what is left of T
+/// since the store said it; of a directory's attributes (answered from what this mount
+/// holds), all of T, however old its entry (an earlier build gave 0 once T passed, and a
+/// process working in the directory then sent a getattr per file it opened). A kept page
+/// older than T/2 is not used for a listing: its entries would be kept for less than that.
+#[tokio::test]
+async fn the_kernel_keeps_what_is_left_of_the_ttl() {
+    let ttl = Duration::from_secs(2);
+    let mem = MemoryStore::new();
+    put(&mem, "d/f", &[1; 100]).await;
+    put(&mem, "e/f", &[1; 100]).await;
+    let e = crate::support::env_with(mem, |c| FsConfig {
+        stat_ttl: ttl,
+        negative_ttl: ttl,
+        ..c
+    });
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let f = e.fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    let left = e.fs.entry_ttl(&f);
+    assert!(left <= ttl && left > ttl / 2, "{left:?}");
+    tokio::time::sleep(ttl * 6 / 10).await;
+    let left = e.fs.entry_ttl(&f);
+    assert!(left <= ttl * 4 / 10, "a file learnt 0.6 T ago: {left:?}");
+    let fa = e.fs.getattr(f.ino).await.unwrap();
+    assert!(
+        e.fs.attr_ttl(&fa) <= ttl * 4 / 10,
+        "a file's attributes too"
+    );
+    tokio::time::sleep(ttl / 2).await;
+    assert_eq!(
+        e.fs.entry_ttl(&d),
+        Duration::ZERO,
+        "d's entry, learnt 1.1 T ago"
+    );
+    let da = e.fs.getattr(d.ino).await.unwrap();
+    assert_eq!(e.fs.attr_ttl(&da), ttl, "d's attributes");
+    // A page kept by a lookup 0.6 T before the listing: a LIST.
+    let ed = e.fs.lookup(ROOT_INO, OsStr::new("e")).await.unwrap();
+    let lists = e.metrics.requests(Op::List);
+    tokio::time::sleep(ttl * 6 / 10).await;
+    assert_eq!(list(&e.fs, ed.ino).await, [".", "..", "f"]);
+    assert_eq!(
+        e.metrics.requests(Op::List),
+        lists + 1,
+        "the old kept page was not used"
+    );
 }
