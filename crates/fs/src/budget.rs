@@ -50,6 +50,13 @@ const UNIT: u64 = STEP as u64;
 
 /// Longest a read waits for budget memory before it takes it from the overdraft.
 pub const DEMAND_WAIT: Duration = Duration::from_millis(500);
+
+/// Longest a FUSE thread waits for memory for a copy of a write request (the area, then the
+/// overdraft): it serves nothing else meanwhile, so copies held by writes queued behind a
+/// slow upload must not stop `ls` and `stat` of the whole mount. Past it the copy is made
+/// outside the budget: such copies are as many as write requests in flight, at most one per
+/// writing thread (1 MiB each), and counted.
+pub const COPY_WAIT: Duration = Duration::from_secs(1);
 /// While waiting, holders are asked again this often (memory may have been re-taken).
 const RECLAIM_EVERY: Duration = Duration::from_millis(50);
 
@@ -360,7 +367,8 @@ impl MemoryBudget {
     }
 
     /// [`MemoryBudget::request_buffer`] for a thread outside the runtime (a FUSE thread),
-    /// which it blocks while it waits; `None` on a runtime thread, which must not block.
+    /// which it blocks while it waits, at most [`COPY_WAIT`]; `None` on a runtime thread,
+    /// which must not block, or after that wait (the caller copies outside the budget).
     pub fn request_buffer_blocking(&self, len: u64) -> Option<PoolBuf> {
         if let Some(b) = self.try_request_buffer(len) {
             return Some(b);
@@ -368,7 +376,23 @@ impl MemoryBudget {
         if Handle::try_current().is_ok() {
             return None;
         }
-        Some(self.rt.as_ref()?.block_on(self.request_buffer(len)))
+        let rt = self.rt.as_ref()?;
+        let got =
+            rt.block_on(async { tokio::time::timeout(COPY_WAIT, self.request_buffer(len)).await });
+        if got.is_err() {
+            let n = self
+                .metrics
+                .write_copies_unbudgeted
+                .fetch_add(1, Ordering::Relaxed);
+            if n == 0 {
+                tracing::warn!(
+                    "memory for copies of write requests stayed taken for {COPY_WAIT:?} \
+                     (writes queued behind slow uploads): copies are made outside \
+                     --max-memory while it lasts (bucketfs_write_copies_unbudgeted_total)"
+                );
+            }
+        }
+        got.ok()
     }
 
     /// [`MemoryBudget::try_request_buffer`], waiting for the area's memory (copies return it
@@ -751,6 +775,41 @@ mod tests {
         assert_eq!(
             b.overdraft.available_permits() as u64,
             overdraft_for(4 << 20) / UNIT
+        );
+    }
+
+    /// A FUSE thread (outside the runtime) whose write request finds the copies' area and
+    /// the overdraft taken for good (writes queued behind a stalled upload) waits
+    /// [`COPY_WAIT`], then is told to copy outside the budget, counted (an earlier build
+    /// blocked it until an upload let a copy go: with every FUSE thread there, the mount
+    /// answered nothing, `ls` of other directories included).
+    #[test]
+    fn a_fuse_thread_never_waits_longer_than_copy_wait_for_a_copy() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let m = Arc::new(FsMetrics::default());
+        let b = rt.block_on(async { MemoryBudget::new(64 << 20, m.clone()) });
+        let area: Vec<_> = std::iter::from_fn(|| b.try_request_buffer(1 << 20)).collect();
+        let over = b
+            .overdraft
+            .clone()
+            .try_acquire_many_owned(b.overdraft_units as u32)
+            .unwrap();
+        let b2 = b.clone();
+        let t = Instant::now();
+        let got = std::thread::spawn(move || b2.request_buffer_blocking(1 << 20).is_none())
+            .join()
+            .unwrap();
+        assert!(got, "no copy from the budget");
+        assert!(
+            t.elapsed() >= COPY_WAIT && t.elapsed() < COPY_WAIT * 3,
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(FsMetrics::get(&m.write_copies_unbudgeted), 1);
+        drop((area, over));
+        assert!(
+            b.request_buffer_blocking(1 << 20).is_some(),
+            "memory back, copies in it"
         );
     }
 

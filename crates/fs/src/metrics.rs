@@ -16,6 +16,9 @@ pub struct FsMetrics {
     pub read_misses: AtomicU64,
     /// Sequential streams broken by a random read (the prefetch window starts over).
     pub prefetch_resets: AtomicU64,
+    /// Copies of write requests made outside the budget: its area and the overdraft stayed
+    /// taken for [`crate::budget::COPY_WAIT`].
+    pub write_copies_unbudgeted: AtomicU64,
     /// Bytes held in read windows, prefetches and part buffers right now.
     pub buffer_bytes: AtomicU64,
     /// The memory budget those buffers must stay within.
@@ -98,7 +101,7 @@ impl FsMetrics {
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        let counters: [(&str, &str, &AtomicU64); 35] = [
+        let counters: [(&str, &str, &AtomicU64); 36] = [
             ("bucketfs_attr_cache_hits_total", "counter", &self.attr_hits),
             (
                 "bucketfs_attr_cache_misses_total",
@@ -257,6 +260,11 @@ impl FsMetrics {
                 "bucketfs_passthrough_bytes_total",
                 "counter",
                 &self.passthrough_bytes,
+            ),
+            (
+                "bucketfs_write_copies_unbudgeted_total",
+                "counter",
+                &self.write_copies_unbudgeted,
             ),
         ];
         let mut s = String::new();
