@@ -190,8 +190,31 @@ fn check_local_source(dir: &Path) -> Result<PathBuf, String> {
     }
 }
 
+/// How long the mount point may take to answer a `stat`: a FUSE mount whose daemon hangs
+/// (stopped, or stuck) never answers, and the mount command must say so, not hang too.
+const MOUNTPOINT_ANSWER: Duration = Duration::from_secs(5);
+
+/// `stat` of the mount point, within [`MOUNTPOINT_ANSWER`] (on a thread of its own, left
+/// behind if it never returns).
+fn mountpoint_metadata(mp: &Path) -> Result<std::io::Result<std::fs::Metadata>, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = mp.to_path_buf();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::fs::metadata(p));
+    });
+    rx.recv_timeout(MOUNTPOINT_ANSWER).map_err(|_| {
+        format!(
+            "mount point {} does not answer within {} s (a FUSE mount whose daemon hangs?); \
+             unmount it first (fusermount3 -uz {})",
+            mp.display(),
+            MOUNTPOINT_ANSWER.as_secs(),
+            mp.display()
+        )
+    })
+}
+
 fn check_mountpoint(mp: &Path, nonempty: bool, allow_stacking: bool) -> Result<(), String> {
-    let md = match std::fs::metadata(mp) {
+    let md = match mountpoint_metadata(mp)? {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             // A FUSE daemon died without unmounting: clear the corpse and go on.
             bucketfs_fuse::unmount_path(mp, true).map_err(|ue| {
@@ -206,7 +229,7 @@ fn check_mountpoint(mp: &Path, nonempty: bool, allow_stacking: bool) -> Result<(
                  connected); unmounted it",
                 mp.display()
             );
-            std::fs::metadata(mp)
+            mountpoint_metadata(mp)?
         }
         r => r,
     };
@@ -478,6 +501,7 @@ async fn wait_and_shutdown(fs: &Fs, handle: MountHandle, journal: &MountJournal)
         }
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
+        _ = hup.recv() => "SIGHUP",
     };
     let left = fs.pending_uploads().len();
     if left > 0 {

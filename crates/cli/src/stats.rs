@@ -27,7 +27,8 @@ fn fetch_text(path: &std::path::Path) -> Result<String, String> {
 /// `bucketfs pending MOUNTPOINT`: the files of a background-upload mount not in the bucket
 /// yet, one a line (state, size, key, error, write-back file), then a summary.
 pub fn pending(a: &crate::args::PendingArgs) -> i32 {
-    let mp = a.mountpoint.canonicalize().unwrap_or(a.mountpoint.clone());
+    // Not canonicalize: it would stat the mount, which may be the hung one to look into.
+    let mp = bucketfs_fuse::absolute(&a.mountpoint);
     let text = match fetch_text(&stats_socket(&mp)) {
         Ok(t) => t,
         Err(e) => {

@@ -387,6 +387,51 @@ fn a_crashed_upload_is_aborted_whatever_the_endpoint_spelling_or_cache_dir() {
     drop(m);
 }
 
+/// `bucketfs mount` on a mount point whose FUSE daemon hangs (stopped: it answers no
+/// request) says so within seconds, in one line, instead of hanging on its `stat` as well
+/// (an earlier build waited for good); `bucketfs pending` of it does not hang either.
+#[test]
+fn mounting_over_a_hung_mount_fails_in_bounded_time() {
+    let s3 = s3();
+    let b1 = s3.new_bucket("hung1");
+    let b2 = s3.new_bucket("hung2");
+    let m = MountSpec::s3(&b1, "").mount();
+    let mp = m.path().to_path_buf();
+    let daemon = m.daemon_pid().expect("the daemon's pid");
+    unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
+    struct Cont(u32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
+        }
+    }
+    let cont = Cont(daemon);
+    let second = mount_bg(&format!("s3://{b2}"), &mp, &[], &creds());
+    let pending = run_cli(
+        &["pending".into(), mp.clone().into_os_string()],
+        &[],
+        None,
+        Duration::from_secs(30),
+    );
+    drop(cont);
+    drop(m);
+    assert!(
+        !second.timed_out && second.elapsed < Duration::from_secs(15),
+        "{second:?}"
+    );
+    assert_eq!(second.status.and_then(|s| s.code()), Some(1), "{second:?}");
+    assert_eq!(second.stderr.lines().count(), 1, "{}", second.stderr);
+    assert!(
+        second.stderr.contains("does not answer"),
+        "{}",
+        second.stderr
+    );
+    assert!(
+        !pending.timed_out && pending.elapsed < Duration::from_secs(15),
+        "{pending:?}"
+    );
+}
+
 /// Issue 18, item 6: `bucketfs mount` on a directory that is already a live mount (of an
 /// empty bucket, so the emptiness check passed) silently stacked a second file system over
 /// it. Now it is refused with one line, unless --allow-stacking.
