@@ -755,10 +755,23 @@ impl Fs {
             .into_iter()
             .map(|o| {
                 async move {
-                    self.store
-                        .delete(&o.key)
-                        .await
-                        .map_err(|e| log_store_err(&format!("delete {}", o.key), e))
+                    // Only the version copied: one another client put since stays (where
+                    // the store checks the condition; MinIO deletes whatever is there).
+                    let r = match &o.etag {
+                        Some(etag) => self.store.delete_if(&o.key, etag).await,
+                        None => self.store.delete(&o.key).await,
+                    };
+                    match r {
+                        Err(StoreError::PreconditionFailed(_)) => {
+                            tracing::warn!(
+                                "{}: replaced by another client while its directory was \
+                                 renamed; that version stays under the old name",
+                                o.key
+                            );
+                            Ok(())
+                        }
+                        r => r.map_err(|e| log_store_err(&format!("delete {}", o.key), e)),
+                    }
                 }
                 .boxed()
             })

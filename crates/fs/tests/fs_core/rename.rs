@@ -243,3 +243,35 @@ async fn renaming_over_an_open_file_keeps_it_for_its_descriptors() {
     let now = e.fs.lookup(ROOT_INO, OsStr::new("cfg")).await.unwrap();
     assert_eq!(now.size, 11);
 }
+
+/// Another client replaces a file of a directory while the directory is renamed here, after
+/// its copy and before its delete: the rename deletes only the version it copied, and the
+/// other client's stays under the old name (an earlier build deleted whatever was there).
+#[tokio::test]
+async fn a_directory_rename_deletes_only_the_versions_it_copied() {
+    use bucketfs_store::fault::Fault;
+    use bucketfs_store::metrics::Op;
+    use std::time::Duration;
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "d/f", b"copied").await;
+    let (faulty, fs, _cache) = crate::support::faulty_fs(&mem);
+    faulty.inject(
+        Op::Delete,
+        0,
+        Some(1),
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    let other = {
+        let mem = mem.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            put(&mem, "d/f", b"the other client's").await;
+        })
+    };
+    fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+        .await
+        .unwrap();
+    other.await.unwrap();
+    assert_eq!(object(&mem, "d2/f").await, b"copied");
+    assert_eq!(object(&mem, "d/f").await, b"the other client's");
+}
