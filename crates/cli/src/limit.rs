@@ -277,7 +277,8 @@ fn run_inner(args: &BenchArgs) -> Result<LimitResult, String> {
     };
     let rt = tokio::runtime::Runtime::new().map_err(|e| format!("runtime: {e}"))?;
     rt.block_on(async {
-        let (store, metrics, _) = open_store(&settings, &target).await?;
+        let opened = open_store(&settings, &target).await?;
+        let (store, metrics) = (opened.store, opened.metrics);
         let key = format!("{prefix}.bucketfs-bench-{}", std::process::id());
         let mut r = if opts.size > 0 {
             measure(store.clone(), &metrics, &key, &opts)

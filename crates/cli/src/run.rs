@@ -311,11 +311,11 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         Ok(rt) => rt,
         Err(e) => return report_failure(readiness, format!("cannot start runtime: {e}")),
     };
-    let (store, metrics, retry_metrics) =
-        match rt.block_on(open_store(&plan.settings, &plan.target)) {
-            Ok(x) => x,
-            Err(msg) => return report_failure(readiness, msg),
-        };
+    let opened = match rt.block_on(open_store(&plan.settings, &plan.target)) {
+        Ok(x) => x,
+        Err(msg) => return report_failure(readiness, msg),
+    };
+    let (store, metrics, retry_metrics) = (opened.store, opened.metrics, opened.retry_metrics);
     if s.no_verify_ssl {
         warn!("--no-verify-ssl: server certificates are not verified");
     }
@@ -333,10 +333,13 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
 
     let mut fs_config = s.fs_config(prefix.clone());
     if let Some(c) = &mut fs_config.data_cache {
-        // Blocks are keyed by this too: two buckets (or endpoints) never share one.
+        // Blocks are keyed by this too: two buckets (or endpoints) never share one. The
+        // endpoint as the client resolved it: two profiles, or `AWS_ENDPOINT_URL`s, of one
+        // bucket name are two stores.
         c.scope = match &plan.target {
             Target::S3 { bucket, .. } => {
-                format!("s3 {} {bucket}", s.endpoint_url.as_deref().unwrap_or("aws"))
+                let endpoint = opened.endpoint.as_deref().unwrap_or("aws");
+                format!("s3 {endpoint} {bucket}")
             }
             Target::Local { dir } => format!("local {}", dir.display()),
         };
@@ -893,12 +896,21 @@ fn short_detail(s: &str) -> String {
     s
 }
 
+/// A store built and checked by [`open_store`].
+pub(crate) struct OpenedStore {
+    pub store: Arc<dyn ObjectStore>,
+    pub metrics: Arc<StoreMetrics>,
+    pub retry_metrics: Arc<RetryMetrics>,
+    /// An S3 store's endpoint, however it was given; `None`: AWS's own, or a directory.
+    pub endpoint: Option<String>,
+}
+
 /// Builds the store of `target` and checks that it can be used.
 pub(crate) async fn open_store(
     settings: &Settings,
     target: &Target,
-) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>, Arc<RetryMetrics>), String> {
-    let (store, metrics) = open_raw_store(settings, target).await?;
+) -> Result<OpenedStore, String> {
+    let (store, metrics, endpoint) = open_raw_store(settings, target).await?;
     let policy = if settings.retry_timeout.is_zero() {
         RetryPolicy::none()
     } else {
@@ -914,14 +926,19 @@ pub(crate) async fn open_store(
         Target::Local { .. } => retry,
     };
     let retry_metrics = retry.metrics();
-    Ok((Arc::new(retry), metrics, retry_metrics))
+    Ok(OpenedStore {
+        store: Arc::new(retry),
+        metrics,
+        retry_metrics,
+        endpoint,
+    })
 }
 
-/// The backend with request counters, before retries.
+/// The backend with request counters, before retries, and an S3 store's endpoint.
 async fn open_raw_store(
     settings: &Settings,
     target: &Target,
-) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>), String> {
+) -> Result<(Arc<dyn ObjectStore>, Arc<StoreMetrics>, Option<String>), String> {
     match target {
         Target::Local { dir } => {
             let store = LocalStore::open(dir).map_err(|e| match e {
@@ -932,7 +949,7 @@ async fn open_raw_store(
             })?;
             let metered = MeteredStore::new(Arc::new(store));
             let metrics = metered.metrics();
-            Ok((Arc::new(metered), metrics))
+            Ok((Arc::new(metered), metrics, None))
         }
         Target::S3 { bucket, prefix } => {
             let s = settings;
@@ -957,13 +974,14 @@ async fn open_raw_store(
                     TlsTrust::System
                 },
             };
-            let endpoint = s.endpoint_url.as_deref().unwrap_or("AWS S3").to_string();
             let store = S3Store::new(&cfg).await.map_err(|e| {
                 format!(
                     "cannot set up the S3 client: {}",
                     short_detail(&e.to_string())
                 )
             })?;
+            let resolved = store.endpoint().map(str::to_string);
+            let endpoint = resolved.as_deref().unwrap_or("AWS S3").to_string();
             match tokio::time::timeout(CHECK_TIMEOUT, store.check_access(prefix)).await {
                 Err(_) => {
                     return Err(format!(
@@ -979,7 +997,7 @@ async fn open_raw_store(
             let metered = MeteredStore::new(Arc::new(store));
             let metrics = metered.metrics();
             metrics.watch_request_slots(slots);
-            Ok((Arc::new(metered), metrics))
+            Ok((Arc::new(metered), metrics, resolved))
         }
     }
 }

@@ -144,6 +144,16 @@ impl crate::namespace::saved::ListingDisk for PagesInDataCache {
     fn load(&self, dir_key: &str) -> Option<Vec<u8>> {
         self.0.listing(dir_key)
     }
+    fn changing_until(&self, until: SystemTime) {
+        let cache = self.0.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(move || cache.changing_until(until))),
+            Err(_) => cache.changing_until(until),
+        }
+    }
+    fn changed_until(&self) -> Option<SystemTime> {
+        self.0.changed_until()
+    }
 }
 
 impl Fs {

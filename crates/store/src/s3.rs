@@ -107,6 +107,9 @@ pub struct S3Store {
     /// Set once the store refused `If-Match` on a DELETE (`501`/`400`): later deletes go
     /// plain, as on stores that ignore it (callers HEAD first).
     no_conditional_delete: AtomicBool,
+    /// The endpoint requests go to, however it was given (`endpoint_url`, or the SDK's
+    /// `AWS_ENDPOINT_URL` or a profile's `endpoint_url`); `None`: AWS's own.
+    endpoint: Option<String>,
 }
 
 /// The bound on S3 requests in flight (`--max-connections`), and how busy it is: gauges for
@@ -404,8 +407,11 @@ impl S3Store {
         if let Some(ep) = &cfg.endpoint_url {
             b = b.endpoint_url(ep);
         }
-        let https = cfg
+        let endpoint = cfg
             .endpoint_url
+            .clone()
+            .or_else(|| sdk.endpoint_url().map(str::to_string));
+        let https = endpoint
             .as_deref()
             .is_none_or(|e| e.to_ascii_lowercase().starts_with("https://"));
         Ok(Self {
@@ -417,7 +423,13 @@ impl S3Store {
             slots,
             page_lists: Semaphore::new(PAGE_LISTS_IN_FLIGHT),
             no_conditional_delete: AtomicBool::new(false),
+            endpoint,
         })
+    }
+
+    /// The endpoint requests go to (see the field); `None`: AWS's own.
+    pub fn endpoint(&self) -> Option<&str> {
+        self.endpoint.as_deref()
     }
 
     /// Waits for a request slot. Held across the whole request (the SDK's own attempts and

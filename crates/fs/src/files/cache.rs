@@ -77,6 +77,8 @@ const WHOLE: u64 = u64::MAX;
 /// empty): a block file like any other (`NAME.lst`), evicted with them.
 const LISTING: u64 = u64::MAX - 1;
 const LST: &str = "lst";
+/// The `BlockId` index naming the record of when mounts of a scope last changed something.
+const CHANGED: u64 = u64::MAX - 2;
 /// Extensions of a whole object's data file and manifest.
 const OBJ: &str = "obj";
 const MAN: &str = "man";
@@ -1092,6 +1094,38 @@ impl DataCache {
         );
     }
 
+    /// Where the record of the last change made by a mount of this scope is: in the root,
+    /// which the rescan does not read (it is no block).
+    fn changed_path(&self) -> PathBuf {
+        let name = self.id("", "", CHANGED).name();
+        self.root.join(format!("changed-{name:032x}"))
+    }
+
+    /// A mount of this scope changes something in the store, until `until` at the latest:
+    /// the listing pages saved before then may predate it. Blocking (file I/O).
+    pub fn changing_until(&self, until: SystemTime) {
+        let nanos = until
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        if let Err(e) = std::fs::write(self.changed_path(), nanos.to_le_bytes()) {
+            self.io_error("write", &e);
+        }
+    }
+
+    /// Until when a mount of this scope last said it changes something (see
+    /// [`Self::changing_until`]), if one ever did; a record that cannot be read counts as
+    /// now (no page saved so far is used). Blocking (file I/O).
+    pub fn changed_until(&self) -> Option<SystemTime> {
+        match std::fs::read(self.changed_path()) {
+            Ok(b) => Some(match <[u8; 8]>::try_from(b.as_slice()) {
+                Ok(a) => UNIX_EPOCH + Duration::from_nanos(u64::from_le_bytes(a)),
+                Err(_) => SystemTime::now(),
+            }),
+            Err(e) if e.kind() == ErrorKind::NotFound => None,
+            Err(_) => Some(SystemTime::now()),
+        }
+    }
+
     /// The listing page last saved for directory `dir_key`, checked like a block (a damaged
     /// one is removed). Blocking (file I/O).
     pub fn listing(&self, dir_key: &str) -> Option<Vec<u8>> {
@@ -1143,7 +1177,10 @@ impl DataCache {
         let (key, etag, size) = (&job.key, &job.etag, job.size);
         let id = self.id(key, etag, WHOLE);
         let name = id.name();
-        if size > self.max_bytes {
+        // The copy is written next to the blocks it is made of: one over half the cache
+        // would push out everything else, then not fit (on a disk the size of the cache,
+        // fail, and be tried again at every open). It stays in blocks.
+        if size > self.max_bytes / 2 {
             return;
         }
         let obj = self.whole_path(name, OBJ);
@@ -1247,6 +1284,8 @@ impl DataCache {
 
     /// [`DataCache::evict_to`], never evicting `keep` (nor going below their bytes).
     fn evict_keeping(&self, limit: u64, keep: &[u128]) {
+        // Looked up for every entry passed over, under the index's lock.
+        let keep: HashSet<u128> = keep.iter().copied().collect();
         loop {
             let victim = {
                 let mut ix = self.index.lock();
@@ -1700,6 +1739,40 @@ mod tests {
         wait_until("evicted", || FsMetrics::get(&m.data_cache_evictions) == 1);
         assert!(!obj.exists() && !c.whole_path(name, MAN).exists());
         assert_eq!(FsMetrics::get(&m.data_cache_bytes), 0);
+    }
+
+    /// An object over half the cache stays in blocks, and evicts nothing to be made whole
+    /// (an earlier build evicted every other entry for its copy, then held the copy and its
+    /// blocks together, past the bound).
+    #[test]
+    fn objects_over_half_the_cache_stay_in_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, m) = start(dir.path(), 8 * BLOCK);
+        for (key, blocks) in [("other", 2u64), ("big", 5)] {
+            // Whole copies on for the big one only (the other stays in blocks to be seen).
+            c.set_whole_files(key == "big");
+            let size = blocks * BLOCK;
+            for i in 0..blocks {
+                c.put(
+                    key,
+                    "e",
+                    size,
+                    i,
+                    Bytes::from(vec![i as u8; BLOCK as usize]),
+                );
+            }
+            wait_until(key, || {
+                (0..blocks).all(|i| c.path(c.id(key, "e", i).name()).exists())
+                    || c.local_copy(key, "e", size).is_some()
+            });
+        }
+        // An open of the big one asks for its whole copy.
+        assert!(c.local_copy("big", "e", 5 * BLOCK).is_none());
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(c.local_copy("big", "e", 5 * BLOCK).is_none(), "made whole");
+        assert_eq!(FsMetrics::get(&m.data_cache_evictions), 0);
+        assert!((0..2).all(|i| c.path(c.id("other", "e", i).name()).exists()));
+        assert!(FsMetrics::get(&m.data_cache_bytes) <= 8 * BLOCK);
     }
 
     fn put_all(c: &DataCache, etag: &str, data: &[u8]) {

@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// What the store says exists at a path.
 #[derive(Clone, Debug)]
@@ -195,6 +195,8 @@ pub struct Lookups {
     page_fetches: Mutex<HashMap<MountPath, Shared<BoxFuture<'static, ()>>>>,
     /// Where first pages are saved for later mounts (`--data-cache`), see [`saved`].
     disk: OnceLock<Arc<dyn ListingDisk>>,
+    /// Until when (Unix seconds) the disk was last told that this mount changes things.
+    changing_until: AtomicU64,
 }
 
 impl Lookups {
@@ -213,6 +215,7 @@ impl Lookups {
             big: BigDirs::default(),
             page_fetches: Mutex::new(HashMap::new()),
             disk: OnceLock::new(),
+            changing_until: AtomicU64::new(0),
         })
     }
 
@@ -384,6 +387,7 @@ impl Lookups {
     pub fn forget(&self, path: &MountPath) {
         self.changes.fetch_add(1, Ordering::SeqCst);
         self.cache.lock().remove(path);
+        self.changing();
     }
 
     /// Forgets everything below directory `dir`.
@@ -392,6 +396,20 @@ impl Lookups {
         self.cache
             .lock()
             .retain(|p, _| p != dir && !p.is_below(dir));
+        self.changing();
+    }
+
+    /// Something changes here: the saved pages' disk records it, in the background, until
+    /// a second or two from now (so at most about once a second).
+    fn changing(&self) {
+        let Some(disk) = self.disk.get() else { return };
+        let now = SystemTime::now();
+        let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        if self.changing_until.load(Ordering::Relaxed) > secs {
+            return;
+        }
+        self.changing_until.store(secs + 2, Ordering::Relaxed);
+        disk.changing_until(UNIX_EPOCH + Duration::from_secs(secs + 2));
     }
 
     /// What `path` is: from the cache when fresh and complete, else from the store.
@@ -475,12 +493,15 @@ impl Lookups {
             return;
         }
         let key = dir_key.clone();
-        let Some(Some(blob)) = crate::inline::local_io(move || disk.load(&key)).await else {
+        let load = move || Some((disk.load(&key)?, disk.changed_until()));
+        let Some(Some((blob, changed))) = crate::inline::local_io(load).await else {
             return;
         };
-        // Not one without user metadata when a LIST now would carry it (a HEAD per file).
+        // Not one without user metadata when a LIST now would carry it (a HEAD per file),
+        // nor one that may predate a change a mount sharing the disk made.
         let Some(s) = saved::decode(&blob)
             .filter(|s| s.detail == ListDetail::UserMeta || self.detail_now() == ListDetail::Plain)
+            .filter(|s| changed.is_none_or(|c| s.sent > c))
         else {
             return;
         };

@@ -6,8 +6,11 @@
 //! while) instead of a LIST, as if this mount had fetched
 //! it then: its entries are believed only until the TTL counted from that time, so another
 //! client's change shows within the TTL as it does within one mount. A page is used only
-//! while this mount has changed nothing (it predates every change made here) and never over
-//! what this mount already knows. The bytes (the page, its time and its detail) are this
+//! while this mount has changed nothing (it predates every change made here), only if its
+//! LIST was sent after the last change any mount sharing the disk made (each records when
+//! it changes something, at most once a second: an earlier build showed the names and
+//! versions from before this machine's own changes after a remount), and never over what
+//! this mount already knows. The bytes (the page, its time and its detail) are this
 //! module's format; where they live, and their checksums, are the disk's
 //! ([`ListingDisk`]).
 
@@ -21,6 +24,12 @@ pub trait ListingDisk: Send + Sync {
     fn save(&self, dir_key: &str, blob: Vec<u8>);
     /// The blob last saved for `dir_key`, checked sound. Blocking (file I/O).
     fn load(&self, dir_key: &str) -> Option<Vec<u8>>;
+    /// A mount changes something in the store, until `until` at the latest: pages saved
+    /// before then are not used by later mounts (they may predate the change). In the
+    /// background (callers may hold locks).
+    fn changing_until(&self, until: SystemTime);
+    /// Until when a mount sharing this disk last said it changes something. Blocking.
+    fn changed_until(&self) -> Option<SystemTime>;
 }
 
 const VERSION: u8 = 1;

@@ -1,0 +1,116 @@
+//! Directory pages saved in the data cache for later mounts, against this machine's own
+//! changes: a mount believes a saved page only if its LIST was sent after the last change a
+//! mount sharing the cache made.
+
+mod support;
+
+use bucketfs_fs::{DataCacheConfig, Fs, FsConfig, ROOT_INO};
+use bucketfs_store::memory::MemoryStore;
+use bucketfs_store::metrics::{MeteredStore, Op, StoreMetrics};
+use bucketfs_store::ObjectStore;
+use std::ffi::OsStr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{put, MIB};
+
+/// A mount of `mem` with its data cache in `dc` and a long stat TTL (saved pages are used
+/// while younger than half of it), and its request counters.
+fn mount(
+    mem: &Arc<MemoryStore>,
+    dc: &Path,
+    cache: &tempfile::TempDir,
+) -> (Arc<Fs>, Arc<StoreMetrics>) {
+    let metered = MeteredStore::new(mem.clone() as Arc<dyn ObjectStore>);
+    let metrics = metered.metrics();
+    let cfg = FsConfig {
+        data_cache: Some(DataCacheConfig {
+            dir: dc.to_path_buf(),
+            max_bytes: 64 * MIB,
+            scope: "test".into(),
+        }),
+        stat_ttl: Duration::from_secs(600),
+        negative_ttl: Duration::from_secs(600),
+        ..support::config(cache)
+    };
+    (Fs::new(Arc::new(metered), cfg), metrics)
+}
+
+/// Waits until a file whose name passes `is` is somewhere in `dir` (the cache writes in
+/// the background).
+fn wait_for_file(dir: &Path, is: impl Fn(&str) -> bool) {
+    let t = Instant::now();
+    let found = |d: &Path| -> bool {
+        let mut todo = vec![d.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.path().is_dir() {
+                    todo.push(e.path());
+                } else if is(&e.file_name().to_string_lossy()) {
+                    return true;
+                }
+            }
+        }
+        false
+    };
+    while !found(dir) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no such file in the cache"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `d/f` through `fs`: its bytes.
+async fn read_f(fs: &Fs) -> Vec<u8> {
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let f = fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    let h = fs.open(f.ino, libc::O_RDONLY).await.unwrap();
+    let got = fs.read(f.ino, h.fh, 0, 4096).await.unwrap().to_vec();
+    fs.release(f.ino, h.fh).await.unwrap();
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remount_never_believes_a_page_saved_before_a_change_made_here() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "d/f", b"one").await;
+    let dc = tempfile::tempdir().unwrap();
+    let (c1, c2, c3) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    // The first mount's lookup of d saves its page, and its read of d/f caches its bytes.
+    let (fs, _) = mount(&mem, dc.path(), &c1);
+    assert_eq!(read_f(&fs).await, b"one");
+    wait_for_file(dc.path(), |n| n.ends_with(".lst"));
+    wait_for_file(dc.path(), |n| {
+        !n.contains('.') && !n.starts_with("changed-")
+    });
+    drop(fs);
+    // The next mount uses the page: no LIST for d.
+    let (fs, m) = mount(&mem, dc.path(), &c2);
+    assert_eq!(read_f(&fs).await, b"one");
+    assert_eq!(m.requests(Op::List), 0, "the saved page was used");
+    // It rewrites d/f (same size), and goes.
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let f = fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    let h = fs
+        .open(f.ino, libc::O_WRONLY | libc::O_TRUNC)
+        .await
+        .unwrap();
+    fs.write(f.ino, h.fh, 0, bytes::Bytes::from_static(b"two"))
+        .await
+        .unwrap();
+    fs.flush(f.ino, h.fh).await.unwrap();
+    fs.release(f.ino, h.fh).await.unwrap();
+    wait_for_file(dc.path(), |n| n.starts_with("changed-"));
+    drop(fs);
+    // The mount after it lists d again (the page predates the rewrite) and reads the new
+    // bytes, not the old ones the cache holds under the ETag the page names.
+    let (fs, m) = mount(&mem, dc.path(), &c3);
+    assert_eq!(read_f(&fs).await, b"two");
+    assert!(m.requests(Op::List) > 0);
+}
