@@ -504,7 +504,7 @@ async fn wait_and_shutdown(fs: &Fs, handle: MountHandle, journal: &MountJournal)
         }
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
-        _ = hup.recv() => "SIGHUP",
+        // Not SIGHUP: a terminal's hangup can deliver it twice (kernel and shell).
     };
     let left = fs.pending_uploads().len();
     if left > 0 {

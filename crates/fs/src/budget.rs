@@ -102,6 +102,8 @@ pub struct MemoryBudget {
     request_pool: Arc<Pool>,
     /// The runtime a FUSE thread waits in for request memory.
     rt: Option<Handle>,
+    /// When a FUSE thread last waited [`COPY_WAIT`] for a copy in vain.
+    copies_short: Mutex<Option<Instant>>,
 }
 
 /// Registered holders; closed readers' entries are dropped now and then.
@@ -180,6 +182,7 @@ impl MemoryBudget {
         Arc::new(Self {
             request_pool: Pool::new(requests.clone(), request_area_for(units * UNIT)),
             rt: Handle::try_current().ok(),
+            copies_short: Mutex::new(None),
             requests,
             pool: Pool::new(sem.clone(), units * UNIT),
             sem,
@@ -377,9 +380,21 @@ impl MemoryBudget {
             return None;
         }
         let rt = self.rt.as_ref()?;
+        // Short of it a moment ago: no wait for each write while it lasts.
+        if self
+            .copies_short
+            .lock()
+            .is_some_and(|t| t.elapsed() < COPY_WAIT)
+        {
+            self.metrics
+                .write_copies_unbudgeted
+                .fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
         let got =
             rt.block_on(async { tokio::time::timeout(COPY_WAIT, self.request_buffer(len)).await });
         if got.is_err() {
+            *self.copies_short.lock() = Some(Instant::now());
             let n = self
                 .metrics
                 .write_copies_unbudgeted
@@ -806,6 +821,11 @@ mod tests {
             t.elapsed()
         );
         assert_eq!(FsMetrics::get(&m.write_copies_unbudgeted), 1);
+        // Right after, the next one does not wait again.
+        let t = Instant::now();
+        assert!(b.request_buffer_blocking(1 << 20).is_none());
+        assert!(t.elapsed() < COPY_WAIT / 2, "{:?}", t.elapsed());
+        assert_eq!(FsMetrics::get(&m.write_copies_unbudgeted), 2);
         drop((area, over));
         assert!(
             b.request_buffer_blocking(1 << 20).is_some(),

@@ -419,7 +419,10 @@ impl ObjectStore for LocalStore {
             // The ETag is checked on the open file, as `open_source` does: a publish that
             // renames another version over the key in between cannot hand out its bytes
             // under this one's ETag.
-            let f = File::open(&p).map_err(|_| StoreError::NotFound(key.clone()))?;
+            let f = File::open(&p).map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => StoreError::NotFound(key.clone()),
+                _ => e.into(),
+            })?;
             let md = f.metadata()?;
             if if_match.is_some_and(|tag| tag != etag_of(&md)) {
                 return Err(StoreError::PreconditionFailed(key));

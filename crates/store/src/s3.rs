@@ -407,10 +407,7 @@ impl S3Store {
         if let Some(ep) = &cfg.endpoint_url {
             b = b.endpoint_url(ep);
         }
-        let endpoint = cfg
-            .endpoint_url
-            .clone()
-            .or_else(|| sdk.endpoint_url().map(str::to_string));
+        let endpoint = cfg.endpoint_url.clone().or_else(|| sdk_endpoint(&sdk));
         let https = endpoint
             .as_deref()
             .is_none_or(|e| e.to_ascii_lowercase().starts_with("https://"));
@@ -1038,6 +1035,25 @@ impl ObjectStore for S3Store {
         }
         Ok(page)
     }
+}
+
+/// The endpoint the SDK gives an S3 client when bucketfs is given none, resolved as
+/// `aws_sdk_s3`'s `From<&SdkConfig>` does: the S3 one (`AWS_ENDPOINT_URL_S3`, a profile's
+/// `services` section) before the global one (`AWS_ENDPOINT_URL`, a profile's
+/// `endpoint_url`); `None`: AWS's own.
+fn sdk_endpoint(sdk: &aws_config::SdkConfig) -> Option<String> {
+    if sdk.get_origin("endpoint_url").is_client_config() {
+        return sdk.endpoint_url().map(str::to_string);
+    }
+    let key = aws_types::service_config::ServiceConfigKey::builder()
+        .service_id("S3")
+        .env("AWS_ENDPOINT_URL")
+        .profile("endpoint_url")
+        .build()
+        .ok()?;
+    sdk.service_config()
+        .and_then(|c| c.load_config(key))
+        .or_else(|| sdk.endpoint_url().map(str::to_string))
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! An endpoint given by `AWS_ENDPOINT_URL` (not `--endpoint-url`) is the one the store names:
+//! An endpoint given by `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` (not `--endpoint-url`) is
+//! the one the store names:
 //! the data cache keys its blocks and saved pages by it, so two such endpoints serving one
 //! bucket name never share them (an earlier build called both "aws"). A test binary of its
 //! own: it sets the variable before anything reads it.
@@ -9,8 +10,10 @@ use bucketfs_store::tls::TlsTrust;
 
 #[tokio::test]
 async fn an_endpoint_from_the_environment_is_the_one_named() {
-    // Alone in this process: no other thread reads the environment yet.
-    std::env::set_var("AWS_ENDPOINT_URL", "http://127.0.0.1:1");
+    // Alone in this process: no other thread reads the environment yet. The S3 one wins,
+    // as in the SDK's own clients.
+    std::env::set_var("AWS_ENDPOINT_URL", "http://127.0.0.1:3");
+    std::env::set_var("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1");
     let cfg = S3Config {
         bucket: "b".into(),
         endpoint_url: None,

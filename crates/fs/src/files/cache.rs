@@ -472,6 +472,8 @@ struct Job {
 }
 
 pub struct DataCache {
+    /// Serializes the writes of [`DataCache::changing_until`].
+    changed_lock: Mutex<()>,
     root: PathBuf,
     scope: String,
     max_bytes: u64,
@@ -544,6 +546,7 @@ impl DataCache {
             .data_cache_limit_bytes
             .store(cfg.max_bytes, Ordering::Relaxed);
         let cache = Arc::new(DataCache {
+            changed_lock: Mutex::new(()),
             root: cfg.dir.join(VERSION_DIR),
             scope: cfg.scope.clone(),
             max_bytes: cfg.max_bytes,
@@ -1103,11 +1106,22 @@ impl DataCache {
 
     /// A mount of this scope changes something in the store, until `until` at the latest:
     /// the listing pages saved before then may predate it. Blocking (file I/O).
+    /// Writes are one at a time (they run in the background, and may finish out of order),
+    /// never move the time back, and replace the record whole (a temporary file renamed).
     pub fn changing_until(&self, until: SystemTime) {
+        let _one = self.changed_lock.lock();
+        if self.changed_until().is_some_and(|t| t >= until) {
+            return;
+        }
         let nanos = until
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        if let Err(e) = std::fs::write(self.changed_path(), nanos.to_le_bytes()) {
+        let path = self.changed_path();
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        let r =
+            std::fs::write(&tmp, nanos.to_le_bytes()).and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = r {
+            let _ = std::fs::remove_file(&tmp);
             self.io_error("write", &e);
         }
     }

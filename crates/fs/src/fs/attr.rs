@@ -277,6 +277,8 @@ impl Fs {
         }
         // The copy's own answer: a HEAD now could name a version another client wrote since.
         let new = copied?;
+        // Done (a copy can take a while): a page saved meanwhile predates it.
+        self.ns.changing(path);
         let mut retagged = Vec::new();
         if let Some(i) = self.ns.table().get_mut(ino) {
             // A copy pinned to the version it knew: the same bytes.

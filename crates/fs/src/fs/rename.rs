@@ -164,6 +164,7 @@ impl Fs {
                 .rename_dir(&path, &new_path, target.is_some(), renamed)
                 .await;
         }
+        let copied = etag.clone();
         let new_etag = {
             let moved = self
                 .rename_file(&path, &new_path, (size, etag), (src, write), replaced)
@@ -179,7 +180,10 @@ impl Fs {
             }
             moved?
         };
-        let file = RenamedObjects::File(new_etag);
+        let file = RenamedObjects::File {
+            copied,
+            etag: new_etag,
+        };
         let retagged = self.ns.renamed(src, (parent, &path), to, file);
         self.retagged(retagged);
         Ok(())
@@ -302,10 +306,19 @@ impl Fs {
             let copied = self
                 .copy_object(&src, &dst, size, None, etag.as_deref())
                 .await?;
-            self.store
-                .delete(&src)
-                .await
-                .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
+            // Only the version copied: another client's put since stays (where the store
+            // checks the condition; MinIO deletes whatever is there).
+            let deleted = match &etag {
+                Some(e) => self.store.delete_if(&src, e).await,
+                None => self.store.delete(&src).await,
+            };
+            match deleted {
+                Err(StoreError::PreconditionFailed(_)) => tracing::warn!(
+                    "{src}: replaced by another client while it was renamed; that version \
+                     stays under the old name"
+                ),
+                r => r.map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?,
+            }
             return Ok(Some(copied));
         };
         st.leave_key(&src)?;

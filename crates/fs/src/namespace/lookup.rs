@@ -387,7 +387,6 @@ impl Lookups {
     pub fn forget(&self, path: &MountPath) {
         self.changes.fetch_add(1, Ordering::SeqCst);
         self.cache.lock().remove(path);
-        self.changing();
     }
 
     /// Forgets everything below directory `dir`.
@@ -396,12 +395,13 @@ impl Lookups {
         self.cache
             .lock()
             .retain(|p, _| p != dir && !p.is_below(dir));
-        self.changing();
     }
 
-    /// Something changes here: the saved pages' disk records it, in the background, until
-    /// a second or two from now (so at most about once a second).
-    fn changing(&self) {
+    /// This mount changes something in the store (before, and again once done, where the
+    /// change takes a while): the saved pages' disk records it, in the background, until a
+    /// second or two from now (so at most about once a second). Not for what it learns of
+    /// other clients' changes: those show within T anyway.
+    pub fn changing(&self) {
         let Some(disk) = self.disk.get() else { return };
         let now = SystemTime::now();
         let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());

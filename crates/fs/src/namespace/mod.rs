@@ -424,6 +424,7 @@ impl Namespace {
     /// Kept in memory only (storing them would cost a request per entry); [`Self::remember`]
     /// never moves them back.
     pub fn dir_changed(&self, dir: Ino) {
+        self.lookups.changing();
         if let Some(i) = self.table.lock().get_mut(dir) {
             let t = SystemTime::now();
             i.attr.mtime = t;
@@ -446,10 +447,11 @@ impl Namespace {
         self.dir_changed(parent);
     }
 
-    /// `path` is about to change here (chmod, truncate...): what the stat cache says of it
-    /// goes.
+    /// `path` is about to change here (chmod, truncate...), or just did: what the stat cache
+    /// says of it goes, and the saved pages' disk learns of the change.
     pub fn changing(&self, path: &MountPath) {
         self.lookups.forget(path);
+        self.lookups.changing();
     }
 
     /// `ino`, at `from` (parent and path), now is `to` (parent, the parent's path, and name)
@@ -478,9 +480,11 @@ impl Namespace {
         };
         i.attr.ctime = SystemTime::now();
         match objects {
-            RenamedObjects::File(etag) => {
-                // A closed file's copy, pinned to the version it knew: the same bytes.
-                if let (Some(old), Some(new)) = (i.etag.clone(), etag.as_deref()) {
+            RenamedObjects::File { copied, etag } => {
+                // A copy pinned to the version it knew, if the inode still knows that one
+                // (not another client's learnt meanwhile): the same bytes.
+                let same = copied.is_some() && i.etag == copied;
+                if let (true, Some(old), Some(new)) = (same, copied, etag.as_deref()) {
                     i.pages.retag(&old, new);
                     retagged.push((ino, old, new.to_string()));
                 }
@@ -574,6 +578,7 @@ impl Namespace {
     /// File `ino` now has `size` bytes and `user` metadata as committed here, not yet in the
     /// store (background upload): what it says of the object stays.
     pub fn changed_here(&self, ino: Ino, size: u64, user: UserMeta) {
+        self.lookups.changing();
         let mut t = self.table.lock();
         if let Some(i) = t.get_mut(ino) {
             self.lookups.forget(&i.path);
@@ -588,6 +593,7 @@ impl Namespace {
     /// The object of file `ino` is now in the store with `size` bytes, ETag `etag` and `user`
     /// metadata, as this mount stored it.
     pub fn stored(&self, ino: Ino, size: u64, etag: Option<String>, user: UserMeta) {
+        self.lookups.changing();
         let mut t = self.table.lock();
         if let Some(i) = t.get_mut(ino) {
             self.lookups.forget(&i.path);
@@ -686,8 +692,12 @@ impl Namespace {
 
 /// What a rename left in the store of what it moved.
 pub enum RenamedObjects {
-    /// A file: its object's ETag (`None`: not stored yet, or not known).
-    File(Option<String>),
+    /// A file: the ETag of the version the rename copied, and its object's now (`None`:
+    /// not stored yet, or not known).
+    File {
+        copied: Option<String>,
+        etag: Option<String>,
+    },
     /// A directory: the copies of the objects below it, by their new keys.
     Below(Copies),
 }
