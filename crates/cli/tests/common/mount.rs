@@ -189,6 +189,8 @@ pub struct Mount {
     child: Option<Child>,
     watch: Arc<Watch>,
     exit: Option<ExitStatus>,
+    /// The daemon had to be killed: it did not exit within 120 s of the unmount.
+    hung: bool,
 }
 
 impl Mount {
@@ -240,6 +242,7 @@ impl Mount {
                 fired: AtomicBool::new(false),
             }),
             exit: None,
+            hung: false,
         };
 
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -414,6 +417,7 @@ impl Mount {
                         "daemon of {} did not exit within 120 s of the unmount: killing it",
                         self.path.display()
                     );
+                    self.hung = true;
                     let _ = child.kill();
                     break child.wait().ok();
                 }
@@ -435,6 +439,14 @@ impl Mount {
 impl Drop for Mount {
     fn drop(&mut self) {
         self.stop();
+        if self.hung && !std::thread::panicking() {
+            // A test holding a descriptor across its unmount, or a daemon that hangs.
+            panic!(
+                "the daemon of {} did not exit within 120 s of the unmount; its output:\n{}",
+                self.path.display(),
+                self.log()
+            );
+        }
         if std::thread::panicking() {
             eprintln!(
                 "---- output of bucketfs mount -f {} ({}) ----\n{}\n---- end ----",
