@@ -103,6 +103,9 @@ const PARK: Duration = Duration::from_secs(5);
 /// memory budget, which bounds them all together).
 const PARTS_AT_ONCE: usize = 8;
 
+/// The unit the part buffers' memory is counted in (see `WriteBack::buffers`).
+const BUFFER_UNIT: u64 = 64 << 10;
+
 /// A failed upload is tried again after this, doubling up to [`RETRY_MAX`].
 const RETRY_FIRST: Duration = Duration::from_secs(10);
 const RETRY_MAX: Duration = Duration::from_secs(300);
@@ -637,10 +640,14 @@ pub struct WriteBack {
     /// An entry finished (uploaded, failed, removed) or room was freed.
     changed: Notify,
     dir_sync: DirSync,
-    /// Part buffers the uploads hold at once, all workers together: as many as workers, so
-    /// that the parts one entry sends at once never take more of the memory budget than
-    /// one part per worker would (commits wait for the budget too).
+    /// The memory of the part buffers the uploads hold at once, all workers together, in
+    /// [`BUFFER_UNIT`]s: a part per worker, but never more than half the memory budget, so
+    /// that the parts one entry sends at once never take more than one part per worker
+    /// would, and commits and reads, which wait for the budget too, always find half of it
+    /// free of what a stalled store holds (32 workers of 8 MiB parts took all of 256M).
     buffers: tokio::sync::Semaphore,
+    /// All of [`Self::buffers`]' units.
+    buffer_units: u32,
     dir_file: File,
     on_uploaded: Mutex<Option<Arc<OnUploaded>>>,
     /// Itself, for the tasks it starts.
@@ -1127,7 +1134,11 @@ impl WriteBack {
         inner.unadopted.retain(|s| inner.entries.contains_key(s));
         inner.next_seq = max_seq.max(now_seq()) + 1;
         let n = inner.entries.len();
-        let buffers = tokio::sync::Semaphore::new(cfg.concurrency.max(1));
+        let most = (cfg.concurrency.max(1) as u64 * part_size)
+            .min(budget.as_ref().map_or(u64::MAX, |b| b.total() / 2))
+            .max(part_size);
+        let buffer_units = most.div_ceil(BUFFER_UNIT).min(u32::MAX as u64 / 2) as u32;
+        let buffers = tokio::sync::Semaphore::new(buffer_units as usize);
         let wb = Arc::new(Self {
             cfg,
             store,
@@ -1140,6 +1151,7 @@ impl WriteBack {
             changed: Notify::new(),
             dir_sync: DirSync::default(),
             buffers,
+            buffer_units,
             dir_file,
             on_uploaded: Mutex::new(None),
             me: Mutex::new(None),
@@ -2862,7 +2874,7 @@ impl WriteBack {
         // The ETag ours would have, worked out only when a refusal asks whose the object
         // is: an MD5 of every body was a sixth of the daemon's CPU writing small files.
         let (r, ours): (_, Box<dyn FnOnce() -> String + Send>) = if size <= self.layout.part_size {
-            let _buffer = self.buffers.acquire().await;
+            let _buffer = self.buffer(size).await;
             let body = self.read_part(content, 0, size).await.map_err(|e| {
                 Refused(
                     format!("{}: {e}", content.head().describe().display()),
@@ -3002,7 +3014,7 @@ impl WriteBack {
                             etag: etag.clone(),
                         });
                     }
-                    let _buffer = self.buffers.acquire().await;
+                    let _buffer = self.buffer(r.end - r.start).await;
                     let body = self
                         .read_part(content, r.start, r.end - r.start)
                         .await
@@ -3031,6 +3043,15 @@ impl WriteBack {
 }
 
 impl WriteBack {
+    /// Leave to hold a part buffer of `len` bytes (see [`Self::buffers`]).
+    async fn buffer(&self, len: u64) -> tokio::sync::SemaphorePermit<'_> {
+        let units = len.div_ceil(BUFFER_UNIT).clamp(1, self.buffer_units as u64) as u32;
+        self.buffers
+            .acquire_many(units)
+            .await
+            .expect("the buffers semaphore is never closed")
+    }
+
     /// `len` bytes of an entry's file from `at`, in a buffer of the memory budget.
     async fn read_part(&self, content: &Content, at: u64, len: u64) -> FsResult<Bytes> {
         let Some(budget) = &self.budget else {
@@ -4149,6 +4170,53 @@ mod tests {
         let etag = store.head("big").await.unwrap().etag.unwrap();
         assert!(etag.ends_with("-3\""), "three parts: {etag}");
         assert_eq!(budget.available(), free, "part buffers not given back");
+    }
+
+    /// Uploads that do not move (a stalled store) hold at most half the memory budget: 32
+    /// workers with 8 MiB parts, entries of 24 MiB, a 64 MiB budget; half of it stays free
+    /// for commits and reads (an earlier build let the uploads take all of it, so a close
+    /// that needed memory waited for the stalled store).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stalled_uploads_hold_at_most_half_the_memory_budget() {
+        use bucketfs_store::fault::{Fault, FaultStore};
+        use bucketfs_store::metrics::Op;
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let hang = Fault::Delay(Duration::from_secs(3600));
+        fault.inject(Op::UploadPart, 0, None, hang.clone());
+        fault.inject(Op::Put, 0, None, hang);
+        let budget = MemoryBudget::new(64 << 20, Arc::default());
+        let dyn_store: Arc<dyn ObjectStore> = fault.clone();
+        let cfg = WriteBackConfig {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 1 << 30,
+            concurrency: 32,
+            fsync_waits_upload: false,
+            delay: Duration::ZERO,
+            space_wait: Duration::from_secs(60),
+        };
+        let (wb, _) = WriteBack::open(
+            cfg,
+            dyn_store.clone(),
+            Uploads::new(dyn_store),
+            8 << 20,
+            Some(budget.clone()),
+            Arc::default(),
+        )
+        .unwrap();
+        let body = vec![7u8; 24 << 20];
+        for i in 0..4 {
+            put(&wb, &format!("big{i}"), &body).await;
+        }
+        // The uploads start and take what they may.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let free = budget.available();
+        assert!(free >= 32 << 20, "{} MiB of 64 left", free >> 20);
+        assert!(
+            free < 64 << 20,
+            "no upload took memory: the test proves nothing"
+        );
     }
 
     /// An entry file whose trailer names another entry than its file name (a file that
