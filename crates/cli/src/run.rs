@@ -537,11 +537,22 @@ async fn wait_and_shutdown(fs: &Fs, handle: MountHandle, journal: &MountJournal)
     1
 }
 
-/// Unmounts, waiting (on a blocking thread) until the last open file of a busy mount is
-/// closed; returns the exit code.
+/// Unmounts, waiting until the last open file of a busy mount is closed; returns the exit
+/// code. On a thread of its own, not the blocking pool: tasks stuck there on a hung disk (a
+/// data cache on a lost NFS server) must not keep the mount from going.
 async fn unmount(handle: MountHandle) -> i32 {
     let mountpoint = handle.mountpoint().display().to_string();
-    match tokio::task::spawn_blocking(move || handle.unmount()).await {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("unmount".into())
+        .spawn(move || {
+            let _ = tx.send(handle.unmount());
+        });
+    let r = match spawned {
+        Ok(_) => rx.await.map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match r {
         Ok(Ok(())) => 0,
         Ok(Err(e)) => {
             error!("unmount {mountpoint}: {e}");

@@ -130,29 +130,104 @@ fn now() -> SystemTime {
     SystemTime::now()
 }
 
+/// Most pages written to the data cache's disk at once, in the background; past it a page is
+/// not saved. A cache disk that hangs then holds this many blocking threads (of 512), not one
+/// per directory listed (the blocking pool serves the local store, staging files and more).
+const PAGE_SAVES: usize = 16;
+
 /// Directory pages kept across mounts live in the data cache's directory.
-struct PagesInDataCache(Arc<crate::files::cache::DataCache>);
+struct PagesInDataCache {
+    cache: Arc<crate::files::cache::DataCache>,
+    /// Leave to save a page (see [`PAGE_SAVES`]).
+    saves: Arc<tokio::sync::Semaphore>,
+    /// The change record to write: one blocking thread at a time writes the latest asked
+    /// until none is newer, so a hung cache disk holds one, not one per second of changes.
+    record: Arc<Mutex<ChangeRecord>>,
+}
+
+#[derive(Default)]
+struct ChangeRecord {
+    until: Option<SystemTime>,
+    writing: bool,
+}
+
+impl PagesInDataCache {
+    fn new(cache: Arc<crate::files::cache::DataCache>) -> Self {
+        Self {
+            cache,
+            saves: Arc::new(tokio::sync::Semaphore::new(PAGE_SAVES)),
+            record: Arc::default(),
+        }
+    }
+}
 
 impl crate::namespace::saved::ListingDisk for PagesInDataCache {
     fn save(&self, dir_key: &str, blob: Vec<u8>) {
-        let (cache, dir_key) = (self.0.clone(), dir_key.to_string());
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(move || cache.put_listing(&dir_key, blob))),
-            Err(_) => cache.put_listing(&dir_key, blob),
-        }
+        let (cache, dir_key) = (self.cache.clone(), dir_key.to_string());
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return cache.put_listing(&dir_key, blob);
+        };
+        let Ok(leave) = self.saves.clone().try_acquire_owned() else {
+            return;
+        };
+        drop(rt.spawn_blocking(move || {
+            cache.put_listing(&dir_key, blob);
+            drop(leave);
+        }));
     }
     fn load(&self, dir_key: &str) -> Option<Vec<u8>> {
-        self.0.listing(dir_key)
+        self.cache.listing(dir_key)
     }
     fn changing_until(&self, until: SystemTime) {
-        let cache = self.0.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(move || cache.changing_until(until))),
-            Err(_) => cache.changing_until(until),
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return self.cache.changing_until(until);
+        };
+        {
+            let mut r = self.record.lock();
+            r.until = r.until.max(Some(until));
+            if std::mem::replace(&mut r.writing, true) {
+                return;
+            }
         }
+        /// The writer's end when it does not see it through (a panic, its task dropped at
+        /// shutdown): the next change starts another.
+        struct Abandoned(Arc<Mutex<ChangeRecord>>, bool);
+        impl Abandoned {
+            fn seen_through(&mut self) {
+                self.1 = false;
+            }
+        }
+        impl Drop for Abandoned {
+            fn drop(&mut self) {
+                if self.1 {
+                    self.0.lock().writing = false;
+                }
+            }
+        }
+        let (cache, mut abandoned) = (self.cache.clone(), Abandoned(self.record.clone(), true));
+        drop(rt.spawn_blocking(move || {
+            let mut written = None;
+            loop {
+                let until = {
+                    let mut r = abandoned.0.lock();
+                    if r.until <= written {
+                        // Under the lock: a change asked from now on starts a writer.
+                        r.writing = false;
+                        drop(r);
+                        abandoned.seen_through();
+                        return;
+                    }
+                    r.until
+                };
+                if let Some(t) = until {
+                    cache.changing_until(t);
+                }
+                written = until;
+            }
+        }));
     }
     fn changed_until(&self) -> Option<SystemTime> {
-        self.0.changed_until()
+        self.cache.changed_until()
     }
 }
 
@@ -194,7 +269,7 @@ impl Fs {
         );
         let (files, recovered) = OpenFiles::new(store.clone(), &cfg, metrics)?;
         if let Some(c) = files.data_cache() {
-            ns.save_pages_on(Arc::new(PagesInDataCache(c.clone())));
+            ns.save_pages_on(Arc::new(PagesInDataCache::new(c.clone())));
         }
         let fs = Arc::new(Self {
             store,

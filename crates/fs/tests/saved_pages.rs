@@ -40,18 +40,10 @@ fn mount(
 /// the background).
 fn wait_for_file(dir: &Path, is: impl Fn(&str) -> bool) {
     let t = Instant::now();
-    let found = |d: &Path| -> bool {
-        let mut todo = vec![d.to_path_buf()];
-        while let Some(d) = todo.pop() {
-            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-                if e.path().is_dir() {
-                    todo.push(e.path());
-                } else if is(&e.file_name().to_string_lossy()) {
-                    return true;
-                }
-            }
-        }
-        false
+    let found = |d: &Path| {
+        walkdir(d)
+            .iter()
+            .any(|p| p.file_name().is_some_and(|n| is(&n.to_string_lossy())))
     };
     while !found(dir) {
         assert!(
@@ -60,6 +52,20 @@ fn wait_for_file(dir: &Path, is: impl Fn(&str) -> bool) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Every file below `dir`.
+fn walkdir(dir: &Path) -> Vec<std::path::PathBuf> {
+    let (mut files, mut todo) = (Vec::new(), vec![dir.to_path_buf()]);
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.path().is_dir() {
+                true => todo.push(e.path()),
+                false => files.push(e.path()),
+            }
+        }
+    }
+    files
 }
 
 /// `d/f` through `fs`: its bytes.
@@ -113,4 +119,63 @@ async fn a_remount_never_believes_a_page_saved_before_a_change_made_here() {
     let (fs, m) = mount(&mem, dc.path(), &c3);
     assert_eq!(read_f(&fs).await, b"two");
     assert!(m.requests(Op::List) > 0);
+}
+
+/// The record of this mount's changes on a cache disk that hangs (its file a FIFO nobody
+/// writes: reading it blocks, as on a lost NFS server) holds one blocking thread however
+/// long the mount goes on changing things. An earlier build left one thread per second of
+/// changes blocked there, until the blocking pool (which the local store, staging files
+/// and unmount need) had none left.
+#[test]
+fn a_hung_cache_disk_holds_one_blocking_thread_for_the_change_record() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dc = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mem = Arc::new(MemoryStore::new());
+    let (fs, _) = rt.block_on(async { mount(&mem, dc.path(), &cache) });
+    rt.block_on(support::write_file(&fs, "first", b"1"));
+    wait_for_file(dc.path(), |n| n.starts_with("changed-"));
+    let record = walkdir(dc.path())
+        .into_iter()
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("changed-"))
+        })
+        .expect("the change record");
+    std::fs::remove_file(&record).unwrap();
+    let c = std::ffi::CString::new(record.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    /// Lets the readers stuck on the FIFO go, whatever the test's outcome.
+    struct Unblock(std::path::PathBuf);
+    impl Drop for Unblock {
+        fn drop(&mut self) {
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&self.0);
+        }
+    }
+    let _unblock = Unblock(record.clone());
+    // Changes over three record periods (a record is asked for at most every 2 s).
+    for i in 0..3 {
+        rt.block_on(support::write_file(&fs, &format!("f{i}"), b"x"));
+        std::thread::sleep(Duration::from_millis(2100));
+    }
+    let free = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(2), tokio::task::spawn_blocking(|| ())).await
+    });
+    drop(_unblock);
+    drop(fs);
+    rt.shutdown_background();
+    assert!(
+        free.is_ok(),
+        "the blocking pool is full of writes of the change record"
+    );
 }

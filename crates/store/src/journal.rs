@@ -126,6 +126,17 @@ impl std::fmt::Debug for UploadJournal {
     }
 }
 
+/// Runs `f`, which writes (and syncs) the journal under its lock, off the runtime's worker
+/// threads: a slow or hung state disk then holds only the calls waiting for it, never the
+/// workers that drive every other request's I/O and timers (their deadlines included).
+fn off_workers<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 fn create_dir(dir: &Path) -> io::Result<()> {
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -190,22 +201,26 @@ impl UploadJournal {
 
     /// Records a started upload; durable when this returns.
     pub fn started(&self, key: &str, upload_id: &str) -> io::Result<()> {
-        let mut g = self.inner.lock();
-        g.append(
-            &format!("+ {} {}\n", hex::encode(upload_id), hex::encode(key)),
-            true,
-        )?;
-        g.live.insert(upload_id.to_string(), key.to_string());
-        Ok(())
+        off_workers(|| {
+            let mut g = self.inner.lock();
+            g.append(
+                &format!("+ {} {}\n", hex::encode(upload_id), hex::encode(key)),
+                true,
+            )?;
+            g.live.insert(upload_id.to_string(), key.to_string());
+            Ok(())
+        })
     }
 
     /// Records a completed or aborted upload.
     pub fn finished(&self, upload_id: &str) -> io::Result<()> {
-        let mut g = self.inner.lock();
-        if g.live.remove(upload_id).is_none() || g.compact()? {
-            return Ok(());
-        }
-        g.append(&format!("- {}\n", hex::encode(upload_id)), false)
+        off_workers(|| {
+            let mut g = self.inner.lock();
+            if g.live.remove(upload_id).is_none() || g.compact()? {
+                return Ok(());
+            }
+            g.append(&format!("- {}\n", hex::encode(upload_id)), false)
+        })
     }
 
     /// [`Self::finished`] of the upload of `key`, the error logged: the upload is over
@@ -228,22 +243,26 @@ impl UploadJournal {
     /// Records a temporary object about to be written; durable when this returns, so the
     /// object can never exist unrecorded.
     pub fn keeping(&self, key: &str) -> io::Result<()> {
-        let mut g = self.inner.lock();
-        if g.temporaries.contains(key) {
-            return Ok(());
-        }
-        g.append(&format!("t {}\n", hex::encode(key)), true)?;
-        g.temporaries.insert(key.to_string());
-        Ok(())
+        off_workers(|| {
+            let mut g = self.inner.lock();
+            if g.temporaries.contains(key) {
+                return Ok(());
+            }
+            g.append(&format!("t {}\n", hex::encode(key)), true)?;
+            g.temporaries.insert(key.to_string());
+            Ok(())
+        })
     }
 
     /// Records a temporary object deleted.
     pub fn dropped(&self, key: &str) -> io::Result<()> {
-        let mut g = self.inner.lock();
-        if !g.temporaries.remove(key) || g.compact()? {
-            return Ok(());
-        }
-        g.append(&format!("d {}\n", hex::encode(key)), false)
+        off_workers(|| {
+            let mut g = self.inner.lock();
+            if !g.temporaries.remove(key) || g.compact()? {
+                return Ok(());
+            }
+            g.append(&format!("d {}\n", hex::encode(key)), false)
+        })
     }
 
     /// Removes the journal (a clean exit with nothing in progress and no temporary object

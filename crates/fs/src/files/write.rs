@@ -501,6 +501,12 @@ impl WriteState {
         self.base.as_ref().map(|b| b.etag.as_str())
     }
 
+    /// The ETag of the version this state builds on, as far as it knows: its base object's,
+    /// else (background mode) that of its last commit's upload once it landed.
+    pub fn known_etag(&self) -> Option<&str> {
+        self.base_etag().or(self.committed_etag.as_deref())
+    }
+
     /// Background mode: the write-back entry of the last commit.
     pub fn committed(&self) -> Option<u64> {
         self.committed

@@ -47,13 +47,18 @@ impl Fs {
             self.drop_if_uploaded(ino, &w, &mut st);
             return Ok(a);
         }
+        let Some(change) = Self::meta_change(kind, &set) else {
+            return self.getattr(ino).await;
+        };
+        // The change goes onto the object's own metadata, as the store says it now when the
+        // inode's is out of date: it may be a listing's defaults (listed without metadata) or
+        // of a version before the one its ETag names (another client's, copied by a
+        // directory rename), and would be stored over the object's owner, mtime and keys.
+        self.getattr(ino).await?;
         let (etag, size, user) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
             (i.etag.clone(), i.attr.size, i.user.clone())
-        };
-        let Some(change) = Self::meta_change(kind, &set) else {
-            return self.getattr(ino).await;
         };
         let mut new_user = user;
         self.filled_meta(ino, kind, &new_user)?

@@ -537,8 +537,9 @@ impl Fs {
             }
         };
         // Files being written below, one at a time; a version one of them committed since
-        // moves first.
-        renamed(copies);
+        // moves first. Each is pointed at the copy this rename made of its version, never at
+        // what a HEAD finds under its new key (another client's version, copied or put since).
+        renamed(copies.clone());
         let mut done: Vec<Ino> = Vec::new();
         for (ino, mut st) in locked {
             let p = {
@@ -547,7 +548,7 @@ impl Fs {
             };
             let Some(p) = p else { continue };
             let key = self.ns.key(&p);
-            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
+            let etag = copy_of_version(&copies, &key, &st);
             st.move_to(key, etag).await;
             done.push(ino);
         }
@@ -580,9 +581,9 @@ impl Fs {
                 continue;
             }
             let key = self.ns.key(&p);
-            let etag = self.store.head(&key).await.ok().and_then(|o| o.etag);
             testpoint::reached("rename_dir.repointing").await;
             let mut st = w.state.lock().await;
+            let etag = copy_of_version(&copies, &key, &st);
             if let (Some(wb), Some(seq)) = (&wb, st.committed()) {
                 let mut seq = wb.latest(seq);
                 let late = wb.below(src.as_str()).into_iter().find(|(s, _)| *s == seq);
@@ -624,12 +625,11 @@ impl Fs {
         testpoint::reached("rename_dir.repointed").await;
         if let Some(wb) = &wb {
             // Versions without a write state here (found at start).
+            // Each replaces the copy of what its old key held, or nothing.
             for m in moving {
-                let cond = match self.store.head(&m.key).await {
-                    Ok(o) => o.etag.map_or(Cond::Any, Cond::Match),
-                    Err(StoreError::NotFound(_)) => Cond::Absent,
-                    Err(_) => Cond::Any,
-                };
+                let cond = copies
+                    .get(m.key.as_str())
+                    .map_or(Cond::Absent, |c| Cond::Match(c.etag.clone()));
                 wb.moved(m.seq, cond);
             }
         }
@@ -841,6 +841,22 @@ async fn landed_ours(wb: &WriteBack, seq: u64, found: Option<&ObjectMeta>) -> bo
         return true;
     }
     wb.tried_size(seq) == Some(size) && wb.etag_if_tried(seq).await.as_ref() == Some(etag)
+}
+
+/// The ETag under `key` (its new key, after a directory rename) of the version write state
+/// `st` builds on: that of the copy the rename made, when it copied that very version, or
+/// (background mode) when the state's version is one it committed (see [`WriteBack::rekey`]
+/// for how those move). Otherwise `None`: the state keeps what it knew, which the new key
+/// does not hold, so its publish is refused (`ESTALE`, or a conflict of its upload) instead
+/// of built on, or stored over, another client's version. A state that knows no version
+/// (a new file) replaces nothing, so a copy there is another client's.
+fn copy_of_version(copies: &Copies, key: &ObjectKey, st: &WriteState) -> Option<String> {
+    let c = copies.get(key.as_str())?;
+    match (st.committed(), st.known_etag()) {
+        (None, None) => None,
+        (None, Some(own)) if c.from.as_deref() != Some(own) => None,
+        _ => Some(c.etag.clone()),
+    }
 }
 
 /// Whether `found`, the object at a key, is not what `expect` says a version waiting for

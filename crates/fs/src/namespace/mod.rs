@@ -703,6 +703,7 @@ pub enum RenamedObjects {
 }
 
 /// An object a directory rename copied, pinned to the version it listed.
+#[derive(Clone)]
 pub struct Copied {
     /// The ETag of the version copied, as listed.
     pub from: Option<String>,

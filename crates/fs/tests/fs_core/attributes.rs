@@ -220,3 +220,97 @@ async fn a_truncate_during_the_last_close_of_a_writer_is_not_lost() {
     assert_eq!(object(&mem, "f").await, b"");
     assert_eq!(fs.getattr(a.ino).await.unwrap().size, 0);
 }
+
+/// Metadata of a file owned by `uid` with mtime `secs` and an extra key of its writer's.
+fn owned_meta(uid: u32, secs: u64) -> bucketfs_store::UserMeta {
+    [
+        ("mode", (libc::S_IFREG | 0o644).to_string()),
+        ("uid", uid.to_string()),
+        ("gid", "5678".to_string()),
+        ("mtime", secs.to_string()),
+        ("origin", format!("writer-{uid}")),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// A chmod of a file whose directory was renamed after another client replaced the file:
+/// the change goes onto the other client's version with that version's owner, mtime and
+/// keys. An earlier build stored this mount's old attributes of the version before with it
+/// (the rename gave the inode the copy's ETag, not its metadata).
+#[tokio::test]
+async fn a_chmod_below_a_renamed_directory_keeps_the_other_clients_attributes() {
+    let e = env();
+    e.mem
+        .put(
+            "d/f",
+            bytes::Bytes::from_static(b"old"),
+            &owned_meta(1234, 1_600_000_000),
+        )
+        .await
+        .unwrap();
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let f = e.fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    e.mem
+        .put(
+            "d/f",
+            bytes::Bytes::from_static(b"new"),
+            &owned_meta(42, 1_700_000_000),
+        )
+        .await
+        .unwrap();
+    e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+        .await
+        .unwrap();
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    let a = e.fs.setattr(f.ino, None, chmod).await.unwrap();
+    assert_eq!((a.perm, a.uid), (0o600, 42));
+    let m = e.mem.head("d2/f").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
+    assert_eq!(m.user["uid"], "42");
+    assert_eq!(m.user["mtime"], "1700000000");
+    assert_eq!(m.user["origin"], "writer-42");
+    assert_eq!(object(&e.mem, "d2/f").await, b"new");
+}
+
+/// A fchmod on a descriptor after readdirplus listed the file without metadata (AWS S3 and
+/// OSS never list it): the change goes onto the object's own owner, mtime and keys. An
+/// earlier build took the listing's defaults (the mount's owner, no keys) for them.
+#[tokio::test]
+async fn a_chmod_after_a_listing_without_metadata_keeps_the_objects_attributes() {
+    let e = env();
+    e.mem
+        .put(
+            "d/f",
+            bytes::Bytes::from_static(b"abc"),
+            &owned_meta(42, 1_600_000_000),
+        )
+        .await
+        .unwrap();
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let f = e.fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    let h = e.fs.open(f.ino, libc::O_RDONLY).await.unwrap();
+    e.fs.refresh(f.ino).unwrap();
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    let entries = e.fs.readdir(d.ino, fh, 0).await.unwrap();
+    for ent in entries.iter().filter(|ent| ent.name == "f") {
+        let (_, complete) = e.fs.plus_entry(d.ino, ent).unwrap();
+        assert!(!complete, "listed with metadata: the test proves nothing");
+    }
+    e.fs.releasedir(d.ino, fh);
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    let a = e.fs.setattr(f.ino, Some(h.fh), chmod).await.unwrap();
+    assert_eq!((a.perm, a.uid), (0o600, 42));
+    let m = e.mem.head("d/f").await.unwrap();
+    assert_eq!(m.user["uid"], "42");
+    assert_eq!(m.user["mtime"], "1600000000");
+    assert_eq!(m.user["origin"], "writer-42");
+    e.fs.release(f.ino, h.fh).await.unwrap();
+}

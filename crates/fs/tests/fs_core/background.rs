@@ -880,3 +880,36 @@ async fn a_rename_after_an_upload_whose_answer_was_lost_goes_through() {
         assert_eq!(fs.metrics().writeback_conflicts.load(Ordering::Relaxed), 0);
     }
 }
+
+/// A new file being written here in a directory renamed after another client made a file
+/// of the same name: its version replaces nothing, so it is a conflict against the copy of
+/// the other client's file under the new name, never stored over it (an earlier build
+/// took the copy for its base: the upload replaced the other client's file).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_file_below_a_renamed_directory_never_replaces_another_clients_copy() {
+    use crate::support::ME;
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::ZERO);
+    let d =
+        e.fs.mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME)
+            .await
+            .unwrap();
+    let (f, h) =
+        e.fs.create(d.ino, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    e.fs.write(f.ino, h.fh, 0, Bytes::from_static(b"ours"))
+        .await
+        .unwrap();
+    put(&e.mem, "d/f", b"theirs").await;
+    e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+        .await
+        .unwrap();
+    e.fs.flush(f.ino, h.fh).await.unwrap();
+    e.fs.release(f.ino, h.fh).await.unwrap();
+    e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+        .await;
+    assert_eq!(object(&e.mem, "d2/f").await, b"theirs");
+    let conflicts = e.fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
+    assert_eq!(conflicts, 1, "ours is kept as a conflict");
+}

@@ -196,7 +196,7 @@ impl WriteState {
     /// object, else the last commit's version once its upload landed, else nothing. (The
     /// write-back directory knows better while it remembers the last commit's upload.)
     fn origin(&self) -> Cond {
-        match self.base_etag().or(self.committed_etag.as_deref()) {
+        match self.known_etag() {
             Some(e) => Cond::Match(e.to_string()),
             None => Cond::Absent,
         }
