@@ -472,3 +472,88 @@ fn mounting_over_a_live_mount_is_refused_unless_asked() {
     assert_eq!(run2.status.and_then(|s| s.code()), Some(0), "{run2:?}");
     assert_eq!(stacked, 2);
 }
+
+/// A state directory whose disk hangs (here a FUSE mount whose daemon is stopped, as with a
+/// lost NFS server) holds only the uploads that start while it hangs: a `stat` of the mount
+/// still answers. An earlier build wrote the upload journal (and its fdatasync) on the
+/// runtime's worker threads under one lock: eight files reaching their second part stopped
+/// every request of the mount, its deadlines included.
+#[test]
+fn a_hung_state_disk_holds_only_the_uploads_that_start() {
+    use std::sync::{mpsc, Arc, Barrier};
+    const WRITERS: usize = 8;
+    let s3 = s3();
+    let b1 = s3.new_bucket("hungstate1");
+    let b2 = s3.new_bucket("hungstate2");
+    let disk = MountSpec::s3(&b1, "").mount();
+    let state = disk.join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    // Background mode: a file's upload is created (and journalled) in the background once
+    // its first part is written. Every stat asks the store; FUSE threads to spare for the
+    // writers, which wait for the disk.
+    let m = MountSpec::s3(&b2, "")
+        .arg("--state-dir")
+        .arg(state.to_str().unwrap())
+        .arg("--upload")
+        .arg("background")
+        .arg("--stat-ttl")
+        .arg("0")
+        .arg("--negative-ttl")
+        .arg("0")
+        .arg("--fuse-threads")
+        .arg("16")
+        .mount();
+    let daemon = disk.daemon_pid().expect("the state disk daemon's pid");
+    struct Cont(u32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
+        }
+    }
+    // Each writer writes 7 MiB (in memory: under a part), the disk stops, then each goes on
+    // past its first part (8 MiB).
+    let (written, go) = (
+        Arc::new(Barrier::new(WRITERS + 1)),
+        Arc::new(Barrier::new(WRITERS + 1)),
+    );
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|i| {
+            let path = m.join(format!("big{i}"));
+            let (written, go) = (written.clone(), go.clone());
+            std::thread::spawn(move || {
+                let mut f = std::fs::File::create(path).unwrap();
+                let mib = vec![i as u8; 1 << 20];
+                for _ in 0..7 {
+                    f.write_all(&mib).unwrap();
+                }
+                written.wait();
+                go.wait();
+                for _ in 0..13 {
+                    f.write_all(&mib).unwrap();
+                }
+            })
+        })
+        .collect();
+    written.wait();
+    unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
+    let cont = Cont(daemon);
+    go.wait();
+    std::thread::sleep(Duration::from_secs(4));
+    let (tx, rx) = mpsc::channel();
+    let probe = m.join("nothing-here");
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = std::fs::metadata(&probe).map(|_| ());
+        let _ = tx.send((r.map_err(|e| e.raw_os_error()), t.elapsed()));
+    });
+    let stat = rx.recv_timeout(Duration::from_secs(20));
+    drop(cont);
+    for w in writers {
+        w.join().unwrap();
+    }
+    drop(m);
+    drop(disk);
+    let (r, took) = stat.expect("a stat of the mount hung with the state disk");
+    assert_eq!(r, Err(Some(libc::ENOENT)), "after {took:?}");
+}
