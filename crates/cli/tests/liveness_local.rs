@@ -480,7 +480,8 @@ fn mounting_over_a_live_mount_is_refused_unless_asked() {
 /// every request of the mount, its deadlines included.
 #[test]
 fn a_hung_state_disk_holds_only_the_uploads_that_start() {
-    use std::sync::{mpsc, Arc, Barrier};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc};
     const WRITERS: usize = 8;
     let s3 = s3();
     let b1 = s3.new_bucket("hungstate1");
@@ -512,33 +513,39 @@ fn a_hung_state_disk_holds_only_the_uploads_that_start() {
         }
     }
     // Each writer writes 7 MiB (in memory: under a part), the disk stops, then each goes on
-    // past its first part (8 MiB).
-    let (written, go) = (
-        Arc::new(Barrier::new(WRITERS + 1)),
-        Arc::new(Barrier::new(WRITERS + 1)),
-    );
+    // past its first part (8 MiB). A writer that fails before the stop fails the test there
+    // (never a wait for good, with the disk stopped).
+    let go = Arc::new(AtomicBool::new(false));
+    let (written_tx, written) = mpsc::channel();
     let writers: Vec<_> = (0..WRITERS)
         .map(|i| {
             let path = m.join(format!("big{i}"));
-            let (written, go) = (written.clone(), go.clone());
+            let (written_tx, go) = (written_tx.clone(), go.clone());
             std::thread::spawn(move || {
                 let mut f = std::fs::File::create(path).unwrap();
                 let mib = vec![i as u8; 1 << 20];
                 for _ in 0..7 {
                     f.write_all(&mib).unwrap();
                 }
-                written.wait();
-                go.wait();
+                written_tx.send(()).unwrap();
+                while !go.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
                 for _ in 0..13 {
                     f.write_all(&mib).unwrap();
                 }
             })
         })
         .collect();
-    written.wait();
+    for _ in 0..WRITERS {
+        if written.recv_timeout(Duration::from_secs(60)).is_err() {
+            go.store(true, Ordering::SeqCst);
+            panic!("the writers did not write their first 7 MiB");
+        }
+    }
     unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
     let cont = Cont(daemon);
-    go.wait();
+    go.store(true, Ordering::SeqCst);
     std::thread::sleep(Duration::from_secs(4));
     let (tx, rx) = mpsc::channel();
     let probe = m.join("nothing-here");

@@ -143,8 +143,10 @@ fn a_hung_cache_disk_holds_one_blocking_thread_for_the_change_record() {
     let record = walkdir(dc.path())
         .into_iter()
         .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("changed-"))
+            p.file_name().is_some_and(|n| {
+                let n = n.to_string_lossy();
+                n.starts_with("changed-") && !n.contains(".tmp")
+            })
         })
         .expect("the change record");
     std::fs::remove_file(&record).unwrap();
