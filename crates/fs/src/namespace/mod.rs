@@ -594,8 +594,9 @@ impl Namespace {
     /// metadata, as this mount stored it.
     pub fn stored(&self, ino: Ino, size: u64, etag: Option<String>, user: UserMeta) {
         self.lookups.changing();
-        let mut t = self.table.lock();
-        if let Some(i) = t.get_mut(ino) {
+        let place = {
+            let mut t = self.table.lock();
+            let Some(i) = t.get_mut(ino) else { return };
             self.lookups.forget(&i.path);
             let pm = PosixMeta::from_user(&user);
             i.attr = self
@@ -604,7 +605,12 @@ impl Namespace {
             i.etag = etag;
             i.user = user;
             i.fetched = Some(Instant::now());
-        }
+            (i.parent, i.name.clone())
+        };
+        // Noted again now that it is in the store: a listing whose LIST was sent since its
+        // create, and answered without it, must not be taken to say it is not there (the
+        // note of the create predates that LIST, and the file is no longer being written).
+        self.note_added(place.0, &place.1);
     }
 
     /// The object at `key` of open file `ino` is `obj` now (a read found it changed).

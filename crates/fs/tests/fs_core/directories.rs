@@ -892,6 +892,53 @@ async fn a_listing_older_than_a_file_made_here_does_not_hide_it() {
     assert!(again.is_ok(), "a file made here looked up as {again:?}");
 }
 
+/// Found by the soak (`t51-f16: ENOENT` at its final pass, the object in the bucket): a file
+/// created here before a listing's LIST was sent, and stored while that LIST's answer
+/// (without it) was on its way. Once the kernel forgot the file, a lookup must not take that
+/// listing's silence for absence (it did: the note of the create predated the LIST, and the
+/// file was no longer being written when the answer came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_sent_before_a_new_files_upload_landed_does_not_hide_it() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "d/a", b"a").await;
+    let store = Arc::new(SlowList {
+        inner: mem.clone(),
+        armed: std::sync::atomic::AtomicBool::new(false),
+        taken: tokio::sync::Notify::new(),
+        go: tokio::sync::Notify::new(),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(store.clone(), config(&cache));
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    // Created (noted as added) before the LIST is sent; not stored yet.
+    let (new, h) = fs
+        .create(d.ino, OsStr::new("new"), 0o644, 0o022, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.write(new.ino, h.fh, 0, bytes::Bytes::from_static(b"new"))
+        .await
+        .unwrap();
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let taken = store.taken.notified();
+    let lister = {
+        let fs = fs.clone();
+        tokio::spawn(async move { list(&fs, d.ino).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), taken)
+        .await
+        .expect("the LIST was not sent");
+    // The LIST has its page (without the file); now the file is stored and closed.
+    fs.flush(new.ino, h.fh).await.unwrap();
+    fs.release(new.ino, h.fh).await.unwrap();
+    store.go.notify_one();
+    let names = lister.await.unwrap();
+    assert!(names.contains(&"a".to_string()), "{names:?}");
+    // The kernel forgets the file; then looks it up again within the stat TTL.
+    fs.forget(new.ino, 1);
+    let again = fs.lookup(d.ino, OsStr::new("new")).await;
+    assert!(again.is_ok(), "a file made here looked up as {again:?}");
+}
+
 /// A big directory whose listing went stale is not listed again for the first few lookups
 /// of its names: a page of its entries with metadata costs the server more than their HEADs.
 /// Only once as many lookups missed within a stat TTL as it has entries per 6 (here 200 / 6
