@@ -4144,6 +4144,34 @@ mod tests {
         drop(held);
     }
 
+    /// A write-back directory in `dir` uploading at once to `store` with `concurrency`
+    /// workers and 8 MiB parts, its part buffers from `budget`.
+    fn budgeted_wb(
+        dir: &Path,
+        store: Arc<dyn ObjectStore>,
+        budget: &Arc<MemoryBudget>,
+        concurrency: usize,
+    ) -> Arc<WriteBack> {
+        let cfg = WriteBackConfig {
+            dir: dir.to_path_buf(),
+            max_bytes: 1 << 30,
+            concurrency,
+            fsync_waits_upload: false,
+            delay: Duration::ZERO,
+            space_wait: Duration::from_secs(60),
+        };
+        let (wb, _) = WriteBack::open(
+            cfg,
+            store.clone(),
+            Uploads::new(store),
+            8 << 20,
+            Some(budget.clone()),
+            Arc::default(),
+        )
+        .unwrap();
+        wb
+    }
+
     /// A large entry goes up as a multipart upload in the part layout, its part buffers taken
     /// from the memory budget and given back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -4152,24 +4180,7 @@ mod tests {
         let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
         let budget = MemoryBudget::new(64 << 20, Arc::default());
         let free = budget.available();
-        let dyn_store: Arc<dyn ObjectStore> = store.clone();
-        let cfg = WriteBackConfig {
-            dir: dir.path().to_path_buf(),
-            max_bytes: 1 << 30,
-            concurrency: 2,
-            fsync_waits_upload: false,
-            delay: Duration::ZERO,
-            space_wait: Duration::from_secs(60),
-        };
-        let (wb, _) = WriteBack::open(
-            cfg,
-            dyn_store.clone(),
-            Uploads::new(dyn_store),
-            8 << 20,
-            Some(budget.clone()),
-            Arc::default(),
-        )
-        .unwrap();
+        let wb = budgeted_wb(dir.path(), store.clone(), &budget, 2);
         let body: Vec<u8> = (0..(20u32 << 20)).map(|i| (i % 251) as u8).collect();
         put(&wb, "big", &body).await;
         wb.drain(Duration::from_secs(5), |_, _| {}).await;
@@ -4196,24 +4207,7 @@ mod tests {
         fault.inject(Op::UploadPart, 0, None, hang.clone());
         fault.inject(Op::Put, 0, None, hang);
         let budget = MemoryBudget::new(64 << 20, Arc::default());
-        let dyn_store: Arc<dyn ObjectStore> = fault.clone();
-        let cfg = WriteBackConfig {
-            dir: dir.path().to_path_buf(),
-            max_bytes: 1 << 30,
-            concurrency: 32,
-            fsync_waits_upload: false,
-            delay: Duration::ZERO,
-            space_wait: Duration::from_secs(60),
-        };
-        let (wb, _) = WriteBack::open(
-            cfg,
-            dyn_store.clone(),
-            Uploads::new(dyn_store),
-            8 << 20,
-            Some(budget.clone()),
-            Arc::default(),
-        )
-        .unwrap();
+        let wb = budgeted_wb(dir.path(), fault.clone(), &budget, 32);
         let _early = budget
             .try_buffer_lasting(32 << 20)
             .expect("half the budget");

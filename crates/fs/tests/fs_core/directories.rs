@@ -822,6 +822,18 @@ struct SlowList {
     go: tokio::sync::Notify,
 }
 
+impl SlowList {
+    /// Over `mem`, not armed.
+    fn over(mem: &Arc<MemoryStore>) -> Arc<Self> {
+        Arc::new(Self {
+            inner: mem.clone(),
+            armed: std::sync::atomic::AtomicBool::new(false),
+            taken: tokio::sync::Notify::new(),
+            go: tokio::sync::Notify::new(),
+        })
+    }
+}
+
 #[async_trait::async_trait]
 impl bucketfs_store::layer::StoreLayer for SlowList {
     type Inner = MemoryStore;
@@ -856,12 +868,7 @@ impl bucketfs_store::layer::StoreLayer for SlowList {
 async fn a_listing_older_than_a_file_made_here_does_not_hide_it() {
     let mem = Arc::new(MemoryStore::new());
     put(&mem, "d/a", b"a").await;
-    let store = Arc::new(SlowList {
-        inner: mem.clone(),
-        armed: std::sync::atomic::AtomicBool::new(false),
-        taken: tokio::sync::Notify::new(),
-        go: tokio::sync::Notify::new(),
-    });
+    let store = SlowList::over(&mem);
     let cache = tempfile::tempdir().unwrap();
     let fs = Fs::new(store.clone(), config(&cache));
     let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
@@ -901,12 +908,7 @@ async fn a_listing_older_than_a_file_made_here_does_not_hide_it() {
 async fn a_listing_sent_before_a_new_files_upload_landed_does_not_hide_it() {
     let mem = Arc::new(MemoryStore::new());
     put(&mem, "d/a", b"a").await;
-    let store = Arc::new(SlowList {
-        inner: mem.clone(),
-        armed: std::sync::atomic::AtomicBool::new(false),
-        taken: tokio::sync::Notify::new(),
-        go: tokio::sync::Notify::new(),
-    });
+    let store = SlowList::over(&mem);
     let cache = tempfile::tempdir().unwrap();
     let fs = Fs::new(store.clone(), config(&cache));
     let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
