@@ -54,7 +54,10 @@ impl Fs {
         // inode's is out of date: it may be a listing's defaults (listed without metadata) or
         // of a version before the one its ETag names (another client's, copied by a
         // directory rename), and would be stored over the object's owner, mtime and keys.
-        self.getattr(ino).await?;
+        match kind {
+            FileKind::Dir => self.marker_meta_now(ino, &path).await?,
+            _ => drop(self.getattr(ino).await?),
+        }
         let (etag, size, user) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
@@ -98,6 +101,31 @@ impl Fs {
             .attr(ino, kind, i.attr.size, &pm, Some(now()));
         i.user = new_user;
         Ok(self.current_attr(i))
+    }
+
+    /// Takes directory `ino`'s metadata from its marker as the store has it now: what this
+    /// mount knows of a directory may be a listing's common prefix, which carries none. No
+    /// marker: what the mount knows stands (the defaults, or its own mkdir's).
+    async fn marker_meta_now(&self, ino: Ino, path: &MountPath) -> FsResult<()> {
+        if self.ns.is_bucket_root(path) {
+            return Ok(());
+        }
+        let key = self.ns.dir_key(path);
+        self.ns.markers.settle(&key).await;
+        let obj = match self.store.head(&key).await {
+            Ok(obj) => obj,
+            Err(StoreError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
+        };
+        let mut t = self.ns.table();
+        let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+        let mut a = self.ns.policy.attr_of_object(ino, FileKind::Dir, &obj);
+        // Changed here since its marker was stored (as a lookup keeps it).
+        (a.mtime, a.ctime) = (a.mtime.max(i.attr.mtime), a.ctime.max(i.attr.ctime));
+        i.attr = a;
+        i.user = obj.user;
+        i.has_marker = true;
+        Ok(())
     }
 
     /// truncate(2) of file `ino` (at `path`) that no write state holds: through a state of

@@ -314,3 +314,37 @@ async fn a_chmod_after_a_listing_without_metadata_keeps_the_objects_attributes()
     assert_eq!(m.user["origin"], "writer-42");
     e.fs.release(f.ino, h.fh).await.unwrap();
 }
+
+/// A chmod of a directory known only from its parent's listing (a common prefix, which
+/// carries no metadata): the marker keeps the owner, group and keys another client stored
+/// on it. An earlier build rewrote the marker with this mount's defaults for everything but
+/// the mode.
+#[tokio::test]
+async fn a_chmod_of_a_listed_directory_keeps_its_markers_attributes() {
+    let e = env();
+    let mut marker = owned_meta(42, 1_600_000_000);
+    marker.insert("mode".into(), (libc::S_IFDIR | 0o750).to_string());
+    e.mem
+        .put("d/", bytes::Bytes::new(), &marker)
+        .await
+        .unwrap();
+    put(&e.mem, "d/f", b"abc").await;
+    let fh = e.fs.opendir(ROOT_INO).await.unwrap();
+    let entries = e.fs.readdir(ROOT_INO, fh, 0).await.unwrap();
+    let d = entries.iter().find(|ent| ent.name == "d").unwrap();
+    let (listed, _) = e.fs.plus_entry(ROOT_INO, d).unwrap();
+    e.fs.add_lookup(d.ino);
+    e.fs.releasedir(ROOT_INO, fh);
+    assert_ne!(listed.uid, 42, "listed with the marker's owner: the test proves nothing");
+    let chmod = SetAttr {
+        mode: Some(0o700),
+        ..Default::default()
+    };
+    let a = e.fs.setattr(d.ino, None, chmod).await.unwrap();
+    assert_eq!((a.perm, a.uid, a.gid), (0o700, 42, 5678));
+    let m = e.mem.head("d/").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o700).to_string());
+    assert_eq!(m.user["uid"], "42");
+    assert_eq!(m.user["gid"], "5678");
+    assert_eq!(m.user["origin"], "writer-42");
+}
