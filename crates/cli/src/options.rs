@@ -215,7 +215,7 @@ pub const OPTIONS: &[OptionSpec] = &[
     value("part_size", "SIZE").env().default("8M").help(
         "Multipart part size for uploads (a sequential reader's prefetch requests grow to at \
          least this), in bytes or with a K/M/G suffix (powers of 1024): 8M, 16MiB, 8388608. \
-         5M to 5G.",
+         5M to 5G, and at most a quarter of --max-memory.",
     ),
     value("stat_ttl", "SECONDS").env().default("5").help(
         "How long file attributes and directory entries are cached, in seconds (0.5, 5) \

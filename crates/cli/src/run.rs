@@ -83,6 +83,17 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     for n in &settings.notices {
         eprintln!("bucketfs: {n}");
     }
+    // Every part goes up from one buffer of the memory budget, and uploads hold at most a
+    // quarter of it: a bigger part would wait for memory that writers may hold for good.
+    if settings.part_size > settings.max_memory / 4 {
+        return Err(format!(
+            "part size {} MiB needs max memory of at least {} MiB (four parts), not {} MiB: \
+             raise --max-memory or lower --part-size",
+            settings.part_size >> 20,
+            (settings.part_size * 4).div_ceil(1 << 20),
+            settings.max_memory >> 20
+        ));
+    }
     let (source, mountpoint) = args.source_and_mountpoint();
     let target = target_of(&source, &settings)?;
     let mountpoint = absolute(&mountpoint);

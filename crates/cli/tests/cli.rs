@@ -153,6 +153,33 @@ fn config_file_with_unknown_key_is_rejected() {
     assert_nothing_left(&mp, &run);
 }
 
+/// A part size whose upload buffers the memory budget cannot hold four of is refused at
+/// mount: an earlier build mounted, and a background upload of one part waited for all of
+/// the memory.
+#[test]
+fn a_part_size_too_big_for_the_memory_budget_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let (_m, mp) = mountpoint();
+    let extra: Vec<String> = ["-f", "--max-memory", "32M", "--part-size", "16M"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let run = run_cli(
+        &mount_args(data.to_str().unwrap(), &mp, &extra),
+        &[],
+        Some(&mp),
+        Duration::from_secs(30),
+    );
+    let err = assert_one_line_failure(&run, "part size over a quarter of max memory");
+    assert!(
+        err.contains("part size 16 MiB") && err.contains("at least 64 MiB"),
+        "message does not say what to change: {err}"
+    );
+    assert_nothing_left(&mp, &run);
+}
+
 #[test]
 fn non_empty_mount_point_is_refused() {
     let d = tempfile::tempdir().unwrap();

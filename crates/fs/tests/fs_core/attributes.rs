@@ -324,10 +324,7 @@ async fn a_chmod_of_a_listed_directory_keeps_its_markers_attributes() {
     let e = env();
     let mut marker = owned_meta(42, 1_600_000_000);
     marker.insert("mode".into(), (libc::S_IFDIR | 0o750).to_string());
-    e.mem
-        .put("d/", bytes::Bytes::new(), &marker)
-        .await
-        .unwrap();
+    e.mem.put("d/", bytes::Bytes::new(), &marker).await.unwrap();
     put(&e.mem, "d/f", b"abc").await;
     let fh = e.fs.opendir(ROOT_INO).await.unwrap();
     let entries = e.fs.readdir(ROOT_INO, fh, 0).await.unwrap();
@@ -335,7 +332,10 @@ async fn a_chmod_of_a_listed_directory_keeps_its_markers_attributes() {
     let (listed, _) = e.fs.plus_entry(ROOT_INO, d).unwrap();
     e.fs.add_lookup(d.ino);
     e.fs.releasedir(ROOT_INO, fh);
-    assert_ne!(listed.uid, 42, "listed with the marker's owner: the test proves nothing");
+    assert_ne!(
+        listed.uid, 42,
+        "listed with the marker's owner: the test proves nothing"
+    );
     let chmod = SetAttr {
         mode: Some(0o700),
         ..Default::default()
