@@ -54,9 +54,10 @@ impl Fs {
         // inode's is out of date: it may be a listing's defaults (listed without metadata) or
         // of a version before the one its ETag names (another client's, copied by a
         // directory rename), and would be stored over the object's owner, mtime and keys.
-        match kind {
-            FileKind::Dir => self.marker_meta_now(ino, &path).await?,
-            _ => drop(self.getattr(ino).await?),
+        if kind == FileKind::Dir {
+            self.marker_meta_now(ino, &path).await?;
+        } else {
+            self.getattr(ino).await?;
         }
         let (etag, size, user) = {
             let t = self.ns.table();
