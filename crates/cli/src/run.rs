@@ -14,7 +14,7 @@ use crate::logging::{self, LogTarget};
 use crate::metrics_http::{serve_http, serve_socket, stats_socket, Counters};
 use bucketfs_fs::{normalize_prefix, unlinked_key_prefix, Fs, WriteBack, WriteBackConfig};
 use bucketfs_fuse::{absolute, MountHandle, MountOptions};
-use bucketfs_store::crash::{Bucket, JournalDirs, Left, MountJournal, ShutdownAbort};
+use bucketfs_store::crash::{Bucket, JournalDirs, Left, MountJournal, ShutdownAbort, JOURNAL_WAIT};
 use bucketfs_store::local::LocalStore;
 use bucketfs_store::metrics::{MeteredStore, StoreMetrics};
 use bucketfs_store::retry::{RetryMetrics, RetryPolicy, RetryStore};
@@ -462,10 +462,21 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     }
     let code = rt.block_on(wait_and_shutdown(&fs, handle, &journal));
     log_metrics(&metrics, &retry_metrics);
-    let Left {
+    let Some(Left {
         uploads: left,
         temporaries: kept,
-    } = journal.close();
+    }) = rt.block_on(journal.close())
+    else {
+        error!(
+            "upload journal {} did not answer within {} s (is the state disk hung?); it stays, \
+             and the next mount of this bucket aborts the uploads it holds",
+            journal.path().display(),
+            JOURNAL_WAIT.as_secs()
+        );
+        // Now: what is left to drop (the runtime's tasks, the write-back directory's
+        // segments) would wait for the same disk.
+        std::process::exit(code.max(1));
+    };
     if left > 0 {
         warn!(
             "{left} multipart upload(s) could not be aborted; the next mount of this bucket \
@@ -526,7 +537,16 @@ async fn wait_and_shutdown(fs: &Fs, handle: MountHandle, journal: &MountJournal)
     }
     warn!("second signal ({second}): not waiting for open files; aborting their uploads");
     let mut uploading = Vec::new();
-    for (key, what) in journal.abort_open_uploads().await {
+    let Some(aborted) = journal.abort_open_uploads().await else {
+        error!(
+            "upload journal {} did not answer within {} s (is the state disk hung?): the \
+             uploads of files still open were NOT stored nor aborted; the next mount aborts them",
+            journal.path().display(),
+            JOURNAL_WAIT.as_secs()
+        );
+        return 1;
+    };
+    for (key, what) in aborted {
         match what {
             ShutdownAbort::Aborted => {
                 error!("{key}: upload aborted at shutdown; the file was NOT stored")

@@ -473,94 +473,174 @@ fn mounting_over_a_live_mount_is_refused_unless_asked() {
     assert_eq!(stacked, 2);
 }
 
-/// A state directory whose disk hangs (here a FUSE mount whose daemon is stopped, as with a
+/// A state disk that stops answering (a mount of the same bucket whose daemon is stopped).
+/// `WRITERS` writers of a `--upload background` mount with `--state-dir` there each write
+/// 7 MiB, the disk stops, then each goes on past its first part (8 MiB), so that each upload
+/// starts, and is journalled, while the disk is stopped.
+struct StoppedStateDisk {
+    /// The mount whose state disk stops.
+    mount: Mount,
+    /// The writers: each says how its writes ended.
+    writers: Vec<std::thread::JoinHandle<std::io::Result<()>>>,
+    /// Starts the disk again when dropped.
+    cont: Option<Cont>,
+    /// The state disk's own mount, unmounted last.
+    _disk: Mount,
+}
+
+/// SIGCONT of a daemon when dropped.
+struct Cont(u32);
+
+impl Drop for Cont {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
+    }
+}
+
+impl Drop for StoppedStateDisk {
+    /// The disk answers again before the mounts go (a test that failed with it stopped).
+    fn drop(&mut self) {
+        self.cont.take();
+    }
+}
+
+impl StoppedStateDisk {
+    fn start(name: &str) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{mpsc, Arc};
+        const WRITERS: usize = 8;
+        let s3 = s3();
+        let b1 = s3.new_bucket(&format!("{name}1"));
+        let b2 = s3.new_bucket(&format!("{name}2"));
+        let disk = MountSpec::s3(&b1, "").mount();
+        let state = disk.join("state");
+        std::fs::create_dir(&state).unwrap();
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+        // Background mode: a file's upload is created (and journalled) in the background once
+        // its first part is written. Every stat asks the store; FUSE threads to spare for the
+        // writers, which wait for the disk.
+        let mount = MountSpec::s3(&b2, "")
+            .arg("--state-dir")
+            .arg(state.to_str().unwrap())
+            .arg("--upload")
+            .arg("background")
+            .arg("--stat-ttl")
+            .arg("0")
+            .arg("--negative-ttl")
+            .arg("0")
+            .arg("--fuse-threads")
+            .arg("16")
+            .mount();
+        let daemon = disk.daemon_pid().expect("the state disk daemon's pid");
+        // A writer that fails before the stop fails the test here (never a wait for good,
+        // with the disk stopped).
+        let go = Arc::new(AtomicBool::new(false));
+        let (written_tx, written) = mpsc::channel();
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|i| {
+                let path = mount.join(format!("big{i}"));
+                let (written_tx, go) = (written_tx.clone(), go.clone());
+                std::thread::spawn(move || {
+                    let mut f = std::fs::File::create(path).unwrap();
+                    let mib = vec![i as u8; 1 << 20];
+                    for _ in 0..7 {
+                        f.write_all(&mib).unwrap();
+                    }
+                    written_tx.send(()).unwrap();
+                    while !go.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    for _ in 0..13 {
+                        f.write_all(&mib)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for _ in 0..WRITERS {
+            if written.recv_timeout(Duration::from_secs(60)).is_err() {
+                go.store(true, Ordering::SeqCst);
+                panic!("the writers did not write their first 7 MiB");
+            }
+        }
+        unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
+        let cont = Some(Cont(daemon));
+        go.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_secs(4));
+        Self {
+            mount,
+            writers,
+            cont,
+            _disk: disk,
+        }
+    }
+
+    /// Starts the disk again and waits for the writers; returns how their writes ended.
+    fn resume(&mut self) -> Vec<std::io::Result<()>> {
+        self.cont.take();
+        self.writers.drain(..).map(|w| w.join().unwrap()).collect()
+    }
+}
+
+/// A state disk that stops answering (a mount of the same bucket whose daemon is stopped, a
 /// lost NFS server) holds only the uploads that start while it hangs: a `stat` of the mount
 /// still answers. An earlier build wrote the upload journal (and its fdatasync) on the
 /// runtime's worker threads under one lock: eight files reaching their second part stopped
 /// every request of the mount, its deadlines included.
 #[test]
 fn a_hung_state_disk_holds_only_the_uploads_that_start() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::{mpsc, Arc};
-    const WRITERS: usize = 8;
-    let s3 = s3();
-    let b1 = s3.new_bucket("hungstate1");
-    let b2 = s3.new_bucket("hungstate2");
-    let disk = MountSpec::s3(&b1, "").mount();
-    let state = disk.join("state");
-    std::fs::create_dir(&state).unwrap();
-    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
-    // Background mode: a file's upload is created (and journalled) in the background once
-    // its first part is written. Every stat asks the store; FUSE threads to spare for the
-    // writers, which wait for the disk.
-    let m = MountSpec::s3(&b2, "")
-        .arg("--state-dir")
-        .arg(state.to_str().unwrap())
-        .arg("--upload")
-        .arg("background")
-        .arg("--stat-ttl")
-        .arg("0")
-        .arg("--negative-ttl")
-        .arg("0")
-        .arg("--fuse-threads")
-        .arg("16")
-        .mount();
-    let daemon = disk.daemon_pid().expect("the state disk daemon's pid");
-    struct Cont(u32);
-    impl Drop for Cont {
-        fn drop(&mut self) {
-            unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
-        }
-    }
-    // Each writer writes 7 MiB (in memory: under a part), the disk stops, then each goes on
-    // past its first part (8 MiB). A writer that fails before the stop fails the test there
-    // (never a wait for good, with the disk stopped).
-    let go = Arc::new(AtomicBool::new(false));
-    let (written_tx, written) = mpsc::channel();
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|i| {
-            let path = m.join(format!("big{i}"));
-            let (written_tx, go) = (written_tx.clone(), go.clone());
-            std::thread::spawn(move || {
-                let mut f = std::fs::File::create(path).unwrap();
-                let mib = vec![i as u8; 1 << 20];
-                for _ in 0..7 {
-                    f.write_all(&mib).unwrap();
-                }
-                written_tx.send(()).unwrap();
-                while !go.load(Ordering::SeqCst) {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                for _ in 0..13 {
-                    f.write_all(&mib).unwrap();
-                }
-            })
-        })
-        .collect();
-    for _ in 0..WRITERS {
-        if written.recv_timeout(Duration::from_secs(60)).is_err() {
-            go.store(true, Ordering::SeqCst);
-            panic!("the writers did not write their first 7 MiB");
-        }
-    }
-    unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
-    let cont = Cont(daemon);
-    go.store(true, Ordering::SeqCst);
-    std::thread::sleep(Duration::from_secs(4));
-    let (tx, rx) = mpsc::channel();
-    let probe = m.join("nothing-here");
+    let mut hung = StoppedStateDisk::start("hungstate");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let probe = hung.mount.join("nothing-here");
     std::thread::spawn(move || {
         let t = Instant::now();
         let r = std::fs::metadata(&probe).map(|_| ());
         let _ = tx.send((r.map_err(|e| e.raw_os_error()), t.elapsed()));
     });
     let stat = rx.recv_timeout(Duration::from_secs(20));
-    drop(cont);
-    for w in writers {
-        w.join().unwrap();
+    for w in hung.resume() {
+        w.unwrap();
     }
-    drop(m);
-    drop(disk);
     let (r, took) = stat.expect("a stat of the mount hung with the state disk");
     assert_eq!(r, Err(Some(libc::ENOENT)), "after {took:?}");
+}
+
+/// A daemon whose state disk hangs still exits at a second SIGTERM (its open files' uploads
+/// not stored, and said so), its journal left for the next mount. An earlier build waited
+/// for the journal's lock, which the write stuck on the disk holds, for good.
+#[test]
+fn a_hung_state_disk_does_not_keep_the_daemon_from_exiting() {
+    let mut hung = StoppedStateDisk::start("hungexit");
+    let pid = hung.mount.daemon_pid().unwrap();
+    hung.mount.signal(libc::SIGTERM);
+    std::thread::sleep(Duration::from_secs(1));
+    hung.mount.signal(libc::SIGTERM);
+    // Exited: a zombie at least. A thread in the middle of a request to the stopped disk
+    // stays until the disk answers (the kernel does not interrupt it), as with a hard NFS
+    // mount; that thread is all that is left of the daemon.
+    let t = Instant::now();
+    let exited = loop {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| Some(s.rsplit_once(')')?.1.split_whitespace().next()?.to_string()));
+        if state.as_deref().is_none_or(|s| s == "Z") {
+            break true;
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // The writers' files went with the daemon.
+    hung.resume();
+    hung.mount.wait_exit(Duration::from_secs(30));
+    let log = hung.mount.log();
+    assert!(
+        exited,
+        "the daemon did not exit within 60 s of a second SIGTERM with its state disk hung:\n{log}"
+    );
+    assert!(
+        log.contains("did not answer within"),
+        "the log does not say the journal did not answer:\n{log}"
+    );
 }

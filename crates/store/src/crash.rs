@@ -22,6 +22,27 @@ use std::time::Duration;
 /// aborts it).
 const ABORT_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// How long shutdown waits for the journal: a write stuck on a hung state disk holds its
+/// lock for good, and the daemon must still exit (the journal then stays for the next mount).
+pub const JOURNAL_WAIT: Duration = Duration::from_secs(10);
+
+/// Runs `f`, journal work that may wait for the state disk, on a thread of its own, waiting
+/// at most `wait`. `None`: no answer in time (the thread stays blocked until the
+/// disk answers or the process exits).
+async fn within_journal_wait<T: Send + 'static>(
+    wait: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("journal".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .ok()?;
+    tokio::time::timeout(wait, rx).await.ok()?.ok()
+}
+
 /// The bucket a mount is of, and the store it is on.
 #[derive(Debug, Clone)]
 pub enum Bucket {
@@ -80,6 +101,8 @@ pub struct Left {
 pub struct MountJournal {
     journal: Arc<UploadJournal>,
     store: Arc<dyn ObjectStore>,
+    /// [`JOURNAL_WAIT`] (shorter in tests).
+    wait: Duration,
 }
 
 impl MountJournal {
@@ -101,7 +124,14 @@ impl MountJournal {
         let journal = Arc::new(journal);
         let store: Arc<dyn ObjectStore> =
             Arc::new(JournalStore::new(store, journal.clone()).with_temporaries(temporaries));
-        Ok((Self { journal, store }, recovery))
+        Ok((
+            Self {
+                journal,
+                store,
+                wait: JOURNAL_WAIT,
+            },
+            recovery,
+        ))
     }
 
     /// The store to use: everything it starts is journaled.
@@ -114,14 +144,20 @@ impl MountJournal {
     }
 
     /// Aborts every upload still open (a shutdown that does not wait for open files), each
-    /// within a time bound; returns each key and what became of its upload.
-    pub async fn abort_open_uploads(&self) -> Vec<(String, ShutdownAbort)> {
+    /// within a time bound; returns each key and what became of its upload. `None`: the
+    /// journal did not answer within [`JOURNAL_WAIT`] (its disk hung), so nothing was aborted;
+    /// the next mount aborts what it holds.
+    pub async fn abort_open_uploads(&self) -> Option<Vec<(String, ShutdownAbort)>> {
+        let journal = self.journal.clone();
+        let live = within_journal_wait(self.wait, move || journal.live()).await?;
         let mut out = Vec::new();
-        for (key, id) in self.journal.live() {
+        for (key, id) in live {
             let r = tokio::time::timeout(ABORT_TIMEOUT, self.store.abort_multipart(&key, &id));
             let r = r.await;
             if let Ok(Ok(()) | Err(StoreError::NotFound(_))) = &r {
-                self.journal.end(&key, &id);
+                // Not recorded in time: the next mount's abort finds nothing.
+                let (journal, k) = (self.journal.clone(), key.clone());
+                within_journal_wait(self.wait, move || journal.end(&k, &id)).await;
             }
             let what = match r {
                 Ok(Ok(())) => ShutdownAbort::Aborted,
@@ -130,20 +166,25 @@ impl MountJournal {
             };
             out.push((key, what));
         }
-        out
+        Some(out)
     }
 
     /// The end of the mount: the journal is removed if nothing is left in it; otherwise it
-    /// stays for the next mount, and what it holds is returned.
-    pub fn close(&self) -> Left {
-        let left = Left {
-            uploads: self.journal.live().len(),
-            temporaries: self.journal.temporaries().len(),
-        };
-        if left == Left::default() {
-            let _ = self.journal.remove();
-        }
-        left
+    /// stays for the next mount, and what it holds is returned. `None`: the journal did not
+    /// answer within [`JOURNAL_WAIT`] (its disk hung); it stays.
+    pub async fn close(&self) -> Option<Left> {
+        let journal = self.journal.clone();
+        within_journal_wait(self.wait, move || {
+            let left = Left {
+                uploads: journal.live().len(),
+                temporaries: journal.temporaries().len(),
+            };
+            if left == Left::default() {
+                let _ = journal.remove();
+            }
+            left
+        })
+        .await
     }
 }
 
@@ -317,7 +358,7 @@ mod tests {
         journal.started("k", &id).unwrap();
         drop(journal);
         assert_eq!(
-            first.close(),
+            first.close().await.unwrap(),
             Left {
                 uploads: 1,
                 temporaries: 0
@@ -342,9 +383,56 @@ mod tests {
             .create("k2", &UserMeta::new())
             .await
             .unwrap();
-        let aborted = second.abort_open_uploads().await;
+        let aborted = second.abort_open_uploads().await.unwrap();
         assert!(matches!(&aborted[..], [(k, ShutdownAbort::Aborted)] if k == "k2"));
-        assert_eq!(second.close(), Left::default());
+        assert_eq!(second.close().await, Some(Left::default()));
         assert!(!second.path().exists());
+    }
+
+    /// A journal whose lock a write on a hung state disk holds does not hold up shutdown:
+    /// aborting the open uploads and closing each give up after the wait, and the journal
+    /// stays for the next mount. An earlier build waited for the lock for good.
+    #[tokio::test]
+    async fn shutdown_gives_up_on_a_journal_held_by_a_hung_disk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = JournalDirs {
+            dir: tmp.path().join("journal"),
+            legacy: vec![],
+        };
+        let mem = Arc::new(MemoryStore::new());
+        let bucket = Bucket::S3 {
+            bucket: "b".into(),
+            endpoint: Some("http://127.0.0.1:9".into()),
+        };
+        let (mut mount, _) = MountJournal::open(mem.clone(), &bucket, &dirs, "t/".into())
+            .await
+            .unwrap();
+        mount.wait = Duration::from_millis(300);
+        let _open = Uploads::new(mount.store().clone())
+            .create("k", &UserMeta::new())
+            .await
+            .unwrap();
+        let journal = mount.store().upload_journal().unwrap();
+        let (held_tx, held) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _hung = journal.hold();
+            held_tx.send(()).unwrap();
+            let _ = release_rx.recv();
+        });
+        held.recv().unwrap();
+        assert!(mount.abort_open_uploads().await.is_none());
+        assert!(mount.close().await.is_none());
+        assert!(
+            mount.path().exists(),
+            "the journal went while it could not be read"
+        );
+        release.send(()).unwrap();
+        holder.join().unwrap();
+        // The disk answers again: the same calls do their work.
+        let aborted = mount.abort_open_uploads().await.unwrap();
+        assert!(matches!(&aborted[..], [(k, ShutdownAbort::Aborted)] if k == "k"));
+        assert_eq!(mount.close().await, Some(Left::default()));
+        assert_eq!(mem.pending_uploads(), 0);
     }
 }

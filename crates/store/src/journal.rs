@@ -265,6 +265,12 @@ impl UploadJournal {
         })
     }
 
+    /// Its lock, as a write stuck on a hung disk holds it.
+    #[cfg(test)]
+    pub(crate) fn hold(&self) -> parking_lot::MutexGuard<'_, impl Sized> {
+        self.inner.lock()
+    }
+
     /// Removes the journal (a clean exit with nothing in progress and no temporary object
     /// left).
     pub fn remove(&self) -> io::Result<()> {
