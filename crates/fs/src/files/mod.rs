@@ -229,7 +229,9 @@ impl OpenFiles {
             return Err(Busy);
         }
         match local.take() {
-            Some((e, f)) if others == 0 && Some(e.as_str()) == etag => {
+            // Not while the inode is being written here (a writer's close, a truncate): its
+            // copy was found before, and is of the version they replace.
+            Some((e, f)) if shareable && others == 0 && Some(e.as_str()) == etag => {
                 let file = Arc::new(f);
                 th.insert(
                     ino,
@@ -492,5 +494,33 @@ impl OpenFiles {
                 st.has_changes_to_publish().then(|| st.key.to_string())
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bucketfs_store::memory::MemoryStore;
+
+    /// A copy found for an open that may no longer share one (the inode is being written
+    /// here since: a background close, a truncate) is never handed to the kernel: it is of
+    /// the version they replace. An earlier build checked only the ETag, which a write here
+    /// changes only once it is stored.
+    #[tokio::test]
+    async fn a_copy_is_not_handed_out_to_an_open_that_may_not_share() {
+        let (files, _) = OpenFiles::new(
+            Arc::new(MemoryStore::new()),
+            &FsConfig::default(),
+            Arc::default(),
+        )
+        .unwrap();
+        let copy = || Some(("\"E\"".to_string(), tempfile::tempfile().unwrap()));
+        let mut local = copy();
+        let r = files.choose_through(7, Some("\"E\""), 0, false, &mut local);
+        assert!(matches!(r, Ok(None)), "handed out while being written");
+        assert!(!files.is_through(7));
+        let mut local = copy();
+        let r = files.choose_through(7, Some("\"E\""), 0, true, &mut local);
+        assert!(matches!(r, Ok(Some(_))), "an idle inode's copy was refused");
     }
 }
