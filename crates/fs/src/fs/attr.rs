@@ -112,7 +112,8 @@ impl Fs {
             return Ok(());
         }
         let key = self.ns.dir_key(path);
-        self.ns.markers.settle(&key).await;
+        // mkdir's marker first (one whose upload failed stays for the next sync).
+        self.ns.markers.landed(&key).await;
         let obj = match self.store.head(&key).await {
             Ok(obj) => obj,
             Err(StoreError::NotFound(_)) => return Ok(()),
@@ -292,11 +293,14 @@ impl Fs {
             }
             let key = self.ns.dir_key(path);
             // mkdir's marker must not land after this one.
-            self.ns.markers.settle(&key).await;
-            self.store
-                .put(&key, Bytes::new(), user)
-                .await
-                .map_err(|e| log_store_err(&format!("set metadata of {key}"), e))?;
+            let unstored = self.ns.markers.settle(&key).await;
+            if let Err(e) = self.store.put(&key, Bytes::new(), user).await {
+                if let Some(meta) = unstored {
+                    // Still to be stored, as the directory still shows it.
+                    self.ns.markers.failed(&key, meta);
+                }
+                return Err(log_store_err(&format!("set metadata of {key}"), e));
+            }
             if let Some(i) = self.ns.table().get_mut(ino) {
                 i.has_marker = true;
             }

@@ -22,8 +22,12 @@ use std::sync::Arc;
 type Upload = Shared<BoxFuture<'static, Result<(), String>>>;
 
 enum Marker {
-    /// The PUT in flight; `id` tells this upload from a later one of the same key.
-    Uploading { id: u64, upload: Upload },
+    /// The PUT in flight of `meta`; `id` tells this upload from a later one of the same key.
+    Uploading {
+        id: u64,
+        upload: Upload,
+        meta: UserMeta,
+    },
     /// The last PUT failed: send it again when the marker is next needed.
     Failed(UserMeta),
 }
@@ -52,12 +56,12 @@ impl PendingMarkers {
     fn upload(&self, key: String, meta: UserMeta) -> Upload {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (store, markers) = (self.store.clone(), self.markers.clone());
-        let task_key = key.clone();
+        let (task_key, task_meta) = (key.clone(), meta.clone());
         // Held until the entry is in: the task's own update must come after it.
         let mut pending = self.markers.lock();
         // A task of its own, so the upload proceeds whether or not anyone waits for it.
         let task = tokio::spawn(async move {
-            let r = store.put(&task_key, Bytes::new(), &meta).await;
+            let r = store.put(&task_key, Bytes::new(), &task_meta).await;
             let mut m = markers.lock();
             if !matches!(m.get(&task_key), Some(Marker::Uploading { id: i, .. }) if *i == id) {
                 return r.map(|_| ()).map_err(|e| e.to_string());
@@ -72,7 +76,7 @@ impl PendingMarkers {
                         "mkdir {task_key}: the directory marker could not be stored ({e}); \
                          it is sent again when the directory is next synced, listed or changed"
                     );
-                    m.insert(task_key, Marker::Failed(meta));
+                    m.insert(task_key, Marker::Failed(task_meta));
                     Err(e.to_string())
                 }
             }
@@ -85,6 +89,7 @@ impl PendingMarkers {
             Marker::Uploading {
                 id,
                 upload: upload.clone(),
+                meta,
             },
         );
         upload
@@ -127,11 +132,33 @@ impl PendingMarkers {
         result
     }
 
-    /// Drops marker `key` from the pending set (the directory is being removed): waits for an
-    /// upload in flight, whatever its outcome, so that a DELETE cannot overtake it.
-    pub async fn settle(&self, key: &ObjectKey) {
-        let upload = match self.markers.lock().remove(key.as_str()) {
-            Some(Marker::Uploading { upload, .. }) => upload,
+    /// Drops marker `key` from the pending set (the directory is being removed, or its marker
+    /// stored again): waits for an upload in flight, whatever its outcome, so that a DELETE
+    /// or PUT cannot overtake it. Returns the metadata of a marker that is not in the bucket
+    /// (its upload failed): give it back with [`Self::failed`] if what replaces it fails.
+    pub async fn settle(&self, key: &ObjectKey) -> Option<UserMeta> {
+        let (upload, meta) = match self.markers.lock().remove(key.as_str()) {
+            Some(Marker::Uploading { upload, meta, .. }) => (upload, meta),
+            Some(Marker::Failed(meta)) => return Some(meta),
+            None => return None,
+        };
+        upload.await.is_err().then_some(meta)
+    }
+
+    /// Records marker `key` (with `meta`) as not in the bucket, to be sent again when next
+    /// needed: what [`Self::settle`] dropped, when what was to replace it failed.
+    pub fn failed(&self, key: &ObjectKey, meta: UserMeta) {
+        self.markers
+            .lock()
+            .entry(key.to_string())
+            .or_insert(Marker::Failed(meta));
+    }
+
+    /// Waits for an upload of marker `key` in flight, whatever its outcome, leaving what it
+    /// leaves (a failed marker stays pending).
+    pub async fn landed(&self, key: &ObjectKey) {
+        let upload = match self.markers.lock().get(key.as_str()) {
+            Some(Marker::Uploading { upload, .. }) => upload.clone(),
             _ => return,
         };
         let _ = upload.await;
@@ -187,7 +214,10 @@ mod tests {
         assert_eq!(markers.wait(&"a/".into()).await, Err(FsError::EIO));
         // wait() found it uploading: no second try yet. The next wait retries, and fails.
         assert_eq!(markers.wait(&"a/".into()).await, Err(FsError::EIO));
-        markers.settle(&"a/".into()).await;
+        assert!(
+            markers.settle(&"a/".into()).await.is_some(),
+            "not in the bucket"
+        );
         assert_eq!(markers.len(), 0);
         assert_eq!(markers.wait(&"a/".into()).await, Ok(()));
         assert!(mem.head("a/").await.is_err());

@@ -310,3 +310,48 @@ async fn a_failed_publish_keeps_the_upload_holding_streamed_bytes() {
     fs.release(ino, fh).await.unwrap();
     assert_eq!(mem.pending_uploads(), 0);
 }
+
+/// A directory whose marker could not be stored keeps it pending through a chmod, chown or
+/// rmdir that fails too: the next sync stores it. An earlier build dropped the pending
+/// marker at the first of them, so the sync said it was stored and the empty directory was
+/// gone from the bucket.
+#[tokio::test]
+async fn a_failed_marker_stays_pending_through_a_failed_chmod_or_rmdir() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let refuse = |op, times| {
+        let e = StoreError::Transient("injected".into());
+        faulty.inject(op, 0, Some(times), Fault::Error(e));
+    };
+    // Each marker's PUT fails, and so does the sync's second try.
+    refuse(Op::Put, 6);
+    let mut dirs = Vec::new();
+    for name in ["d", "e", "f"] {
+        let d = fs
+            .mkdir(ROOT_INO, OsStr::new(name), 0o755, 0, ME)
+            .await
+            .unwrap();
+        dirs.push(d.ino);
+    }
+    assert_eq!(fs.fsyncdir(ROOT_INO).await, Err(FsError::EIO));
+    faulty.clear();
+    let chmod = || SetAttr {
+        mode: Some(0o700),
+        ..Default::default()
+    };
+    // d: the chmod's HEAD fails; e: its PUT of the marker fails; f: the rmdir's DELETE fails.
+    refuse(Op::Head, 1);
+    assert_eq!(fs.setattr(dirs[0], None, chmod()).await, Err(FsError::EIO));
+    refuse(Op::Put, 1);
+    assert_eq!(fs.setattr(dirs[1], None, chmod()).await, Err(FsError::EIO));
+    refuse(Op::Delete, 1);
+    assert_eq!(fs.rmdir(ROOT_INO, OsStr::new("f")).await, Err(FsError::EIO));
+    faulty.clear();
+    fs.fsyncdir(ROOT_INO).await.unwrap();
+    for key in ["d/", "e/", "f/"] {
+        assert!(
+            mem.head(key).await.is_ok(),
+            "{key} is not in the bucket after the sync"
+        );
+    }
+}
