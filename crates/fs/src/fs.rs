@@ -23,6 +23,7 @@ mod attr;
 mod open;
 mod remove;
 mod rename;
+mod subtrees;
 
 use bucketfs_store::{
     run_bounded, CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError, UserMeta,
@@ -108,6 +109,8 @@ pub struct Fs {
     files: OpenFiles,
     /// See [`Fs::on_stale_cache`].
     stale_cache: Mutex<Option<StaleCache>>,
+    /// Directory renames and the metadata stores below them, kept apart.
+    subtrees: subtrees::Subtrees,
 }
 
 /// Called with an inode whose kernel-cached attributes are of an older version.
@@ -277,6 +280,7 @@ impl Fs {
             ns,
             files,
             stale_cache: Mutex::new(None),
+            subtrees: Default::default(),
         });
         if let Some(wb) = fs.files.writeback() {
             let weak = Arc::downgrade(&fs);

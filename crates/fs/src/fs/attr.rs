@@ -50,6 +50,15 @@ impl Fs {
         let Some(change) = Self::meta_change(kind, &set) else {
             return self.getattr(ino).await;
         };
+        // Not while a directory at or above it is being renamed (see `subtrees`), and at the
+        // path it has after that.
+        let (path, _storing) = self
+            .subtrees
+            .store(|| {
+                let t = self.ns.table();
+                t.get(ino).map(|i| i.path.clone()).ok_or(FsError::ENOENT)
+            })
+            .await?;
         // The change goes onto the object's own metadata, as the store says it now when the
         // inode's is out of date: it may be a listing's defaults (listed without metadata) or
         // of a version before the one its ETag names (another client's, copied by a

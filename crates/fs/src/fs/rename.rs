@@ -487,6 +487,7 @@ impl Fs {
         renamed: impl FnOnce(Copies),
     ) -> FsResult<()> {
         let (src, dst) = (self.ns.dir_key(path), self.ns.dir_key(new_path));
+        let _renaming = self.subtrees.rename(path).await;
         let wb = self.files.writeback().cloned();
         let _paused = match &wb {
             Some(wb) => Some(wb.pause_below(src.as_str()).await),

@@ -355,3 +355,49 @@ async fn a_failed_marker_stays_pending_through_a_failed_chmod_or_rmdir() {
         );
     }
 }
+
+/// A chmod of a directory (or file) below a directory being renamed, its store slow: the
+/// rename waits for it and moves the changed marker, and nothing comes back under the old
+/// name. An earlier build let the rename copy and delete around the chmod's PUT, which then
+/// stored the old directory's marker again (and the change only there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chmod_below_a_directory_being_renamed_moves_with_it() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let dir_meta: bucketfs_store::UserMeta =
+        [("mode".to_string(), (libc::S_IFDIR | 0o750).to_string())]
+            .into_iter()
+            .collect();
+    mem.put("a/", Bytes::new(), &dir_meta).await.unwrap();
+    mem.put("a/sub/", Bytes::new(), &dir_meta).await.unwrap();
+    put(&mem, "a/sub/f", b"f").await;
+    let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let sub = fs.lookup(a.ino, OsStr::new("sub")).await.unwrap();
+    faulty.inject(
+        Op::Put,
+        0,
+        Some(1),
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    let chmod = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let set = SetAttr {
+                mode: Some(0o700),
+                ..Default::default()
+            };
+            fs.setattr(sub.ino, None, set).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .unwrap();
+    assert_eq!(chmod.await.unwrap().unwrap().perm, 0o700);
+    assert!(
+        mem.head("a/sub/").await.is_err(),
+        "the old directory came back"
+    );
+    let m = mem.head("b/sub/").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o700).to_string());
+}
