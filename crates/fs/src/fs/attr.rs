@@ -252,6 +252,10 @@ impl Fs {
         pm.uid.get_or_insert(i.attr.uid);
         pm.gid.get_or_insert(i.attr.gid);
         pm.mtime.get_or_insert(i.attr.mtime);
+        if kind == FileKind::Dir {
+            // Entries made or removed here since its marker was stored moved it on.
+            pm.mtime = pm.mtime.max(Some(i.attr.mtime));
+        }
         Ok(pm)
     }
 

@@ -526,6 +526,19 @@ impl Namespace {
             }
             return Some((attr, false));
         };
+        if !complete && found.kind == FileKind::Dir {
+            // A common prefix says nothing of a directory's attributes: a known one keeps its
+            // marker's (stat answers a directory from memory), and its next lookup asks.
+            let stale = self.stale_instant();
+            let mut t = self.table.lock();
+            if let Some(i) = t.child(dir, &e.name).and_then(|c| t.get_mut(c)) {
+                if i.kind == FileKind::Dir {
+                    i.lookups += 1;
+                    i.fetched = stale.or(i.fetched);
+                    return Some((i.attr.clone(), false));
+                }
+            }
+        }
         // Fresh for the TTL from when the store said it, not from now.
         let attr = self.remember(dir, &e.name, path, found, 1, at);
         if !complete {

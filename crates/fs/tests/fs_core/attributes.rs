@@ -1,6 +1,6 @@
 //! Attributes, symlinks, inode lifetime, read-only mounts and name limits.
 
-use crate::support::{config, env, object, put, read_all, write_file, ME};
+use crate::support::{config, env, object, put, read_all, write_file, write_file_in, ME};
 use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::ObjectStore;
@@ -347,4 +347,62 @@ async fn a_chmod_of_a_listed_directory_keeps_its_markers_attributes() {
     assert_eq!(m.user["uid"], "42");
     assert_eq!(m.user["gid"], "5678");
     assert_eq!(m.user["origin"], "writer-42");
+}
+
+/// A directory whose marker this mount read, listed again by readdirplus once that is out
+/// of date: the listing (a common prefix, no metadata) does not replace the marker's mode
+/// and owner with defaults, which `stat` of a directory would then show for a whole TTL.
+#[tokio::test]
+async fn a_listing_keeps_a_known_directorys_attributes() {
+    let e = env();
+    let mut marker = owned_meta(42, 1_600_000_000);
+    marker.insert("mode".into(), (libc::S_IFDIR | 0o750).to_string());
+    e.mem.put("d/", bytes::Bytes::new(), &marker).await.unwrap();
+    put(&e.mem, "d/f", b"abc").await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!((d.perm, d.uid), (0o750, 42));
+    e.fs.refresh(d.ino).unwrap();
+    let fh = e.fs.opendir(ROOT_INO).await.unwrap();
+    let entries = e.fs.readdir(ROOT_INO, fh, 0).await.unwrap();
+    let ent = entries.iter().find(|ent| ent.name == "d").unwrap();
+    let (listed, _) = e.fs.plus_entry(ROOT_INO, ent).unwrap();
+    e.fs.releasedir(ROOT_INO, fh);
+    assert_eq!((listed.perm, listed.uid), (0o750, 42), "readdirplus");
+    let a = e.fs.getattr(d.ino).await.unwrap();
+    assert_eq!((a.perm, a.uid, a.gid), (0o750, 42, 5678), "stat");
+}
+
+/// A chmod of a directory after an entry was made in it keeps the mtime that made it show,
+/// not the older one its marker has.
+#[tokio::test]
+async fn a_chmod_of_a_directory_keeps_its_newer_mtime() {
+    let e = env();
+    let mut marker = owned_meta(42, 1_600_000_000);
+    marker.insert("mode".into(), (libc::S_IFDIR | 0o750).to_string());
+    e.mem.put("d/", bytes::Bytes::new(), &marker).await.unwrap();
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    write_file_in(&e.fs, d.ino, "f", b"x").await;
+    let before = e.fs.getattr(d.ino).await.unwrap().mtime;
+    let old = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_600_000_000);
+    assert!(
+        before > old,
+        "the new entry did not move the mtime: the test proves nothing"
+    );
+    let chmod = SetAttr {
+        mode: Some(0o700),
+        ..Default::default()
+    };
+    let a = e.fs.setattr(d.ino, None, chmod).await.unwrap();
+    // (Stored as decimal seconds: the last nanoseconds may round.)
+    let slack = std::time::Duration::from_micros(1);
+    assert!(
+        a.mtime + slack >= before,
+        "mtime went back to {:?} from {before:?}",
+        a.mtime
+    );
+    let stored = e.mem.head("d/").await.unwrap().user["mtime"].clone();
+    assert!(
+        stored.parse::<f64>().unwrap() > 1_600_000_001.0,
+        "stored {stored}"
+    );
 }
