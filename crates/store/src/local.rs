@@ -91,11 +91,17 @@ fn validate_key(key: &str) -> StoreResult<()> {
     Ok(())
 }
 
+/// A version's ETag: what changes whenever its bytes or metadata do. The ctime is in it
+/// because the mtime alone can be put back (`cp -p`, `rsync --inplace -t`, `touch -r` onto a
+/// file rewritten in place), which would name new bytes with an old version's ETag, and a
+/// data cache keeps bytes by ETag across mounts.
 fn etag_of(md: &fs::Metadata) -> String {
     format!(
-        "\"{:x}-{:x}-{:x}-{:x}\"",
+        "\"{:x}-{:x}-{:x}-{:x}-{:x}-{:x}\"",
         md.mtime(),
         md.mtime_nsec(),
+        md.ctime(),
+        md.ctime_nsec(),
         md.size(),
         md.ino()
     )
@@ -795,6 +801,31 @@ pub(crate) mod tests {
             served > 100 && refused > 0,
             "{served} served, {refused} refused"
         );
+    }
+
+    /// A file rewritten in place with bytes of the same size and its old mtime put back
+    /// (`cp -p` onto it, `rsync --inplace -t`) is another version: another ETag.
+    #[tokio::test]
+    async fn a_rewrite_with_the_old_mtime_put_back_is_another_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        s.put("k", Bytes::from_static(b"old!"), &UserMeta::new())
+            .await
+            .unwrap();
+        let before = s.head("k").await.unwrap().etag.unwrap();
+        let p = dir.path().join("k");
+        let mtime = fs::metadata(&p).unwrap().modified().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        fs::write(&p, b"new!").unwrap();
+        File::options()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        assert_eq!(fs::metadata(&p).unwrap().modified().unwrap(), mtime);
+        let after = s.head("k").await.unwrap().etag.unwrap();
+        assert_ne!(before, after, "new bytes under the old version's ETag");
     }
 
     #[tokio::test]
