@@ -156,6 +156,28 @@ fn create_tmp(path: &Path) -> std::io::Result<(File, PathBuf)> {
     }
 }
 
+/// Lock file `path` (made if need be, never through a link), held exclusively (`flock`)
+/// until the file returned is dropped: one process at a time, of all that share the cache.
+fn lock_exclusive(path: &Path) -> std::io::Result<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    // SAFETY: flock(2) of a descriptor this function owns.
+    while unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+    Ok(f)
+}
+
 /// Opens a cache file for reading, refusing a link and anything but a regular file of this
 /// user (what is handed to the kernel must be the cache's own file).
 fn open_own(path: &Path) -> std::io::Result<File> {
@@ -1110,18 +1132,28 @@ impl DataCache {
     /// never move the time back, and replace the record whole (a temporary file renamed).
     pub fn changing_until(&self, until: SystemTime) {
         let _one = self.changed_lock.lock();
+        let path = self.changed_path();
+        // Mounts sharing the cache compare and write one at a time too.
+        let _theirs = match lock_exclusive(&path.with_extension("lock")) {
+            Ok(l) => l,
+            Err(e) => return self.io_error("lock", &e),
+        };
         if self.changed_until().is_some_and(|t| t >= until) {
             return;
         }
         let nanos = until
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        let path = self.changed_path();
-        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-        let r =
-            std::fs::write(&tmp, nanos.to_le_bytes()).and_then(|()| std::fs::rename(&tmp, &path));
+        let r = create_tmp(&path).and_then(|(mut f, tmp)| {
+            let r = f
+                .write_all(&nanos.to_le_bytes())
+                .and_then(|()| std::fs::rename(&tmp, &path));
+            if r.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            r
+        });
         if let Err(e) = r {
-            let _ = std::fs::remove_file(&tmp);
             self.io_error("write", &e);
         }
     }
@@ -1594,6 +1626,31 @@ mod tests {
         c.put("k", etag, size, index, Bytes::copy_from_slice(data));
         let name = c.id("k", etag, index).name();
         wait_until("block written", || c.index.lock().files.contains_key(&name));
+    }
+
+    /// Two mounts sharing a cache record their changes at once: the record ends at the
+    /// later of them, never moved back by the other's older one, and always whole. An earlier
+    /// build compared and wrote under a lock of its own process only, through a temporary
+    /// file named by the PID (two daemons in containers share one).
+    #[test]
+    fn two_mounts_recording_changes_at_once_never_move_the_record_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, _) = start(dir.path(), 64 << 20);
+        let (b, _) = start(dir.path(), 64 << 20);
+        let at = |n: u64| UNIX_EPOCH + Duration::from_secs(1_000_000 + n);
+        let last = 2000;
+        std::thread::scope(|s| {
+            for (c, odd) in [(&a, 1), (&b, 0)] {
+                s.spawn(move || {
+                    for n in (0..=last).filter(|n| n % 2 == odd) {
+                        c.changing_until(at(n));
+                        let seen = c.changed_until().expect("a record");
+                        assert!(seen >= at(n), "the record went back below {n}");
+                    }
+                });
+            }
+        });
+        assert_eq!(a.changed_until(), Some(at(last)));
     }
 
     #[test]
