@@ -50,8 +50,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Size of a cached block (and the alignment of a reader's requests when the cache is on).
 pub const BLOCK: u64 = 1 << 20;
-/// Blocks waiting to be written at most: an eighth of the memory budget (they hold their
-/// chunks' buffers), between 8 and 64. A stream's prefetch brings several chunks of up to
+/// Blocks waiting to be written at most: an eighth of the memory budget (each holds a
+/// buffer of its own), between 8 and 64. A stream's prefetch brings several chunks of up to
 /// 32 MiB at once; beyond this a fetched block is not cached.
 pub fn queue_len(budget: u64) -> usize {
     (budget / 8 / BLOCK).clamp(8, 64) as usize
@@ -494,6 +494,9 @@ struct Job {
 }
 
 pub struct DataCache {
+    /// Held by a test: the writer waits before each block (a slow cache disk).
+    #[cfg(test)]
+    pub(crate) writer_held: Mutex<()>,
     /// Serializes the writes of [`DataCache::changing_until`].
     changed_lock: Mutex<()>,
     root: PathBuf,
@@ -580,6 +583,8 @@ impl DataCache {
             boot,
             ident_key: Default::default(),
             reading_seals: AtomicBool::new(false),
+            #[cfg(test)]
+            writer_held: Mutex::new(()),
         });
         let weak = Arc::downgrade(&cache);
         std::thread::Builder::new()
@@ -1007,6 +1012,11 @@ impl DataCache {
             index,
             data,
         });
+    }
+
+    /// A block not handed to the writer (no memory for it).
+    pub fn skipped(&self) {
+        inc(&self.metrics.data_cache_skipped);
     }
 
     fn send(&self, job: Job) {
@@ -1563,6 +1573,8 @@ fn writer(cache: std::sync::Weak<DataCache>, rx: Receiver<Job>) {
         }
         if let Some(job) = job {
             crate::testpoint::reached_blocking("cache.write");
+            #[cfg(test)]
+            let _held = c.writer_held.lock();
             c.write(&job);
             c.metrics.data_cache_queued.fetch_sub(1, Ordering::Relaxed);
         }

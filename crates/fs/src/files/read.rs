@@ -278,10 +278,14 @@ impl Reader {
         let range = q.next..(q.next + len).min(self.size);
         let (store, key, etag) = (self.store.clone(), self.key.clone(), self.etag.clone());
         let (cache, size) = (self.cfg.data_cache.clone(), self.size);
+        let budget = self.cfg.budget.clone();
         let r = range.clone();
         let task = tokio::spawn(async move {
             match (cache, etag) {
-                (Some(c), Some(etag)) => fetch_cached(store, c, key, etag, size, r, buf).await,
+                (Some(c), Some(etag)) => {
+                    let cached = CacheIn { cache: c, budget };
+                    fetch_cached(store, cached, key, etag, size, r, buf).await
+                }
                 (_, etag) => fetch(&*store, &key, r, etag.as_deref(), buf).await,
             }
         });
@@ -558,7 +562,7 @@ async fn fetch(
 /// `etag` its version.
 async fn fetch_cached(
     store: Arc<dyn ObjectStore>,
-    cache: Arc<DataCache>,
+    CacheIn { cache, budget }: CacheIn,
     key: ObjectKey,
     etag: String,
     size: u64,
@@ -612,9 +616,26 @@ async fn fetch_cached(
     for i in blocks.filter(|&i| !hit(i)) {
         let b = block_range(i, size);
         let part = data.slice((b.start - range.start) as usize..(b.end - range.start) as usize);
-        cache.put(&key, &etag, size, i, part);
+        if part.len() == data.len() {
+            cache.put(&key, &etag, size, i, part);
+            continue;
+        }
+        // A slice would hold the whole chunk's buffer for as long as the block waits for
+        // the cache's disk: a copy of its own, if the budget has the memory free now.
+        let Some(mut own) = budget.try_buffer(part.len() as u64) else {
+            cache.skipped();
+            continue;
+        };
+        own.as_mut_slice()[..part.len()].copy_from_slice(&part);
+        cache.put(&key, &etag, size, i, own.freeze(part.len()));
     }
     Ok(data)
+}
+
+/// The data cache a fetch goes through, and the budget its blocks' copies come from.
+struct CacheIn {
+    cache: Arc<DataCache>,
+    budget: Arc<MemoryBudget>,
 }
 
 /// Most GETs one chunk's missing blocks are fetched with; past that, the spans closest
@@ -684,6 +705,43 @@ mod tests {
             data_cache: None,
         });
         (Arc::new(FaultStore::new(mem)), cfg, data, etag)
+    }
+
+    /// Blocks waiting for a slow cache disk hold a block of memory each, not the chunk they
+    /// were fetched in: an earlier build queued slices of it, so the 9 blocks the writer took
+    /// of a 16 MiB chunk held all of it (with a queue of 64, a whole budget of chunks).
+    #[tokio::test]
+    async fn blocks_waiting_for_the_cache_disk_hold_only_their_own_memory() {
+        let (store, cfg, data, etag) = setup(64 * MIB, 16 * MIB as usize).await;
+        let dir = tempfile::tempdir().unwrap();
+        crate::files::cache::prepare_dir(dir.path()).unwrap();
+        let dc = crate::config::DataCacheConfig {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 256 * MIB,
+            scope: "test".into(),
+        };
+        let cache = DataCache::start(&dc, 8, cfg.metrics.clone());
+        let held = cache.writer_held.lock();
+        let budget = cfg.budget.clone();
+        let buf = budget.try_buffer(16 * MIB).unwrap();
+        let cached = CacheIn {
+            cache: cache.clone(),
+            budget: budget.clone(),
+        };
+        let size = data.len() as u64;
+        let got = fetch_cached(store, cached, "f".into(), etag, size, 0..size, buf)
+            .await
+            .unwrap();
+        assert_eq!(&got[..], &data[..]);
+        drop(got);
+        // The queue's 8, and the one the writer holds.
+        let used = budget.total() - budget.available();
+        assert!(
+            used <= 9 * MIB,
+            "{} MiB held by the blocks waiting for the disk",
+            used / MIB
+        );
+        drop(held);
     }
 
     #[tokio::test]
