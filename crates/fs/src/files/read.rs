@@ -711,6 +711,8 @@ mod tests {
     /// were fetched in: an earlier build queued slices of it, so the 9 blocks the writer took
     /// of a 16 MiB chunk held all of it (with a queue of 64, a whole budget of chunks).
     #[tokio::test]
+    // The guard stalls the cache's writer thread, which nothing here awaits.
+    #[allow(clippy::await_holding_lock)]
     async fn blocks_waiting_for_the_cache_disk_hold_only_their_own_memory() {
         let (store, cfg, data, etag) = setup(64 * MIB, 16 * MIB as usize).await;
         let dir = tempfile::tempdir().unwrap();
