@@ -109,20 +109,28 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     }
     // Paths are made absolute before the daemon moves to `/`.
     settings.cache_dir = absolute(&settings.cache_dir);
-    std::fs::create_dir_all(&settings.cache_dir)
-        .map_err(|e| format!("cache dir {}: {e}", settings.cache_dir.display()))?;
-    if let Some(d) = &settings.data_cache {
-        let d = absolute(d);
-        bucketfs_fs::prepare_data_cache_dir(&d)?;
-        settings.data_cache = Some(d);
-    }
-    if let Some(f) = &settings.log_file {
-        settings.log_file = Some(absolute(f));
-    }
+    settings.data_cache = settings.data_cache.as_deref().map(absolute);
+    settings.log_file = settings.log_file.as_deref().map(absolute);
     let state = match &settings.state_dir {
         Some(d) => absolute(d),
         None => default_state_dir()?,
     };
+    // Checked before any of them is made.
+    let own: Vec<(&str, &Path)> = [
+        ("cache dir", Some(settings.cache_dir.as_path())),
+        ("data cache", settings.data_cache.as_deref()),
+        ("state dir", Some(state.as_path())),
+        ("log file", settings.log_file.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(what, p)| Some((what, p?)))
+    .collect();
+    check_own_paths(&own, &mountpoint, &target)?;
+    std::fs::create_dir_all(&settings.cache_dir)
+        .map_err(|e| format!("cache dir {}: {e}", settings.cache_dir.display()))?;
+    if let Some(d) = &settings.data_cache {
+        bucketfs_fs::prepare_data_cache_dir(d)?;
+    }
     settings.state_dir = Some(state.clone());
     private_state_dir(&state)?;
     for sub in [JOURNAL_SUBDIR, LOG_SUBDIR] {
@@ -157,6 +165,31 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
         mountpoint,
         fsname,
     })
+}
+
+/// The daemon's own files (`own`: what, where, absolute) lie outside the mount point, which
+/// would hide them once mounted and send the daemon's own I/O through itself, and outside a
+/// local source directory, where they would show as the bucket's files.
+fn check_own_paths(own: &[(&str, &Path)], mountpoint: &Path, target: &Target) -> Result<(), String> {
+    for (what, p) in own {
+        if p.starts_with(mountpoint) {
+            return Err(format!(
+                "{what} {} is inside the mount point {}: give one outside it",
+                p.display(),
+                mountpoint.display()
+            ));
+        }
+        if let Target::Local { dir } = target {
+            if p.starts_with(dir) {
+                return Err(format!(
+                    "{what} {} is inside the source directory {}: give one outside it",
+                    p.display(),
+                    dir.display()
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What SOURCE names, with the bucket and prefix filled in from the config file if needed.

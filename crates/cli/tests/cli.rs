@@ -180,6 +180,42 @@ fn a_part_size_too_big_for_the_memory_budget_is_refused() {
     assert_nothing_left(&mp, &run);
 }
 
+/// The daemon's own directories inside the mount point (hidden once mounted, its own I/O
+/// going through itself) or inside a local source directory (shown as the bucket's files)
+/// are refused in one line, and nothing is made there.
+#[test]
+fn own_directories_inside_the_mount_point_or_the_source_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let (_m, mp) = mountpoint();
+    let cases = [
+        ("--data-cache", mp.join("dc"), "data cache", "mount point"),
+        ("--state-dir", mp.join("state"), "state dir", "mount point"),
+        ("--cache-dir", data.join("cache"), "cache dir", "source directory"),
+    ];
+    for (flag, dir, what, inside) in cases {
+        let extra: Vec<String> = ["-f", flag, dir.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let run = run_cli(
+            &mount_args(data.to_str().unwrap(), &mp, &extra),
+            &[],
+            Some(&mp),
+            Duration::from_secs(30),
+        );
+        let err = assert_one_line_failure(&run, flag);
+        assert!(
+            err.contains(what) && err.contains(inside),
+            "{flag}: the message does not say what is wrong: {err}"
+        );
+        assert_nothing_left(&mp, &run);
+        assert!(!dir.exists(), "{flag}: {} was made", dir.display());
+    }
+    assert_eq!(fs::read_dir(&mp).unwrap().count(), 0, "the mount point is not empty");
+}
+
 #[test]
 fn non_empty_mount_point_is_refused() {
     let d = tempfile::tempdir().unwrap();
