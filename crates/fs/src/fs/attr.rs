@@ -125,7 +125,19 @@ impl Fs {
         self.ns.markers.landed(&key).await;
         let obj = match self.store.head(&key).await {
             Ok(obj) => obj,
-            Err(StoreError::NotFound(_)) => return Ok(()),
+            // No marker: a directory implied by what is below it, or made here with its
+            // marker still to be stored, or one another client removed, which a chmod must
+            // not bring back.
+            Err(StoreError::NotFound(_)) => {
+                let gone = ino != ROOT_INO
+                    && !self.ns.markers.pending(&key)
+                    && self.ns.dir_is_empty(ino, path).await?;
+                if gone {
+                    self.ns.changed_elsewhere(ino);
+                    return Err(FsError::ENOENT);
+                }
+                return Ok(());
+            }
             Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
         };
         let mut t = self.ns.table();

@@ -164,6 +164,11 @@ impl PendingMarkers {
         let _ = upload.await;
     }
 
+    /// Whether marker `key` is not in the bucket yet (uploading or failed).
+    pub fn pending(&self, key: &ObjectKey) -> bool {
+        self.markers.lock().contains_key(key.as_str())
+    }
+
     /// Whether a marker strictly below `prefix` is not in the bucket yet (uploading or
     /// failed): a directory made there still exists.
     pub fn any_below(&self, prefix: &ObjectKey) -> bool {
