@@ -151,13 +151,17 @@ impl MountJournal {
         let journal = self.journal.clone();
         let live = within_journal_wait(self.wait, move || journal.live()).await?;
         let mut out = Vec::new();
+        // Once the journal does not answer, the other ends are not recorded either.
+        let mut answers = true;
         for (key, id) in live {
             let r = tokio::time::timeout(ABORT_TIMEOUT, self.store.abort_multipart(&key, &id));
             let r = r.await;
-            if let Ok(Ok(()) | Err(StoreError::NotFound(_))) = &r {
+            if let (Ok(Ok(()) | Err(StoreError::NotFound(_))), true) = (&r, answers) {
                 // Not recorded in time: the next mount's abort finds nothing.
                 let (journal, k) = (self.journal.clone(), key.clone());
-                within_journal_wait(self.wait, move || journal.end(&k, &id)).await;
+                answers = within_journal_wait(self.wait, move || journal.end(&k, &id))
+                    .await
+                    .is_some();
             }
             let what = match r {
                 Ok(Ok(())) => ShutdownAbort::Aborted,
@@ -387,6 +391,54 @@ mod tests {
         assert!(matches!(&aborted[..], [(k, ShutdownAbort::Aborted)] if k == "k2"));
         assert_eq!(second.close().await, Some(Left::default()));
         assert!(!second.path().exists());
+    }
+
+    /// A journal that stops answering after the first abort of many: the other uploads
+    /// are aborted without waiting for it again, so shutdown waits for it once, not once
+    /// per upload.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_journal_that_stops_answering_is_waited_for_once() {
+        use crate::fault::{Fault, FaultStore};
+        use crate::metrics::Op;
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = JournalDirs {
+            dir: tmp.path().join("journal"),
+            legacy: vec![],
+        };
+        let mem = Arc::new(MemoryStore::new());
+        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let bucket = Bucket::S3 {
+            bucket: "b".into(),
+            endpoint: Some("http://127.0.0.1:9".into()),
+        };
+        let (mut mount, _) = MountJournal::open(fault.clone(), &bucket, &dirs, "t/".into())
+            .await
+            .unwrap();
+        mount.wait = Duration::from_millis(300);
+        let uploads = Uploads::new(mount.store().clone());
+        let mut open = Vec::new();
+        for i in 0..5 {
+            open.push(uploads.create(&format!("k{i}"), &UserMeta::new()).await.unwrap());
+        }
+        // The first abort takes a while; meanwhile the journal's disk stops answering.
+        let slow = Fault::Delay(Duration::from_millis(200));
+        fault.inject(Op::AbortMultipart, 0, Some(1), slow);
+        let journal = mount.store().upload_journal().unwrap();
+        let (release, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let _hung = journal.hold();
+            let _ = release_rx.recv();
+        });
+        let t = std::time::Instant::now();
+        let aborted = mount.abort_open_uploads().await.unwrap();
+        let took = t.elapsed();
+        release.send(()).unwrap();
+        holder.join().unwrap();
+        assert_eq!(aborted.len(), 5);
+        assert!(aborted.iter().all(|(_, a)| matches!(a, ShutdownAbort::Aborted)));
+        assert!(took < Duration::from_millis(900), "took {took:?}");
+        assert_eq!(mem.pending_uploads(), 0);
     }
 
     /// A journal whose lock a write on a hung state disk holds does not hold up shutdown:

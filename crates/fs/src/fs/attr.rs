@@ -21,7 +21,7 @@ impl Fs {
                 FileKind::File => {}
             }
             if write.is_none() {
-                return self.truncate_closed(ino, &path, &set).await;
+                return self.truncate_closed(ino, &set).await;
             }
             self.wait_not_through(ino).await?;
         }
@@ -33,7 +33,7 @@ impl Fs {
                 self.ns.attr(ino)?;
                 write = self.files.write_of(ino);
                 if write.is_none() && set.size.is_some() {
-                    return self.truncate_closed(ino, &path, &set).await;
+                    return self.truncate_closed(ino, &set).await;
                 }
                 continue;
             }
@@ -52,13 +52,7 @@ impl Fs {
         };
         // Not while a directory at or above it is being renamed (see `subtrees`), and at the
         // path it has after that.
-        let (path, _storing) = self
-            .subtrees
-            .store(|| {
-                let t = self.ns.table();
-                t.get(ino).map(|i| i.path.clone()).ok_or(FsError::ENOENT)
-            })
-            .await?;
+        let (path, _storing) = self.subtrees.store(|| self.path_of(ino)).await?;
         // The change goes onto the object's own metadata, as the store says it now when the
         // inode's is out of date: it may be a listing's defaults (listed without metadata) or
         // of a version before the one its ETag names (another client's, copied by a
@@ -113,6 +107,12 @@ impl Fs {
         Ok(self.current_attr(i))
     }
 
+    /// Where `ino` is now.
+    fn path_of(&self, ino: Ino) -> FsResult<MountPath> {
+        let t = self.ns.table();
+        t.get(ino).map(|i| i.path.clone()).ok_or(FsError::ENOENT)
+    }
+
     /// Takes directory `ino`'s metadata from its marker as the store has it now: what this
     /// mount knows of a directory may be a listing's common prefix, which carries none. No
     /// marker: what the mount knows stands (the defaults, or its own mkdir's).
@@ -157,7 +157,10 @@ impl Fs {
     /// writer builds on the new size (its close never puts the old bytes back), a reader
     /// reads the new content, never a local copy of the old one; and the last of them
     /// publishes what is left.
-    async fn truncate_closed(&self, ino: Ino, path: &MountPath, set: &SetAttr) -> FsResult<Attr> {
+    async fn truncate_closed(&self, ino: Ino, set: &SetAttr) -> FsResult<Attr> {
+        // Its publish is a store below any directory being renamed (see `subtrees`).
+        let (path, _storing) = self.subtrees.store(|| self.path_of(ino)).await?;
+        let path = &path;
         let w = {
             let mut t = self.ns.table();
             let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
@@ -319,13 +322,11 @@ impl Fs {
             let key = self.ns.dir_key(path);
             // mkdir's marker must not land after this one.
             let unstored = self.ns.markers.settle(&key).await;
-            if let Err(e) = self.store.put(&key, Bytes::new(), user).await {
-                if let Some(meta) = unstored {
-                    // Still to be stored, as the directory still shows it.
-                    self.ns.markers.failed(&key, meta);
-                }
-                return Err(log_store_err(&format!("set metadata of {key}"), e));
-            }
+            self.store
+                .put(&key, Bytes::new(), user)
+                .await
+                .map_err(|e| log_store_err(&format!("set metadata of {key}"), e))?;
+            unstored.replaced();
             if let Some(i) = self.ns.table().get_mut(ino) {
                 i.has_marker = true;
             }

@@ -319,13 +319,11 @@ impl Fs {
         }
         let key = self.ns.dir_key(&path);
         let unstored = self.ns.markers.settle(&key).await;
-        if let Err(e) = self.store.delete(&key).await {
-            if let Some(meta) = unstored {
-                // The directory stays, and its marker is still to be stored.
-                self.ns.markers.failed(&key, meta);
-            }
-            return Err(log_store_err(&format!("rmdir {key}"), e));
-        }
+        self.store
+            .delete(&key)
+            .await
+            .map_err(|e| log_store_err(&format!("rmdir {key}"), e))?;
+        unstored.replaced();
         self.ns.removed(parent, ino, &path);
         Ok(())
     }

@@ -1,5 +1,6 @@
 use super::*;
 use crate::files::writeback::{Cond, Holding, Moved, WriteBack};
+use crate::namespace::markers::Unstored;
 use crate::namespace::{Copied, Copies, RenamedObjects};
 use crate::testpoint;
 
@@ -495,9 +496,11 @@ impl Fs {
         };
         // Directories made below must be in the bucket to be listed and moved.
         self.ns.markers.wait_below(&src).await?;
-        if replace {
-            self.ns.markers.settle(&dst).await;
-        }
+        // The directory replaced keeps a marker still to be stored if the rename fails.
+        let replaced = match replace {
+            true => Some(self.ns.markers.settle(&dst).await),
+            false => None,
+        };
         // Sync mode: a close below would publish under the old key while the objects move
         // (and the delete would take its version): the files being written are locked for
         // the whole rename, in inode order as a file rename does, as before.
@@ -537,6 +540,9 @@ impl Fs {
                 return Err(e);
             }
         };
+        if let Some(r) = replaced {
+            r.replaced();
+        }
         // Files being written below, one at a time; a version one of them committed since
         // moves first. Each is pointed at the copy this rename made of its version, never at
         // what a HEAD finds under its new key (another client's version, copied or put since).

@@ -75,7 +75,8 @@ impl Subtrees {
 
     /// A store of the metadata of what is at `path()` (asked again after each wait, as a
     /// rename moves it): waits while a directory at or above it is being renamed. Returns
-    /// the path with the hold.
+    /// the path with the hold. `path` must not wait for these subtrees (it runs under their
+    /// lock).
     pub async fn store(
         &self,
         path: impl Fn() -> FsResult<MountPath>,
@@ -84,9 +85,11 @@ impl Subtrees {
             let ended = self.ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
-            let p = path()?;
             {
+                // The path read under the lock: a rename that moves it and ends between the
+                // read and the check would leave it the old one.
                 let mut b = self.inner.lock();
+                let p = path()?;
                 if !b.renaming.iter().any(|(_, r)| at_or_below(&p, r)) {
                     b.next += 1;
                     let id = b.next;
@@ -104,6 +107,45 @@ mod tests {
     use super::*;
     use std::sync::Arc;
     use std::time::Duration;
+
+    /// A rename that moves the path and ends while a store reads it: the store goes on at
+    /// the new path, never the old one (an earlier build read the path before the check).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_never_goes_on_at_a_path_a_rename_moved() {
+        let s = Arc::new(Subtrees::default());
+        let place = Arc::new(Mutex::new(MountPath::new("a/d")));
+        let held = s.rename(&MountPath::new("a")).await;
+        let (read_tx, read) = std::sync::mpsc::channel();
+        let store = tokio::spawn({
+            let (s, place) = (s.clone(), place.clone());
+            async move {
+                let first = std::sync::atomic::AtomicBool::new(true);
+                s.store(|| {
+                    let p = place.lock().clone();
+                    if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                        let _ = read_tx.send(());
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                    Ok(p)
+                })
+                .await
+                .map(|(p, _)| p)
+            }
+        });
+        // The first read of the path is in progress: the rename moves it and ends.
+        tokio::task::spawn_blocking(move || read.recv().unwrap())
+            .await
+            .unwrap();
+        let rename_end = tokio::task::spawn_blocking({
+            let place = place.clone();
+            move || {
+                *place.lock() = MountPath::new("b/d");
+                drop(held);
+            }
+        });
+        assert_eq!(store.await.unwrap().unwrap(), MountPath::new("b/d"));
+        rename_end.await.unwrap();
+    }
 
     #[tokio::test]
     async fn a_store_below_waits_for_a_rename_and_a_rename_for_a_store_below() {

@@ -132,26 +132,23 @@ impl PendingMarkers {
         result
     }
 
-    /// Drops marker `key` from the pending set (the directory is being removed, or its marker
-    /// stored again): waits for an upload in flight, whatever its outcome, so that a DELETE
-    /// or PUT cannot overtake it. Returns the metadata of a marker that is not in the bucket
-    /// (its upload failed): give it back with [`Self::failed`] if what replaces it fails.
-    pub async fn settle(&self, key: &ObjectKey) -> Option<UserMeta> {
-        let (upload, meta) = match self.markers.lock().remove(key.as_str()) {
-            Some(Marker::Uploading { upload, meta, .. }) => (upload, meta),
-            Some(Marker::Failed(meta)) => return Some(meta),
-            None => return None,
+    /// Drops marker `key` from the pending set (the directory is being removed, replaced or
+    /// its marker stored again): waits for an upload in flight, whatever its outcome, so that
+    /// a DELETE or PUT cannot overtake it. A marker that is not in the bucket (its upload
+    /// failed) is pending again once the answer is dropped, unless [`Unstored::replaced`]
+    /// says what was to replace it was stored.
+    pub async fn settle(&self, key: &ObjectKey) -> Unstored<'_> {
+        let taken = self.markers.lock().remove(key.as_str());
+        let meta = match taken {
+            Some(Marker::Uploading { upload, meta, .. }) => upload.await.is_err().then_some(meta),
+            Some(Marker::Failed(meta)) => Some(meta),
+            None => None,
         };
-        upload.await.is_err().then_some(meta)
-    }
-
-    /// Records marker `key` (with `meta`) as not in the bucket, to be sent again when next
-    /// needed: what [`Self::settle`] dropped, when what was to replace it failed.
-    pub fn failed(&self, key: &ObjectKey, meta: UserMeta) {
-        self.markers
-            .lock()
-            .entry(key.to_string())
-            .or_insert(Marker::Failed(meta));
+        Unstored {
+            markers: self,
+            key: key.clone(),
+            meta,
+        }
     }
 
     /// Waits for an upload of marker `key` in flight, whatever its outcome, leaving what it
@@ -180,6 +177,39 @@ impl PendingMarkers {
     /// Markers not yet in the bucket.
     pub fn len(&self) -> usize {
         self.markers.lock().len()
+    }
+}
+
+/// A marker [`PendingMarkers::settle`] took out of the pending set while it was not in the
+/// bucket: pending again (sent at the next sync) when this is dropped, unless replaced.
+pub struct Unstored<'a> {
+    markers: &'a PendingMarkers,
+    key: ObjectKey,
+    meta: Option<UserMeta>,
+}
+
+impl Unstored<'_> {
+    /// What was to replace the marker (a DELETE, a PUT, a rename over it) is done.
+    pub fn replaced(mut self) {
+        self.meta = None;
+    }
+
+    /// Whether the marker was not in the bucket.
+    #[cfg(test)]
+    fn was_unstored(&self) -> bool {
+        self.meta.is_some()
+    }
+}
+
+impl Drop for Unstored<'_> {
+    fn drop(&mut self) {
+        if let Some(meta) = self.meta.take() {
+            self.markers
+                .markers
+                .lock()
+                .entry(self.key.to_string())
+                .or_insert(Marker::Failed(meta));
+        }
     }
 }
 
@@ -219,10 +249,10 @@ mod tests {
         assert_eq!(markers.wait(&"a/".into()).await, Err(FsError::EIO));
         // wait() found it uploading: no second try yet. The next wait retries, and fails.
         assert_eq!(markers.wait(&"a/".into()).await, Err(FsError::EIO));
-        assert!(
-            markers.settle(&"a/".into()).await.is_some(),
-            "not in the bucket"
-        );
+        let unstored = markers.settle(&"a/".into()).await;
+        assert!(unstored.was_unstored(), "not in the bucket");
+        assert_eq!(markers.len(), 0);
+        unstored.replaced();
         assert_eq!(markers.len(), 0);
         assert_eq!(markers.wait(&"a/".into()).await, Ok(()));
         assert!(mem.head("a/").await.is_err());

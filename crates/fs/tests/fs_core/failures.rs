@@ -401,3 +401,59 @@ async fn a_chmod_below_a_directory_being_renamed_moves_with_it() {
     let m = mem.head("b/sub/").await.unwrap();
     assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o700).to_string());
 }
+
+/// A rename over an empty directory whose marker could not be stored, failing itself: the
+/// directory replaced is still there, and so is its marker to store at the next sync (an
+/// earlier build dropped it, and the sync said everything was stored).
+#[tokio::test]
+async fn a_failed_rename_over_a_directory_keeps_its_marker_pending() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    put(&mem, "a/x", b"x").await;
+    fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let refuse = |op, times| {
+        let e = StoreError::Transient("injected".into());
+        faulty.inject(op, 0, Some(times), Fault::Error(e));
+    };
+    refuse(Op::Put, 2);
+    fs.mkdir(ROOT_INO, OsStr::new("b"), 0o755, 0, ME).await.unwrap();
+    assert_eq!(fs.fsyncdir(ROOT_INO).await, Err(FsError::EIO));
+    faulty.clear();
+    refuse(Op::Copy, 1);
+    assert_eq!(
+        fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0).await,
+        Err(FsError::EIO)
+    );
+    faulty.clear();
+    fs.fsyncdir(ROOT_INO).await.unwrap();
+    assert!(mem.head("b/").await.is_ok(), "b/ is not in the bucket after the sync");
+}
+
+/// A truncate(2) of a closed file below a directory being renamed, its upload slow: the
+/// rename waits for it, and the truncated file is what moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncate_below_a_directory_being_renamed_moves_with_it() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    put(&mem, "a/x", b"hello").await;
+    let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let x = fs.lookup(a.ino, OsStr::new("x")).await.unwrap();
+    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(Duration::from_millis(300)));
+    let truncate = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let set = SetAttr {
+                size: Some(2),
+                ..Default::default()
+            };
+            fs.setattr(x.ino, None, set).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .unwrap();
+    assert_eq!(truncate.await.unwrap().unwrap().size, 2);
+    assert!(mem.head("a/x").await.is_err(), "the old file came back");
+    assert_eq!(object(&mem, "b/x").await, b"he");
+}
