@@ -170,7 +170,11 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
 /// The daemon's own files (`own`: what, where, absolute) lie outside the mount point, which
 /// would hide them once mounted and send the daemon's own I/O through itself, and outside a
 /// local source directory, where they would show as the bucket's files.
-fn check_own_paths(own: &[(&str, &Path)], mountpoint: &Path, target: &Target) -> Result<(), String> {
+fn check_own_paths(
+    own: &[(&str, &Path)],
+    mountpoint: &Path,
+    target: &Target,
+) -> Result<(), String> {
     for (what, p) in own {
         if p.starts_with(mountpoint) {
             return Err(format!(

@@ -192,7 +192,12 @@ fn own_directories_inside_the_mount_point_or_the_source_are_refused() {
     let cases = [
         ("--data-cache", mp.join("dc"), "data cache", "mount point"),
         ("--state-dir", mp.join("state"), "state dir", "mount point"),
-        ("--cache-dir", data.join("cache"), "cache dir", "source directory"),
+        (
+            "--cache-dir",
+            data.join("cache"),
+            "cache dir",
+            "source directory",
+        ),
     ];
     for (flag, dir, what, inside) in cases {
         let extra: Vec<String> = ["-f", flag, dir.to_str().unwrap()]
@@ -213,7 +218,11 @@ fn own_directories_inside_the_mount_point_or_the_source_are_refused() {
         assert_nothing_left(&mp, &run);
         assert!(!dir.exists(), "{flag}: {} was made", dir.display());
     }
-    assert_eq!(fs::read_dir(&mp).unwrap().count(), 0, "the mount point is not empty");
+    assert_eq!(
+        fs::read_dir(&mp).unwrap().count(),
+        0,
+        "the mount point is not empty"
+    );
 }
 
 #[test]

@@ -418,7 +418,12 @@ mod tests {
         let uploads = Uploads::new(mount.store().clone());
         let mut open = Vec::new();
         for i in 0..5 {
-            open.push(uploads.create(&format!("k{i}"), &UserMeta::new()).await.unwrap());
+            open.push(
+                uploads
+                    .create(&format!("k{i}"), &UserMeta::new())
+                    .await
+                    .unwrap(),
+            );
         }
         // The first abort takes a while; meanwhile the journal's disk stops answering.
         let slow = Fault::Delay(Duration::from_millis(200));
@@ -436,7 +441,9 @@ mod tests {
         release.send(()).unwrap();
         holder.join().unwrap();
         assert_eq!(aborted.len(), 5);
-        assert!(aborted.iter().all(|(_, a)| matches!(a, ShutdownAbort::Aborted)));
+        assert!(aborted
+            .iter()
+            .all(|(_, a)| matches!(a, ShutdownAbort::Aborted)));
         assert!(took < Duration::from_millis(900), "took {took:?}");
         assert_eq!(mem.pending_uploads(), 0);
     }

@@ -129,7 +129,7 @@ impl Fs {
             // marker still to be stored, or one another client removed, which a chmod must
             // not bring back.
             Err(StoreError::NotFound(_)) => {
-                let gone = ino != ROOT_INO
+                let gone = ino != crate::ROOT_INO
                     && !self.ns.markers.pending(&key)
                     && self.ns.dir_is_empty(ino, path).await?;
                 if gone {

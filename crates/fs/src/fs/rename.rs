@@ -1,6 +1,5 @@
 use super::*;
 use crate::files::writeback::{Cond, Holding, Moved, WriteBack};
-use crate::namespace::markers::Unstored;
 use crate::namespace::{Copied, Copies, RenamedObjects};
 use crate::testpoint;
 

@@ -136,15 +136,9 @@ mod tests {
         tokio::task::spawn_blocking(move || read.recv().unwrap())
             .await
             .unwrap();
-        let rename_end = tokio::task::spawn_blocking({
-            let place = place.clone();
-            move || {
-                *place.lock() = MountPath::new("b/d");
-                drop(held);
-            }
-        });
+        *place.lock() = MountPath::new("b/d");
+        drop(held);
         assert_eq!(store.await.unwrap().unwrap(), MountPath::new("b/d"));
-        rename_end.await.unwrap();
     }
 
     #[tokio::test]

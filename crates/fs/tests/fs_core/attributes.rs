@@ -412,7 +412,10 @@ async fn a_chmod_of_a_directory_keeps_its_newer_mtime() {
 #[tokio::test]
 async fn a_chmod_never_brings_back_a_directory_another_client_removed() {
     let e = env();
-    e.mem.put("d/", bytes::Bytes::new(), &Default::default()).await.unwrap();
+    e.mem
+        .put("d/", bytes::Bytes::new(), &Default::default())
+        .await
+        .unwrap();
     put(&e.mem, "i/f", b"x").await;
     let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
     let i = e.fs.lookup(ROOT_INO, OsStr::new("i")).await.unwrap();
@@ -421,9 +424,18 @@ async fn a_chmod_never_brings_back_a_directory_another_client_removed() {
         mode: Some(0o700),
         ..Default::default()
     };
-    assert_eq!(e.fs.setattr(d.ino, None, chmod()).await.err(), Some(FsError::ENOENT));
-    assert!(e.mem.head("d/").await.is_err(), "the removed directory came back");
+    assert_eq!(
+        e.fs.setattr(d.ino, None, chmod()).await.err(),
+        Some(FsError::ENOENT)
+    );
+    assert!(
+        e.mem.head("d/").await.is_err(),
+        "the removed directory came back"
+    );
     let a = e.fs.setattr(i.ino, None, chmod()).await.unwrap();
     assert_eq!(a.perm, 0o700);
-    assert!(e.mem.head("i/").await.is_ok(), "the implied directory got no marker");
+    assert!(
+        e.mem.head("i/").await.is_ok(),
+        "the implied directory got no marker"
+    );
 }

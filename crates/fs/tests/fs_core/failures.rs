@@ -409,6 +409,10 @@ async fn a_chmod_below_a_directory_being_renamed_moves_with_it() {
 async fn a_failed_rename_over_a_directory_keeps_its_marker_pending() {
     let mem = Arc::new(MemoryStore::new());
     let (faulty, fs, _cache) = faulty_fs(&mem);
+    // With a marker of its own, copied first (the copy that fails): no marker of b/ is put.
+    mem.put("a/", Bytes::new(), &Default::default())
+        .await
+        .unwrap();
     put(&mem, "a/x", b"x").await;
     fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
     let refuse = |op, times| {
@@ -416,21 +420,29 @@ async fn a_failed_rename_over_a_directory_keeps_its_marker_pending() {
         faulty.inject(op, 0, Some(times), Fault::Error(e));
     };
     refuse(Op::Put, 2);
-    fs.mkdir(ROOT_INO, OsStr::new("b"), 0o755, 0, ME).await.unwrap();
+    fs.mkdir(ROOT_INO, OsStr::new("b"), 0o755, 0, ME)
+        .await
+        .unwrap();
     assert_eq!(fs.fsyncdir(ROOT_INO).await, Err(FsError::EIO));
     faulty.clear();
     refuse(Op::Copy, 1);
     assert_eq!(
-        fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0).await,
+        fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+            .await,
         Err(FsError::EIO)
     );
     faulty.clear();
     fs.fsyncdir(ROOT_INO).await.unwrap();
-    assert!(mem.head("b/").await.is_ok(), "b/ is not in the bucket after the sync");
+    assert!(
+        mem.head("b/").await.is_ok(),
+        "b/ is not in the bucket after the sync"
+    );
 }
 
-/// A truncate(2) of a closed file below a directory being renamed, its upload slow: the
-/// rename waits for it, and the truncated file is what moves.
+/// A truncate(2) of a closed file below a directory being renamed, once the rename has
+/// copied it and before it deletes it: the truncate waits for the rename and applies at the
+/// new name. An earlier build stored the truncated file under the old name, which the
+/// rename's pinned delete then left there, and the new name kept the old bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_truncate_below_a_directory_being_renamed_moves_with_it() {
     let mem = Arc::new(MemoryStore::new());
@@ -438,22 +450,26 @@ async fn a_truncate_below_a_directory_being_renamed_moves_with_it() {
     put(&mem, "a/x", b"hello").await;
     let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
     let x = fs.lookup(a.ino, OsStr::new("x")).await.unwrap();
-    faulty.inject(Op::Put, 0, Some(1), Fault::Delay(Duration::from_millis(300)));
-    let truncate = tokio::spawn({
+    faulty.inject(
+        Op::Delete,
+        0,
+        Some(1),
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    let rename = tokio::spawn({
         let fs = fs.clone();
         async move {
-            let set = SetAttr {
-                size: Some(2),
-                ..Default::default()
-            };
-            fs.setattr(x.ino, None, set).await
+            fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+                .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
-        .await
-        .unwrap();
-    assert_eq!(truncate.await.unwrap().unwrap().size, 2);
-    assert!(mem.head("a/x").await.is_err(), "the old file came back");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let set = SetAttr {
+        size: Some(2),
+        ..Default::default()
+    };
+    assert_eq!(fs.setattr(x.ino, None, set).await.unwrap().size, 2);
+    rename.await.unwrap().unwrap();
+    assert!(mem.head("a/x").await.is_err(), "the old file stayed");
     assert_eq!(object(&mem, "b/x").await, b"he");
 }
