@@ -559,6 +559,12 @@ impl Fs {
         self.ns.prepare_new(parent, name)
     }
 
+    /// Holds off a rename of directory `dir`, or of one above it, while what is in it
+    /// changes (see `subtrees`): waits for one under way.
+    async fn changing_in(&self, dir: Ino) -> FsResult<subtrees::Held<'_>> {
+        Ok(self.subtrees.store(|| self.ns.dir_path(dir)).await?.1)
+    }
+
     pub async fn mkdir(
         &self,
         parent: Ino,
@@ -567,6 +573,7 @@ impl Fs {
         umask: u32,
         caller: Caller,
     ) -> FsResult<Attr> {
+        let _changing = self.changing_in(parent).await?;
         let (name, parent_path) = self.prepare_new(parent, name)?;
         let path = parent_path.join(&name);
         let pm = self.new_meta(FileKind::Dir, mode, umask, caller);
@@ -603,6 +610,7 @@ impl Fs {
         if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
             return Err(FsError::EPERM);
         }
+        let _changing = self.changing_in(parent).await?;
         let (name, parent_path) = self.prepare_new(parent, name)?;
         let path = parent_path.join(&name);
         let pm = self.new_meta(FileKind::File, mode, umask, caller);
@@ -634,6 +642,7 @@ impl Fs {
         target: &Path,
         caller: Caller,
     ) -> FsResult<Attr> {
+        let _changing = self.changing_in(parent).await?;
         let (name, parent_path) = self.prepare_new(parent, name)?;
         let path = parent_path.join(&name);
         let pm = self.new_meta(FileKind::Symlink, 0o777, 0, caller);

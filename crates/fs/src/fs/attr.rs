@@ -108,7 +108,7 @@ impl Fs {
     }
 
     /// Where `ino` is now.
-    fn path_of(&self, ino: Ino) -> FsResult<MountPath> {
+    pub(super) fn path_of(&self, ino: Ino) -> FsResult<MountPath> {
         let t = self.ns.table();
         t.get(ino).map(|i| i.path.clone()).ok_or(FsError::ENOENT)
     }

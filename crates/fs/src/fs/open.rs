@@ -52,6 +52,12 @@ impl Fs {
                     .map(|f| (etag, f));
             }
         }
+        // A writer's state is made, and an O_TRUNC applied, where no rename above moves the
+        // file meanwhile (see `subtrees`); one that starts later finds the state.
+        let _changing = match writable || flags & libc::O_TRUNC != 0 {
+            true => Some(self.subtrees.store(|| self.path_of(ino)).await?.1),
+            false => None,
+        };
         // While the inode is open for passthrough, an open that cannot share it waits for
         // those handles to close (the kernel tells us a little after the close itself).
         let mut waits = 0;
@@ -184,10 +190,12 @@ impl Fs {
         flags: i32,
         caller: Caller,
     ) -> FsResult<(Attr, OpenReply)> {
+        let changing = self.changing_in(parent).await?;
         let (name, parent_path) = match self.prepare_new(parent, name) {
             Err(e) if e == FsError::EEXIST && flags & libc::O_EXCL == 0 => {
                 // Made meanwhile (by another process on this mount): open(2) opens it, and
-                // truncates it only when asked to.
+                // truncates it only when asked to (holding off renames itself).
+                drop(changing);
                 let ino = self.ns.existing(parent, name).await?;
                 let reply = self.open_as(ino, flags, false).await?;
                 self.add_lookup(ino);

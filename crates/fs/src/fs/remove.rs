@@ -3,6 +3,7 @@ use crate::files::writeback::{Cond, Holding, WriteBack};
 
 impl Fs {
     pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
+        let _changing = self.changing_in(parent).await?;
         self.check_writable()?;
         loop {
             match self.unlink_once(parent, name).await? {
@@ -304,6 +305,7 @@ impl Fs {
     }
 
     pub async fn rmdir(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
+        let _changing = self.changing_in(parent).await?;
         self.check_writable()?;
         let ino = self.ns.existing(parent, name).await?;
         let (kind, path) = {

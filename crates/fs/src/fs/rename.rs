@@ -91,6 +91,15 @@ impl Fs {
         if flags & libc::RENAME_EXCHANGE != 0 {
             return Err(FsError::EINVAL);
         }
+        let name_s = check_name(name)?;
+        // Not while a rename at, above or below it runs (see `subtrees`).
+        let _renaming = self
+            .subtrees
+            .rename(|| {
+                let src = self.ns.dir_path(parent)?.join(name_s);
+                Ok((src, self.ns.dir_path(new_parent)?))
+            })
+            .await?;
         let new_name_s = check_name(new_name)?.to_string();
         if is_reserved(new_parent, &new_name_s) {
             return Err(FsError::EPERM);
@@ -487,7 +496,6 @@ impl Fs {
         renamed: impl FnOnce(Copies),
     ) -> FsResult<()> {
         let (src, dst) = (self.ns.dir_key(path), self.ns.dir_key(new_path));
-        let _renaming = self.subtrees.rename(path).await;
         let wb = self.files.writeback().cloned();
         let _paused = match &wb {
             Some(wb) => Some(wb.pause_below(src.as_str()).await),
@@ -530,7 +538,7 @@ impl Fs {
                 return Err(e);
             }
         }
-        let copies = match self.move_objects(&src, &dst, &objects, replace).await {
+        let copies = match self.move_objects(&src, &dst, &objects, replaced).await {
             Ok(c) => c,
             Err(e) => {
                 if let Some(wb) = &wb {
@@ -539,9 +547,6 @@ impl Fs {
                 return Err(e);
             }
         };
-        if let Some(r) = replaced {
-            r.replaced();
-        }
         // Files being written below, one at a time; a version one of them committed since
         // moves first. Each is pointed at the copy this rename made of its version, never at
         // what a HEAD finds under its new key (another client's version, copied or put since).
@@ -726,15 +731,17 @@ impl Fs {
     }
 
     /// The bucket's part of a directory rename: copies every object of `objects` (below
-    /// `src`) to `dst`, then deletes them.
+    /// `src`) to `dst`, then deletes them. `replaced`: the empty directory at `dst` it
+    /// replaces, whose marker, if not stored yet, stays to be stored unless the copies are
+    /// made (they are the directory at `dst` then, even if a delete fails after them).
     async fn move_objects(
         &self,
         src: &ObjectKey,
         dst: &ObjectKey,
         objects: &[ObjectMeta],
-        replace: bool,
+        replaced: Option<crate::namespace::markers::Unstored<'_>>,
     ) -> FsResult<Copies> {
-        if replace {
+        if replaced.is_some() {
             self.store
                 .delete(dst)
                 .await
@@ -765,6 +772,9 @@ impl Fs {
         // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
         // would skip its abort.
         let copies = run_bounded(copies, RENAME_CONCURRENCY).await?;
+        if let Some(r) = replaced {
+            r.replaced();
+        }
         testpoint::reached("rename_dir.copied").await;
         // Objects first, then directory markers deepest first, so that a store where a
         // marker is a real directory (the local one) can remove it once it is empty.

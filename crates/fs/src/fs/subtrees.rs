@@ -1,8 +1,10 @@
-//! Directory renames and the metadata changes below them kept apart. A directory rename
-//! lists, copies and deletes every object below it; a chmod, chown or utimens there storing
-//! in between would land on a key already copied (and be deleted with it, or bring the old
-//! directory back), while the change reports success. The kernel does not order them: it
-//! locks the renamed directory's parent, not the inodes below.
+//! Renames and the changes below what they move, kept apart. A directory rename lists,
+//! copies and deletes every object below it; a chmod, a truncate, a write, a create, an
+//! unlink or another rename there landing in between would go to a key already copied (and
+//! be deleted with it, or bring the old directory back), while the change reports success.
+//! The kernel does not order them: it locks the renamed directory's parent, not what is in
+//! it. Cross-directory renames the kernel runs one at a time; renames within one directory
+//! are ordered here too when one is at, above or below the other.
 
 use crate::error::FsResult;
 use crate::paths::MountPath;
@@ -46,37 +48,57 @@ fn at_or_below(path: &MountPath, dir: &MountPath) -> bool {
 }
 
 impl Subtrees {
-    /// A rename of directory `src`: stores below it that have begun end first, and new ones
-    /// wait for the rename.
-    pub async fn rename(&self, src: &MountPath) -> Held<'_> {
-        let held = {
-            let mut b = self.inner.lock();
-            b.next += 1;
-            let id = b.next;
-            b.renaming.push((id, src.clone()));
-            Held { subtrees: self, id }
+    /// A rename of what is at `src` into directory `dst_dir` (`paths()`, read again after
+    /// each wait, as a rename above moves them): waits while a rename is under way at, above
+    /// or below `src`, or at or above `dst_dir`; then holds off stores at or below `src` and
+    /// renames into it, and waits for the stores begun there to end. `dst_dir` counts as a
+    /// store (a rename above it waits). `paths` must not wait for these subtrees (it runs
+    /// under their lock).
+    pub async fn rename(
+        &self,
+        paths: impl Fn() -> FsResult<(MountPath, MountPath)>,
+    ) -> FsResult<Held<'_>> {
+        let (held, src) = loop {
+            let ended = self.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            {
+                let mut b = self.inner.lock();
+                let (src, dst_dir) = paths()?;
+                let busy = b.renaming.iter().any(|(_, r)| {
+                    at_or_below(&src, r) || r.is_below(&src) || at_or_below(&dst_dir, r)
+                });
+                if !busy {
+                    b.next += 1;
+                    let id = b.next;
+                    b.renaming.push((id, src.clone()));
+                    b.storing.push((id, dst_dir));
+                    break (Held { subtrees: self, id }, src);
+                }
+            }
+            ended.await;
         };
         loop {
             let ended = self.ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
-            if !self
+            let busy = self
                 .inner
                 .lock()
                 .storing
                 .iter()
-                .any(|(_, p)| at_or_below(p, src))
-            {
-                return held;
+                .any(|(id, p)| *id != held.id && at_or_below(p, &src));
+            if !busy {
+                return Ok(held);
             }
             ended.await;
         }
     }
 
-    /// A store of the metadata of what is at `path()` (asked again after each wait, as a
-    /// rename moves it): waits while a directory at or above it is being renamed. Returns
-    /// the path with the hold. `path` must not wait for these subtrees (it runs under their
-    /// lock).
+    /// A store at or below `path()` (asked again after each wait, as a rename moves it): a
+    /// change of its metadata, or of what is in it when it is a directory. Waits while a
+    /// directory at or above it is being renamed. Returns the path with the hold. `path`
+    /// must not wait for these subtrees (it runs under their lock).
     pub async fn store(
         &self,
         path: impl Fn() -> FsResult<MountPath>,
@@ -114,7 +136,10 @@ mod tests {
     async fn a_store_never_goes_on_at_a_path_a_rename_moved() {
         let s = Arc::new(Subtrees::default());
         let place = Arc::new(Mutex::new(MountPath::new("a/d")));
-        let held = s.rename(&MountPath::new("a")).await;
+        let held = s
+            .rename(|| Ok((MountPath::new("a"), MountPath::root())))
+            .await
+            .unwrap();
         let (read_tx, read) = std::sync::mpsc::channel();
         let store = tokio::spawn({
             let (s, place) = (s.clone(), place.clone());
@@ -145,7 +170,10 @@ mod tests {
     async fn a_store_below_waits_for_a_rename_and_a_rename_for_a_store_below() {
         let s = Arc::new(Subtrees::default());
         let a = MountPath::new("a");
-        let held = s.rename(&a).await;
+        let held = s
+            .rename(|| Ok((a.clone(), MountPath::root())))
+            .await
+            .unwrap();
         // Elsewhere: at once.
         let other = s.store(|| Ok(MountPath::new("ab/x"))).await.unwrap();
         let below = tokio::spawn({
@@ -161,7 +189,10 @@ mod tests {
         let rename = tokio::spawn({
             let s = s.clone();
             async move {
-                drop(s.rename(&MountPath::new("a")).await);
+                drop(
+                    s.rename(|| Ok((MountPath::new("a"), MountPath::root())))
+                        .await,
+                );
             }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -473,3 +473,79 @@ async fn a_truncate_below_a_directory_being_renamed_moves_with_it() {
     assert!(mem.head("a/x").await.is_err(), "the old file stayed");
     assert_eq!(object(&mem, "b/x").await, b"he");
 }
+
+/// A file opened for writing, written and closed below a directory being renamed, once the
+/// rename has copied it and before it deletes it: the open waits for the rename, and what it
+/// wrote is stored at the new name. An earlier build stored it under the old name, where the
+/// rename's pinned delete left it (or, where DELETE ignores the condition, removed it), and
+/// the new name kept the old bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_below_a_directory_being_renamed_moves_with_it() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    put(&mem, "a/x", b"hello").await;
+    let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let x = fs.lookup(a.ino, OsStr::new("x")).await.unwrap();
+    faulty.inject(
+        Op::Delete,
+        0,
+        Some(1),
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    let rename = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let h = fs
+        .open(x.ino, libc::O_WRONLY | libc::O_TRUNC)
+        .await
+        .unwrap();
+    fs.write(x.ino, h.fh, 0, Bytes::from_static(b"new"))
+        .await
+        .unwrap();
+    fs.flush(x.ino, h.fh).await.unwrap();
+    fs.release(x.ino, h.fh).await.unwrap();
+    rename.await.unwrap().unwrap();
+    assert!(mem.head("a/x").await.is_err(), "the old file stayed");
+    assert_eq!(object(&mem, "b/x").await, b"new");
+}
+
+/// A rename over an empty directory whose marker could not be stored, failing only at its
+/// last delete (done, but its answer lost): the copies are the directory now, and the
+/// replaced directory's old marker is not stored over the copy of the renamed one's.
+#[tokio::test]
+async fn a_rename_over_a_directory_failing_after_its_copies_keeps_the_moved_marker() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let dir_meta: bucketfs_store::UserMeta =
+        [("mode".to_string(), (libc::S_IFDIR | 0o700).to_string())]
+            .into_iter()
+            .collect();
+    mem.put("a/", Bytes::new(), &dir_meta).await.unwrap();
+    put(&mem, "a/x", b"x").await;
+    fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let e = StoreError::Transient("injected".into());
+    faulty.inject(Op::Put, 0, Some(2), Fault::Error(e));
+    fs.mkdir(ROOT_INO, OsStr::new("b"), 0o755, 0, ME)
+        .await
+        .unwrap();
+    assert_eq!(fs.fsyncdir(ROOT_INO).await, Err(FsError::EIO));
+    faulty.clear();
+    // Deletes: b/ (replaced), a/x, then a/ (done, its answer lost).
+    faulty.inject(Op::Delete, 2, Some(1), Fault::DropAfter);
+    assert!(fs
+        .rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .is_err());
+    faulty.clear();
+    let _ = fs.fsyncdir(ROOT_INO).await;
+    let m = mem.head("b/").await.unwrap();
+    assert_eq!(
+        m.user.get("mode"),
+        Some(&(libc::S_IFDIR | 0o700).to_string())
+    );
+}
