@@ -52,9 +52,14 @@ impl Fs {
                     .map(|f| (etag, f));
             }
         }
-        // A writer's state is made, and an O_TRUNC applied, where no rename above moves the
-        // file meanwhile (see `subtrees`); one that starts later finds the state.
-        let _changing = match writable || flags & libc::O_TRUNC != 0 {
+        // Sync mode: a writer's state is made, and an O_TRUNC applied, where no rename above
+        // moves the file meanwhile (see `subtrees`): its close would store under the old key
+        // once the rename copied it. One that starts later finds the state. In background
+        // mode the close goes to the write-back directory, which the rename sweeps: it does
+        // not wait.
+        let sync_writer =
+            (writable || flags & libc::O_TRUNC != 0) && self.files.writeback().is_none();
+        let _changing = match sync_writer {
             true => Some(self.subtrees.store(|| self.path_of(ino)).await?.1),
             false => None,
         };
@@ -190,7 +195,11 @@ impl Fs {
         flags: i32,
         caller: Caller,
     ) -> FsResult<(Attr, OpenReply)> {
-        let changing = self.changing_in(parent).await?;
+        // As an open for writing (see `open_as`).
+        let changing = match self.files.writeback() {
+            None => Some(self.changing_in(parent).await?),
+            Some(_) => None,
+        };
         let (name, parent_path) = match self.prepare_new(parent, name) {
             Err(e) if e == FsError::EEXIST && flags & libc::O_EXCL == 0 => {
                 // Made meanwhile (by another process on this mount): open(2) opens it, and
