@@ -161,13 +161,23 @@ fn create_tmp(path: &Path) -> std::io::Result<(File, PathBuf)> {
 fn lock_exclusive(path: &Path) -> std::io::Result<File> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
+    let open = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)
+    };
+    let f = match open() {
+        // The cache's directory is made by its writer, which may not have run yet.
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            std::fs::create_dir_all(path.parent().expect("a cache file has a parent"))?;
+            open()?
+        }
+        r => r?,
+    };
     // SAFETY: flock(2) of a descriptor this function owns.
     while unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
         let e = std::io::Error::last_os_error();
