@@ -92,15 +92,19 @@ impl Fs {
             return Err(FsError::EINVAL);
         }
         let name_s = check_name(name)?;
-        // Not while a rename at, above or below it runs (see `subtrees`).
+        let new_name_s = check_name(new_name)?.to_string();
+        // Not while a rename it conflicts with runs (see `subtrees`).
         let _renaming = self
             .subtrees
             .rename(|| {
-                let src = self.ns.dir_path(parent)?.join(name_s);
-                Ok((src, self.ns.dir_path(new_parent)?))
+                let dst_dir = self.ns.dir_path(new_parent)?;
+                Ok(subtrees::Move {
+                    src: self.ns.dir_path(parent)?.join(name_s),
+                    dst: dst_dir.join(&new_name_s),
+                    dst_dir,
+                })
             })
             .await?;
-        let new_name_s = check_name(new_name)?.to_string();
         if is_reserved(new_parent, &new_name_s) {
             return Err(FsError::EPERM);
         }

@@ -14,20 +14,67 @@ use tokio::sync::Notify;
 #[derive(Default)]
 pub(super) struct Subtrees {
     inner: Mutex<Busy>,
-    /// A rename or a store ended.
+    /// A rename or a store ended, or a rename stopped waiting.
     ended: Notify,
 }
 
 #[derive(Default)]
 struct Busy {
-    /// Directories being renamed (their old paths).
-    renaming: Vec<(u64, MountPath)>,
-    /// Paths whose metadata is being stored.
+    /// Renames under way.
+    renaming: Vec<(u64, Move)>,
+    /// Paths being changed (their metadata, or what is in them).
     storing: Vec<(u64, MountPath)>,
+    /// Renames waiting to start, as they last read their paths: a later rename they
+    /// conflict with waits behind them, so a stream of renames below one cannot hold it off
+    /// for good.
+    waiting: Vec<(u64, Move)>,
     next: u64,
 }
 
-/// Held for a rename of a directory, or a store of metadata; ends it when dropped.
+/// What a rename moves: `src` to `dst`, in directory `dst_dir`.
+#[derive(Clone)]
+pub(super) struct Move {
+    pub src: MountPath,
+    pub dst: MountPath,
+    pub dst_dir: MountPath,
+}
+
+impl Move {
+    /// Whether `path` is at or below what this moves (its old place or its new one): a
+    /// change there waits for it.
+    fn covers(&self, path: &MountPath) -> bool {
+        at_or_below(path, &self.src) || at_or_below(path, &self.dst)
+    }
+
+    /// Whether this and `other` must not run at once: one moves what the other moves, or
+    /// moves something into it.
+    fn conflicts(&self, other: &Move) -> bool {
+        let either = |a: &Move, b: &Move| {
+            a.covers(&b.src) || a.covers(&b.dst) || a.covers(&b.dst_dir)
+        };
+        either(self, other) || either(other, self)
+    }
+}
+
+/// A rename's place among [`Busy::waiting`], given up when dropped (started, failed, or its
+/// request dropped).
+struct Waiting<'a> {
+    subtrees: &'a Subtrees,
+    id: u64,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.subtrees
+            .inner
+            .lock()
+            .waiting
+            .retain(|(id, _)| *id != self.id);
+        self.subtrees.ended.notify_waiters();
+    }
+}
+
+/// Held for a rename, or a change below what renames move; ends it when dropped.
 pub(super) struct Held<'a> {
     subtrees: &'a Subtrees,
     id: u64,
@@ -48,46 +95,50 @@ fn at_or_below(path: &MountPath, dir: &MountPath) -> bool {
 }
 
 impl Subtrees {
-    /// A rename of what is at `src` into directory `dst_dir` (`paths()`, read again after
-    /// each wait, as a rename above moves them): waits while a rename is under way at, above
-    /// or below `src`, or at or above `dst_dir`; then holds off stores at or below `src` and
-    /// renames into it, and waits for the stores begun there to end. `dst_dir` counts as a
-    /// store (a rename above it waits). `paths` must not wait for these subtrees (it runs
-    /// under their lock).
-    pub async fn rename(
-        &self,
-        paths: impl Fn() -> FsResult<(MountPath, MountPath)>,
-    ) -> FsResult<Held<'_>> {
-        let (held, src) = loop {
+    /// A rename (`what()`, read again after each wait, as a rename above moves its paths):
+    /// waits while a rename it conflicts with is under way or has waited longer; then holds
+    /// off changes at or below its source and its destination until it ends, and waits for
+    /// those begun there. `what` must not wait for these subtrees (it runs under their
+    /// lock).
+    pub async fn rename(&self, what: impl Fn() -> FsResult<Move>) -> FsResult<Held<'_>> {
+        let waiting = {
+            let mut b = self.inner.lock();
+            b.next += 1;
+            Waiting {
+                subtrees: self,
+                id: b.next,
+            }
+        };
+        let (held, m) = loop {
             let ended = self.ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
             {
                 let mut b = self.inner.lock();
-                let (src, dst_dir) = paths()?;
-                let busy = b.renaming.iter().any(|(_, r)| {
-                    at_or_below(&src, r) || r.is_below(&src) || at_or_below(&dst_dir, r)
-                });
+                let m = what()?;
+                let busy = b.renaming.iter().any(|(_, r)| r.conflicts(&m))
+                    || b
+                        .waiting
+                        .iter()
+                        .any(|(id, w)| *id < waiting.id && w.conflicts(&m));
+                let id = waiting.id;
                 if !busy {
-                    b.next += 1;
-                    let id = b.next;
-                    b.renaming.push((id, src.clone()));
-                    b.storing.push((id, dst_dir));
-                    break (Held { subtrees: self, id }, src);
+                    b.renaming.push((id, m.clone()));
+                    break (Held { subtrees: self, id }, m);
+                }
+                match b.waiting.iter_mut().find(|(i, _)| *i == id) {
+                    Some(w) => w.1 = m,
+                    None => b.waiting.push((id, m)),
                 }
             }
             ended.await;
         };
+        drop(waiting);
         loop {
             let ended = self.ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
-            let busy = self
-                .inner
-                .lock()
-                .storing
-                .iter()
-                .any(|(id, p)| *id != held.id && at_or_below(p, &src));
+            let busy = self.inner.lock().storing.iter().any(|(_, p)| m.covers(p));
             if !busy {
                 return Ok(held);
             }
@@ -97,7 +148,8 @@ impl Subtrees {
 
     /// A store at or below `path()` (asked again after each wait, as a rename moves it): a
     /// change of its metadata, or of what is in it when it is a directory. Waits while a
-    /// directory at or above it is being renamed. Returns the path with the hold. `path`
+    /// rename at or above it is under way (at its old place or its new one). Returns the
+    /// path with the hold. `path`
     /// must not wait for these subtrees (it runs under their lock).
     pub async fn store(
         &self,
@@ -112,7 +164,7 @@ impl Subtrees {
                 // read and the check would leave it the old one.
                 let mut b = self.inner.lock();
                 let p = path()?;
-                if !b.renaming.iter().any(|(_, r)| at_or_below(&p, r)) {
+                if !b.renaming.iter().any(|(_, r)| r.covers(&p)) {
                     b.next += 1;
                     let id = b.next;
                     b.storing.push((id, p.clone()));
@@ -130,6 +182,35 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
+    /// A rename waiting behind one below it is not held off by more renames below it that
+    /// come after it: they wait behind it.
+    #[tokio::test]
+    async fn a_waiting_rename_goes_before_later_renames_below_it() {
+        let s = Arc::new(Subtrees::default());
+        let first = s
+            .rename(|| Ok(Move { src: MountPath::new("p/d/a.tmp"), dst: MountPath::new("p/d/a"), dst_dir: MountPath::new("p/d") }))
+            .await
+            .unwrap();
+        let outer = tokio::spawn({
+            let s = s.clone();
+            async move {
+                drop(s.rename(|| Ok(Move { src: MountPath::new("p/d"), dst: MountPath::new("q/d"), dst_dir: MountPath::new("q") })).await);
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let later = tokio::spawn({
+            let s = s.clone();
+            async move {
+                drop(s.rename(|| Ok(Move { src: MountPath::new("p/d/b.tmp"), dst: MountPath::new("p/d/b"), dst_dir: MountPath::new("p/d") })).await);
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!outer.is_finished() && !later.is_finished());
+        drop(first);
+        outer.await.unwrap();
+        later.await.unwrap();
+    }
+
     /// A rename that moves the path and ends while a store reads it: the store goes on at
     /// the new path, never the old one (an earlier build read the path before the check).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,7 +218,7 @@ mod tests {
         let s = Arc::new(Subtrees::default());
         let place = Arc::new(Mutex::new(MountPath::new("a/d")));
         let held = s
-            .rename(|| Ok((MountPath::new("a"), MountPath::root())))
+            .rename(|| Ok(Move { src: MountPath::new("a"), dst: MountPath::new("b"), dst_dir: MountPath::new("") }))
             .await
             .unwrap();
         let (read_tx, read) = std::sync::mpsc::channel();
@@ -169,11 +250,7 @@ mod tests {
     #[tokio::test]
     async fn a_store_below_waits_for_a_rename_and_a_rename_for_a_store_below() {
         let s = Arc::new(Subtrees::default());
-        let a = MountPath::new("a");
-        let held = s
-            .rename(|| Ok((a.clone(), MountPath::root())))
-            .await
-            .unwrap();
+        let held = s.rename(|| Ok(Move { src: MountPath::new("a"), dst: MountPath::new("c"), dst_dir: MountPath::new("") })).await.unwrap();
         // Elsewhere: at once.
         let other = s.store(|| Ok(MountPath::new("ab/x"))).await.unwrap();
         let below = tokio::spawn({
@@ -189,10 +266,7 @@ mod tests {
         let rename = tokio::spawn({
             let s = s.clone();
             async move {
-                drop(
-                    s.rename(|| Ok((MountPath::new("a"), MountPath::root())))
-                        .await,
-                );
+                drop(s.rename(|| Ok(Move { src: MountPath::new("a"), dst: MountPath::new("c"), dst_dir: MountPath::new("") })).await);
             }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
