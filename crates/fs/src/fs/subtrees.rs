@@ -49,9 +49,8 @@ impl Move {
     /// Whether this and `other` must not run at once: one moves what the other moves, or
     /// moves something into it.
     fn conflicts(&self, other: &Move) -> bool {
-        let either = |a: &Move, b: &Move| {
-            a.covers(&b.src) || a.covers(&b.dst) || a.covers(&b.dst_dir)
-        };
+        let either =
+            |a: &Move, b: &Move| a.covers(&b.src) || a.covers(&b.dst) || a.covers(&b.dst_dir);
         either(self, other) || either(other, self)
     }
 }
@@ -117,8 +116,7 @@ impl Subtrees {
                 let mut b = self.inner.lock();
                 let m = what()?;
                 let busy = b.renaming.iter().any(|(_, r)| r.conflicts(&m))
-                    || b
-                        .waiting
+                    || b.waiting
                         .iter()
                         .any(|(id, w)| *id < waiting.id && w.conflicts(&m));
                 let id = waiting.id;
@@ -188,20 +186,44 @@ mod tests {
     async fn a_waiting_rename_goes_before_later_renames_below_it() {
         let s = Arc::new(Subtrees::default());
         let first = s
-            .rename(|| Ok(Move { src: MountPath::new("p/d/a.tmp"), dst: MountPath::new("p/d/a"), dst_dir: MountPath::new("p/d") }))
+            .rename(|| {
+                Ok(Move {
+                    src: MountPath::new("p/d/a.tmp"),
+                    dst: MountPath::new("p/d/a"),
+                    dst_dir: MountPath::new("p/d"),
+                })
+            })
             .await
             .unwrap();
         let outer = tokio::spawn({
             let s = s.clone();
             async move {
-                drop(s.rename(|| Ok(Move { src: MountPath::new("p/d"), dst: MountPath::new("q/d"), dst_dir: MountPath::new("q") })).await);
+                drop(
+                    s.rename(|| {
+                        Ok(Move {
+                            src: MountPath::new("p/d"),
+                            dst: MountPath::new("q/d"),
+                            dst_dir: MountPath::new("q"),
+                        })
+                    })
+                    .await,
+                );
             }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         let later = tokio::spawn({
             let s = s.clone();
             async move {
-                drop(s.rename(|| Ok(Move { src: MountPath::new("p/d/b.tmp"), dst: MountPath::new("p/d/b"), dst_dir: MountPath::new("p/d") })).await);
+                drop(
+                    s.rename(|| {
+                        Ok(Move {
+                            src: MountPath::new("p/d/b.tmp"),
+                            dst: MountPath::new("p/d/b"),
+                            dst_dir: MountPath::new("p/d"),
+                        })
+                    })
+                    .await,
+                );
             }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -218,7 +240,13 @@ mod tests {
         let s = Arc::new(Subtrees::default());
         let place = Arc::new(Mutex::new(MountPath::new("a/d")));
         let held = s
-            .rename(|| Ok(Move { src: MountPath::new("a"), dst: MountPath::new("b"), dst_dir: MountPath::new("") }))
+            .rename(|| {
+                Ok(Move {
+                    src: MountPath::new("a"),
+                    dst: MountPath::new("b"),
+                    dst_dir: MountPath::new(""),
+                })
+            })
             .await
             .unwrap();
         let (read_tx, read) = std::sync::mpsc::channel();
@@ -250,7 +278,16 @@ mod tests {
     #[tokio::test]
     async fn a_store_below_waits_for_a_rename_and_a_rename_for_a_store_below() {
         let s = Arc::new(Subtrees::default());
-        let held = s.rename(|| Ok(Move { src: MountPath::new("a"), dst: MountPath::new("c"), dst_dir: MountPath::new("") })).await.unwrap();
+        let held = s
+            .rename(|| {
+                Ok(Move {
+                    src: MountPath::new("a"),
+                    dst: MountPath::new("c"),
+                    dst_dir: MountPath::new(""),
+                })
+            })
+            .await
+            .unwrap();
         // Elsewhere: at once.
         let other = s.store(|| Ok(MountPath::new("ab/x"))).await.unwrap();
         let below = tokio::spawn({
@@ -266,7 +303,16 @@ mod tests {
         let rename = tokio::spawn({
             let s = s.clone();
             async move {
-                drop(s.rename(|| Ok(Move { src: MountPath::new("a"), dst: MountPath::new("c"), dst_dir: MountPath::new("") })).await);
+                drop(
+                    s.rename(|| {
+                        Ok(Move {
+                            src: MountPath::new("a"),
+                            dst: MountPath::new("c"),
+                            dst_dir: MountPath::new(""),
+                        })
+                    })
+                    .await,
+                );
             }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
