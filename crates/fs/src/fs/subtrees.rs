@@ -147,8 +147,8 @@ impl Subtrees {
     /// A store at or below `path()` (asked again after each wait, as a rename moves it): a
     /// change of its metadata, or of what is in it when it is a directory. Waits while a
     /// rename at or above it is under way (at its old place or its new one). Returns the
-    /// path with the hold. `path`
-    /// must not wait for these subtrees (it runs under their lock).
+    /// path with the hold. `path` must not wait for these subtrees (it runs under their
+    /// lock).
     pub async fn store(
         &self,
         path: impl Fn() -> FsResult<MountPath>,
