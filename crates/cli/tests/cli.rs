@@ -153,6 +153,22 @@ fn config_file_with_unknown_key_is_rejected() {
     assert_nothing_left(&mp, &run);
 }
 
+/// `bucketfs mount -f DATA MP EXTRA...` of a local directory: refused in one line (described
+/// as `what`) and leaving nothing behind; returns the message.
+fn refused_local_mount(data: &Path, mp: &Path, extra: &[&str], what: &str) -> String {
+    let mut args = vec!["-f".to_string()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let run = run_cli(
+        &mount_args(data.to_str().unwrap(), mp, &args),
+        &[],
+        Some(mp),
+        Duration::from_secs(30),
+    );
+    let err = assert_one_line_failure(&run, what);
+    assert_nothing_left(mp, &run);
+    err
+}
+
 /// A part size whose upload buffers the memory budget cannot hold four of is refused at
 /// mount: an earlier build mounted, and a background upload of one part waited for all of
 /// the memory.
@@ -162,22 +178,12 @@ fn a_part_size_too_big_for_the_memory_budget_is_refused() {
     let data = d.path().join("data");
     fs::create_dir(&data).unwrap();
     let (_m, mp) = mountpoint();
-    let extra: Vec<String> = ["-f", "--max-memory", "32M", "--part-size", "16M"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let run = run_cli(
-        &mount_args(data.to_str().unwrap(), &mp, &extra),
-        &[],
-        Some(&mp),
-        Duration::from_secs(30),
-    );
-    let err = assert_one_line_failure(&run, "part size over a quarter of max memory");
+    let extra = ["--max-memory", "32M", "--part-size", "16M"];
+    let err = refused_local_mount(&data, &mp, &extra, "part size over a quarter of max memory");
     assert!(
         err.contains("part size 16 MiB") && err.contains("at least 64 MiB"),
         "message does not say what to change: {err}"
     );
-    assert_nothing_left(&mp, &run);
 }
 
 /// The daemon's own directories inside the mount point (hidden once mounted, its own I/O
@@ -200,22 +206,11 @@ fn own_directories_inside_the_mount_point_or_the_source_are_refused() {
         ),
     ];
     for (flag, dir, what, inside) in cases {
-        let extra: Vec<String> = ["-f", flag, dir.to_str().unwrap()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        let run = run_cli(
-            &mount_args(data.to_str().unwrap(), &mp, &extra),
-            &[],
-            Some(&mp),
-            Duration::from_secs(30),
-        );
-        let err = assert_one_line_failure(&run, flag);
+        let err = refused_local_mount(&data, &mp, &[flag, dir.to_str().unwrap()], flag);
         assert!(
             err.contains(what) && err.contains(inside),
             "{flag}: the message does not say what is wrong: {err}"
         );
-        assert_nothing_left(&mp, &run);
         assert!(!dir.exists(), "{flag}: {} was made", dir.display());
     }
     assert_eq!(

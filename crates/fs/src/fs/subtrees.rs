@@ -94,6 +94,23 @@ fn at_or_below(path: &MountPath, dir: &MountPath) -> bool {
 }
 
 impl Subtrees {
+    /// `ready`'s answer once it has one: it runs under the lock, again after each rename or
+    /// store ends (a wake-up between its check and the wait is not lost).
+    async fn once<T>(
+        &self,
+        mut ready: impl FnMut(&mut Busy) -> FsResult<Option<T>>,
+    ) -> FsResult<T> {
+        loop {
+            let ended = self.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if let Some(t) = ready(&mut self.inner.lock())? {
+                return Ok(t);
+            }
+            ended.await;
+        }
+    }
+
     /// A rename (`what()`, read again after each wait, as a rename above moves its paths):
     /// waits while a rename it conflicts with is under way or has waited longer; then holds
     /// off changes at or below its source and its destination until it ends, and waits for
@@ -108,69 +125,52 @@ impl Subtrees {
                 id: b.next,
             }
         };
-        let (held, m) = loop {
-            let ended = self.ended.notified();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            {
-                let mut b = self.inner.lock();
+        let id = waiting.id;
+        let m = self
+            .once(|b| {
                 let m = what()?;
                 let busy = b.renaming.iter().any(|(_, r)| r.conflicts(&m))
-                    || b.waiting
-                        .iter()
-                        .any(|(id, w)| *id < waiting.id && w.conflicts(&m));
-                let id = waiting.id;
+                    || b.waiting.iter().any(|(i, w)| *i < id && w.conflicts(&m));
                 if !busy {
                     b.renaming.push((id, m.clone()));
-                    break (Held { subtrees: self, id }, m);
+                    return Ok(Some(m));
                 }
                 match b.waiting.iter_mut().find(|(i, _)| *i == id) {
                     Some(w) => w.1 = m,
                     None => b.waiting.push((id, m)),
                 }
-            }
-            ended.await;
-        };
+                Ok(None)
+            })
+            .await?;
+        let held = Held { subtrees: self, id };
         drop(waiting);
-        loop {
-            let ended = self.ended.notified();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            let busy = self.inner.lock().storing.iter().any(|(_, p)| m.covers(p));
-            if !busy {
-                return Ok(held);
-            }
-            ended.await;
-        }
+        self.once(|b| Ok((!b.storing.iter().any(|(_, p)| m.covers(p))).then_some(())))
+            .await?;
+        Ok(held)
     }
 
     /// A store at or below `path()` (asked again after each wait, as a rename moves it): a
     /// change of its metadata, or of what is in it when it is a directory. Waits while a
     /// rename at or above it is under way (at its old place or its new one). Returns the
     /// path with the hold. `path` must not wait for these subtrees (it runs under their
-    /// lock).
+    /// lock): a rename that moves it and ends between the read and the check would leave
+    /// it the old one.
     pub async fn store(
         &self,
         path: impl Fn() -> FsResult<MountPath>,
     ) -> FsResult<(MountPath, Held<'_>)> {
-        loop {
-            let ended = self.ended.notified();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            {
-                // The path read under the lock: a rename that moves it and ends between the
-                // read and the check would leave it the old one.
-                let mut b = self.inner.lock();
+        let (p, id) = self
+            .once(|b| {
                 let p = path()?;
-                if !b.renaming.iter().any(|(_, r)| r.covers(&p)) {
-                    b.next += 1;
-                    let id = b.next;
-                    b.storing.push((id, p.clone()));
-                    return Ok((p, Held { subtrees: self, id }));
+                if b.renaming.iter().any(|(_, r)| r.covers(&p)) {
+                    return Ok(None);
                 }
-            }
-            ended.await;
-        }
+                b.next += 1;
+                b.storing.push((b.next, p.clone()));
+                Ok(Some((p, b.next)))
+            })
+            .await?;
+        Ok((p, Held { subtrees: self, id }))
     }
 }
 

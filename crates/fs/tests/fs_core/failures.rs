@@ -439,14 +439,18 @@ async fn a_failed_rename_over_a_directory_keeps_its_marker_pending() {
     );
 }
 
-/// A truncate(2) of a closed file below a directory being renamed, once the rename has
-/// copied it and before it deletes it: the truncate waits for the rename and applies at the
-/// new name. An earlier build stored the truncated file under the old name, which the
-/// rename's pinned delete then left there, and the new name kept the old bytes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_truncate_below_a_directory_being_renamed_moves_with_it() {
+/// `a/x` ("hello") in a fresh fs, and a rename of `a` to `b` running, held between its
+/// copies and its deletes (its first DELETE takes 300 ms): the store, the fs, `x`'s inode,
+/// the rename, and the cache dir (keep it alive).
+async fn renaming_a_to_b_between_copy_and_delete() -> (
+    Arc<MemoryStore>,
+    Arc<Fs>,
+    u64,
+    tokio::task::JoinHandle<Result<(), FsError>>,
+    tempfile::TempDir,
+) {
     let mem = Arc::new(MemoryStore::new());
-    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (faulty, fs, cache) = faulty_fs(&mem);
     put(&mem, "a/x", b"hello").await;
     let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
     let x = fs.lookup(a.ino, OsStr::new("x")).await.unwrap();
@@ -464,11 +468,21 @@ async fn a_truncate_below_a_directory_being_renamed_moves_with_it() {
         }
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
+    (mem, fs, x.ino, rename, cache)
+}
+
+/// A truncate(2) of a closed file below a directory being renamed, once the rename has
+/// copied it and before it deletes it: the truncate waits for the rename and applies at the
+/// new name. An earlier build stored the truncated file under the old name, which the
+/// rename's pinned delete then left there, and the new name kept the old bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncate_below_a_directory_being_renamed_moves_with_it() {
+    let (mem, fs, x, rename, _cache) = renaming_a_to_b_between_copy_and_delete().await;
     let set = SetAttr {
         size: Some(2),
         ..Default::default()
     };
-    assert_eq!(fs.setattr(x.ino, None, set).await.unwrap().size, 2);
+    assert_eq!(fs.setattr(x, None, set).await.unwrap().size, 2);
     rename.await.unwrap().unwrap();
     assert!(mem.head("a/x").await.is_err(), "the old file stayed");
     assert_eq!(object(&mem, "b/x").await, b"he");
@@ -481,34 +495,13 @@ async fn a_truncate_below_a_directory_being_renamed_moves_with_it() {
 /// the new name kept the old bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_below_a_directory_being_renamed_moves_with_it() {
-    let mem = Arc::new(MemoryStore::new());
-    let (faulty, fs, _cache) = faulty_fs(&mem);
-    put(&mem, "a/x", b"hello").await;
-    let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
-    let x = fs.lookup(a.ino, OsStr::new("x")).await.unwrap();
-    faulty.inject(
-        Op::Delete,
-        0,
-        Some(1),
-        Fault::Delay(Duration::from_millis(300)),
-    );
-    let rename = tokio::spawn({
-        let fs = fs.clone();
-        async move {
-            fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
-                .await
-        }
-    });
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let h = fs
-        .open(x.ino, libc::O_WRONLY | libc::O_TRUNC)
+    let (mem, fs, x, rename, _cache) = renaming_a_to_b_between_copy_and_delete().await;
+    let h = fs.open(x, libc::O_WRONLY | libc::O_TRUNC).await.unwrap();
+    fs.write(x, h.fh, 0, Bytes::from_static(b"new"))
         .await
         .unwrap();
-    fs.write(x.ino, h.fh, 0, Bytes::from_static(b"new"))
-        .await
-        .unwrap();
-    fs.flush(x.ino, h.fh).await.unwrap();
-    fs.release(x.ino, h.fh).await.unwrap();
+    fs.flush(x, h.fh).await.unwrap();
+    fs.release(x, h.fh).await.unwrap();
     rename.await.unwrap().unwrap();
     assert!(mem.head("a/x").await.is_err(), "the old file stayed");
     assert_eq!(object(&mem, "b/x").await, b"new");
