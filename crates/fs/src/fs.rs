@@ -111,6 +111,8 @@ pub struct Fs {
     stale_cache: Mutex<Option<StaleCache>>,
     /// Directory renames and the metadata stores below them, kept apart.
     subtrees: subtrees::Subtrees,
+    /// Set once a prefix mount's root has its marker's attributes (see `attr.rs`).
+    root_read: tokio::sync::OnceCell<()>,
 }
 
 /// Called with an inode whose kernel-cached attributes are of an older version.
@@ -281,6 +283,7 @@ impl Fs {
             files,
             stale_cache: Mutex::new(None),
             subtrees: Default::default(),
+            root_read: Default::default(),
         });
         if let Some(wb) = fs.files.writeback() {
             let weak = Arc::downgrade(&fs);
@@ -436,6 +439,9 @@ impl Fs {
     }
 
     pub async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        if ino == crate::ROOT_INO {
+            self.read_root_marker().await;
+        }
         if let Some(a) = self.ns.known_attr(ino)? {
             return Ok(self.live(a));
         }

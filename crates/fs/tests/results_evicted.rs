@@ -19,6 +19,44 @@ use std::time::Duration;
 /// directory for good as "changed by another client").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_files_next_version_replaces_its_landed_one_after_its_result_was_forgotten() {
+    let (mem, fs, f, fh, _dirs) = landed_and_forgotten().await;
+    fs.write(f, fh, 0, Bytes::from_static(b"v2")).await.unwrap();
+    fs.flush(f, fh).await.unwrap();
+    fs.release(f, fh).await.unwrap();
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    let conflicts = fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
+    assert_eq!((left, conflicts), (0, 0), "v2 was refused as a conflict");
+    assert_eq!(support::object(&mem, "f").await, b"v2");
+}
+
+/// The same file, replaced by another client, then renamed: the rename moves only the
+/// version the file's upload made (whose ETag the open file learnt), so it is refused
+/// (`ESTALE`) and the other client's file stays. An earlier build, with the result
+/// forgotten, moved whatever the old name held and took it for the file's own: its next
+/// version then replaced the other client's file under the new name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rename_of_an_open_file_after_its_result_was_forgotten_moves_only_its_version() {
+    let (mem, fs, f, fh, _dirs) = landed_and_forgotten().await;
+    support::put(&mem, "f", b"theirs").await;
+    let r = fs
+        .rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("f2"), 0)
+        .await;
+    assert_eq!(r.unwrap_err(), bucketfs_fs::FsError::ESTALE);
+    assert_eq!(support::object(&mem, "f").await, b"theirs");
+    fs.release(f, fh).await.unwrap();
+    fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    assert_eq!(support::object(&mem, "f").await, b"theirs");
+}
+
+/// A mount remembering 2 upload results, file `f` (ino, handle) open for writing with `v1`
+/// uploaded, and 4 uploads since; with the temp dirs to keep.
+async fn landed_and_forgotten() -> (
+    Arc<MemoryStore>,
+    Arc<Fs>,
+    u64,
+    u64,
+    (tempfile::TempDir, tempfile::TempDir),
+) {
     std::env::set_var("BUCKETFS_TEST_RESULTS_KEPT", "2");
     let mem = Arc::new(MemoryStore::new());
     let state = tempfile::tempdir().unwrap();
@@ -61,11 +99,5 @@ async fn an_open_files_next_version_replaces_its_landed_one_after_its_result_was
     }
     let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
     assert_eq!(left, 0);
-    fs.write(f, fh, 0, Bytes::from_static(b"v2")).await.unwrap();
-    fs.flush(f, fh).await.unwrap();
-    fs.release(f, fh).await.unwrap();
-    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
-    let conflicts = fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
-    assert_eq!((left, conflicts), (0, 0), "v2 was refused as a conflict");
-    assert_eq!(support::object(&mem, "f").await, b"v2");
+    (mem, fs, f, fh, (state, cache))
 }

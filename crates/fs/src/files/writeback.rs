@@ -2434,6 +2434,11 @@ impl WriteBack {
         s
     }
 
+    /// The ETag entry `seq`'s upload gave its object, while remembered.
+    pub fn result(&self, seq: u64) -> Option<String> {
+        self.inner.lock().results.get(&seq).cloned()
+    }
+
     /// Whether entry `seq` is still to be uploaded (and has not landed).
     pub fn awaits_upload(&self, seq: u64) -> bool {
         self.inner

@@ -120,6 +120,10 @@ impl Fs {
         if self.ns.is_bucket_root(path) {
             return Ok(());
         }
+        if ino == crate::ROOT_INO {
+            // Its first read is over before this one: it never lands after it.
+            self.read_root_marker().await;
+        }
         let key = self.ns.dir_key(path);
         // mkdir's marker first (one whose upload failed stays for the next sync).
         self.ns.markers.landed(&key).await;
@@ -149,6 +153,43 @@ impl Fs {
         i.user = obj.user;
         i.has_marker = true;
         Ok(())
+    }
+
+    /// The root of a mount of a prefix has a marker (`prefix/`), where a chmod, chown or
+    /// utimens of the root stores its attributes; they are read from it at the first stat of
+    /// the root (the kernel's, at mount), once. One HEAD; no marker: the defaults. A failed
+    /// HEAD leaves the defaults for this mount rather than stall or fail `stat` of the mount
+    /// point (a chmod of the root reads the marker again first).
+    pub(super) async fn read_root_marker(&self) {
+        let root = MountPath::root();
+        if self.ns.is_bucket_root(&root) {
+            return;
+        }
+        self.root_read
+            .get_or_init(|| async {
+                let key = self.ns.dir_key(&root);
+                let obj = match self.store.head(&key).await {
+                    Ok(obj) => obj,
+                    Err(StoreError::NotFound(_)) => return,
+                    Err(e) => {
+                        tracing::warn!(
+                            "{key}: the mount root's attributes could not be read ({e}); it \
+                             shows the defaults"
+                        );
+                        return;
+                    }
+                };
+                let mut t = self.ns.table();
+                if let Some(i) = t.get_mut(crate::ROOT_INO) {
+                    i.attr = self
+                        .ns
+                        .policy
+                        .attr_of_object(crate::ROOT_INO, FileKind::Dir, &obj);
+                    i.user = obj.user;
+                    i.has_marker = true;
+                }
+            })
+            .await;
     }
 
     /// truncate(2) of file `ino` (at `path`) that no write state holds: through a state of

@@ -343,8 +343,13 @@ impl Fs {
                 Some(Holding::Held { cond, .. }) => {
                     (Some((wb.clone(), seq, cond.clone())), Some(cond))
                 }
-                Some(Holding::Uploaded(etag)) => (None, etag.map(Cond::Match)),
-                Some(Holding::Gone) => (None, None),
+                // Its upload's ETag, or, once the write-back directory forgot it, the one
+                // the state learnt when it landed.
+                Some(Holding::Uploaded(etag)) => {
+                    let known = || st.known_etag().map(str::to_string);
+                    (None, etag.or_else(known).map(Cond::Match))
+                }
+                Some(Holding::Gone) => (None, st.known_etag().map(|e| Cond::Match(e.into()))),
                 None => return Err(MOVING),
             },
             _ => (None, None),
@@ -598,7 +603,7 @@ impl Fs {
             let key = self.ns.key(&p);
             testpoint::reached("rename_dir.repointing").await;
             let mut st = w.state.lock().await;
-            let etag = copy_of_version(&copies, &key, &st);
+            let mut etag = copy_of_version(&copies, &key, &st);
             if let (Some(wb), Some(seq)) = (&wb, st.committed()) {
                 let mut seq = wb.latest(seq);
                 let late = wb.below(src.as_str()).into_iter().find(|(s, _)| *s == seq);
@@ -615,6 +620,10 @@ impl Fs {
                         );
                     }
                     seq = wb.latest(seq);
+                }
+                let copy = copies.get(key.as_str());
+                if !copied_commit(wb, seq, &moving, &st, copy).await {
+                    etag = None;
                 }
                 st.set_committed(if wb.awaits_upload(seq) {
                     Some(seq)
@@ -865,8 +874,8 @@ async fn landed_ours(wb: &WriteBack, seq: u64, found: Option<&ObjectMeta>) -> bo
 
 /// The ETag under `key` (its new key, after a directory rename) of the version write state
 /// `st` builds on: that of the copy the rename made, when it copied that very version, or
-/// (background mode) when the state's version is one it committed (see [`WriteBack::rekey`]
-/// for how those move). Otherwise `None`: the state keeps what it knew, which the new key
+/// (background mode) when the state committed, whose copy [`copied_commit`] checks (see
+/// [`WriteBack::rekey`] for how those versions move). Otherwise `None`: the state keeps what it knew, which the new key
 /// does not hold, so its publish is refused (`ESTALE`, or a conflict of its upload) instead
 /// of built on, or stored over, another client's version. A state that knows no version
 /// (a new file) replaces nothing, so a copy there is another client's.
@@ -877,6 +886,37 @@ fn copy_of_version(copies: &Copies, key: &ObjectKey, st: &WriteState) -> Option<
         (None, Some(own)) if c.from.as_deref() != Some(own) => None,
         _ => Some(c.etag.clone()),
     }
+}
+
+/// Background mode: whether `copy` (of a file with write state `st` whose last commit is
+/// entry `seq` now) copied a version of that commit's: the one its entry, moved by this
+/// rename (`moving`), was to replace, or the one its upload made. Another client's version
+/// met at the old key is not: the file's next version must be a conflict against its copy.
+async fn copied_commit(
+    wb: &WriteBack,
+    seq: u64,
+    moving: &[Rekeyed],
+    st: &WriteState,
+    copy: Option<&Copied>,
+) -> bool {
+    let Some((from, size)) = copy.and_then(|c| Some((c.from.as_deref()?, c.size))) else {
+        return false;
+    };
+    let mut ours = wb.landed(seq);
+    if wb.tried_size(seq) == Some(size) {
+        // A try of it may have landed with its answer lost (see `landed_ours`).
+        ours.extend(wb.etag_if_tried(seq).await);
+    }
+    match moving.iter().find(|m| m.seq == seq) {
+        Some(m) => match &m.cond {
+            Cond::Any => return true,
+            Cond::Match(e) => ours.push(e.clone()),
+            Cond::Absent => {}
+        },
+        None => ours.extend(wb.result(seq)),
+    }
+    ours.extend(st.known_etag().map(str::to_string));
+    ours.iter().any(|e| e == from)
 }
 
 /// Whether `found`, the object at a key, is not what `expect` says a version waiting for

@@ -439,3 +439,52 @@ async fn a_chmod_never_brings_back_a_directory_another_client_removed() {
         "the implied directory got no marker"
     );
 }
+
+/// The root of a mount of a prefix keeps its attributes across mounts: a chmod and chown
+/// of it store them on the prefix's marker, and the next mount reads them from there (an
+/// earlier build stored them and never read them, so every mount showed the defaults; a
+/// Kubernetes volume's fsGroup chown of its root was gone at the next mount).
+#[tokio::test]
+async fn a_prefix_mounts_root_keeps_its_attributes_across_mounts() {
+    let mem = Arc::new(MemoryStore::new());
+    let cache = tempfile::tempdir().unwrap();
+    let prefixed = || FsConfig {
+        prefix: "vol/".into(),
+        ..config(&cache)
+    };
+    let fs = Fs::new(mem.clone(), prefixed());
+    let set = SetAttr {
+        mode: Some(0o2770),
+        uid: Some(42),
+        gid: Some(43),
+        ..Default::default()
+    };
+    fs.setattr(ROOT_INO, None, set).await.unwrap();
+    let a = fs.getattr(ROOT_INO).await.unwrap();
+    assert_eq!((a.perm, a.uid, a.gid), (0o2770, 42, 43));
+    drop(fs);
+    let fs2 = Fs::new(mem.clone(), prefixed());
+    let b = fs2.getattr(ROOT_INO).await.unwrap();
+    assert_eq!((b.perm, b.uid, b.gid), (0o2770, 42, 43), "after a remount");
+    // A marker another client stored is read the same way, and a chmod keeps its owner.
+    let mut marker = owned_meta(7, 1_600_000_000);
+    marker.insert("mode".into(), (libc::S_IFDIR | 0o750).to_string());
+    mem.put("other/", bytes::Bytes::new(), &marker)
+        .await
+        .unwrap();
+    let fs3 = Fs::new(
+        mem.clone(),
+        FsConfig {
+            prefix: "other/".into(),
+            ..config(&cache)
+        },
+    );
+    let c = fs3.getattr(ROOT_INO).await.unwrap();
+    assert_eq!((c.perm, c.uid), (0o750, 7));
+    let chmod = SetAttr {
+        mode: Some(0o755),
+        ..Default::default()
+    };
+    let d = fs3.setattr(ROOT_INO, None, chmod).await.unwrap();
+    assert_eq!((d.perm, d.uid, d.gid), (0o755, 7, 5678));
+}

@@ -913,3 +913,44 @@ async fn a_new_file_below_a_renamed_directory_never_replaces_another_clients_cop
     let conflicts = e.fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
     assert_eq!(conflicts, 1, "ours is kept as a conflict");
 }
+
+/// A file still open here whose version went up, replaced by another client, then its
+/// directory renamed: the copy under the new name is of the other client's version, so the
+/// file's next version is a conflict against it, never stored over it (an earlier build
+/// took any copy for the file's own once it had committed: the other client's file was then
+/// in the bucket nowhere, its old name deleted by the rename and its copy replaced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploaded_file_below_a_renamed_directory_never_replaces_another_clients_copy() {
+    use crate::support::ME;
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::ZERO);
+    let d =
+        e.fs.mkdir(ROOT_INO, OsStr::new("d"), 0o755, 0, ME)
+            .await
+            .unwrap();
+    let (f, h) =
+        e.fs.create(d.ino, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    e.fs.write(f.ino, h.fh, 0, Bytes::from_static(b"ours1"))
+        .await
+        .unwrap();
+    e.fs.flush(f.ino, h.fh).await.unwrap();
+    e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+        .await;
+    assert_eq!(object(&e.mem, "d/f").await, b"ours1");
+    put(&e.mem, "d/f", b"theirs").await;
+    e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+        .await
+        .unwrap();
+    e.fs.write(f.ino, h.fh, 0, Bytes::from_static(b"ours2"))
+        .await
+        .unwrap();
+    e.fs.flush(f.ino, h.fh).await.unwrap();
+    e.fs.release(f.ino, h.fh).await.unwrap();
+    e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+        .await;
+    assert_eq!(object(&e.mem, "d2/f").await, b"theirs");
+    let conflicts = e.fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
+    assert_eq!(conflicts, 1, "ours is kept as a conflict");
+}
