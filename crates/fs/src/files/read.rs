@@ -315,7 +315,16 @@ impl Reader {
         let len = if self.small_file() {
             left
         } else if sequential {
-            self.window.clamp(MIN_WINDOW, self.cfg.stream_chunk())
+            let c = self.window.clamp(MIN_WINDOW, self.cfg.stream_chunk());
+            // Ends on a multiple of the part size (or of the chunk, if smaller), so that a
+            // stream's GETs read whole parts of an object uploaded in parts: MinIO keeps
+            // each part apart and reads it in blocks from its start, and GETs across part
+            // boundaries cost it 10-25 % more CPU per GB (bench/RESULTS.md, 2026-12-02).
+            let grid = c.min(self.cfg.part_size);
+            match (next + c) / grid * grid {
+                aligned if aligned > next => aligned - next,
+                _ => c,
+            }
         } else {
             (want_end - next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD
         };
@@ -744,6 +753,31 @@ mod tests {
             used / MIB
         );
         drop(held);
+    }
+
+    /// A stream's GETs past its first part start on part boundaries, so each reads whole
+    /// parts of an object uploaded in parts (an earlier build's ramp left every later GET
+    /// a part and a half in: 1-3, 3-5 MiB and so on).
+    #[tokio::test]
+    async fn a_streams_gets_start_on_part_boundaries() {
+        let (store, cfg, data, etag) = setup(64 * MIB, 24 * MIB as usize).await;
+        let size = data.len() as u64;
+        let mut r = Reader::new(store, cfg.clone(), "f".into(), Some(etag), size, false);
+        let mut starts = std::collections::BTreeSet::new();
+        let mut pos = 0;
+        while pos < size {
+            let b = r.read(pos, 1 << 20).await.unwrap();
+            assert_eq!(&b[..], &data[pos as usize..pos as usize + b.len()]);
+            pos += b.len() as u64;
+            starts.extend(r.queue().chunks.iter().map(|c| c.range.start));
+        }
+        let part = cfg.part_size;
+        let off: Vec<_> = starts
+            .iter()
+            .filter(|s| **s >= part && **s % part != 0)
+            .collect();
+        assert!(off.is_empty(), "GETs from {off:?} (parts of {part})");
+        assert!(starts.len() > 8, "{starts:?}");
     }
 
     #[tokio::test]
