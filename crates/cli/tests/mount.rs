@@ -1359,3 +1359,23 @@ fn ls_l_with_list_metadata_off_heads_each_file() {
     let md = fs::metadata(m.join("sub")).unwrap();
     assert_eq!(md.mode() & 0o7777, 0o710);
 }
+
+/// The root of a mount of a prefix keeps a chmod and chown across mounts (a Kubernetes
+/// volume's fsGroup): they are stored on the prefix's marker and read back from it at the
+/// next mount. An earlier build stored them and showed the defaults after every remount.
+#[test]
+fn a_prefix_mounts_root_keeps_its_mode_and_owner_across_mounts() {
+    let s3 = s3();
+    let b = s3.new_bucket("rootattr");
+    let m = MountSpec::s3(&b, "vol").mount();
+    let root = m.path().to_path_buf();
+    fs::set_permissions(&root, Permissions::from_mode(0o2770)).unwrap();
+    std::os::unix::fs::chown(&root, Some(1234), Some(2345)).unwrap();
+    let h = head(&b, "vol/");
+    assert_eq!(meta_u32(&h, "mode"), S_IFDIR | 0o2770);
+    assert_eq!((meta_u32(&h, "uid"), meta_u32(&h, "gid")), (1234, 2345));
+    let m = m.remount();
+    let md = fs::metadata(m.path()).unwrap();
+    assert_eq!(md.mode() & 0o7777, 0o2770, "mode after a remount");
+    assert_eq!((md.uid(), md.gid()), (1234, 2345), "owner after a remount");
+}
