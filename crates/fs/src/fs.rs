@@ -113,6 +113,8 @@ pub struct Fs {
     subtrees: subtrees::Subtrees,
     /// Set once a prefix mount's root has its marker's attributes (see `attr.rs`).
     root_read: tokio::sync::OnceCell<()>,
+    /// The root's ctime before that: a later one is a change made here.
+    root_made: SystemTime,
 }
 
 /// Called with an inode whose kernel-cached attributes are of an older version.
@@ -272,6 +274,7 @@ impl Fs {
             limits,
             metrics.clone(),
         );
+        let root_made = ns.attr(crate::ROOT_INO).map_or(UNIX_EPOCH, |a| a.ctime);
         let (files, recovered) = OpenFiles::new(store.clone(), &cfg, metrics)?;
         if let Some(c) = files.data_cache() {
             ns.save_pages_on(Arc::new(PagesInDataCache::new(c.clone())));
@@ -284,6 +287,7 @@ impl Fs {
             stale_cache: Mutex::new(None),
             subtrees: Default::default(),
             root_read: Default::default(),
+            root_made,
         });
         if let Some(wb) = fs.files.writeback() {
             let weak = Arc::downgrade(&fs);

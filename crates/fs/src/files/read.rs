@@ -320,7 +320,10 @@ impl Reader {
             // stream's GETs read whole parts of an object uploaded in parts: MinIO keeps
             // each part apart and reads it in blocks from its start, and GETs across part
             // boundaries cost it 10-25 % more CPU per GB (bench/RESULTS.md, 2026-12-02).
-            let grid = c.min(self.cfg.part_size);
+            // A part size that does not divide the chunk would shrink every GET to whole
+            // parts: such chunks keep to a grid of their own size.
+            let part = self.cfg.part_size;
+            let grid = if c.is_multiple_of(part) { part } else { c };
             match (next + c) / grid * grid {
                 aligned if aligned > next => aligned - next,
                 _ => c,
@@ -329,9 +332,11 @@ impl Reader {
             (want_end - next).div_ceil(RANDOM_READAHEAD) * RANDOM_READAHEAD
         };
         let len = len.max(want_end.saturating_sub(next));
-        // Whole blocks for the data cache (`next` is aligned too).
-        let len = len.div_ceil(self.cfg.align()) * self.cfg.align();
-        len.min(left)
+        // Ends on a whole block (the data cache's; and a stream that started at an odd
+        // offset still comes to the grid above).
+        let align = self.cfg.align();
+        let end = (next + len).div_ceil(align) * align;
+        (end - next).min(left)
     }
 
     pub async fn read(&mut self, offset: u64, len: u32) -> FsResult<Bytes> {
@@ -762,22 +767,67 @@ mod tests {
     async fn a_streams_gets_start_on_part_boundaries() {
         let (store, cfg, data, etag) = setup(64 * MIB, 24 * MIB as usize).await;
         let size = data.len() as u64;
-        let mut r = Reader::new(store, cfg.clone(), "f".into(), Some(etag), size, false);
-        let mut starts = std::collections::BTreeSet::new();
+        let part = cfg.part_size;
+        // From the start, and from an odd offset (a stream going on from there comes to
+        // the boundaries after its first part).
+        for from in [0, 5 * MIB + 4096] {
+            let etag = Some(etag.clone());
+            let mut r = Reader::new(store.clone(), cfg.clone(), "f".into(), etag, size, false);
+            let mut starts = std::collections::BTreeSet::new();
+            let mut pos = from;
+            while pos < size {
+                let b = r.read(pos, 1 << 20).await.unwrap();
+                assert_eq!(&b[..], &data[pos as usize..pos as usize + b.len()]);
+                pos += b.len() as u64;
+                starts.extend(r.queue().chunks.iter().map(|c| c.range.start));
+                if from > 0 && pos == from + MIB {
+                    // Its memory taken back: the stream goes on from where it is, at an odd
+                    // offset.
+                    r.held.reclaim();
+                }
+            }
+            let off: Vec<_> = starts
+                .iter()
+                .filter(|s| **s >= from + part && **s % part != 0)
+                .collect();
+            assert!(off.is_empty(), "GETs from {off:?} (parts of {part})");
+            assert!(starts.len() > 6, "{starts:?}");
+        }
+    }
+
+    /// A part size that does not divide the stream's chunk leaves the chunks whole (an
+    /// earlier build cut each to whole parts: 3 MiB GETs of a stream of 4 MiB chunks).
+    #[tokio::test]
+    async fn a_part_size_that_does_not_divide_the_chunk_leaves_it_whole() {
+        let (store, cfg, data, etag) = setup(64 * MIB, 24 * MIB as usize).await;
+        let cfg = Arc::new(ReadConfig {
+            part_size: 3 * MIB,
+            max_window: 64 * MIB,
+            budget: cfg.budget.clone(),
+            metrics: cfg.metrics.clone(),
+            data_cache: None,
+        });
+        assert_eq!(cfg.stream_chunk(), 4 * MIB);
+        let size = data.len() as u64;
+        let mut r = Reader::new(store, cfg, "f".into(), Some(etag), size, false);
+        let mut chunks = std::collections::BTreeSet::new();
         let mut pos = 0;
         while pos < size {
             let b = r.read(pos, 1 << 20).await.unwrap();
             assert_eq!(&b[..], &data[pos as usize..pos as usize + b.len()]);
             pos += b.len() as u64;
-            starts.extend(r.queue().chunks.iter().map(|c| c.range.start));
+            chunks.extend(
+                r.queue()
+                    .chunks
+                    .iter()
+                    .map(|c| (c.range.start, c.range.end)),
+            );
         }
-        let part = cfg.part_size;
-        let off: Vec<_> = starts
+        let short: Vec<_> = chunks
             .iter()
-            .filter(|s| **s >= part && **s % part != 0)
+            .filter(|(start, end)| *start >= 8 * MIB && *end < size && end - start != 4 * MIB)
             .collect();
-        assert!(off.is_empty(), "GETs from {off:?} (parts of {part})");
-        assert!(starts.len() > 8, "{starts:?}");
+        assert!(short.is_empty(), "{short:?}");
     }
 
     #[tokio::test]

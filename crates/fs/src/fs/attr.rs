@@ -157,39 +157,37 @@ impl Fs {
 
     /// The root of a mount of a prefix has a marker (`prefix/`), where a chmod, chown or
     /// utimens of the root stores its attributes; they are read from it at the first stat of
-    /// the root (the kernel's, at mount), once. One HEAD; no marker: the defaults. A failed
-    /// HEAD leaves the defaults for this mount rather than stall or fail `stat` of the mount
-    /// point (a chmod of the root reads the marker again first).
+    /// the root (the kernel's, at mount). One HEAD; no marker: the defaults. A failed HEAD
+    /// leaves the defaults for that stat rather than fail it (the next stat tries again, at
+    /// the cost of the store's refusal, which an outage makes immediate).
     pub(super) async fn read_root_marker(&self) {
         let root = MountPath::root();
         if self.ns.is_bucket_root(&root) {
             return;
         }
-        self.root_read
-            .get_or_init(|| async {
-                let key = self.ns.dir_key(&root);
-                let obj = match self.store.head(&key).await {
-                    Ok(obj) => obj,
-                    Err(StoreError::NotFound(_)) => return,
-                    Err(e) => {
-                        tracing::warn!(
-                            "{key}: the mount root's attributes could not be read ({e}); it \
-                             shows the defaults"
-                        );
-                        return;
-                    }
-                };
-                let mut t = self.ns.table();
-                if let Some(i) = t.get_mut(crate::ROOT_INO) {
-                    i.attr = self
-                        .ns
-                        .policy
-                        .attr_of_object(crate::ROOT_INO, FileKind::Dir, &obj);
-                    i.user = obj.user;
-                    i.has_marker = true;
+        let read = self.root_read.get_or_try_init(|| async {
+            let key = self.ns.dir_key(&root);
+            let obj = match self.store.head(&key).await {
+                Ok(obj) => obj,
+                Err(StoreError::NotFound(_)) => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            let mut t = self.ns.table();
+            if let Some(i) = t.get_mut(crate::ROOT_INO) {
+                let mut a = self.ns.policy.attr_of_object(i.ino, FileKind::Dir, &obj);
+                // Changed here meanwhile (an entry made in it).
+                if i.attr.ctime > self.root_made {
+                    (a.mtime, a.ctime) = (a.mtime.max(i.attr.mtime), a.ctime.max(i.attr.ctime));
                 }
-            })
-            .await;
+                i.attr = a;
+                i.user = obj.user;
+                i.has_marker = true;
+            }
+            Ok(())
+        });
+        if let Err(e) = read.await {
+            tracing::debug!("the mount root's marker could not be read ({e}); defaults shown");
+        }
     }
 
     /// truncate(2) of file `ino` (at `path`) that no write state holds: through a state of

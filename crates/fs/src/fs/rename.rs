@@ -727,17 +727,25 @@ impl Fs {
             return Err(theirs(&key));
         }
         let new_key = format!("{dst}{}", &key[src.len()..]);
-        let from = Moved::now(&key, listed.and_then(|o| o.etag.clone()));
+        let listed = listed.and_then(|o| o.etag.clone());
+        let checked = listed.clone().filter(|_| check);
+        let from = Moved::now(&key, listed);
         let prior = moving.iter().position(|m| m.key == new_key);
         let also = prior.map(|i| moving[i].seq);
         let new = wb.rekey(seq, &new_key, Cond::Any, Some(from), also).await?;
         match prior {
-            Some(i) => moving[i].seq = new,
+            Some(i) => {
+                moving[i].seq = new;
+                if check {
+                    moving[i].checked = checked;
+                }
+            }
             None => moving.push(Rekeyed {
                 seq: new,
                 key: new_key,
                 old_key: key,
                 cond,
+                checked,
             }),
         }
         Ok(())
@@ -840,6 +848,9 @@ struct Rekeyed {
     key: String,
     old_key: String,
     cond: Cond,
+    /// The ETag of the object at its old key that the rename checked it may replace (the
+    /// version it was based on, or one its own upload made): that object's copy is its own.
+    checked: Option<String>,
 }
 
 /// A directory rename failed before its objects all moved: its entries go back to their
@@ -908,6 +919,7 @@ async fn copied_commit(
         ours.extend(wb.etag_if_tried(seq).await);
     }
     match moving.iter().find(|m| m.seq == seq) {
+        Some(m) if m.checked.as_deref() == Some(from) => return true,
         Some(m) => match &m.cond {
             Cond::Any => return true,
             Cond::Match(e) => ours.push(e.clone()),

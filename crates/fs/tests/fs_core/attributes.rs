@@ -488,3 +488,34 @@ async fn a_prefix_mounts_root_keeps_its_attributes_across_mounts() {
     let d = fs3.setattr(ROOT_INO, None, chmod).await.unwrap();
     assert_eq!((d.perm, d.uid, d.gid), (0o755, 7, 5678));
 }
+
+/// A prefix mount whose first read of its root's marker fails (the store down at mount)
+/// reads it again at the next stat of the root, instead of showing the defaults (mode 0755,
+/// its own owner: a pod's EACCES) until the next mount.
+#[tokio::test]
+async fn a_prefix_mounts_root_reads_its_marker_again_after_a_failed_read() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    let mem = Arc::new(MemoryStore::new());
+    let mut marker = owned_meta(7, 1_600_000_000);
+    marker.insert("mode".into(), (libc::S_IFDIR | 0o750).to_string());
+    mem.put("vol/", bytes::Bytes::new(), &marker).await.unwrap();
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let down = bucketfs_store::StoreError::Transient("injected".into());
+    faulty.inject(Op::Head, 0, Some(1), Fault::Error(down));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        faulty,
+        FsConfig {
+            prefix: "vol/".into(),
+            ..config(&cache)
+        },
+    );
+    let first = fs.getattr(ROOT_INO).await.unwrap();
+    assert_ne!(
+        first.uid, 7,
+        "the first read did not fail: the test proves nothing"
+    );
+    let a = fs.getattr(ROOT_INO).await.unwrap();
+    assert_eq!((a.perm, a.uid), (0o750, 7));
+}

@@ -954,3 +954,69 @@ async fn an_uploaded_file_below_a_renamed_directory_never_replaces_another_clien
     let conflicts = e.fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
     assert_eq!(conflicts, 1, "ours is kept as a conflict");
 }
+
+/// A file open below a directory being renamed, whose first upload landed with its answer
+/// lost and whose next version's upload failed: the object the rename finds at the old name
+/// is the file's own (the rename checks that), so its copy under the new name is what the
+/// next version replaces. It is no conflict: an earlier draft of the check above counted
+/// it as another client's (the moved entry no longer carried the landed ETag) and kept the
+/// file in the write-back directory for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renamed_directorys_file_whose_own_upload_landed_unanswered_is_no_conflict() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    use bucketfs_store::StoreError;
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    // The first upload lands, its answer lost; the second fails.
+    faulty.inject(Op::Put, 0, Some(1), Fault::DropAfter);
+    let refused = StoreError::Transient("injected".into());
+    faulty.inject(Op::Put, 1, Some(1), Fault::Error(refused));
+    let state = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mut cfg = config(&cache);
+    cfg.writeback = Some(writeback_config(&state, Duration::ZERO));
+    put(&mem, "d/", b"").await;
+    let fs = Fs::new(faulty, cfg);
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let (f, h) = fs
+        .create(
+            d.ino,
+            OsStr::new("f"),
+            0o644,
+            0,
+            libc::O_WRONLY,
+            crate::support::ME,
+        )
+        .await
+        .unwrap();
+    let errors = || fs.metrics().writeback_upload_errors.load(Ordering::Relaxed);
+    let wait_errors = |n: u64| async move {
+        for _ in 0..500 {
+            if errors() >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(errors(), n);
+    };
+    fs.write(f.ino, h.fh, 0, Bytes::from_static(b"v1"))
+        .await
+        .unwrap();
+    fs.flush(f.ino, h.fh).await.unwrap();
+    wait_errors(1).await;
+    assert_eq!(object(&mem, "d/f").await, b"v1", "landed, unanswered");
+    fs.write(f.ino, h.fh, 0, Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    fs.flush(f.ino, h.fh).await.unwrap();
+    wait_errors(2).await;
+    fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("d2"), 0)
+        .await
+        .unwrap();
+    fs.release(f.ino, h.fh).await.unwrap();
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    let conflicts = fs.metrics().writeback_conflicts.load(Ordering::Relaxed);
+    assert_eq!((left, conflicts), (0, 0));
+    assert_eq!(object(&mem, "d2/f").await, b"v2");
+}
