@@ -173,7 +173,9 @@ impl Fs {
                 Err(e) => return Err(e),
             };
             let mut t = self.ns.table();
-            if let Some(i) = t.get_mut(crate::ROOT_INO) {
+            // A chmod of the root read or stored the marker since this HEAD was answered:
+            // what it left is newer.
+            if let Some(i) = t.get_mut(crate::ROOT_INO).filter(|i| !i.has_marker) {
                 let mut a = self.ns.policy.attr_of_object(i.ino, FileKind::Dir, &obj);
                 // Changed here meanwhile (an entry made in it).
                 if i.attr.ctime > self.root_made {

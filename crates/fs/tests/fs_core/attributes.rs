@@ -519,3 +519,85 @@ async fn a_prefix_mounts_root_reads_its_marker_again_after_a_failed_read() {
     let a = fs.getattr(ROOT_INO).await.unwrap();
     assert_eq!((a.perm, a.uid), (0o750, 7));
 }
+
+/// HEADs of `vol/` in order: the first fails; the second (a chmod's) waits until the third
+/// (a stat's read of the root's marker) is answered, which then waits for `go`.
+struct RootHeads {
+    inner: Arc<MemoryStore>,
+    n: std::sync::atomic::AtomicU32,
+    third_answered: tokio::sync::Notify,
+    go: tokio::sync::Notify,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for RootHeads {
+    type Inner = MemoryStore;
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+    async fn head(&self, key: &str) -> bucketfs_store::StoreResult<bucketfs_store::ObjectMeta> {
+        if key != "vol/" {
+            return self.inner.head(key).await;
+        }
+        match self.n.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => Err(bucketfs_store::StoreError::Transient("injected".into())),
+            1 => {
+                self.third_answered.notified().await;
+                self.inner.head(key).await
+            }
+            _ => {
+                let r = self.inner.head(key).await;
+                self.third_answered.notify_one();
+                self.go.notified().await;
+                r
+            }
+        }
+    }
+}
+
+/// A chmod of a prefix mount's root whose first read of the marker failed, racing a stat
+/// whose read of it was answered before the chmod stored it: the stat's older answer does
+/// not replace what the chmod left (it did in a draft of the retried read: the root then
+/// showed the old mode and owner for the rest of the mount).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_read_of_the_roots_marker_never_undoes_a_chmod_of_the_root() {
+    let mem = Arc::new(MemoryStore::new());
+    let mut marker = owned_meta(7, 1_600_000_000);
+    marker.insert("mode".into(), (libc::S_IFDIR | 0o750).to_string());
+    mem.put("vol/", bytes::Bytes::new(), &marker).await.unwrap();
+    let store = Arc::new(RootHeads {
+        inner: mem.clone(),
+        n: Default::default(),
+        third_answered: Default::default(),
+        go: Default::default(),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        store.clone(),
+        FsConfig {
+            prefix: "vol/".into(),
+            ..config(&cache)
+        },
+    );
+    let chmod = SetAttr {
+        mode: Some(0o700),
+        ..Default::default()
+    };
+    let setattr = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.setattr(ROOT_INO, None, chmod).await }
+    });
+    while store.n.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let stat = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.getattr(ROOT_INO).await }
+    });
+    let a = setattr.await.unwrap().unwrap();
+    assert_eq!((a.perm, a.uid), (0o700, 7));
+    store.go.notify_one();
+    stat.await.unwrap().unwrap();
+    let b = fs.getattr(ROOT_INO).await.unwrap();
+    assert_eq!((b.perm, b.uid), (0o700, 7), "after the stat's read");
+}
