@@ -904,7 +904,7 @@ mod tests {
     fn ossfs_file() {
         let f = file(
             "# ossfs 2.0\n\n--oss_endpoint=oss-cn-hangzhou.aliyuncs.com\n--oss_bucket=bkt\n\
-             --oss_bucket_prefix=data/\n--oss_access_key_id=AK\n--oss_access_key_secret=SK\n\
+             --oss_bucket_prefix=data/\n--oss_access_key_id=AK\n--oss_access_key_secret=never-shown\n\
              --ro\n--allow_other=false\n--log_dir=/var/log/ossfs\n--log_level=warning\n\
              --upload_buffer_size=33554432\n--readdirplus=true\n--upload_concurrency=4\n",
             0o600,
@@ -918,7 +918,7 @@ mod tests {
         assert_eq!(s.bucket.as_deref(), Some("bkt"));
         assert_eq!(s.prefix.as_deref(), Some("data/"));
         assert_eq!(s.access_key_id.as_deref(), Some("AK"));
-        assert_eq!(s.secret_access_key.as_deref(), Some("SK"));
+        assert_eq!(s.secret_access_key.as_deref(), Some("never-shown"));
         assert!(s.read_only);
         assert!(!s.allow_other);
         assert_eq!(
@@ -930,20 +930,20 @@ mod tests {
         assert_eq!(s.upload_concurrency, 4);
         assert_eq!(s.notices.len(), 1);
         assert!(s.notices[0].starts_with("notice: --readdirplus: "));
-        assert!(!format!("{s:?}").contains("SK"));
+        assert!(!format!("{s:?}").contains("never-shown"));
     }
 
     #[test]
     fn credentials_need_a_private_file() {
         let f = file(
-            "access_key_id = \"AK\"\nsecret_access_key = \"SK\"\n",
+            "access_key_id = \"AK\"\nsecret_access_key = \"never-shown\"\n",
             0o644,
         );
         let e = Settings::default().apply_file(f.path()).unwrap_err();
         assert!(e.contains("readable by group or others (mode 0644)"), "{e}");
-        assert!(!e.contains("SK"));
+        assert!(!e.contains("never-shown"));
         let f = file(
-            "access_key_id = \"AK\"\nsecret_access_key = \"SK\"\n",
+            "access_key_id = \"AK\"\nsecret_access_key = \"never-shown\"\n",
             0o600,
         );
         Settings::default().apply_file(f.path()).unwrap();

@@ -242,13 +242,16 @@ fn check_local_source(dir: &Path) -> Result<PathBuf, String> {
 /// (stopped, or stuck) never answers, and the mount command must say so, not hang too.
 const MOUNTPOINT_ANSWER: Duration = Duration::from_secs(5);
 
-/// `stat` of the mount point, within [`MOUNTPOINT_ANSWER`] (on a thread of its own, left
+/// `look` at the mount point, within [`MOUNTPOINT_ANSWER`] (on a thread of its own, left
 /// behind if it never returns).
-fn mountpoint_metadata(mp: &Path) -> Result<std::io::Result<std::fs::Metadata>, String> {
+fn mountpoint_answer<T: Send + 'static>(
+    mp: &Path,
+    look: impl FnOnce(&Path) -> T + Send + 'static,
+) -> Result<T, String> {
     let (tx, rx) = std::sync::mpsc::channel();
     let p = mp.to_path_buf();
     std::thread::spawn(move || {
-        let _ = tx.send(std::fs::metadata(p));
+        let _ = tx.send(look(&p));
     });
     rx.recv_timeout(MOUNTPOINT_ANSWER).map_err(|_| {
         format!(
@@ -259,6 +262,11 @@ fn mountpoint_metadata(mp: &Path) -> Result<std::io::Result<std::fs::Metadata>, 
             mp.display()
         )
     })
+}
+
+/// `stat` of the mount point (see [`mountpoint_answer`]).
+fn mountpoint_metadata(mp: &Path) -> Result<std::io::Result<std::fs::Metadata>, String> {
+    mountpoint_answer(mp, |p| std::fs::metadata(p))
 }
 
 fn check_mountpoint(mp: &Path, nonempty: bool, allow_stacking: bool) -> Result<(), String> {
@@ -293,7 +301,8 @@ fn check_mountpoint(mp: &Path, nonempty: bool, allow_stacking: bool) -> Result<(
     }
     if !allow_stacking {
         // A second mount would hide the first one (and its open files) without a word.
-        let real = mp.canonicalize().unwrap_or_else(|_| mp.to_path_buf());
+        let real =
+            mountpoint_answer(mp, |p| p.canonicalize())?.unwrap_or_else(|_| mp.to_path_buf());
         if let Some(m) = bucketfs_fuse::mount_info(&real) {
             return Err(format!(
                 "mount point {} is already a mount point ({} {}): unmount it first, or give \
@@ -305,9 +314,10 @@ fn check_mountpoint(mp: &Path, nonempty: bool, allow_stacking: bool) -> Result<(
         }
     }
     if !nonempty {
-        let mut entries = std::fs::read_dir(mp)
+        // A mount stacked over a hung one may have answered the stat from the kernel's cache.
+        let any = mountpoint_answer(mp, |p| std::fs::read_dir(p).map(|mut d| d.next().is_some()))?
             .map_err(|e| format!("cannot read mount point {}: {e}", mp.display()))?;
-        if entries.next().is_some() {
+        if any {
             return Err(format!(
                 "mount point {} is not empty (use --nonempty to mount over its contents)",
                 mp.display()
@@ -373,38 +383,39 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     };
     // Uploads left open by a daemon of this bucket that died are aborted before we start;
     // ours are journaled from now on.
-    let journal = match rt.block_on(open_journal(store, s, &plan.target, &prefix)) {
+    let endpoint = opened.endpoint.clone();
+    let journal = match rt.block_on(open_journal(store, s, &plan.target, endpoint, &prefix)) {
         Ok(j) => j,
         Err(msg) => return report_failure(readiness, msg),
     };
     let store = journal.store().clone();
 
     let mut fs_config = s.fs_config(prefix.clone());
+    // The store as the client resolved its endpoint: two profiles, or `AWS_ENDPOINT_URL`s,
+    // of one bucket name are two stores.
+    let scope = match &plan.target {
+        Target::S3 { bucket, .. } => {
+            let endpoint = opened.endpoint.as_deref().unwrap_or("aws");
+            format!("s3 {endpoint} {bucket}")
+        }
+        Target::Local { dir } => format!("local {}", dir.display()),
+    };
     if let Some(c) = &mut fs_config.data_cache {
-        // Blocks are keyed by this too: two buckets (or endpoints) never share one. The
-        // endpoint as the client resolved it: two profiles, or `AWS_ENDPOINT_URL`s, of one
-        // bucket name are two stores.
-        c.scope = match &plan.target {
-            Target::S3 { bucket, .. } => {
-                let endpoint = opened.endpoint.as_deref().unwrap_or("aws");
-                format!("s3 {endpoint} {bucket}")
-            }
-            Target::Local { dir } => format!("local {}", dir.display()),
-        };
+        // Blocks are keyed by this too: two buckets (or endpoints) never share one.
+        c.scope = scope.clone();
     }
+    let writeback_dir =
+        state_dir(s)
+            .join(WRITEBACK_SUBDIR)
+            .join(writeback_tag(&plan.target, &scope, &prefix));
     if let Some(w) = &mut fs_config.writeback {
         // One directory per bucket and prefix (and store): files wait there for upload.
-        w.dir = state_dir(s)
-            .join(WRITEBACK_SUBDIR)
-            .join(writeback_tag(&plan.target, s, &prefix));
+        w.dir = writeback_dir.clone();
     }
     if fs_config.writeback.is_none() {
         // Files a mount with --upload background acknowledged and left here are uploaded
         // before this one serves, or it refuses: they are never ignored.
-        let dir = state_dir(s)
-            .join(WRITEBACK_SUBDIR)
-            .join(writeback_tag(&plan.target, s, &prefix));
-        if let Err(msg) = upload_left_behind(&rt, &store, &fs_config, dir) {
+        if let Err(msg) = upload_left_behind(&rt, &store, &fs_config, writeback_dir) {
             return report_failure(readiness, msg);
         }
     }
@@ -765,10 +776,12 @@ fn private_dir(dir: &Path) -> Result<(), String> {
 
 /// Cleans up what dead daemons of this bucket left (in the state directory, and in the
 /// journal directories of older versions), then opens this daemon's journal.
+/// `endpoint`: as the client resolved it (see [`writeback_tag`]).
 async fn open_journal(
     store: Arc<dyn ObjectStore>,
     settings: &Settings,
     target: &Target,
+    endpoint: Option<String>,
     prefix: &str,
 ) -> Result<MountJournal, String> {
     let dir = state_dir(settings).join(JOURNAL_SUBDIR);
@@ -776,7 +789,7 @@ async fn open_journal(
     let bucket = match target {
         Target::S3 { bucket, .. } => Bucket::S3 {
             bucket: bucket.clone(),
-            endpoint: settings.endpoint_url.clone(),
+            endpoint,
         },
         Target::Local { dir } => Bucket::Local { dir: dir.clone() },
     };
@@ -887,17 +900,13 @@ async fn drain_uploads(fs: &Fs) -> i32 {
 }
 
 /// The write-back directory's name for a mount: the bucket (readable) and a hash of what
-/// tells mounts apart (store, bucket, prefix).
-fn writeback_tag(target: &Target, s: &Settings, prefix: &str) -> String {
+/// tells mounts apart (`scope`: the store and bucket; the prefix). Files waiting there go
+/// to that store only (before, the endpoint a mount was given named it, so a mount of the
+/// same bucket name at another `AWS_ENDPOINT_URL` uploaded them there).
+fn writeback_tag(target: &Target, scope: &str, prefix: &str) -> String {
     let (name, whole) = match target {
-        Target::S3 { bucket, .. } => (
-            bucket.clone(),
-            format!(
-                "s3 {} {bucket} {prefix}",
-                s.endpoint_url.as_deref().unwrap_or("aws")
-            ),
-        ),
-        Target::Local { dir } => ("local".to_string(), format!("local {}", dir.display())),
+        Target::S3 { bucket, .. } => (bucket.clone(), format!("{scope} {prefix}")),
+        Target::Local { .. } => ("local".to_string(), scope.to_string()),
     };
     // FNV-1a: stable across versions (the name must be found again after an upgrade).
     let mut h: u64 = 0xcbf29ce484222325;

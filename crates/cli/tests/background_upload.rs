@@ -308,6 +308,56 @@ fn simulated_reboot_uploads_what_was_acknowledged() {
     assert_eq!(read_file(&m.join(name(199))), content(199));
 }
 
+/// `spec` reaching its store through `AWS_ENDPOINT_URL=endpoint` instead of `--endpoint-url`.
+fn at_env_endpoint(mut spec: MountSpec, endpoint: String) -> MountSpec {
+    let i = spec
+        .args
+        .iter()
+        .position(|a| a == "--endpoint-url")
+        .unwrap();
+    spec.args.drain(i..i + 2);
+    spec.envs.push(("AWS_ENDPOINT_URL".into(), endpoint));
+    spec
+}
+
+/// Files a background mount acknowledged wait for the store it wrote to, as the client
+/// resolved its endpoint (`AWS_ENDPOINT_URL` here). A mount of a bucket of the same name at
+/// another endpoint, from the same state directory, never uploads them there (it did: the
+/// write-back directory was named after the endpoint given as an option, here none). The
+/// next mount of their own store does.
+#[test]
+fn pending_files_go_only_to_the_store_that_acknowledged_them() {
+    let b = s3().new_bucket("bgscope");
+    let state = state_dir();
+    let ours = || at_env_endpoint(bg_spec(&b, state.path()), env().endpoint.clone());
+    let mut m = ours().arg("--upload-delay").arg("600").mount();
+    std::fs::write(m.join("f"), b"acknowledged here").unwrap();
+    m.kill9();
+    drop(m);
+    let disk = tempfile::tempdir().unwrap();
+    let data = disk.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let minio = PrivateMinio::start(&data, None);
+    let other = minio.client(None);
+    other.create_bucket(&b);
+    let m = at_env_endpoint(bg_spec(&b, state.path()), minio.endpoint()).mount();
+    let shown = m.join("f").exists();
+    drop(m);
+    assert_eq!(
+        other.list_keys(&b, ""),
+        BTreeSet::new(),
+        "uploaded to another store"
+    );
+    assert!(!shown, "another store's mount showed the file");
+    assert_eq!(s3().get(&b, "f"), None);
+    let m = ours().mount();
+    assert_eq!(
+        s3().get(&b, "f").as_deref(),
+        Some(&b"acknowledged here"[..])
+    );
+    drop(m);
+}
+
 /// An upload the store refuses for good (the bucket is gone) is kept, shown by the mount,
 /// listed by `bucketfs pending` with its error, counted, logged once per file, and retried:
 /// once the bucket is back, the unmount uploads it.

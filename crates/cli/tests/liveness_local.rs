@@ -399,12 +399,6 @@ fn mounting_over_a_hung_mount_fails_in_bounded_time() {
     let mp = m.path().to_path_buf();
     let daemon = m.daemon_pid().expect("the daemon's pid");
     unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
-    struct Cont(u32);
-    impl Drop for Cont {
-        fn drop(&mut self) {
-            unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
-        }
-    }
     let cont = Cont(daemon);
     let second = mount_bg(&format!("s3://{b2}"), &mp, &[], &creds());
     let pending = run_cli(
@@ -429,6 +423,42 @@ fn mounting_over_a_hung_mount_fails_in_bounded_time() {
     assert!(
         !pending.timed_out && pending.elapsed < Duration::from_secs(15),
         "{pending:?}"
+    );
+}
+
+/// `bucketfs mount --allow-stacking` over a mount whose daemon hangs, and whose root the
+/// kernel still knows (its stat answers from the cache): the emptiness check read the
+/// directory without a time bound and hung with it. Now it fails within seconds, in one line.
+#[test]
+fn stacking_over_a_hung_mount_fails_in_bounded_time() {
+    let s3 = s3();
+    let b1 = s3.new_bucket("hungstack1");
+    let b2 = s3.new_bucket("hungstack2");
+    let m = MountSpec::s3(&b1, "").arg("--stat-ttl").arg("600s").mount();
+    let mp = m.path().to_path_buf();
+    std::fs::metadata(&mp).unwrap();
+    let daemon = m.daemon_pid().expect("the daemon's pid");
+    unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
+    let cont = Cont(daemon);
+    let args = vec!["--allow-stacking".to_string()];
+    let second = mount_bg(&format!("s3://{b2}"), &mp, &args, &creds());
+    let stacked = mounts_at(&mp);
+    drop(cont);
+    if stacked > 1 {
+        let pid = processes_mentioning(&format!("s3://{b2}")).first().copied();
+        unmount_bg(&mp, pid);
+    }
+    drop(m);
+    assert!(
+        !second.timed_out && second.elapsed < Duration::from_secs(15),
+        "{second:?}"
+    );
+    assert_eq!(second.status.and_then(|s| s.code()), Some(1), "{second:?}");
+    assert_eq!(second.stderr.lines().count(), 1, "{}", second.stderr);
+    assert!(
+        second.stderr.contains("does not answer"),
+        "{}",
+        second.stderr
     );
 }
 

@@ -40,7 +40,7 @@ use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
@@ -653,7 +653,7 @@ pub struct WriteBack {
     dir_file: File,
     on_uploaded: Mutex<Option<Arc<OnUploaded>>>,
     /// Itself, for the tasks it starts.
-    me: Mutex<Option<std::sync::Weak<WriteBack>>>,
+    me: Mutex<Option<Weak<WriteBack>>>,
     /// Held for the daemon's life: one mount per directory.
     _lock: File,
 }
@@ -743,6 +743,25 @@ pub struct Slot {
     /// seal reads its bytes for the CRC instead of writing them, then renames this link over
     /// the entry's name.
     adopting: Option<PathBuf>,
+    /// Gives back the room and the replaced entry if the slot is dropped unsettled.
+    wb: Weak<WriteBack>,
+    /// Committed or abandoned: its drop changes nothing.
+    settled: bool,
+}
+
+impl Drop for Slot {
+    /// A caller that panicked, or whose future was dropped, between begin and commit: the
+    /// entry this one would replace goes up again and its key's next commit does not wait
+    /// for it for good (it waited forever for the held entry).
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        if let Some(wb) = self.wb.upgrade() {
+            wb.forget_loc(&self.loc);
+            wb.unhold(self.replaces, self.size);
+        }
+    }
 }
 
 impl Slot {
@@ -1742,6 +1761,8 @@ impl WriteBack {
             held: Vec::new(),
             early: None,
             adopting: None,
+            wb: self.me.lock().clone().unwrap_or_default(),
+            settled: false,
         })
     }
 
@@ -1847,7 +1868,8 @@ impl WriteBack {
 
     /// A commit that will not finish: its file goes, its room and the entry it was to
     /// replace come back.
-    pub async fn abandon(&self, slot: Slot) {
+    pub async fn abandon(&self, mut slot: Slot) {
+        slot.settled = true;
         let (replaces, size) = (slot.replaces, slot.size);
         match &slot.loc {
             // Its name and the slot's descriptor hold a file's blocks, freed when both go
@@ -1950,7 +1972,6 @@ impl WriteBack {
         park: bool,
         fill: impl FnOnce(&mut Slot) -> std::io::Result<()> + Send + 'static,
     ) -> FsResult<u64> {
-        let (loc, replaces, size) = (slot.loc.clone(), slot.replaces, slot.size);
         let done = crate::inline::local_io(move || {
             let r = fill(&mut slot).and_then(|()| slot.seal());
             (slot, r)
@@ -1967,11 +1988,9 @@ impl WriteBack {
                 self.abandon(slot).await;
                 return Err(wb_io(e));
             }
-            None => {
-                self.forget_loc(&loc);
-                self.unhold(replaces, size);
-                return Err(FsError::EIO);
-            }
+            // The slot went unsettled (the fill panicked, or never ran): its drop gave
+            // everything back.
+            None => return Err(FsError::EIO),
         };
         if matches!(slot.loc, Loc::File(_)) {
             if let Err(e) = self.sync_dir().await {
@@ -2051,6 +2070,7 @@ impl WriteBack {
             if !held && parked.is_none() {
                 inner.ready.push_back(slot.seq);
             }
+            slot.settled = true;
             old
         };
         if slot.delta.is_some() {
@@ -4432,6 +4452,48 @@ mod tests {
         assert!(got[..] == want[..], "the version uploaded differs");
         assert!(store.head("b").await.is_err(), "a cut chain went up");
         assert_eq!(wb.counts().0, 0);
+    }
+
+    /// A caller that panics between a commit's begin and its commit (a bug, or a future
+    /// dropped) gives back what the slot held: before, the entry it replaced stayed held,
+    /// never went up, and the key's next commit waited for it for good. Both kinds: a whole
+    /// commit and a delta.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_commit_dropped_between_begin_and_commit_holds_nothing() {
+        let (_dir, store, wb) = started_wb().await;
+        let v1 = put(&wb, "a", &[1; 8192]).await;
+        let room = wb.inner.lock().bytes;
+        for changes in [
+            None,
+            Some(Changes {
+                keep: 8192,
+                ranges: std::iter::once(0..4).collect(),
+            }),
+        ] {
+            let w = wb.clone();
+            let panicked = tokio::spawn(async move {
+                let meta = UserMeta::new();
+                let mut slot = w
+                    .begin("a", 8192, &meta, Some(v1), Cond::Absent, changes)
+                    .await
+                    .unwrap();
+                slot.write(Bytes::from_static(b"half")).await.unwrap();
+                panic!("a bug between begin and commit");
+            })
+            .await;
+            assert!(panicked.is_err());
+            assert_eq!(wb.inner.lock().bytes, room, "the slot's room was kept");
+        }
+        let v2 = tokio::time::timeout(Duration::from_secs(5), put(&wb, "a", &[2; 8192]))
+            .await
+            .expect("the key's next commit waited for the held entry");
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        assert_eq!(wb.counts().0, 0);
+        let got = store.get_range("a", 0..9000, None).await.unwrap();
+        assert!(
+            got[..] == [2; 8192][..],
+            "not the version committed last ({v2})"
+        );
     }
 
     /// Review finding: a delta whose commit failed after its record reached the disk (its
