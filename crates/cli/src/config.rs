@@ -616,9 +616,11 @@ impl Settings {
                 max_bytes: self.data_cache_size,
                 scope: String::new(),
             }),
-            // The directory (under the state directory, per bucket) is the caller's too.
+            // The directory (under the state directory, per bucket) and what it is for are
+            // the caller's too.
             writeback: self.background_upload.then(|| WriteBackConfig {
                 dir: PathBuf::new(),
+                store: String::new(),
                 max_bytes: self.writeback_size,
                 concurrency: BACKGROUND_UPLOADS,
                 fsync_waits_upload: self.fsync_waits_upload,

@@ -404,18 +404,40 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         // Blocks are keyed by this too: two buckets (or endpoints) never share one.
         c.scope = scope.clone();
     }
-    let writeback_dir =
-        state_dir(s)
+    let writeback_for = writeback_store(&plan.target, &scope, &prefix);
+    let writeback_dir = state_dir(s)
+        .join(WRITEBACK_SUBDIR)
+        .join(writeback_tag(&plan.target, &writeback_for));
+    if let (Target::S3 { bucket, .. }, None, Some(endpoint)) =
+        (&plan.target, &s.endpoint_url, &opened.endpoint)
+    {
+        // Before the directory recorded its store, it was named after the endpoint option
+        // alone ("aws" without one): this store's files may wait under that name.
+        let legacy = writeback_store(&plan.target, &format!("s3 aws {bucket}"), &prefix);
+        let legacy = state_dir(s)
             .join(WRITEBACK_SUBDIR)
-            .join(writeback_tag(&plan.target, &scope, &prefix));
+            .join(writeback_tag(&plan.target, &legacy));
+        match WriteBack::take_over(&legacy, &writeback_dir) {
+            Ok(true) => warn!(
+                "{}: files an earlier bucketfs acknowledged for this bucket at {endpoint}, \
+                 named without the endpoint: moved to {}",
+                legacy.display(),
+                writeback_dir.display()
+            ),
+            Ok(false) => {}
+            Err(msg) => return report_failure(readiness, msg),
+        }
+    }
     if let Some(w) = &mut fs_config.writeback {
         // One directory per bucket and prefix (and store): files wait there for upload.
         w.dir = writeback_dir.clone();
+        w.store = writeback_for.clone();
     }
     if fs_config.writeback.is_none() {
         // Files a mount with --upload background acknowledged and left here are uploaded
         // before this one serves, or it refuses: they are never ignored.
-        if let Err(msg) = upload_left_behind(&rt, &store, &fs_config, writeback_dir) {
+        let left = (writeback_dir, writeback_for);
+        if let Err(msg) = upload_left_behind(&rt, &store, &fs_config, left) {
             return report_failure(readiness, msg);
         }
     }
@@ -650,7 +672,7 @@ fn upload_left_behind(
     rt: &tokio::runtime::Runtime,
     store: &Arc<dyn ObjectStore>,
     fs_config: &bucketfs_fs::FsConfig,
-    dir: PathBuf,
+    (dir, store_for): (PathBuf, String),
 ) -> Result<(), String> {
     if !WriteBack::holds_entries(&dir) {
         return Ok(());
@@ -667,6 +689,7 @@ fn upload_left_behind(
         fsync_waits_upload: false,
         delay: Duration::ZERO,
         space_wait: Duration::from_secs(60),
+        store: store_for,
     };
     let part_size = fs_config.part_size.max(store.limits().min_part);
     let (found, left) = rt.block_on(WriteBack::upload_left_behind(
@@ -899,18 +922,27 @@ async fn drain_uploads(fs: &Fs) -> i32 {
     0
 }
 
+/// What a mount's write-back files are for (see [`WriteBackConfig::store`]): `scope` (the
+/// store as the client resolved its endpoint, and the bucket) and the prefix. Before, the
+/// endpoint a mount was given as an option stood for the store, so a mount of the same
+/// bucket name at another `AWS_ENDPOINT_URL` uploaded files another store acknowledged.
+fn writeback_store(target: &Target, scope: &str, prefix: &str) -> String {
+    match target {
+        Target::S3 { .. } => format!("{scope} {prefix}"),
+        Target::Local { .. } => scope.to_string(),
+    }
+}
+
 /// The write-back directory's name for a mount: the bucket (readable) and a hash of what
-/// tells mounts apart (`scope`: the store and bucket; the prefix). Files waiting there go
-/// to that store only (before, the endpoint a mount was given named it, so a mount of the
-/// same bucket name at another `AWS_ENDPOINT_URL` uploaded them there).
-fn writeback_tag(target: &Target, scope: &str, prefix: &str) -> String {
-    let (name, whole) = match target {
-        Target::S3 { bucket, .. } => (bucket.clone(), format!("{scope} {prefix}")),
-        Target::Local { .. } => ("local".to_string(), scope.to_string()),
+/// its files are for ([`writeback_store`]).
+fn writeback_tag(target: &Target, store: &str) -> String {
+    let name = match target {
+        Target::S3 { bucket, .. } => bucket.clone(),
+        Target::Local { .. } => "local".to_string(),
     };
     // FNV-1a: stable across versions (the name must be found again after an upgrade).
     let mut h: u64 = 0xcbf29ce484222325;
-    for b in whole.bytes() {
+    for b in store.bytes() {
         h ^= b as u64;
         h = h.wrapping_mul(0x100000001b3);
     }

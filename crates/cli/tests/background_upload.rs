@@ -358,6 +358,48 @@ fn pending_files_go_only_to_the_store_that_acknowledged_them() {
     drop(m);
 }
 
+/// A write-back directory an earlier version left for a mount given its store by
+/// `AWS_ENDPOINT_URL` was named as if for AWS (the endpoint option alone named it) and
+/// recorded no store. The next mount at that endpoint takes it over and uploads its files
+/// (before the take-over they waited there, unseen, for a mount of the bucket name at AWS).
+#[test]
+fn files_an_earlier_version_left_for_an_env_endpoint_are_uploaded() {
+    let b = s3().new_bucket("bglegacy");
+    let state = state_dir();
+    let ours = || at_env_endpoint(bg_spec(&b, state.path()), env().endpoint.clone());
+    let mut m = ours().arg("--upload-delay").arg("600").mount();
+    std::fs::write(m.join("f"), b"left by an earlier version").unwrap();
+    m.kill9();
+    drop(m);
+    // What the earlier version left: the same entries, under its name, no store recorded.
+    let wb = state.path().join("writeback");
+    let dirs: Vec<PathBuf> = std::fs::read_dir(&wb)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    std::fs::remove_file(dirs[0].join("store")).unwrap();
+    let mut h: u64 = 0xcbf29ce484222325;
+    for c in format!("s3 aws {b} ").bytes() {
+        h ^= c as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    let legacy = wb.join(format!("{b}-{h:016x}"));
+    std::fs::rename(&dirs[0], &legacy).unwrap();
+    let m = ours().mount();
+    assert_eq!(
+        s3().get(&b, "f").as_deref(),
+        Some(&b"left by an earlier version"[..])
+    );
+    assert!(!legacy.exists());
+    assert!(
+        m.log().contains("named without the endpoint: moved to"),
+        "{}",
+        m.log()
+    );
+    drop(m);
+}
+
 /// An upload the store refuses for good (the bucket is gone) is kept, shown by the mount,
 /// listed by `bucketfs pending` with its error, counted, logged once per file, and retried:
 /// once the bucket is back, the unmount uploads it.

@@ -69,6 +69,7 @@ async fn landed_and_forgotten() -> (
         fsync_waits_upload: true,
         delay: Duration::ZERO,
         space_wait: Duration::from_secs(60),
+        store: "memory".to_string(),
     });
     let fs = Fs::new(mem.clone(), cfg);
     let create = |name: &'static str| {

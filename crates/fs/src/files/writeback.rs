@@ -149,7 +149,22 @@ pub struct WriteBackConfig {
     /// this long; at once when entries that never go up by themselves (conflicts,
     /// unreadable entries) leave no room.
     pub space_wait: Duration,
+    /// What the directory's files are for (the store, bucket and prefix), recorded in its
+    /// [`STORE_FILE`]: a directory recorded for another is refused.
+    pub store: String,
 }
+
+/// The file of a write-back directory that names what its files are for (see
+/// [`WriteBackConfig::store`]). Directories of versions before it have none.
+pub const STORE_FILE: &str = "store";
+
+/// The files of a write-back directory that are not entries.
+fn not_an_entry(name: &std::ffi::OsStr) -> bool {
+    name == "lock" || name == STORE_FILE || name == STORE_ASIDE
+}
+
+/// [`STORE_FILE`] while it is written.
+const STORE_ASIDE: &str = "store.new";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Status {
@@ -942,6 +957,60 @@ impl Slot {
     }
 }
 
+/// Takes write-back directory `dir`'s lock (held while the file is open).
+fn lock_dir(dir: &Path) -> Result<File, String> {
+    use std::os::fd::AsRawFd;
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(dir.join("lock"))
+        .map_err(|e| format!("write-back directory {}: {e}", dir.display()))?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(format!(
+            "write-back directory {} is in use by another bucketfs of the same bucket and \
+             state directory",
+            dir.display()
+        ));
+    }
+    Ok(lock)
+}
+
+/// Records `store` in write-back directory `dir` (see [`STORE_FILE`]) if it records none
+/// (new, or made by an earlier version); refuses it if it records another.
+fn record_store(dir: &Path, store: &str) -> Result<(), String> {
+    let path = dir.join(STORE_FILE);
+    let err = |e: std::io::Error| format!("write-back directory {}: {e}", dir.display());
+    match std::fs::read_to_string(&path) {
+        Ok(r) if r == store => return Ok(()),
+        Ok(r) => {
+            return Err(format!(
+                "write-back directory {} holds files for {r:?}, not for {store:?}",
+                dir.display()
+            ))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
+    }
+    // Whole or absent after a crash: written aside, synced, renamed in, the rename synced.
+    let aside = dir.join(STORE_ASIDE);
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .mode(0o600)
+            .open(&aside)?;
+        std::io::Write::write_all(&mut f, store.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&aside, &path)?;
+        File::open(dir)?.sync_all()
+    };
+    write().map_err(err)
+}
+
 fn wb_io(e: std::io::Error) -> FsError {
     match e.raw_os_error() {
         // Said by the close that uploads instead, at most every 10 s (`log_direct`).
@@ -1002,24 +1071,8 @@ impl WriteBack {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(err)?;
         }
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .open(dir.join("lock"))
-            .map_err(err)?;
-        {
-            use std::os::fd::AsRawFd;
-            // SAFETY: flock on a descriptor we own.
-            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-                return Err(format!(
-                    "write-back directory {} is in use by another bucketfs of the same bucket \
-                     and state directory",
-                    dir.display()
-                ));
-            }
-        }
+        let lock = lock_dir(dir)?;
+        record_store(dir, &cfg.store)?;
         let dir_file = File::open(dir).map_err(err)?;
         let mut inner = Inner::default();
         let Recovered {
@@ -1292,7 +1345,47 @@ impl WriteBack {
     /// Whether `dir` holds anything a background mount left (entries, segments).
     pub fn holds_entries(dir: &Path) -> bool {
         std::fs::read_dir(dir)
-            .is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| e.file_name() != "lock")))
+            .is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| !not_an_entry(&e.file_name()))))
+    }
+
+    /// Moves write-back directory `from`, which a version before [`STORE_FILE`] left and
+    /// which may be this mount's under another name (see the caller), to `to`: only when
+    /// `from` holds entries and records no store, no mount holds either, and `to` holds no
+    /// entries. Returns whether it moved it.
+    pub fn take_over(from: &Path, to: &Path) -> Result<bool, String> {
+        if !Self::holds_entries(from) || from.join(STORE_FILE).exists() {
+            return Ok(false);
+        }
+        let err = |e: std::io::Error| format!("write-back directory {}: {e}", from.display());
+        if Self::holds_entries(to) {
+            return Err(format!(
+                "write-back directory {} holds files an earlier bucketfs acknowledged, and so \
+                 does {}: move the entries of the one that belongs to this store into the \
+                 other, or remove it",
+                from.display(),
+                to.display()
+            ));
+        }
+        let _from_lock = lock_dir(from)?;
+        let _to_lock = match to.exists() {
+            true => {
+                let l = lock_dir(to)?;
+                for name in ["lock", STORE_FILE] {
+                    match std::fs::remove_file(to.join(name)) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
+                        _ => {}
+                    }
+                }
+                std::fs::remove_dir(to).map_err(err)?;
+                Some(l)
+            }
+            false => None,
+        };
+        std::fs::rename(from, to).map_err(err)?;
+        if let Some(parent) = to.parent() {
+            File::open(parent).and_then(|f| f.sync_all()).map_err(err)?;
+        }
+        Ok(true)
     }
 
     /// A new file in the directory with no name (`O_TMPFILE`), for a writer's bytes that a
@@ -3434,10 +3527,10 @@ fn recover(dir: &Path) -> std::io::Result<Recovered> {
     for d in std::fs::read_dir(dir)? {
         let d = d?;
         let name = d.file_name();
-        let name = name.to_string_lossy();
-        if name == "lock" {
+        if not_an_entry(&name) {
             continue;
         }
+        let name = name.to_string_lossy();
         if let Some(id) = name
             .strip_prefix("seg-")
             .and_then(|n| n.strip_suffix(".wbs"))
@@ -3864,6 +3957,7 @@ mod tests {
             fsync_waits_upload: false,
             delay: Duration::from_secs(3600),
             space_wait: Duration::from_secs(60),
+            store: "memory".to_string(),
         };
         let (wb, n) = WriteBack::open(
             cfg,
@@ -4184,6 +4278,7 @@ mod tests {
             fsync_waits_upload: false,
             delay: Duration::ZERO,
             space_wait: Duration::from_secs(60),
+            store: "memory".to_string(),
         };
         let (wb, _) = WriteBack::open(
             cfg,

@@ -79,6 +79,7 @@ fn writeback_config(state: &tempfile::TempDir, delay: Duration) -> WriteBackConf
         fsync_waits_upload: false,
         delay,
         space_wait: Duration::from_secs(60),
+        store: "memory".to_string(),
     }
 }
 
