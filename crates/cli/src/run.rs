@@ -129,7 +129,7 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     std::fs::create_dir_all(&settings.cache_dir)
         .map_err(|e| format!("cache dir {}: {e}", settings.cache_dir.display()))?;
     if let Some(d) = &settings.data_cache {
-        bucketfs_fs::prepare_data_cache_dir(d)?;
+        settings.data_cache = Some(bucketfs_fs::prepare_data_cache_dir(d)?);
     }
     settings.state_dir = Some(state.clone());
     private_state_dir(&state)?;

@@ -552,9 +552,11 @@ impl Fs {
             return Ok(c);
         }
         let key = self.ns.key(&path);
+        // Another client may have made it longer than the size known (PATH_MAX covers any
+        // target a kernel would follow).
         let target = self
             .store
-            .get_range(&key, 0..size.max(1), None)
+            .get_range(&key, 0..size.max(libc::PATH_MAX as u64), None)
             .await
             .map_err(|e| log_store_err(&format!("readlink {key}"), e))?;
         if let Some(i) = self.ns.table().get_mut(ino) {

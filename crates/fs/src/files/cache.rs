@@ -95,8 +95,9 @@ pub struct DataCacheConfig {
 }
 
 /// Creates `dir` (0700) or checks it: refused if another user owns it or others may write
-/// to it (they could plant blocks that pass the checks).
-pub fn prepare_dir(dir: &Path) -> Result<(), String> {
+/// to it (they could plant blocks that pass the checks), or to a directory above it. Returns
+/// it with no link in it, the path the cache is to use.
+pub fn prepare_dir(dir: &Path) -> Result<PathBuf, String> {
     let show = dir.display();
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -121,7 +122,26 @@ pub fn prepare_dir(dir: &Path) -> Result<(), String> {
             md.permissions().mode() & 0o7777
         ));
     }
-    Ok(())
+    // Every directory on the way is this user's or root's, and others may not rename what
+    // is in it (closed to them, or sticky like /tmp): else another user could swap one for a
+    // link, and this daemon (often root) would write and delete files where it points.
+    let real = dir
+        .canonicalize()
+        .map_err(|e| format!("data cache {show}: {e}"))?;
+    for above in real.ancestors().skip(1) {
+        let md = std::fs::metadata(above).map_err(|e| format!("data cache {show}: {e}"))?;
+        let mode = md.permissions().mode();
+        if (md.uid() != me && md.uid() != 0) || (mode & 0o022 != 0 && mode & 0o1000 == 0) {
+            return Err(format!(
+                "data cache {show}: {} above it belongs to user {} with mode {:o}: give a \
+                 directory that only this user or root can change the way to",
+                above.display(),
+                md.uid(),
+                mode & 0o7777
+            ));
+        }
+    }
+    Ok(real)
 }
 
 /// A fresh temporary file next to `path` (a sibling named `.tmp-RANDOM-NAME`), created
@@ -1616,6 +1636,25 @@ mod tests {
     use bucketfs_store::memory::MemoryStore;
     use bucketfs_store::metrics::Op;
     use bucketfs_store::{ObjectStore, StoreError, UserMeta};
+
+    /// A cache directory reached through a directory others may change (writable, not
+    /// sticky) is refused: they could swap what is below for a link. Through a link of its
+    /// own it is taken at its real path; below a sticky directory (like /tmp) it is fine.
+    #[test]
+    fn a_cache_dir_others_can_reroute_is_refused() {
+        let top = tempfile::tempdir().unwrap();
+        let open = top.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = prepare_dir(&open.join("cache")).unwrap_err();
+        assert!(e.contains("above it") && e.contains("mode 777"), "{e}");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let real = prepare_dir(&open.join("cache")).unwrap();
+        assert_eq!(real, open.join("cache").canonicalize().unwrap());
+        let link = top.path().join("link");
+        std::os::unix::fs::symlink(open.join("cache"), &link).unwrap();
+        assert_eq!(prepare_dir(&link).unwrap(), real);
+    }
 
     fn start(dir: &Path, max_bytes: u64) -> (Arc<DataCache>, Arc<FsMetrics>) {
         prepare_dir(dir).unwrap();

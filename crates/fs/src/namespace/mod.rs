@@ -248,6 +248,8 @@ impl Namespace {
                 i.attr = a;
                 if another_version(&i.etag, &f.obj.etag) {
                     i.learned_changes += 1;
+                    // A symlink another client pointed elsewhere.
+                    i.symlink_target = None;
                 }
                 i.etag = f.obj.etag.clone();
                 i.user = f.obj.user;
@@ -469,6 +471,8 @@ impl Namespace {
         self.lookups.forget(path);
         self.lookups.forget(&new_path);
         self.lookups.forget_below(path);
+        // What was found absent below a directory the rename replaced.
+        self.lookups.forget_below(&new_path);
         self.note_added(new_parent, new_name);
         self.dir_changed(parent);
         self.dir_changed(new_parent);

@@ -601,3 +601,39 @@ async fn a_stale_read_of_the_roots_marker_never_undoes_a_chmod_of_the_root() {
     let b = fs.getattr(ROOT_INO).await.unwrap();
     assert_eq!((b.perm, b.uid), (0o700, 7), "after the stat's read");
 }
+
+/// A symlink another client points elsewhere (`ln -sfn`, a longer target) reads its new
+/// target once the mount learns of the new version (before: the target read first stayed
+/// for the inode's life).
+#[tokio::test]
+async fn a_symlink_another_client_points_elsewhere_reads_its_new_target() {
+    let mem = Arc::new(MemoryStore::new());
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        mem.clone(),
+        FsConfig {
+            stat_ttl: std::time::Duration::ZERO,
+            ..config(&cache)
+        },
+    );
+    let target = std::path::Path::new("releases/v1");
+    let l = fs
+        .symlink(ROOT_INO, OsStr::new("ln"), target, ME)
+        .await
+        .unwrap();
+    assert_eq!(&fs.readlink(l.ino).await.unwrap()[..], b"releases/v1");
+    let meta = mem.head("ln").await.unwrap().user;
+    mem.put(
+        "ln",
+        bytes::Bytes::from_static(b"releases/version-2"),
+        &meta,
+    )
+    .await
+    .unwrap();
+    let again = fs.lookup(ROOT_INO, OsStr::new("ln")).await.unwrap();
+    assert_eq!(again.ino, l.ino);
+    assert_eq!(
+        &fs.readlink(l.ino).await.unwrap()[..],
+        b"releases/version-2"
+    );
+}

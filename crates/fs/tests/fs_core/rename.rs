@@ -412,3 +412,29 @@ async fn a_writer_below_a_renamed_directory_publishes_over_the_copy_of_its_versi
     assert!(object(&e.mem, "d2/f").await == want, "bytes differ");
     assert_eq!(e.mem.keys(), ["d2/", "d2/f"]);
 }
+
+/// A directory renamed over an empty one: what the mount had found absent below the
+/// replaced directory is not believed below the new one (before: `dst/f` was `ENOENT` for
+/// the negative TTL after `mv src dst` brought an `f`).
+#[tokio::test]
+async fn a_directory_renamed_over_another_forgets_what_was_absent_below_it() {
+    let e = env();
+    put(&e.mem, "src/f", b"f").await;
+    put(&e.mem, "dst/", b"").await;
+    let dst = e.fs.lookup(ROOT_INO, OsStr::new("dst")).await.unwrap();
+    assert_eq!(
+        e.fs.lookup(dst.ino, OsStr::new("f")).await.map(|a| a.ino),
+        Err(FsError::ENOENT)
+    );
+    let src = e.fs.lookup(ROOT_INO, OsStr::new("src")).await.unwrap();
+    e.fs.rename(ROOT_INO, OsStr::new("src"), ROOT_INO, OsStr::new("dst"), 0)
+        .await
+        .unwrap();
+    let f = e.fs.lookup(src.ino, OsStr::new("f")).await.unwrap();
+    assert_eq!(f.size, 1);
+    let dst = e.fs.lookup(ROOT_INO, OsStr::new("dst")).await.unwrap();
+    assert_eq!(
+        e.fs.lookup(dst.ino, OsStr::new("f")).await.unwrap().ino,
+        f.ino
+    );
+}
