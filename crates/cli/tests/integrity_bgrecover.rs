@@ -777,7 +777,10 @@ fn a_crash_while_a_close_names_its_staging_file_uploads_nothing_of_it() {
         for p in std::fs::read_dir(&d).unwrap().flatten().map(|e| e.path()) {
             if p.is_dir() {
                 dirs.push(p);
-            } else if !p.ends_with("lock") && p.extension().is_none_or(|x| x != "wbs") {
+            } else if !p.ends_with("lock")
+                && !p.ends_with("store")
+                && p.extension().is_none_or(|x| x != "wbs")
+            {
                 left.push(p);
             }
         }
