@@ -526,3 +526,46 @@ fn a_big_file_keeps_a_chmod_made_while_it_streams_and_gets_a_new_mtime_when_rewr
         "the mtime shown before the remount is not the one stored"
     );
 }
+
+/// chmod, chown and utimens of an object another tool stored with its own headers keep
+/// them: a copy that replaces the user metadata drops every other header unless it gives
+/// them again (before: a `text/html` page came back `binary/octet-stream`, its caching and
+/// download name gone).
+#[test]
+fn chmod_chown_utimens_keep_the_objects_other_headers() {
+    let b = s3().new_bucket("headers");
+    s3().block_on(
+        s3().client
+            .put_object()
+            .bucket(&b)
+            .key("page.html")
+            .body(b"<p>hi</p>".to_vec().into())
+            .content_type("text/html; charset=utf-8")
+            .cache_control("max-age=60")
+            .content_disposition("inline; filename=page.html")
+            .content_language("en")
+            .content_encoding("identity")
+            .send(),
+    )
+    .unwrap();
+    let m = MountSpec::s3(&b, "").mount();
+    let p = m.join("page.html");
+    fs::set_permissions(&p, Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&p, Some(1234), Some(5678)).unwrap();
+    set_times(&p, None, Some(1_000_000_000));
+    drop(m);
+    let h = s3()
+        .block_on(s3().client.head_object().bucket(&b).key("page.html").send())
+        .unwrap();
+    assert_eq!(h.content_type(), Some("text/html; charset=utf-8"));
+    assert_eq!(h.cache_control(), Some("max-age=60"));
+    assert_eq!(h.content_disposition(), Some("inline; filename=page.html"));
+    assert_eq!(h.content_language(), Some("en"));
+    assert_eq!(h.content_encoding(), Some("identity"));
+    assert_eq!(stored_mode(&b, "page.html") & 0o7777, 0o600);
+    assert_eq!(
+        head(&b, "page.html").meta.get("uid").map(String::as_str),
+        Some("1234")
+    );
+    assert_eq!(stored_mtime(&b, "page.html") as i64, 1_000_000_000);
+}

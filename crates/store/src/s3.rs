@@ -429,6 +429,26 @@ impl S3Store {
         self.endpoint.as_deref()
     }
 
+    /// The headers of `key` (the version `if_match`) that a copy replacing its user metadata
+    /// must give again: S3 keeps none of them then (Content-Type, Content-Encoding,
+    /// Content-Language, Content-Disposition, Cache-Control, the website redirect, the
+    /// storage class and the KMS encryption).
+    async fn kept_headers(
+        &self,
+        key: &str,
+        if_match: Option<&str>,
+    ) -> StoreResult<aws_sdk_s3::operation::head_object::HeadObjectOutput> {
+        let _slot = self.metadata_slot().await;
+        self.client
+            .head_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .set_if_match(if_match.map(str::to_string))
+            .send()
+            .await
+            .map_err(|e| map_err(key, e))
+    }
+
     /// Waits for a request slot. Held across the whole request (the SDK's own attempts and
     /// the reading of the body), so requests in flight, and with them open connections,
     /// never exceed [`most_connections`] of the configured number. A slot is never held
@@ -889,6 +909,12 @@ impl ObjectStore for S3Store {
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
     ) -> StoreResult<String> {
+        // A copy that replaces the user metadata replaces the object's other headers too:
+        // they are read first and given again (chmod must not make a web page a download).
+        let kept = match meta {
+            Some(_) => Some(self.kept_headers(src_key, src_if_match).await?),
+            None => None,
+        };
         let _slot = self.slot().await;
         let mut req = self
             .client
@@ -902,10 +928,20 @@ impl ObjectStore for S3Store {
             // between the source check and the write.
             req = req.set_if_match(src_if_match.map(str::to_string));
         }
-        if let Some(m) = meta {
+        if let (Some(m), Some(h)) = (meta, kept) {
             req = req
                 .metadata_directive(MetadataDirective::Replace)
-                .set_metadata(Some(to_hashmap(m)));
+                .set_metadata(Some(to_hashmap(m)))
+                .set_content_type(h.content_type().map(str::to_string))
+                .set_content_encoding(h.content_encoding().map(str::to_string))
+                .set_content_language(h.content_language().map(str::to_string))
+                .set_content_disposition(h.content_disposition().map(str::to_string))
+                .set_cache_control(h.cache_control().map(str::to_string))
+                .set_website_redirect_location(h.website_redirect_location().map(str::to_string))
+                .set_storage_class(h.storage_class().cloned())
+                .set_server_side_encryption(h.server_side_encryption().cloned())
+                .set_ssekms_key_id(h.ssekms_key_id().map(str::to_string))
+                .set_bucket_key_enabled(h.bucket_key_enabled());
         }
         // The size is unknown here and a server-side copy of up to 5 GiB can take minutes.
         let out = req
