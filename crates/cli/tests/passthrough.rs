@@ -233,8 +233,18 @@ fn opens_for_writing_never_get_the_cache_copy() {
     assert!(got == data);
     drop(f);
     assert_eq!(passthrough_opens(&addr), 0);
-    // A reader through the copy: an open for writing waits for it, then ETXTBSY.
-    let held = std::fs::File::open(m.join("f")).unwrap();
+    // A reader through the copy: an open for writing waits for it, then ETXTBSY. (The
+    // kernel sends the RELEASE of the descriptor above after its close returned: until the
+    // daemon has it, the file is open elsewhere and an open reads through the daemon.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let held = loop {
+        let held = std::fs::File::open(m.join("f")).unwrap();
+        if passthrough_opens(&addr) == 1 || Instant::now() > deadline {
+            break held;
+        }
+        drop(held);
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert_eq!(passthrough_opens(&addr), 1);
     let w = std::fs::OpenOptions::new().write(true).open(m.join("f"));
     assert_eq!(errno(w), libc::ETXTBSY);
