@@ -425,7 +425,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
                 writeback_dir.display()
             ),
             Ok(false) => {}
-            Err(msg) => return report_failure(readiness, msg),
+            Err(msg) => warn!("{msg}"),
         }
     }
     if let Some(w) = &mut fs_config.writeback {

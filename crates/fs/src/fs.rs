@@ -548,6 +548,7 @@ impl Fs {
             }
             (i.path.clone(), i.attr.size, i.symlink_target.clone())
         };
+        let known = self.ns.table().get(ino).and_then(|i| i.etag.clone());
         if let Some(c) = cached {
             return Ok(c);
         }
@@ -560,7 +561,10 @@ impl Fs {
             .await
             .map_err(|e| log_store_err(&format!("readlink {key}"), e))?;
         if let Some(i) = self.ns.table().get_mut(ino) {
-            i.symlink_target = Some(target.clone());
+            // Not if a new version was learnt while the GET ran: it may hold the old target.
+            if i.etag == known {
+                i.symlink_target = Some(target.clone());
+            }
         }
         Ok(target)
     }

@@ -110,6 +110,39 @@ pub struct S3Store {
     /// The endpoint requests go to, however it was given (`endpoint_url`, or the SDK's
     /// `AWS_ENDPOINT_URL` or a profile's `endpoint_url`); `None`: AWS's own.
     endpoint: Option<String>,
+    /// The versions this client's PUTs and uploads made, which carry no headers but the
+    /// user metadata: a copy replacing that metadata has none to read first.
+    own: parking_lot::Mutex<OwnVersions>,
+}
+
+/// The last [`OwnVersions::KEPT`] (key, ETag) pairs this client stored.
+#[derive(Default)]
+struct OwnVersions {
+    etags: HashMap<String, String>,
+    order: std::collections::VecDeque<String>,
+}
+
+impl OwnVersions {
+    const KEPT: usize = 4096;
+
+    fn made(&mut self, key: &str, etag: &str) {
+        if self
+            .etags
+            .insert(key.to_string(), etag.to_string())
+            .is_none()
+        {
+            self.order.push_back(key.to_string());
+            while self.order.len() > Self::KEPT {
+                if let Some(k) = self.order.pop_front() {
+                    self.etags.remove(&k);
+                }
+            }
+        }
+    }
+
+    fn holds(&self, key: &str, etag: &str) -> bool {
+        self.etags.get(key).is_some_and(|e| e == etag)
+    }
 }
 
 /// The bound on S3 requests in flight (`--max-connections`), and how busy it is: gauges for
@@ -421,6 +454,7 @@ impl S3Store {
             page_lists: Semaphore::new(PAGE_LISTS_IN_FLIGHT),
             no_conditional_delete: AtomicBool::new(false),
             endpoint,
+            own: Default::default(),
         })
     }
 
@@ -721,7 +755,9 @@ impl ObjectStore for S3Store {
             req
         };
         let out = req.send().await.map_err(|e| map_err(key, e))?;
-        Ok(norm_etag(out.e_tag()).unwrap_or_default())
+        let etag = norm_etag(out.e_tag()).unwrap_or_default();
+        self.own.lock().made(key, &etag);
+        Ok(etag)
     }
 
     async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
@@ -833,7 +869,9 @@ impl ObjectStore for S3Store {
             .send()
             .await
             .map_err(|e| map_err(key, e))?;
-        Ok(norm_etag(out.e_tag()).unwrap_or_default())
+        let etag = norm_etag(out.e_tag()).unwrap_or_default();
+        self.own.lock().made(key, &etag);
+        Ok(etag)
     }
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
@@ -911,9 +949,11 @@ impl ObjectStore for S3Store {
     ) -> StoreResult<String> {
         // A copy that replaces the user metadata replaces the object's other headers too:
         // they are read first and given again (chmod must not make a web page a download).
+        // Not for a version this client stored itself: it has none.
+        let own = src_if_match.is_some_and(|e| self.own.lock().holds(src_key, e));
         let kept = match meta {
-            Some(_) => Some(self.kept_headers(src_key, src_if_match).await?),
-            None => None,
+            Some(_) if !own => Some(self.kept_headers(src_key, src_if_match).await?),
+            _ => None,
         };
         let _slot = self.slot().await;
         let mut req = self
@@ -928,7 +968,12 @@ impl ObjectStore for S3Store {
             // between the source check and the write.
             req = req.set_if_match(src_if_match.map(str::to_string));
         }
-        if let (Some(m), Some(h)) = (meta, kept) {
+        if let (Some(m), None) = (meta, &kept) {
+            req = req
+                .metadata_directive(MetadataDirective::Replace)
+                .set_metadata(Some(to_hashmap(m)));
+        }
+        if let (Some(m), Some(h)) = (meta, &kept) {
             req = req
                 .metadata_directive(MetadataDirective::Replace)
                 .set_metadata(Some(to_hashmap(m)))
@@ -938,7 +983,13 @@ impl ObjectStore for S3Store {
                 .set_content_disposition(h.content_disposition().map(str::to_string))
                 .set_cache_control(h.cache_control().map(str::to_string))
                 .set_website_redirect_location(h.website_redirect_location().map(str::to_string))
-                .set_storage_class(h.storage_class().cloned())
+                // Not a class this client does not know: MinIO names a remote tier there,
+                // which CopyObject refuses.
+                .set_storage_class(
+                    h.storage_class()
+                        .filter(|c| aws_sdk_s3::types::StorageClass::values().contains(&c.as_str()))
+                        .cloned(),
+                )
                 .set_server_side_encryption(h.server_side_encryption().cloned())
                 .set_ssekms_key_id(h.ssekms_key_id().map(str::to_string))
                 .set_bucket_key_enabled(h.bucket_key_enabled());
@@ -953,9 +1004,15 @@ impl ObjectStore for S3Store {
             .send()
             .await
             .map_err(|e| map_err(&format!("copy {src_key} -> {dst_key}"), e))?;
-        out.copy_object_result()
+        let etag = out
+            .copy_object_result()
             .and_then(|r| norm_etag(r.e_tag()))
-            .ok_or_else(|| StoreError::Other(format!("copy {src_key} -> {dst_key}: no ETag")))
+            .ok_or_else(|| StoreError::Other(format!("copy {src_key} -> {dst_key}: no ETag")))?;
+        if own && meta.is_some() {
+            // A copy of one of its own with new user metadata: still nothing else.
+            self.own.lock().made(dst_key, &etag);
+        }
+        Ok(etag)
     }
 
     async fn delete(&self, key: &str) -> StoreResult<()> {

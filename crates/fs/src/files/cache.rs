@@ -122,16 +122,17 @@ pub fn prepare_dir(dir: &Path) -> Result<PathBuf, String> {
             md.permissions().mode() & 0o7777
         ));
     }
-    // Every directory on the way is this user's or root's, and others may not rename what
-    // is in it (closed to them, or sticky like /tmp): else another user could swap one for a
-    // link, and this daemon (often root) would write and delete files where it points.
+    // Every directory on the way is this user's or root's, and not open to every user for
+    // renames (or sticky, like /tmp): else another user could swap one for a link, and this
+    // daemon (often root) would write and delete files where it points. Group-writable ones
+    // are left to the group.
     let real = dir
         .canonicalize()
         .map_err(|e| format!("data cache {show}: {e}"))?;
     for above in real.ancestors().skip(1) {
         let md = std::fs::metadata(above).map_err(|e| format!("data cache {show}: {e}"))?;
         let mode = md.permissions().mode();
-        if (md.uid() != me && md.uid() != 0) || (mode & 0o022 != 0 && mode & 0o1000 == 0) {
+        if (md.uid() != me && md.uid() != 0) || (mode & 0o002 != 0 && mode & 0o1000 == 0) {
             return Err(format!(
                 "data cache {show}: {} above it belongs to user {} with mode {:o}: give a \
                  directory that only this user or root can change the way to",

@@ -1351,7 +1351,8 @@ impl WriteBack {
     /// Moves write-back directory `from`, which a version before [`STORE_FILE`] left and
     /// which may be this mount's under another name (see the caller), to `to`: only when
     /// `from` holds entries and records no store, no mount holds either, and `to` holds no
-    /// entries. Returns whether it moved it.
+    /// entries. Returns whether it moved it; an error says why it could not (the mount goes
+    /// on without it).
     pub fn take_over(from: &Path, to: &Path) -> Result<bool, String> {
         if !Self::holds_entries(from) || from.join(STORE_FILE).exists() {
             return Ok(false);
@@ -1360,8 +1361,7 @@ impl WriteBack {
         if Self::holds_entries(to) {
             return Err(format!(
                 "write-back directory {} holds files an earlier bucketfs acknowledged, and so \
-                 does {}: move the entries of the one that belongs to this store into the \
-                 other, or remove it",
+                 does {}: the first stays as it is",
                 from.display(),
                 to.display()
             ));
@@ -1370,7 +1370,7 @@ impl WriteBack {
         let _to_lock = match to.exists() {
             true => {
                 let l = lock_dir(to)?;
-                for name in ["lock", STORE_FILE] {
+                for name in ["lock", STORE_FILE, STORE_ASIDE] {
                     match std::fs::remove_file(to.join(name)) {
                         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
                         _ => {}

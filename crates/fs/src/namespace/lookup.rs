@@ -397,6 +397,14 @@ impl Lookups {
             .retain(|p, _| p != dir && !p.is_below(dir));
     }
 
+    /// [`Self::forget_below`] of `a` and `b`, in one pass.
+    pub fn forget_below_either(&self, a: &MountPath, b: &MountPath) {
+        self.changes.fetch_add(1, Ordering::SeqCst);
+        self.cache
+            .lock()
+            .retain(|p, _| p != a && !p.is_below(a) && p != b && !p.is_below(b));
+    }
+
     /// This mount changes something in the store (before, and again once done, where the
     /// change takes a while): the saved pages' disk records it, in the background, until a
     /// second or two from now (so at most about once a second). Not for what it learns of

@@ -470,9 +470,8 @@ impl Namespace {
         let new_path = new_parent_path.join(new_name);
         self.lookups.forget(path);
         self.lookups.forget(&new_path);
-        self.lookups.forget_below(path);
-        // What was found absent below a directory the rename replaced.
-        self.lookups.forget_below(&new_path);
+        // And what was found absent below a directory the rename replaced.
+        self.lookups.forget_below_either(path, &new_path);
         self.note_added(new_parent, new_name);
         self.dir_changed(parent);
         self.dir_changed(new_parent);
