@@ -968,15 +968,13 @@ impl ObjectStore for S3Store {
             // between the source check and the write.
             req = req.set_if_match(src_if_match.map(str::to_string));
         }
-        if let (Some(m), None) = (meta, &kept) {
+        if let Some(m) = meta {
             req = req
                 .metadata_directive(MetadataDirective::Replace)
                 .set_metadata(Some(to_hashmap(m)));
         }
-        if let (Some(m), Some(h)) = (meta, &kept) {
+        if let Some(h) = &kept {
             req = req
-                .metadata_directive(MetadataDirective::Replace)
-                .set_metadata(Some(to_hashmap(m)))
                 .set_content_type(h.content_type().map(str::to_string))
                 .set_content_encoding(h.content_encoding().map(str::to_string))
                 .set_content_language(h.content_language().map(str::to_string))
