@@ -404,19 +404,23 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         // Blocks are keyed by this too: two buckets (or endpoints) never share one.
         c.scope = scope.clone();
     }
+    let writeback_dir_of = |store: &str| {
+        state_dir(s)
+            .join(WRITEBACK_SUBDIR)
+            .join(writeback_tag(&plan.target, store))
+    };
     let writeback_for = writeback_store(&plan.target, &scope, &prefix);
-    let writeback_dir = state_dir(s)
-        .join(WRITEBACK_SUBDIR)
-        .join(writeback_tag(&plan.target, &writeback_for));
+    let writeback_dir = writeback_dir_of(&writeback_for);
     if let (Target::S3 { bucket, .. }, None, Some(endpoint)) =
         (&plan.target, &s.endpoint_url, &opened.endpoint)
     {
         // Before the directory recorded its store, it was named after the endpoint option
         // alone ("aws" without one): this store's files may wait under that name.
-        let legacy = writeback_store(&plan.target, &format!("s3 aws {bucket}"), &prefix);
-        let legacy = state_dir(s)
-            .join(WRITEBACK_SUBDIR)
-            .join(writeback_tag(&plan.target, &legacy));
+        let legacy = writeback_dir_of(&writeback_store(
+            &plan.target,
+            &format!("s3 aws {bucket}"),
+            &prefix,
+        ));
         match WriteBack::take_over(&legacy, &writeback_dir) {
             Ok(true) => warn!(
                 "{}: files an earlier bucketfs acknowledged for this bucket at {endpoint}, \

@@ -320,6 +320,14 @@ fn at_env_endpoint(mut spec: MountSpec, endpoint: String) -> MountSpec {
     spec
 }
 
+/// Writes `body` to `f` through a mount of `spec` whose uploads wait (`--upload-delay
+/// 600`), then kills its daemon (kill -9): `f` is acknowledged and not uploaded.
+fn acknowledge_then_kill(spec: MountSpec, body: &[u8]) {
+    let mut m = spec.arg("--upload-delay").arg("600").mount();
+    std::fs::write(m.join("f"), body).unwrap();
+    m.kill9();
+}
+
 /// Files a background mount acknowledged wait for the store it wrote to, as the client
 /// resolved its endpoint (`AWS_ENDPOINT_URL` here). A mount of a bucket of the same name at
 /// another endpoint, from the same state directory, never uploads them there (it did: the
@@ -330,10 +338,7 @@ fn pending_files_go_only_to_the_store_that_acknowledged_them() {
     let b = s3().new_bucket("bgscope");
     let state = state_dir();
     let ours = || at_env_endpoint(bg_spec(&b, state.path()), env().endpoint.clone());
-    let mut m = ours().arg("--upload-delay").arg("600").mount();
-    std::fs::write(m.join("f"), b"acknowledged here").unwrap();
-    m.kill9();
-    drop(m);
+    acknowledge_then_kill(ours(), b"acknowledged here");
     let disk = tempfile::tempdir().unwrap();
     let data = disk.path().join("data");
     std::fs::create_dir(&data).unwrap();
@@ -367,10 +372,7 @@ fn files_an_earlier_version_left_for_an_env_endpoint_are_uploaded() {
     let b = s3().new_bucket("bglegacy");
     let state = state_dir();
     let ours = || at_env_endpoint(bg_spec(&b, state.path()), env().endpoint.clone());
-    let mut m = ours().arg("--upload-delay").arg("600").mount();
-    std::fs::write(m.join("f"), b"left by an earlier version").unwrap();
-    m.kill9();
-    drop(m);
+    acknowledge_then_kill(ours(), b"left by an earlier version");
     // What the earlier version left: the same entries, under its name, no store recorded.
     let wb = state.path().join("writeback");
     let dirs: Vec<PathBuf> = std::fs::read_dir(&wb)

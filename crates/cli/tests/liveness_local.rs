@@ -387,6 +387,18 @@ fn a_crashed_upload_is_aborted_whatever_the_endpoint_spelling_or_cache_dir() {
     drop(m);
 }
 
+/// `run` (a mount over a hung mount point) failed within 15 s, in one line saying the mount
+/// point does not answer.
+fn refused_as_not_answering(run: &CliRun) {
+    assert!(
+        !run.timed_out && run.elapsed < Duration::from_secs(15),
+        "{run:?}"
+    );
+    assert_eq!(run.status.and_then(|s| s.code()), Some(1), "{run:?}");
+    assert_eq!(run.stderr.lines().count(), 1, "{}", run.stderr);
+    assert!(run.stderr.contains("does not answer"), "{}", run.stderr);
+}
+
 /// `bucketfs mount` on a mount point whose FUSE daemon hangs (stopped: it answers no
 /// request) says so within seconds, in one line, instead of hanging on its `stat` as well
 /// (an earlier build waited for good); `bucketfs pending` of it does not hang either.
@@ -409,17 +421,7 @@ fn mounting_over_a_hung_mount_fails_in_bounded_time() {
     );
     drop(cont);
     drop(m);
-    assert!(
-        !second.timed_out && second.elapsed < Duration::from_secs(15),
-        "{second:?}"
-    );
-    assert_eq!(second.status.and_then(|s| s.code()), Some(1), "{second:?}");
-    assert_eq!(second.stderr.lines().count(), 1, "{}", second.stderr);
-    assert!(
-        second.stderr.contains("does not answer"),
-        "{}",
-        second.stderr
-    );
+    refused_as_not_answering(&second);
     assert!(
         !pending.timed_out && pending.elapsed < Duration::from_secs(15),
         "{pending:?}"
@@ -449,17 +451,7 @@ fn stacking_over_a_hung_mount_fails_in_bounded_time() {
         unmount_bg(&mp, pid);
     }
     drop(m);
-    assert!(
-        !second.timed_out && second.elapsed < Duration::from_secs(15),
-        "{second:?}"
-    );
-    assert_eq!(second.status.and_then(|s| s.code()), Some(1), "{second:?}");
-    assert_eq!(second.stderr.lines().count(), 1, "{}", second.stderr);
-    assert!(
-        second.stderr.contains("does not answer"),
-        "{}",
-        second.stderr
-    );
+    refused_as_not_answering(&second);
 }
 
 /// Issue 18, item 6: `bucketfs mount` on a directory that is already a live mount (of an

@@ -463,11 +463,12 @@ impl S3Store {
         self.endpoint.as_deref()
     }
 
-    /// The headers of `key` (the version `if_match`) that a copy replacing its user metadata
-    /// must give again: S3 keeps none of them then (Content-Type, Content-Encoding,
-    /// Content-Language, Content-Disposition, Cache-Control, the website redirect, the
-    /// storage class and the KMS encryption).
-    async fn kept_headers(
+    /// HEAD of `key` (the version `if_match`), all its headers: [`ObjectStore::head`] keeps
+    /// what a file needs; a copy replacing the user metadata gives the others again (S3
+    /// keeps none of them then: Content-Type, Content-Encoding, Content-Language,
+    /// Content-Disposition, Cache-Control, the website redirect, the storage class and the
+    /// KMS encryption).
+    async fn head_object(
         &self,
         key: &str,
         if_match: Option<&str>,
@@ -663,15 +664,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
-        let _slot = self.metadata_slot().await;
-        let out = self
-            .client
-            .head_object()
-            .bucket(&self.bucket)
-            .key(key)
-            .send()
-            .await
-            .map_err(|e| map_err(key, e))?;
+        let out = self.head_object(key, None).await?;
         Ok(ObjectMeta {
             key: key.to_string(),
             size: out.content_length().unwrap_or(0).max(0) as u64,
@@ -952,7 +945,7 @@ impl ObjectStore for S3Store {
         // Not for a version this client stored itself: it has none.
         let own = src_if_match.is_some_and(|e| self.own.lock().holds(src_key, e));
         let kept = match meta {
-            Some(_) if !own => Some(self.kept_headers(src_key, src_if_match).await?),
+            Some(_) if !own => Some(self.head_object(src_key, src_if_match).await?),
             _ => None,
         };
         let _slot = self.slot().await;
