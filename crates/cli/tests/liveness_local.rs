@@ -454,6 +454,35 @@ fn stacking_over_a_hung_mount_fails_in_bounded_time() {
     refused_as_not_answering(&second);
 }
 
+/// `bucketfs mount` on a mount point inside a mount whose daemon hangs: resolving the
+/// mount point's parent (for an absolute path) waited for the hung daemon without a time
+/// bound, and the command hung with it. Now it fails within seconds, in one line.
+#[test]
+fn a_mount_point_inside_a_hung_mount_fails_in_bounded_time() {
+    let s3 = s3();
+    let b1 = s3.new_bucket("hunginside1");
+    let b2 = s3.new_bucket("hunginside2");
+    let m = MountSpec::s3(&b1, "").mount();
+    let mp = m.path().to_path_buf();
+    std::fs::create_dir_all(mp.join("sub/inner")).unwrap();
+    let daemon = m.daemon_pid().expect("the daemon's pid");
+    unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
+    let cont = Cont(daemon);
+    // Not a cached dentry: the lookup of `sub`, the mount point's parent, goes to the
+    // stopped daemon.
+    run("sh", &["-c", "echo 2 > /proc/sys/vm/drop_caches"]);
+    let inner = mp.join("sub/inner");
+    let second = mount_bg(&format!("s3://{b2}"), &inner, &[], &creds());
+    let stacked = mounts_at(&inner);
+    drop(cont);
+    if stacked > 0 {
+        let pid = processes_mentioning(&format!("s3://{b2}")).first().copied();
+        unmount_bg(&inner, pid);
+    }
+    drop(m);
+    refused_as_not_answering(&second);
+}
+
 /// Issue 18, item 6: `bucketfs mount` on a directory that is already a live mount (of an
 /// empty bucket, so the emptiness check passed) silently stacked a second file system over
 /// it. Now it is refused with one line, unless --allow-stacking.
