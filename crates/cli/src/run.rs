@@ -97,7 +97,7 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     let (source, mountpoint) = args.source_and_mountpoint();
     let target = target_of(&source, &settings)?;
     // Bounded: the mount point's parent may be inside a FUSE mount whose daemon hangs.
-    let mountpoint = mountpoint_answer(&mountpoint, |p| absolute(p))?;
+    let mountpoint = mountpoint_answer(&mountpoint, absolute)?;
     check_mountpoint(&mountpoint, settings.nonempty, settings.allow_stacking)?;
     if let Target::Local { dir } = &target {
         if mountpoint.starts_with(dir) {

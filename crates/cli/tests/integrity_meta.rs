@@ -569,3 +569,59 @@ fn chmod_chown_utimens_keep_the_objects_other_headers() {
     );
     assert_eq!(stored_mtime(&b, "page.html") as i64, 1_000_000_000);
 }
+
+/// The same for an object over the CopyObject limit (5 GiB; lowered to 1 MiB here by a
+/// test-only variable), which a chmod or a rename copies in parts: the multipart upload
+/// carried the user metadata only, so a `text/html` object became `binary/octet-stream`.
+#[test]
+fn a_chmod_or_rename_of_an_object_over_the_copy_limit_keeps_its_headers() {
+    let b = s3().new_bucket("bigheaders");
+    let body: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+    s3().block_on(
+        s3().client
+            .put_object()
+            .bucket(&b)
+            .key("big.html")
+            .body(body.clone().into())
+            .content_type("text/html; charset=utf-8")
+            .cache_control("max-age=60")
+            .content_disposition("inline; filename=big.html")
+            .content_language("en")
+            .content_encoding("identity")
+            .send(),
+    )
+    .unwrap();
+    let mut spec = MountSpec::s3(&b, "");
+    spec.envs.push((
+        "BUCKETFS_TEST_MAX_COPY_OBJECT".into(),
+        (1u64 << 20).to_string(),
+    ));
+    let m = spec.mount();
+    let p = m.join("big.html");
+    fs::set_permissions(&p, Permissions::from_mode(0o600)).unwrap();
+    fs::rename(&p, m.join("moved.html")).unwrap();
+    drop(m);
+    let h = s3()
+        .block_on(
+            s3().client
+                .head_object()
+                .bucket(&b)
+                .key("moved.html")
+                .send(),
+        )
+        .unwrap();
+    assert_eq!(h.content_type(), Some("text/html; charset=utf-8"));
+    assert_eq!(h.cache_control(), Some("max-age=60"));
+    assert_eq!(h.content_disposition(), Some("inline; filename=big.html"));
+    assert_eq!(h.content_language(), Some("en"));
+    assert_eq!(h.content_encoding(), Some("identity"));
+    // It was copied in parts (a single copy would have kept them anyway).
+    assert!(
+        h.e_tag().is_some_and(|e| e.contains('-')),
+        "not a multipart copy: {:?}",
+        h.e_tag()
+    );
+    assert_eq!(stored_mode(&b, "moved.html") & 0o7777, 0o600);
+    assert_eq!(s3().get(&b, "moved.html"), Some(body));
+    assert_eq!(s3().head(&b, "big.html").map(|_| ()), None);
+}

@@ -26,7 +26,8 @@ mod rename;
 mod subtrees;
 
 use bucketfs_store::{
-    run_bounded, CompletedPart, ListDetail, ListFrom, ObjectMeta, ObjectStore, StoreError, UserMeta,
+    run_bounded, CompletedPart, HeadersFrom, ListDetail, ListFrom, ObjectMeta, ObjectStore,
+    StoreError, UserMeta,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -494,10 +495,14 @@ impl Fs {
                     .user
             }
         };
+        let from = HeadersFrom {
+            key: src,
+            etag: src_etag,
+        };
         let mut upload = self
             .files
             .uploads()
-            .create(dst, &meta)
+            .create_copy(dst, &meta, from)
             .await
             .map_err(|e| log_store_err(&what, e))?;
         let ranges: Vec<_> = (0..size.div_ceil(COPY_PART_SIZE))

@@ -155,7 +155,7 @@ async fn a_rename_or_chmod_here_keeps_sharing_the_local_copy() {
     let data = Bytes::from(support::random(size as usize, 9));
     let none = UserMeta::default();
     for key in ["chmod", "rename"] {
-        let id = mem.create_multipart(key, &none).await.unwrap();
+        let id = mem.create_multipart(key, &none, None).await.unwrap();
         let mut parts = Vec::new();
         for (n, range) in [
             (1, 0..5 * MIB as usize),

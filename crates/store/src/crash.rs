@@ -357,7 +357,10 @@ mod tests {
         .unwrap();
         assert_eq!(rec.unwrap().journals, 0);
         // The daemon dies with an upload open: in its journal, never finished.
-        let id = mem.create_multipart("k", &UserMeta::new()).await.unwrap();
+        let id = mem
+            .create_multipart("k", &UserMeta::new(), None)
+            .await
+            .unwrap();
         let journal = first.store().upload_journal().unwrap();
         journal.started("k", &id).unwrap();
         drop(journal);

@@ -211,9 +211,17 @@ impl crate::layer::StoreLayer for FaultStore {
         self.wrap(Op::Put, self.inner.put_if(key, body, meta, if_match))
             .await
     }
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
-        self.wrap(Op::CreateMultipart, self.inner.create_multipart(key, meta))
-            .await
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
+        self.wrap(
+            Op::CreateMultipart,
+            self.inner.create_multipart(key, meta, headers_from),
+        )
+        .await
     }
     async fn upload_part(
         &self,

@@ -576,10 +576,15 @@ impl crate::layer::StoreLayer for JournalStore {
     fn upload_journal(&self) -> Option<Arc<UploadJournal>> {
         Some(self.journal.clone())
     }
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
         // A large file copied to a temporary key (its upload itself is journaled by Upload).
         self.keeping(key)?;
-        self.inner.create_multipart(key, meta).await
+        self.inner.create_multipart(key, meta, headers_from).await
     }
     async fn copy(
         &self,
@@ -666,15 +671,24 @@ mod tests {
         std::fs::remove_file(own).unwrap();
         dead_journal(dir.path(), "t", &text);
         // Someone else's upload, and a dead journal of another bucket.
-        let theirs = mem.create_multipart("k3", &UserMeta::new()).await.unwrap();
-        let other_bucket = mem.create_multipart("k4", &UserMeta::new()).await.unwrap();
+        let theirs = mem
+            .create_multipart("k3", &UserMeta::new(), None)
+            .await
+            .unwrap();
+        let other_bucket = mem
+            .create_multipart("k4", &UserMeta::new(), None)
+            .await
+            .unwrap();
         dead_journal(
             dir.path(),
             "other",
             &format!("+ {} {}\n", hex::encode(&other_bucket), hex::encode("k4")),
         );
         // A live daemon's journal (locked) is not touched either.
-        let busy = mem.create_multipart("k5", &UserMeta::new()).await.unwrap();
+        let busy = mem
+            .create_multipart("k5", &UserMeta::new(), None)
+            .await
+            .unwrap();
         let live_path = dir.path().join(format!("t.888888888{SUFFIX}"));
         std::fs::write(
             &live_path,
@@ -783,7 +797,10 @@ mod tests {
         use crate::metrics::Op;
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemoryStore::new());
-        let id = mem.create_multipart("k", &UserMeta::new()).await.unwrap();
+        let id = mem
+            .create_multipart("k", &UserMeta::new(), None)
+            .await
+            .unwrap();
         dead_journal(
             dir.path(),
             "t",
@@ -810,11 +827,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemoryStore::new());
         let meta = UserMeta::new();
-        let here = mem.create_multipart("k1", &meta).await.unwrap();
+        let here = mem.create_multipart("k1", &meta, None).await.unwrap();
         mem.put("t1", Bytes::from_static(b"x"), &meta)
             .await
             .unwrap();
-        let theirs = mem.create_multipart("k1", &meta).await.unwrap();
+        let theirs = mem.create_multipart("k1", &meta, None).await.unwrap();
         let lines = format!(
             "s {}\n+ {} {}\n+ {} {}\nt {}\nt {}\n",
             hex::encode("http://a:9000"),

@@ -67,8 +67,13 @@ pub trait StoreLayer: Send + Sync + 'static {
         self.inner().put_if(key, body, meta, if_match).await
     }
 
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
-        self.inner().create_multipart(key, meta).await
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
+        self.inner().create_multipart(key, meta, headers_from).await
     }
 
     async fn upload_part(
@@ -204,8 +209,13 @@ impl<L: StoreLayer> ObjectStore for L {
         StoreLayer::put_if(self, key, body, meta, if_match).await
     }
 
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
-        StoreLayer::create_multipart(self, key, meta).await
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
+        StoreLayer::create_multipart(self, key, meta, headers_from).await
     }
 
     async fn upload_part(

@@ -102,8 +102,16 @@ pub trait ObjectStore: Send + Sync + 'static {
         if_match: Option<&str>,
     ) -> StoreResult<String>;
 
-    /// Starts a multipart upload whose object will carry `meta`. Returns the upload id.
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String>;
+    /// Starts a multipart upload whose object will carry `meta`, and with `headers_from`
+    /// that version's other headers (Content-Type, Cache-Control, ...), as a
+    /// [`ObjectStore::copy`] replacing the user metadata would: a copy made in parts keeps
+    /// what a single copy keeps. Returns the upload id.
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String>;
 
     /// Uploads part `part_number` (1-based). Returns the part's ETag.
     async fn upload_part(

@@ -459,7 +459,13 @@ impl ObjectStore for LocalStore {
         .await
     }
 
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        // Objects here have no headers but the user metadata.
+        _headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
         let key = key.to_string();
         let meta = meta.clone();
         self.run(move |s| {
@@ -725,7 +731,7 @@ pub(crate) mod tests {
         let cur = s.head("k").await.unwrap().etag.unwrap();
         assert_eq!(copied, cur, "a copy answers with the ETag of what it made");
         // Part copies and Complete If-Match; a refused Complete leaves the upload open.
-        let id = s.create_multipart("k", &none).await.unwrap();
+        let id = s.create_multipart("k", &none, None).await.unwrap();
         assert!(pf(s
             .upload_part_copy("k", &id, 1, "k", 0..2, Some(&old))
             .await));
@@ -891,7 +897,10 @@ pub(crate) mod tests {
     async fn multipart_assembles_parts() {
         let dir = tempfile::tempdir().unwrap();
         let s = LocalStore::open(dir.path()).unwrap();
-        let id = s.create_multipart("big", &UserMeta::new()).await.unwrap();
+        let id = s
+            .create_multipart("big", &UserMeta::new(), None)
+            .await
+            .unwrap();
         let p1 = vec![1u8; StoreLimits::S3.min_part as usize];
         let e1 = s.upload_part("big", &id, 1, Bytes::from(p1)).await.unwrap();
         let e2 = s

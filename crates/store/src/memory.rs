@@ -161,7 +161,13 @@ impl ObjectStore for MemoryStore {
         self.insert(key, body, meta.clone(), None, if_match)
     }
 
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        // Objects here have no headers but the user metadata.
+        _headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
         let mut inner = self.inner.lock();
         inner.next_upload += 1;
         let id = format!("upload-{}", inner.next_upload);

@@ -216,8 +216,13 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for MeteredStore<S> {
         r
     }
 
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
-        let r = self.inner.create_multipart(key, meta).await;
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
+        let r = self.inner.create_multipart(key, meta, headers_from).await;
         self.metrics.count(Op::CreateMultipart, &r);
         r
     }

@@ -569,9 +569,14 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
         self.lost_answer(&what, key, &lost, Some(ours), r).await
     }
 
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
         self.retry(&format!("CreateMultipartUpload {key}"), || {
-            self.inner.create_multipart(key, meta)
+            self.inner.create_multipart(key, meta, headers_from)
         })
         .await
     }
@@ -1061,7 +1066,7 @@ mod tests {
     async fn a_lost_complete_answer_is_recognised_by_the_etag() {
         let (mem, fault, retry) = setup(quick(5_000));
         let id = retry
-            .create_multipart("big", &UserMeta::new())
+            .create_multipart("big", &UserMeta::new(), None)
             .await
             .unwrap();
         let part = Bytes::from(vec![7u8; StoreLimits::S3.min_part as usize]);
@@ -1098,7 +1103,7 @@ mod tests {
     async fn a_lost_complete_answer_with_another_object_is_an_error() {
         let (mem, fault, retry) = setup(quick(5_000));
         let id = retry
-            .create_multipart("big", &UserMeta::new())
+            .create_multipart("big", &UserMeta::new(), None)
             .await
             .unwrap();
         let e1 = retry

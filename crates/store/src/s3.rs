@@ -113,6 +113,49 @@ pub struct S3Store {
     /// The versions this client's PUTs and uploads made, which carry no headers but the
     /// user metadata: a copy replacing that metadata has none to read first.
     own: parking_lot::Mutex<OwnVersions>,
+    /// Multipart uploads given another version's headers: what they make is not one of
+    /// [`S3Store::own`]'s.
+    headed_uploads: parking_lot::Mutex<std::collections::HashSet<String>>,
+}
+
+/// Gives request `$req` (a CopyObject or a CreateMultipartUpload) the headers `$h`, a HEAD
+/// of the source, says (see [`S3Store::head_object`]).
+macro_rules! with_headers_of {
+    ($req:expr, $h:expr) => {{
+        let h = $h;
+        $req.set_content_type(h.content_type().map(str::to_string))
+            .set_content_encoding(h.content_encoding().map(str::to_string))
+            .set_content_language(h.content_language().map(str::to_string))
+            .set_content_disposition(h.content_disposition().map(str::to_string))
+            .set_cache_control(h.cache_control().map(str::to_string))
+            .set_website_redirect_location(h.website_redirect_location().map(str::to_string))
+            // Not a class this client does not know: MinIO names a remote tier there, which
+            // CopyObject refuses.
+            .set_storage_class(
+                h.storage_class()
+                    .filter(|c| aws_sdk_s3::types::StorageClass::values().contains(&c.as_str()))
+                    .cloned(),
+            )
+            .set_server_side_encryption(h.server_side_encryption().cloned())
+            .set_ssekms_key_id(h.ssekms_key_id().map(str::to_string))
+            .set_bucket_key_enabled(h.bucket_key_enabled())
+    }};
+}
+
+/// A lower CopyObject limit, in builds with debug assertions (the tests') when
+/// `BUCKETFS_TEST_MAX_COPY_OBJECT` says so: copies in parts without 5 GiB objects.
+fn test_max_copy_object() -> Option<u64> {
+    static MAX: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        cfg!(debug_assertions)
+            .then(|| {
+                std::env::var("BUCKETFS_TEST_MAX_COPY_OBJECT")
+                    .ok()?
+                    .parse()
+                    .ok()
+            })
+            .flatten()
+    })
 }
 
 /// The last [`OwnVersions::KEPT`] (key, ETag) pairs this client stored.
@@ -455,6 +498,7 @@ impl S3Store {
             no_conditional_delete: AtomicBool::new(false),
             endpoint,
             own: Default::default(),
+            headed_uploads: Default::default(),
         })
     }
 
@@ -482,6 +526,20 @@ impl S3Store {
             .send()
             .await
             .map_err(|e| map_err(key, e))
+    }
+
+    /// The headers a copy of `src` that replaces its user metadata must give again (see
+    /// [`S3Store::head_object`]); `None` for a version this client stored itself, which has
+    /// none.
+    async fn headers_to_keep(
+        &self,
+        src: &str,
+        etag: Option<&str>,
+    ) -> StoreResult<Option<aws_sdk_s3::operation::head_object::HeadObjectOutput>> {
+        if etag.is_some_and(|e| self.own.lock().holds(src, e)) {
+            return Ok(None);
+        }
+        Ok(Some(self.head_object(src, etag).await?))
     }
 
     /// Waits for a request slot. Held across the whole request (the SDK's own attempts and
@@ -663,6 +721,13 @@ impl ObjectStore for S3Store {
         format!("s3://{}", self.bucket)
     }
 
+    fn limits(&self) -> StoreLimits {
+        StoreLimits {
+            max_copy_object: test_max_copy_object().unwrap_or(StoreLimits::S3.max_copy_object),
+            ..StoreLimits::S3
+        }
+    }
+
     async fn head(&self, key: &str) -> StoreResult<ObjectMeta> {
         let out = self.head_object(key, None).await?;
         Ok(ObjectMeta {
@@ -753,20 +818,35 @@ impl ObjectStore for S3Store {
         Ok(etag)
     }
 
-    async fn create_multipart(&self, key: &str, meta: &UserMeta) -> StoreResult<String> {
+    async fn create_multipart(
+        &self,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
+        let kept = match headers_from {
+            Some(f) => self.headers_to_keep(f.key, f.etag).await?,
+            None => None,
+        };
         let _slot = self.metadata_slot().await;
-        let out = self
+        let mut req = self
             .client
             .create_multipart_upload()
             .bucket(&self.bucket)
             .key(key)
-            .set_metadata(Some(to_hashmap(meta)))
-            .send()
-            .await
-            .map_err(|e| map_err(key, e))?;
-        out.upload_id()
+            .set_metadata(Some(to_hashmap(meta)));
+        if let Some(h) = &kept {
+            req = with_headers_of!(req, h);
+        }
+        let out = req.send().await.map_err(|e| map_err(key, e))?;
+        let id = out
+            .upload_id()
             .map(str::to_string)
-            .ok_or_else(|| StoreError::Other(format!("{key}: no upload id returned")))
+            .ok_or_else(|| StoreError::Other(format!("{key}: no upload id returned")))?;
+        if kept.is_some() {
+            self.headed_uploads.lock().insert(id.clone());
+        }
+        Ok(id)
     }
 
     async fn upload_part(
@@ -863,11 +943,14 @@ impl ObjectStore for S3Store {
             .await
             .map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
-        self.own.lock().made(key, &etag);
+        if !self.headed_uploads.lock().remove(upload_id) {
+            self.own.lock().made(key, &etag);
+        }
         Ok(etag)
     }
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
+        self.headed_uploads.lock().remove(upload_id);
         let _slot = self.metadata_slot().await;
         match self
             .client
@@ -943,10 +1026,9 @@ impl ObjectStore for S3Store {
         // A copy that replaces the user metadata replaces the object's other headers too:
         // they are read first and given again (chmod must not make a web page a download).
         // Not for a version this client stored itself: it has none.
-        let own = src_if_match.is_some_and(|e| self.own.lock().holds(src_key, e));
         let kept = match meta {
-            Some(_) if !own => Some(self.head_object(src_key, src_if_match).await?),
-            _ => None,
+            Some(_) => self.headers_to_keep(src_key, src_if_match).await?,
+            None => None,
         };
         let _slot = self.slot().await;
         let mut req = self
@@ -967,23 +1049,7 @@ impl ObjectStore for S3Store {
                 .set_metadata(Some(to_hashmap(m)));
         }
         if let Some(h) = &kept {
-            req = req
-                .set_content_type(h.content_type().map(str::to_string))
-                .set_content_encoding(h.content_encoding().map(str::to_string))
-                .set_content_language(h.content_language().map(str::to_string))
-                .set_content_disposition(h.content_disposition().map(str::to_string))
-                .set_cache_control(h.cache_control().map(str::to_string))
-                .set_website_redirect_location(h.website_redirect_location().map(str::to_string))
-                // Not a class this client does not know: MinIO names a remote tier there,
-                // which CopyObject refuses.
-                .set_storage_class(
-                    h.storage_class()
-                        .filter(|c| aws_sdk_s3::types::StorageClass::values().contains(&c.as_str()))
-                        .cloned(),
-                )
-                .set_server_side_encryption(h.server_side_encryption().cloned())
-                .set_ssekms_key_id(h.ssekms_key_id().map(str::to_string))
-                .set_bucket_key_enabled(h.bucket_key_enabled());
+            req = with_headers_of!(req, h);
         }
         // The size is unknown here and a server-side copy of up to 5 GiB can take minutes.
         let out = req
@@ -999,7 +1065,7 @@ impl ObjectStore for S3Store {
             .copy_object_result()
             .and_then(|r| norm_etag(r.e_tag()))
             .ok_or_else(|| StoreError::Other(format!("copy {src_key} -> {dst_key}: no ETag")))?;
-        if own && meta.is_some() {
+        if meta.is_some() && kept.is_none() {
             // A copy of one of its own with new user metadata: still nothing else.
             self.own.lock().made(dst_key, &etag);
         }

@@ -6,6 +6,15 @@ use std::time::SystemTime;
 /// User metadata (`x-amz-meta-*`), keys lower-case and without the prefix.
 pub type UserMeta = BTreeMap<String, String>;
 
+/// The version of an object whose headers other than the user metadata a new object takes
+/// (see [`crate::ObjectStore::create_multipart`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadersFrom<'a> {
+    pub key: &'a str,
+    /// Its ETag, when known: the headers of that version only.
+    pub etag: Option<&'a str>,
+}
+
 /// What HEAD (or a LIST entry) says about one object.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ObjectMeta {

@@ -18,7 +18,7 @@
 
 use crate::journal::UploadJournal;
 use crate::liveness::{operation_start, within_operation_from};
-use crate::{CompletedPart, ObjectStore, StoreError, StoreResult, UserMeta};
+use crate::{CompletedPart, HeadersFrom, ObjectStore, StoreError, StoreResult, UserMeta};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
@@ -72,7 +72,27 @@ impl Uploads {
 
     /// Starts a multipart upload of `key` whose object will carry `meta`.
     pub async fn create(self: &Arc<Self>, key: &str, meta: &UserMeta) -> StoreResult<Upload> {
-        let id = self.store.create_multipart(key, meta).await?;
+        self.start(key, meta, None).await
+    }
+
+    /// [`Uploads::create`] for a copy of `from` made in parts: the object also keeps its
+    /// other headers (Content-Type, ...), as a single copy would.
+    pub async fn create_copy(
+        self: &Arc<Self>,
+        key: &str,
+        meta: &UserMeta,
+        from: HeadersFrom<'_>,
+    ) -> StoreResult<Upload> {
+        self.start(key, meta, Some(from)).await
+    }
+
+    async fn start(
+        self: &Arc<Self>,
+        key: &str,
+        meta: &UserMeta,
+        headers_from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<Upload> {
+        let id = self.store.create_multipart(key, meta, headers_from).await?;
         if let Some(journal) = &self.journal {
             if let Err(e) = journal.started(key, &id) {
                 // Without a journal entry a crash would leave this upload behind for good:
