@@ -57,15 +57,20 @@ impl Fs {
         // inode's is out of date: it may be a listing's defaults (listed without metadata) or
         // of a version before the one its ETag names (another client's, copied by a
         // directory rename), and would be stored over the object's owner, mtime and keys.
-        if kind == FileKind::Dir {
-            self.marker_meta_now(ino, &path).await?;
+        let marker = if kind == FileKind::Dir {
+            self.marker_meta_now(ino, &path).await?
         } else {
             self.getattr(ino).await?;
-        }
+            None
+        };
         let (etag, size, user) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
-            (i.etag.clone(), i.attr.size, i.user.clone())
+            match &marker {
+                // A marker holding bytes is copied onto itself, as a file is.
+                Some(m) if m.size > 0 => (m.etag.clone(), m.size, i.user.clone()),
+                _ => (i.etag.clone(), i.attr.size, i.user.clone()),
+            }
         };
         let mut new_user = user;
         self.filled_meta(ino, kind, &new_user)?
@@ -115,10 +120,11 @@ impl Fs {
 
     /// Takes directory `ino`'s metadata from its marker as the store has it now: what this
     /// mount knows of a directory may be a listing's common prefix, which carries none. No
-    /// marker: what the mount knows stands (the defaults, or its own mkdir's).
-    async fn marker_meta_now(&self, ino: Ino, path: &MountPath) -> FsResult<()> {
+    /// marker: what the mount knows stands (the defaults, or its own mkdir's). Returns what
+    /// the store says of the marker, if there is one.
+    async fn marker_meta_now(&self, ino: Ino, path: &MountPath) -> FsResult<Option<ObjectMeta>> {
         if self.ns.is_bucket_root(path) {
-            return Ok(());
+            return Ok(None);
         }
         if ino == crate::ROOT_INO {
             // Its first read is over before this one: it never lands after it.
@@ -140,7 +146,7 @@ impl Fs {
                     self.ns.changed_elsewhere(ino);
                     return Err(FsError::ENOENT);
                 }
-                return Ok(());
+                return Ok(None);
             }
             Err(e) => return Err(log_store_err(&format!("stat {key}"), e)),
         };
@@ -150,9 +156,9 @@ impl Fs {
         // Changed here since its marker was stored (as a lookup keeps it).
         (a.mtime, a.ctime) = (a.mtime.max(i.attr.mtime), a.ctime.max(i.attr.ctime));
         i.attr = a;
-        i.user = obj.user;
+        i.user = obj.user.clone();
         i.has_marker = true;
-        Ok(())
+        Ok(Some(obj))
     }
 
     /// The root of a mount of a prefix has a marker (`prefix/`), where a chmod, chown or
@@ -346,7 +352,9 @@ impl Fs {
     }
 
     /// Replaces the user metadata of a stored object (CopyObject onto itself), pinned to
-    /// `etag`, the version this mount knows: never over another client's newer one.
+    /// `etag`, the version this mount knows: never over another client's newer one. A
+    /// directory's marker is PUT again (its ETag is that of no bytes whatever its metadata),
+    /// unless it holds `size` bytes, which another client may store there.
     pub(super) async fn store_meta(
         &self,
         ino: Ino,
@@ -363,10 +371,16 @@ impl Fs {
             let key = self.ns.dir_key(path);
             // mkdir's marker must not land after this one.
             let unstored = self.ns.markers.settle(&key).await;
-            self.store
-                .put(&key, Bytes::new(), user)
-                .await
-                .map_err(|e| log_store_err(&format!("set metadata of {key}"), e))?;
+            if size > 0 {
+                // Another client's bytes in the marker object: kept, and never written over
+                // a newer version of it.
+                self.copy_object(&key, &key, size, Some(user), etag).await?;
+            } else {
+                self.store
+                    .put(&key, Bytes::new(), user)
+                    .await
+                    .map_err(|e| log_store_err(&format!("set metadata of {key}"), e))?;
+            }
             unstored.replaced();
             if let Some(i) = self.ns.table().get_mut(ino) {
                 i.has_marker = true;

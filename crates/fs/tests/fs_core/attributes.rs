@@ -349,6 +349,33 @@ async fn a_chmod_of_a_listed_directory_keeps_its_markers_attributes() {
     assert_eq!(m.user["origin"], "writer-42");
 }
 
+/// Another client stored bytes in a directory's marker object (`d/`, which S3 allows and
+/// this mount never shows): a chmod, chown or utimens of the directory (`touch d`, `rsync -a`,
+/// `tar x`) replaced it with an empty marker, and the bytes were gone. It now copies the marker
+/// onto itself, pinned to the version read, so its bytes (and its headers) stay.
+#[tokio::test]
+async fn a_chmod_of_a_directory_keeps_the_bytes_of_its_marker_object() {
+    let e = env();
+    let mut marker = owned_meta(42, 1_600_000_000);
+    marker.insert("mode".into(), (libc::S_IFDIR | 0o750).to_string());
+    e.mem
+        .put("d/", bytes::Bytes::from_static(b"report"), &marker)
+        .await
+        .unwrap();
+    put(&e.mem, "d/f", b"abc").await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let chmod = SetAttr {
+        mode: Some(0o700),
+        ..Default::default()
+    };
+    let a = e.fs.setattr(d.ino, None, chmod).await.unwrap();
+    assert_eq!((a.perm, a.uid), (0o700, 42));
+    assert_eq!(object(&e.mem, "d/").await, b"report");
+    let m = e.mem.head("d/").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFDIR | 0o700).to_string());
+    assert_eq!(m.user["uid"], "42");
+}
+
 /// A directory whose marker this mount read, listed again by readdirplus once that is out
 /// of date: the listing (a common prefix, no metadata) does not replace the marker's mode
 /// and owner with defaults, which `stat` of a directory would then show for a whole TTL.
