@@ -266,6 +266,7 @@ pub fn serve_socket(path: &Path, counters: Counters) -> std::io::Result<SocketGu
     let _ = std::fs::remove_file(path); // left by a daemon that was killed
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    let bound = file_id(path)?;
     let task = tokio::spawn(async move {
         accept_loop(
             "stats socket",
@@ -279,19 +280,62 @@ pub fn serve_socket(path: &Path, counters: Counters) -> std::io::Result<SocketGu
     });
     Ok(SocketGuard {
         path: path.to_path_buf(),
+        bound,
         task,
     })
 }
 
-/// Stops serving and removes the socket file.
+/// `(device, inode)` of the file at `path`.
+fn file_id(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::symlink_metadata(path)?;
+    Ok((md.dev(), md.ino()))
+}
+
+/// Stops serving and removes the socket file, if it is still the one this daemon bound.
 pub struct SocketGuard {
     path: PathBuf,
+    bound: (u64, u64),
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for SocketGuard {
     fn drop(&mut self) {
         self.task.abort();
-        let _ = std::fs::remove_file(&self.path);
+        // A daemon detached lazily exits once its last file is closed, maybe after a new
+        // mount at the same place bound its own socket there: that one stays.
+        if file_id(&self.path).ok() == Some(self.bound) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counters() -> Counters {
+        Counters {
+            store: Arc::new(StoreMetrics::default()),
+            fs: Arc::new(FsMetrics::default()),
+            retry: Arc::new(RetryMetrics::default()),
+            inodes: Arc::new(|| 0),
+            pending: Arc::new(Vec::new),
+        }
+    }
+
+    /// `bucketfs umount` of a mount with files open detaches it; its daemon exits once they
+    /// are closed, and it removed the stats socket of the mount made at the same place
+    /// meanwhile: `bucketfs stats` and `pending` then said no daemon answers for a live mount.
+    #[tokio::test]
+    async fn an_exiting_daemon_leaves_a_newer_daemons_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sock/mp.sock");
+        let old = serve_socket(&path, counters()).unwrap();
+        let new = serve_socket(&path, counters()).unwrap();
+        drop(old);
+        assert!(path.exists(), "the newer daemon's socket was removed");
+        drop(new);
+        assert!(!path.exists(), "a daemon's own socket stays behind");
     }
 }

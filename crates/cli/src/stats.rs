@@ -15,13 +15,74 @@ pub fn fetch(path: &std::path::Path) -> Result<Sample, String> {
     Ok(parse(&fetch_text(path)?))
 }
 
+/// How long a daemon may take to give its whole answer.
+const ANSWER_WITHIN: Duration = Duration::from_secs(10);
+
 fn fetch_text(path: &std::path::Path) -> Result<String, String> {
-    let mut sock = UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    sock.set_read_timeout(Some(Duration::from_secs(5))).ok();
-    let mut text = String::new();
-    sock.read_to_string(&mut text)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(text)
+    fetch_text_within(path, ANSWER_WITHIN)
+}
+
+/// Reads the daemon's answer on the stats socket at `path`, whole within `limit`. Only from
+/// a process of this user: a user's socket directory is in /tmp, where another user may have
+/// made it first and planted a socket of their own.
+fn fetch_text_within(path: &std::path::Path, limit: Duration) -> Result<String, String> {
+    let fail = |e: std::io::Error| format!("{}: {e}", path.display());
+    let mut sock = UnixStream::connect(path).map_err(fail)?;
+    let server = peer_uid(&sock).map_err(fail)?;
+    // SAFETY: getuid cannot fail.
+    let me = unsafe { libc::getuid() };
+    if server != me {
+        return Err(format!(
+            "{}: served by another user (uid {server}), not by a daemon of yours: not read",
+            path.display()
+        ));
+    }
+    let deadline = Instant::now() + limit;
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 64 << 10];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "{}: no whole answer within {} s",
+                path.display(),
+                limit.as_secs()
+            ));
+        }
+        sock.set_read_timeout(Some(left)).map_err(fail)?;
+        match sock.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(fail(e)),
+        }
+    }
+    String::from_utf8(answer).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The uid of the process that made the socket `sock` is connected to (`SO_PEERCRED`).
+fn peer_uid(sock: &UnixStream) -> std::io::Result<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` outlive the call, and `len` is `cred`'s size.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
 }
 
 /// `bucketfs pending MOUNTPOINT`: the files of a background-upload mount not in the bucket
@@ -237,5 +298,78 @@ mod tests {
         assert!(out.contains("reads 100.0%"), "{out}");
         assert!(out.contains("errors       0/s"), "{out}");
         assert!(out.contains("2.0 MiB in buffers"), "{out}");
+    }
+
+    /// A server on a stats socket path, run as user `uid` (python3 as that user), answering
+    /// `answer` slowly when `trickle`: one byte every 100 ms, for good.
+    fn server_as(
+        uid: u32,
+        answer: &str,
+        trickle: bool,
+    ) -> (tempfile::TempDir, std::path::PathBuf, std::process::Child) {
+        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let path = dir.path().join("planted.sock");
+        let script = format!(
+            "import socket, time, sys\n\
+             s = socket.socket(socket.AF_UNIX)\n\
+             s.bind(sys.argv[1])\n\
+             s.listen(4)\n\
+             while True:\n\
+             \x20   c, _ = s.accept()\n\
+             \x20   if {trickle}:\n\
+             \x20       while True:\n\
+             \x20           c.send(b'x'); time.sleep(0.1)\n\
+             \x20   c.sendall({answer:?}.encode()); c.close()\n",
+            trickle = if trickle { "True" } else { "False" },
+        );
+        let child = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .arg(&path)
+            .uid(uid)
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !path.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(path.exists(), "the server did not start");
+        (dir, path, child)
+    }
+
+    /// Another local user can make the directory the socket is looked for in (a user's is in
+    /// /tmp) and plant a socket there: `bucketfs pending` then printed what that user's server
+    /// said ("0 file(s) ... not in the bucket yet") for a mount with files still to upload.
+    /// Only a socket this user's process serves is read.
+    #[test]
+    fn a_socket_another_user_serves_is_refused() {
+        // SAFETY: getuid cannot fail.
+        let me = unsafe { libc::getuid() };
+        let other = if me == 65534 { 65533 } else { 65534 };
+        let (_dir, path, mut child) = server_as(other, "bucketfs_buffer_bytes 1\n", false);
+        let r = fetch_text(&path);
+        let _ = child.kill();
+        let _ = child.wait();
+        let e = r.expect_err("read another user's socket");
+        assert!(e.contains("another user"), "{e}");
+    }
+
+    /// A server that answers a byte at a time for good does not hold `stats` or `pending`:
+    /// the whole answer has a time bound, not each read.
+    #[test]
+    fn a_socket_that_trickles_for_good_is_given_up() {
+        // SAFETY: getuid cannot fail.
+        let me = unsafe { libc::getuid() };
+        let (_dir, path, mut child) = server_as(me, "", true);
+        let start = Instant::now();
+        let r = fetch_text_within(&path, Duration::from_secs(2));
+        let took = start.elapsed();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(r.is_err(), "{r:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
     }
 }
