@@ -743,6 +743,14 @@ fn parse_ossfs(text: &str, path: &Path) -> Result<ParsedConfig, String> {
             Some((k, v)) => (k.trim(), Some(v.trim().to_string())),
             None => (body.trim(), None),
         };
+        if key.contains(char::is_whitespace) {
+            // What follows the space may be a secret: not repeated.
+            return Err(format!(
+                "config {}: line {}: expected --key=value (a space is not `=`)",
+                path.display(),
+                n + 1
+            ));
+        }
         let ck = canonical(key);
         match crate::dropin::ossfs2_key(&mut out.notices, &ck, value.clone()) {
             Some(pairs) => out
@@ -933,6 +941,20 @@ mod tests {
         assert_eq!(s.notices.len(), 1);
         assert!(s.notices[0].starts_with("notice: --readdirplus: "));
         assert!(!format!("{s:?}").contains("never-shown"));
+    }
+
+    /// An ossfs line written with a space instead of `=` named its whole text as the
+    /// unknown key, so the error (on stderr, and in the journal of a mount unit) showed the
+    /// secret.
+    #[test]
+    fn a_line_without_its_equals_sign_never_shows_its_value() {
+        let f = file(
+            "--oss_bucket=b\n--oss_access_key_secret never-shown\n",
+            0o600,
+        );
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert!(!e.contains("never-shown"), "{e}");
+        assert!(e.contains("line 2") && e.contains("--key=value"), "{e}");
     }
 
     #[test]
