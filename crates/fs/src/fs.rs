@@ -738,6 +738,15 @@ impl Fs {
             // kernel's pages, which a newer open reads (it has served some: ESTALE).
             return Err(FsError::ESTALE);
         }
+        if etag.is_some()
+            && handle.learned_changes == learned
+            && slot.as_ref().is_some_and(|r| r.etag() != etag.as_deref())
+        {
+            // The version changed through this mount since the reader began (a write
+            // published, a chmod's copy): the file is what this mount made it, as on a local
+            // disk, and the reader's pin would refuse it.
+            served |= slot.take().is_some_and(|r| r.has_served());
+        }
         let r = slot.get_or_insert_with(|| new_reader(etag.clone(), file_size));
         if served {
             r.mark_served();

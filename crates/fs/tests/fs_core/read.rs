@@ -3,6 +3,7 @@
 use crate::support::{env, put, random, MIB};
 use bucketfs_fs::{Fs, FsError, ROOT_INO};
 use bucketfs_store::metrics::Op;
+use bucketfs_store::ObjectStore;
 use bytes::Bytes;
 use rand::{Rng, SeedableRng};
 use std::ffi::OsStr;
@@ -376,4 +377,78 @@ async fn a_descriptor_below_a_renamed_directory_reads_only_the_copy_of_its_versi
         assert_eq!(r.map(|b| b[0]), Err(FsError(libc::ESTALE)), "{replaced}");
         e.fs.release(a.ino, h.fh).await.unwrap();
     }
+}
+
+/// A chmod made here of a file uploaded in parts gives it a new ETag (the copy onto itself is
+/// one part): a descriptor reading it on this mount, whose reader was pinned to the ETag
+/// before, got `ESTALE` at its next GET, although the bytes are the same. It now goes on.
+#[tokio::test]
+async fn a_chmod_made_here_never_fails_a_descriptor_reading_the_file() {
+    let e = env();
+    let data = random(24 * MIB as usize, 31);
+    let ino = crate::support::write_file(&e.fs, "big", &data).await;
+    let before = e.mem.head("big").await.unwrap().etag;
+    let h = e.fs.open(ino, libc::O_RDONLY).await.unwrap();
+    let first = e.fs.read(ino, h.fh, 0, MIB as u32).await.unwrap();
+    assert_eq!(&first[..], &data[..MIB as usize]);
+    let chmod = bucketfs_fs::SetAttr {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    e.fs.setattr(ino, None, chmod).await.unwrap();
+    assert_ne!(
+        e.mem.head("big").await.unwrap().etag,
+        before,
+        "the chmod kept the ETag: the test proves nothing"
+    );
+    for off in (MIB..data.len() as u64).step_by(MIB as usize) {
+        let b = e.fs.read(ino, h.fh, off, MIB as u32).await.unwrap();
+        assert_eq!(
+            &b[..],
+            &data[off as usize..(off + MIB) as usize],
+            "at {off}"
+        );
+    }
+    e.fs.release(ino, h.fh).await.unwrap();
+}
+
+/// A descriptor reading a file that another descriptor of this mount rewrites (O_TRUNC, then
+/// new bytes, then close): its reads during the rewrite give the new bytes, and after the
+/// close they gave the old version's again from the reader's memory (then `ESTALE`), a mix
+/// of two versions. After the close it reads the file as it is now, as on a local disk.
+#[tokio::test]
+async fn a_descriptor_reading_across_a_rewrite_made_here_reads_the_new_content() {
+    let e = env();
+    let old = random(24 * MIB as usize, 32);
+    let new = random(24 * MIB as usize, 33);
+    put(&e.mem, "f", &old).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let r = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let got = e.fs.read(a.ino, r.fh, 0, MIB as u32).await.unwrap();
+    assert_eq!(&got[..], &old[..MIB as usize]);
+    let w =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    for off in (0..new.len()).step_by(MIB as usize) {
+        let chunk = Bytes::copy_from_slice(&new[off..off + MIB as usize]);
+        e.fs.write(a.ino, w.fh, off as u64, chunk).await.unwrap();
+    }
+    let got = e.fs.read(a.ino, r.fh, MIB, MIB as u32).await.unwrap();
+    assert_eq!(
+        &got[..],
+        &new[MIB as usize..2 * MIB as usize],
+        "during the rewrite"
+    );
+    e.fs.flush(a.ino, w.fh).await.unwrap();
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    for off in (2 * MIB..new.len() as u64).step_by(MIB as usize) {
+        let got = e.fs.read(a.ino, r.fh, off, MIB as u32).await.unwrap();
+        assert_eq!(
+            &got[..],
+            &new[off as usize..(off + MIB) as usize],
+            "at {off}"
+        );
+    }
+    e.fs.release(a.ino, r.fh).await.unwrap();
 }
