@@ -502,6 +502,58 @@ fn csi_mounts_survive_a_driver_kill_and_the_restarted_driver_knows_them() {
     }
 }
 
+/// A daemon dies while its store does not answer: the remount fails. The driver forgot the
+/// volume then (record and credentials deleted), and the kubelet never publishes a mounted
+/// volume again, so the pod's volume stayed dead (`ENOTCONN`) for good. It is now tried
+/// again, less often as it fails, and mounts once the store is back.
+#[test]
+fn csi_a_remount_that_fails_is_tried_again_until_it_works() {
+    let bucket = s3().new_bucket("csi-remount");
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let target = dir.path().join("t");
+    let vol = format!("{bucket}/v");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let mut c = Csi::connect(&driver);
+    let mut p = publish_request(&vol, &target, &ctx, false);
+    p.secrets.insert("endpoint".into(), proxy.endpoint());
+    c.publish(p).expect("NodePublishVolume");
+    fs::write(target.join("before.txt"), "before").unwrap();
+    let daemon = daemon_of(&target);
+    // The store refuses every connection from now on.
+    proxy.fail_requests("", u64::MAX);
+    // SAFETY: plain syscall on the test's own daemon.
+    unsafe { libc::kill(daemon as i32, libc::SIGKILL) };
+    wait_for("the daemon to die", Duration::from_secs(10), || {
+        !alive(daemon)
+    });
+    wait_for("a remount to fail", Duration::from_secs(120), || {
+        fs::read_to_string(&driver.log)
+            .unwrap_or_default()
+            .contains(&format!("at {} failed", target.display()))
+    });
+    assert!(!fuse_mounted(&target), "mounted while the store refuses");
+    proxy.fail_requests("", 0);
+    wait_for(
+        "the target to be mounted again",
+        Duration::from_secs(120),
+        || fuse_mounted(&target) && fs::read_dir(&target).is_ok(),
+    );
+    assert_eq!(
+        fs::read_to_string(target.join("before.txt")).unwrap(),
+        "before"
+    );
+    fs::write(target.join("after.txt"), "after").unwrap();
+    assert_eq!(
+        s3().get(&bucket, "v/after.txt").as_deref(),
+        Some(&b"after"[..])
+    );
+    c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
+    assert!(!fuse_mounted(&target) && !target.exists());
+}
+
 /// CreateVolume makes a prefix (its marker) in the StorageClass's bucket, whose context
 /// mounts it; DeleteVolume removes every object under it.
 #[test]

@@ -80,6 +80,30 @@ pub struct Mounts {
     /// When the pending unpublish of a target began: the kubelet retries a call that gave
     /// up, and the escalation's deadline counts from the first.
     unpublishing: std::sync::Mutex<HashMap<PathBuf, Instant>>,
+    /// Targets whose daemon died and whose remount failed: tried again later, their record
+    /// and credentials kept (the kubelet never publishes a mounted volume again).
+    remounts: std::sync::Mutex<HashMap<PathBuf, Remount>>,
+}
+
+/// A remount that failed, to be tried again.
+struct Remount {
+    /// The dead file system the pods' binds still show, for when the remount works.
+    dead: Option<crate::repair::Dead>,
+    failures: u32,
+    next: Instant,
+}
+
+/// The longest wait between two tries of a remount that fails.
+const REMOUNT_BACKOFF_MAX: Duration = Duration::from_secs(300);
+
+/// What [`Mounts::start`] leaves after a daemon that did not mount.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OnFailure {
+    /// Nothing: the record, the credentials and the target directory go (a publish; the
+    /// kubelet calls again).
+    Forget,
+    /// The record, credentials and target stay, for the next try (a remount).
+    Keep,
 }
 
 /// Creates `p` 0700, and makes it 0700 if it was there already (a hostPath the kubelet made
@@ -216,6 +240,7 @@ impl Mounts {
             unpublish_timeout: cfg.unpublish_timeout,
             locks: Default::default(),
             unpublishing: Default::default(),
+            remounts: Default::default(),
         })
     }
 
@@ -268,6 +293,7 @@ impl Mounts {
     }
 
     fn forget(&self, target: &Path) {
+        self.remount_lock().remove(target);
         for p in [
             self.record_path(target),
             self.cred_path(target),
@@ -317,7 +343,7 @@ impl Mounts {
             ..want
         };
         let r = match self.write_credentials(&target, creds) {
-            Ok(()) => self.start(this).await,
+            Ok(()) => self.start(this, OnFailure::Forget).await,
             Err(e) => Err(MountError::Internal(e)),
         };
         if r.is_err() {
@@ -365,7 +391,7 @@ impl Mounts {
     }
 
     /// Starts the daemon for `r` and waits until its mount shows in mountinfo.
-    async fn start(&self, mut r: Record) -> Result<(), MountError> {
+    async fn start(&self, mut r: Record, on_failure: OnFailure) -> Result<(), MountError> {
         let target = r.target.clone();
         let id = id_of(&target.to_string_lossy());
         fs::create_dir_all(&target)
@@ -443,8 +469,10 @@ impl Mounts {
                 if mounted {
                     detach(&target);
                 }
-                self.forget(&target);
-                let _ = fs::remove_dir(&target);
+                if on_failure == OnFailure::Forget {
+                    self.forget(&target);
+                    let _ = fs::remove_dir(&target);
+                }
                 return Err(MountError::Mount(format!(
                     "mounting {} at {} failed: {why}",
                     r.source,
@@ -602,27 +630,62 @@ impl Mounts {
                 self.forget(&r.target);
                 continue;
             }
+            let taken = self.remount_lock().remove(&r.target);
+            let earlier = match taken {
+                Some(e) if Instant::now() < e.next => {
+                    self.remount_lock().insert(r.target.clone(), e);
+                    continue;
+                }
+                e => e,
+            };
+            let failures = earlier.as_ref().map_or(0, |e| e.failures);
             warn!(
-                "the daemon of {} at {} is gone; mounting again",
+                "the daemon of {} at {} is gone; mounting again{}",
                 r.source,
-                r.target.display()
+                r.target.display(),
+                if failures > 0 {
+                    format!(" (try {})", failures + 1)
+                } else {
+                    String::new()
+                }
             );
-            let dead = fstype
-                .as_ref()
-                .and_then(|_| crate::repair::Dead::hold(&r.target));
+            let dead = earlier.and_then(|e| e.dead).or_else(|| {
+                fstype
+                    .as_ref()
+                    .and_then(|_| crate::repair::Dead::hold(&r.target))
+            });
             if fstype.is_some() {
                 detach(&r.target);
             }
-            match self.start(r.clone()).await {
+            match self.start(r.clone(), OnFailure::Keep).await {
                 Ok(()) => {
                     if let Some(d) = dead {
                         // Pods' binds of the dead mount get the new one.
                         crate::repair::repair_binds(d, r.target.clone());
                     }
                 }
-                Err(e) => warn!("{e}"),
+                Err(e) => {
+                    // A store or DNS outage at the wrong moment must not leave the pod's
+                    // volume dead for good: tried again, less often as it keeps failing.
+                    let wait = HEAL_INTERVAL
+                        .saturating_mul(1 << failures.min(6))
+                        .min(REMOUNT_BACKOFF_MAX);
+                    warn!("{e}; trying again in {} s", wait.as_secs());
+                    self.remount_lock().insert(
+                        r.target.clone(),
+                        Remount {
+                            dead,
+                            failures: failures + 1,
+                            next: Instant::now() + wait,
+                        },
+                    );
+                }
             }
         }
+    }
+
+    fn remount_lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Remount>> {
+        self.remounts.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
