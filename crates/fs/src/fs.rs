@@ -20,6 +20,7 @@ use crate::namespace::{is_reserved, Namespace};
 use crate::paths::{MountPath, ObjectKey};
 
 mod attr;
+mod meta_changes;
 mod open;
 mod remove;
 mod rename;
@@ -112,6 +113,8 @@ pub struct Fs {
     stale_cache: Mutex<Option<StaleCache>>,
     /// Directory renames and the metadata stores below them, kept apart.
     subtrees: subtrees::Subtrees,
+    /// A setattr's change of an inode's metadata and the opens for writing of it, kept apart.
+    meta_changes: meta_changes::MetaChanges,
     /// Set once a prefix mount's root has its marker's attributes (see `attr.rs`).
     root_read: tokio::sync::OnceCell<()>,
     /// The root's ctime before that: a later one is a change made here.
@@ -287,6 +290,7 @@ impl Fs {
             files,
             stale_cache: Mutex::new(None),
             subtrees: Default::default(),
+            meta_changes: Default::default(),
             root_read: Default::default(),
             root_made,
         });

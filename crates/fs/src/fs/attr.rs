@@ -8,6 +8,8 @@ impl Fs {
     /// would publish the change (see [`WriteState::retire`]).
     pub async fn setattr(&self, ino: Ino, _fh: Option<u64>, set: SetAttr) -> FsResult<Attr> {
         self.check_writable()?;
+        // No writer opens meanwhile with the metadata from before the change.
+        let _changing_meta = self.meta_changes.lock(ino).await;
         let (kind, path) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
@@ -78,8 +80,9 @@ impl Fs {
         change.write_into(&mut new_user);
         self.store_meta(ino, kind, &path, size, &new_user, etag.as_deref())
             .await?;
-        // A writer that opened the file meanwhile took the old metadata: its publish must
-        // carry the change too, and build on the object as it is now.
+        // A write state made meanwhile took the old metadata: its publish must carry the
+        // change too, and build on the object as it is now. (Opens for writing wait for
+        // the change, see `meta_changes`; this holds for a state made any other way.)
         let new_etag = self
             .ns
             .table()

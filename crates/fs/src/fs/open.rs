@@ -57,8 +57,13 @@ impl Fs {
         // once the rename copied it. One that starts later finds the state. In background
         // mode the close goes to the write-back directory, which the rename sweeps: it does
         // not wait.
-        let sync_writer =
-            (writable || flags & libc::O_TRUNC != 0) && self.files.writeback().is_none();
+        let writer = writable || flags & libc::O_TRUNC != 0;
+        // Not while a setattr changes the metadata its state starts from (see meta_changes).
+        let _meta = match writer {
+            true => Some(self.meta_changes.lock(ino).await),
+            false => None,
+        };
+        let sync_writer = writer && self.files.writeback().is_none();
         let _changing = match sync_writer {
             true => Some(self.subtrees.store(|| self.path_of(ino)).await?.1),
             false => None,

@@ -664,3 +664,94 @@ async fn a_symlink_another_client_points_elsewhere_reads_its_new_target() {
         b"releases/version-2"
     );
 }
+
+/// Holds the answer of a COPY of `key` (once armed) until `go` is notified: the copy has
+/// landed in the store, the mount does not know it yet.
+struct HoldsCopyAnswer {
+    inner: Arc<MemoryStore>,
+    key: String,
+    armed: std::sync::atomic::AtomicBool,
+    landed: tokio::sync::Notify,
+    go: tokio::sync::Notify,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for HoldsCopyAnswer {
+    type Inner = MemoryStore;
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&bucketfs_store::UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> bucketfs_store::StoreResult<String> {
+        let r = self.inner.copy(src_key, dst_key, meta, src_if_match).await;
+        let armed =
+            dst_key == self.key && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if armed {
+            let go = self.go.notified();
+            self.landed.notify_one();
+            go.await;
+        }
+        r
+    }
+}
+
+/// A chmod of a closed file races an open, write and close of it on the same mount: the
+/// writer opened while the chmod's copy was in flight took the metadata before it, and its
+/// upload (pinned to the ETag, which a copy of a one-part object keeps) landed after the
+/// copy with the old mode. chmod had returned 0 and the mode was gone. A writer's open now
+/// waits for a metadata change of its file under way, and stores what it made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chmod_racing_a_writers_open_and_close_is_kept() {
+    let mem = Arc::new(MemoryStore::new());
+    let mut meta = owned_meta(42, 1_600_000_000);
+    meta.insert("mode".into(), (libc::S_IFREG | 0o644).to_string());
+    mem.put("f", bytes::Bytes::from_static(b"old"), &meta)
+        .await
+        .unwrap();
+    let store = Arc::new(HoldsCopyAnswer {
+        inner: mem.clone(),
+        key: "f".into(),
+        armed: true.into(),
+        landed: tokio::sync::Notify::new(),
+        go: tokio::sync::Notify::new(),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(store.clone(), config(&cache));
+    let a = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let landed = store.landed.notified();
+    let chmod = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let set = SetAttr {
+                mode: Some(0o600),
+                ..Default::default()
+            };
+            fs.setattr(a.ino, None, set).await
+        }
+    });
+    landed.await;
+    let writer = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let h = fs.open(a.ino, libc::O_WRONLY).await?;
+            fs.write(a.ino, h.fh, 0, bytes::Bytes::from_static(b"new"))
+                .await?;
+            fs.flush(a.ino, h.fh).await?;
+            fs.release(a.ino, h.fh).await
+        }
+    });
+    // The writer's close lands now, unless its open waits for the chmod.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    store.go.notify_one();
+    chmod.await.unwrap().unwrap();
+    writer.await.unwrap().unwrap();
+    assert_eq!(object(&mem, "f").await, b"new");
+    let m = mem.head("f").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
+    assert_eq!(fs.getattr(a.ino).await.unwrap().perm, 0o600);
+}
