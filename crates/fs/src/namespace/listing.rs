@@ -103,6 +103,9 @@ pub struct DirStream {
     /// When the LIST of its first page was sent (earlier than `started` for a page a lookup
     /// kept).
     listed_at: Option<Instant>,
+    /// Positions and names of the entries that are not directories as far as the pages read
+    /// say, but that a later page may show to be (see [`DirStream::settled`]).
+    unsettled: Vec<(usize, String)>,
 }
 
 impl DirStream {
@@ -129,7 +132,21 @@ impl DirStream {
             index: HashMap::new(),
             started: None,
             listed_at: None,
+            unsettled: Vec::new(),
         }
+    }
+
+    /// How many entries may be handed out. An object `x` and keys below `x/` may both exist
+    /// (not on MinIO; on AWS S3), and the directory wins; keys such as `x-1` sort between
+    /// them, so `x/` can come a page after `x`. A file whose directory would sort after the
+    /// last key read waits for the next page, and so does what follows it (offsets are
+    /// positions).
+    fn settled(&self) -> usize {
+        self.unsettled
+            .iter()
+            .map(|(i, _)| *i)
+            .min()
+            .unwrap_or(self.entries.len())
     }
 
     /// Adds an entry; `ino` is what a lookup of it gives (see [`InodeTable::entry_ino`]).
@@ -360,12 +377,13 @@ impl Namespace {
         let mut st = stream.lock().await;
         let from = offset.max(0) as usize;
         // Past the dots at least, so the first answer carries a page of names.
-        while !st.done && st.entries.len() <= from.max(2) {
+        while !st.done && st.settled() <= from.max(2) {
             self.next_page(&mut st).await?;
         }
         Ok(st
             .entries
             .iter()
+            .take(st.settled())
             .skip(from)
             .take(READDIR_BATCH)
             .cloned()
@@ -419,11 +437,32 @@ impl Namespace {
         };
         st.listed_at.get_or_insert(at);
         let at_root = st.path.is_root();
+        // The last key this page read: a directory sorting after it is still to come.
+        let last = match page.next_continuation {
+            None => None,
+            Some(_) => [
+                page.objects.last().map(|o| o.key.as_str()),
+                page.common_prefixes.last().map(String::as_str),
+            ]
+            .into_iter()
+            .flatten()
+            .max()
+            .map(str::to_string),
+        };
+        let prefix = st.prefix.to_string();
+        let to_come = |name: &str| {
+            last.as_deref()
+                .is_some_and(|l| format!("{prefix}{name}/").as_str() > l)
+        };
+        st.unsettled.retain(|(_, name)| to_come(name));
         for (name, found) in page_entries(&page, st.prefix.len(), at_root) {
             let path = st.path.join(name);
             if found.kind == FileKind::Dir {
                 match st.index.get(name) {
-                    Some(&i) => st.entries[i].kind = FileKind::Dir, // a directory wins
+                    Some(&i) => {
+                        st.entries[i].kind = FileKind::Dir; // a directory wins
+                        st.unsettled.retain(|(_, n)| n != name);
+                    }
                     None => {
                         let ino = self.table.lock().entry_ino(st.ino, name, &path);
                         st.push(name, FileKind::Dir, ino)
@@ -435,6 +474,11 @@ impl Namespace {
                 // With user metadata the mode tells symlinks from files; without, a file.
                 let ino = self.table.lock().entry_ino(st.ino, name, &path);
                 st.push(name, found.kind, ino);
+                if to_come(name) {
+                    // Not believed either until the page that may hold `name/` is read.
+                    st.unsettled.push((st.entries.len() - 1, name.to_string()));
+                    continue;
+                }
             }
             self.lookups.listed(&path, found, epoch, at);
         }

@@ -1151,3 +1151,44 @@ async fn the_kernel_keeps_what_is_left_of_the_ttl() {
         "the old kept page was not used"
     );
 }
+
+/// AWS S3 can hold an object `d/x` and keys below `d/x/` at once; the directory wins. When
+/// `x` ends one LIST page and `x/` comes on the next (keys `x-0001` ... sort between them),
+/// readdir handed `x` out as a file before it fetched the next page, and the lookups the page
+/// fed took it for a file: `find` and `cp -r` skipped the directory, `rm -rf` unlinked the
+/// hidden object, `cat d/x/y` was ENOTDIR. A file that a later page may show to be a directory
+/// is handed out (and believed) only once that page is read.
+#[tokio::test]
+async fn a_file_and_a_directory_of_one_name_on_two_list_pages_is_a_directory() {
+    let e = env();
+    put(&e.mem, "d/x", b"hidden").await;
+    for i in 1..=1000u32 {
+        put(&e.mem, &format!("d/x-{i:04}"), b"").await;
+    }
+    put(&e.mem, "d/x/y", b"below").await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    // As the kernel reads: each call from the offset the last entry gave.
+    let mut offset = 0;
+    let mut xs = Vec::new();
+    let mut count = 0;
+    loop {
+        let batch = e.fs.readdir(d.ino, fh, offset).await.unwrap();
+        let Some(last) = batch.last() else { break };
+        offset = last.next_offset;
+        count += batch.len();
+        xs.extend(
+            batch
+                .iter()
+                .filter(|ent| ent.name == "x")
+                .map(|ent| ent.kind),
+        );
+    }
+    e.fs.releasedir(d.ino, fh);
+    assert_eq!(xs, vec![FileKind::Dir], "x as readdir handed it out");
+    assert_eq!(count, 2 + 1001);
+    let x = e.fs.lookup(d.ino, OsStr::new("x")).await.unwrap();
+    assert_eq!(x.kind, FileKind::Dir);
+    let y = e.fs.lookup(x.ino, OsStr::new("y")).await.unwrap();
+    assert_eq!(y.size, 5);
+}
