@@ -708,6 +708,9 @@ impl Fs {
             }
             return got;
         }
+        // Taken first: what the inode says is read under it, so a read of this descriptor
+        // that waited for another never acts on what was true before that one learnt more.
+        let mut slot = reader.lock().await;
         let (path, etag, file_size, pages_current, learned) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
@@ -716,7 +719,6 @@ impl Fs {
             let (etag, size) = (i.etag.clone(), i.attr.size);
             (i.path.clone(), etag, size, current, i.learned_changes)
         };
-        let mut slot = reader.lock().await;
         let key = self.ns.key(&path);
         let mut served = false;
         if slot.as_ref().is_some_and(|r| *r.key() != key) {

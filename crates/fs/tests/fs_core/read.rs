@@ -7,6 +7,7 @@ use bucketfs_store::ObjectStore;
 use bytes::Bytes;
 use rand::{Rng, SeedableRng};
 use std::ffi::OsStr;
+use std::sync::Arc;
 
 /// Reads `name` with `chunk`-sized reads at the given offsets, checking each against `data`.
 async fn read_at(fs: &Fs, name: &str, data: &[u8], offsets: &[u64], chunk: u32) {
@@ -451,4 +452,103 @@ async fn a_descriptor_reading_across_a_rewrite_made_here_reads_the_new_content()
         );
     }
     e.fs.release(a.ino, r.fh).await.unwrap();
+}
+
+/// Holds this mount's GETs of `key` pinned to `etag` (once armed) until `go` is notified.
+struct HoldsPinnedGet {
+    inner: Arc<bucketfs_store::memory::MemoryStore>,
+    key: String,
+    etag: parking_lot::Mutex<Option<String>>,
+    held: tokio::sync::Notify,
+    go: tokio::sync::Notify,
+}
+
+impl HoldsPinnedGet {
+    async fn hold(&self, key: &str, if_match: Option<&str>) {
+        let armed = key == self.key && {
+            let mut e = self.etag.lock();
+            let hit = e.is_some() && e.as_deref() == if_match;
+            if hit {
+                *e = None;
+            }
+            hit
+        };
+        if armed {
+            let go = self.go.notified();
+            self.held.notify_one();
+            go.await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for HoldsPinnedGet {
+    type Inner = bucketfs_store::memory::MemoryStore;
+    fn inner(&self) -> &Self::Inner {
+        &self.inner
+    }
+    async fn get_range(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+        if_match: Option<&str>,
+    ) -> bucketfs_store::StoreResult<Bytes> {
+        self.hold(key, if_match).await;
+        self.inner.get_range(key, range, if_match).await
+    }
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+        if_match: Option<&str>,
+        dst: &mut [u8],
+    ) -> bucketfs_store::StoreResult<usize> {
+        self.hold(key, if_match).await;
+        self.inner.get_range_into(key, range, if_match, dst).await
+    }
+}
+
+/// Two reads of one descriptor at once (the kernel's readahead, or threads sharing it) that
+/// has read nothing, after another client replaced the object: the first finds the change
+/// and reads the new version. The second had looked at the inode before it waited for the
+/// first, and took the reader of the new version for one this mount had replaced: it went
+/// back to the old version (ESTALE, or its cached bytes, a mix of two versions). It reads the
+/// new version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_reads_at_once_of_a_replaced_object_both_read_the_new_version() {
+    let mem = Arc::new(bucketfs_store::memory::MemoryStore::new());
+    put(&mem, "k", b"old version").await;
+    let store = Arc::new(HoldsPinnedGet {
+        inner: mem.clone(),
+        key: "k".into(),
+        etag: parking_lot::Mutex::new(None),
+        held: tokio::sync::Notify::new(),
+        go: tokio::sync::Notify::new(),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(store.clone(), crate::support::config(&cache));
+    let a = fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let old = mem.head("k").await.unwrap().etag;
+    let h = fs
+        .open(a.ino, libc::O_RDONLY | libc::O_DIRECT)
+        .await
+        .unwrap();
+    put(&mem, "k", b"new version").await;
+    *store.etag.lock() = old;
+    let held = store.held.notified();
+    let first = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.read(a.ino, h.fh, 0, 64).await }
+    });
+    held.await;
+    let second = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.read(a.ino, h.fh, 0, 64).await }
+    });
+    // The second looks at the inode and waits for the first's reader.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    store.go.notify_one();
+    assert_eq!(&first.await.unwrap().unwrap()[..], b"new version");
+    assert_eq!(&second.await.unwrap().unwrap()[..], b"new version");
+    fs.release(a.ino, h.fh).await.unwrap();
 }
