@@ -439,6 +439,8 @@ impl Mounts {
             }
             let mounted = mounted_fstype(&target).as_deref().is_some_and(is_fuse);
             if mounted && r.pid != 0 {
+                // A remount that failed before is over.
+                self.remount_lock().remove(&target);
                 info!(
                     "mounted {} at {} (daemon pid {})",
                     r.source,
@@ -578,7 +580,7 @@ impl Mounts {
     /// remounts those whose daemon died while their target is still there, forgets the rest.
     /// Skips targets with an operation under way (their lock is held), so a daemon exiting
     /// during an unpublish is never mistaken for a dead one.
-    pub async fn recover(&self, startup: bool) {
+    pub async fn recover(self: &Arc<Self>, startup: bool) {
         let Ok(dir) = fs::read_dir(self.state.join("mounts")) else {
             return;
         };
@@ -589,7 +591,9 @@ impl Mounts {
             .collect();
         for r in records {
             let lock = self.lock_of(&r.target);
-            let Ok(_g) = lock.try_lock() else { continue };
+            let Ok(held) = lock.try_lock_owned() else {
+                continue;
+            };
             // Read again under the lock: an unpublish may have just removed it.
             if self.load(&r.target).as_ref() != Some(&r) {
                 continue;
@@ -611,6 +615,10 @@ impl Mounts {
                 let _ = self.save(&Record { pid, ..r.clone() });
             }
             let alive = live.is_some();
+            if alive {
+                // Its daemon runs (a late start, or adopted): no remount to try again.
+                self.remount_lock().remove(&r.target);
+            }
             if alive && fstype.as_deref().is_some_and(is_fuse) {
                 if startup {
                     info!(
@@ -638,48 +646,61 @@ impl Mounts {
                 }
                 e => e,
             };
-            let failures = earlier.as_ref().map_or(0, |e| e.failures);
-            warn!(
-                "the daemon of {} at {} is gone; mounting again{}",
-                r.source,
-                r.target.display(),
-                if failures > 0 {
-                    format!(" (try {})", failures + 1)
-                } else {
-                    String::new()
-                }
-            );
-            let dead = earlier.and_then(|e| e.dead).or_else(|| {
-                fstype
-                    .as_ref()
-                    .and_then(|_| crate::repair::Dead::hold(&r.target))
+            // On a task of its own, holding the target's lock: a remount can take up to
+            // MOUNT_TIMEOUT, and the other targets' must not wait for it.
+            let this = self.clone();
+            tokio::spawn(async move {
+                let _held = held;
+                this.remount(r, fstype.is_some(), earlier).await;
             });
-            if fstype.is_some() {
-                detach(&r.target);
+        }
+    }
+
+    /// Mounts `r` again after its daemon died; `dead_mounted`: its dead mount is still at the
+    /// target. `earlier`: the failed tries before this one.
+    async fn remount(&self, r: Record, dead_mounted: bool, earlier: Option<Remount>) {
+        let failures = earlier.as_ref().map_or(0, |e| e.failures);
+        warn!(
+            "the daemon of {} at {} is gone; mounting again{}",
+            r.source,
+            r.target.display(),
+            if failures > 0 {
+                format!(" (try {})", failures + 1)
+            } else {
+                String::new()
             }
-            match self.start(r.clone(), OnFailure::Keep).await {
-                Ok(()) => {
-                    if let Some(d) = dead {
-                        // Pods' binds of the dead mount get the new one.
-                        crate::repair::repair_binds(d, r.target.clone());
-                    }
+        );
+        // The file system the pods' binds show: the one at the target now, else the one an
+        // earlier try detached.
+        let dead = dead_mounted
+            .then(|| crate::repair::Dead::hold(&r.target))
+            .flatten()
+            .or_else(|| earlier.and_then(|e| e.dead));
+        if dead_mounted {
+            detach(&r.target);
+        }
+        match self.start(r.clone(), OnFailure::Keep).await {
+            Ok(()) => {
+                if let Some(d) = dead {
+                    // Pods' binds of the dead mount get the new one.
+                    crate::repair::repair_binds(d, r.target.clone());
                 }
-                Err(e) => {
-                    // A store or DNS outage at the wrong moment must not leave the pod's
-                    // volume dead for good: tried again, less often as it keeps failing.
-                    let wait = HEAL_INTERVAL
-                        .saturating_mul(1 << failures.min(6))
-                        .min(REMOUNT_BACKOFF_MAX);
-                    warn!("{e}; trying again in {} s", wait.as_secs());
-                    self.remount_lock().insert(
-                        r.target.clone(),
-                        Remount {
-                            dead,
-                            failures: failures + 1,
-                            next: Instant::now() + wait,
-                        },
-                    );
-                }
+            }
+            Err(e) => {
+                // A store or DNS outage at the wrong moment must not leave the pod's volume
+                // dead for good: tried again, less often as it keeps failing.
+                let wait = HEAL_INTERVAL
+                    .saturating_mul(1 << failures.min(6))
+                    .min(REMOUNT_BACKOFF_MAX);
+                warn!("{e}; trying again in {} s", wait.as_secs());
+                self.remount_lock().insert(
+                    r.target.clone(),
+                    Remount {
+                        dead,
+                        failures: failures + 1,
+                        next: Instant::now() + wait,
+                    },
+                );
             }
         }
     }
