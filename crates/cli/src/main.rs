@@ -219,7 +219,13 @@ fn set_refresh(p: &Path) -> std::io::Result<()> {
 
 /// `bucketfs umount`: `fusermount3 -u` (then `umount`) on a FUSE mount point.
 fn umount(args: &UmountArgs) -> i32 {
-    let mp = bucketfs_fuse::absolute(&args.mountpoint);
+    let mp = match run::absolute_within(&args.mountpoint) {
+        Ok(mp) => mp,
+        Err(e) => {
+            eprintln!("bucketfs: {e}");
+            return 1;
+        }
+    };
     match bucketfs_fuse::mount_info(&mp) {
         None => {
             eprintln!("bucketfs: {} is not mounted", mp.display());

@@ -96,8 +96,7 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     }
     let (source, mountpoint) = args.source_and_mountpoint();
     let target = target_of(&source, &settings)?;
-    // Bounded: the mount point's parent may be inside a FUSE mount whose daemon hangs.
-    let mountpoint = mountpoint_answer(&mountpoint, absolute)?;
+    let mountpoint = absolute_within(&mountpoint)?;
     check_mountpoint(&mountpoint, settings.nonempty, settings.allow_stacking)?;
     if let Target::Local { dir } = &target {
         if mountpoint.starts_with(dir) {
@@ -261,6 +260,24 @@ fn mountpoint_answer<T: Send + 'static>(
             mp.display(),
             MOUNTPOINT_ANSWER.as_secs(),
             mp.display()
+        )
+    })
+}
+
+/// [`absolute`] of a mount point, within [`MOUNTPOINT_ANSWER`]: its directory may be inside
+/// a FUSE mount whose daemon hangs, and resolving it waits for that daemon.
+pub(crate) fn absolute_within(mp: &Path) -> Result<PathBuf, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = mp.to_path_buf();
+    std::thread::spawn(move || {
+        let _ = tx.send(absolute(&p));
+    });
+    rx.recv_timeout(MOUNTPOINT_ANSWER).map_err(|_| {
+        format!(
+            "the directory of mount point {} does not answer within {} s (is it inside a \
+             FUSE mount whose daemon hangs? see `grep fuse /proc/mounts`)",
+            mp.display(),
+            MOUNTPOINT_ANSWER.as_secs()
         )
     })
 }

@@ -26,6 +26,25 @@ fn fetch_text(path: &std::path::Path) -> Result<String, String> {
 /// a process of this user: a user's socket directory is in /tmp, where another user may have
 /// made it first and planted a socket of their own.
 fn fetch_text_within(path: &std::path::Path, limit: Duration) -> Result<String, String> {
+    // On a thread, left behind if it never ends: a connect waits for good once the backlog
+    // of a daemon that does not accept (stopped, hung) is full.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (p, deadline) = (path.to_path_buf(), Instant::now() + limit);
+    std::thread::spawn(move || {
+        let _ = tx.send(exchange(&p, deadline));
+    });
+    rx.recv_timeout(limit).unwrap_or_else(|_| {
+        Err(format!(
+            "{}: no whole answer within {} s",
+            path.display(),
+            limit.as_secs()
+        ))
+    })
+}
+
+/// Connects to the stats socket at `path` and reads the whole answer by `deadline`.
+fn exchange(path: &std::path::Path, deadline: Instant) -> Result<String, String> {
+    let limit = deadline.saturating_duration_since(Instant::now());
     let fail = |e: std::io::Error| format!("{}: {e}", path.display());
     let mut sock = UnixStream::connect(path).map_err(fail)?;
     let server = peer_uid(&sock).map_err(fail)?;
@@ -37,7 +56,6 @@ fn fetch_text_within(path: &std::path::Path, limit: Duration) -> Result<String, 
             path.display()
         ));
     }
-    let deadline = Instant::now() + limit;
     let mut answer = Vec::new();
     let mut buf = [0u8; 64 << 10];
     loop {
@@ -89,7 +107,13 @@ fn peer_uid(sock: &UnixStream) -> std::io::Result<u32> {
 /// yet, one a line (state, size, key, error, write-back file), then a summary.
 pub fn pending(a: &crate::args::PendingArgs) -> i32 {
     // Not canonicalize: it would stat the mount, which may be the hung one to look into.
-    let mp = bucketfs_fuse::absolute(&a.mountpoint);
+    let mp = match crate::run::absolute_within(&a.mountpoint) {
+        Ok(mp) => mp,
+        Err(e) => {
+            eprintln!("bucketfs: pending: {e}");
+            return 1;
+        }
+    };
     let text = match fetch_text(&stats_socket(&mp)) {
         Ok(t) => t,
         Err(e) => {
@@ -236,7 +260,13 @@ pub fn render(prev: Option<&Sample>, cur: &Sample, secs: f64) -> String {
 
 /// Runs `bucketfs stats`; returns the exit code.
 pub fn run(args: &StatsArgs) -> i32 {
-    let mp = bucketfs_fuse::absolute(&args.mountpoint);
+    let mp = match crate::run::absolute_within(&args.mountpoint) {
+        Ok(mp) => mp,
+        Err(e) => {
+            eprintln!("bucketfs: stats: {e}");
+            return 1;
+        }
+    };
     let path = stats_socket(&mp);
     let mut prev = match fetch(&path) {
         Ok(s) => s,

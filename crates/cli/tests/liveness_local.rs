@@ -474,6 +474,18 @@ fn a_mount_point_inside_a_hung_mount_fails_in_bounded_time() {
     let inner = mp.join("sub/inner");
     let second = mount_bg(&format!("s3://{b2}"), &inner, &[], &creds());
     let stacked = mounts_at(&inner);
+    // The commands that name a mount point resolve it the same way.
+    let others: Vec<CliRun> = ["pending", "stats", "umount"]
+        .iter()
+        .map(|cmd| {
+            run_cli(
+                &[(*cmd).into(), inner.clone().into_os_string()],
+                &[],
+                None,
+                Duration::from_secs(30),
+            )
+        })
+        .collect();
     drop(cont);
     if stacked > 0 {
         let pid = processes_mentioning(&format!("s3://{b2}")).first().copied();
@@ -481,6 +493,9 @@ fn a_mount_point_inside_a_hung_mount_fails_in_bounded_time() {
     }
     drop(m);
     refused_as_not_answering(&second);
+    for run in &others {
+        refused_as_not_answering(run);
+    }
 }
 
 /// Issue 18, item 6: `bucketfs mount` on a directory that is already a live mount (of an
