@@ -695,9 +695,15 @@ impl WriteState {
             return Ok(());
         };
         if let Err(e) = self.start_stream().await {
-            // Keep the bytes (on disk, or else still in the tail): publish sends them.
+            // Keep the bytes (on disk, or else still in the tail): publish sends them, and
+            // says if it cannot. The write that filled the part succeeded: failing it would
+            // have the caller write again what is kept (an O_APPEND retry stores it twice).
+            tracing::debug!(
+                "{}: upload not started, the part waits for close: {e:?}",
+                self.key
+            );
             let _ = self.spill_tail().await;
-            return Err(e);
+            return Ok(());
         }
         let staging = if self.keeps_copy_of_part(i) {
             self.staging().ok()

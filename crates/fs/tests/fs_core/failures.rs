@@ -542,3 +542,36 @@ async fn a_rename_over_a_directory_failing_after_its_copies_keeps_the_moved_mark
         Some(&(libc::S_IFDIR | 0o700).to_string())
     );
 }
+
+/// A write that fills a part starts the file's multipart upload. When that start failed (the
+/// store refusing past its retries), the write returned `EIO` although its bytes were kept
+/// and went up at close: an application that wrote them again (an `O_APPEND` logger retrying)
+/// stored them twice. The write succeeds: its bytes are kept, and the close stores them (or
+/// fails).
+#[tokio::test]
+async fn a_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    faulty.inject(
+        Op::CreateMultipart,
+        0,
+        None,
+        Fault::Error(StoreError::Transient("connection refused".into())),
+    );
+    let data = random(12 * MIB as usize, 41);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("log"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    for (i, c) in data.chunks(MIB as usize).enumerate() {
+        let r = fs
+            .write(attr.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
+            .await;
+        assert_eq!(r, Ok(MIB as u32), "write {i}");
+    }
+    assert_eq!(fs.getattr(attr.ino).await.unwrap().size, data.len() as u64);
+    faulty.clear();
+    fs.flush(attr.ino, h.fh).await.unwrap();
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert!(object(&mem, "log").await == data);
+}
