@@ -151,14 +151,14 @@ impl Fs {
                     }
                 }
                 (false, false) => {
-                    // Background mode: a closed file whose version is still to upload has
-                    // its state too; that upload must not land over the renamed file.
-                    let pending = self.files.writeback().is_some() && twrite.is_some();
-                    if open || pending {
+                    // A closed file may have its state too: its last release still publishing,
+                    // or in background mode a version still to upload. That publish must not
+                    // land over the renamed file. A copy for descriptors only if it has some.
+                    if open || twrite.is_some() {
                         replaced = Some(Replaced {
                             ino: t,
                             write: twrite,
-                            in_store,
+                            in_store: in_store && open,
                         });
                     }
                 }

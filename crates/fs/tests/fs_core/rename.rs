@@ -438,3 +438,84 @@ async fn a_directory_renamed_over_another_forgets_what_was_absent_below_it() {
         f.ino
     );
 }
+
+/// Holds this mount's PUTs of `key` (once armed) until `go` is notified.
+struct HoldsPut {
+    inner: std::sync::Arc<bucketfs_store::memory::MemoryStore>,
+    key: String,
+    armed: std::sync::atomic::AtomicBool,
+    held: tokio::sync::Notify,
+    go: tokio::sync::Notify,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for HoldsPut {
+    type Inner = bucketfs_store::memory::MemoryStore;
+    fn inner(&self) -> &Self::Inner {
+        &self.inner
+    }
+    async fn put_if(
+        &self,
+        key: &str,
+        body: bytes::Bytes,
+        meta: &bucketfs_store::UserMeta,
+        if_match: Option<&str>,
+    ) -> bucketfs_store::StoreResult<String> {
+        let armed = key == self.key && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if armed {
+            let go = self.go.notified();
+            self.held.notify_one();
+            go.await;
+        }
+        self.inner.put_if(key, body, meta, if_match).await
+    }
+}
+
+/// A rename over a file whose last release is still publishing (its writes came through a
+/// descriptor whose flush did not store them: an inherited one, or mmap): the rename did not
+/// see the file open, copied its source over it, and the release's PUT landed after the copy:
+/// the renamed file was lost. The rename waits for that publish and replaces what it stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rename_over_a_file_whose_release_is_publishing_keeps_the_renamed_file() {
+    let mem = std::sync::Arc::new(bucketfs_store::memory::MemoryStore::new());
+    put(&mem, "t", b"old").await;
+    put(&mem, "x", b"renamed").await;
+    let store = std::sync::Arc::new(HoldsPut {
+        inner: mem.clone(),
+        key: "t".into(),
+        armed: false.into(),
+        held: tokio::sync::Notify::new(),
+        go: tokio::sync::Notify::new(),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = bucketfs_fs::Fs::new(store.clone(), crate::support::config(&cache));
+    let t = fs.lookup(ROOT_INO, OsStr::new("t")).await.unwrap();
+    fs.lookup(ROOT_INO, OsStr::new("x")).await.unwrap();
+    let h = fs
+        .open(t.ino, libc::O_WRONLY | libc::O_TRUNC)
+        .await
+        .unwrap();
+    fs.write(t.ino, h.fh, 0, bytes::Bytes::from_static(b"mine"))
+        .await
+        .unwrap();
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let held = store.held.notified();
+    let release = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.release(t.ino, h.fh).await }
+    });
+    held.await;
+    let rename = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            fs.rename(ROOT_INO, OsStr::new("x"), ROOT_INO, OsStr::new("t"), 0)
+                .await
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    store.go.notify_one();
+    release.await.unwrap().unwrap();
+    rename.await.unwrap().unwrap();
+    assert_eq!(object(&mem, "t").await, b"renamed");
+    assert!(mem.head("x").await.is_err());
+}

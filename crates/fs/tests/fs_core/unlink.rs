@@ -5,6 +5,7 @@ use crate::support::{
 };
 use bucketfs_fs::{FsError, ROOT_INO};
 use bucketfs_store::metrics::Op;
+use bucketfs_store::ObjectStore;
 use bytes::Bytes;
 use std::ffi::OsStr;
 
@@ -185,4 +186,52 @@ async fn the_hidden_directory_name_is_reserved_at_the_root() {
     e.fs.flush(a.ino, h.fh).await.unwrap();
     e.fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(list(&e.fs, d.ino).await, [".", "..", ".bucketfs-unlinked"]);
+}
+
+/// An open for writing that the kernel sends for a file looked up before an unlink of it
+/// (`echo x > f` racing `rm f`) made a fresh write state on the old key, and its close put
+/// the file back after the unlink had returned 0. It gets `ESTALE` (the kernel looks the
+/// name up again: the file is gone, or a new one is made with `O_CREAT`).
+#[tokio::test]
+async fn an_open_racing_an_unlink_never_brings_the_file_back() {
+    let e = env();
+    put(&e.mem, "f", b"old").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    e.fs.unlink(ROOT_INO, OsStr::new("f")).await.unwrap();
+    match e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC).await {
+        Err(err) => assert_eq!(err, FsError(libc::ESTALE)),
+        Ok(h) => {
+            let _ = e.fs.write(a.ino, h.fh, 0, Bytes::from_static(b"x")).await;
+            let _ = e.fs.flush(a.ino, h.fh).await;
+            e.fs.release(a.ino, h.fh).await.unwrap();
+        }
+    }
+    assert!(
+        e.mem.head("f").await.is_err(),
+        "the unlinked file came back: {:?}",
+        object(&e.mem, "f").await
+    );
+}
+
+/// The same for an open of a file another rename of this mount replaced: its close put
+/// what it wrote over the renamed file, which was then lost.
+#[tokio::test]
+async fn an_open_racing_a_rename_over_its_file_never_overwrites_the_renamed_one() {
+    let e = env();
+    put(&e.mem, "t", b"target").await;
+    put(&e.mem, "x", b"renamed").await;
+    let t = e.fs.lookup(ROOT_INO, OsStr::new("t")).await.unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("x")).await.unwrap();
+    e.fs.rename(ROOT_INO, OsStr::new("x"), ROOT_INO, OsStr::new("t"), 0)
+        .await
+        .unwrap();
+    match e.fs.open(t.ino, libc::O_WRONLY | libc::O_TRUNC).await {
+        Err(err) => assert_eq!(err, FsError(libc::ESTALE)),
+        Ok(h) => {
+            let _ = e.fs.write(t.ino, h.fh, 0, Bytes::from_static(b"x")).await;
+            let _ = e.fs.flush(t.ino, h.fh).await;
+            e.fs.release(t.ino, h.fh).await.unwrap();
+        }
+    }
+    assert_eq!(object(&e.mem, "t").await, b"renamed");
 }
