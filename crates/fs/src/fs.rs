@@ -406,12 +406,33 @@ impl Fs {
         }
     }
 
-    fn new_meta(&self, kind: FileKind, mode: u32, umask: u32, caller: Caller) -> PosixMeta {
+    /// The metadata of a new entry in directory `parent`. A set-group-ID directory gives its
+    /// group to what is made in it, and its bit to new directories (the BSD rule Linux keeps,
+    /// which a FUSE daemon applies itself; the kernel already took the bit off a new file's
+    /// mode where its caller may not have it).
+    fn new_meta(
+        &self,
+        parent: Ino,
+        kind: FileKind,
+        mode: u32,
+        umask: u32,
+        caller: Caller,
+    ) -> PosixMeta {
         let t = now();
+        let mut mode = mode & !umask & 0o7777;
+        let setgid_dir = self
+            .ns
+            .table()
+            .get(parent)
+            .filter(|p| p.attr.perm as u32 & libc::S_ISGID != 0)
+            .map(|p| p.attr.gid);
+        if setgid_dir.is_some() && kind == FileKind::Dir {
+            mode |= libc::S_ISGID;
+        }
         PosixMeta {
-            mode: Some(kind.mode_bits() | (mode & !umask & 0o7777)),
+            mode: Some(kind.mode_bits() | mode),
             uid: Some(caller.uid),
-            gid: Some(caller.gid),
+            gid: Some(setgid_dir.unwrap_or(caller.gid)),
             mtime: Some(t),
             atime: None,
         }
@@ -601,7 +622,7 @@ impl Fs {
         let _changing = self.changing_in(parent).await?;
         let (name, parent_path) = self.prepare_new(parent, name)?;
         let path = parent_path.join(&name);
-        let pm = self.new_meta(FileKind::Dir, mode, umask, caller);
+        let pm = self.new_meta(parent, FileKind::Dir, mode, umask, caller);
         let key = self.ns.dir_key(&path);
         if name.len() <= BACKGROUND_MARKER_MAX_NAME {
             // The marker goes up in the background (see markers.rs).
@@ -638,7 +659,7 @@ impl Fs {
         let _changing = self.changing_in(parent).await?;
         let (name, parent_path) = self.prepare_new(parent, name)?;
         let path = parent_path.join(&name);
-        let pm = self.new_meta(FileKind::File, mode, umask, caller);
+        let pm = self.new_meta(parent, FileKind::File, mode, umask, caller);
         let key = self.ns.key(&path);
         let etag = self
             .store
@@ -670,7 +691,7 @@ impl Fs {
         let _changing = self.changing_in(parent).await?;
         let (name, parent_path) = self.prepare_new(parent, name)?;
         let path = parent_path.join(&name);
-        let pm = self.new_meta(FileKind::Symlink, 0o777, 0, caller);
+        let pm = self.new_meta(parent, FileKind::Symlink, 0o777, 0, caller);
         let key = self.ns.key(&path);
         let body = Bytes::copy_from_slice(target.as_os_str().as_bytes());
         let etag = self

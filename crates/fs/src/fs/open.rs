@@ -224,7 +224,7 @@ impl Fs {
             other => other?,
         };
         let path = parent_path.join(&name);
-        let pm = self.new_meta(FileKind::File, mode, umask, caller);
+        let pm = self.new_meta(parent, FileKind::File, mode, umask, caller);
         let w = self.files.new_write(self.ns.key(&path), None, pm.to_user());
         w.state.lock().await.mark_changed(); // an empty file is still a file
         let (ino, attr) = self

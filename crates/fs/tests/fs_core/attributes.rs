@@ -755,3 +755,58 @@ async fn a_chmod_racing_a_writers_open_and_close_is_kept() {
     assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
     assert_eq!(fs.getattr(a.ino).await.unwrap().perm, 0o600);
 }
+
+/// A set-group-ID directory (a shared project directory, 2775 with group `proj`): what is
+/// made in it takes its group, and a new directory its set-group-ID bit too. FUSE leaves
+/// that to the daemon; files took their creator's group and new directories lost the bit,
+/// so the rest of the group was locked out of the subtree.
+#[tokio::test]
+async fn a_set_group_id_directory_gives_its_group_to_what_is_made_in_it() {
+    let e = env();
+    let proj =
+        e.fs.mkdir(ROOT_INO, OsStr::new("proj"), 0o2775, 0o022, ME)
+            .await
+            .unwrap();
+    let chgrp = SetAttr {
+        gid: Some(4242),
+        mode: Some(0o2775),
+        ..Default::default()
+    };
+    let p = e.fs.setattr(proj.ino, None, chgrp).await.unwrap();
+    assert_eq!((p.gid, p.perm & 0o2000), (4242, 0o2000));
+    let (f, h) =
+        e.fs.create(proj.ino, OsStr::new("f"), 0o664, 0o022, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    e.fs.release(f.ino, h.fh).await.unwrap();
+    assert_eq!(f.gid, 4242);
+    assert_eq!(
+        f.perm & 0o2000,
+        0,
+        "a file gets no set-group-ID bit of its own"
+    );
+    let d =
+        e.fs.mkdir(proj.ino, OsStr::new("d"), 0o775, 0o022, ME)
+            .await
+            .unwrap();
+    assert_eq!((d.gid, d.perm), (4242, 0o2755));
+    let l =
+        e.fs.symlink(proj.ino, OsStr::new("l"), std::path::Path::new("f"), ME)
+            .await
+            .unwrap();
+    assert_eq!(l.gid, 4242);
+    // Stored so: a later mount sees the same.
+    let m = e.mem.head("proj/f").await.unwrap();
+    assert_eq!(m.user["gid"], "4242");
+    // A plain directory gives nothing.
+    let plain =
+        e.fs.mkdir(ROOT_INO, OsStr::new("plain"), 0o775, 0o022, ME)
+            .await
+            .unwrap();
+    let (g, h) =
+        e.fs.create(plain.ino, OsStr::new("g"), 0o664, 0o022, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    e.fs.release(g.ino, h.fh).await.unwrap();
+    assert_eq!(g.gid, ME.gid);
+}
