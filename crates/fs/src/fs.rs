@@ -480,6 +480,18 @@ impl Fs {
         Ok(self.live(self.ns.attr(ino)?))
     }
 
+    /// [`Fs::getattr`] through open descriptor `fh` (`fstat`, and the kernel's size check
+    /// before a read): a file another client deleted since the open keeps its attributes
+    /// for its descriptors, as an open file does on a local disk.
+    pub async fn getattr_open(&self, ino: Ino, fh: u64) -> FsResult<Attr> {
+        match self.getattr(ino).await {
+            Err(e) if e == FsError::ENOENT && self.files.handle(ino, fh).is_ok() => {
+                Ok(self.live(self.ns.attr(ino)?))
+            }
+            r => r,
+        }
+    }
+
     /// Server-side copy of any size; `meta` replaces the user metadata when given. With
     /// `src_etag`, every request copies from that version of `src` only, and a copy onto
     /// itself lands only over it, so the copy is never a mix of two versions nor written

@@ -552,3 +552,27 @@ async fn two_reads_at_once_of_a_replaced_object_both_read_the_new_version() {
     assert_eq!(&second.await.unwrap().unwrap()[..], b"new version");
     fs.release(a.ino, h.fh).await.unwrap();
 }
+
+/// Another client deletes a file a descriptor here has open and has read whole: once what the
+/// mount knew is out of date, `fstat` of the descriptor (and the kernel's size check before
+/// the read that finds the end, which `cat` makes) failed with ENOENT. Through the
+/// descriptor the file keeps its attributes; by name it is gone.
+#[tokio::test]
+async fn a_file_deleted_elsewhere_keeps_its_attributes_for_its_descriptors() {
+    let e = env();
+    put(&e.mem, "f", b"contents").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(
+        &e.fs.read(a.ino, h.fh, 0, 64).await.unwrap()[..],
+        b"contents"
+    );
+    e.mem.delete("f").await.unwrap();
+    e.fs.refresh(a.ino).unwrap();
+    assert_eq!(e.fs.getattr_open(a.ino, h.fh).await.unwrap().size, 8);
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new("f")).await,
+        Err(FsError::ENOENT)
+    );
+    e.fs.release(a.ino, h.fh).await.unwrap();
+}
