@@ -886,7 +886,9 @@ impl Fs {
 
     /// A write, finished on the calling (FUSE) thread straight from its buffer when it is an
     /// append to the file's in-memory part, else by the task it returns. `kill_suid`: the
-    /// caller may not keep set-id bits (`FUSE_WRITE_KILL_SUIDGID`), cleared first.
+    /// caller may not keep set-id bits (`FUSE_WRITE_KILL_SUIDGID`), cleared first. `append`:
+    /// the descriptor has `O_APPEND` now (the write's own flags: `fcntl` may have changed them
+    /// since the open).
     pub fn write_now(
         self: &Arc<Self>,
         ino: Ino,
@@ -894,8 +896,17 @@ impl Fs {
         offset: u64,
         data: &[u8],
         kill_suid: bool,
+        append: bool,
     ) -> Now<FsResult<u32>> {
         let n = data.len() as u32;
+        let mut h = match self.files.handle(ino, fh) {
+            Ok(h) => h,
+            Err(e) => return Now::Done(Err(e)),
+        };
+        if (h.flags & libc::O_APPEND != 0) != append {
+            self.files.set_append(fh, append);
+            h.flags ^= libc::O_APPEND;
+        }
         if kill_suid && self.suid_bits(ino) != 0 {
             let (fs, data) = (self.clone(), self.files.copy_write(data));
             return Now::Later(Box::pin(async move {
@@ -903,10 +914,6 @@ impl Fs {
                 fs.write(ino, fh, offset, data).await
             }));
         }
-        let h = match self.files.handle(ino, fh) {
-            Ok(h) => h,
-            Err(e) => return Now::Done(Err(e)),
-        };
         let appended = self.files.append_now(&h, offset, data);
         if appended != Appended::No {
             self.wrote(ino);

@@ -626,14 +626,18 @@ impl Filesystem for FuseFs {
         offset: u64,
         data: &[u8],
         write_flags: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         // A writer without CAP_FSETID clears set-id bits. The kernel does it itself (by a
         // setattr) for writes through the page cache; a direct-I/O write only carries this flag.
         let kill_suid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
-        match self.fs.write_now(ino.0, fh.0, offset, data, kill_suid) {
+        let append = flags.0 & libc::O_APPEND != 0;
+        match self
+            .fs
+            .write_now(ino.0, fh.0, offset, data, kill_suid, append)
+        {
             Now::Done(Ok(n)) => reply.written(n),
             Now::Done(Err(e)) => reply.error(errno("write", e)),
             Now::Later(task) => self.serve(async move {

@@ -428,6 +428,17 @@ impl OpenFiles {
         }
     }
 
+    /// The caller set or cleared `O_APPEND` on handle `fh` since its open (`fcntl(F_SETFL)`):
+    /// its writes land where that now says.
+    pub fn set_append(&self, fh: u64, append: bool) {
+        if let Some(h) = self.handles.lock().get_mut(&fh) {
+            h.flags = match append {
+                true => h.flags | libc::O_APPEND,
+                false => h.flags & !libc::O_APPEND,
+            };
+        }
+    }
+
     pub fn remove_handle(&self, fh: u64) -> Option<FileHandle> {
         self.handles.lock().remove(&fh)
     }

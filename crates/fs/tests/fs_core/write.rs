@@ -109,7 +109,10 @@ async fn writes_done_in_the_calling_thread_stream_like_the_others() {
     let (mut now, mut later) = (0, Vec::new());
     for w in cuts.windows(2) {
         let chunk = &data[w[0]..w[1]];
-        match e.fs.write_now(attr.ino, open.fh, w[0] as u64, chunk, false) {
+        match e
+            .fs
+            .write_now(attr.ino, open.fh, w[0] as u64, chunk, false, false)
+        {
             Now::Done(r) => {
                 r.unwrap();
                 now += 1;
@@ -539,4 +542,33 @@ async fn a_rewrite_streamed_in_parts_stores_a_new_mtime() {
     assert_eq!(b.perm, 0o640);
     assert_eq!(e.metrics.requests(Op::Copy), 0);
     assert_eq!(object(&e.mem, "big").await, data);
+}
+
+/// `open(O_APPEND)`, then `fcntl(F_SETFL, 0)` and `pwrite(fd, .., 0)`: the write lands at 0,
+/// as the write's own flags say; it landed at the end, from the flags of the open. And the
+/// other way: `O_APPEND` set after the open sends writes to the end.
+#[tokio::test]
+async fn o_append_follows_the_descriptors_flags_of_each_write() {
+    let e = env();
+    put(&e.mem, "log", b"abc").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("log")).await.unwrap();
+    let h =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_APPEND)
+            .await
+            .unwrap();
+    let write = |offset: u64, data: &'static [u8], append: bool| {
+        let fs = e.fs.clone();
+        async move {
+            match fs.write_now(a.ino, h.fh, offset, data, false, append) {
+                bucketfs_fs::Now::Done(r) => r,
+                bucketfs_fs::Now::Later(task) => task.await,
+            }
+        }
+    };
+    write(0, b"d", true).await.unwrap(); // appended: abcd
+    write(0, b"X", false).await.unwrap(); // O_APPEND cleared: at 0
+    write(0, b"e", true).await.unwrap(); // set again: at the end
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "log").await, b"Xbcde");
 }
