@@ -25,7 +25,8 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::future::Future;
 use std::io;
-use std::path::Path;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, SystemTime};
@@ -142,6 +143,22 @@ fn invalidate_attr(notifier: &std::sync::Weak<OnceLock<Notifier>>, ino: u64) {
     }
 }
 
+/// The fdinfo files of task `pid`'s descriptors of files (their link is a path), at most
+/// 1,024 (a process with more gets its close stored now). Not the others: the fdinfo of an
+/// epoll whose lock its owner holds (a poll of its own FUSE mount left unanswered) blocks its
+/// reader for good, and inotify's can be megabytes; the task is any user's.
+fn file_fdinfos(pid: u32) -> impl Iterator<Item = PathBuf> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .take(1024)
+        .filter(|e| {
+            std::fs::read_link(e.path()).is_ok_and(|l| l.as_os_str().as_bytes().starts_with(b"/"))
+        })
+        .map(move |e| PathBuf::from(format!("/proc/{pid}/fdinfo")).join(e.file_name()))
+}
+
 /// Whether an fdinfo text describes a descriptor of inode `ino` on mount `mnt`.
 fn fdinfo_names(info: &str, mnt: u64, ino: u64) -> bool {
     let field = |name: &str| {
@@ -200,13 +217,8 @@ impl FuseFs {
         let Some(&mnt) = self.mount_id.get() else {
             return false;
         };
-        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
-            return false;
-        };
-        // Bounded: a process with more descriptors than this gets its close stored now.
-        dir.flatten().take(1024).any(|e| {
-            std::fs::read_to_string(e.path()).is_ok_and(|info| fdinfo_names(&info, mnt, ino))
-        })
+        file_fdinfos(pid)
+            .any(|p| std::fs::read_to_string(p).is_ok_and(|info| fdinfo_names(&info, mnt, ino)))
     }
 
     /// Where [`crate::mount`] puts the session's notifier once it runs.
@@ -926,6 +938,26 @@ mod tests {
         assert_eq!((f.perm, f.uid, f.gid, f.nlink), (0o750, 7, 8, 2));
         assert_eq!((f.blksize, f.rdev, f.flags, f.blocks), (MAX_WRITE, 0, 0, 2));
         assert_eq!(Errno::from_i32(FsError::ENOENT.0), Errno::ENOENT);
+    }
+
+    /// Only descriptors of files are read: an epoll's fdinfo can block its reader for good.
+    #[test]
+    fn only_the_fdinfo_of_files_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = std::fs::File::create(dir.path().join("f")).unwrap();
+        // SAFETY: plain syscalls; the descriptors are closed below.
+        let epoll = unsafe { libc::epoll_create1(0) };
+        let mut pipe = [0; 2];
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        assert!(epoll >= 0);
+        let names: Vec<String> = file_fdinfos(std::process::id())
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        for fd in [epoll, pipe[0], pipe[1]] {
+            assert!(!names.contains(&fd.to_string()), "fd {fd} read: {names:?}");
+            unsafe { libc::close(fd) };
+        }
+        assert!(names.contains(&std::os::fd::AsRawFd::as_raw_fd(&file).to_string()));
     }
 
     #[test]
