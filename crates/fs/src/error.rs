@@ -58,18 +58,87 @@ impl From<std::io::Error> for FsError {
     }
 }
 
-/// Logs a store error once with its context and converts it to an errno.
+/// Logs a store error once with its context and converts it to an errno. At most
+/// [`LogBudget::LINES`] warnings a window: in an outage every failed call of every
+/// application would be a line, and a program retrying in a loop would fill the log's disk
+/// (a node's, for the CSI driver's daemons); the rest are counted and said once.
 pub(crate) fn log_store_err(op: &str, e: StoreError) -> FsError {
+    static BUDGET: LogBudget = LogBudget::new();
     match &e {
         StoreError::NotFound(_) => tracing::debug!("{op}: {e}"),
-        _ => tracing::warn!("{op}: {e}"),
+        _ => match BUDGET.admit(std::time::Instant::now()) {
+            Admit::Log { suppressed: 0 } => tracing::warn!("{op}: {e}"),
+            Admit::Log { suppressed } => tracing::warn!(
+                "{op}: {e} ({suppressed} more store errors were not logged in the last {} s)",
+                LogBudget::WINDOW.as_secs()
+            ),
+            Admit::Quiet => tracing::debug!("{op}: {e}"),
+        },
     }
     e.into()
+}
+
+/// What [`LogBudget::admit`] says of one more line.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Admit {
+    /// Log it, saying how many were held back before it.
+    Log { suppressed: u64 },
+    /// Over the budget: not at warning level.
+    Quiet,
+}
+
+/// At most [`LogBudget::LINES`] lines per [`LogBudget::WINDOW`].
+pub(crate) struct LogBudget {
+    /// The window's start (set at the first line), the lines logged in it, and the lines
+    /// held back since the last one logged.
+    state: parking_lot::Mutex<Option<(std::time::Instant, u64, u64)>>,
+}
+
+impl LogBudget {
+    pub(crate) const LINES: u64 = 20;
+    pub(crate) const WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+
+    pub(crate) const fn new() -> Self {
+        Self {
+            state: parking_lot::Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn admit(&self, now: std::time::Instant) -> Admit {
+        let mut st = self.state.lock();
+        let (start, lines, held) = st.get_or_insert((now, 0, 0));
+        if now.duration_since(*start) >= Self::WINDOW {
+            (*start, *lines) = (now, 0);
+        }
+        if *lines >= Self::LINES {
+            *held += 1;
+            return Admit::Quiet;
+        }
+        *lines += 1;
+        Admit::Log {
+            suppressed: std::mem::take(held),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_burst_of_store_errors_logs_a_few_lines_and_counts_the_rest() {
+        let b = LogBudget::new();
+        let t0 = std::time::Instant::now();
+        for _ in 0..LogBudget::LINES {
+            assert_eq!(b.admit(t0), Admit::Log { suppressed: 0 });
+        }
+        for _ in 0..1000 {
+            assert_eq!(b.admit(t0), Admit::Quiet);
+        }
+        let later = t0 + LogBudget::WINDOW;
+        assert_eq!(b.admit(later), Admit::Log { suppressed: 1000 });
+        assert_eq!(b.admit(later), Admit::Log { suppressed: 0 });
+    }
 
     #[test]
     fn store_errors_become_errnos() {
