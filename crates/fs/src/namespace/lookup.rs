@@ -886,7 +886,10 @@ pub fn page_entries(
     let shadowed: HashSet<&str> = dirs.iter().copied().collect();
     let files = page.objects.iter().filter_map(move |o| {
         let name = &o.key[plen..];
-        (listable(name) && !shadowed.contains(name)).then(|| (name, found_object(o.clone())))
+        // The hidden directory's name is no entry at the root, whatever another client put
+        // there (a lookup of it says ENOENT).
+        (listable(name) && !shadowed.contains(name) && !(at_root && name == UNLINKED_DIR))
+            .then(|| (name, found_object(o.clone())))
     });
     dirs.into_iter()
         .map(|name| (name, Found::listed_dir()))

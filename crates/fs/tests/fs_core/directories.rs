@@ -1219,3 +1219,25 @@ async fn a_directory_offset_never_handed_out_lists_nothing() {
     e.fs.releasedir(d.ino, fh);
     assert_eq!(list(&e.fs, d.ino).await.len(), 2 + 2500);
 }
+
+/// Another client put an object named like the hidden directory of files unlinked while
+/// open (`.bucketfs-unlinked`) at the mount's root: it was listed, and its lookup said
+/// ENOENT (`ls` showed a name `stat` and `rm` could not find). It is not listed.
+#[tokio::test]
+async fn an_object_named_like_the_hidden_directory_is_not_listed_at_the_root() {
+    let e = env();
+    put(&e.mem, ".bucketfs-unlinked", b"x").await;
+    put(&e.mem, "d/.bucketfs-unlinked", b"y").await;
+    put(&e.mem, "f", b"z").await;
+    let names = list(&e.fs, ROOT_INO).await;
+    assert!(
+        !names.contains(&".bucketfs-unlinked".to_string()),
+        "{names:?}"
+    );
+    assert!(names.contains(&"f".to_string()));
+    // Below the root it is a name like any other.
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert!(list(&e.fs, d.ino)
+        .await
+        .contains(&".bucketfs-unlinked".to_string()));
+}
