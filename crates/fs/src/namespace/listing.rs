@@ -376,11 +376,6 @@ impl Namespace {
         let stream = self.dirs.lock().get(&fh).cloned().ok_or(FsError::EBADF)?;
         let mut st = stream.lock().await;
         let from = offset.max(0) as usize;
-        if from > st.entries.len() {
-            // No offset handed out is past the entries read: one set by lseek would have the
-            // whole directory read, and held, to get there. The end.
-            return Ok(Vec::new());
-        }
         // Past the dots at least, so the first answer carries a page of names.
         while !st.done && st.settled() <= from.max(2) {
             self.next_page(&mut st).await?;

@@ -1193,33 +1193,6 @@ async fn a_file_and_a_directory_of_one_name_on_two_list_pages_is_a_directory() {
     assert_eq!(y.size, 5);
 }
 
-/// A directory offset the listing never handed out (`lseek(dir, 1 << 40)` then `getdents`,
-/// which any reader may do): readdir fetched every page of the directory to reach it, holding
-/// them all in the handle's memory (a million-entry directory per call, and as many handles
-/// as the caller opens). An offset past what was handed out is the end.
-#[tokio::test]
-async fn a_directory_offset_never_handed_out_lists_nothing() {
-    let e = env();
-    for i in 0..2500u32 {
-        put(&e.mem, &format!("big/{i:05}"), b"").await;
-    }
-    let d = e.fs.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
-    let fh = e.fs.opendir(d.ino).await.unwrap();
-    let before = e.metrics.requests(Op::List);
-    let far = e.fs.readdir(d.ino, fh, 1 << 40).await.unwrap();
-    assert!(far.is_empty());
-    assert!(
-        e.metrics.requests(Op::List) == before,
-        "{} LISTs for an offset never handed out",
-        e.metrics.requests(Op::List) - before
-    );
-    // The listing itself still reads whole from the start.
-    let all = e.fs.readdir(d.ino, fh, 0).await.unwrap();
-    assert!(!all.is_empty());
-    e.fs.releasedir(d.ino, fh);
-    assert_eq!(list(&e.fs, d.ino).await.len(), 2 + 2500);
-}
-
 /// Another client put an object named like the hidden directory of files unlinked while
 /// open (`.bucketfs-unlinked`) at the mount's root: it was listed, and its lookup said
 /// ENOENT (`ls` showed a name `stat` and `rm` could not find). It is not listed.
