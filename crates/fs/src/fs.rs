@@ -480,9 +480,10 @@ impl Fs {
         Ok(self.live(self.ns.attr(ino)?))
     }
 
-    /// [`Fs::getattr`] through open descriptor `fh` (`fstat`, and the kernel's size check
-    /// before a read): a file another client deleted since the open keeps its attributes
-    /// for its descriptors, as an open file does on a local disk.
+    /// [`Fs::getattr`] through open descriptor `fh` (the kernel's size check before a read
+    /// past the size it knows, `lseek(SEEK_END)`; not `fstat`, which asks by inode): a file
+    /// another client deleted since the open keeps its attributes for its descriptors, as an
+    /// open file does on a local disk.
     pub async fn getattr_open(&self, ino: Ino, fh: u64) -> FsResult<Attr> {
         match self.getattr(ino).await {
             Err(e) if e == FsError::ENOENT && self.files.handle(ino, fh).is_ok() => {
@@ -862,13 +863,27 @@ impl Fs {
         *self.stale_cache.lock() = f;
     }
 
-    /// Writes all of `data` at `offset` and returns its length.
+    /// Writes all of `data` at `offset` (at the end if the handle was opened `O_APPEND`) and
+    /// returns its length.
     pub async fn write(&self, ino: Ino, fh: u64, offset: u64, data: Bytes) -> FsResult<u32> {
+        let append = self.files.handle(ino, fh)?.appends();
+        self.write_as(ino, fh, offset, data, append).await
+    }
+
+    /// [`Fs::write`], at the end with `append` (the descriptor's flags now).
+    async fn write_as(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        data: Bytes,
+        append: bool,
+    ) -> FsResult<u32> {
         let h = self.files.handle(ino, fh)?;
         let w = h.write.as_ref().ok_or(FsError::EBADF)?;
         let len = data.len() as u32;
         let mut st = w.state.lock().await;
-        let at = h.write_offset(offset, st.size());
+        let at = FileHandle::write_offset(offset, st.size(), append);
         st.write(at, data).await?;
         drop(st);
         self.wrote(ino);
@@ -899,22 +914,18 @@ impl Fs {
         append: bool,
     ) -> Now<FsResult<u32>> {
         let n = data.len() as u32;
-        let mut h = match self.files.handle(ino, fh) {
+        let h = match self.files.handle(ino, fh) {
             Ok(h) => h,
             Err(e) => return Now::Done(Err(e)),
         };
-        if (h.flags & libc::O_APPEND != 0) != append {
-            self.files.set_append(fh, append);
-            h.flags ^= libc::O_APPEND;
-        }
         if kill_suid && self.suid_bits(ino) != 0 {
             let (fs, data) = (self.clone(), self.files.copy_write(data));
             return Now::Later(Box::pin(async move {
                 fs.kill_suid(ino).await?;
-                fs.write(ino, fh, offset, data).await
+                fs.write_as(ino, fh, offset, data, append).await
             }));
         }
-        let appended = self.files.append_now(&h, offset, data);
+        let appended = self.files.append_now(&h, offset, data, append);
         if appended != Appended::No {
             self.wrote(ino);
         }
@@ -930,9 +941,9 @@ impl Fs {
             }
             Appended::No => {
                 let (fs, data) = (self.clone(), self.files.copy_write(data));
-                Now::Later(Box::pin(
-                    async move { fs.write(ino, fh, offset, data).await },
-                ))
+                Now::Later(Box::pin(async move {
+                    fs.write_as(ino, fh, offset, data, append).await
+                }))
             }
         }
     }

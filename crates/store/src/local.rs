@@ -249,8 +249,10 @@ impl Inner {
         let dst = self.path(key)?;
         if !key.ends_with('/') {
             // Durable before it has the name (outside the lock: the slow part).
-            write_xattrs(tmp, meta)?;
-            sync_path(tmp)?;
+            if let Err(e) = write_xattrs(tmp, meta).and_then(|()| Ok(sync_path(tmp)?)) {
+                let _ = fs::remove_file(tmp);
+                return Err(e);
+            }
         }
         let publishing = self.publishing.lock();
         if let Err(e) = self.check_etag(key, if_match) {
@@ -264,9 +266,11 @@ impl Inner {
             let _ = fs::remove_file(tmp);
             write_xattrs(&dst, meta)?;
             let etag = etag_of(&fs::metadata(&dst)?);
-            drop(publishing);
+            // Under the lock: a put into a directory made here must not return before the
+            // directory's own entry is durable.
             sync_path(&dst)?;
             self.sync_parents(&dst, first_new.as_deref())?;
+            drop(publishing);
             return Ok(etag);
         }
         if dst.is_dir() {
@@ -278,10 +282,12 @@ impl Inner {
         self.make_parents(key)?;
         fs::rename(tmp, &dst)?;
         let etag = etag_of(&fs::metadata(&dst)?);
-        drop(publishing);
         // The close or fsync this answers returns once the object would survive a crash of
-        // the machine, as the store's answer to a PUT says for S3.
+        // the machine, as the store's answer to a PUT says for S3. Under the lock: a put into
+        // a directory another put made must not return before that directory's entry is
+        // durable.
         self.sync_parents(&dst, first_new.as_deref())?;
+        drop(publishing);
         Ok(etag)
     }
 
@@ -306,7 +312,8 @@ impl Inner {
             .and_then(Path::parent)
             .unwrap_or(self.root.as_path());
         let mut p = path.parent();
-        while let Some(d) = p {
+        // Never above the root (the marker of the root itself).
+        while let Some(d) = p.filter(|d| d.starts_with(&self.root)) {
             sync_path(d)?;
             if d == top || !d.starts_with(&self.root) || first_new.is_none() {
                 break;

@@ -67,13 +67,18 @@ pub struct FileHandle {
 }
 
 impl FileHandle {
-    /// Where a write of this handle at `offset` lands in a file of `size` bytes.
-    pub fn write_offset(&self, offset: u64, size: u64) -> u64 {
-        if self.flags & libc::O_APPEND != 0 {
+    /// Where a write at `offset` lands in a file of `size` bytes: at the end with `append`.
+    pub fn write_offset(offset: u64, size: u64, append: bool) -> u64 {
+        if append {
             size
         } else {
             offset
         }
+    }
+
+    /// Whether the handle was opened with `O_APPEND`.
+    pub fn appends(&self) -> bool {
+        self.flags & libc::O_APPEND != 0
     }
 }
 
@@ -428,17 +433,6 @@ impl OpenFiles {
         }
     }
 
-    /// The caller set or cleared `O_APPEND` on handle `fh` since its open (`fcntl(F_SETFL)`):
-    /// its writes land where that now says.
-    pub fn set_append(&self, fh: u64, append: bool) {
-        if let Some(h) = self.handles.lock().get_mut(&fh) {
-            h.flags = match append {
-                true => h.flags | libc::O_APPEND,
-                false => h.flags & !libc::O_APPEND,
-            };
-        }
-    }
-
     pub fn remove_handle(&self, fh: u64) -> Option<FileHandle> {
         self.handles.lock().remove(&fh)
     }
@@ -463,14 +457,14 @@ impl OpenFiles {
     /// An append the calling thread finishes itself, straight from the kernel's buffer (see
     /// [`WriteState::append_now`]). `Appended::No`: nothing was done (not such an append, or
     /// the state is busy: an upload being started, a publish).
-    pub fn append_now(&self, h: &FileHandle, offset: u64, data: &[u8]) -> Appended {
+    pub fn append_now(&self, h: &FileHandle, offset: u64, data: &[u8], append: bool) -> Appended {
         let Some(w) = &h.write else {
             return Appended::No;
         };
         let Ok(mut st) = w.state.try_lock() else {
             return Appended::No;
         };
-        let at = h.write_offset(offset, st.size());
+        let at = FileHandle::write_offset(offset, st.size(), append);
         st.append_now(at, data)
     }
 

@@ -696,14 +696,16 @@ impl WriteState {
         };
         if let Err(e) = self.start_stream().await {
             // Keep the bytes (on disk, or else still in the tail): publish sends them, and
-            // says if it cannot. The write that filled the part succeeded: failing it would
-            // have the caller write again what is kept (an O_APPEND retry stores it twice).
-            tracing::debug!(
-                "{}: upload not started, the part waits for close: {e:?}",
-                self.key
-            );
+            // says if it cannot. After a failure that may pass (EIO: the store unreachable)
+            // the write that filled the part succeeded: failing it would have the caller write
+            // again what is kept (an O_APPEND retry stores it twice). A refusal (EACCES, no
+            // bucket) fails it, so that a writer stops before it fills the staging disk with a
+            // file that cannot be stored.
             let _ = self.spill_tail().await;
-            return Ok(());
+            return match e {
+                FsError::EIO => Ok(()),
+                e => Err(e),
+            };
         }
         let staging = if self.keeps_copy_of_part(i) {
             self.staging().ok()

@@ -141,10 +141,11 @@ impl Fs {
             FileKind::Symlink => return Err(FsError::ELOOP),
             FileKind::File => {}
         }
-        if writable && i.unlinked && self.files.write_of(ino).is_none() {
+        if writable && i.unlinked && !i.hidden && self.files.write_of(ino).is_none() {
             // Looked up before an unlink or a rename over it: a state made now would publish
             // under a name that is no longer this file's (bringing it back, or over the file
-            // renamed there). The kernel looks the name up again.
+            // renamed there). The kernel looks the name up again. (One kept as a hidden copy
+            // for its descriptors has that copy's name: a reopen through /proc works.)
             return Err(FsError::ESTALE);
         }
         let shareable = shareable && !i.writing;

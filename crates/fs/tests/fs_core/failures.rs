@@ -575,3 +575,39 @@ async fn a_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds() {
     fs.release(attr.ino, h.fh).await.unwrap();
     assert!(object(&mem, "log").await == data);
 }
+
+/// The same start refused for good (403): the write fails, so that a writer stops before it
+/// fills the staging disk with a file that cannot be stored.
+#[tokio::test]
+async fn a_write_whose_upload_is_refused_fails() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    faulty.inject(
+        Op::CreateMultipart,
+        0,
+        None,
+        Fault::Error(StoreError::AccessDenied("log".into())),
+    );
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("log"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    let mut refused = None;
+    for i in 0..12u64 {
+        let r = fs
+            .write(
+                attr.ino,
+                h.fh,
+                i * MIB,
+                Bytes::from(vec![7u8; MIB as usize]),
+            )
+            .await;
+        if let Err(e) = r {
+            refused = Some((i, e));
+            break;
+        }
+    }
+    assert_eq!(refused, Some((4, FsError(libc::EACCES))));
+    let _ = fs.flush(attr.ino, h.fh).await;
+    fs.release(attr.ino, h.fh).await.unwrap();
+}

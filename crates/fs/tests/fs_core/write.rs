@@ -566,9 +566,14 @@ async fn o_append_follows_the_descriptors_flags_of_each_write() {
         }
     };
     write(0, b"d", true).await.unwrap(); // appended: abcd
+    write(0, b"e", true).await.unwrap(); // abcde
     write(0, b"X", false).await.unwrap(); // O_APPEND cleared: at 0
-    write(0, b"e", true).await.unwrap(); // set again: at the end
+                                          // One write's flags are that write's: the handle still appends for the others (another
+                                          // thread's write on the descriptor).
+    e.fs.write(a.ino, h.fh, 0, Bytes::from_static(b"f"))
+        .await
+        .unwrap();
     e.fs.flush(a.ino, h.fh).await.unwrap();
     e.fs.release(a.ino, h.fh).await.unwrap();
-    assert_eq!(object(&e.mem, "log").await, b"Xbcde");
+    assert_eq!(object(&e.mem, "log").await, b"Xbcdef");
 }
