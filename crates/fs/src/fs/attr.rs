@@ -214,6 +214,10 @@ impl Fs {
         let w = {
             let mut t = self.ns.table();
             let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
+            if i.unlinked && !i.hidden {
+                // Unlinked or renamed over since the kernel's lookup (see `open_registered`).
+                return Err(FsError::ESTALE);
+            }
             i.writing = true;
             // The kernel's pages are of the old size.
             i.pages = KernelPages::Unknown;

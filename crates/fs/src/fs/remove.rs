@@ -1,25 +1,43 @@
 use super::*;
 use crate::files::writeback::{Cond, Holding, WriteBack};
 
+/// How one try of an unlink ended.
+enum Unlinked {
+    Done,
+    /// Background mode: a directory rename above is moving the file's version waiting for
+    /// upload (the state's key): tried again once it is done.
+    Moving(String),
+    /// The name is another inode's now: tried again on that one.
+    Replaced,
+}
+
 impl Fs {
     pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
-        let _changing = self.changing_in(parent).await?;
         self.check_writable()?;
         loop {
-            match self.unlink_once(parent, name).await? {
-                Some(key) => match self.files.writeback() {
+            // No open for writing of the file between the unlink's look at it and its end
+            // (see `meta_changes`): one would make a state on the old key, which its close
+            // would publish, bringing the file back.
+            let ino = self.ns.existing(parent, name).await?;
+            let _opens = self.meta_changes.lock(ino).await;
+            let _changing = self.changing_in(parent).await?;
+            match self.unlink_once(parent, name, ino).await? {
+                Unlinked::Done => return Ok(()),
+                Unlinked::Moving(key) => match self.files.writeback() {
                     Some(wb) => wb.wait_unmoved(&key).await,
                     None => return Err(FsError::EIO),
                 },
-                None => return Ok(()),
+                Unlinked::Replaced => {}
             }
         }
     }
 
-    /// [`Self::unlink`], or (background mode) the key of the file's state when a directory
-    /// rename above is moving its version waiting for upload: tried again once it is done.
-    async fn unlink_once(&self, parent: Ino, name: &OsStr) -> FsResult<Option<String>> {
+    /// One try of [`Self::unlink`] of `name`, if it is still inode `expected`.
+    async fn unlink_once(&self, parent: Ino, name: &OsStr, expected: Ino) -> FsResult<Unlinked> {
         let ino = self.ns.existing(parent, name).await?;
+        if ino != expected {
+            return Ok(Unlinked::Replaced);
+        }
         let (kind, path, in_store, open) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
@@ -54,7 +72,7 @@ impl Fs {
                 Some(Holding::Held { cond, .. }) => held = Some((wb.clone(), seq, cond)),
                 Some(Holding::Uploaded(_)) => in_store = true,
                 Some(Holding::Gone) => {}
-                None => return Ok(Some(st.key.as_str().to_string())),
+                None => return Ok(Unlinked::Moving(st.key.as_str().to_string())),
             }
         }
         let done = self
@@ -75,7 +93,7 @@ impl Fs {
         if hidden {
             drop(guard);
             self.ns.hidden(parent, &path);
-            return Ok(None);
+            return Ok(Unlinked::Done);
         }
         if let Some(st) = guard.as_deref_mut() {
             st.unlink();
@@ -86,7 +104,7 @@ impl Fs {
         }
         drop(guard);
         self.ns.removed(parent, ino, &path);
-        Ok(None)
+        Ok(Unlinked::Done)
     }
 
     /// The bucket side of unlinking file `ino` at `path` (write state `st`, locked): its

@@ -235,3 +235,80 @@ async fn an_open_racing_a_rename_over_its_file_never_overwrites_the_renamed_one(
     }
     assert_eq!(object(&e.mem, "t").await, b"renamed");
 }
+
+/// Holds this mount's DELETEs of `key` (once armed) until `go` is notified.
+struct HoldsDelete {
+    inner: std::sync::Arc<bucketfs_store::memory::MemoryStore>,
+    key: String,
+    armed: std::sync::atomic::AtomicBool,
+    held: tokio::sync::Notify,
+    go: tokio::sync::Notify,
+}
+
+impl HoldsDelete {
+    async fn hold(&self, key: &str) {
+        let armed = key == self.key && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if armed {
+            let go = self.go.notified();
+            self.held.notify_one();
+            go.await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for HoldsDelete {
+    type Inner = bucketfs_store::memory::MemoryStore;
+    fn inner(&self) -> &Self::Inner {
+        &self.inner
+    }
+    async fn delete(&self, key: &str) -> bucketfs_store::StoreResult<()> {
+        self.hold(key).await;
+        self.inner.delete(key).await
+    }
+    async fn delete_if(&self, key: &str, if_match: &str) -> bucketfs_store::StoreResult<()> {
+        self.hold(key).await;
+        self.inner.delete_if(key, if_match).await
+    }
+}
+
+/// The same with the open arriving while the unlink's DELETE is under way (`echo x > f`
+/// racing `rm f`: the open's lookup came first): the unlink had looked for a write state
+/// before, found none, and never marked the one the open made; its close put the file back.
+/// The open waits for the unlink, then gets `ESTALE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_during_an_unlinks_delete_never_brings_the_file_back() {
+    let mem = std::sync::Arc::new(bucketfs_store::memory::MemoryStore::new());
+    put(&mem, "f", b"old").await;
+    let store = std::sync::Arc::new(HoldsDelete {
+        inner: mem.clone(),
+        key: "f".into(),
+        armed: true.into(),
+        held: tokio::sync::Notify::new(),
+        go: tokio::sync::Notify::new(),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = bucketfs_fs::Fs::new(store.clone(), crate::support::config(&cache));
+    let a = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let held = store.held.notified();
+    let unlink = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.unlink(ROOT_INO, OsStr::new("f")).await }
+    });
+    held.await;
+    let writer = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let h = fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC).await?;
+            fs.write(a.ino, h.fh, 0, Bytes::from_static(b"x")).await?;
+            let _ = fs.flush(a.ino, h.fh).await;
+            fs.release(a.ino, h.fh).await
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    store.go.notify_one();
+    unlink.await.unwrap().unwrap();
+    let opened = writer.await.unwrap();
+    assert_eq!(opened, Err(FsError(libc::ESTALE)));
+    assert!(mem.head("f").await.is_err(), "the unlinked file came back");
+}
