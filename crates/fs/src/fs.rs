@@ -113,7 +113,7 @@ pub struct Fs {
     stale_cache: Mutex<Option<StaleCache>>,
     /// Directory renames and the metadata stores below them, kept apart.
     subtrees: subtrees::Subtrees,
-    /// A setattr's change of an inode's metadata and the opens for writing of it, kept apart.
+    /// A setattr or an unlink of an inode and the opens for writing of it, kept apart.
     meta_changes: meta_changes::MetaChanges,
     /// Set once a prefix mount's root has its marker's attributes (see `attr.rs`).
     root_read: tokio::sync::OnceCell<()>,

@@ -1,7 +1,9 @@
-//! One lock per inode whose metadata a setattr is changing: an open for writing of that inode
-//! waits for it. A writer that opened while a chmod's copy was in flight took the metadata
-//! from before it, and its upload, pinned to an ETag the copy of a one-part object keeps,
-//! stored the old mode over the new one. Behind the lock it takes the metadata as changed.
+//! One lock per inode that a setattr is changing or an unlink removing: an open for writing of
+//! that inode waits for it. A writer that opened while a chmod's copy was in flight took the
+//! metadata from before it, and its upload, pinned to an ETag the copy of a one-part object
+//! keeps, stored the old mode over the new one; one that opened while an unlink's DELETE was
+//! in flight made a state the unlink never saw, whose close put the file back. Behind the
+//! lock it takes the metadata as changed, or finds the file unlinked.
 
 use crate::meta::Ino;
 use std::collections::HashMap;
@@ -14,7 +16,8 @@ pub(crate) struct MetaChanges {
     locks: parking_lot::Mutex<HashMap<Ino, Arc<Mutex<()>>>>,
 }
 
-/// Held while the metadata of `ino` changes, or while its writer's state is made.
+/// Held while the metadata of `ino` changes, while it is unlinked, or while its writer's
+/// state is made.
 pub(crate) struct MetaChange<'a> {
     changes: &'a MetaChanges,
     ino: Ino,
