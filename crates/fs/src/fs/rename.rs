@@ -88,7 +88,8 @@ impl Fs {
         flags: u32,
     ) -> FsResult<()> {
         self.check_writable()?;
-        if flags & libc::RENAME_EXCHANGE != 0 {
+        // Neither an exchange nor a whiteout (overlayfs's) can be made of copies and deletes.
+        if flags & (libc::RENAME_EXCHANGE | libc::RENAME_WHITEOUT) != 0 {
             return Err(FsError::EINVAL);
         }
         let name_s = check_name(name)?;

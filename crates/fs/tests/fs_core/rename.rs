@@ -519,3 +519,25 @@ async fn a_rename_over_a_file_whose_release_is_publishing_keeps_the_renamed_file
     assert_eq!(object(&mem, "t").await, b"renamed");
     assert!(mem.head("x").await.is_err());
 }
+
+/// `RENAME_WHITEOUT` (overlayfs asks it of its upper layer) was taken for a plain rename: the
+/// source went and no whiteout was left, so the lower layer's file showed through again. It
+/// is refused, as `RENAME_EXCHANGE` is, and nothing moves.
+#[tokio::test]
+async fn a_rename_asking_for_a_whiteout_is_refused() {
+    let e = env();
+    put(&e.mem, "a", b"a").await;
+    e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let r =
+        e.fs.rename(
+            ROOT_INO,
+            OsStr::new("a"),
+            ROOT_INO,
+            OsStr::new("b"),
+            libc::RENAME_WHITEOUT,
+        )
+        .await;
+    assert_eq!(r, Err(FsError::EINVAL));
+    assert_eq!(object(&e.mem, "a").await, b"a");
+    assert!(e.mem.head("b").await.is_err());
+}
