@@ -242,18 +242,26 @@ fn check_local_source(dir: &Path) -> Result<PathBuf, String> {
 /// (stopped, or stuck) never answers, and the mount command must say so, not hang too.
 const MOUNTPOINT_ANSWER: Duration = Duration::from_secs(5);
 
-/// `look` at the mount point, within [`MOUNTPOINT_ANSWER`] (on a thread of its own, left
-/// behind if it never returns).
+/// What `f` returns, if within `limit`: it runs on a thread of its own, left behind if it
+/// never returns (a look at a hung FUSE mount cannot be interrupted).
+pub(crate) fn within<T: Send + 'static>(
+    limit: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).ok()
+}
+
+/// `look` at the mount point, within [`MOUNTPOINT_ANSWER`] (see [`within`]).
 fn mountpoint_answer<T: Send + 'static>(
     mp: &Path,
     look: impl FnOnce(&Path) -> T + Send + 'static,
 ) -> Result<T, String> {
-    let (tx, rx) = std::sync::mpsc::channel();
     let p = mp.to_path_buf();
-    std::thread::spawn(move || {
-        let _ = tx.send(look(&p));
-    });
-    rx.recv_timeout(MOUNTPOINT_ANSWER).map_err(|_| {
+    within(MOUNTPOINT_ANSWER, move || look(&p)).ok_or_else(|| {
         format!(
             "mount point {} does not answer within {} s (a FUSE mount whose daemon hangs?); \
              unmount it first (fusermount3 -uz {})",
@@ -267,12 +275,8 @@ fn mountpoint_answer<T: Send + 'static>(
 /// [`absolute`] of a mount point, within [`MOUNTPOINT_ANSWER`]: its directory may be inside
 /// a FUSE mount whose daemon hangs, and resolving it waits for that daemon.
 pub(crate) fn absolute_within(mp: &Path) -> Result<PathBuf, String> {
-    let (tx, rx) = std::sync::mpsc::channel();
     let p = mp.to_path_buf();
-    std::thread::spawn(move || {
-        let _ = tx.send(absolute(&p));
-    });
-    rx.recv_timeout(MOUNTPOINT_ANSWER).map_err(|_| {
+    within(MOUNTPOINT_ANSWER, move || absolute(&p)).ok_or_else(|| {
         format!(
             "the directory of mount point {} does not answer within {} s (is it inside a \
              FUSE mount whose daemon hangs? see `grep fuse /proc/mounts`)",

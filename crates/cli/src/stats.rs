@@ -28,12 +28,8 @@ fn fetch_text(path: &std::path::Path) -> Result<String, String> {
 fn fetch_text_within(path: &std::path::Path, limit: Duration) -> Result<String, String> {
     // On a thread, left behind if it never ends: a connect waits for good once the backlog
     // of a daemon that does not accept (stopped, hung) is full.
-    let (tx, rx) = std::sync::mpsc::channel();
     let (p, deadline) = (path.to_path_buf(), Instant::now() + limit);
-    std::thread::spawn(move || {
-        let _ = tx.send(exchange(&p, deadline));
-    });
-    rx.recv_timeout(limit).unwrap_or_else(|_| {
+    crate::run::within(limit, move || exchange(&p, deadline)).unwrap_or_else(|| {
         Err(format!(
             "{}: no whole answer within {} s",
             path.display(),

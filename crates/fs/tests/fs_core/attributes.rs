@@ -1,6 +1,6 @@
 //! Attributes, symlinks, inode lifetime, read-only mounts and name limits.
 
-use crate::support::{config, env, object, put, read_all, write_file, write_file_in, ME};
+use crate::support::{config, env, object, put, read_all, write_file, write_file_in, Gate, ME};
 use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::ObjectStore;
@@ -665,14 +665,12 @@ async fn a_symlink_another_client_points_elsewhere_reads_its_new_target() {
     );
 }
 
-/// Holds the answer of a COPY of `key` (once armed) until `go` is notified: the copy has
-/// landed in the store, the mount does not know it yet.
+/// Holds the answer of a COPY of `key` at its gate: the copy has landed in the store, the
+/// mount does not know it yet.
 struct HoldsCopyAnswer {
     inner: Arc<MemoryStore>,
     key: String,
-    armed: std::sync::atomic::AtomicBool,
-    landed: tokio::sync::Notify,
-    go: tokio::sync::Notify,
+    gate: Gate,
 }
 
 #[async_trait::async_trait]
@@ -689,13 +687,7 @@ impl bucketfs_store::layer::StoreLayer for HoldsCopyAnswer {
         src_if_match: Option<&str>,
     ) -> bucketfs_store::StoreResult<String> {
         let r = self.inner.copy(src_key, dst_key, meta, src_if_match).await;
-        let armed =
-            dst_key == self.key && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
-        if armed {
-            let go = self.go.notified();
-            self.landed.notify_one();
-            go.await;
-        }
+        self.gate.pass(dst_key == self.key).await;
         r
     }
 }
@@ -716,14 +708,11 @@ async fn a_chmod_racing_a_writers_open_and_close_is_kept() {
     let store = Arc::new(HoldsCopyAnswer {
         inner: mem.clone(),
         key: "f".into(),
-        armed: true.into(),
-        landed: tokio::sync::Notify::new(),
-        go: tokio::sync::Notify::new(),
+        gate: Gate::new(true),
     });
     let cache = tempfile::tempdir().unwrap();
     let fs = Fs::new(store.clone(), config(&cache));
     let a = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
-    let landed = store.landed.notified();
     let chmod = tokio::spawn({
         let fs = fs.clone();
         async move {
@@ -734,7 +723,7 @@ async fn a_chmod_racing_a_writers_open_and_close_is_kept() {
             fs.setattr(a.ino, None, set).await
         }
     });
-    landed.await;
+    store.gate.reached().await;
     let writer = tokio::spawn({
         let fs = fs.clone();
         async move {
@@ -747,7 +736,7 @@ async fn a_chmod_racing_a_writers_open_and_close_is_kept() {
     });
     // The writer's close lands now, unless its open waits for the chmod.
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    store.go.notify_one();
+    store.gate.open();
     chmod.await.unwrap().unwrap();
     writer.await.unwrap().unwrap();
     assert_eq!(object(&mem, "f").await, b"new");

@@ -1,6 +1,6 @@
 //! Reads: GET sizes, readahead, block reuse and the page cache.
 
-use crate::support::{env, put, random, MIB};
+use crate::support::{env, put, random, Gate, MIB};
 use bucketfs_fs::{Fs, FsError, ROOT_INO};
 use bucketfs_store::metrics::Op;
 use bucketfs_store::ObjectStore;
@@ -454,30 +454,23 @@ async fn a_descriptor_reading_across_a_rewrite_made_here_reads_the_new_content()
     e.fs.release(a.ino, r.fh).await.unwrap();
 }
 
-/// Holds this mount's GETs of `key` pinned to `etag` (once armed) until `go` is notified.
+/// Holds this mount's GETs of `key` pinned to `etag` at its gate.
 struct HoldsPinnedGet {
     inner: Arc<bucketfs_store::memory::MemoryStore>,
     key: String,
     etag: parking_lot::Mutex<Option<String>>,
-    held: tokio::sync::Notify,
-    go: tokio::sync::Notify,
+    gate: Gate,
 }
 
 impl HoldsPinnedGet {
     async fn hold(&self, key: &str, if_match: Option<&str>) {
-        let armed = key == self.key && {
-            let mut e = self.etag.lock();
-            let hit = e.is_some() && e.as_deref() == if_match;
-            if hit {
-                *e = None;
-            }
-            hit
-        };
-        if armed {
-            let go = self.go.notified();
-            self.held.notify_one();
-            go.await;
-        }
+        let hit = key == self.key
+            && self
+                .etag
+                .lock()
+                .as_deref()
+                .is_some_and(|e| Some(e) == if_match);
+        self.gate.pass(hit).await;
     }
 }
 
@@ -522,8 +515,7 @@ async fn two_reads_at_once_of_a_replaced_object_both_read_the_new_version() {
         inner: mem.clone(),
         key: "k".into(),
         etag: parking_lot::Mutex::new(None),
-        held: tokio::sync::Notify::new(),
-        go: tokio::sync::Notify::new(),
+        gate: Gate::new(false),
     });
     let cache = tempfile::tempdir().unwrap();
     let fs = Fs::new(store.clone(), crate::support::config(&cache));
@@ -535,19 +527,19 @@ async fn two_reads_at_once_of_a_replaced_object_both_read_the_new_version() {
         .unwrap();
     put(&mem, "k", b"new version").await;
     *store.etag.lock() = old;
-    let held = store.held.notified();
+    store.gate.arm();
     let first = tokio::spawn({
         let fs = fs.clone();
         async move { fs.read(a.ino, h.fh, 0, 64).await }
     });
-    held.await;
+    store.gate.reached().await;
     let second = tokio::spawn({
         let fs = fs.clone();
         async move { fs.read(a.ino, h.fh, 0, 64).await }
     });
     // The second looks at the inode and waits for the first's reader.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    store.go.notify_one();
+    store.gate.open();
     assert_eq!(&first.await.unwrap().unwrap()[..], b"new version");
     assert_eq!(&second.await.unwrap().unwrap()[..], b"new version");
     fs.release(a.ino, h.fh).await.unwrap();

@@ -2,7 +2,7 @@
 
 use crate::support::{
     config, env, hidden_keys, list, object, put, random, write_file, write_file_in, write_mib,
-    write_open, ME, MIB,
+    write_open, Gate, ME, MIB,
 };
 use bucketfs_fs::{Fs, FsConfig, FsError, ROOT_INO};
 use bucketfs_store::memory::MemoryStore;
@@ -439,13 +439,11 @@ async fn a_directory_renamed_over_another_forgets_what_was_absent_below_it() {
     );
 }
 
-/// Holds this mount's PUTs of `key` (once armed) until `go` is notified.
+/// Holds this mount's PUTs of `key` at its gate.
 struct HoldsPut {
     inner: std::sync::Arc<bucketfs_store::memory::MemoryStore>,
     key: String,
-    armed: std::sync::atomic::AtomicBool,
-    held: tokio::sync::Notify,
-    go: tokio::sync::Notify,
+    gate: Gate,
 }
 
 #[async_trait::async_trait]
@@ -461,12 +459,7 @@ impl bucketfs_store::layer::StoreLayer for HoldsPut {
         meta: &bucketfs_store::UserMeta,
         if_match: Option<&str>,
     ) -> bucketfs_store::StoreResult<String> {
-        let armed = key == self.key && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
-        if armed {
-            let go = self.go.notified();
-            self.held.notify_one();
-            go.await;
-        }
+        self.gate.pass(key == self.key).await;
         self.inner.put_if(key, body, meta, if_match).await
     }
 }
@@ -483,9 +476,7 @@ async fn a_rename_over_a_file_whose_release_is_publishing_keeps_the_renamed_file
     let store = std::sync::Arc::new(HoldsPut {
         inner: mem.clone(),
         key: "t".into(),
-        armed: false.into(),
-        held: tokio::sync::Notify::new(),
-        go: tokio::sync::Notify::new(),
+        gate: Gate::new(false),
     });
     let cache = tempfile::tempdir().unwrap();
     let fs = bucketfs_fs::Fs::new(store.clone(), crate::support::config(&cache));
@@ -498,13 +489,12 @@ async fn a_rename_over_a_file_whose_release_is_publishing_keeps_the_renamed_file
     fs.write(t.ino, h.fh, 0, bytes::Bytes::from_static(b"mine"))
         .await
         .unwrap();
-    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
-    let held = store.held.notified();
+    store.gate.arm();
     let release = tokio::spawn({
         let fs = fs.clone();
         async move { fs.release(t.ino, h.fh).await }
     });
-    held.await;
+    store.gate.reached().await;
     let rename = tokio::spawn({
         let fs = fs.clone();
         async move {
@@ -513,7 +503,7 @@ async fn a_rename_over_a_file_whose_release_is_publishing_keeps_the_renamed_file
         }
     });
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    store.go.notify_one();
+    store.gate.open();
     release.await.unwrap().unwrap();
     rename.await.unwrap().unwrap();
     assert_eq!(object(&mem, "t").await, b"renamed");

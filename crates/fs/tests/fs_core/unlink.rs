@@ -1,7 +1,7 @@
 //! Unlinks of open files and the hidden directory that keeps them.
 
 use crate::support::{
-    env, hidden_keys, list, object, put, random, write_file, write_mib, write_open, ME, MIB,
+    env, hidden_keys, list, object, put, random, write_file, write_mib, write_open, Gate, ME, MIB,
 };
 use bucketfs_fs::{FsError, ROOT_INO};
 use bucketfs_store::metrics::Op;
@@ -236,24 +236,11 @@ async fn an_open_racing_a_rename_over_its_file_never_overwrites_the_renamed_one(
     assert_eq!(object(&e.mem, "t").await, b"renamed");
 }
 
-/// Holds this mount's DELETEs of `key` (once armed) until `go` is notified.
+/// Holds this mount's DELETEs of `key` at its gate.
 struct HoldsDelete {
     inner: std::sync::Arc<bucketfs_store::memory::MemoryStore>,
     key: String,
-    armed: std::sync::atomic::AtomicBool,
-    held: tokio::sync::Notify,
-    go: tokio::sync::Notify,
-}
-
-impl HoldsDelete {
-    async fn hold(&self, key: &str) {
-        let armed = key == self.key && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
-        if armed {
-            let go = self.go.notified();
-            self.held.notify_one();
-            go.await;
-        }
-    }
+    gate: Gate,
 }
 
 #[async_trait::async_trait]
@@ -263,11 +250,11 @@ impl bucketfs_store::layer::StoreLayer for HoldsDelete {
         &self.inner
     }
     async fn delete(&self, key: &str) -> bucketfs_store::StoreResult<()> {
-        self.hold(key).await;
+        self.gate.pass(key == self.key).await;
         self.inner.delete(key).await
     }
     async fn delete_if(&self, key: &str, if_match: &str) -> bucketfs_store::StoreResult<()> {
-        self.hold(key).await;
+        self.gate.pass(key == self.key).await;
         self.inner.delete_if(key, if_match).await
     }
 }
@@ -283,19 +270,16 @@ async fn an_open_during_an_unlinks_delete_never_brings_the_file_back() {
     let store = std::sync::Arc::new(HoldsDelete {
         inner: mem.clone(),
         key: "f".into(),
-        armed: true.into(),
-        held: tokio::sync::Notify::new(),
-        go: tokio::sync::Notify::new(),
+        gate: Gate::new(true),
     });
     let cache = tempfile::tempdir().unwrap();
     let fs = bucketfs_fs::Fs::new(store.clone(), crate::support::config(&cache));
     let a = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
-    let held = store.held.notified();
     let unlink = tokio::spawn({
         let fs = fs.clone();
         async move { fs.unlink(ROOT_INO, OsStr::new("f")).await }
     });
-    held.await;
+    store.gate.reached().await;
     let writer = tokio::spawn({
         let fs = fs.clone();
         async move {
@@ -306,7 +290,7 @@ async fn an_open_during_an_unlinks_delete_never_brings_the_file_back() {
         }
     });
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    store.go.notify_one();
+    store.gate.open();
     unlink.await.unwrap().unwrap();
     let opened = writer.await.unwrap();
     assert_eq!(opened, Err(FsError(libc::ESTALE)));

@@ -162,3 +162,45 @@ pub fn hidden_keys(mem: &MemoryStore) -> Vec<String> {
         .filter(|k| k.starts_with(".bucketfs-unlinked/"))
         .collect()
 }
+
+/// A point in a store call where, once armed, the call waits until the test lets it go: the
+/// test waits for it to be reached, acts meanwhile (another request of the mount, another
+/// client), then opens it. For interleavings no ordinary call order gives.
+pub struct Gate {
+    armed: std::sync::atomic::AtomicBool,
+    reached: tokio::sync::Notify,
+    go: tokio::sync::Notify,
+}
+
+impl Gate {
+    pub fn new(armed: bool) -> Self {
+        Self {
+            armed: armed.into(),
+            reached: tokio::sync::Notify::new(),
+            go: tokio::sync::Notify::new(),
+        }
+    }
+
+    pub fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// In the store call: waits here, once, if armed and `hit` (the call is the one wanted).
+    pub async fn pass(&self, hit: bool) {
+        if hit && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let go = self.go.notified();
+            self.reached.notify_one();
+            go.await;
+        }
+    }
+
+    /// In the test: returns once a call waits at the gate.
+    pub async fn reached(&self) {
+        self.reached.notified().await
+    }
+
+    /// Lets the waiting call go on.
+    pub fn open(&self) {
+        self.go.notify_one();
+    }
+}
