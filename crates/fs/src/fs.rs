@@ -119,6 +119,9 @@ pub struct Fs {
     root_read: tokio::sync::OnceCell<()>,
     /// The root's ctime before that: a later one is a change made here.
     root_made: SystemTime,
+    /// Where listing pages are saved for later mounts, with the record of this mount's
+    /// changes (with `--data-cache`).
+    saved_pages: Option<Arc<PagesInDataCache>>,
 }
 
 /// Called with an inode whose kernel-cached attributes are of an older version.
@@ -169,6 +172,20 @@ impl PagesInDataCache {
             saves: Arc::new(tokio::sync::Semaphore::new(PAGE_SAVES)),
             record: Arc::default(),
         }
+    }
+
+    /// Waits, up to `limit`, until the change record holds every change asked so far: a
+    /// later mount must not believe a page saved before the last of them. False if it
+    /// still does not.
+    async fn settle(&self, limit: Duration) -> bool {
+        let start = std::time::Instant::now();
+        while self.record.lock().writing {
+            if start.elapsed() >= limit {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
     }
 }
 
@@ -280,8 +297,11 @@ impl Fs {
         );
         let root_made = ns.attr(crate::ROOT_INO).map_or(UNIX_EPOCH, |a| a.ctime);
         let (files, recovered) = OpenFiles::new(store.clone(), &cfg, metrics)?;
-        if let Some(c) = files.data_cache() {
-            ns.save_pages_on(Arc::new(PagesInDataCache::new(c.clone())));
+        let saved_pages = files
+            .data_cache()
+            .map(|c| Arc::new(PagesInDataCache::new(c.clone())));
+        if let Some(p) = &saved_pages {
+            ns.save_pages_on(p.clone());
         }
         let fs = Arc::new(Self {
             store,
@@ -293,6 +313,7 @@ impl Fs {
             meta_changes: Default::default(),
             root_read: Default::default(),
             root_made,
+            saved_pages,
         });
         if let Some(wb) = fs.files.writeback() {
             let weak = Arc::downgrade(&fs);
@@ -1397,6 +1418,16 @@ impl Fs {
                 tracing::warn!(
                     "the data cache's writer did not finish within {CACHE_SETTLE:?}; blocks \
                      still queued are not cached"
+                );
+            }
+        }
+        // The record of this mount's last changes, or the next mount would believe a page
+        // saved before them.
+        if let Some(p) = &self.saved_pages {
+            if !p.settle(CACHE_SETTLE).await {
+                tracing::warn!(
+                    "the data cache's record of this mount's changes was not written within \
+                     {CACHE_SETTLE:?}; the next mount may list what this one changed as it was"
                 );
             }
         }

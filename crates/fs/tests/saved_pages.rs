@@ -9,6 +9,7 @@ use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::metrics::{MeteredStore, Op, StoreMetrics};
 use bucketfs_store::ObjectStore;
 use std::ffi::OsStr;
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,6 +89,21 @@ async fn a_remount_never_believes_a_page_saved_before_a_change_made_here() {
         tempfile::tempdir().unwrap(),
         tempfile::tempdir().unwrap(),
     );
+    // A mount before them all makes a change, so the change record's lock is there to hold
+    // below; its record is removed (the first mount's page would not be used otherwise).
+    put(&mem, "z", b"").await;
+    let c0 = tempfile::tempdir().unwrap();
+    let (fs, _) = mount(&mem, dc.path(), &c0);
+    fs.unlink(ROOT_INO, OsStr::new("z")).await.unwrap();
+    assert_eq!(fs.shutdown().await, 0);
+    drop(fs);
+    let is_record = |n: &str| n.starts_with("changed-") && !n.contains('.');
+    wait_for_file(dc.path(), is_record);
+    let record = walkdir(dc.path())
+        .into_iter()
+        .find(|p| is_record(&p.file_name().unwrap().to_string_lossy()))
+        .expect("a change record");
+    std::fs::remove_file(&record).unwrap();
     // The first mount's lookup of d saves its page, and its read of d/f caches its bytes.
     let (fs, _) = mount(&mem, dc.path(), &c1);
     assert_eq!(read_f(&fs).await, b"one");
@@ -100,9 +116,17 @@ async fn a_remount_never_believes_a_page_saved_before_a_change_made_here() {
     let (fs, m) = mount(&mem, dc.path(), &c2);
     assert_eq!(read_f(&fs).await, b"one");
     assert_eq!(m.requests(Op::List), 0, "the saved page was used");
-    // It rewrites d/f (same size), and goes.
+    // It rewrites d/f (same size), and is unmounted.
     let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
     let f = fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    // The record's write is held a while (a slow cache disk), past the unmount's start.
+    let lock = std::fs::File::open(record.with_extension("lock")).unwrap();
+    // SAFETY: flock(2) of a descriptor the test owns.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let held = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        drop(lock);
+    });
     let h = fs
         .open(f.ino, libc::O_WRONLY | libc::O_TRUNC)
         .await
@@ -112,13 +136,16 @@ async fn a_remount_never_believes_a_page_saved_before_a_change_made_here() {
         .unwrap();
     fs.flush(f.ino, h.fh).await.unwrap();
     fs.release(f.ino, h.fh).await.unwrap();
-    wait_for_file(dc.path(), |n| n.starts_with("changed-"));
+    // Unmounted as the daemon does: its record of the change is on disk once it is gone
+    // (an earlier build left it to a background write that a quick remount could beat).
+    assert_eq!(fs.shutdown().await, 0);
     drop(fs);
     // The mount after it lists d again (the page predates the rewrite) and reads the new
     // bytes, not the old ones the cache holds under the ETag the page names.
     let (fs, m) = mount(&mem, dc.path(), &c3);
     assert_eq!(read_f(&fs).await, b"two");
     assert!(m.requests(Op::List) > 0);
+    held.join().unwrap();
 }
 
 /// The record of this mount's changes on a cache disk that hangs (its file a FIFO nobody
