@@ -52,19 +52,18 @@ impl Fs {
                     .map(|f| (etag, f));
             }
         }
-        // Sync mode: a writer's state is made, and an O_TRUNC applied, where no rename above
-        // moves the file meanwhile (see `subtrees`): its close would store under the old key
-        // once the rename copied it. One that starts later finds the state. In background
-        // mode the close goes to the write-back directory, which the rename sweeps: it does
-        // not wait.
+        // A writer's state is made, and an O_TRUNC applied, where no rename of the file or
+        // above it moves it meanwhile (see `subtrees`): its close would store under the old
+        // key once the rename copied it (in background mode too: a rename of the file itself
+        // sees the write states there are when it starts, and sweeps no entry made later).
+        // One that starts later finds the state.
         let writer = writable || flags & libc::O_TRUNC != 0;
         // Not while a setattr changes the metadata its state starts from (see meta_changes).
         let _meta = match writer {
             true => Some(self.meta_changes.lock(ino).await),
             false => None,
         };
-        let sync_writer = writer && self.files.writeback().is_none();
-        let _changing = match sync_writer {
+        let _changing = match writer {
             true => Some(self.subtrees.store(|| self.path_of(ino)).await?.1),
             false => None,
         };
@@ -207,11 +206,9 @@ impl Fs {
         flags: i32,
         caller: Caller,
     ) -> FsResult<(Attr, OpenReply)> {
-        // As an open for writing (see `open_as`).
-        let changing = match self.files.writeback() {
-            None => Some(self.changing_in(parent).await?),
-            Some(_) => None,
-        };
+        // As an open for writing (see `open_as`): the new inode takes the parent's path
+        // as it is now, which a rename must not change before it is added.
+        let changing = self.changing_in(parent).await?;
         let (name, parent_path) = match self.prepare_new(parent, name) {
             Err(e) if e == FsError::EEXIST && flags & libc::O_EXCL == 0 => {
                 // Made meanwhile (by another process on this mount): open(2) opens it, and

@@ -1,6 +1,8 @@
 //! Attributes, symlinks, inode lifetime, read-only mounts and name limits.
 
-use crate::support::{config, env, object, put, read_all, write_file, write_file_in, Gate, ME};
+use crate::support::{
+    config, env, object, put, read_all, write_file, write_file_in, Gate, HoldsCopyAnswer, ME,
+};
 use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::ObjectStore;
@@ -663,33 +665,6 @@ async fn a_symlink_another_client_points_elsewhere_reads_its_new_target() {
         &fs.readlink(l.ino).await.unwrap()[..],
         b"releases/version-2"
     );
-}
-
-/// Holds the answer of a COPY of `key` at its gate: the copy has landed in the store, the
-/// mount does not know it yet.
-struct HoldsCopyAnswer {
-    inner: Arc<MemoryStore>,
-    key: String,
-    gate: Gate,
-}
-
-#[async_trait::async_trait]
-impl bucketfs_store::layer::StoreLayer for HoldsCopyAnswer {
-    type Inner = MemoryStore;
-    fn inner(&self) -> &MemoryStore {
-        &self.inner
-    }
-    async fn copy(
-        &self,
-        src_key: &str,
-        dst_key: &str,
-        meta: Option<&bucketfs_store::UserMeta>,
-        src_if_match: Option<&str>,
-    ) -> bucketfs_store::StoreResult<String> {
-        let r = self.inner.copy(src_key, dst_key, meta, src_if_match).await;
-        self.gate.pass(dst_key == self.key).await;
-        r
-    }
 }
 
 /// A chmod of a closed file races an open, write and close of it on the same mount: the

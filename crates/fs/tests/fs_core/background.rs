@@ -1021,3 +1021,104 @@ async fn a_renamed_directorys_file_whose_own_upload_landed_unanswered_is_no_conf
     assert_eq!((left, conflicts), (0, 0));
     assert_eq!(object(&mem, "d2/f").await, b"v2");
 }
+
+/// An open for writing of a file while a rename of that file is copying it: the writer took
+/// the old name (no write state was there when the rename started, and the rename moves
+/// only those), so its close queued an upload to `f` after the rename had deleted it. `f`
+/// came back with the new bytes and `g` kept the old ones. A writer's open now waits for a
+/// rename of its file under way (as in sync mode), and writes to `g`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_racing_a_rename_of_its_file_writes_to_the_new_name() {
+    use crate::support::{Gate, HoldsCopyAnswer};
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "f", b"old").await;
+    let store = Arc::new(HoldsCopyAnswer {
+        inner: mem.clone(),
+        key: "g".into(),
+        gate: Gate::new(true),
+    });
+    let (cache, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut cfg = config(&cache);
+    cfg.writeback = Some(writeback_config(&state, Duration::ZERO));
+    let fs = Fs::new(store.clone(), cfg);
+    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let rename = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            fs.rename(ROOT_INO, OsStr::new("f"), ROOT_INO, OsStr::new("g"), 0)
+                .await
+        }
+    });
+    store.gate.reached().await;
+    let writer = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let h = fs.open(f.ino, libc::O_WRONLY | libc::O_TRUNC).await?;
+            fs.write(f.ino, h.fh, 0, Bytes::from_static(b"new")).await?;
+            fs.flush(f.ino, h.fh).await?;
+            fs.release(f.ino, h.fh).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store.gate.open();
+    rename.await.unwrap().unwrap();
+    writer.await.unwrap().unwrap();
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    assert_eq!(left, 0);
+    assert!(mem.head("f").await.is_err(), "the old name came back");
+    assert_eq!(object(&mem, "g").await, b"new");
+}
+
+/// A file created in a directory while a rename of the directory is copying it is uploaded
+/// below the new name, never bringing the old directory back. (It waits for the rename now;
+/// before, the rename's sweep of the directory's write states caught it, unless the rename
+/// ended between the create's read of the directory's path and its inode's registration, a
+/// window with no await in it that this test cannot hit.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_racing_a_rename_of_its_directory_lands_below_the_new_name() {
+    use crate::support::{Gate, HoldsCopyAnswer, ME};
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "d/a", b"a").await;
+    let store = Arc::new(HoldsCopyAnswer {
+        inner: mem.clone(),
+        key: "e/a".into(),
+        gate: Gate::new(true),
+    });
+    let (cache, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut cfg = config(&cache);
+    cfg.writeback = Some(writeback_config(&state, Duration::ZERO));
+    let fs = Fs::new(store.clone(), cfg);
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let rename = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("e"), 0)
+                .await
+        }
+    });
+    store.gate.reached().await;
+    let writer = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            let (a, h) = fs
+                .create(d.ino, OsStr::new("n"), 0o644, 0, libc::O_WRONLY, ME)
+                .await?;
+            fs.write(a.ino, h.fh, 0, Bytes::from_static(b"new")).await?;
+            fs.flush(a.ino, h.fh).await?;
+            fs.release(a.ino, h.fh).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store.gate.open();
+    rename.await.unwrap().unwrap();
+    writer.await.unwrap().unwrap();
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    assert_eq!(left, 0);
+    assert!(
+        mem.head("d/n").await.is_err(),
+        "the old directory came back"
+    );
+    assert!(mem.head("d/a").await.is_err());
+    assert_eq!(object(&mem, "e/n").await, b"new");
+    assert_eq!(object(&mem, "e/a").await, b"a");
+}

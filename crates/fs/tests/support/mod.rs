@@ -204,3 +204,30 @@ impl Gate {
         self.go.notify_one();
     }
 }
+
+/// Holds the answer of a COPY of `key` at its gate: the copy has landed in the store, the
+/// mount does not know it yet.
+pub struct HoldsCopyAnswer {
+    pub inner: Arc<MemoryStore>,
+    pub key: String,
+    pub gate: Gate,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for HoldsCopyAnswer {
+    type Inner = MemoryStore;
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+    async fn copy(
+        &self,
+        src_key: &str,
+        dst_key: &str,
+        meta: Option<&bucketfs_store::UserMeta>,
+        src_if_match: Option<&str>,
+    ) -> bucketfs_store::StoreResult<String> {
+        let r = self.inner.copy(src_key, dst_key, meta, src_if_match).await;
+        self.gate.pass(dst_key == self.key).await;
+        r
+    }
+}
