@@ -1336,8 +1336,14 @@ impl Fs {
     }
 
     /// Entries after cookie `offset` (0 = from the start, including `.` and `..`).
-    pub async fn readdir(&self, _ino: Ino, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
-        self.ns.readdir(fh, offset).await
+    pub async fn readdir(&self, ino: Ino, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
+        // Not while a rename moves the directory (see `subtrees`): a page would miss what
+        // the rename deleted already. One renamed since the last page goes on at its new
+        // place.
+        let held = self.subtrees.store(|| self.ns.dir_path(ino)).await.ok();
+        self.ns
+            .readdir(fh, offset, held.as_ref().map(|(p, _)| p))
+            .await
     }
 
     /// Attributes for readdirplus entry `e` of directory `dir`, and whether they are

@@ -106,6 +106,9 @@ pub struct DirStream {
     /// Positions and names of the entries that are not directories as far as the pages read
     /// say, but that a later page may show to be (see [`DirStream::settled`]).
     unsettled: Vec<(usize, String)>,
+    /// The last key the pages read so far (less the prefix), where the listing goes on
+    /// should the directory move (see [`DirStream::moved`]).
+    last_read: String,
 }
 
 impl DirStream {
@@ -133,7 +136,20 @@ impl DirStream {
             started: None,
             listed_at: None,
             unsettled: Vec::new(),
+            last_read: String::new(),
         }
+    }
+
+    /// The directory was renamed (here) since the last page: the pages still to read come
+    /// from its new place, after the last key read (a continuation token is good for the
+    /// old prefix only, where the rename deleted everything).
+    fn moved(&mut self, path: MountPath, prefix: ObjectKey) {
+        self.from = match self.from {
+            ListFrom::Token(_) => ListFrom::After(format!("{prefix}{}", self.last_read)),
+            _ => ListFrom::After(prefix.to_string()),
+        };
+        self.path = path;
+        self.prefix = prefix;
     }
 
     /// How many entries may be handed out. An object `x` and keys below `x/` may both exist
@@ -371,10 +387,20 @@ impl Namespace {
         Ok(fh)
     }
 
-    /// Entries after cookie `offset` (0 = from the start, including `.` and `..`).
-    pub async fn readdir(&self, fh: u64, offset: i64) -> FsResult<Vec<DirEntry>> {
+    /// Entries after cookie `offset` (0 = from the start, including `.` and `..`), of the
+    /// directory now at `path` (none: where it was, as it is gone). The caller holds off
+    /// renames of it meanwhile.
+    pub async fn readdir(
+        &self,
+        fh: u64,
+        offset: i64,
+        path: Option<&MountPath>,
+    ) -> FsResult<Vec<DirEntry>> {
         let stream = self.dirs.lock().get(&fh).cloned().ok_or(FsError::EBADF)?;
         let mut st = stream.lock().await;
+        if let Some(path) = path.filter(|p| **p != st.path && !st.done) {
+            st.moved(path.clone(), self.dir_key(path));
+        }
         let from = offset.max(0) as usize;
         // Past the dots at least, so the first answer carries a page of names.
         while !st.done && st.settled() <= from.max(2) {
@@ -454,6 +480,12 @@ impl Namespace {
             last.as_deref()
                 .is_some_and(|l| format!("{prefix}{name}/").as_str() > l)
         };
+        if let Some(l) = last
+            .as_deref()
+            .and_then(|l| l.strip_prefix(prefix.as_str()))
+        {
+            st.last_read = l.to_string();
+        }
         st.unsettled.retain(|(_, name)| to_come(name));
         for (name, found) in page_entries(&page, st.prefix.len(), at_root) {
             let path = st.path.join(name);

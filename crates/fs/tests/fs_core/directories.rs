@@ -1214,3 +1214,42 @@ async fn an_object_named_like_the_hidden_directory_is_not_listed_at_the_root() {
         .await
         .contains(&".bucketfs-unlinked".to_string()));
 }
+
+/// A directory renamed (here) while a program lists it: the listing goes on at its new
+/// place and shows every entry. Before, its next LIST page asked for the old place, empty
+/// once the rename had deleted it: the listing ended there and was kept as complete, so the
+/// names it lacked were ENOENT for the stat TTL.
+#[tokio::test]
+async fn a_directory_renamed_while_listed_is_listed_whole() {
+    let e = env();
+    for i in 0..2500 {
+        put(&e.mem, &format!("d/{i:05}"), b"").await;
+    }
+    put(&e.mem, "d/sub/x", b"").await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    let (mut offset, mut names, mut renamed) = (0, Vec::new(), false);
+    loop {
+        let batch = e.fs.readdir(d.ino, fh, offset).await.unwrap();
+        let Some(last) = batch.last() else { break };
+        offset = last.next_offset;
+        names.extend(batch.iter().map(|x| x.name.clone()));
+        if !renamed && names.len() > 1200 {
+            e.fs.rename(ROOT_INO, OsStr::new("d"), ROOT_INO, OsStr::new("e"), 0)
+                .await
+                .unwrap();
+            renamed = true;
+        }
+    }
+    e.fs.releasedir(d.ino, fh);
+    assert!(renamed);
+    let count = names.len();
+    names.sort();
+    names.dedup();
+    assert_eq!((count, names.len()), (2 + 2501, 2 + 2501));
+    let moved = e.fs.lookup(ROOT_INO, OsStr::new("e")).await.unwrap();
+    assert_eq!(moved.ino, d.ino);
+    for name in ["02499", "sub"] {
+        e.fs.lookup(d.ino, OsStr::new(name)).await.unwrap();
+    }
+}
