@@ -503,9 +503,21 @@ impl Namespace {
             } else if st.index.contains_key(name) {
                 continue;
             } else {
-                // With user metadata the mode tells symlinks from files; without, a file.
-                let ino = self.table.lock().entry_ino(st.ino, name, &path);
-                st.push(name, found.kind, ino);
+                // With user metadata the mode tells symlinks from files; without, a file,
+                // unless known here as a symlink.
+                let (ino, kind) = {
+                    let mut t = self.table.lock();
+                    let ino = t.entry_ino(st.ino, name, &path);
+                    match t.get(ino) {
+                        Some(i)
+                            if !found.obj.user_complete && listed_as_file(i.kind, found.kind) =>
+                        {
+                            (ino, i.kind)
+                        }
+                        _ => (ino, found.kind),
+                    }
+                };
+                st.push(name, kind, ino);
                 if to_come(name) {
                     // Not believed either until the page that may hold `name/` is read.
                     st.unsettled.push((st.entries.len() - 1, name.to_string()));
@@ -582,7 +594,7 @@ impl Namespace {
             let stale = self.stale_instant();
             let mut t = self.table.lock();
             if let Some(i) = t.child(dir, &e.name).and_then(|c| t.get_mut(c)) {
-                if i.kind == e.kind {
+                if i.kind == e.kind || listed_as_file(i.kind, e.kind) {
                     // Known, its attributes out of date: kept (its ETag too), and asked for
                     // at its next stat.
                     i.lookups += 1;
@@ -602,13 +614,17 @@ impl Namespace {
             }
             return Some((attr, false));
         };
-        if !complete && found.kind == FileKind::Dir {
+        if !complete && matches!(found.kind, FileKind::Dir | FileKind::File) {
             // A common prefix says nothing of a directory's attributes: a known one keeps its
-            // marker's (stat answers a directory from memory), and its next lookup asks.
+            // marker's (stat answers a directory from memory), and its next lookup asks. Nor
+            // does a listing without metadata tell a symlink from a file: a known one keeps
+            // its inode (and number) until its next lookup asks.
             let stale = self.stale_instant();
             let mut t = self.table.lock();
             if let Some(i) = t.child(dir, &e.name).and_then(|c| t.get_mut(c)) {
-                if i.kind == FileKind::Dir {
+                if i.kind == FileKind::Dir && found.kind == FileKind::Dir
+                    || listed_as_file(i.kind, found.kind)
+                {
                     i.lookups += 1;
                     i.fetched = stale.or(i.fetched);
                     return Some((i.attr.clone(), false));
@@ -630,4 +646,10 @@ impl Namespace {
     pub fn releasedir(&self, fh: u64) {
         self.dirs.lock().remove(&fh);
     }
+}
+
+/// Whether a listing without user metadata may have shown `known`, a symlink, as `listed`:
+/// it tells symlinks from files by their mode only.
+fn listed_as_file(known: FileKind, listed: FileKind) -> bool {
+    known == FileKind::Symlink && listed == FileKind::File
 }

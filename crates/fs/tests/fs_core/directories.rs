@@ -1253,3 +1253,33 @@ async fn a_directory_renamed_while_listed_is_listed_whole() {
         e.fs.lookup(d.ino, OsStr::new(name)).await.unwrap();
     }
 }
+
+/// A known symlink, listed again after the stat TTL by a store whose listings carry no
+/// metadata (AWS S3): the listing cannot tell it from a file, and `ls -l` (readdirplus, then
+/// a stat) gave it a new inode number as a file, then another as a symlink again. It keeps
+/// its number, and stays a symlink.
+#[tokio::test]
+async fn a_symlink_listed_without_metadata_keeps_its_inode_number() {
+    let mem = Arc::new(MemoryStore::new());
+    let link: UserMeta = [("mode".to_string(), (libc::S_IFLNK | 0o777).to_string())].into();
+    mem.put("d/l", Bytes::from_static(b"f"), &link)
+        .await
+        .unwrap();
+    put(&mem, "d/f", b"x").await;
+    let (fs, _cache) = short_ttl_fs(mem.clone());
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let l = fs.lookup(d.ino, OsStr::new("l")).await.unwrap();
+    assert_eq!(l.kind, FileKind::Symlink);
+    for _ in 0..2 {
+        outlive_short_ttl().await;
+        let fh = fs.opendir(d.ino).await.unwrap();
+        let entries = fs.readdir(d.ino, fh, 0).await.unwrap();
+        fs.releasedir(d.ino, fh);
+        let ent = entries.iter().find(|x| x.name == "l").unwrap();
+        let (attr, _) = fs.plus_entry(d.ino, ent).unwrap();
+        assert_eq!((attr.ino, attr.kind), (l.ino, FileKind::Symlink));
+        let again = fs.lookup(d.ino, OsStr::new("l")).await.unwrap();
+        assert_eq!((again.ino, again.kind), (l.ino, FileKind::Symlink));
+        assert_eq!((ent.ino, ent.kind), (l.ino, FileKind::Symlink));
+    }
+}
