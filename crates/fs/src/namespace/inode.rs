@@ -168,7 +168,9 @@ impl Inode {
 #[derive(Default)]
 pub struct InodeTable {
     inodes: HashMap<Ino, Inode>,
-    children: HashMap<(Ino, String), Ino>,
+    /// Each directory's entries, in order: one directory's are a range (see
+    /// [`Self::children_of`]), not a scan of every inode.
+    children: BTreeMap<(Ino, String), Ino>,
     /// The next fresh number (see [`Origins`]); hashed numbers have the top bit set instead.
     next: Ino,
     origins: Origins,
@@ -324,14 +326,19 @@ impl InodeTable {
                 self.detach(replaced);
             }
         }
+        let mut is_dir = false;
         if let Some(i) = self.inodes.get_mut(&ino) {
             i.parent = parent;
             i.name = name.to_string();
             i.path = new_path.clone();
+            is_dir = i.kind == FileKind::Dir;
         }
-        for i in self.inodes.values_mut() {
-            if i.path.is_below(&old_path) {
-                i.path = i.path.moved(&old_path, &new_path);
+        // Only a directory has paths below it: a file's rename scans no other inode.
+        if is_dir {
+            for i in self.inodes.values_mut() {
+                if i.path.is_below(&old_path) {
+                    i.path = i.path.moved(&old_path, &new_path);
+                }
             }
         }
     }
@@ -347,8 +354,10 @@ impl InodeTable {
 
     /// Children of `parent` known here (including ones not yet in the store).
     pub fn children_of(&self, parent: Ino) -> Vec<&Inode> {
-        self.inodes
-            .values()
+        self.children
+            .range((parent, String::new())..)
+            .take_while(|((p, _), _)| *p == parent)
+            .filter_map(|(_, ino)| self.inodes.get(ino))
             .filter(|i| i.parent == parent && i.ino != ROOT_INO && !i.unlinked)
             .collect()
     }
