@@ -39,10 +39,12 @@ impl Fs {
                 }
                 continue;
             }
-            // truncate(2) on a path nobody has open: nobody will close it, publish now.
-            let open = self.ns.table().get(ino).map_or(0, |i| i.open_handles);
+            // With no writer open (truncate(2) of a path, or of a closed file's state kept
+            // for its upload while only readers have it open): no writer's close will
+            // publish it, so it is published now.
+            let no_writer = self.files.writers(ino) == 0;
             let a = self
-                .setattr_state(ino, kind, &mut st, &set, open == 0)
+                .setattr_state(ino, kind, &mut st, &set, no_writer)
                 .await?;
             // A closed file's state kept for its upload goes once nothing is left to upload
             // (its version went to the bucket directly: no upload's news will retire it).

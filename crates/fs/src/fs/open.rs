@@ -54,18 +54,21 @@ impl Fs {
         }
         // A writer's state is made, and an O_TRUNC applied, where no rename of the file or
         // above it moves it meanwhile (see `subtrees`): its close would store under the old
-        // key once the rename copied it (in background mode too: a rename of the file itself
-        // sees the write states there are when it starts, and sweeps no entry made later).
-        // One that starts later finds the state.
+        // key once the rename copied it. One that starts later finds the state. In background
+        // mode a rename of a directory above moves the write states below it, and their
+        // entries in the write-back directory, whenever they come: only a rename of the file
+        // itself is waited for (it moves the states there are when it starts).
         let writer = writable || flags & libc::O_TRUNC != 0;
         // Not while a setattr changes the metadata its state starts from (see meta_changes).
         let _meta = match writer {
             true => Some(self.meta_changes.lock(ino).await),
             false => None,
         };
-        let _changing = match writer {
-            true => Some(self.subtrees.store(|| self.path_of(ino)).await?.1),
-            false => None,
+        let path = || self.path_of(ino);
+        let _changing = match (writer, self.files.writeback().is_some()) {
+            (false, _) => None,
+            (true, false) => Some(self.subtrees.store(path).await?.1),
+            (true, true) => Some(self.subtrees.store_of_file(path).await?.1),
         };
         // While the inode is open for passthrough, an open that cannot share it waits for
         // those handles to close (the kernel tells us a little after the close itself).
@@ -206,9 +209,12 @@ impl Fs {
         flags: i32,
         caller: Caller,
     ) -> FsResult<(Attr, OpenReply)> {
-        // As an open for writing (see `open_as`): the new inode takes the parent's path
-        // as it is now, which a rename must not change before it is added.
-        let changing = self.changing_in(parent).await?;
+        // As an open for writing (see `open_as`); in background mode a rename of the
+        // directory moves the new file's state along.
+        let changing = match self.files.writeback() {
+            None => Some(self.changing_in(parent).await?),
+            Some(_) => None,
+        };
         let (name, parent_path) = match self.prepare_new(parent, name) {
             Err(e) if e == FsError::EEXIST && flags & libc::O_EXCL == 0 => {
                 // Made meanwhile (by another process on this mount): open(2) opens it, and

@@ -159,10 +159,30 @@ impl Subtrees {
         &self,
         path: impl Fn() -> FsResult<MountPath>,
     ) -> FsResult<(MountPath, Held<'_>)> {
+        self.store_when(path, Move::covers).await
+    }
+
+    /// [`Self::store`] of a file that waits only for a rename of the file itself (or onto
+    /// it), not for one of a directory above: background mode, where such a rename moves
+    /// the write states below it along, and the files' entries in the write-back directory.
+    pub async fn store_of_file(
+        &self,
+        path: impl Fn() -> FsResult<MountPath>,
+    ) -> FsResult<(MountPath, Held<'_>)> {
+        self.store_when(path, |r, p| r.src == *p || r.dst == *p)
+            .await
+    }
+
+    /// A store at `path()`, once no rename under way `blocks` it.
+    async fn store_when(
+        &self,
+        path: impl Fn() -> FsResult<MountPath>,
+        blocks: impl Fn(&Move, &MountPath) -> bool,
+    ) -> FsResult<(MountPath, Held<'_>)> {
         let (p, id) = self
             .once(|b| {
                 let p = path()?;
-                if b.renaming.iter().any(|(_, r)| r.covers(&p)) {
+                if b.renaming.iter().any(|(_, r)| blocks(r, &p)) {
                     return Ok(None);
                 }
                 b.next += 1;

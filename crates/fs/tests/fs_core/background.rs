@@ -1069,11 +1069,9 @@ async fn an_open_racing_a_rename_of_its_file_writes_to_the_new_name() {
     assert_eq!(object(&mem, "g").await, b"new");
 }
 
-/// A file created in a directory while a rename of the directory is copying it is uploaded
-/// below the new name, never bringing the old directory back. (It waits for the rename now;
-/// before, the rename's sweep of the directory's write states caught it, unless the rename
-/// ended between the create's read of the directory's path and its inode's registration, a
-/// window with no await in it that this test cannot hit.)
+/// A file created in a directory while a rename of the directory is copying it (the create
+/// does not wait for it) is uploaded below the new name, never bringing the old directory
+/// back: the rename moves the new file's write state along.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_racing_a_rename_of_its_directory_lands_below_the_new_name() {
     use crate::support::{Gate, HoldsCopyAnswer, ME};
@@ -1121,4 +1119,45 @@ async fn a_create_racing_a_rename_of_its_directory_lands_below_the_new_name() {
     assert!(mem.head("d/a").await.is_err());
     assert_eq!(object(&mem, "e/n").await, b"new");
     assert_eq!(object(&mem, "e/a").await, b"a");
+}
+
+/// A chmod, and a truncate, of a closed file whose version waits for upload while a program
+/// has it open for reading only (`tail -f`, a web server): the change went into the file's
+/// write state alone, which only a writer's close commits, and no writer came. It was never
+/// stored, even by a clean unmount. With no writer open, it is committed at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chmod_or_truncate_while_only_readers_have_the_file_open_is_stored() {
+    use bucketfs_fs::SetAttr;
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::from_secs(3600));
+    for (name, set) in [
+        (
+            "m",
+            SetAttr {
+                mode: Some(0o600),
+                ..SetAttr::default()
+            },
+        ),
+        (
+            "t",
+            SetAttr {
+                size: Some(1),
+                ..SetAttr::default()
+            },
+        ),
+    ] {
+        let (ino, fh) = create_and_write(&e, name, b"abc").await;
+        e.fs.flush(ino, fh).await.unwrap();
+        e.fs.release(ino, fh).await.unwrap();
+        let r = e.fs.open(ino, libc::O_RDONLY).await.unwrap();
+        e.fs.setattr(ino, None, set).await.unwrap();
+        e.fs.release(ino, r.fh).await.unwrap();
+    }
+    let (left, _) =
+        e.fs.wait_for_uploads(Duration::from_secs(5), |_, _| {})
+            .await;
+    assert_eq!(left, 0);
+    let m = e.mem.head("m").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
+    assert_eq!(object(&e.mem, "t").await, b"a");
 }
