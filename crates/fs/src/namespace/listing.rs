@@ -419,11 +419,14 @@ impl Namespace {
     /// Reads one LIST page into the stream; after the last, adds entries that exist only here
     /// and records the listing for negative lookups and statahead.
     async fn next_page(&self, st: &mut DirStream) -> FsResult<()> {
-        let first = !matches!(st.from, ListFrom::Token(_));
+        // The page from the start (not one going on after a move, see `DirStream::moved`:
+        // that is no first page to take from a lookup or to save).
+        let first = st.listed_at.is_none();
+        let fresh_prefix = !matches!(st.from, ListFrom::Token(_));
         // Before the page is taken or asked for: a kept page is dropped by any change made
         // here, so one still kept predates none.
         st.started.get_or_insert_with(Instant::now);
-        if first {
+        if fresh_prefix {
             // Subdirectories made here must be in the bucket for the listing to show them.
             self.markers.wait_below(&st.prefix).await?;
         }
@@ -594,7 +597,10 @@ impl Namespace {
             let stale = self.stale_instant();
             let mut t = self.table.lock();
             if let Some(i) = t.child(dir, &e.name).and_then(|c| t.get_mut(c)) {
-                if i.kind == e.kind || listed_as_file(i.kind, e.kind) {
+                if i.kind == e.kind
+                    || listed_as_file(i.kind, e.kind)
+                    || listed_as_file(e.kind, i.kind)
+                {
                     // Known, its attributes out of date: kept (its ETag too), and asked for
                     // at its next stat.
                     i.lookups += 1;
