@@ -1419,6 +1419,7 @@ impl Fs {
             tracing::error!("directory markers not stored at shutdown: {e}");
             failed += self.ns.markers.len();
         }
+        let settle_by = std::time::Instant::now() + CACHE_SETTLE;
         if let Some(c) = self.files.data_cache() {
             if !c.settle(CACHE_SETTLE).await {
                 tracing::warn!(
@@ -1430,7 +1431,9 @@ impl Fs {
         // The record of this mount's last changes, or the next mount would believe a page
         // saved before them.
         if let Some(p) = &self.saved_pages {
-            if !p.settle(CACHE_SETTLE).await {
+            self.ns.changes_end();
+            let left = settle_by.saturating_duration_since(std::time::Instant::now());
+            if !p.settle(left).await {
                 tracing::warn!(
                     "the data cache's record of this mount's changes was not written within \
                      {CACHE_SETTLE:?}; the next mount may list what this one changed as it was"

@@ -420,6 +420,15 @@ impl Lookups {
         disk.changing_until(UNIX_EPOCH + Duration::from_secs(secs + 2));
     }
 
+    /// The mount goes: if it changed anything, the disk records that it did until now (an
+    /// upload that landed since its last record, in background mode, changed the bucket).
+    pub fn changes_end(&self) {
+        let Some(disk) = self.disk.get() else { return };
+        if self.changing_until.load(Ordering::Relaxed) > 0 {
+            disk.changing_until(SystemTime::now());
+        }
+    }
+
     /// What `path` is: from the cache when fresh and complete, else from the store.
     pub async fn stat(&self, path: &MountPath) -> FsResult<(Found, bool)> {
         self.stat_keeping(path, None).await.0
