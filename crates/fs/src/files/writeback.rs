@@ -1980,8 +1980,17 @@ impl WriteBack {
                     let _ = std::fs::remove_file(&again);
                 }
             }
-            // Nothing of a record is valid before its header, written last.
-            Loc::Rec { .. } => self.forget_loc(&slot.loc),
+            // Nothing of a record is valid before its header, written last; but a seal
+            // whose sync failed wrote it, and the page cache keeps it past a kill -9: it is
+            // zeroed, or a restart would upload the version whose commit failed.
+            Loc::Rec { .. } => {
+                let loc = slot.loc.clone();
+                let zeroed = tokio::task::spawn_blocking(move || drop_loc_blocking(&loc)).await;
+                if zeroed.is_err() {
+                    drop_loc_blocking(&slot.loc);
+                }
+                self.forget_loc(&slot.loc)
+            }
         }
         self.unhold(replaces, size);
     }
@@ -4026,6 +4035,40 @@ mod tests {
             .unwrap();
         slot.write(Bytes::copy_from_slice(body)).await.unwrap();
         wb.commit(slot, 0, false).await.unwrap()
+    }
+
+    /// A commit whose sync fails (a disk error) after its record's header was written is
+    /// refused, and its record does not come back at a restart (the page cache still holds
+    /// the header after a kill -9): the version whose close failed was uploaded, even over
+    /// an unlink of the file made since.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_record_whose_sync_failed_does_not_come_back_at_a_restart() {
+        let (dir, store, wb) = started_wb().await;
+        put(&wb, "kept", b"committed").await;
+        let body = b"close failed";
+        let mut slot = wb
+            .begin(
+                "k",
+                body.len() as u64,
+                &UserMeta::new(),
+                None,
+                Cond::Absent,
+                None,
+            )
+            .await
+            .unwrap();
+        slot.write(Bytes::from_static(body)).await.unwrap();
+        let Loc::Rec { seg, .. } = &slot.loc else {
+            panic!("a small version goes to a record")
+        };
+        seg.sync.state.lock().poisoned = true;
+        assert!(wb.commit(slot, 0, false).await.is_err());
+        drop(wb);
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        assert_eq!(n, 1, "only the committed version is found");
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        assert!(store.head("k").await.is_err(), "the failed version went up");
+        assert!(store.head("kept").await.is_ok());
     }
 
     /// A rename's entry found at start (the daemon died between moving it and finishing the
