@@ -1100,6 +1100,13 @@ impl WriteBack {
             .copied()
             .collect();
         let mut found = found;
+        // What recovery drops is made durable before anything uploads (below): a power loss
+        // after an upload would bring back a replaced entry with nothing replacing it.
+        let dropped = std::cell::Cell::new(false);
+        let drop_loc = |l: &Loc| {
+            drop_loc_blocking(l);
+            dropped.set(true);
+        };
         // While a part of the directory cannot be read, nothing found is uploaded: a delta
         // in that part may extend any entry here (uploading that entry would put an older
         // version in the bucket and lose the delta), or be the base a delta found here needs.
@@ -1125,7 +1132,7 @@ impl WriteBack {
             }
             chain.reverse();
             if replaced.contains(&seq) {
-                chain.iter().for_each(|(_, l)| drop_loc_blocking(l));
+                chain.iter().for_each(|(_, l)| drop_loc(l));
                 continue;
             }
             if broken || unread {
@@ -1137,7 +1144,7 @@ impl WriteBack {
                         "write-back directory: removing {} (left of an entry being dropped)",
                         head.display()
                     );
-                    chain.iter().for_each(|(_, l)| drop_loc_blocking(l));
+                    chain.iter().for_each(|(_, l)| drop_loc(l));
                 } else {
                     chain.iter().for_each(|(_, l)| inner.segs.hold(l));
                     let e = "kept while a part of the write-back directory cannot be read";
@@ -1162,7 +1169,7 @@ impl WriteBack {
             );
             if inner.by_key.contains_key(&t.key) {
                 // Two of one key (cannot happen): the later one, met first, is the file.
-                content.0.iter().for_each(|p| drop_loc_blocking(&p.loc));
+                content.0.iter().for_each(|p| drop_loc(&p.loc));
                 continue;
             }
             inner.by_key.insert(t.key.clone(), seq);
@@ -1193,7 +1200,7 @@ impl WriteBack {
         }
         // Records no head leads to (what a crash left of a dropped entry).
         for (_, (_, loc)) in found {
-            drop_loc_blocking(&loc);
+            drop_loc(&loc);
         }
         // Old segments take no more records; they go once their last one is uploaded.
         for seg in segments {
@@ -1201,8 +1208,19 @@ impl WriteBack {
             if inner.segs.live.get(&seg.id).copied().unwrap_or(0) == 0 {
                 // Not kept for reuse: the headers dropped above are not synced yet.
                 let _ = std::fs::remove_file(&seg.path);
+                dropped.set(true);
             } else {
                 inner.segs.sealed.insert(seg.id);
+                if dropped.get() {
+                    if let Err(e) = File::open(&seg.path).and_then(|f| f.sync_data()) {
+                        tracing::error!("write-back directory: {}: {e}", seg.path.display());
+                    }
+                }
+            }
+        }
+        if dropped.get() {
+            if let Err(e) = dir_file.sync_all() {
+                tracing::error!("write-back directory {}: {e}", dir.display());
             }
         }
         inner.unadopted.retain(|s| inner.entries.contains_key(s));
