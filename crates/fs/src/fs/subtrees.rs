@@ -22,8 +22,9 @@ pub(super) struct Subtrees {
 struct Busy {
     /// Renames under way.
     renaming: Vec<(u64, Move)>,
-    /// Paths being changed (their metadata, or what is in them).
-    storing: Vec<(u64, MountPath)>,
+    /// Paths being changed (their metadata, or what is in them), and whether only a rename
+    /// of the path itself waits for the change (see [`Subtrees::store_of_file`]).
+    storing: Vec<(u64, MountPath, bool)>,
     /// Renames waiting to start, as they last read their paths: a later rename they
     /// conflict with waits behind them, so a stream of renames below one cannot hold it off
     /// for good.
@@ -83,7 +84,7 @@ impl Drop for Held<'_> {
     fn drop(&mut self) {
         let mut b = self.subtrees.inner.lock();
         b.renaming.retain(|(id, _)| *id != self.id);
-        b.storing.retain(|(id, _)| *id != self.id);
+        b.storing.retain(|(id, ..)| *id != self.id);
         drop(b);
         self.subtrees.ended.notify_waiters();
     }
@@ -144,8 +145,15 @@ impl Subtrees {
             .await?;
         let held = Held { subtrees: self, id };
         drop(waiting);
-        self.once(|b| Ok((!b.storing.iter().any(|(_, p)| m.covers(p))).then_some(())))
-            .await?;
+        let waits_for = |p: &MountPath, exact: bool| match exact {
+            true => *p == m.src || *p == m.dst,
+            false => m.covers(p),
+        };
+        self.once(|b| {
+            let busy = b.storing.iter().any(|(_, p, exact)| waits_for(p, *exact));
+            Ok((!busy).then_some(()))
+        })
+        .await?;
         Ok(held)
     }
 
@@ -159,26 +167,30 @@ impl Subtrees {
         &self,
         path: impl Fn() -> FsResult<MountPath>,
     ) -> FsResult<(MountPath, Held<'_>)> {
-        self.store_when(path, Move::covers).await
+        self.store_when(path, false).await
     }
 
     /// [`Self::store`] of a file that waits only for a rename of the file itself (or onto
-    /// it), not for one of a directory above: background mode, where such a rename moves
-    /// the write states below it along, and the files' entries in the write-back directory.
+    /// it), not for one of a directory above, nor does such a rename wait for it:
+    /// background mode, where that rename moves the write states below it along, and the
+    /// files' entries in the write-back directory.
     pub async fn store_of_file(
         &self,
         path: impl Fn() -> FsResult<MountPath>,
     ) -> FsResult<(MountPath, Held<'_>)> {
-        self.store_when(path, |r, p| r.src == *p || r.dst == *p)
-            .await
+        self.store_when(path, true).await
     }
 
-    /// A store at `path()`, once no rename under way `blocks` it.
+    /// A store at `path()`, once no rename under way covers it (`exact`: moves it).
     async fn store_when(
         &self,
         path: impl Fn() -> FsResult<MountPath>,
-        blocks: impl Fn(&Move, &MountPath) -> bool,
+        exact: bool,
     ) -> FsResult<(MountPath, Held<'_>)> {
+        let blocks = |r: &Move, p: &MountPath| match exact {
+            true => r.src == *p || r.dst == *p,
+            false => r.covers(p),
+        };
         let (p, id) = self
             .once(|b| {
                 let p = path()?;
@@ -186,7 +198,7 @@ impl Subtrees {
                     return Ok(None);
                 }
                 b.next += 1;
-                b.storing.push((b.next, p.clone()));
+                b.storing.push((b.next, p.clone(), exact));
                 Ok(Some((p, b.next)))
             })
             .await?;
@@ -341,6 +353,44 @@ mod tests {
             "a rename did not wait for a store below"
         );
         drop(store);
+        rename.await.unwrap();
+    }
+
+    /// A store of a file in background mode (`store_of_file`) below a directory holds off
+    /// neither a rename of the directory nor is held off by it (a steady stream of them
+    /// starved the rename), but waits for a rename of the file itself, and that one for it.
+    #[tokio::test]
+    async fn a_file_store_waits_only_for_a_rename_of_the_file() {
+        let s = Arc::new(Subtrees::default());
+        let mv = |src: &'static str, dst: &'static str| {
+            move || {
+                Ok(Move {
+                    src: MountPath::new(src),
+                    dst: MountPath::new(dst),
+                    dst_dir: MountPath::new(""),
+                })
+            }
+        };
+        let (_, file) = s.store_of_file(|| Ok(MountPath::new("a/x"))).await.unwrap();
+        let dir = tokio::time::timeout(Duration::from_secs(1), s.rename(mv("a", "c")))
+            .await
+            .expect("a directory rename waited for a file's store below it")
+            .unwrap();
+        let (_, below) = tokio::time::timeout(
+            Duration::from_secs(1),
+            s.store_of_file(|| Ok(MountPath::new("a/y"))),
+        )
+        .await
+        .expect("a file's store waited for a rename of its directory")
+        .unwrap();
+        drop((dir, below));
+        let rename = tokio::spawn({
+            let s = s.clone();
+            async move { drop(s.rename(mv("a/x", "a/z")).await) }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!rename.is_finished(), "a rename of the file did not wait");
+        drop(file);
         rename.await.unwrap();
     }
 }

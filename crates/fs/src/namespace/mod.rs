@@ -109,12 +109,12 @@ impl Namespace {
         }
     }
 
-    /// Saves directory pages on `disk` for later mounts, and uses theirs (see [`saved`]).
     /// See [`lookup::Lookups::changes_end`].
     pub fn changes_end(&self) {
         self.lookups.changes_end();
     }
 
+    /// Saves directory pages on `disk` for later mounts, and uses theirs (see [`saved`]).
     pub fn save_pages_on(&self, disk: Arc<dyn saved::ListingDisk>) {
         self.lookups.save_pages_on(disk);
     }
