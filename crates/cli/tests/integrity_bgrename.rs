@@ -413,3 +413,48 @@ fn a_directory_rename_ends_while_a_writer_below_keeps_closing() {
     assert_eq!(s3().get(&b, "e/log").as_deref(), Some(&want[..]));
     assert_eq!(s3().list_keys(&b, "d"), Default::default());
 }
+
+/// A file created in a directory while a rename of the directory runs from start to end
+/// between the create's read of the directory's path and its new inode's registration (the
+/// kernel does not lock a directory renamed within its parent, and in background mode the
+/// create does not wait): it goes up under the new name. It used to keep the old path, and
+/// its upload brought the old directory back, the file missing from the new one.
+#[test]
+fn a_file_created_across_a_rename_of_its_directory_goes_up_under_the_new_name() {
+    let b = s3().new_bucket("bgrenc");
+    s3().put(&b, "d/a", b"a".to_vec());
+    let state = state_dir();
+    let pause = Pause::new(state.path());
+    let m = background_at(
+        &b,
+        state.path(),
+        &pause.point("create.prepared"),
+        &["--upload-delay", "0"],
+    )
+    .mount();
+    assert_eq!(read_file(&m.join("d/a")), b"a");
+    let path = m.join("d/n");
+    let created = std::thread::spawn(move || {
+        let mut f = std::fs::File::create(path)?;
+        f.write_all(b"made across the rename")?;
+        close_checked(f)
+    });
+    pause.reached();
+    let (from, to) = (m.join("d"), m.join("e"));
+    let renamed = within(Duration::from_secs(30), move || std::fs::rename(from, to));
+    renamed.expect("rename hung").expect("rename");
+    pause.go_on();
+    created.join().unwrap().expect("create");
+    assert_eq!(read_file(&m.join("e/n")), b"made across the rename");
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(
+        s3().get(&b, "e/n").as_deref(),
+        Some(&b"made across the rename"[..])
+    );
+    assert_eq!(
+        s3().list_keys(&b, "d"),
+        Default::default(),
+        "the old directory came back"
+    );
+}

@@ -227,13 +227,14 @@ impl Fs {
             }
             other => other?,
         };
+        crate::testpoint::reached("create.prepared").await;
         let path = parent_path.join(&name);
         let pm = self.new_meta(parent, FileKind::File, mode, umask, caller);
         let w = self.files.new_write(self.ns.key(&path), None, pm.to_user());
         w.state.lock().await.mark_changed(); // an empty file is still a file
         let (ino, attr) = self
             .ns
-            .add_new(parent, &name, path, FileKind::File, &pm, 0, None, true);
+            .add_new(parent, &name, path.clone(), FileKind::File, &pm, 0, None, true);
         let (learned_changes, page_drops) = {
             let mut t = self.ns.table();
             match t.get_mut(ino) {
@@ -247,6 +248,9 @@ impl Fs {
                 None => (0, 0),
             }
         };
+        if changing.is_none() {
+            self.follow_parent(ino, parent, &name, &path, &w).await;
+        }
         let fh = self.files.add_handle(FileHandle {
             ino,
             flags,
@@ -264,5 +268,41 @@ impl Fs {
                 local: None,
             },
         ))
+    }
+
+    /// Background mode: a file just created at `path`, in `parent`, whose create did not
+    /// hold off renames of the directory. One that ran between the read of the directory's
+    /// path and the file's registration left the file (or its write state) at the old place,
+    /// where its upload would bring the old directory back: both go where the directory is
+    /// now.
+    async fn follow_parent(
+        &self,
+        ino: Ino,
+        parent: Ino,
+        name: &str,
+        path: &MountPath,
+        w: &Arc<OpenWrite>,
+    ) {
+        let now = {
+            let mut t = self.ns.table();
+            let Some(parent_path) = t.get(parent).map(|p| p.path.clone()) else {
+                return;
+            };
+            let now = parent_path.join(name);
+            if now == *path {
+                return;
+            }
+            if t.get(ino)
+                .is_some_and(|i| i.path != now && i.parent == parent && i.name == name)
+            {
+                t.rename(ino, parent, name, &parent_path);
+            }
+            now
+        };
+        let key = self.ns.key(&now);
+        let mut st = w.state.lock().await;
+        if st.key != key {
+            st.move_to(key, None).await;
+        }
     }
 }
