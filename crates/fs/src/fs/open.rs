@@ -232,9 +232,16 @@ impl Fs {
         let pm = self.new_meta(parent, FileKind::File, mode, umask, caller);
         let w = self.files.new_write(self.ns.key(&path), None, pm.to_user());
         w.state.lock().await.mark_changed(); // an empty file is still a file
-        let (ino, attr) = self
-            .ns
-            .add_new(parent, &name, path.clone(), FileKind::File, &pm, 0, None, true);
+        let (ino, attr) = self.ns.add_new(
+            parent,
+            &name,
+            path.clone(),
+            FileKind::File,
+            &pm,
+            0,
+            None,
+            true,
+        );
         let (learned_changes, page_drops) = {
             let mut t = self.ns.table();
             match t.get_mut(ino) {
@@ -283,6 +290,9 @@ impl Fs {
         path: &MountPath,
         w: &Arc<OpenWrite>,
     ) {
+        // The state lock first and held to the end: a second rename in between would
+        // otherwise move the inode again after this read and leave the state behind.
+        let mut st = w.state.lock().await;
         let now = {
             let mut t = self.ns.table();
             let Some(parent_path) = t.get(parent).map(|p| p.path.clone()) else {
@@ -300,7 +310,6 @@ impl Fs {
             now
         };
         let key = self.ns.key(&now);
-        let mut st = w.state.lock().await;
         if st.key != key {
             st.move_to(key, None).await;
         }

@@ -604,6 +604,11 @@ impl Fs {
             let key = self.ns.key(&p);
             testpoint::reached("rename_dir.repointing").await;
             let mut st = w.state.lock().await;
+            if !st.key.as_str().starts_with(src.as_str()) {
+                // Moved in between (a create that followed its directory).
+                done.push(ino);
+                continue;
+            }
             let mut etag = copy_of_version(&copies, &key, &st);
             if let (Some(wb), Some(seq)) = (&wb, st.committed()) {
                 let mut seq = wb.latest(seq);
