@@ -109,6 +109,9 @@ const BUFFER_UNIT: u64 = 64 << 10;
 /// A failed upload is tried again after this, doubling up to [`RETRY_MAX`].
 const RETRY_FIRST: Duration = Duration::from_secs(10);
 const RETRY_MAX: Duration = Duration::from_secs(300);
+/// How long the renames a crash interrupted are tried at start before their files are
+/// let go (each then finishes before its upload, as it would have).
+const MOVE_FINISH_TRIES: Duration = Duration::from_secs(30);
 
 /// What an entry's upload may replace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1303,14 +1306,49 @@ impl WriteBack {
             inos.push((seq, ino));
         }
         let mut inner = self.inner.lock();
+        let mut moves = Vec::new();
         for (seq, ino) in inos {
             if let Some(e) = inner.entries.get_mut(&seq) {
                 e.ino = ino;
-                inner.ready.push_back(seq);
+                match e.moving.clone() {
+                    // Held until its rename is finished: replaced, moved or removed first,
+                    // the entry would take with it the only record of the old name to delete.
+                    Some(m) => {
+                        e.status = Status::Held;
+                        moves.push((seq, m));
+                    }
+                    None => inner.ready.push_back(seq),
+                }
             }
         }
         drop(inner);
         self.work.notify_waiters();
+        if moves.is_empty() {
+            return;
+        }
+        let me = self.me.lock().clone().unwrap_or_default();
+        let until = tokio::time::Instant::now() + MOVE_FINISH_TRIES;
+        for (seq, m) in moves {
+            let me = me.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Some(wb) = me.upgrade() else { return };
+                    let tried = tokio::time::timeout_at(until, wb.finish_move(seq, &m)).await;
+                    let e = match tried {
+                        Ok(Ok(())) => break wb.release(seq),
+                        Ok(Err(e)) => e,
+                        Err(_) => "no answer in time".to_string(),
+                    };
+                    if tokio::time::Instant::now() >= until {
+                        // Its upload tries again first.
+                        tracing::warn!("{}: finishing a rename a crash interrupted: {e}", m.key);
+                        break wb.release(seq);
+                    }
+                    drop(wb);
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            });
+        }
     }
 
     /// A file holding `content` (`size` bytes) from the offset returned: a whole file's
@@ -4136,6 +4174,72 @@ mod tests {
             Some(&b"c v1"[..]),
             "an object the rename did not move was deleted"
         );
+    }
+
+    /// A rename's entry found at start and removed or replaced at once (the file unlinked
+    /// or written again right after the mount) still finishes the rename: the entry was the
+    /// only record of the old name's object to delete, which came back as a second file.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_renames_entry_found_at_start_and_dropped_at_once_still_finishes_the_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        for (k, v) in [("a", "a v1"), ("c", "c v1")] {
+            store
+                .put(k, Bytes::from(v), &UserMeta::new())
+                .await
+                .unwrap();
+        }
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        for (from, to) in [("a", "b"), ("c", "d")] {
+            let etag = store.head(from).await.unwrap().etag;
+            let seq = put(&wb, from, format!("{from} v2").as_bytes()).await;
+            assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
+            wb.rekey(seq, to, Cond::Any, Some(Moved::now(from, etag)), None)
+                .await
+                .unwrap();
+        }
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (wb, n) = open_wb(dir.path(), &store).await;
+        assert_eq!(n, 2);
+        // b unlinked, d written again, at once (before they go up, unless the upload
+        // workers are first: the old names must be gone either way).
+        let (b, d) = {
+            let inner = wb.inner.lock();
+            (inner.by_key["b"], inner.by_key["d"])
+        };
+        if let Holding::Held { .. } = wb.hold(b).await {
+            wb.discard(b).await.unwrap();
+        }
+        let meta = UserMeta::new();
+        let mut slot = wb
+            .begin("d", 4, &meta, Some(d), Cond::Absent, None)
+            .await
+            .unwrap();
+        slot.write(Bytes::from_static(b"d v3")).await.unwrap();
+        wb.commit(slot, 0, false).await.unwrap();
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let get = |k: &'static str| {
+            let store = store.clone();
+            async move {
+                store
+                    .get_range(k, 0..100, None)
+                    .await
+                    .ok()
+                    .map(|b| b.to_vec())
+            }
+        };
+        assert_eq!(
+            get("a").await,
+            None,
+            "the unlinked file's old name came back"
+        );
+        assert_eq!(
+            get("c").await,
+            None,
+            "the rewritten file's old name came back"
+        );
+        assert_eq!(get("d").await.as_deref(), Some(&b"d v3"[..]));
     }
 
     /// Entries committed into a segment come back after a restart, except one whose bytes
