@@ -269,6 +269,44 @@ fn a_file_renamed_while_it_uploads_lets_its_state_go() {
     );
 }
 
+/// The same with a reader holding the file open across the rename: its state is kept for
+/// the reader, and goes when the reader closes (it stayed until the unmount, the renamed
+/// file showing this mount's old version over another client's newer one).
+#[test]
+fn a_file_renamed_while_it_uploads_and_read_lets_its_state_go_at_the_last_close() {
+    let b = s3().new_bucket("bgrenr");
+    let state = state_dir();
+    let pause = Pause::new(state.path());
+    let m = background_at(
+        &b,
+        state.path(),
+        &pause.point("writeback.uploaded"),
+        &["--upload-delay", "0", "--stat-ttl", "1"],
+    )
+    .mount();
+    write_file(&m.join("a"), b"ours");
+    let reader = std::fs::File::open(m.join("a")).unwrap();
+    pause.reached();
+    let (from, to) = (m.join("a"), m.join("b"));
+    let rename = std::thread::spawn(move || std::fs::rename(from, to));
+    std::thread::sleep(Duration::from_millis(300));
+    pause.go_on();
+    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
+    renamed.expect("rename hung").expect("rename");
+    wait_for("nothing pending", Duration::from_secs(20), || {
+        pending(m.path()).starts_with("0 file(s)")
+    });
+    drop(reader);
+    assert_eq!(s3().get(&b, "b").as_deref(), Some(&b"ours"[..]));
+    s3().put(&b, "b", b"theirs, longer".to_vec());
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(
+        read_file(&m.join("b")),
+        b"theirs, longer",
+        "the renamed file still shows this mount's state after its reader closed"
+    );
+}
+
 /// Without background mode, a close of a file below a directory being renamed waits for the
 /// rename and publishes under the new name: the rename's delete of the old objects never
 /// takes a version published meanwhile.

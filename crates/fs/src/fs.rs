@@ -1241,7 +1241,7 @@ impl Fs {
         if through {
             self.files.drop_through(ino);
         }
-        let (last_writer, hidden) = {
+        let (last_writer, hidden, idle) = {
             let mut t = self.ns.table();
             let Some(i) = t.get_mut(ino) else {
                 return Ok(());
@@ -1260,9 +1260,12 @@ impl Fs {
                 i.hidden = false;
                 i.path.clone()
             });
-            (write.is_some() && writers == 0, hidden)
+            (write.is_some() && writers == 0, hidden, i.open_handles == 0)
         };
         if !last_writer {
+            if idle {
+                self.drop_state_kept_for_readers(ino).await;
+            }
             if let Some(path) = hidden {
                 self.delete_hidden(path).await;
             }
@@ -1274,6 +1277,22 @@ impl Fs {
             self.delete_hidden(path).await;
         }
         Ok(())
+    }
+
+    /// Background mode: the last reader of `ino` closed. A write state a rename kept for
+    /// readers after its upload landed (see [`Self::drop_if_uploaded`]) goes now: nothing
+    /// else would retire it, and the file would show it over other clients' changes.
+    async fn drop_state_kept_for_readers(&self, ino: Ino) {
+        let Some(w) = self.files.write_of(ino) else {
+            return;
+        };
+        if self.files.writeback().is_none() || !self.files.is_sole(ino, &w) {
+            return;
+        }
+        let mut st = w.state.lock().await;
+        if !st.is_unlinked() {
+            self.drop_if_uploaded(ino, &w, &mut st);
+        }
     }
 
     /// The last writer of `ino` (a descriptor, or a `truncate` of a file nobody had open:
@@ -1306,7 +1325,7 @@ impl Fs {
                 && st
                     .committed()
                     .zip(self.files.writeback())
-                    .is_some_and(|(seq, wb)| wb.is_pending(seq));
+                    .is_some_and(|(seq, wb)| wb.is_pending(wb.latest(seq)));
             if let Some(i) = t.get_mut(ino).filter(|_| !uploading) {
                 if self.files.is_sole(ino, w) {
                     // An unlinked file's bytes may exist nowhere else: its readers read them

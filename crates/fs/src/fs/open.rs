@@ -307,7 +307,9 @@ impl Fs {
             {
                 t.rename(ino, parent, name, &parent_path);
             }
-            now
+            // Where the file is now (renamed itself meanwhile: its rename moved the state).
+            let Some(i) = t.get(ino) else { return };
+            i.path.clone()
         };
         let key = self.ns.key(&now);
         if st.key != key {

@@ -292,7 +292,12 @@ impl Fs {
         let Some(wb) = self.files.writeback() else {
             return;
         };
-        if !st.has_changes_to_publish() && !st.committed().is_some_and(|s| wb.awaits_upload(s)) {
+        // Its version's entry, or the one a directory rename moved it to meanwhile (which
+        // the state learns of only at the rename's end).
+        let pending = st
+            .committed()
+            .is_some_and(|s| wb.awaits_upload(wb.latest(s)));
+        if !st.has_changes_to_publish() && !pending {
             self.drop_closed_state(ino, w, st);
         }
     }
