@@ -111,7 +111,7 @@ const RETRY_FIRST: Duration = Duration::from_secs(10);
 const RETRY_MAX: Duration = Duration::from_secs(300);
 /// How long the renames a crash interrupted are tried at start before their files are
 /// let go (each then finishes before its upload, as it would have).
-const MOVE_FINISH_TRIES: Duration = Duration::from_secs(30);
+const MOVE_FINISH_TRIES: Duration = Duration::from_secs(if cfg!(test) { 2 } else { 30 });
 
 /// What an entry's upload may replace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -476,8 +476,10 @@ struct Entry {
     /// Committed by an fsync of a file still open for writing: not in the queue until this
     /// time or its last writer's close (see [`PARK`]).
     parked: Option<Instant>,
-    /// A rename a crash interrupted, finished before the upload.
+    /// A rename a crash interrupted, finished before the upload; or, while `renaming`, the
+    /// move of the rename under way that holds the entry (see [`WriteBack::rekey`]).
     moving: Option<Moved>,
+    renaming: bool,
     /// ETags of versions this one replaced whose upload failed and may have landed (the
     /// answer lost): found at the key, they are this mount's, not another client's.
     landed: Vec<String>,
@@ -743,8 +745,11 @@ pub struct Slot {
     meta: UserMeta,
     cond: Cond,
     replaces: Option<u64>,
-    /// A rename's entry: stays held by it (see [`WriteBack::rekey`]).
+    /// The object a rename moved to this entry's key, deleted from its old name before the
+    /// upload (see [`WriteBack::rekey`]).
     from: Option<Moved>,
+    /// A rename's entry: stays held by it (else `from` is a successor's, carried over).
+    rename_holds: bool,
     landed: Vec<String>,
     loc: Loc,
     file: Arc<File>,
@@ -1196,6 +1201,7 @@ impl WriteBack {
                     not_before: Instant::now(),
                     parked: None,
                     moving: t.from,
+                    renaming: false,
                     landed: t.landed,
                     early: None,
                 },
@@ -1495,7 +1501,9 @@ impl WriteBack {
         // Room first (held by the slot from then on): the queued entry stays free to upload
         // meanwhile, and the room it would free counts only while it is queued.
         self.room(key, size).await?;
-        let (cond, replaces, mut landed) = loop {
+        // `moving`: a rename a crash interrupted that the replaced entry has still to finish
+        // (see `adopt`); the new one finishes it instead.
+        let (cond, replaces, mut landed, moving) = loop {
             let changed = self.changed.notified();
             let decided = {
                 let mut inner = self.inner.lock();
@@ -1513,14 +1521,14 @@ impl WriteBack {
                                 } else {
                                     (e.cond.clone(), e.landed.clone())
                                 };
-                                Some((cond, Some(s), landed))
+                                Some((cond, Some(s), landed, e.moving.clone()))
                             }
                         }
                     }
                     None => {
                         let known = prev.and_then(|p| inner.results.get(&p).cloned());
                         let cond = known.map(Cond::Match).unwrap_or(origin.clone());
-                        Some((cond, None, Vec::new()))
+                        Some((cond, None, Vec::new(), None))
                     }
                 }
             };
@@ -1538,8 +1546,20 @@ impl WriteBack {
                 }
             }
         }
-        match self.new_slot(key, size, meta.clone(), cond, replaces, None, landed, None) {
-            Ok(slot) => Ok(slot),
+        match self.new_slot(
+            key,
+            size,
+            meta.clone(),
+            cond,
+            replaces,
+            moving,
+            landed,
+            None,
+        ) {
+            Ok(mut slot) => {
+                slot.rename_holds = false;
+                Ok(slot)
+            }
             Err(e) => {
                 self.unhold(replaces, size);
                 Err(e)
@@ -1706,10 +1726,10 @@ impl WriteBack {
         over: u64,
         c: Changes,
     ) -> FsResult<Slot> {
-        let (cond, mut landed) = {
+        let (cond, mut landed, moving) = {
             let inner = self.inner.lock();
             let e = inner.entries.get(&over).expect("held");
-            (e.cond.clone(), e.landed.clone())
+            (e.cond.clone(), e.landed.clone(), e.moving.clone())
         };
         if landed.len() < LANDED_KEPT {
             if let Some(etag) = self.etag_if_tried(over).await {
@@ -1731,11 +1751,14 @@ impl WriteBack {
             meta.clone(),
             cond,
             Some(over),
-            None,
+            moving,
             landed,
             Some(delta),
         ) {
-            Ok(slot) => Ok(slot),
+            Ok(mut slot) => {
+                slot.rename_holds = false;
+                Ok(slot)
+            }
             Err(e) => {
                 self.unhold(Some(over), len);
                 Err(e)
@@ -1899,6 +1922,7 @@ impl WriteBack {
             meta,
             cond,
             replaces,
+            rename_holds: from.is_some(),
             from,
             landed,
             loc,
@@ -2203,7 +2227,7 @@ impl WriteBack {
                 }
             }
             inner.by_key.insert(slot.key.clone(), slot.seq);
-            let held = slot.from.is_some();
+            let held = slot.rename_holds;
             inner.entries.insert(
                 slot.seq,
                 Entry {
@@ -2221,6 +2245,7 @@ impl WriteBack {
                     not_before: now + self.cfg.delay,
                     parked,
                     moving: slot.from.clone(),
+                    renaming: slot.rename_holds,
                     landed: slot.landed.clone(),
                     early: slot.early.take(),
                 },
@@ -2275,6 +2300,7 @@ impl WriteBack {
     /// Removes held entry `seq` for good (durably, before this returns: the file must not
     /// come back): its file was unlinked or renamed over, and the bucket says so now.
     pub async fn discard(&self, seq: u64) -> FsResult<()> {
+        self.finish_move_before_drop(seq).await;
         let e = {
             let mut inner = self.inner.lock();
             if inner.entries.get(&seq).map(|e| e.status) != Some(Status::Held) {
@@ -2293,6 +2319,25 @@ impl WriteBack {
         self.update_gauges();
         self.changed.notify_waiters();
         Ok(())
+    }
+
+    /// Held entry `seq`, about to be dropped or moved, still has a rename a crash
+    /// interrupted to finish (see [`Self::adopt`]): it is finished now, once, as the entry
+    /// is the only record of it; if the store refuses, the old name stays (logged).
+    async fn finish_move_before_drop(&self, seq: u64) {
+        let moving = {
+            let inner = self.inner.lock();
+            let e = inner.entries.get(&seq).filter(|e| !e.renaming);
+            e.and_then(|e| e.moving.clone())
+        };
+        let Some(m) = moving else { return };
+        if let Err(e) = self.finish_move(seq, &m).await {
+            tracing::error!(
+                "{}: not deleted ({e}), as a rename a crash interrupted was to: it stays \
+                 in the bucket",
+                m.key
+            );
+        }
     }
 
     /// [`Self::drop_loc`] of each record of an entry the books have let go (its file was
@@ -2539,6 +2584,10 @@ impl WriteBack {
         from: Option<Moved>,
         also: Option<u64>,
     ) -> FsResult<u64> {
+        if from.is_some() {
+            // A rename records one move: an earlier one of the entry's is done first.
+            self.finish_move_before_drop(seq).await;
+        }
         let (src, size, meta, ino) = {
             let mut inner = self.inner.lock();
             let Some(e) = inner.entries.get_mut(&seq) else {
@@ -2595,6 +2644,7 @@ impl WriteBack {
             if let Some(e) = inner.entries.get_mut(&seq) {
                 e.cond = cond;
                 e.moving = None;
+                e.renaming = false;
             }
         }
         self.release(seq);
@@ -4234,6 +4284,72 @@ mod tests {
             None,
             "the unlinked file's old name came back"
         );
+        assert_eq!(
+            get("c").await,
+            None,
+            "the rewritten file's old name came back"
+        );
+        assert_eq!(get("d").await.as_deref(), Some(&b"d v3"[..]));
+    }
+
+    /// The same when the store does not answer at start for as long as the rename is tried
+    /// there: the file unlinked, or written again, afterwards still finishes it (the
+    /// unlink deletes the old name first; the new version carries the move to its upload).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_renames_entry_whose_finish_failed_at_start_still_finishes_it_when_dropped() {
+        use bucketfs_store::fault::{Fault, FaultStore};
+        use bucketfs_store::metrics::Op;
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        let store = Arc::new(FaultStore::new(mem.clone()));
+        for (k, v) in [("a", "a v1"), ("c", "c v1")] {
+            mem.put(k, Bytes::from(v), &UserMeta::new()).await.unwrap();
+        }
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        for (from, to) in [("a", "b"), ("c", "d")] {
+            let etag = mem.head(from).await.unwrap().etag;
+            let seq = put(&wb, from, format!("{from} v2").as_bytes()).await;
+            assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
+            wb.rekey(seq, to, Cond::Any, Some(Moved::now(from, etag)), None)
+                .await
+                .unwrap();
+        }
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let down = StoreError::Other("store down".into());
+        store.inject(Op::Head, 0, None, Fault::Error(down));
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        let (b, d) = {
+            let inner = wb.inner.lock();
+            (inner.by_key["b"], inner.by_key["d"])
+        };
+        // Let go after the tries at start, then failed at its upload's first step.
+        assert!(matches!(wb.hold(b).await, Holding::Held { .. }));
+        let meta = UserMeta::new();
+        let mut slot = wb
+            .begin("d", 4, &meta, Some(d), Cond::Absent, None)
+            .await
+            .unwrap();
+        store.clear();
+        wb.discard(b).await.unwrap();
+        slot.write(Bytes::from_static(b"d v3")).await.unwrap();
+        wb.commit(slot, 0, false).await.unwrap();
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        let get = |k: &'static str| {
+            let mem = mem.clone();
+            async move {
+                mem.get_range(k, 0..100, None)
+                    .await
+                    .ok()
+                    .map(|b| b.to_vec())
+            }
+        };
+        assert_eq!(
+            get("a").await,
+            None,
+            "the unlinked file's old name came back"
+        );
+        assert_eq!(get("b").await, None);
         assert_eq!(
             get("c").await,
             None,
