@@ -2546,6 +2546,9 @@ impl WriteBack {
         let mut inner = self.inner.lock();
         if let Some(e) = inner.entries.get_mut(&seq) {
             if e.status == Status::Held {
+                // A rename that let it go without `moved` (it failed) holds it no more: its
+                // move, if any, is finished like one a crash interrupted.
+                e.renaming = false;
                 // Its key again, if a rename over it that failed had taken it.
                 let key = e.key.clone();
                 inner.by_key.entry(key).or_insert(seq);
