@@ -4296,8 +4296,9 @@ mod tests {
     }
 
     /// The same when the store does not answer at start for as long as the rename is tried
-    /// there: the file unlinked, or written again, afterwards still finishes it (the
-    /// unlink deletes the old name first; the new version carries the move to its upload).
+    /// there: the file unlinked, written again or renamed again afterwards still finishes it
+    /// (the unlink and the rename delete the old name first; the new version carries the
+    /// move to its upload).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_renames_entry_whose_finish_failed_at_start_still_finishes_it_when_dropped() {
         use bucketfs_store::fault::{Fault, FaultStore};
@@ -4305,11 +4306,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(bucketfs_store::memory::MemoryStore::new());
         let store = Arc::new(FaultStore::new(mem.clone()));
-        for (k, v) in [("a", "a v1"), ("c", "c v1")] {
+        for (k, v) in [("a", "a v1"), ("c", "c v1"), ("e", "e v1")] {
             mem.put(k, Bytes::from(v), &UserMeta::new()).await.unwrap();
         }
         let (wb, _) = open_wb(dir.path(), &store).await;
-        for (from, to) in [("a", "b"), ("c", "d")] {
+        for (from, to) in [("a", "b"), ("c", "d"), ("e", "f")] {
             let etag = mem.head(from).await.unwrap().etag;
             let seq = put(&wb, from, format!("{from} v2").as_bytes()).await;
             assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
@@ -4322,12 +4323,13 @@ mod tests {
         let down = StoreError::Other("store down".into());
         store.inject(Op::Head, 0, None, Fault::Error(down));
         let (wb, _) = open_wb(dir.path(), &store).await;
-        let (b, d) = {
+        let (b, d, f) = {
             let inner = wb.inner.lock();
-            (inner.by_key["b"], inner.by_key["d"])
+            (inner.by_key["b"], inner.by_key["d"], inner.by_key["f"])
         };
         // Let go after the tries at start, then failed at its upload's first step.
         assert!(matches!(wb.hold(b).await, Holding::Held { .. }));
+        assert!(matches!(wb.hold(f).await, Holding::Held { .. }));
         let meta = UserMeta::new();
         let mut slot = wb
             .begin("d", 4, &meta, Some(d), Cond::Absent, None)
@@ -4335,6 +4337,12 @@ mod tests {
             .unwrap();
         store.clear();
         wb.discard(b).await.unwrap();
+        let moved = Moved::now("f", None);
+        let g = wb
+            .rekey(f, "g", Cond::Any, Some(moved), None)
+            .await
+            .unwrap();
+        wb.moved(g, Cond::Absent);
         slot.write(Bytes::from_static(b"d v3")).await.unwrap();
         wb.commit(slot, 0, false).await.unwrap();
         wb.drain(Duration::from_secs(5), |_, _| {}).await;
@@ -4359,6 +4367,12 @@ mod tests {
             "the rewritten file's old name came back"
         );
         assert_eq!(get("d").await.as_deref(), Some(&b"d v3"[..]));
+        assert_eq!(
+            get("e").await,
+            None,
+            "the renamed file's first name came back"
+        );
+        assert_eq!(get("g").await.as_deref(), Some(&b"e v2"[..]));
     }
 
     /// Entries committed into a segment come back after a restart, except one whose bytes
