@@ -467,6 +467,48 @@ fn an_unlink_works_on_a_store_without_conditional_delete() {
     assert_eq!(s3().get(&b, "g"), None);
 }
 
+/// A store that answers `501 NotImplemented` to a write carrying `If-None-Match` (AWS
+/// before 2024-08, LocalStack): files created in background mode go up all the same, once a
+/// HEAD finds their key free, in one PUT or in parts (before: the 501 was retried as
+/// transient for the retry budget, then each new file stayed pending for good).
+#[test]
+fn new_files_go_up_on_a_store_without_conditional_create() {
+    for (request, size) in [("PUT", 1000), ("POST", 12 << 20)] {
+        let b = s3().new_bucket("bgrec8");
+        let state = state_dir();
+        let proxy = proxy::FaultProxy::start(&minio_addr());
+        proxy.reject_with_header(&format!("{request} /{b}/"), "if-none-match", 501);
+        let m = background(
+            via_proxy(&b, &proxy),
+            state.path(),
+            &["--upload-delay", "0", "--part-size", "5M"],
+        )
+        .mount();
+        let body = pattern::bytes(8, size);
+        write_file(&m.join("n1"), &body);
+        wait_for("n1 to go up", Duration::from_secs(20), || {
+            s3().get(&b, "n1").as_deref() == Some(&body[..])
+        });
+        let rejected = proxy.rejected();
+        assert!(
+            rejected >= 1,
+            "{request}: the proxy did not refuse the condition"
+        );
+        // The store's answer is remembered: the next new file goes up plainly.
+        write_file(&m.join("n2"), &body);
+        wait_for("n2 to go up", Duration::from_secs(20), || {
+            s3().get(&b, "n2").as_deref() == Some(&body[..])
+        });
+        assert_eq!(
+            proxy.rejected(),
+            rejected,
+            "{request}: the condition was sent again"
+        );
+        let (status, log) = m.unmount();
+        assert_eq!(status.and_then(|s| s.code()), Some(0), "{request}: {log}");
+    }
+}
+
 /// A new file's upload landed with its answer lost, then the network failed for the retry
 /// budget (the entry counts as failed, not a conflict); the file is written again meanwhile.
 /// The new version knows the bucket may hold the old one, this mount's: once the network is

@@ -107,6 +107,9 @@ pub struct S3Store {
     /// Set once the store refused `If-Match` on a DELETE (`501`/`400`): later deletes go
     /// plain, as on stores that ignore it (callers HEAD first).
     no_conditional_delete: AtomicBool,
+    /// Set once the store refused `If-None-Match: *` on a PUT or CompleteMultipartUpload
+    /// (`501 NotImplemented`): later writes of new objects HEAD the key first and go plain.
+    no_conditional_create: AtomicBool,
     /// The endpoint requests go to, however it was given (`endpoint_url`, or the SDK's
     /// `AWS_ENDPOINT_URL` or a profile's `endpoint_url`); `None`: AWS's own.
     endpoint: Option<String>,
@@ -413,6 +416,86 @@ impl S3Store {
         }
     }
 
+    async fn put_request(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+        if_match: Option<&str>,
+    ) -> Result<
+        aws_sdk_s3::operation::put_object::PutObjectOutput,
+        SdkError<
+            aws_sdk_s3::operation::put_object::PutObjectError,
+            aws_smithy_runtime_api::http::Response,
+        >,
+    > {
+        let _slot = self.slot().await;
+        let len = body.len() as u64;
+        let req = self
+            .client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .body(ByteStream::from(body))
+            .set_metadata(Some(to_hashmap(meta)))
+            .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
+            .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
+            .customize()
+            .config_override(sized(len));
+        let req = if self.unsigned_payload {
+            req.disable_payload_signing()
+        } else {
+            req
+        };
+        req.send().await
+    }
+
+    /// The condition a write of `key` under `if_match` is sent with: as asked, unless it is
+    /// [`IF_ABSENT`] and the store refuses that (see [`Self::refuses_create_condition`]):
+    /// then a HEAD checks the key is free (`PreconditionFailed` if not) and the write goes
+    /// plain. Another client's object made between the two is replaced (one round trip).
+    async fn create_condition<'a>(
+        &self,
+        key: &str,
+        if_match: Option<&'a str>,
+    ) -> StoreResult<Option<&'a str>> {
+        if if_match != Some(IF_ABSENT) || !self.no_conditional_create.load(Ordering::Relaxed) {
+            return Ok(if_match);
+        }
+        match self.head(key).await {
+            Ok(_) => Err(StoreError::PreconditionFailed(format!(
+                "{key}: exists (checked by HEAD: the store refuses If-None-Match)"
+            ))),
+            Err(StoreError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether error `e` of a write of `key` with `If-None-Match: *` is the store refusing
+    /// the header (`501 NotImplemented`: AWS before 2024-08, LocalStack); if so, it is never
+    /// sent again (logged once). Never transient: retrying would fail every new file.
+    fn refuses_create_condition<E: ProvideErrorMetadata>(
+        &self,
+        key: &str,
+        e: &SdkError<E, aws_smithy_runtime_api::http::Response>,
+    ) -> bool {
+        let SdkError::ServiceError(se) = e else {
+            return false;
+        };
+        let status = se.raw().status().as_u16();
+        if status != 501 && se.err().code() != Some("NotImplemented") {
+            return false;
+        }
+        if !self.no_conditional_create.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "write {key}: the store refuses If-None-Match ({status} {}): new objects are \
+                 checked by a HEAD only from now on",
+                se.err().code().unwrap_or("")
+            );
+        }
+        true
+    }
+
     async fn delete_request(
         &self,
         key: &str,
@@ -496,6 +579,7 @@ impl S3Store {
             slots,
             page_lists: Semaphore::new(PAGE_LISTS_IN_FLIGHT),
             no_conditional_delete: AtomicBool::new(false),
+            no_conditional_create: AtomicBool::new(false),
             endpoint,
             own: Default::default(),
             headed_uploads: Default::default(),
@@ -794,25 +878,15 @@ impl ObjectStore for S3Store {
         meta: &UserMeta,
         if_match: Option<&str>,
     ) -> StoreResult<String> {
-        let _slot = self.slot().await;
-        let len = body.len() as u64;
-        let req = self
-            .client
-            .put_object()
-            .bucket(&self.bucket)
-            .key(key)
-            .body(ByteStream::from(body))
-            .set_metadata(Some(to_hashmap(meta)))
-            .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
-            .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
-            .customize()
-            .config_override(sized(len));
-        let req = if self.unsigned_payload {
-            req.disable_payload_signing()
-        } else {
-            req
+        let if_match = self.create_condition(key, if_match).await?;
+        let out = match self.put_request(key, body.clone(), meta, if_match).await {
+            Err(e) if if_match == Some(IF_ABSENT) && self.refuses_create_condition(key, &e) => {
+                self.create_condition(key, if_match).await?;
+                self.put_request(key, body, meta, None).await
+            }
+            r => r,
         };
-        let out = req.send().await.map_err(|e| map_err(key, e))?;
+        let out = out.map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
         self.own.lock().made(key, &etag);
         Ok(etag)
@@ -916,32 +990,44 @@ impl ObjectStore for S3Store {
         parts: &[CompletedPart],
         if_match: Option<&str>,
     ) -> StoreResult<String> {
-        let _slot = self.slot().await;
-        let parts = parts
-            .iter()
-            .map(|p| {
-                aws_sdk_s3::types::CompletedPart::builder()
-                    .part_number(p.part_number as i32)
-                    .e_tag(&p.etag)
-                    .build()
-            })
-            .collect();
-        let out = self
-            .client
-            .complete_multipart_upload()
-            .bucket(&self.bucket)
-            .key(key)
-            .upload_id(upload_id)
-            .multipart_upload(
-                CompletedMultipartUpload::builder()
-                    .set_parts(Some(parts))
-                    .build(),
-            )
-            .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
-            .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
-            .send()
-            .await
-            .map_err(|e| map_err(key, e))?;
+        let if_match = self.create_condition(key, if_match).await?;
+        let complete = |if_match: Option<&str>| {
+            let parts = parts
+                .iter()
+                .map(|p| {
+                    aws_sdk_s3::types::CompletedPart::builder()
+                        .part_number(p.part_number as i32)
+                        .e_tag(&p.etag)
+                        .build()
+                })
+                .collect();
+            self.client
+                .complete_multipart_upload()
+                .bucket(&self.bucket)
+                .key(key)
+                .upload_id(upload_id)
+                .multipart_upload(
+                    CompletedMultipartUpload::builder()
+                        .set_parts(Some(parts))
+                        .build(),
+                )
+                .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
+                .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
+                .send()
+        };
+        let r = {
+            let _slot = self.slot().await;
+            complete(if_match).await
+        };
+        let out = match r {
+            Err(e) if if_match == Some(IF_ABSENT) && self.refuses_create_condition(key, &e) => {
+                self.create_condition(key, if_match).await?;
+                let _slot = self.slot().await;
+                complete(None).await
+            }
+            r => r,
+        };
+        let out = out.map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
         if !self.headed_uploads.lock().remove(upload_id) {
             self.own.lock().made(key, &etag);
