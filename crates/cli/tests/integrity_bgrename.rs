@@ -218,13 +218,16 @@ fn a_rename_killed_between_copy_and_delete_leaves_the_version_under_the_new_name
     }
 }
 
-/// A file renamed while its upload is in flight: once the upload is done its write state
-/// goes (it used to stay, "being written", holding the write-back file it read from, so
-/// that the disk space never came back and the file kept showing this mount's version over
-/// another client's).
-#[test]
-fn a_file_renamed_while_it_uploads_lets_its_state_go() {
-    let b = s3().new_bucket("bgrend");
+/// A background mount of a new bucket (`name`) whose file `a` (`body`) is renamed to `b`
+/// while its upload is stopped before it lands, then let go; returns once the rename
+/// returned and nothing is pending, with the bucket, the state directory, the mount and, if
+/// `read`, a descriptor reading `a` opened before the rename.
+fn renamed_while_uploading(
+    name: &str,
+    body: &[u8],
+    read: bool,
+) -> (String, tempfile::TempDir, Mount, Option<std::fs::File>) {
+    let b = s3().new_bucket(name);
     let state = state_dir();
     let pause = Pause::new(state.path());
     let m = background_at(
@@ -234,9 +237,8 @@ fn a_file_renamed_while_it_uploads_lets_its_state_go() {
         &["--upload-delay", "0", "--stat-ttl", "1"],
     )
     .mount();
-    // Over 4 MiB: a write-back file of its own, not a segment record.
-    let body = pattern::bytes(1, 5 << 20);
-    write_file(&m.join("a"), &body);
+    write_file(&m.join("a"), body);
+    let reader = read.then(|| std::fs::File::open(m.join("a")).unwrap());
     pause.reached();
     let (from, to) = (m.join("a"), m.join("b"));
     let rename = std::thread::spawn(move || std::fs::rename(from, to));
@@ -247,6 +249,25 @@ fn a_file_renamed_while_it_uploads_lets_its_state_go() {
     wait_for("nothing pending", Duration::from_secs(20), || {
         pending(m.path()).starts_with("0 file(s)")
     });
+    (b, state, m, reader)
+}
+
+/// Another client replaces `b` in `bucket`: mount `m` shows it after its `--stat-ttl`.
+fn shows_another_clients_version(bucket: &str, m: &Mount, why: &str) {
+    s3().put(bucket, "b", b"theirs, longer".to_vec());
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(read_file(&m.join("b")), b"theirs, longer", "{why}");
+}
+
+/// A file renamed while its upload is in flight: once the upload is done its write state
+/// goes (it used to stay, "being written", holding the write-back file it read from, so
+/// that the disk space never came back and the file kept showing this mount's version over
+/// another client's).
+#[test]
+fn a_file_renamed_while_it_uploads_lets_its_state_go() {
+    // Over 4 MiB: a write-back file of its own, not a segment record.
+    let body = pattern::bytes(1, 5 << 20);
+    let (b, state, m, _) = renamed_while_uploading("bgrend", &body, false);
     assert_eq!(s3().get(&b, "b").as_deref(), Some(&body[..]));
     assert_eq!(s3().get(&b, "a"), None);
     let pid = m.daemon_pid().unwrap();
@@ -260,13 +281,7 @@ fn a_file_renamed_while_it_uploads_lets_its_state_go() {
         held.is_empty(),
         "the daemon still holds removed write-back files: {held:?}"
     );
-    s3().put(&b, "b", b"theirs".to_vec());
-    std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(
-        read_file(&m.join("b")),
-        b"theirs",
-        "the renamed file still shows this mount's state"
-    );
+    shows_another_clients_version(&b, &m, "the renamed file still shows this mount's state");
 }
 
 /// The same with a reader holding the file open across the rename: its state is kept for
@@ -274,36 +289,13 @@ fn a_file_renamed_while_it_uploads_lets_its_state_go() {
 /// file showing this mount's old version over another client's newer one).
 #[test]
 fn a_file_renamed_while_it_uploads_and_read_lets_its_state_go_at_the_last_close() {
-    let b = s3().new_bucket("bgrenr");
-    let state = state_dir();
-    let pause = Pause::new(state.path());
-    let m = background_at(
-        &b,
-        state.path(),
-        &pause.point("writeback.uploaded"),
-        &["--upload-delay", "0", "--stat-ttl", "1"],
-    )
-    .mount();
-    write_file(&m.join("a"), b"ours");
-    let reader = std::fs::File::open(m.join("a")).unwrap();
-    pause.reached();
-    let (from, to) = (m.join("a"), m.join("b"));
-    let rename = std::thread::spawn(move || std::fs::rename(from, to));
-    std::thread::sleep(Duration::from_millis(300));
-    pause.go_on();
-    let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
-    renamed.expect("rename hung").expect("rename");
-    wait_for("nothing pending", Duration::from_secs(20), || {
-        pending(m.path()).starts_with("0 file(s)")
-    });
+    let (b, _state, m, reader) = renamed_while_uploading("bgrenr", b"ours", true);
     drop(reader);
     assert_eq!(s3().get(&b, "b").as_deref(), Some(&b"ours"[..]));
-    s3().put(&b, "b", b"theirs, longer".to_vec());
-    std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(
-        read_file(&m.join("b")),
-        b"theirs, longer",
-        "the renamed file still shows this mount's state after its reader closed"
+    shows_another_clients_version(
+        &b,
+        &m,
+        "the renamed file still shows this mount's state after its reader closed",
     );
 }
 

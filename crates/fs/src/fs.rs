@@ -1283,12 +1283,16 @@ impl Fs {
     /// readers after its upload landed (see [`Self::drop_if_uploaded`]) goes now: nothing
     /// else would retire it, and the file would show it over other clients' changes.
     async fn drop_state_kept_for_readers(&self, ino: Ino) {
-        let Some(w) = self.files.write_of(ino) else {
-            return;
-        };
-        if self.files.writeback().is_none() || !self.files.is_sole(ino, &w) {
+        if self.files.writeback().is_none() {
             return;
         }
+        let Some(w) = self
+            .files
+            .write_of(ino)
+            .filter(|w| self.files.is_sole(ino, w))
+        else {
+            return;
+        };
         let mut st = w.state.lock().await;
         if !st.is_unlinked() {
             self.drop_if_uploaded(ino, &w, &mut st);

@@ -364,6 +364,29 @@ fn classify_failure<E, R>(what: &str, e: &SdkError<E, R>, text: &str) -> StoreEr
     }
 }
 
+/// Whether error `e` is the store refusing a conditional header it does not implement
+/// (`501 NotImplemented`; with `or_400`, any `400` too). Never transient: retrying would
+/// fail every such request after the retry budget. The first time, `flag` is set (the
+/// caller stops sending the header) and `message` (given the status and code) logged.
+fn refused_condition<E: ProvideErrorMetadata>(
+    e: &SdkError<E, aws_smithy_runtime_api::http::Response>,
+    or_400: bool,
+    flag: &AtomicBool,
+    message: impl FnOnce(&str) -> String,
+) -> bool {
+    let SdkError::ServiceError(se) = e else {
+        return false;
+    };
+    let status = se.raw().status().as_u16();
+    let refused =
+        status == 501 || (or_400 && status == 400) || se.err().code() == Some("NotImplemented");
+    if refused && !flag.swap(true, Ordering::Relaxed) {
+        let why = format!("{status} {}", se.err().code().unwrap_or(""));
+        tracing::warn!("{}", message(&why));
+    }
+    refused
+}
+
 fn to_hashmap(meta: &UserMeta) -> HashMap<String, String> {
     meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
@@ -391,19 +414,16 @@ impl S3Store {
         let pin = pin.filter(|_| !self.no_conditional_delete.load(Ordering::Relaxed));
         let _slot = self.metadata_slot().await;
         let mut r = self.delete_request(key, pin).await;
-        if let (Some(_), Err(SdkError::ServiceError(se))) = (pin, &r) {
+        if let (Some(_), Err(e)) = (pin, &r) {
             // A store without conditional DELETE (AWS general-purpose buckets before
-            // 2025-09, LocalStack) refuses the header: 501 NotImplemented, or 400. Never
-            // transient: retrying it would fail every such delete after the retry budget.
-            let status = se.raw().status().as_u16();
-            if matches!(status, 400 | 501) || se.err().code() == Some("NotImplemented") {
-                if !self.no_conditional_delete.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
-                        "delete {key}: the store refuses If-Match on DELETE ({status} {}): \
-                         deletes are checked by a HEAD only from now on",
-                        se.err().code().unwrap_or("")
-                    );
-                }
+            // 2025-09, LocalStack) refuses the header: 501 NotImplemented, or 400.
+            let refused = refused_condition(e, true, &self.no_conditional_delete, |why| {
+                format!(
+                    "delete {key}: the store refuses If-Match on DELETE ({why}): deletes \
+                     are checked by a HEAD only from now on"
+                )
+            });
+            if refused {
                 r = self.delete_request(key, None).await;
             }
         }
@@ -472,28 +492,19 @@ impl S3Store {
     }
 
     /// Whether error `e` of a write of `key` with `If-None-Match: *` is the store refusing
-    /// the header (`501 NotImplemented`: AWS before 2024-08, LocalStack); if so, it is never
-    /// sent again (logged once). Never transient: retrying would fail every new file.
+    /// the header (`501 NotImplemented`: AWS before 2024-08, LocalStack; see
+    /// [`refused_condition`]).
     fn refuses_create_condition<E: ProvideErrorMetadata>(
         &self,
         key: &str,
         e: &SdkError<E, aws_smithy_runtime_api::http::Response>,
     ) -> bool {
-        let SdkError::ServiceError(se) = e else {
-            return false;
-        };
-        let status = se.raw().status().as_u16();
-        if status != 501 && se.err().code() != Some("NotImplemented") {
-            return false;
-        }
-        if !self.no_conditional_create.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                "write {key}: the store refuses If-None-Match ({status} {}): new objects are \
-                 checked by a HEAD only from now on",
-                se.err().code().unwrap_or("")
-            );
-        }
-        true
+        refused_condition(e, false, &self.no_conditional_create, |why| {
+            format!(
+                "write {key}: the store refuses If-None-Match ({why}): new objects are \
+                 checked by a HEAD only from now on"
+            )
+        })
     }
 
     async fn delete_request(

@@ -4180,6 +4180,42 @@ mod tests {
         assert!(store.head("kept").await.is_ok());
     }
 
+    /// For each `(from, to, pinned)`: `from` holds "FROM v1" in `mem`; a version "FROM v2"
+    /// committed through `store` is moved to `to` by a rename recording the object at
+    /// `from` (its real ETag if `pinned`, else a stale one), and the daemon is killed before
+    /// the rename said `moved`. The next mount is left to the caller.
+    async fn renames_cut_by_a_crash<S: ObjectStore + 'static>(
+        dir: &Path,
+        store: &Arc<S>,
+        mem: &bucketfs_store::memory::MemoryStore,
+        renames: &[(&str, &str, bool)],
+    ) {
+        for (from, ..) in renames {
+            let body = Bytes::from(format!("{from} v1"));
+            mem.put(from, body, &UserMeta::new()).await.unwrap();
+        }
+        let (wb, _) = open_wb(dir, store).await;
+        for &(from, to, pinned) in renames {
+            let etag = match pinned {
+                true => mem.head(from).await.unwrap().etag,
+                false => Some("\"stale\"".into()),
+            };
+            let seq = put(&wb, from, format!("{from} v2").as_bytes()).await;
+            assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
+            wb.rekey(seq, to, Cond::Any, Some(Moved::now(from, etag)), None)
+                .await
+                .unwrap();
+        }
+        drop(wb);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+    }
+
+    /// The bytes of `key` in `mem`, if it is there.
+    async fn object(mem: &bucketfs_store::memory::MemoryStore, key: &str) -> Option<Vec<u8>> {
+        let got = mem.get_range(key, 0..100, None).await;
+        got.ok().map(|b| b.to_vec())
+    }
+
     /// A rename's entry found at start (the daemon died between moving it and finishing the
     /// bucket's part) deletes the object it moved from the old name, only if still that
     /// one, then goes up under its new name.
@@ -4187,43 +4223,20 @@ mod tests {
     async fn a_renames_entry_found_at_start_finishes_the_rename() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
-        for (k, v) in [("a", "a v1"), ("c", "c v1")] {
-            store
-                .put(k, Bytes::from(v), &UserMeta::new())
-                .await
-                .unwrap();
-        }
-        let (wb, _) = open_wb(dir.path(), &store).await;
-        let a_etag = store.head("a").await.unwrap().etag;
-        for (from, to, etag) in [("a", "b", a_etag), ("c", "d", Some("\"stale\"".into()))] {
-            let seq = put(&wb, from, format!("{from} v2").as_bytes()).await;
-            assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
-            let moved = Moved::now(from, etag);
-            wb.rekey(seq, to, Cond::Any, Some(moved), None)
-                .await
-                .unwrap();
-        }
-        // Killed here: the rename never said `moved`.
-        drop(wb);
-        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let renames = [("a", "b", true), ("c", "d", false)];
+        renames_cut_by_a_crash(dir.path(), &store, &store, &renames).await;
         let (wb, n) = open_wb(dir.path(), &store).await;
         assert_eq!(n, 2);
         wb.drain(Duration::from_secs(5), |_, _| {}).await;
-        let get = |k: &'static str| {
-            let store = store.clone();
-            async move {
-                store
-                    .get_range(k, 0..100, None)
-                    .await
-                    .ok()
-                    .map(|b| b.to_vec())
-            }
-        };
-        assert_eq!(get("b").await.as_deref(), Some(&b"a v2"[..]));
-        assert_eq!(get("a").await, None, "the old name's object stayed");
-        assert_eq!(get("d").await.as_deref(), Some(&b"c v2"[..]));
+        assert_eq!(object(&store, "b").await.as_deref(), Some(&b"a v2"[..]));
         assert_eq!(
-            get("c").await.as_deref(),
+            object(&store, "a").await,
+            None,
+            "the old name's object stayed"
+        );
+        assert_eq!(object(&store, "d").await.as_deref(), Some(&b"c v2"[..]));
+        assert_eq!(
+            object(&store, "c").await.as_deref(),
             Some(&b"c v1"[..]),
             "an object the rename did not move was deleted"
         );
@@ -4236,23 +4249,8 @@ mod tests {
     async fn a_renames_entry_found_at_start_and_dropped_at_once_still_finishes_the_rename() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
-        for (k, v) in [("a", "a v1"), ("c", "c v1")] {
-            store
-                .put(k, Bytes::from(v), &UserMeta::new())
-                .await
-                .unwrap();
-        }
-        let (wb, _) = open_wb(dir.path(), &store).await;
-        for (from, to) in [("a", "b"), ("c", "d")] {
-            let etag = store.head(from).await.unwrap().etag;
-            let seq = put(&wb, from, format!("{from} v2").as_bytes()).await;
-            assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
-            wb.rekey(seq, to, Cond::Any, Some(Moved::now(from, etag)), None)
-                .await
-                .unwrap();
-        }
-        drop(wb);
-        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let renames = [("a", "b", true), ("c", "d", true)];
+        renames_cut_by_a_crash(dir.path(), &store, &store, &renames).await;
         let (wb, n) = open_wb(dir.path(), &store).await;
         assert_eq!(n, 2);
         // b unlinked, d written again, at once (before they go up, unless the upload
@@ -4264,35 +4262,24 @@ mod tests {
         if let Holding::Held { .. } = wb.hold(b).await {
             wb.discard(b).await.unwrap();
         }
-        let meta = UserMeta::new();
         let mut slot = wb
-            .begin("d", 4, &meta, Some(d), Cond::Absent, None)
+            .begin("d", 4, &UserMeta::new(), Some(d), Cond::Absent, None)
             .await
             .unwrap();
         slot.write(Bytes::from_static(b"d v3")).await.unwrap();
         wb.commit(slot, 0, false).await.unwrap();
         wb.drain(Duration::from_secs(5), |_, _| {}).await;
-        let get = |k: &'static str| {
-            let store = store.clone();
-            async move {
-                store
-                    .get_range(k, 0..100, None)
-                    .await
-                    .ok()
-                    .map(|b| b.to_vec())
-            }
-        };
         assert_eq!(
-            get("a").await,
+            object(&store, "a").await,
             None,
             "the unlinked file's old name came back"
         );
         assert_eq!(
-            get("c").await,
+            object(&store, "c").await,
             None,
             "the rewritten file's old name came back"
         );
-        assert_eq!(get("d").await.as_deref(), Some(&b"d v3"[..]));
+        assert_eq!(object(&store, "d").await.as_deref(), Some(&b"d v3"[..]));
     }
 
     /// The same when the store does not answer at start for as long as the rename is tried
@@ -4306,20 +4293,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(bucketfs_store::memory::MemoryStore::new());
         let store = Arc::new(FaultStore::new(mem.clone()));
-        for (k, v) in [("a", "a v1"), ("c", "c v1"), ("e", "e v1")] {
-            mem.put(k, Bytes::from(v), &UserMeta::new()).await.unwrap();
-        }
-        let (wb, _) = open_wb(dir.path(), &store).await;
-        for (from, to) in [("a", "b"), ("c", "d"), ("e", "f")] {
-            let etag = mem.head(from).await.unwrap().etag;
-            let seq = put(&wb, from, format!("{from} v2").as_bytes()).await;
-            assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
-            wb.rekey(seq, to, Cond::Any, Some(Moved::now(from, etag)), None)
-                .await
-                .unwrap();
-        }
-        drop(wb);
-        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let renames = [("a", "b", true), ("c", "d", true), ("e", "f", true)];
+        renames_cut_by_a_crash(dir.path(), &store, &mem, &renames).await;
         let down = StoreError::Other("store down".into());
         store.inject(Op::Head, 0, None, Fault::Error(down));
         let (wb, _) = open_wb(dir.path(), &store).await;
@@ -4330,9 +4305,9 @@ mod tests {
         // Let go after the tries at start, then failed at its upload's first step.
         assert!(matches!(wb.hold(b).await, Holding::Held { .. }));
         assert!(matches!(wb.hold(f).await, Holding::Held { .. }));
-        let meta = UserMeta::new();
+        // d written again: begun while its entry still has the move to finish.
         let mut slot = wb
-            .begin("d", 4, &meta, Some(d), Cond::Absent, None)
+            .begin("d", 4, &UserMeta::new(), Some(d), Cond::Absent, None)
             .await
             .unwrap();
         store.clear();
@@ -4346,33 +4321,24 @@ mod tests {
         slot.write(Bytes::from_static(b"d v3")).await.unwrap();
         wb.commit(slot, 0, false).await.unwrap();
         wb.drain(Duration::from_secs(5), |_, _| {}).await;
-        let get = |k: &'static str| {
-            let mem = mem.clone();
-            async move {
-                mem.get_range(k, 0..100, None)
-                    .await
-                    .ok()
-                    .map(|b| b.to_vec())
-            }
-        };
         assert_eq!(
-            get("a").await,
+            object(&mem, "a").await,
             None,
             "the unlinked file's old name came back"
         );
-        assert_eq!(get("b").await, None);
+        assert_eq!(object(&mem, "b").await, None);
         assert_eq!(
-            get("c").await,
+            object(&mem, "c").await,
             None,
             "the rewritten file's old name came back"
         );
-        assert_eq!(get("d").await.as_deref(), Some(&b"d v3"[..]));
+        assert_eq!(object(&mem, "d").await.as_deref(), Some(&b"d v3"[..]));
         assert_eq!(
-            get("e").await,
+            object(&mem, "e").await,
             None,
             "the renamed file's first name came back"
         );
-        assert_eq!(get("g").await.as_deref(), Some(&b"e v2"[..]));
+        assert_eq!(object(&mem, "g").await.as_deref(), Some(&b"e v2"[..]));
     }
 
     /// Entries committed into a segment come back after a restart, except one whose bytes

@@ -47,6 +47,16 @@ impl Move {
         at_or_below(path, &self.src) || at_or_below(path, &self.dst)
     }
 
+    /// Whether a store at `path` and this rename wait for each other: when the path is
+    /// covered, or, for a store of a file only (`exact`, see [`Subtrees::store_of_file`]),
+    /// when it is the rename's source or destination itself.
+    fn holds_off(&self, path: &MountPath, exact: bool) -> bool {
+        match exact {
+            true => *path == self.src || *path == self.dst,
+            false => self.covers(path),
+        }
+    }
+
     /// Whether this and `other` must not run at once: one moves what the other moves, or
     /// moves something into it.
     fn conflicts(&self, other: &Move) -> bool {
@@ -145,12 +155,8 @@ impl Subtrees {
             .await?;
         let held = Held { subtrees: self, id };
         drop(waiting);
-        let waits_for = |p: &MountPath, exact: bool| match exact {
-            true => *p == m.src || *p == m.dst,
-            false => m.covers(p),
-        };
         self.once(|b| {
-            let busy = b.storing.iter().any(|(_, p, exact)| waits_for(p, *exact));
+            let busy = b.storing.iter().any(|(_, p, exact)| m.holds_off(p, *exact));
             Ok((!busy).then_some(()))
         })
         .await?;
@@ -187,14 +193,10 @@ impl Subtrees {
         path: impl Fn() -> FsResult<MountPath>,
         exact: bool,
     ) -> FsResult<(MountPath, Held<'_>)> {
-        let blocks = |r: &Move, p: &MountPath| match exact {
-            true => r.src == *p || r.dst == *p,
-            false => r.covers(p),
-        };
         let (p, id) = self
             .once(|b| {
                 let p = path()?;
-                if b.renaming.iter().any(|(_, r)| blocks(r, &p)) {
+                if b.renaming.iter().any(|(_, r)| r.holds_off(&p, exact)) {
                     return Ok(None);
                 }
                 b.next += 1;
