@@ -105,6 +105,8 @@ pub struct Settings {
     pub list_metadata: ListMetadata,
     /// Most S3 requests (and connections) at once.
     pub max_connections: usize,
+    /// Objects written get a Content-Type guessed from their name (`--content-type guess`).
+    pub guess_content_type: bool,
     /// From the config file only: used when SOURCE is `s3://` without a bucket.
     pub bucket: Option<String>,
     /// From the config file only: used when SOURCE has no prefix.
@@ -163,6 +165,14 @@ impl fmt::Debug for Settings {
             .field("retry_timeout", &self.retry_timeout)
             .field("list_metadata", &self.list_metadata)
             .field("max_connections", &self.max_connections)
+            .field(
+                "content_type",
+                &if self.guess_content_type {
+                    "guess"
+                } else {
+                    "none"
+                },
+            )
             .field("bucket", &self.bucket)
             .field("prefix", &self.prefix)
             .field("access_key_id", &hidden(&self.access_key_id))
@@ -219,6 +229,7 @@ impl Default for Settings {
             retry_timeout: Duration::from_secs(30),
             list_metadata: ListMetadata::Auto,
             max_connections: bucketfs_store::s3::DEFAULT_MAX_CONNECTIONS,
+            guess_content_type: true,
             bucket: None,
             prefix: None,
             access_key_id: None,
@@ -531,6 +542,13 @@ impl Settings {
             "retry_timeout" => self.retry_timeout = parse_duration(v)?,
             "list_metadata" => self.list_metadata = v.parse()?,
             "max_connections" => self.max_connections = parse_count(v, 1, 4096)?,
+            "content_type" => {
+                self.guess_content_type = match v.trim().to_ascii_lowercase().as_str() {
+                    "guess" => true,
+                    "none" => false,
+                    _ => return Err(format!("{v:?} is not one of guess, none")),
+                }
+            }
             "bucket" => self.bucket = Some(non_empty(v, "bucket name")?),
             "prefix" => self.prefix = Some(v.trim().to_string()),
             "access_key_id" => self.access_key_id = Some(non_empty(v, "access key id")?),

@@ -316,7 +316,9 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
     ),
     (
         "mime",
-        Notice("bucketfs stores objects without a guessed Content-Type"),
+        Notice(
+            "bucketfs guesses Content-Type from a built-in table of extensions (--content-type)",
+        ),
     ),
     ("proxy", Refused("an HTTP proxy is not supported")),
     ("proxy_cred_file", Refused("an HTTP proxy is not supported")),

@@ -361,6 +361,15 @@ pub const OPTIONS: &[OptionSpec] = &[
          (HEAD, LIST, DELETE), so lookups and listings do not wait behind transfers. \
          Further requests wait for one to finish.",
     ),
+    value("content_type", "guess|none")
+        .env()
+        .default("guess")
+        .help(
+            "The Content-Type of objects this mount writes: guess (from the name's extension, \
+         index.html: text/html, as s3fs and rclone do) or none (the store's default, \
+         binary/octet-stream on S3). chmod, chown, utimens and renames keep an object's \
+         Content-Type either way.",
+        ),
     value("bucket", "NAME")
         .file_only()
         .help("The bucket, when SOURCE is s3:// without one"),

@@ -1112,6 +1112,7 @@ async fn open_raw_store(
                 unsigned_payload: s.unsigned_payload,
                 list_metadata: s.list_metadata,
                 max_connections: s.max_connections,
+                guess_content_type: s.guess_content_type,
                 tls: if s.no_verify_ssl {
                     TlsTrust::Insecure
                 } else if let Some(ca) = &s.ca_bundle {

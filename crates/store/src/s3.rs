@@ -49,6 +49,10 @@ pub struct S3Config {
     /// request holds one until its answer is read); see [`RequestSlots`] for the spare slots
     /// of metadata requests. 0 means [`DEFAULT_MAX_CONNECTIONS`].
     pub max_connections: usize,
+    /// Give each object this client writes a Content-Type guessed from its name's extension
+    /// (`index.html`: `text/html`), as s3fs, rclone and gcsfuse do; off: none (the store's
+    /// default, `binary/octet-stream` on S3).
+    pub guess_content_type: bool,
 }
 
 /// Requests in flight when the configuration does not say: enough for 16 part uploads and
@@ -113,12 +117,16 @@ pub struct S3Store {
     /// The endpoint requests go to, however it was given (`endpoint_url`, or the SDK's
     /// `AWS_ENDPOINT_URL` or a profile's `endpoint_url`); `None`: AWS's own.
     endpoint: Option<String>,
+    /// See [`S3Config::guess_content_type`].
+    guess_content_type: bool,
     /// The versions this client's PUTs and uploads made, which carry no headers but the
-    /// user metadata: a copy replacing that metadata has none to read first.
+    /// user metadata and the Content-Type it gave: a copy replacing that metadata has none
+    /// to read first.
     own: parking_lot::Mutex<OwnVersions>,
-    /// Multipart uploads given another version's headers: what they make is not one of
-    /// [`S3Store::own`]'s.
-    headed_uploads: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// Multipart uploads under way that were given no headers but a Content-Type (this
+    /// one): what they make is one of [`S3Store::own`]'s. Others were given another
+    /// version's headers, or began before this process.
+    own_uploads: parking_lot::Mutex<HashMap<String, Option<String>>>,
 }
 
 /// Gives request `$req` (a CopyObject or a CreateMultipartUpload) the headers `$h`, a HEAD
@@ -161,20 +169,21 @@ fn test_max_copy_object() -> Option<u64> {
     })
 }
 
-/// The last [`OwnVersions::KEPT`] (key, ETag) pairs this client stored.
+/// The last [`OwnVersions::KEPT`] (key, ETag) pairs this client stored, each with the
+/// Content-Type it gave.
 #[derive(Default)]
 struct OwnVersions {
-    etags: HashMap<String, String>,
+    etags: HashMap<String, (String, Option<String>)>,
     order: std::collections::VecDeque<String>,
 }
 
 impl OwnVersions {
     const KEPT: usize = 4096;
 
-    fn made(&mut self, key: &str, etag: &str) {
+    fn made(&mut self, key: &str, etag: &str, content_type: Option<String>) {
         if self
             .etags
-            .insert(key.to_string(), etag.to_string())
+            .insert(key.to_string(), (etag.to_string(), content_type))
             .is_none()
         {
             self.order.push_back(key.to_string());
@@ -186,9 +195,22 @@ impl OwnVersions {
         }
     }
 
-    fn holds(&self, key: &str, etag: &str) -> bool {
-        self.etags.get(key).is_some_and(|e| e == etag)
+    /// The Content-Type version `etag` of `key` was given, if it is one of these.
+    fn content_type(&self, key: &str, etag: &str) -> Option<Option<String>> {
+        self.etags
+            .get(key)
+            .filter(|(e, _)| e == etag)
+            .map(|(_, t)| t.clone())
     }
+}
+
+/// The headers other than the user metadata that a write or a copy replacing the user
+/// metadata gives.
+enum Headers {
+    /// A Content-Type only (none: the store's default).
+    ContentType(Option<String>),
+    /// Those of another version, read with a HEAD (see [`S3Store::head_object`]).
+    Of(Box<aws_sdk_s3::operation::head_object::HeadObjectOutput>),
 }
 
 /// The bound on S3 requests in flight (`--max-connections`), and how busy it is: gauges for
@@ -441,6 +463,7 @@ impl S3Store {
         key: &str,
         body: Bytes,
         meta: &UserMeta,
+        content_type: Option<&str>,
         if_match: Option<&str>,
     ) -> Result<
         aws_sdk_s3::operation::put_object::PutObjectOutput,
@@ -458,6 +481,7 @@ impl S3Store {
             .key(key)
             .body(ByteStream::from(body))
             .set_metadata(Some(to_hashmap(meta)))
+            .set_content_type(content_type.map(str::to_string))
             .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
             .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
             .customize()
@@ -592,8 +616,9 @@ impl S3Store {
             no_conditional_delete: AtomicBool::new(false),
             no_conditional_create: AtomicBool::new(false),
             endpoint,
+            guess_content_type: cfg.guess_content_type,
             own: Default::default(),
-            headed_uploads: Default::default(),
+            own_uploads: Default::default(),
         })
     }
 
@@ -624,17 +649,29 @@ impl S3Store {
     }
 
     /// The headers a copy of `src` that replaces its user metadata must give again (see
-    /// [`S3Store::head_object`]); `None` for a version this client stored itself, which has
-    /// none.
-    async fn headers_to_keep(
-        &self,
-        src: &str,
-        etag: Option<&str>,
-    ) -> StoreResult<Option<aws_sdk_s3::operation::head_object::HeadObjectOutput>> {
-        if etag.is_some_and(|e| self.own.lock().holds(src, e)) {
-            return Ok(None);
+    /// [`S3Store::head_object`]); for a version this client stored itself, only the
+    /// Content-Type it gave (no HEAD).
+    async fn headers_to_keep(&self, src: &str, etag: Option<&str>) -> StoreResult<Headers> {
+        if let Some(t) = etag.and_then(|e| self.own.lock().content_type(src, e)) {
+            return Ok(Headers::ContentType(t));
         }
-        Ok(Some(self.head_object(src, etag).await?))
+        Ok(Headers::Of(Box::new(self.head_object(src, etag).await?)))
+    }
+
+    /// The Content-Type a new object `key` is written with (see
+    /// [`S3Config::guess_content_type`]): `None` for a directory marker or a name with no
+    /// extension the table knows.
+    fn content_type_of(&self, key: &str) -> Option<String> {
+        if !self.guess_content_type || key.ends_with('/') {
+            return None;
+        }
+        let name = key.rsplit('/').next().unwrap_or(key);
+        // `.bashrc` is a name, not an extension.
+        let (stem, ext) = name.rsplit_once('.')?;
+        if stem.is_empty() {
+            return None;
+        }
+        mime_guess::from_ext(ext).first_raw().map(str::to_string)
     }
 
     /// Waits for a request slot. Held across the whole request (the SDK's own attempts and
@@ -890,16 +927,20 @@ impl ObjectStore for S3Store {
         if_match: Option<&str>,
     ) -> StoreResult<String> {
         let if_match = self.create_condition(key, if_match).await?;
-        let out = match self.put_request(key, body.clone(), meta, if_match).await {
+        let ct = self.content_type_of(key);
+        let out = match self
+            .put_request(key, body.clone(), meta, ct.as_deref(), if_match)
+            .await
+        {
             Err(e) if if_match == Some(IF_ABSENT) && self.refuses_create_condition(key, &e) => {
                 self.create_condition(key, if_match).await?;
-                self.put_request(key, body, meta, None).await
+                self.put_request(key, body, meta, ct.as_deref(), None).await
             }
             r => r,
         };
         let out = out.map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
-        self.own.lock().made(key, &etag);
+        self.own.lock().made(key, &etag, ct);
         Ok(etag)
     }
 
@@ -909,27 +950,28 @@ impl ObjectStore for S3Store {
         meta: &UserMeta,
         headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
-        let kept = match headers_from {
+        let headers = match headers_from {
             Some(f) => self.headers_to_keep(f.key, f.etag).await?,
-            None => None,
+            None => Headers::ContentType(self.content_type_of(key)),
         };
         let _slot = self.metadata_slot().await;
-        let mut req = self
+        let req = self
             .client
             .create_multipart_upload()
             .bucket(&self.bucket)
             .key(key)
             .set_metadata(Some(to_hashmap(meta)));
-        if let Some(h) = &kept {
-            req = with_headers_of!(req, h);
-        }
+        let req = match &headers {
+            Headers::ContentType(t) => req.set_content_type(t.clone()),
+            Headers::Of(h) => with_headers_of!(req, h),
+        };
         let out = req.send().await.map_err(|e| map_err(key, e))?;
         let id = out
             .upload_id()
             .map(str::to_string)
             .ok_or_else(|| StoreError::Other(format!("{key}: no upload id returned")))?;
-        if kept.is_some() {
-            self.headed_uploads.lock().insert(id.clone());
+        if let Headers::ContentType(t) = headers {
+            self.own_uploads.lock().insert(id.clone(), t);
         }
         Ok(id)
     }
@@ -1040,14 +1082,14 @@ impl ObjectStore for S3Store {
         };
         let out = out.map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
-        if !self.headed_uploads.lock().remove(upload_id) {
-            self.own.lock().made(key, &etag);
+        if let Some(t) = self.own_uploads.lock().remove(upload_id) {
+            self.own.lock().made(key, &etag, t);
         }
         Ok(etag)
     }
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> StoreResult<()> {
-        self.headed_uploads.lock().remove(upload_id);
+        self.own_uploads.lock().remove(upload_id);
         let _slot = self.metadata_slot().await;
         match self
             .client
@@ -1122,9 +1164,9 @@ impl ObjectStore for S3Store {
     ) -> StoreResult<String> {
         // A copy that replaces the user metadata replaces the object's other headers too:
         // they are read first and given again (chmod must not make a web page a download).
-        // Not for a version this client stored itself: it has none.
-        let kept = match meta {
-            Some(_) => self.headers_to_keep(src_key, src_if_match).await?,
+        // Not for a version this client stored itself: it has only the Content-Type it gave.
+        let headers = match meta {
+            Some(_) => Some(self.headers_to_keep(src_key, src_if_match).await?),
             None => None,
         };
         let _slot = self.slot().await;
@@ -1145,8 +1187,10 @@ impl ObjectStore for S3Store {
                 .metadata_directive(MetadataDirective::Replace)
                 .set_metadata(Some(to_hashmap(m)));
         }
-        if let Some(h) = &kept {
-            req = with_headers_of!(req, h);
+        match &headers {
+            Some(Headers::ContentType(t)) => req = req.set_content_type(t.clone()),
+            Some(Headers::Of(h)) => req = with_headers_of!(req, h),
+            None => {}
         }
         // The size is unknown here and a server-side copy of up to 5 GiB can take minutes.
         let out = req
@@ -1162,9 +1206,9 @@ impl ObjectStore for S3Store {
             .copy_object_result()
             .and_then(|r| norm_etag(r.e_tag()))
             .ok_or_else(|| StoreError::Other(format!("copy {src_key} -> {dst_key}: no ETag")))?;
-        if meta.is_some() && kept.is_none() {
+        if let Some(Headers::ContentType(t)) = headers {
             // A copy of one of its own with new user metadata: still nothing else.
-            self.own.lock().made(dst_key, &etag);
+            self.own.lock().made(dst_key, &etag, t);
         }
         Ok(etag)
     }

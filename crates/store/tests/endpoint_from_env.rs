@@ -28,6 +28,7 @@ async fn an_endpoint_from_the_environment_is_the_one_named() {
         unsigned_payload: None,
         list_metadata: ListMetadata::Auto,
         max_connections: 0,
+        guess_content_type: false,
     };
     let s = S3Store::new(&cfg).await.unwrap();
     assert_eq!(s.endpoint(), Some("http://127.0.0.1:1"));
