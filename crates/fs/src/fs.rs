@@ -1313,6 +1313,9 @@ impl Fs {
         } else if st.failed() && close {
             tracing::error!("{}: closed after a failed upload; data not stored", st.key);
         }
+        // The inode shows the size and metadata of what was never stored, with the ETag of
+        // the version stored before: a next writer would build on that pair.
+        let unstored = st.has_changes_to_publish();
         st.abort_stream().await;
         if let (Some(wb), Some(seq)) = (self.files.writeback(), st.committed()) {
             // A version an fsync parked goes up now.
@@ -1322,7 +1325,7 @@ impl Fs {
             // Still under the state's lock: a setattr waiting for it sees the state retired
             // and stores its change itself, instead of queueing it where nothing publishes.
             let mut t = self.ns.table();
-            let mut never_stored = false;
+            let (mut never_stored, mut ask_store) = (false, false);
             // Background mode: a file whose commit is still to upload keeps its state (its
             // content, read from the write-back entry) until the upload lands.
             let uploading = !st.is_unlinked()
@@ -1334,17 +1337,21 @@ impl Fs {
                 if self.files.is_sole(ino, w) {
                     // An unlinked file's bytes may exist nowhere else: its readers read them
                     // from the state until the last close.
-                    if !st.is_unlinked() || i.open_handles == 0 {
+                    let retired = !st.is_unlinked() || i.open_handles == 0;
+                    if retired {
                         self.files.forget_write(ino);
                         i.writing = false;
                         st.retire();
                     }
                     never_stored = i.fetched.is_none() && st.committed().is_none();
+                    ask_store = retired && unstored && !never_stored;
                 }
             }
             if never_stored {
                 // Created here and never uploaded: the file does not exist.
                 t.removed(ino);
+            } else if ask_store {
+                self.ns.ask_store_again(&mut t, ino);
             }
             t.maybe_drop(ino);
         }

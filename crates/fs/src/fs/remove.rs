@@ -11,6 +11,16 @@ enum Unlinked {
     Replaced,
 }
 
+/// The hidden copy of an open file whose name went (see [`Fs::copy_for_descriptors`]).
+pub(super) struct KeptCopy {
+    /// Under [`UNLINKED_DIR`].
+    pub path: MountPath,
+    /// The copy's own ETag, which its readers pin.
+    pub etag: String,
+    /// The ETag of the version copied.
+    pub source: Option<String>,
+}
+
 impl Fs {
     pub async fn unlink(&self, parent: Ino, name: &OsStr) -> FsResult<()> {
         self.check_writable()?;
@@ -209,9 +219,21 @@ impl Fs {
             return Ok(false);
         };
         let src = self.ns.key(path);
-        if let Err(e) = self.store.delete(&src).await {
-            self.delete_hidden(kept.0).await;
-            return Err(log_store_err(&format!("unlink {src}"), e));
+        // Pinned to the version copied: another client's put since stays under the name.
+        let r = match kept.source.as_deref() {
+            Some(etag) => self.store.delete_if(&src, etag).await,
+            None => self.store.delete(&src).await,
+        };
+        match r {
+            Ok(()) => {}
+            Err(StoreError::PreconditionFailed(_)) => tracing::warn!(
+                "unlink {src}: another client wrote it while it was being unlinked; its \
+                 object is kept"
+            ),
+            Err(e) => {
+                self.delete_hidden(kept.path).await;
+                return Err(log_store_err(&format!("unlink {src}"), e));
+            }
         }
         self.retire_open_file(ino, st, Some(kept)).await;
         Ok(true)
@@ -229,12 +251,17 @@ impl Fs {
         path: &MountPath,
         st: Option<&mut WriteState>,
         in_store: bool,
-    ) -> FsResult<Option<(MountPath, String)>> {
+    ) -> FsResult<Option<KeptCopy>> {
         // A file truncated or rewritten since it was opened needs nothing from its object.
         let reads_object = in_store && st.as_ref().is_none_or(|st| st.reads_base());
         if !reads_object {
             return Ok(None);
         }
+        // The version its descriptors read: not another client's that took the name since.
+        let read = match &st {
+            Some(st) => st.base_etag().map(str::to_string),
+            None => self.ns.with(ino, |i| i.etag.clone()).flatten(),
+        };
         // Unique across mounts sharing the bucket: inode numbers repeat, clocks and pids less so.
         let stamp = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -247,17 +274,28 @@ impl Fs {
         self.ns.check_key_len(&hidden)?;
         let (src, dst) = (self.ns.key(path), self.ns.key(&hidden));
         let what = format!("keeping {src} as {dst} for its open descriptors");
-        let (size, etag) = match self.store.head(&src).await {
-            Ok(o) => (o.size, o.etag),
-            // Deleted behind our back: nothing left to keep.
-            Err(StoreError::NotFound(_)) => return Ok(None),
+        let (size, source) = match self.store.head(&src).await {
+            Ok(o) if read.is_none() || o.etag == read => (o.size, o.etag),
+            // Deleted or replaced behind our back: nothing left to keep (the descriptors'
+            // reads pinned to their version fail).
+            Ok(_) | Err(StoreError::NotFound(_)) => return Ok(None),
             Err(e) => return Err(log_store_err(&what, e)),
         };
+        // Pinned: another client's version put since the HEAD is not copied either.
+        let etag = match self
+            .copy_object(&src, &dst, size, None, source.as_deref())
+            .await
+        {
+            Ok(etag) => etag,
+            Err(FsError::ESTALE) => return Ok(None),
+            Err(e) => return Err(e),
+        };
         // Readers pin the copy's own ETag with If-Match.
-        let etag = self
-            .copy_object(&src, &dst, size, None, etag.as_deref())
-            .await?;
-        Ok(Some((hidden, etag)))
+        Ok(Some(KeptCopy {
+            path: hidden,
+            etag,
+            source,
+        }))
     }
 
     /// The last step of unlinking open file `ino`, or of renaming another file over it: its
@@ -267,27 +305,32 @@ impl Fs {
         &self,
         ino: Ino,
         st: Option<&mut WriteState>,
-        kept: Option<(MountPath, String)>,
+        kept: Option<KeptCopy>,
     ) {
         if let Some(st) = st {
             st.unlink();
             st.abort_stream().await;
-            if let Some((hidden, etag)) = &kept {
-                st.move_base(self.ns.key(hidden), etag.clone());
+            if let Some(k) = &kept {
+                st.move_base(self.ns.key(&k.path), k.etag.clone());
             }
         }
         let closed = {
             let mut t = self.ns.table();
             t.removed(ino);
             match (kept, t.get_mut(ino)) {
-                (Some((hidden, etag)), Some(i)) => {
+                (
+                    Some(KeptCopy {
+                        path: hidden, etag, ..
+                    }),
+                    Some(i),
+                ) => {
                     i.path = hidden.clone();
                     i.etag = Some(etag);
                     // The last close came while the object was moving: it could not delete it.
                     i.hidden = i.open_handles > 0;
                     (!i.hidden).then_some(hidden)
                 }
-                (Some((hidden, _)), None) => Some(hidden),
+                (Some(k), None) => Some(k.path),
                 (None, _) => None,
             }
         };

@@ -260,8 +260,8 @@ impl Fs {
         }
         match (moved, &replaced) {
             (Err(e), _) => {
-                if let Some((hidden, _)) = kept {
-                    self.delete_hidden(hidden).await;
+                if let Some(k) = kept {
+                    self.delete_hidden(k.path).await;
                 }
                 Err(e)
             }
@@ -463,13 +463,13 @@ impl Fs {
         expect: Option<Cond>,
     ) -> FsResult<Option<String>> {
         let what = format!("rename {src} to {dst}");
+        // The state reads its base from the copy: it must be that base, whole.
+        let pin = match &expect {
+            Some(Cond::Match(e)) => Some(e.clone()),
+            _ => st.base_etag().map(str::to_string),
+        };
         let etag = match &old {
             Some(o) => {
-                // The state reads its base from the copy: it must be that base, whole.
-                let pin = match &expect {
-                    Some(Cond::Match(e)) => Some(e.clone()),
-                    _ => st.base_etag().map(str::to_string),
-                };
                 // The state reads its base from the copy, pinned to the copy's own ETag.
                 Some(
                     self.copy_object(src, dst, o.size, None, pin.as_deref())
@@ -486,11 +486,20 @@ impl Fs {
             }
         };
         testpoint::reached("rename.copied").await;
-        if old.is_some() {
-            self.store
-                .delete(src)
-                .await
-                .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
+        if let Some(o) = &old {
+            // Pinned to the version copied: another client's put since stays at `src`.
+            let r = match pin.as_deref().or(o.etag.as_deref()) {
+                Some(etag) => self.store.delete_if(src, etag).await,
+                None => self.store.delete(src).await,
+            };
+            match r {
+                Ok(()) => {}
+                Err(StoreError::PreconditionFailed(_)) => tracing::warn!(
+                    "rename {src}: another client wrote it while it was being renamed; its \
+                     object is kept"
+                ),
+                Err(e) => return Err(log_store_err(&format!("delete {src} after copy"), e)),
+            }
         }
         Ok(etag)
     }

@@ -673,7 +673,13 @@ impl Namespace {
     /// Another client replaced or deleted the object of `ino`: what this mount knows of it
     /// is stale, so the next lookup asks the store again.
     pub fn changed_elsewhere(&self, ino: Ino) {
-        let mut t = self.table.lock();
+        self.ask_store_again(&mut self.table.lock(), ino);
+    }
+
+    /// The next lookup of `ino` asks the store (under the table's lock `t`): what this mount
+    /// knows of it may not be what the store has (another client's change, or a change of
+    /// this mount's that was never stored).
+    pub fn ask_store_again(&self, t: &mut InodeTable, ino: Ino) {
         if let Some(i) = t.get_mut(ino) {
             self.lookups.forget(&i.path);
             i.fetched = self.stale_instant().or(i.fetched);

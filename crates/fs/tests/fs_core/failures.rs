@@ -611,3 +611,91 @@ async fn a_write_whose_upload_is_refused_fails() {
     let _ = fs.flush(attr.ino, h.fh).await;
     fs.release(attr.ino, h.fh).await.unwrap();
 }
+
+/// A truncate whose close failed to store it leaves the file as the store has it: the next
+/// writer starts from the stored version's size, not from the size that was never stored
+/// (before: the inode kept the unstored size with the stored version's ETag, and an append
+/// published the first 100 bytes plus its own over the 1 MiB file, pinned to that ETag and
+/// so accepted: a version nobody wrote).
+#[tokio::test]
+async fn a_truncate_whose_close_failed_leaves_the_stored_size_to_the_next_writer() {
+    let mem = Arc::new(MemoryStore::new());
+    let data = random(MIB as usize, 31);
+    put(&mem, "f", &data).await;
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let ino = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap().ino;
+    let h = fs.open(ino, libc::O_RDWR).await.unwrap();
+    set_size(&fs, ino, h.fh, 100).await;
+    faulty.inject(
+        Op::Put,
+        0,
+        None,
+        Fault::Error(StoreError::Transient("503".into())),
+    );
+    assert_eq!(fs.flush(ino, h.fh).await, Err(FsError::EIO));
+    fs.release(ino, h.fh).await.unwrap();
+    faulty.clear();
+    assert_eq!(object(&mem, "f").await, data, "the failed truncate stored");
+    // An appender, as the kernel runs one: it writes at the size stat gives.
+    let h = fs.open(ino, libc::O_WRONLY | libc::O_APPEND).await.unwrap();
+    let size = fs.getattr(ino).await.unwrap().size;
+    assert_eq!(size, MIB);
+    fs.write(ino, h.fh, size, Bytes::from_static(b"tail"))
+        .await
+        .unwrap();
+    fs.flush(ino, h.fh).await.unwrap();
+    fs.release(ino, h.fh).await.unwrap();
+    let mut expected = data;
+    expected.extend_from_slice(b"tail");
+    assert!(
+        object(&mem, "f").await == expected,
+        "a version nobody wrote"
+    );
+}
+
+/// Another client's version put at a name between the copy and the delete of a rename of a
+/// file open for writing (logrotate's `mv app.log app.log.1`), or of an unlink of a file
+/// open for reading: the delete is pinned to the version copied, so the other client's
+/// version stays under the name (before: deleted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_put_between_the_copy_and_the_delete_of_an_open_file_stays() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (w, wh) = write_open(&fs, "app.log", b"first ").await;
+    fs.fsync(w, wh).await.unwrap();
+    fs.write(w, wh, 6, Bytes::from_static(b"second"))
+        .await
+        .unwrap();
+    put(&mem, "in", b"read here").await;
+    let r = fs.lookup(ROOT_INO, OsStr::new("in")).await.unwrap().ino;
+    let rh = fs.open(r, libc::O_RDONLY).await.unwrap();
+    for (name, other) in [("app.log", &b"other log"[..]), ("in", &b"other in"[..])] {
+        faulty.inject(
+            Op::Delete,
+            0,
+            Some(1),
+            Fault::Delay(Duration::from_millis(300)),
+        );
+        let op = tokio::spawn({
+            let fs = fs.clone();
+            async move {
+                match name {
+                    "app.log" => {
+                        let to = OsStr::new("app.log.1");
+                        fs.rename(ROOT_INO, OsStr::new(name), ROOT_INO, to, 0).await
+                    }
+                    _ => fs.unlink(ROOT_INO, OsStr::new(name)).await,
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        put(&mem, name, other).await;
+        op.await.unwrap().unwrap();
+        assert_eq!(object(&mem, name).await, other, "{name}");
+    }
+    fs.flush(w, wh).await.unwrap();
+    fs.release(w, wh).await.unwrap();
+    assert_eq!(object(&mem, "app.log.1").await, b"first second");
+    assert_eq!(&fs.read(r, rh.fh, 0, 100).await.unwrap()[..], b"read here");
+    fs.release(r, rh.fh).await.unwrap();
+}

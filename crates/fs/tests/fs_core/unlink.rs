@@ -110,6 +110,33 @@ async fn an_unlinked_file_open_for_reading_reads_on() {
     assert_eq!(object(&e.mem, "in").await, b"new");
 }
 
+/// A file open for reading that another client replaced, then unlinked here: the hidden
+/// copy its descriptor reads on is never of the other client's version (before: the copy
+/// was of whatever the name held at the unlink, and the descriptor read on from it, the
+/// first bytes of one version followed by the rest of another). Its reads go on with the
+/// version it read, or fail.
+#[tokio::test]
+async fn an_unlinked_reader_never_reads_on_from_another_clients_version() {
+    let e = env();
+    let data = random(24 * MIB as usize, 78);
+    put(&e.mem, "in", &data).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("in")).await.unwrap();
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    let first = e.fs.read(a.ino, h.fh, 0, 1 << 20).await.unwrap();
+    assert_eq!(&first[..], &data[..MIB as usize]);
+    let other = random(24 * MIB as usize, 79);
+    put(&e.mem, "in", &other).await;
+    e.fs.unlink(ROOT_INO, OsStr::new("in")).await.unwrap();
+    for at in [20 * MIB, 12 * MIB] {
+        if let Ok(b) = e.fs.read(a.ino, h.fh, at, 1 << 20).await {
+            let want = &data[at as usize..(at + MIB) as usize];
+            assert!(&b[..] == want, "read at {at}: not the version opened");
+        }
+    }
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert!(hidden_keys(&e.mem).is_empty(), "{:?}", e.mem.keys());
+}
+
 /// Unlinking a file nobody has open, or whose bytes are all local, copies nothing.
 #[tokio::test]
 async fn unlink_copies_only_for_open_files_with_stored_bytes() {
