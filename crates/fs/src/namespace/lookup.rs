@@ -387,14 +387,16 @@ impl Lookups {
     pub fn forget(&self, path: &MountPath) {
         self.changes.fetch_add(1, Ordering::SeqCst);
         self.cache.lock().remove(path);
+        // A probe under way may have been answered before the change: not cached, not joined.
+        self.inflight.lock().remove(path);
     }
 
     /// Forgets everything below directory `dir`.
     pub fn forget_below(&self, dir: &MountPath) {
         self.changes.fetch_add(1, Ordering::SeqCst);
-        self.cache
-            .lock()
-            .retain(|p, _| p != dir && !p.is_below(dir));
+        let below = |p: &MountPath| p == dir || p.is_below(dir);
+        self.cache.lock().retain(|p, _| !below(p));
+        self.inflight.lock().retain(|p, _| !below(p));
     }
 
     /// [`Self::forget_below`] of `a` and `b`, in one pass.
@@ -701,10 +703,21 @@ impl Lookups {
                 }
             }
         };
-        let result = probe.await;
-        self.inflight.lock().remove(path);
+        let result = probe.clone().await;
+        // Still this probe's: nothing forgot the name since it began.
+        let current = {
+            let mut inflight = self.inflight.lock();
+            let current = inflight.get(path).is_some_and(|(p, ..)| p.ptr_eq(&probe));
+            if current {
+                inflight.remove(path);
+            }
+            current
+        };
         match &result {
-            Ok(f) => self.put(path, Some(f.clone()), true),
+            Ok(f) if current => self.put(path, Some(f.clone()), true),
+            // The answer may predate this mount's change of the name (an unlink, a rename):
+            // the caller has it, the cache does not.
+            Ok(_) => {}
             // Unless this mount changed something meanwhile (a create the probe may predate).
             Err(FsError::ENOENT) if started == self.epoch() => self.put(path, None, true),
             Err(_) => self.forget(path),

@@ -312,8 +312,11 @@ impl Namespace {
         }
         match says {
             ListingSays::Absent if !cached => {
-                // A fresh complete listing of the parent does not have it.
+                // A fresh complete listing of the parent does not have it. An inode the kernel
+                // still holds under the name leaves it, as when the store says so (else the
+                // name could not be made again).
                 inc(&self.metrics.attr_hits);
+                self.table.lock().remove_child(parent, name);
                 return Err(FsError::ENOENT);
             }
             ListingSays::Present { window, far_end } => {

@@ -1,7 +1,8 @@
 //! Directories, listings and lookups: markers, prefixes, statahead, readdirplus, request counts.
 
 use crate::support::{
-    config, env, env_on, faulty_fs, list, put, random, write_file, write_file_in, Env, ME,
+    config, env, env_on, env_with, faulty_fs, list, object, put, random, write_file, write_file_in,
+    Env, ME,
 };
 use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, ROOT_INO};
 use bucketfs_store::fault::Fault;
@@ -1282,4 +1283,114 @@ async fn a_symlink_listed_without_metadata_keeps_its_inode_number() {
         assert_eq!((again.ino, again.kind), (l.ino, FileKind::Symlink));
         assert_eq!((ent.ino, ent.kind), (l.ino, FileKind::Symlink));
     }
+}
+
+/// Names another client deleted while this mount's kernel still held their inodes (a file
+/// open here): once a listing shows them gone, they can be made again here, as a file or as
+/// a directory (before: `touch` got `ENOENT` and `mkdir` `EEXIST` until the inodes went,
+/// the stale entries staying attached to their names).
+#[tokio::test]
+async fn a_name_deleted_elsewhere_while_open_here_can_be_made_again() {
+    let e = env_with(MemoryStore::new(), |c| FsConfig {
+        stat_ttl: Duration::from_millis(200),
+        negative_ttl: Duration::from_millis(200),
+        ..c
+    });
+    for k in ["d/f1", "d/f2", "d/keep"] {
+        put(&e.mem, k, b"old").await;
+    }
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap().ino;
+    let mut open = Vec::new();
+    for n in ["f1", "f2"] {
+        let ino = e.fs.lookup(d, OsStr::new(n)).await.unwrap().ino;
+        let h = e.fs.open(ino, libc::O_RDONLY).await.unwrap();
+        open.push((ino, h.fh));
+        e.mem.delete(&format!("d/{n}")).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(list(&e.fs, d).await, vec![".", "..", "keep"]);
+    assert_eq!(e.fs.lookup(d, OsStr::new("f1")).await, Err(FsError::ENOENT));
+    let (a, h) =
+        e.fs.create(d, OsStr::new("f1"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    e.fs.write(a.ino, h.fh, 0, Bytes::from_static(b"new"))
+        .await
+        .unwrap();
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "d/f1").await, b"new");
+    // As the kernel does before a mkdir.
+    assert_eq!(e.fs.lookup(d, OsStr::new("f2")).await, Err(FsError::ENOENT));
+    e.fs.mkdir(d, OsStr::new("f2"), 0o755, 0, ME).await.unwrap();
+    for (ino, fh) in open {
+        e.fs.release(ino, fh).await.unwrap();
+    }
+    let mut names = list(&e.fs, d).await;
+    names.sort();
+    assert_eq!(names, vec![".", "..", "f1", "f2", "keep"]);
+}
+
+/// Holds the answer of a HEAD of `key` at its gate: the store has answered, the mount does
+/// not know it yet.
+struct HoldsHeadAnswer {
+    inner: Arc<MemoryStore>,
+    key: String,
+    gate: crate::support::Gate,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for HoldsHeadAnswer {
+    type Inner = MemoryStore;
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+    async fn head(&self, key: &str) -> bucketfs_store::StoreResult<bucketfs_store::ObjectMeta> {
+        let r = self.inner.head(key).await;
+        self.gate.pass(key == self.key).await;
+        r
+    }
+}
+
+/// A statahead HEAD of `d/f` answered before this mount unlinked `f` and seen after: the
+/// file is gone at once all the same (before: the answer was cached as the file's, and a
+/// lookup found it for the stat TTL, its open failing and `O_EXCL` giving `EEXIST`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stat_answered_before_an_unlink_here_does_not_bring_the_file_back() {
+    let mem = Arc::new(MemoryStore::new());
+    for k in ["d/a", "d/b", "d/c"] {
+        put(&mem, k, b"x").await;
+    }
+    let held = Arc::new(HoldsHeadAnswer {
+        inner: mem.clone(),
+        key: "d/f".into(),
+        gate: crate::support::Gate::new(false),
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(held.clone(), config(&cache));
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap().ino;
+    // Written here: known to the inode table, not to the stat cache.
+    write_file_in(&fs, d, "f", b"mine").await;
+    held.gate.arm();
+    let fh = fs.opendir(d).await.unwrap();
+    let names: Vec<String> = fs
+        .readdir(d, fh, 0)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    fs.releasedir(d, fh);
+    assert!(names.iter().any(|n| n == "f"), "{names:?}");
+    // The second lookup in a listing sends the statahead of the names after it.
+    for n in ["a", "b"] {
+        fs.lookup(d, OsStr::new(n)).await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(5), held.gate.reached())
+        .await
+        .expect("no statahead HEAD of d/f");
+    fs.unlink(d, OsStr::new("f")).await.unwrap();
+    held.gate.open();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(fs.lookup(d, OsStr::new("f")).await, Err(FsError::ENOENT));
 }
