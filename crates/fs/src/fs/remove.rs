@@ -32,7 +32,10 @@ impl Fs {
             let _opens = self.meta_changes.lock(ino).await;
             let _changing = self.changing_in(parent).await?;
             match self.unlink_once(parent, name, ino).await? {
-                Unlinked::Done => return Ok(()),
+                Unlinked::Done => {
+                    self.keep_emptied_dir(parent).await;
+                    return Ok(());
+                }
                 Unlinked::Moving(key) => match self.files.writeback() {
                     Some(wb) => wb.wait_unmoved(&key).await,
                     None => return Err(FsError::EIO),
@@ -388,6 +391,41 @@ impl Fs {
             .map_err(|e| log_store_err(&format!("rmdir {key}"), e))?;
         unstored.replaced();
         self.ns.removed(parent, ino, &path);
+        self.keep_emptied_dir(parent).await;
         Ok(())
+    }
+
+    /// Directory `dir` lost an entry in the bucket (the caller holds off a removal of `dir`
+    /// itself). One with no marker is there only through the keys below it: emptied, it
+    /// would be gone, for other clients at once and for this mount after the stat TTL,
+    /// though nobody removed it. It gets a marker (with no metadata, as it showed), in the
+    /// background as mkdir's. Costs a LIST of 2 keys when no entry of it is known here.
+    pub(super) async fn keep_emptied_dir(&self, dir: Ino) {
+        if dir == crate::ROOT_INO {
+            return;
+        }
+        let path = {
+            let t = self.ns.table();
+            let Some(i) = t.get(dir) else { return };
+            if i.kind != FileKind::Dir || i.has_marker || i.unlinked {
+                return;
+            }
+            if !t.children_of(dir).is_empty() {
+                // Entries known here: not empty (as far as the mount can tell cheaply).
+                return;
+            }
+            i.path.clone()
+        };
+        let key = self.ns.dir_key(&path);
+        if self.ns.markers.pending(&key)
+            || !matches!(self.ns.dir_is_empty(dir, &path).await, Ok(true))
+        {
+            return;
+        }
+        let mut t = self.ns.table();
+        if let Some(i) = t.get_mut(dir).filter(|i| !i.unlinked && !i.has_marker) {
+            i.has_marker = true;
+            self.ns.markers.start(key, UserMeta::new());
+        }
     }
 }

@@ -174,9 +174,12 @@ impl Fs {
                 let retagged = self.ns.renamed(src, (parent, &path), to, below);
                 self.retagged(retagged);
             };
-            return self
-                .rename_dir(&path, &new_path, target.is_some(), renamed)
-                .await;
+            self.rename_dir(&path, &new_path, target.is_some(), renamed)
+                .await?;
+            if parent != new_parent {
+                self.keep_emptied_dir(parent).await;
+            }
+            return Ok(());
         }
         let copied = etag.clone();
         let new_etag = {
@@ -200,6 +203,9 @@ impl Fs {
         };
         let retagged = self.ns.renamed(src, (parent, &path), to, file);
         self.retagged(retagged);
+        if parent != new_parent {
+            self.keep_emptied_dir(parent).await;
+        }
         Ok(())
     }
 
@@ -552,6 +558,17 @@ impl Fs {
             locked.push((*ino, st));
         }
         let objects = self.list_for_rename(&src).await?;
+        // Every key below must fit at the new name, checked before anything moves: a copy
+        // refused halfway would leave part of the tree at each name.
+        let longest = objects
+            .iter()
+            .map(|o| o.key.len())
+            .chain(locked.iter().map(|(_, st)| st.key.as_str().len()))
+            .max()
+            .unwrap_or(0);
+        if longest.saturating_sub(src.len()) + dst.len() > crate::namespace::MAX_KEY_LEN {
+            return Err(FsError::ENAMETOOLONG);
+        }
         let mut moving = Vec::new();
         if let Some(wb) = &wb {
             let r = self

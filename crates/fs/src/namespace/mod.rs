@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 /// Longest object key S3 accepts, in bytes.
-const MAX_KEY_LEN: usize = 1024;
+pub(crate) const MAX_KEY_LEN: usize = 1024;
 
 /// The name at the mount root that holds files unlinked while open: never a file's.
 pub fn is_reserved(parent: Ino, name: &str) -> bool {

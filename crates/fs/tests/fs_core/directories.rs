@@ -4,7 +4,7 @@ use crate::support::{
     config, env, env_on, env_with, faulty_fs, list, object, put, random, write_file, write_file_in,
     Env, ME,
 };
-use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, ROOT_INO};
+use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
 use bucketfs_store::fault::Fault;
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::metrics::Op;
@@ -1393,4 +1393,53 @@ async fn a_stat_answered_before_an_unlink_here_does_not_bring_the_file_back() {
     held.gate.open();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(fs.lookup(d, OsStr::new("f")).await, Err(FsError::ENOENT));
+}
+
+/// Directories with no marker (a bucket uploaded by `aws s3 cp --recursive`), whose last
+/// entry goes through this mount (unlink, rmdir, rename out of it): they stay, as on a disk
+/// until `rmdir`, for this mount after the stat TTL and for other clients, and a chmod of
+/// them works (before: each was gone from the bucket with its last key; `ls` of the parent
+/// no longer showed it, `chmod` got `ENOENT`, and after the TTL so did `stat`).
+#[tokio::test]
+async fn an_implied_directory_emptied_here_stays() {
+    let mem = Arc::new(MemoryStore::new());
+    for k in ["d/f", "e/g/h", "m/x", "m/y"] {
+        put(&mem, k, b"x").await;
+    }
+    let (fs, _cache) = short_ttl_fs(mem.clone());
+    let ino = |parent, name: &'static str| {
+        let fs = fs.clone();
+        async move { fs.lookup(parent, OsStr::new(name)).await.unwrap().ino }
+    };
+    let d = ino(ROOT_INO, "d").await;
+    ino(d, "f").await;
+    fs.unlink(d, OsStr::new("f")).await.unwrap();
+    let e = ino(ROOT_INO, "e").await;
+    let g = ino(e, "g").await;
+    ino(g, "h").await;
+    fs.unlink(g, OsStr::new("h")).await.unwrap();
+    fs.rmdir(e, OsStr::new("g")).await.unwrap();
+    let m = ino(ROOT_INO, "m").await;
+    for n in ["x", "y"] {
+        ino(m, n).await;
+        fs.rename(m, OsStr::new(n), ROOT_INO, OsStr::new(n), 0)
+            .await
+            .unwrap();
+    }
+    let set = SetAttr {
+        mode: Some(0o700),
+        ..SetAttr::default()
+    };
+    fs.setattr(d, None, set).await.unwrap();
+    outlive_short_ttl().await;
+    let mut names = list(&fs, ROOT_INO).await;
+    names.sort();
+    assert_eq!(names, vec![".", "..", "d", "e", "m", "x", "y"]);
+    for (dir, n) in [(d, "d"), (e, "e"), (m, "m")] {
+        assert_eq!(ino(ROOT_INO, n).await, dir, "{n}");
+        assert_eq!(list(&fs, dir).await, vec![".", ".."], "{n}");
+    }
+    let mut keys = mem.keys();
+    keys.sort();
+    assert_eq!(keys, vec!["d/", "e/", "m/", "x", "y"]);
 }

@@ -531,3 +531,32 @@ async fn a_rename_asking_for_a_whiteout_is_refused() {
     assert_eq!(object(&e.mem, "a").await, b"a");
     assert!(e.mem.head("b").await.is_err());
 }
+
+/// A directory renamed to a longer name under which a key below it would pass S3's 1,024
+/// bytes: `ENAMETOOLONG` before anything moves (before: the copies went until the store
+/// refused one, `EINVAL`, leaving part of the tree at each name on MinIO).
+#[tokio::test]
+async fn a_directory_rename_that_would_make_a_key_too_long_moves_nothing() {
+    let e = env();
+    let long = |c: char| c.to_string().repeat(250);
+    let deep = format!("a/{}/{}/{}/", long('p'), long('q'), long('r'));
+    let file = format!("{deep}{}", "f".repeat(1010 - deep.len()));
+    assert_eq!(file.len(), 1010);
+    put(&e.mem, &file, b"x").await;
+    put(&e.mem, "a/short", b"y").await;
+    e.fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    let longer = "b".repeat(20);
+    assert_eq!(
+        e.fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new(&longer), 0)
+            .await,
+        Err(FsError::ENAMETOOLONG)
+    );
+    let mut keys = e.mem.keys();
+    keys.sort();
+    assert_eq!(keys, vec![file.clone(), "a/short".to_string()]);
+    // A new name as long as the old one fits.
+    e.fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("c"), 0)
+        .await
+        .unwrap();
+    assert_eq!(object(&e.mem, &format!("c{}", &file[1..])).await, b"x");
+}
