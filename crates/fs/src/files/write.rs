@@ -1207,7 +1207,9 @@ impl WriteState {
     /// Whether the file can move to another key before it is published (rename): not when
     /// some written bytes are only in its upload (their local copy failed), which belongs to
     /// `key` and cannot be read back. Publishing them would put half-written content there.
-    pub fn leave_key(&self, key: &ObjectKey) -> FsResult<()> {
+    /// The copies still running are waited for: one that fails leaves bytes there.
+    pub async fn leave_key(&mut self, key: &ObjectKey) -> FsResult<()> {
+        self.settle_spills().await;
         if self.uploaded_only.is_empty() {
             return Ok(());
         }

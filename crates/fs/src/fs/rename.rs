@@ -346,7 +346,7 @@ impl Fs {
             }
             return Ok(Some(copied));
         };
-        st.leave_key(&src)?;
+        st.leave_key(&src).await?;
         // Background mode: a version still to upload waits (no upload under either name)
         // and moves to the new name with the file. The object moved with it must be the one
         // that version was based on (or the one its upload made).
@@ -553,8 +553,9 @@ impl Fs {
         writes.sort_by_key(|(ino, _)| *ino);
         let mut locked = Vec::with_capacity(writes.len());
         for (ino, w) in &writes {
-            let st = w.state.lock().await;
-            st.leave_key(&st.key)?;
+            let mut st = w.state.lock().await;
+            let key = st.key.clone();
+            st.leave_key(&key).await?;
             locked.push((*ino, st));
         }
         let objects = self.list_for_rename(&src).await?;
