@@ -111,7 +111,9 @@ impl PendingMarkers {
     }
 
     /// [`Self::wait`] for every pending marker whose key starts with `prefix` (the directory
-    /// itself and all below it). The first failure is returned after all were waited for.
+    /// itself and all below it), all at once: failed ones are sent again together, so the
+    /// caller waits about one retry bound, not one per marker. The first failure is
+    /// returned after all were waited for.
     pub async fn wait_below(&self, prefix: &ObjectKey) -> FsResult<()> {
         let keys: Vec<ObjectKey> = {
             let m = self.markers.lock();
@@ -123,13 +125,12 @@ impl PendingMarkers {
                 .map(ObjectKey::new)
                 .collect()
         };
-        let mut result = Ok(());
-        for k in keys {
-            if let Err(e) = self.wait(&k).await {
-                result = result.and(Err(e));
-            }
-        }
-        result
+        let waits = keys.iter().map(|k| self.wait(k));
+        futures::future::join_all(waits)
+            .await
+            .into_iter()
+            .collect::<FsResult<Vec<()>>>()
+            .map(|_| ())
     }
 
     /// Drops marker `key` from the pending set (the directory is being removed, replaced or
