@@ -571,7 +571,8 @@ impl Drop for StoppedStateDisk {
 }
 
 impl StoppedStateDisk {
-    fn start(name: &str) -> Self {
+    /// With the mount serving on `fuse_threads` threads.
+    fn start(name: &str, fuse_threads: usize) -> Self {
         use std::sync::atomic::{AtomicBool, Ordering};
         use std::sync::{mpsc, Arc};
         const WRITERS: usize = 8;
@@ -583,8 +584,7 @@ impl StoppedStateDisk {
         std::fs::create_dir(&state).unwrap();
         std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
         // Background mode: a file's upload is created (and journalled) in the background once
-        // its first part is written. Every stat asks the store; FUSE threads to spare for the
-        // writers, which wait for the disk.
+        // its first part is written. Every stat asks the store.
         let mount = MountSpec::s3(&b2, "")
             .arg("--state-dir")
             .arg(state.to_str().unwrap())
@@ -595,7 +595,7 @@ impl StoppedStateDisk {
             .arg("--negative-ttl")
             .arg("0")
             .arg("--fuse-threads")
-            .arg("16")
+            .arg(&fuse_threads.to_string())
             .mount();
         let daemon = disk.daemon_pid().expect("the state disk daemon's pid");
         // A writer that fails before the stop fails the test here (never a wait for good,
@@ -655,7 +655,21 @@ impl StoppedStateDisk {
 /// every request of the mount, its deadlines included.
 #[test]
 fn a_hung_state_disk_holds_only_the_uploads_that_start() {
-    let mut hung = StoppedStateDisk::start("hungstate");
+    stat_answers_with_the_state_disk_hung("hungstate", 16);
+}
+
+/// The same at the default of 4 FUSE threads, fewer than the writers: their steps on the
+/// hung disk (making a staging file there, a `statvfs` of the cache dir) run where they hold
+/// no thread the mount needs (before: they ran on the FUSE threads themselves, and all four
+/// waited for the disk with the `stat`).
+#[test]
+fn a_hung_state_disk_leaves_the_default_fuse_threads_serving() {
+    stat_answers_with_the_state_disk_hung("hungthreads", 4);
+}
+
+/// A `stat` of the mount answers while 8 writers' state disk hangs.
+fn stat_answers_with_the_state_disk_hung(name: &str, fuse_threads: usize) {
+    let mut hung = StoppedStateDisk::start(name, fuse_threads);
     let (tx, rx) = std::sync::mpsc::channel();
     let probe = hung.mount.join("nothing-here");
     std::thread::spawn(move || {
@@ -676,7 +690,7 @@ fn a_hung_state_disk_holds_only_the_uploads_that_start() {
 /// for the journal's lock, which the write stuck on the disk holds, for good.
 #[test]
 fn a_hung_state_disk_does_not_keep_the_daemon_from_exiting() {
-    let mut hung = StoppedStateDisk::start("hungexit");
+    let mut hung = StoppedStateDisk::start("hungexit", 16);
     let pid = hung.mount.daemon_pid().unwrap();
     hung.mount.signal(libc::SIGTERM);
     std::thread::sleep(Duration::from_secs(1));

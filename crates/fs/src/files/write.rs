@@ -707,8 +707,8 @@ impl WriteState {
                 e => Err(e),
             };
         }
-        let staging = if self.keeps_copy_of_part(i) {
-            self.staging().ok()
+        let staging = if self.keeps_copy_of_part(i).await {
+            self.staging().await.ok()
         } else {
             None
         };
@@ -757,9 +757,15 @@ impl WriteState {
     /// before close). The first part always does (headers are rewritten there); the others
     /// while the staging disk keeps `--cache-min-free`, so a big sequential write never fills
     /// the disk with a copy of what the store already holds.
-    fn keeps_copy_of_part(&mut self, i: u64) -> bool {
+    async fn keeps_copy_of_part(&mut self, i: u64) -> bool {
         let len = self.cfg.layout.bounds(i).end - self.cfg.layout.bounds(i).start;
-        if i == 0 || self.cfg.cache_min_free.room_for(&self.cache_dir, len) {
+        if i == 0 {
+            return true;
+        }
+        let (min_free, dir) = (self.cfg.cache_min_free, self.cache_dir.clone());
+        // A local-disk step (a hung disk must not hold the thread: see `inline`).
+        let room = crate::inline::local_io(move || min_free.room_for(&dir, len)).await;
+        if room.unwrap_or(true) {
             return true;
         }
         if !self.copies_stopped {
@@ -817,7 +823,8 @@ impl WriteState {
             return Ok(());
         }
         let src = self.staging.clone().expect("a shared staging file");
-        let dst = Arc::new(self.new_staging().map_err(io_err)?);
+        let (dst, direct) = self.new_staging().await?;
+        let dst = Arc::new(dst);
         let ranges: Vec<Range<u64>> = self
             .local
             .segments(0..self.size())
@@ -842,7 +849,7 @@ impl WriteState {
         .map_err(|_| FsError::EIO)?
         .map_err(io_err)?;
         // The shared file may be the last link to an uploaded entry: freed away from here.
-        let direct = open_direct(&dst).map(Arc::new);
+        let direct = direct.map(Arc::new);
         close_away([
             self.staging.replace(dst),
             std::mem::replace(&mut self.staging_direct, direct),
@@ -856,32 +863,44 @@ impl WriteState {
     /// directory is on the same file system, one there that a commit can take as its
     /// entry's file (see `Slot::adopt`). On another file system a commit could not take it,
     /// and staging there would move the writers' disk use off the cache directory's disk.
-    fn new_staging(&self) -> std::io::Result<File> {
-        use std::os::unix::fs::MetadataExt;
-        let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
-        match &self.cfg.writeback {
-            Some(wb) if dev(&wb.config().dir).is_some_and(|d| Some(d) == dev(&self.cache_dir)) => {
-                wb.unnamed_file()
-            }
-            _ => tempfile::tempfile_in(&self.cache_dir),
-        }
+    /// With it, the file opened again with `O_DIRECT` where that works (see
+    /// [`open_direct`]). Local-disk steps: run where a hung disk holds no thread that must
+    /// stay free (see `inline`).
+    async fn new_staging(&self) -> FsResult<(File, Option<File>)> {
+        let (wb, cache_dir) = (self.cfg.writeback.clone(), self.cache_dir.clone());
+        let made = crate::inline::local_io(move || {
+            use std::os::unix::fs::MetadataExt;
+            let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
+            let f = match &wb {
+                Some(wb) if dev(&wb.config().dir).is_some_and(|d| Some(d) == dev(&cache_dir)) => {
+                    wb.unnamed_file()
+                }
+                _ => tempfile::tempfile_in(&cache_dir),
+            }?;
+            let direct = open_direct(&f);
+            Ok((f, direct))
+        })
+        .await
+        .ok_or(FsError::EIO)?;
+        made.map_err(io_err)
     }
 
     /// The staging file, created on first use.
-    fn staging(&mut self) -> FsResult<Arc<File>> {
+    async fn staging(&mut self) -> FsResult<Arc<File>> {
         if let Some(f) = &self.staging {
             return Ok(f.clone());
         }
-        let f = Arc::new(self.new_staging().map_err(io_err)?);
+        let (f, direct) = self.new_staging().await?;
+        let f = Arc::new(f);
         self.staging = Some(f.clone());
-        self.staging_direct = open_direct(&f).map(Arc::new);
+        self.staging_direct = direct.map(Arc::new);
         Ok(f)
     }
 
     /// Writes `data` at `offset` of the staging file.
     async fn stage(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
         self.unshare().await?;
-        let staging = self.staging()?;
+        let staging = self.staging().await?;
         inc_by(&self.cfg.metrics.staged_bytes, data.len() as u64);
         // Background mode: what is staged is committed (fsync'd) at close, in place when the
         // file is bigger than a record.

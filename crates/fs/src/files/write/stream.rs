@@ -30,7 +30,7 @@ impl WriteState {
             self.wait_for_upload_slot().await;
             // A pool buffer (not the allocator's, see pool.rs), its memory held by the upload.
             let (buf, mem) = self.cfg.budget.buffer(r.end - r.start).await.split_mem();
-            let staging = self.staging()?;
+            let staging = self.staging().await?;
             let len = (r.end - r.start) as usize;
             let body = read_into(&staging, r, buf, 0).await?.freeze(len);
             // The staging file holds these bytes: a failed upload gives its memory back at once.
