@@ -368,7 +368,7 @@ pub const OPTIONS: &[OptionSpec] = &[
             "The Content-Type of objects this mount writes: guess (from the name's extension, \
          index.html: text/html, as s3fs and rclone do) or none (the store's default, \
          binary/octet-stream on S3). chmod, chown, utimens and renames keep an object's \
-         Content-Type either way.",
+         Content-Type, except that a file this mount wrote gets its new name's when renamed.",
         ),
     value("bucket", "NAME")
         .file_only()

@@ -638,8 +638,9 @@ fn content_type(bucket: &str, key: &str) -> Option<String> {
 /// in parts, or in parts again after a rewrite in place, and keep it through the chmod and
 /// utimens that `cp -p`, `tar` and `rsync -a` send after writing (a copy of a version this
 /// mount stored, which it makes without reading its headers first: before, every object
-/// written here was `binary/octet-stream`, a web page a download). `--content-type none`
-/// gives none.
+/// written here was `binary/octet-stream`, a web page a download). One written under a
+/// temporary name and renamed gets its final name's, its metadata kept. `--content-type
+/// none` gives none.
 #[test]
 fn files_written_here_get_the_content_type_of_their_name_and_keep_it() {
     let b = s3().new_bucket("ctype");
@@ -662,7 +663,17 @@ fn files_written_here_get_the_content_type_of_their_name_and_keep_it() {
         fs::set_permissions(&p, Permissions::from_mode(0o600)).unwrap();
         set_times(&p, None, Some(1_000_000_000));
     }
+    // Written under a temporary name and renamed, as rsync and editors do: the final name's.
+    write_file(&m.join(".index.html.Xa9Qz1"), b"<p>page</p>");
+    fs::rename(m.join(".index.html.Xa9Qz1"), m.join("index.html")).unwrap();
+    write_file(&m.join("style.txt"), b"p {}");
+    fs::set_permissions(m.join("style.txt"), Permissions::from_mode(0o640)).unwrap();
+    fs::rename(m.join("style.txt"), m.join("style.css")).unwrap();
     drop(m);
+    assert_eq!(content_type(&b, "index.html").as_deref(), Some("text/html"));
+    assert_eq!(content_type(&b, "style.css").as_deref(), Some("text/css"));
+    assert_eq!(stored_mode(&b, "style.css") & 0o7777, 0o640);
+    assert_eq!(s3().get(&b, "style.css").as_deref(), Some(&b"p {}"[..]));
     assert_eq!(content_type(&b, "page.html").as_deref(), Some("text/html"));
     assert_eq!(
         content_type(&b, "data.json").as_deref(),

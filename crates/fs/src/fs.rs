@@ -1305,6 +1305,7 @@ impl Fs {
     /// mode, readers of an unlinked file).
     pub(super) async fn last_writer_done(&self, ino: Ino, w: &Arc<OpenWrite>, close: bool) {
         let mut st = w.state.lock().await;
+        let mut ask_store = false;
         if st.has_changes_to_publish() && !st.failed() {
             // Normally flush already published; this catches a flush that never came.
             if let Err(e) = self.persist(ino, &mut st, false).await {
@@ -1325,7 +1326,7 @@ impl Fs {
             // Still under the state's lock: a setattr waiting for it sees the state retired
             // and stores its change itself, instead of queueing it where nothing publishes.
             let mut t = self.ns.table();
-            let (mut never_stored, mut ask_store) = (false, false);
+            let mut never_stored = false;
             // Background mode: a file whose commit is still to upload keeps its state (its
             // content, read from the write-back entry) until the upload lands.
             let uploading = !st.is_unlinked()
@@ -1354,6 +1355,12 @@ impl Fs {
                 self.ns.ask_store_again(&mut t, ino);
             }
             t.maybe_drop(ino);
+        }
+        if ask_store {
+            // The kernel keeps the attributes a setattr answered (the size never stored).
+            if let Some(f) = self.stale_cache.lock().as_ref() {
+                f(ino);
+            }
         }
     }
 

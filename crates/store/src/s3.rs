@@ -126,7 +126,7 @@ pub struct S3Store {
     /// Multipart uploads under way that were given no headers but a Content-Type (this
     /// one): what they make is one of [`S3Store::own`]'s. Others were given another
     /// version's headers, or began before this process.
-    own_uploads: parking_lot::Mutex<HashMap<String, Option<String>>>,
+    own_uploads: parking_lot::Mutex<HashMap<String, Own>>,
 }
 
 /// Gives request `$req` (a CopyObject or a CreateMultipartUpload) the headers `$h`, a HEAD
@@ -169,21 +169,28 @@ fn test_max_copy_object() -> Option<u64> {
     })
 }
 
-/// The last [`OwnVersions::KEPT`] (key, ETag) pairs this client stored, each with the
-/// Content-Type it gave.
+/// The last [`OwnVersions::KEPT`] (key, ETag) pairs this client stored, each with what it
+/// gave the version besides the bytes.
 #[derive(Default)]
 struct OwnVersions {
-    etags: HashMap<String, (String, Option<String>)>,
+    etags: HashMap<String, (String, Own)>,
     order: std::collections::VecDeque<String>,
+}
+
+/// What this client gave a version it stored: its whole user metadata, and a Content-Type.
+#[derive(Clone, Default)]
+struct Own {
+    content_type: Option<String>,
+    meta: UserMeta,
 }
 
 impl OwnVersions {
     const KEPT: usize = 4096;
 
-    fn made(&mut self, key: &str, etag: &str, content_type: Option<String>) {
+    fn made(&mut self, key: &str, etag: &str, own: Own) {
         if self
             .etags
-            .insert(key.to_string(), (etag.to_string(), content_type))
+            .insert(key.to_string(), (etag.to_string(), own))
             .is_none()
         {
             self.order.push_back(key.to_string());
@@ -195,12 +202,17 @@ impl OwnVersions {
         }
     }
 
-    /// The Content-Type version `etag` of `key` was given, if it is one of these.
-    fn content_type(&self, key: &str, etag: &str) -> Option<Option<String>> {
+    /// What version `etag` of `key` was given, if it is one of these.
+    fn get(&self, key: &str, etag: &str) -> Option<Own> {
         self.etags
             .get(key)
             .filter(|(e, _)| e == etag)
-            .map(|(_, t)| t.clone())
+            .map(|(_, o)| o.clone())
+    }
+
+    /// `key` holds a version another client's headers may be on (a copy of one).
+    fn forget(&mut self, key: &str) {
+        self.etags.remove(key);
     }
 }
 
@@ -648,14 +660,34 @@ impl S3Store {
             .map_err(|e| map_err(key, e))
     }
 
-    /// The headers a copy of `src` that replaces its user metadata must give again (see
-    /// [`S3Store::head_object`]); for a version this client stored itself, only the
-    /// Content-Type it gave (no HEAD).
-    async fn headers_to_keep(&self, src: &str, etag: Option<&str>) -> StoreResult<Headers> {
-        if let Some(t) = etag.and_then(|e| self.own.lock().content_type(src, e)) {
-            return Ok(Headers::ContentType(t));
+    /// The headers a copy of `src` to `dst` that replaces its user metadata must give again
+    /// (see [`S3Store::head_object`]); for a version this client stored itself, only a
+    /// Content-Type (no HEAD): the one it gave, or at a new name that name's, as the
+    /// version would have if written there (a file written under a temporary name and
+    /// renamed, as rsync and editors do, gets its final name's).
+    async fn headers_to_keep(
+        &self,
+        src: &str,
+        etag: Option<&str>,
+        dst: &str,
+    ) -> StoreResult<Headers> {
+        if let Some(o) = self.own_version(src, etag) {
+            return Ok(Headers::ContentType(self.own_type_at(src, o, dst)));
         }
         Ok(Headers::Of(Box::new(self.head_object(src, etag).await?)))
+    }
+
+    /// What this client gave version `etag` of `key`, if it stored it.
+    fn own_version(&self, key: &str, etag: Option<&str>) -> Option<Own> {
+        self.own.lock().get(key, etag?)
+    }
+
+    /// The Content-Type own version `o` of `src` has at `dst`.
+    fn own_type_at(&self, src: &str, o: Own, dst: &str) -> Option<String> {
+        match src == dst {
+            true => o.content_type,
+            false => self.content_type_of(dst),
+        }
     }
 
     /// The Content-Type a new object `key` is written with (see
@@ -940,7 +972,11 @@ impl ObjectStore for S3Store {
         };
         let out = out.map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
-        self.own.lock().made(key, &etag, ct);
+        let own = Own {
+            content_type: ct,
+            meta: meta.clone(),
+        };
+        self.own.lock().made(key, &etag, own);
         Ok(etag)
     }
 
@@ -951,7 +987,7 @@ impl ObjectStore for S3Store {
         headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         let headers = match headers_from {
-            Some(f) => self.headers_to_keep(f.key, f.etag).await?,
+            Some(f) => self.headers_to_keep(f.key, f.etag, key).await?,
             None => Headers::ContentType(self.content_type_of(key)),
         };
         let _slot = self.metadata_slot().await;
@@ -970,8 +1006,12 @@ impl ObjectStore for S3Store {
             .upload_id()
             .map(str::to_string)
             .ok_or_else(|| StoreError::Other(format!("{key}: no upload id returned")))?;
-        if let Headers::ContentType(t) = headers {
-            self.own_uploads.lock().insert(id.clone(), t);
+        if let Headers::ContentType(content_type) = headers {
+            let own = Own {
+                content_type,
+                meta: meta.clone(),
+            };
+            self.own_uploads.lock().insert(id.clone(), own);
         }
         Ok(id)
     }
@@ -1082,8 +1122,9 @@ impl ObjectStore for S3Store {
         };
         let out = out.map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
-        if let Some(t) = self.own_uploads.lock().remove(upload_id) {
-            self.own.lock().made(key, &etag, t);
+        match self.own_uploads.lock().remove(upload_id) {
+            Some(own) => self.own.lock().made(key, &etag, own),
+            None => self.own.lock().forget(key),
         }
         Ok(etag)
     }
@@ -1164,10 +1205,23 @@ impl ObjectStore for S3Store {
     ) -> StoreResult<String> {
         // A copy that replaces the user metadata replaces the object's other headers too:
         // they are read first and given again (chmod must not make a web page a download).
-        // Not for a version this client stored itself: it has only the Content-Type it gave.
-        let headers = match meta {
-            Some(_) => Some(self.headers_to_keep(src_key, src_if_match).await?),
-            None => None,
+        // Not for a version this client stored itself: it has only a Content-Type. A plain
+        // copy (a rename) of one of those to a name of another type replaces the metadata
+        // with what it was given, and the type with the new name's.
+        let own_src = self.own_version(src_key, src_if_match);
+        let (meta, headers) = match (meta, &own_src) {
+            (Some(m), _) => {
+                let h = self.headers_to_keep(src_key, src_if_match, dst_key).await?;
+                (Some(m.clone()), Some(h))
+            }
+            (None, Some(o)) => {
+                let t = self.own_type_at(src_key, o.clone(), dst_key);
+                match t == o.content_type {
+                    true => (None, None),
+                    false => (Some(o.meta.clone()), Some(Headers::ContentType(t))),
+                }
+            }
+            (None, None) => (None, None),
         };
         let _slot = self.slot().await;
         let mut req = self
@@ -1182,7 +1236,7 @@ impl ObjectStore for S3Store {
             // between the source check and the write.
             req = req.set_if_match(src_if_match.map(str::to_string));
         }
-        if let Some(m) = meta {
+        if let Some(m) = &meta {
             req = req
                 .metadata_directive(MetadataDirective::Replace)
                 .set_metadata(Some(to_hashmap(m)));
@@ -1206,9 +1260,19 @@ impl ObjectStore for S3Store {
             .copy_object_result()
             .and_then(|r| norm_etag(r.e_tag()))
             .ok_or_else(|| StoreError::Other(format!("copy {src_key} -> {dst_key}: no ETag")))?;
-        if let Some(Headers::ContentType(t)) = headers {
+        let made = match (headers, meta, own_src) {
             // A copy of one of its own with new user metadata: still nothing else.
-            self.own.lock().made(dst_key, &etag, t);
+            (Some(Headers::ContentType(content_type)), Some(meta), _) => {
+                Some(Own { content_type, meta })
+            }
+            // A plain copy of one of its own: the same.
+            (None, None, Some(o)) => Some(o),
+            // Another client's headers are on it.
+            _ => None,
+        };
+        match made {
+            Some(own) => self.own.lock().made(dst_key, &etag, own),
+            None => self.own.lock().forget(dst_key),
         }
         Ok(etag)
     }

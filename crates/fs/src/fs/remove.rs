@@ -399,7 +399,9 @@ impl Fs {
     /// itself). One with no marker is there only through the keys below it: emptied, it
     /// would be gone, for other clients at once and for this mount after the stat TTL,
     /// though nobody removed it. It gets a marker (with no metadata, as it showed), in the
-    /// background as mkdir's. Costs a LIST of 2 keys when no entry of it is known here.
+    /// background as mkdir's. Costs a LIST of 2 keys unless its fresh listing (with what
+    /// was made and removed here since) still shows an entry: in `rm -rf`, once per
+    /// directory.
     pub(super) async fn keep_emptied_dir(&self, dir: Ino) {
         if dir == crate::ROOT_INO {
             return;
@@ -416,6 +418,9 @@ impl Fs {
             }
             i.path.clone()
         };
+        if self.ns.listing_holds_entries(dir) == Some(true) {
+            return;
+        }
         let key = self.ns.dir_key(&path);
         if self.ns.markers.pending(&key)
             || !matches!(self.ns.dir_is_empty(dir, &path).await, Ok(true))

@@ -476,11 +476,10 @@ impl Fs {
         };
         let etag = match &old {
             Some(o) => {
-                // The state reads its base from the copy, pinned to the copy's own ETag.
-                Some(
-                    self.copy_object(src, dst, o.size, None, pin.as_deref())
-                        .await?,
-                )
+                // The state reads its base from the copy, pinned to the copy's own ETag. With
+                // no base (rewritten from empty), the version the HEAD saw.
+                let from = pin.as_deref().or(o.etag.as_deref());
+                Some(self.copy_object(src, dst, o.size, None, from).await?)
             }
             None => {
                 // The name's old object (a file replaced) is gone; this one comes at close.
@@ -765,6 +764,11 @@ impl Fs {
             return Err(theirs(&key));
         }
         let new_key = format!("{dst}{}", &key[src.len()..]);
+        if new_key.len() > crate::namespace::MAX_KEY_LEN {
+            // Its upload would be refused for good: the rename is, before anything moves.
+            wb.release(seq);
+            return Err(FsError::ENAMETOOLONG);
+        }
         let listed = listed.and_then(|o| o.etag.clone());
         let checked = listed.clone().filter(|_| check);
         let from = Moved::now(&key, listed);

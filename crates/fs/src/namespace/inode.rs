@@ -22,17 +22,26 @@ pub struct DirListing {
     pub names: Vec<String>,
     /// Names created here since the listing.
     pub added: HashSet<String>,
+    /// Names removed here since the listing (unlinked, removed, renamed away).
+    pub removed: HashSet<String>,
     /// Lookups of names it showed so far: statahead waits for the second (see `listing_says`).
     pub hits: u32,
 }
 
 impl DirListing {
+    /// Whether some entry is left, as far as this listing and the changes made here since
+    /// say.
+    pub fn holds_entries(&self) -> bool {
+        !self.added.is_empty() || self.names.iter().any(|n| !self.removed.contains(n))
+    }
+
     /// A listing of `names` as the store said them at `at`.
     pub fn new(names: Vec<String>, at: Instant) -> Self {
         Self {
             at,
             names,
             added: HashSet::new(),
+            removed: HashSet::new(),
             hits: 0,
         }
     }

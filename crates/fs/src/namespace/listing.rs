@@ -246,8 +246,30 @@ impl Namespace {
             .get_mut(parent)
             .and_then(|p| p.listing.as_mut())
         {
+            l.removed.remove(name);
             l.added.insert(name.to_string());
         }
+    }
+
+    /// Notes that `name` left directory `parent` here (see [`DirListing::holds_entries`]).
+    pub fn note_removed(&self, parent: Ino, name: &str) {
+        if let Some(l) = self
+            .table
+            .lock()
+            .get_mut(parent)
+            .and_then(|p| p.listing.as_mut())
+        {
+            l.added.remove(name);
+            l.removed.insert(name.to_string());
+        }
+    }
+
+    /// Whether directory `dir` has an entry left, as its listing (while fresh) and the
+    /// changes made here since say; `None`: no fresh listing.
+    pub fn listing_holds_entries(&self, dir: Ino) -> Option<bool> {
+        let t = self.table.lock();
+        let l = t.get(dir)?.listing.as_ref()?;
+        (l.at.elapsed() < self.ttl).then(|| l.holds_entries())
     }
 
     /// Names noted as added to `dir` at or after `since` (a listing begun then may lack them).

@@ -402,9 +402,9 @@ impl Lookups {
     /// [`Self::forget_below`] of `a` and `b`, in one pass.
     pub fn forget_below_either(&self, a: &MountPath, b: &MountPath) {
         self.changes.fetch_add(1, Ordering::SeqCst);
-        self.cache
-            .lock()
-            .retain(|p, _| p != a && !p.is_below(a) && p != b && !p.is_below(b));
+        let kept = |p: &MountPath| p != a && !p.is_below(a) && p != b && !p.is_below(b);
+        self.cache.lock().retain(|p, _| kept(p));
+        self.inflight.lock().retain(|p, _| kept(p));
     }
 
     /// This mount changes something in the store (before, and again once done, where the
@@ -720,7 +720,9 @@ impl Lookups {
             Ok(_) => {}
             // Unless this mount changed something meanwhile (a create the probe may predate).
             Err(FsError::ENOENT) if started == self.epoch() => self.put(path, None, true),
-            Err(_) => self.forget(path),
+            Err(_) if current => self.forget(path),
+            // A newer probe's, or its cache entry, stay.
+            Err(_) => {}
         }
         (result.map(|f| (f, false)), paged)
     }

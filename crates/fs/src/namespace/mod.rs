@@ -444,6 +444,9 @@ impl Namespace {
 
     /// `ino` at `path` was deleted from directory `parent` (a directory: and all below it).
     pub fn removed(&self, parent: Ino, ino: Ino, path: &MountPath) {
+        if let Some(name) = path.as_str().rsplit('/').next() {
+            self.note_removed(parent, name);
+        }
         self.lookups.forget(path);
         self.lookups.forget_below(path);
         self.table.lock().removed(ino);
@@ -480,6 +483,9 @@ impl Namespace {
         self.lookups.forget(&new_path);
         // And what was found absent below a directory the rename replaced.
         self.lookups.forget_below_either(path, &new_path);
+        if let Some(name) = path.as_str().rsplit('/').next() {
+            self.note_removed(parent, name);
+        }
         self.note_added(new_parent, new_name);
         self.dir_changed(parent);
         self.dir_changed(new_parent);
@@ -502,6 +508,8 @@ impl Namespace {
                 i.etag = etag;
             }
             RenamedObjects::Below(copies) => {
+                // Its objects moved with a marker (one was made where it had none).
+                i.has_marker = true;
                 // Every object below was copied: each inode names its copy now, whose
                 // ETag the rename knows. The copy's time is asked again (an object with
                 // no mtime of its own shows the copy's).

@@ -1467,3 +1467,31 @@ async fn failed_markers_are_sent_again_together() {
     assert!(took < Duration::from_secs(2), "{took:?}");
     assert_eq!(mem.keys().len(), 8);
 }
+
+/// `rm -rf` of a tree with no markers: the directories it empties are not kept at the cost
+/// of a request per file. Each file's unlink knows from the directory's listing (and what
+/// was removed here since) that entries are left; the last one costs one LIST, and the
+/// marker it leaves is the one `rmdir` deletes.
+#[tokio::test]
+async fn rm_rf_of_an_implied_tree_costs_no_request_per_file() {
+    let e = env();
+    for i in 0..20 {
+        put(&e.mem, &format!("t/a/f{i:02}"), b"x").await;
+    }
+    let t = e.fs.lookup(ROOT_INO, OsStr::new("t")).await.unwrap().ino;
+    let a = e.fs.lookup(t, OsStr::new("a")).await.unwrap().ino;
+    let names = list(&e.fs, a).await;
+    let before = (e.metrics.requests(Op::List), e.metrics.requests(Op::Put));
+    // As rm does: lstat, then unlink, one name at a time.
+    for n in &names[2..] {
+        e.fs.lookup(a, OsStr::new(n)).await.unwrap();
+        e.fs.unlink(a, OsStr::new(n)).await.unwrap();
+    }
+    let lists = e.metrics.requests(Op::List) - before.0;
+    assert!(lists <= 1, "{lists} LISTs for 20 unlinks");
+    e.fs.rmdir(t, OsStr::new("a")).await.unwrap();
+    e.fs.rmdir(ROOT_INO, OsStr::new("t")).await.unwrap();
+    assert!(e.mem.keys().is_empty(), "{:?}", e.mem.keys());
+    // The marker of `a` (the rmdir deleted it), and that of `t` once `a` went.
+    assert_eq!(e.metrics.requests(Op::Put) - before.1, 2);
+}
