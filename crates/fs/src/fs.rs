@@ -1305,7 +1305,7 @@ impl Fs {
     /// mode, readers of an unlinked file).
     pub(super) async fn last_writer_done(&self, ino: Ino, w: &Arc<OpenWrite>, close: bool) {
         let mut st = w.state.lock().await;
-        let mut ask_store = false;
+        let (mut ask_store, mut gone) = (false, None);
         if st.has_changes_to_publish() && !st.failed() {
             // Normally flush already published; this catches a flush that never came.
             if let Err(e) = self.persist(ino, &mut st, false).await {
@@ -1350,11 +1350,15 @@ impl Fs {
             }
             if never_stored {
                 // Created here and never uploaded: the file does not exist.
+                gone = t.get(ino).map(|i| (i.parent, i.name.clone()));
                 t.removed(ino);
             } else if ask_store {
                 self.ns.ask_store_again(&mut t, ino);
             }
             t.maybe_drop(ino);
+        }
+        if let Some((parent, name)) = gone {
+            self.ns.note_removed(parent, &name);
         }
         if ask_store {
             // The kernel keeps the attributes a setattr answered (the size never stored).

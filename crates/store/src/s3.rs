@@ -178,11 +178,29 @@ struct OwnVersions {
 }
 
 /// What this client gave a version it stored: its whole user metadata, and a Content-Type.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Own {
     content_type: Option<String>,
     meta: UserMeta,
+    /// When: a rename that soon after (a temporary name's, rsync's or an editor's) may
+    /// replace the metadata with `meta` (see [`OWN_RENAME_WINDOW`]).
+    at: std::time::Instant,
 }
+
+impl Own {
+    fn new(content_type: Option<String>, meta: UserMeta) -> Self {
+        Self {
+            content_type,
+            meta,
+            at: std::time::Instant::now(),
+        }
+    }
+}
+
+/// How long after this client stored a version a rename of it gives it the new name's
+/// Content-Type by replacing its metadata with what it stored. Later, another client may
+/// have changed that metadata in place (same ETag): the rename copies it as it is.
+const OWN_RENAME_WINDOW: Duration = Duration::from_secs(60);
 
 impl OwnVersions {
     const KEPT: usize = 4096;
@@ -210,9 +228,11 @@ impl OwnVersions {
             .map(|(_, o)| o.clone())
     }
 
-    /// `key` holds a version another client's headers may be on (a copy of one).
+    /// `key` holds a version another client's headers may be on (a copy of one), or none.
     fn forget(&mut self, key: &str) {
-        self.etags.remove(key);
+        if self.etags.remove(key).is_some() {
+            self.order.retain(|k| k != key);
+        }
     }
 }
 
@@ -445,6 +465,8 @@ impl S3Store {
     /// DELETE, with `If-Match` when `pin` is given (a store that ignores it deletes
     /// whatever is there). A missing key succeeds.
     async fn delete_pinned(&self, key: &str, pin: Option<&str>) -> StoreResult<()> {
+        // Whatever takes the key next is not this client's version.
+        self.own.lock().forget(key);
         let pin = pin.filter(|_| !self.no_conditional_delete.load(Ordering::Relaxed));
         let _slot = self.metadata_slot().await;
         let mut r = self.delete_request(key, pin).await;
@@ -972,11 +994,7 @@ impl ObjectStore for S3Store {
         };
         let out = out.map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
-        let own = Own {
-            content_type: ct,
-            meta: meta.clone(),
-        };
-        self.own.lock().made(key, &etag, own);
+        self.own.lock().made(key, &etag, Own::new(ct, meta.clone()));
         Ok(etag)
     }
 
@@ -1007,10 +1025,7 @@ impl ObjectStore for S3Store {
             .map(str::to_string)
             .ok_or_else(|| StoreError::Other(format!("{key}: no upload id returned")))?;
         if let Headers::ContentType(content_type) = headers {
-            let own = Own {
-                content_type,
-                meta: meta.clone(),
-            };
+            let own = Own::new(content_type, meta.clone());
             self.own_uploads.lock().insert(id.clone(), own);
         }
         Ok(id)
@@ -1214,14 +1229,14 @@ impl ObjectStore for S3Store {
                 let h = self.headers_to_keep(src_key, src_if_match, dst_key).await?;
                 (Some(m.clone()), Some(h))
             }
-            (None, Some(o)) => {
+            (None, Some(o)) if o.at.elapsed() < OWN_RENAME_WINDOW => {
                 let t = self.own_type_at(src_key, o.clone(), dst_key);
                 match t == o.content_type {
                     true => (None, None),
                     false => (Some(o.meta.clone()), Some(Headers::ContentType(t))),
                 }
             }
-            (None, None) => (None, None),
+            (None, _) => (None, None),
         };
         let _slot = self.slot().await;
         let mut req = self
@@ -1263,7 +1278,7 @@ impl ObjectStore for S3Store {
         let made = match (headers, meta, own_src) {
             // A copy of one of its own with new user metadata: still nothing else.
             (Some(Headers::ContentType(content_type)), Some(meta), _) => {
-                Some(Own { content_type, meta })
+                Some(Own::new(content_type, meta))
             }
             // A plain copy of one of its own: the same.
             (None, None, Some(o)) => Some(o),

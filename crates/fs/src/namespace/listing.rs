@@ -227,19 +227,7 @@ impl Namespace {
     /// Notes that `name` now exists in directory `parent` (its cached listing lacks it, and
     /// so does a listing whose LIST was sent before now: see [`Self::added_since`]).
     pub fn note_added(&self, parent: Ino, name: &str) {
-        let now = Instant::now();
-        {
-            let mut all = self.recent_adds.lock();
-            if all.len() >= MAX_TRACKED_DIRS {
-                let ttl = self.ttl;
-                all.retain(|_, q| q.back().is_some_and(|(t, _)| t.elapsed() < ttl));
-            }
-            let q = all.entry(parent).or_default();
-            while q.front().is_some_and(|(t, _)| t.elapsed() >= self.ttl) {
-                q.pop_front();
-            }
-            q.push_back((now, name.to_string()));
-        }
+        self.note_change(parent, name, true);
         if let Some(l) = self
             .table
             .lock()
@@ -253,6 +241,7 @@ impl Namespace {
 
     /// Notes that `name` left directory `parent` here (see [`DirListing::holds_entries`]).
     pub fn note_removed(&self, parent: Ino, name: &str) {
+        self.note_change(parent, name, false);
         if let Some(l) = self
             .table
             .lock()
@@ -272,17 +261,35 @@ impl Namespace {
         (l.at.elapsed() < self.ttl).then(|| l.holds_entries())
     }
 
-    /// Names noted as added to `dir` at or after `since` (a listing begun then may lack them).
-    fn added_since(&self, dir: Ino, since: Instant) -> HashSet<String> {
-        self.recent_adds
-            .lock()
-            .get(&dir)
-            .map_or_else(HashSet::new, |q| {
-                q.iter()
-                    .filter(|(t, _)| *t >= since)
-                    .map(|(_, n)| n.clone())
-                    .collect()
-            })
+    /// Records that `name` was made (`added`) or removed in `dir` now, for the stat TTL.
+    fn note_change(&self, dir: Ino, name: &str, added: bool) {
+        let mut all = self.recent_changes.lock();
+        if all.len() >= MAX_TRACKED_DIRS {
+            let ttl = self.ttl;
+            all.retain(|_, q| q.back().is_some_and(|(t, ..)| t.elapsed() < ttl));
+        }
+        let q = all.entry(dir).or_default();
+        while q.front().is_some_and(|(t, ..)| t.elapsed() >= self.ttl) {
+            q.pop_front();
+        }
+        q.push_back((Instant::now(), name.to_string(), added));
+    }
+
+    /// Names noted as added to `dir` at or after `since` (a listing begun then may lack
+    /// them), and those removed since (it may show them), each as its last change says.
+    fn changed_since(&self, dir: Ino, since: Instant) -> (HashSet<String>, HashSet<String>) {
+        let (mut added, mut removed) = (HashSet::new(), HashSet::new());
+        if let Some(q) = self.recent_changes.lock().get(&dir) {
+            for (_, name, made) in q.iter().filter(|(t, ..)| *t >= since) {
+                let (to, from) = match made {
+                    true => (&mut added, &mut removed),
+                    false => (&mut removed, &mut added),
+                };
+                from.remove(name);
+                to.insert(name.clone());
+            }
+        }
+        (added, removed)
     }
 
     /// Whether `parent`'s listing, fresh or stale, lacks `name` (nor was it made here since):
@@ -575,7 +582,7 @@ impl Namespace {
         // them: not taken for absent (a lookup of it, seeing it missing, said ENOENT).
         let since = st.started.unwrap_or_else(Instant::now);
         drop(t);
-        let added = self.added_since(st.ino, since);
+        let (added, removed) = self.changed_since(st.ino, since);
         let mut t = self.table.lock();
         if let Some(i) = t.get_mut(st.ino) {
             // As of its end, less the age its first page had when taken (a page a lookup
@@ -585,6 +592,7 @@ impl Namespace {
             let at = kept_for.and_then(|d| now.checked_sub(d)).unwrap_or(now);
             let mut l = DirListing::new(names, at);
             l.added = added;
+            l.removed = removed;
             i.listing = Some(l);
         }
         Ok(())

@@ -44,6 +44,9 @@ pub fn is_reserved(parent: Ino, name: &str) -> bool {
     parent == ROOT_INO && name == UNLINKED_DIR
 }
 
+/// Per directory, names made (true) or removed (false) here, with when, oldest first.
+type RecentChanges = HashMap<Ino, std::collections::VecDeque<(std::time::Instant, String, bool)>>;
+
 pub struct Namespace {
     store: Arc<dyn ObjectStore>,
     /// Paths to keys.
@@ -56,10 +59,10 @@ pub struct Namespace {
     lookups: Arc<Lookups>,
     /// Lookup misses per directory without a listing (see [`Namespace::list_for_lookups`]).
     dir_misses: Mutex<HashMap<Ino, DirMisses>>,
-    /// Names created (or renamed to) here per directory within the stat TTL, oldest first:
-    /// a listing whose first LIST was sent before one of them lacks it (see
-    /// [`Namespace::note_added`]).
-    recent_adds: Mutex<HashMap<Ino, std::collections::VecDeque<(std::time::Instant, String)>>>,
+    /// Names created (or renamed to) here per directory within the stat TTL, and removed
+    /// (true, false), oldest first: a listing whose first LIST was sent before one of them
+    /// lacks it, or shows it (see [`Namespace::note_added`], [`Namespace::note_removed`]).
+    recent_changes: Mutex<RecentChanges>,
     /// Directory markers mkdir has not finished uploading.
     pub markers: PendingMarkers,
     /// Open directory listings by handle.
@@ -102,7 +105,7 @@ impl Namespace {
             metrics,
             table: Mutex::new(InodeTable::new(root)),
             dir_misses: Mutex::new(HashMap::new()),
-            recent_adds: Mutex::new(HashMap::new()),
+            recent_changes: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             // Apart from file handles' numbers, so that one is never taken for the other.
             next_dir_fh: AtomicU64::new(1 << 62),
@@ -456,6 +459,9 @@ impl Namespace {
     /// The name `path` in `parent` of a file still open here is gone; the inode stays (its
     /// path now names the hidden copy its descriptors read).
     pub fn hidden(&self, parent: Ino, path: &MountPath) {
+        if let Some(name) = path.as_str().rsplit('/').next() {
+            self.note_removed(parent, name);
+        }
         self.lookups.forget(path);
         self.dir_changed(parent);
     }

@@ -1495,3 +1495,21 @@ async fn rm_rf_of_an_implied_tree_costs_no_request_per_file() {
     // The marker of `a` (the rmdir deleted it), and that of `t` once `a` went.
     assert_eq!(e.metrics.requests(Op::Put) - before.1, 2);
 }
+
+/// The same for a directory listed first whose last file is unlinked while open (kept for
+/// its descriptor under the hidden directory): the listing, less that name, shows nothing
+/// left, and the directory gets its marker (a build of this session took the listed name
+/// for an entry left).
+#[tokio::test]
+async fn an_implied_directory_listed_and_emptied_by_an_unlink_of_an_open_file_stays() {
+    let e = env();
+    put(&e.mem, "h/f", b"x").await;
+    let h = e.fs.lookup(ROOT_INO, OsStr::new("h")).await.unwrap().ino;
+    assert_eq!(list(&e.fs, h).await, vec![".", "..", "f"]);
+    let f = e.fs.lookup(h, OsStr::new("f")).await.unwrap().ino;
+    let fh = e.fs.open(f, libc::O_RDONLY).await.unwrap().fh;
+    e.fs.unlink(h, OsStr::new("f")).await.unwrap();
+    assert_eq!(list(&e.fs, h).await, vec![".", ".."]);
+    e.fs.release(f, fh).await.unwrap();
+    assert_eq!(e.mem.keys(), vec!["h/".to_string()]);
+}
