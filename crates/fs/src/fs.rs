@@ -514,6 +514,27 @@ impl Fs {
         }
     }
 
+    /// Deletes `key` once its version `etag` was copied elsewhere (a rename, the hidden copy
+    /// of an open file unlinked): pinned to that version (`If-Match`), so another client's
+    /// put since stays under the name, logged (where the store checks the condition; MinIO
+    /// deletes whatever is there). Other errors are the caller's.
+    async fn delete_copied(&self, key: &str, etag: Option<&str>) -> Result<(), StoreError> {
+        let r = match etag {
+            Some(e) => self.store.delete_if(key, e).await,
+            None => self.store.delete(key).await,
+        };
+        match r {
+            Err(StoreError::PreconditionFailed(_)) => {
+                tracing::warn!(
+                    "{key}: another client wrote it after this mount copied it away (a rename, \
+                     an unlink of an open file); that version stays under the name"
+                );
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
     /// Server-side copy of any size; `meta` replaces the user metadata when given. With
     /// `src_etag`, every request copies from that version of `src` only, and a copy onto
     /// itself lands only over it, so the copy is never a mix of two versions nor written
@@ -1350,15 +1371,15 @@ impl Fs {
             }
             if never_stored {
                 // Created here and never uploaded: the file does not exist.
-                gone = t.get(ino).map(|i| (i.parent, i.name.clone()));
+                gone = t.get(ino).map(|i| (i.parent, i.path.clone()));
                 t.removed(ino);
             } else if ask_store {
                 self.ns.ask_store_again(&mut t, ino);
             }
             t.maybe_drop(ino);
         }
-        if let Some((parent, name)) = gone {
-            self.ns.note_removed(parent, &name);
+        if let Some((parent, path)) = gone {
+            self.ns.note_removed(parent, &path);
         }
         if ask_store {
             // The kernel keeps the attributes a setattr answered (the size never stored).

@@ -222,21 +222,9 @@ impl Fs {
             return Ok(false);
         };
         let src = self.ns.key(path);
-        // Pinned to the version copied: another client's put since stays under the name.
-        let r = match kept.source.as_deref() {
-            Some(etag) => self.store.delete_if(&src, etag).await,
-            None => self.store.delete(&src).await,
-        };
-        match r {
-            Ok(()) => {}
-            Err(StoreError::PreconditionFailed(_)) => tracing::warn!(
-                "unlink {src}: another client wrote it while it was being unlinked; its \
-                 object is kept"
-            ),
-            Err(e) => {
-                self.delete_hidden(kept.path).await;
-                return Err(log_store_err(&format!("unlink {src}"), e));
-            }
+        if let Err(e) = self.delete_copied(&src, kept.source.as_deref()).await {
+            self.delete_hidden(kept.path).await;
+            return Err(log_store_err(&format!("unlink {src}"), e));
         }
         self.retire_open_file(ino, st, Some(kept)).await;
         Ok(true)

@@ -331,19 +331,9 @@ impl Fs {
             let copied = self
                 .copy_object(&src, &dst, size, None, etag.as_deref())
                 .await?;
-            // Only the version copied: another client's put since stays (where the store
-            // checks the condition; MinIO deletes whatever is there).
-            let deleted = match &etag {
-                Some(e) => self.store.delete_if(&src, e).await,
-                None => self.store.delete(&src).await,
-            };
-            match deleted {
-                Err(StoreError::PreconditionFailed(_)) => tracing::warn!(
-                    "{src}: replaced by another client while it was renamed; that version \
-                     stays under the old name"
-                ),
-                r => r.map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?,
-            }
+            self.delete_copied(&src, etag.as_deref())
+                .await
+                .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
             return Ok(Some(copied));
         };
         st.leave_key(&src).await?;
@@ -492,19 +482,9 @@ impl Fs {
         };
         testpoint::reached("rename.copied").await;
         if let Some(o) = &old {
-            // Pinned to the version copied: another client's put since stays at `src`.
-            let r = match pin.as_deref().or(o.etag.as_deref()) {
-                Some(etag) => self.store.delete_if(src, etag).await,
-                None => self.store.delete(src).await,
-            };
-            match r {
-                Ok(()) => {}
-                Err(StoreError::PreconditionFailed(_)) => tracing::warn!(
-                    "rename {src}: another client wrote it while it was being renamed; its \
-                     object is kept"
-                ),
-                Err(e) => return Err(log_store_err(&format!("delete {src} after copy"), e)),
-            }
+            self.delete_copied(src, pin.as_deref().or(o.etag.as_deref()))
+                .await
+                .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
         }
         Ok(etag)
     }

@@ -239,8 +239,10 @@ impl Namespace {
         }
     }
 
-    /// Notes that `name` left directory `parent` here (see [`DirListing::holds_entries`]).
-    pub fn note_removed(&self, parent: Ino, name: &str) {
+    /// Notes that the entry at `path` left directory `parent` here (see
+    /// [`DirListing::holds_entries`]).
+    pub fn note_removed(&self, parent: Ino, path: &MountPath) {
+        let name = path.as_str().rsplit('/').next().unwrap_or_default();
         self.note_change(parent, name, false);
         if let Some(l) = self
             .table

@@ -447,9 +447,7 @@ impl Namespace {
 
     /// `ino` at `path` was deleted from directory `parent` (a directory: and all below it).
     pub fn removed(&self, parent: Ino, ino: Ino, path: &MountPath) {
-        if let Some(name) = path.as_str().rsplit('/').next() {
-            self.note_removed(parent, name);
-        }
+        self.note_removed(parent, path);
         self.lookups.forget(path);
         self.lookups.forget_below(path);
         self.table.lock().removed(ino);
@@ -459,9 +457,7 @@ impl Namespace {
     /// The name `path` in `parent` of a file still open here is gone; the inode stays (its
     /// path now names the hidden copy its descriptors read).
     pub fn hidden(&self, parent: Ino, path: &MountPath) {
-        if let Some(name) = path.as_str().rsplit('/').next() {
-            self.note_removed(parent, name);
-        }
+        self.note_removed(parent, path);
         self.lookups.forget(path);
         self.dir_changed(parent);
     }
@@ -489,9 +485,7 @@ impl Namespace {
         self.lookups.forget(&new_path);
         // And what was found absent below a directory the rename replaced.
         self.lookups.forget_below_either(path, &new_path);
-        if let Some(name) = path.as_str().rsplit('/').next() {
-            self.note_removed(parent, name);
-        }
+        self.note_removed(parent, path);
         self.note_added(new_parent, new_name);
         self.dir_changed(parent);
         self.dir_changed(new_parent);
