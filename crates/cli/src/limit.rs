@@ -107,7 +107,7 @@ pub async fn measure(
 
     let started = Instant::now();
     let mut upload = Uploads::new(store.clone())
-        .create(key, &Default::default())
+        .create(key, &Default::default(), None)
         .await?;
     let uploaded: Result<Vec<CompletedPart>, StoreError> = stream::iter(ranges.clone())
         .map(|(n, r)| {

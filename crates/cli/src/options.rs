@@ -365,10 +365,11 @@ pub const OPTIONS: &[OptionSpec] = &[
         .env()
         .default("guess")
         .help(
-            "The Content-Type of objects this mount writes: guess (from the name's extension, \
-         index.html: text/html, as s3fs and rclone do) or none (the store's default, \
-         binary/octet-stream on S3). chmod, chown, utimens and renames keep an object's \
-         Content-Type, except that a file this mount wrote gets its new name's when renamed.",
+            "The Content-Type of new files this mount writes: guess (from the name's \
+         extension, index.html: text/html, as s3fs and rclone do) or none (the store's \
+         default, binary/octet-stream on S3). A file written again, chmod, chown, utimens and \
+         renames keep an object's Content-Type and other headers, except that a file this \
+         mount wrote gets its new name's when renamed.",
         ),
     value("bucket", "NAME")
         .file_only()

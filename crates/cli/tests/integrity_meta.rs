@@ -706,3 +706,101 @@ fn is_default_type(bucket: &str, key: &str) -> bool {
         Some("binary/octet-stream" | "application/octet-stream")
     )
 }
+
+/// Puts `key` as another tool would, with every header a version keeps besides its user
+/// metadata that MinIO stores.
+fn put_with_headers(bucket: &str, key: &str, body: Vec<u8>) {
+    s3().block_on(
+        s3().client
+            .put_object()
+            .bucket(bucket)
+            .key(key)
+            .body(body.into())
+            .content_type("text/csv; charset=utf-8")
+            .cache_control("max-age=60")
+            .content_disposition("attachment; filename=report.csv")
+            .content_language("en")
+            .content_encoding("identity")
+            .storage_class(aws_sdk_s3::types::StorageClass::ReducedRedundancy)
+            .send(),
+    )
+    .unwrap();
+}
+
+/// Asserts `key` still has what [`put_with_headers`] gave it.
+fn assert_kept_headers(bucket: &str, key: &str) {
+    let h = s3()
+        .block_on(s3().client.head_object().bucket(bucket).key(key).send())
+        .unwrap();
+    assert_eq!(h.content_type(), Some("text/csv; charset=utf-8"), "{key}");
+    assert_eq!(h.cache_control(), Some("max-age=60"), "{key}");
+    assert_eq!(
+        h.content_disposition(),
+        Some("attachment; filename=report.csv"),
+        "{key}"
+    );
+    assert_eq!(h.content_language(), Some("en"), "{key}");
+    assert_eq!(h.content_encoding(), Some("identity"), "{key}");
+    assert_eq!(
+        h.storage_class(),
+        Some(&aws_sdk_s3::types::StorageClass::ReducedRedundancy),
+        "{key}"
+    );
+}
+
+/// A file another tool stored with its own headers keeps them when written again here: an
+/// append, a rewrite from empty (`>`, `O_TRUNC`), a rewrite in place of a big file (in
+/// parts), and the same from a background mount's write-back directory. Each writes a
+/// new version, which S3 gives no header it is not sent: before, every such version came
+/// out an octet stream with no caching, download name or storage class.
+#[test]
+fn files_written_again_keep_the_headers_another_tool_gave_them() {
+    let b = s3().new_bucket("rewriteheaders");
+    let big: Vec<u8> = (0..20u32 << 20).map(|i| (i % 251) as u8).collect();
+    for key in ["append.csv", "trunc.csv", "bg.csv", "bgtrunc.csv"] {
+        put_with_headers(&b, key, b"a,b\n".to_vec());
+    }
+    put_with_headers(&b, "big.csv", big.clone());
+    let m = MountSpec::s3(&b, "").mount();
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(m.join("append.csv"))
+        .unwrap();
+    f.write_all(b"1,2\n").unwrap();
+    close_checked(f).unwrap();
+    write_file(&m.join("trunc.csv"), b"x,y\n");
+    let f = OpenOptions::new()
+        .write(true)
+        .open(m.join("big.csv"))
+        .unwrap();
+    f.write_all_at(b"changed", 10 << 20).unwrap();
+    close_checked(f).unwrap();
+    drop(m);
+    assert_eq!(
+        s3().get(&b, "append.csv").as_deref(),
+        Some(&b"a,b\n1,2\n"[..])
+    );
+    assert_eq!(s3().get(&b, "trunc.csv").as_deref(), Some(&b"x,y\n"[..]));
+    let mut expected = big;
+    expected[10 << 20..(10 << 20) + 7].copy_from_slice(b"changed");
+    assert!(s3().get(&b, "big.csv") == Some(expected), "big.csv");
+    for key in ["append.csv", "trunc.csv", "big.csv"] {
+        assert_kept_headers(&b, key);
+    }
+
+    let state = state_dir();
+    let m = background(MountSpec::s3(&b, ""), state.path(), &[]).mount();
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(m.join("bg.csv"))
+        .unwrap();
+    f.write_all(b"3,4\n").unwrap();
+    close_checked(f).unwrap();
+    write_file(&m.join("bgtrunc.csv"), b"z,w\n");
+    drop(m);
+    assert_eq!(s3().get(&b, "bg.csv").as_deref(), Some(&b"a,b\n3,4\n"[..]));
+    assert_eq!(s3().get(&b, "bgtrunc.csv").as_deref(), Some(&b"z,w\n"[..]));
+    for key in ["bg.csv", "bgtrunc.csv"] {
+        assert_kept_headers(&b, key);
+    }
+}

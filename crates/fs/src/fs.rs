@@ -582,7 +582,7 @@ impl Fs {
         let mut upload = self
             .files
             .uploads()
-            .create_copy(dst, &meta, from)
+            .create(dst, &meta, Some(from))
             .await
             .map_err(|e| log_store_err(&what, e))?;
         let ranges: Vec<_> = (0..size.div_ceil(COPY_PART_SIZE))

@@ -387,7 +387,7 @@ mod tests {
         assert_eq!(mem.pending_uploads(), 0);
         // An upload open at shutdown is aborted through the journal, which then goes.
         let _open = Uploads::new(second.store().clone())
-            .create("k2", &UserMeta::new())
+            .create("k2", &UserMeta::new(), None)
             .await
             .unwrap();
         let aborted = second.abort_open_uploads().await.unwrap();
@@ -423,7 +423,7 @@ mod tests {
         for i in 0..5 {
             open.push(
                 uploads
-                    .create(&format!("k{i}"), &UserMeta::new())
+                    .create(&format!("k{i}"), &UserMeta::new(), None)
                     .await
                     .unwrap(),
             );
@@ -471,7 +471,7 @@ mod tests {
             .unwrap();
         mount.wait = Duration::from_millis(300);
         let _open = Uploads::new(mount.store().clone())
-            .create("k", &UserMeta::new())
+            .create("k", &UserMeta::new(), None)
             .await
             .unwrap();
         let journal = mount.store().upload_journal().unwrap();

@@ -207,9 +207,13 @@ impl crate::layer::StoreLayer for FaultStore {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
-        self.wrap(Op::Put, self.inner.put_if(key, body, meta, if_match))
-            .await
+        self.wrap(
+            Op::Put,
+            self.inner.put_if(key, body, meta, if_match, headers_from),
+        )
+        .await
     }
     async fn create_multipart(
         &self,

@@ -569,9 +569,12 @@ impl crate::layer::StoreLayer for JournalStore {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         self.keeping(key)?;
-        self.inner.put_if(key, body, meta, if_match).await
+        self.inner
+            .put_if(key, body, meta, if_match, headers_from)
+            .await
     }
     fn upload_journal(&self) -> Option<Arc<UploadJournal>> {
         Some(self.journal.clone())
@@ -658,10 +661,10 @@ mod tests {
         let journal = Arc::new(UploadJournal::open(dir.path(), "t").unwrap());
         let js = Uploads::new(Arc::new(JournalStore::new(mem.clone(), journal.clone())));
         // Our upload, then the daemon "dies" (its journal is left, unlocked).
-        let upload = js.create("k1", &UserMeta::new()).await.unwrap();
+        let upload = js.create("k1", &UserMeta::new(), None).await.unwrap();
         let ours = upload.id().to_string();
         std::mem::forget(upload);
-        let done = js.create("k2", &UserMeta::new()).await.unwrap();
+        let done = js.create("k2", &UserMeta::new(), None).await.unwrap();
         done.abort().await.unwrap();
         assert_eq!(journal.live(), vec![("k1".to_string(), ours.clone())]);
         let text = std::fs::read_to_string(journal.path()).unwrap();
@@ -907,7 +910,7 @@ mod tests {
         let mem = Arc::new(MemoryStore::new());
         let journal = Arc::new(UploadJournal::open(dir.path(), "t").unwrap());
         let js = Uploads::new(Arc::new(JournalStore::new(mem.clone(), journal.clone())));
-        let mut upload = js.create("k", &UserMeta::new()).await.unwrap();
+        let mut upload = js.create("k", &UserMeta::new(), None).await.unwrap();
         assert_eq!(journal.live().len(), 1);
         let e = upload.part(1, Bytes::from_static(b"x")).await.unwrap();
         let parts = [CompletedPart {

@@ -63,8 +63,11 @@ pub trait StoreLayer: Send + Sync + 'static {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
-        self.inner().put_if(key, body, meta, if_match).await
+        self.inner()
+            .put_if(key, body, meta, if_match, headers_from)
+            .await
     }
 
     async fn create_multipart(
@@ -196,7 +199,7 @@ impl<L: StoreLayer> ObjectStore for L {
 
     /// Through this layer's own `put_if`, as for any store.
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
-        StoreLayer::put_if(self, key, body, meta, None).await
+        StoreLayer::put_if(self, key, body, meta, None, None).await
     }
 
     async fn put_if(
@@ -205,8 +208,9 @@ impl<L: StoreLayer> ObjectStore for L {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
-        StoreLayer::put_if(self, key, body, meta, if_match).await
+        StoreLayer::put_if(self, key, body, meta, if_match, headers_from).await
     }
 
     async fn create_multipart(
@@ -326,10 +330,13 @@ mod tests {
             body: Bytes,
             meta: &UserMeta,
             if_match: Option<&str>,
+            headers_from: Option<HeadersFrom<'_>>,
         ) -> StoreResult<String> {
             // A plain `put` must come through here too.
             self.deletes.fetch_add(100, Ordering::Relaxed);
-            self.inner.put_if(key, body, meta, if_match).await
+            self.inner
+                .put_if(key, body, meta, if_match, headers_from)
+                .await
         }
     }
 

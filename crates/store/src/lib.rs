@@ -87,19 +87,22 @@ pub trait ObjectStore: Send + Sync + 'static {
 
     /// PUT of a whole object with user metadata. Returns the new ETag.
     async fn put(&self, key: &str, body: Bytes, meta: &UserMeta) -> StoreResult<String> {
-        self.put_if(key, body, meta, None).await
+        self.put_if(key, body, meta, None, None).await
     }
 
     /// [`ObjectStore::put`] that, with `if_match`, replaces the object only while it still has
     /// that ETag (S3 `If-Match`): [`StoreError::PreconditionFailed`] when it has another,
     /// [`StoreError::NotFound`] when it is gone. This is how a file rewritten in part is
-    /// published only over the version it was built from.
+    /// published only over the version it was built from. With `headers_from`, the object
+    /// takes that version's headers other than the user metadata (Content-Type,
+    /// Cache-Control, ...): a file written again keeps them.
     async fn put_if(
         &self,
         key: &str,
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String>;
 
     /// Starts a multipart upload whose object will carry `meta`, and with `headers_from`

@@ -507,6 +507,8 @@ impl ObjectStore for LocalStore {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        // Objects here have no headers but the user metadata.
+        _headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         let key = key.to_string();
         let meta = meta.clone();
@@ -826,14 +828,16 @@ pub(crate) mod tests {
         let old = s.put("k", body(b"old"), &none).await.unwrap();
         let pf = |r: StoreResult<String>| matches!(r, Err(StoreError::PreconditionFailed(_)));
         // PUT If-Match.
-        assert!(pf(s.put_if("k", body(b"x"), &none, Some("\"nope\"")).await));
+        assert!(pf(s
+            .put_if("k", body(b"x"), &none, Some("\"nope\""), None)
+            .await));
         assert!(s
-            .put_if("gone", body(b"x"), &none, Some(&old))
+            .put_if("gone", body(b"x"), &none, Some(&old), None)
             .await
             .unwrap_err()
             .is_not_found());
         let cur = s
-            .put_if("k", body(b"cur"), &none, Some(&old))
+            .put_if("k", body(b"cur"), &none, Some(&old), None)
             .await
             .unwrap();
         // Copies from a pinned source, onto another key and onto itself.

@@ -157,6 +157,8 @@ impl ObjectStore for MemoryStore {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        // Objects here have no headers but the user metadata.
+        _headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         self.insert(key, body, meta.clone(), None, if_match)
     }

@@ -208,9 +208,13 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for MeteredStore<S> {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         let n = body.len() as u64;
-        let r = self.inner.put_if(key, body, meta, if_match).await;
+        let r = self
+            .inner
+            .put_if(key, body, meta, if_match, headers_from)
+            .await;
         self.metrics.count(Op::Put, &r);
         self.metrics.bytes_up.fetch_add(n, Ordering::Relaxed);
         r

@@ -551,12 +551,16 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         let what = format!("PUT {key}");
         let lost = Mutex::new(None);
         let r = self
             .retry(&what, || async {
-                let r = self.inner.put_if(key, body.clone(), meta, if_match).await;
+                let r = self
+                    .inner
+                    .put_if(key, body.clone(), meta, if_match, headers_from)
+                    .await;
                 note_transient(&lost, &r);
                 r
             })

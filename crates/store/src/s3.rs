@@ -119,37 +119,29 @@ pub struct S3Store {
     endpoint: Option<String>,
     /// See [`S3Config::guess_content_type`].
     guess_content_type: bool,
-    /// The versions this client's PUTs and uploads made, which carry no headers but the
-    /// user metadata and the Content-Type it gave: a copy replacing that metadata has none
-    /// to read first.
+    /// The versions this client's PUTs, uploads and copies made, with every header it gave
+    /// them: a rewrite or a copy replacing their metadata has none to read first.
     own: parking_lot::Mutex<OwnVersions>,
-    /// Multipart uploads under way that were given no headers but a Content-Type (this
-    /// one): what they make is one of [`S3Store::own`]'s. Others were given another
-    /// version's headers, or began before this process.
+    /// Multipart uploads under way, with the headers they were given: what they make is one
+    /// of [`S3Store::own`]'s.
     own_uploads: parking_lot::Mutex<HashMap<String, Own>>,
 }
 
-/// Gives request `$req` (a CopyObject or a CreateMultipartUpload) the headers `$h`, a HEAD
-/// of the source, says (see [`S3Store::head_object`]).
-macro_rules! with_headers_of {
+/// Gives request `$req` (a PutObject, CreateMultipartUpload or CopyObject) the headers
+/// `$h` (a [`KeptHeaders`]).
+macro_rules! with_headers {
     ($req:expr, $h:expr) => {{
-        let h = $h;
-        $req.set_content_type(h.content_type().map(str::to_string))
-            .set_content_encoding(h.content_encoding().map(str::to_string))
-            .set_content_language(h.content_language().map(str::to_string))
-            .set_content_disposition(h.content_disposition().map(str::to_string))
-            .set_cache_control(h.cache_control().map(str::to_string))
-            .set_website_redirect_location(h.website_redirect_location().map(str::to_string))
-            // Not a class this client does not know: MinIO names a remote tier there, which
-            // CopyObject refuses.
-            .set_storage_class(
-                h.storage_class()
-                    .filter(|c| aws_sdk_s3::types::StorageClass::values().contains(&c.as_str()))
-                    .cloned(),
-            )
-            .set_server_side_encryption(h.server_side_encryption().cloned())
-            .set_ssekms_key_id(h.ssekms_key_id().map(str::to_string))
-            .set_bucket_key_enabled(h.bucket_key_enabled())
+        let h: &KeptHeaders = $h;
+        $req.set_content_type(h.content_type.clone())
+            .set_content_encoding(h.content_encoding.clone())
+            .set_content_language(h.content_language.clone())
+            .set_content_disposition(h.content_disposition.clone())
+            .set_cache_control(h.cache_control.clone())
+            .set_website_redirect_location(h.website_redirect_location.clone())
+            .set_storage_class(h.storage_class.clone())
+            .set_server_side_encryption(h.server_side_encryption.clone())
+            .set_ssekms_key_id(h.ssekms_key_id.clone())
+            .set_bucket_key_enabled(h.bucket_key_enabled)
     }};
 }
 
@@ -177,30 +169,31 @@ struct OwnVersions {
     order: std::collections::VecDeque<String>,
 }
 
-/// What this client gave a version it stored: its whole user metadata, and a Content-Type.
+/// What this client gave a version it stored: its whole user metadata and its other
+/// headers.
 #[derive(Clone)]
 struct Own {
-    content_type: Option<String>,
+    headers: KeptHeaders,
     meta: UserMeta,
-    /// When: a rename that soon after (a temporary name's, rsync's or an editor's) may
-    /// replace the metadata with `meta` (see [`OWN_RENAME_WINDOW`]).
+    /// When: for [`OWN_KNOWN_FOR`] this client trusts what it gave.
     at: std::time::Instant,
 }
 
 impl Own {
-    fn new(content_type: Option<String>, meta: UserMeta) -> Self {
+    fn new(headers: KeptHeaders, meta: UserMeta) -> Self {
         Self {
-            content_type,
+            headers,
             meta,
             at: std::time::Instant::now(),
         }
     }
 }
 
-/// How long after this client stored a version a rename of it gives it the new name's
-/// Content-Type by replacing its metadata with what it stored. Later, another client may
-/// have changed that metadata in place (same ETag): the rename copies it as it is.
-const OWN_RENAME_WINDOW: Duration = Duration::from_secs(60);
+/// How long after this client stored a version it takes the headers it gave for the ones
+/// the version has, and a rename of it gives it the new name's guessed Content-Type (a file
+/// written under a temporary name and renamed, as rsync and editors do). Later, another
+/// client may have changed them in place, keeping the ETag: they are read with a HEAD.
+const OWN_KNOWN_FOR: Duration = Duration::from_secs(60);
 
 impl OwnVersions {
     const KEPT: usize = 4096;
@@ -220,11 +213,12 @@ impl OwnVersions {
         }
     }
 
-    /// What version `etag` of `key` was given, if it is one of these.
+    /// What version `etag` of `key` was given, if it is one of these stored less than
+    /// [`OWN_KNOWN_FOR`] ago.
     fn get(&self, key: &str, etag: &str) -> Option<Own> {
         self.etags
             .get(key)
-            .filter(|(e, _)| e == etag)
+            .filter(|(e, o)| e == etag && o.at.elapsed() < OWN_KNOWN_FOR)
             .map(|(_, o)| o.clone())
     }
 
@@ -236,13 +230,73 @@ impl OwnVersions {
     }
 }
 
-/// The headers other than the user metadata that a write or a copy replacing the user
-/// metadata gives.
-enum Headers {
-    /// A Content-Type only (none: the store's default).
-    ContentType(Option<String>),
-    /// Those of another version, read with a HEAD (see [`S3Store::head_object`]).
-    Of(Box<aws_sdk_s3::operation::head_object::HeadObjectOutput>),
+/// The headers other than the user metadata that a version has and that a new version
+/// replacing it, or a copy of it replacing its user metadata, gives again (S3 keeps none of
+/// them then): Content-Type, Content-Encoding, Content-Language, Content-Disposition,
+/// Cache-Control, the website redirect, the storage class and the KMS encryption.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct KeptHeaders {
+    content_type: Option<String>,
+    /// The Content-Type is the one guessed from the name (see [`S3Store::content_type_of`]),
+    /// not one another client gave: at a new name, that name's is.
+    type_guessed: bool,
+    content_encoding: Option<String>,
+    content_language: Option<String>,
+    content_disposition: Option<String>,
+    cache_control: Option<String>,
+    website_redirect_location: Option<String>,
+    storage_class: Option<aws_sdk_s3::types::StorageClass>,
+    server_side_encryption: Option<aws_sdk_s3::types::ServerSideEncryption>,
+    ssekms_key_id: Option<String>,
+    bucket_key_enabled: Option<bool>,
+}
+
+impl KeptHeaders {
+    /// A new object's: a Content-Type guessed from its name, or none (the store's default).
+    fn guessed(content_type: Option<String>) -> Self {
+        Self {
+            content_type,
+            type_guessed: true,
+            ..Self::default()
+        }
+    }
+
+    /// Those a HEAD of a version says.
+    fn of(h: &aws_sdk_s3::operation::head_object::HeadObjectOutput) -> Self {
+        use aws_sdk_s3::types::StorageClass;
+        Self {
+            content_type: h.content_type().map(str::to_string),
+            type_guessed: false,
+            content_encoding: h.content_encoding().map(str::to_string),
+            content_language: h.content_language().map(str::to_string),
+            content_disposition: h.content_disposition().map(str::to_string),
+            cache_control: h.cache_control().map(str::to_string),
+            website_redirect_location: h.website_redirect_location().map(str::to_string),
+            // Not a class this client does not know: MinIO names a remote tier there, which
+            // a write refuses.
+            storage_class: h
+                .storage_class()
+                .filter(|c| StorageClass::values().contains(&c.as_str()))
+                .cloned(),
+            server_side_encryption: h.server_side_encryption().cloned(),
+            ssekms_key_id: h.ssekms_key_id().map(str::to_string),
+            bucket_key_enabled: h.bucket_key_enabled(),
+        }
+    }
+
+    /// Those a new version of the bytes takes: not an archive class (a file in Glacier
+    /// written again would be unreadable the moment it is stored; its lifecycle rule moves
+    /// it again).
+    fn for_new_bytes(mut self) -> Self {
+        use aws_sdk_s3::types::StorageClass;
+        if matches!(
+            self.storage_class,
+            Some(StorageClass::Glacier | StorageClass::DeepArchive)
+        ) {
+            self.storage_class = None;
+        }
+        self
+    }
 }
 
 /// The bound on S3 requests in flight (`--max-connections`), and how busy it is: gauges for
@@ -497,7 +551,7 @@ impl S3Store {
         key: &str,
         body: Bytes,
         meta: &UserMeta,
-        content_type: Option<&str>,
+        headers: &KeptHeaders,
         if_match: Option<&str>,
     ) -> Result<
         aws_sdk_s3::operation::put_object::PutObjectOutput,
@@ -514,8 +568,8 @@ impl S3Store {
             .bucket(&self.bucket)
             .key(key)
             .body(ByteStream::from(body))
-            .set_metadata(Some(to_hashmap(meta)))
-            .set_content_type(content_type.map(str::to_string))
+            .set_metadata(Some(to_hashmap(meta)));
+        let req = with_headers!(req, headers)
             .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
             .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
             .customize()
@@ -682,34 +736,66 @@ impl S3Store {
             .map_err(|e| map_err(key, e))
     }
 
-    /// The headers a copy of `src` to `dst` that replaces its user metadata must give again
-    /// (see [`S3Store::head_object`]); for a version this client stored itself, only a
-    /// Content-Type (no HEAD): the one it gave, or at a new name that name's, as the
-    /// version would have if written there (a file written under a temporary name and
-    /// renamed, as rsync and editors do, gets its final name's).
+    /// The headers a new version of `dst` made from version `etag` of `src` gives again: a
+    /// copy replacing the user metadata, or new bytes replacing that version. For a version
+    /// this client stored in the last [`OWN_KNOWN_FOR`], those it gave (no HEAD); at a new
+    /// name, a guessed Content-Type is that name's, as the version would have if written
+    /// there. A version gone since gives those of whatever is there now, or a new object's
+    /// (a pinned write or copy then fails on its own condition).
     async fn headers_to_keep(
         &self,
         src: &str,
         etag: Option<&str>,
         dst: &str,
-    ) -> StoreResult<Headers> {
+    ) -> StoreResult<KeptHeaders> {
         if let Some(o) = self.own_version(src, etag) {
-            return Ok(Headers::ContentType(self.own_type_at(src, o, dst)));
+            return Ok(self.own_headers_at(src, o, dst));
         }
-        Ok(Headers::Of(Box::new(self.head_object(src, etag).await?)))
+        let mut head = self.head_object(src, etag).await;
+        if etag.is_some()
+            && matches!(
+                head,
+                Err(StoreError::PreconditionFailed(_) | StoreError::NotFound(_))
+            )
+        {
+            head = self.head_object(src, None).await;
+        }
+        match head {
+            Ok(h) => Ok(KeptHeaders::of(&h)),
+            Err(StoreError::NotFound(_)) => Ok(KeptHeaders::guessed(self.content_type_of(dst))),
+            Err(e) => Err(e),
+        }
     }
 
-    /// What this client gave version `etag` of `key`, if it stored it.
+    /// The headers a write of new bytes to `key` gives: a new object's, or with `from`
+    /// those of the version they replace (see [`S3Store::headers_to_keep`]).
+    async fn headers_of_write(
+        &self,
+        key: &str,
+        from: Option<HeadersFrom<'_>>,
+    ) -> StoreResult<KeptHeaders> {
+        match from {
+            None => Ok(KeptHeaders::guessed(self.content_type_of(key))),
+            Some(f) => Ok(self
+                .headers_to_keep(f.key, f.etag, key)
+                .await?
+                .for_new_bytes()),
+        }
+    }
+
+    /// What this client gave version `etag` of `key`, if it stored it (see
+    /// [`OwnVersions::get`]).
     fn own_version(&self, key: &str, etag: Option<&str>) -> Option<Own> {
         self.own.lock().get(key, etag?)
     }
 
-    /// The Content-Type own version `o` of `src` has at `dst`.
-    fn own_type_at(&self, src: &str, o: Own, dst: &str) -> Option<String> {
-        match src == dst {
-            true => o.content_type,
-            false => self.content_type_of(dst),
+    /// The headers own version `o` of `src` has at `dst`.
+    fn own_headers_at(&self, src: &str, o: Own, dst: &str) -> KeptHeaders {
+        let mut h = o.headers;
+        if src != dst && h.type_guessed {
+            h.content_type = self.content_type_of(dst);
         }
+        h
     }
 
     /// The Content-Type a new object `key` is written with (see
@@ -979,22 +1065,25 @@ impl ObjectStore for S3Store {
         body: Bytes,
         meta: &UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         let if_match = self.create_condition(key, if_match).await?;
-        let ct = self.content_type_of(key);
+        let headers = self.headers_of_write(key, headers_from).await?;
         let out = match self
-            .put_request(key, body.clone(), meta, ct.as_deref(), if_match)
+            .put_request(key, body.clone(), meta, &headers, if_match)
             .await
         {
             Err(e) if if_match == Some(IF_ABSENT) && self.refuses_create_condition(key, &e) => {
                 self.create_condition(key, if_match).await?;
-                self.put_request(key, body, meta, ct.as_deref(), None).await
+                self.put_request(key, body, meta, &headers, None).await
             }
             r => r,
         };
         let out = out.map_err(|e| map_err(key, e))?;
         let etag = norm_etag(out.e_tag()).unwrap_or_default();
-        self.own.lock().made(key, &etag, Own::new(ct, meta.clone()));
+        self.own
+            .lock()
+            .made(key, &etag, Own::new(headers, meta.clone()));
         Ok(etag)
     }
 
@@ -1004,10 +1093,7 @@ impl ObjectStore for S3Store {
         meta: &UserMeta,
         headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
-        let headers = match headers_from {
-            Some(f) => self.headers_to_keep(f.key, f.etag, key).await?,
-            None => Headers::ContentType(self.content_type_of(key)),
-        };
+        let headers = self.headers_of_write(key, headers_from).await?;
         let _slot = self.metadata_slot().await;
         let req = self
             .client
@@ -1015,19 +1101,16 @@ impl ObjectStore for S3Store {
             .bucket(&self.bucket)
             .key(key)
             .set_metadata(Some(to_hashmap(meta)));
-        let req = match &headers {
-            Headers::ContentType(t) => req.set_content_type(t.clone()),
-            Headers::Of(h) => with_headers_of!(req, h),
-        };
-        let out = req.send().await.map_err(|e| map_err(key, e))?;
+        let out = with_headers!(req, &headers)
+            .send()
+            .await
+            .map_err(|e| map_err(key, e))?;
         let id = out
             .upload_id()
             .map(str::to_string)
             .ok_or_else(|| StoreError::Other(format!("{key}: no upload id returned")))?;
-        if let Headers::ContentType(content_type) = headers {
-            let own = Own::new(content_type, meta.clone());
-            self.own_uploads.lock().insert(id.clone(), own);
-        }
+        let own = Own::new(headers, meta.clone());
+        self.own_uploads.lock().insert(id.clone(), own);
         Ok(id)
     }
 
@@ -1219,24 +1302,24 @@ impl ObjectStore for S3Store {
         src_if_match: Option<&str>,
     ) -> StoreResult<String> {
         // A copy that replaces the user metadata replaces the object's other headers too:
-        // they are read first and given again (chmod must not make a web page a download).
-        // Not for a version this client stored itself: it has only a Content-Type. A plain
-        // copy (a rename) of one of those to a name of another type replaces the metadata
-        // with what it was given, and the type with the new name's.
+        // they are given again (chmod must not make a web page a download). A plain copy
+        // (a rename) of a version this client stored a moment ago with a guessed type, to
+        // a name of another type, replaces the metadata with what it was given and the
+        // type with the new name's.
         let own_src = self.own_version(src_key, src_if_match);
         let (meta, headers) = match (meta, &own_src) {
             (Some(m), _) => {
                 let h = self.headers_to_keep(src_key, src_if_match, dst_key).await?;
                 (Some(m.clone()), Some(h))
             }
-            (None, Some(o)) if o.at.elapsed() < OWN_RENAME_WINDOW => {
-                let t = self.own_type_at(src_key, o.clone(), dst_key);
-                match t == o.content_type {
+            (None, Some(o)) => {
+                let h = self.own_headers_at(src_key, o.clone(), dst_key);
+                match h == o.headers {
                     true => (None, None),
-                    false => (Some(o.meta.clone()), Some(Headers::ContentType(t))),
+                    false => (Some(o.meta.clone()), Some(h)),
                 }
             }
-            (None, _) => (None, None),
+            (None, None) => (None, None),
         };
         let _slot = self.slot().await;
         let mut req = self
@@ -1256,10 +1339,8 @@ impl ObjectStore for S3Store {
                 .metadata_directive(MetadataDirective::Replace)
                 .set_metadata(Some(to_hashmap(m)));
         }
-        match &headers {
-            Some(Headers::ContentType(t)) => req = req.set_content_type(t.clone()),
-            Some(Headers::Of(h)) => req = with_headers_of!(req, h),
-            None => {}
+        if let Some(h) = &headers {
+            req = with_headers!(req, h);
         }
         // The size is unknown here and a server-side copy of up to 5 GiB can take minutes.
         let out = req
@@ -1276,11 +1357,9 @@ impl ObjectStore for S3Store {
             .and_then(|r| norm_etag(r.e_tag()))
             .ok_or_else(|| StoreError::Other(format!("copy {src_key} -> {dst_key}: no ETag")))?;
         let made = match (headers, meta, own_src) {
-            // A copy of one of its own with new user metadata: still nothing else.
-            (Some(Headers::ContentType(content_type)), Some(meta), _) => {
-                Some(Own::new(content_type, meta))
-            }
-            // A plain copy of one of its own: the same.
+            // Every header given: those are the copy's.
+            (Some(headers), Some(meta), _) => Some(Own::new(headers, meta)),
+            // A plain copy of one of its own: the same as it.
             (None, None, Some(o)) => Some(o),
             // Another client's headers are on it.
             _ => None,

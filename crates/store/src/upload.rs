@@ -70,29 +70,16 @@ impl Uploads {
         }
     }
 
-    /// Starts a multipart upload of `key` whose object will carry `meta`.
-    pub async fn create(self: &Arc<Self>, key: &str, meta: &UserMeta) -> StoreResult<Upload> {
-        self.start(key, meta, None).await
-    }
-
-    /// [`Uploads::create`] for a copy of `from` made in parts: the object also keeps its
-    /// other headers (Content-Type, ...), as a single copy would.
-    pub async fn create_copy(
+    /// Starts a multipart upload of `key` whose object will carry `meta`, and with `from`
+    /// that version's other headers (see [`ObjectStore::create_multipart`]): the version
+    /// it replaces, or the source of a copy made in parts.
+    pub async fn create(
         self: &Arc<Self>,
         key: &str,
         meta: &UserMeta,
-        from: HeadersFrom<'_>,
+        from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<Upload> {
-        self.start(key, meta, Some(from)).await
-    }
-
-    async fn start(
-        self: &Arc<Self>,
-        key: &str,
-        meta: &UserMeta,
-        headers_from: Option<HeadersFrom<'_>>,
-    ) -> StoreResult<Upload> {
-        let id = self.store.create_multipart(key, meta, headers_from).await?;
+        let id = self.store.create_multipart(key, meta, from).await?;
         if let Some(journal) = &self.journal {
             if let Err(e) = journal.started(key, &id) {
                 // Without a journal entry a crash would leave this upload behind for good:
@@ -423,7 +410,7 @@ mod tests {
             .await
             .unwrap();
         let uploads = Uploads::new(mem.clone());
-        let mut up = uploads.create("dst", &meta).await.unwrap();
+        let mut up = uploads.create("dst", &meta, None).await.unwrap();
         let first = Bytes::from(vec![b'a'; 5 << 20]);
         let a = up.part(1, first).await.unwrap();
         let b = up.copy_part(2, "src", 2..5, None).await.unwrap();
@@ -460,7 +447,7 @@ mod tests {
                 Some(1),
                 Fault::Delay(Duration::from_millis(100)),
             );
-            let up = uploads.create("k", &meta).await.unwrap();
+            let up = uploads.create("k", &meta, None).await.unwrap();
             drop(up.part(1, Bytes::from_static(b"x")));
             let started = std::time::Instant::now();
             if abandon {
@@ -513,7 +500,7 @@ mod tests {
             seen: Default::default(),
         });
         let uploads = Uploads::new(seer.clone());
-        let up = uploads.create("k", &UserMeta::new()).await.unwrap();
+        let up = uploads.create("k", &UserMeta::new(), None).await.unwrap();
         let body = Bytes::from_static(b"x");
         let start = crate::liveness::within_operation(async {
             up.part(1, body.clone()).await.unwrap();
@@ -531,7 +518,7 @@ mod tests {
         let mem = Arc::new(MemoryStore::new());
         let fault = Arc::new(FaultStore::new(mem.clone()));
         let uploads = Uploads::new(fault.clone());
-        let up = uploads.create("k", &UserMeta::new()).await.unwrap();
+        let up = uploads.create("k", &UserMeta::new(), None).await.unwrap();
         let down = Fault::Error(StoreError::Transient("down".into()));
         fault.inject(Op::AbortMultipart, 0, Some(1), down);
         assert!(up.abort().await.is_err());
@@ -548,7 +535,7 @@ mod tests {
         let mem = Arc::new(MemoryStore::new());
         let fault = Arc::new(FaultStore::new(mem.clone()));
         let uploads = Uploads::new(fault.clone());
-        let up = uploads.create("k", &UserMeta::new()).await.unwrap();
+        let up = uploads.create("k", &UserMeta::new(), None).await.unwrap();
         let down = Fault::Error(StoreError::Transient("down".into()));
         fault.inject(Op::AbortMultipart, 0, Some(1), down);
         assert!(up.abort().await.is_err());

@@ -34,8 +34,8 @@ use crate::metrics::{inc, inc_by, FsMetrics};
 use crate::paths::ObjectKey;
 use crate::pool::PoolBuf;
 use bucketfs_store::{
-    run_bounded, CompletedPart, ObjectStore, StoreError, StoreLimits, StoreResult, Upload, Uploads,
-    UserMeta,
+    run_bounded, CompletedPart, HeadersFrom, ObjectStore, StoreError, StoreLimits, StoreResult,
+    Upload, Uploads, UserMeta,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -287,6 +287,9 @@ struct Stream {
     /// The metadata the upload was created with, which its object will carry: a change
     /// since (chmod, chown, utimens through the file) is stored after it completes.
     meta: UserMeta,
+    /// The ETag of the version whose other headers it was given (see
+    /// [`WriteState::headers_from`]).
+    headers_of: Option<String>,
 }
 
 pub struct WriteConfig {
@@ -356,9 +359,9 @@ pub struct WriteState {
     /// Times each part was touched, so a part uploaded early is resent if rewritten.
     generations: BTreeMap<u64, u64>,
     stream: Option<Stream>,
-    /// Background mode: the stream's upload being created, in the background (a writer
-    /// never waits for the store there), with the metadata it is created with.
-    opening: Option<JoinHandle<StoreResult<(Upload, UserMeta)>>>,
+    /// Background mode: the stream being opened (its upload created) in the background: a
+    /// writer never waits for the store there.
+    opening: Option<JoinHandle<StoreResult<Stream>>>,
     /// Background mode: no part of this file goes up early any more (its upload could not
     /// be created, or it was renamed).
     early_off: bool,
@@ -505,6 +508,17 @@ impl WriteState {
     /// else (background mode) that of its last commit's upload once it landed.
     pub fn known_etag(&self) -> Option<&str> {
         self.base_etag().or(self.committed_etag.as_deref())
+    }
+
+    /// The version whose headers other than the user metadata (Content-Type,
+    /// Cache-Control, ...) the next version keeps: the one it replaces, as far as this
+    /// state knows (see [`Self::known_etag`]); none for a new file.
+    pub fn headers_from(&self) -> Option<HeadersFrom<'_>> {
+        let etag = self.known_etag()?;
+        Some(HeadersFrom {
+            key: self.key.as_str(),
+            etag: Some(etag),
+        })
     }
 
     /// Background mode: the write-back entry of the last commit.

@@ -27,7 +27,8 @@ use crate::files::write::PartLayout;
 use crate::meta::Ino;
 use crate::metrics::{inc, FsMetrics};
 use bucketfs_store::{
-    run_bounded, CompletedPart, ObjectStore, StoreError, Upload, Uploads, UserMeta, IF_ABSENT,
+    run_bounded, CompletedPart, HeadersFrom, ObjectStore, StoreError, Upload, Uploads, UserMeta,
+    IF_ABSENT,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -132,6 +133,17 @@ impl Cond {
             Cond::Any => None,
         }
     }
+}
+
+/// The version of `key` whose headers other than the user metadata an upload under `pin`
+/// keeps: the one it replaces, when it is pinned to it (a file written here first, or over
+/// whatever is there, takes a new object's).
+fn headers_from<'a>(key: &'a str, pin: Option<&'a str>) -> Option<HeadersFrom<'a>> {
+    let etag = pin.filter(|p| *p != IF_ABSENT)?;
+    Some(HeadersFrom {
+        key,
+        etag: Some(etag),
+    })
 }
 
 #[derive(Debug, Clone)]
@@ -496,6 +508,8 @@ pub struct EarlyParts {
     pub upload: Upload,
     /// The metadata the upload was created with.
     pub meta: UserMeta,
+    /// The ETag of the version whose other headers it was given.
+    pub headers_of: Option<String>,
     /// By part number: whether the part's bytes are still the file's (false: written
     /// again since, so sent again, once this request has ended), and its request (the
     /// part's ETag; None: it failed).
@@ -3112,7 +3126,8 @@ impl WriteBack {
                     false,
                 )
             })?;
-            let r = self.store.put_if(key, body.clone(), meta, pin).await;
+            let from = headers_from(key, pin);
+            let r = self.store.put_if(key, body.clone(), meta, pin, from).await;
             (
                 r,
                 Box::new(move || format!("\"{}\"", hex::encode(Md5::digest(&body)))),
@@ -3192,7 +3207,7 @@ impl WriteBack {
         content: &Content,
         early: Option<EarlyParts>,
     ) -> (Result<String, StoreError>, String) {
-        let Some(reused) = reuse_early(early, key, meta).await else {
+        let Some(reused) = reuse_early(early, key, meta, pin).await else {
             return self.send_parts(key, size, meta, pin, content, None).await;
         };
         match self
@@ -3222,7 +3237,7 @@ impl WriteBack {
     ) -> (Result<String, StoreError>, String) {
         let (mut upload, sent) = match upload {
             Some(reused) => reused,
-            None => match self.uploads.create(key, meta).await {
+            None => match self.uploads.create(key, meta, headers_from(key, pin)).await {
                 Ok(u) => (u, HashMap::new()),
                 Err(e) => return (Err(e), String::new()),
             },
@@ -3396,8 +3411,12 @@ async fn reuse_early(
     early: Option<EarlyParts>,
     key: &str,
     meta: &UserMeta,
+    pin: Option<&str>,
 ) -> Option<(Upload, HashMap<u32, String>)> {
-    let e = early.filter(|e| e.upload.key() == key && e.meta == *meta)?;
+    let headers_of = headers_from(key, pin).and_then(|f| f.etag);
+    let e = early.filter(|e| {
+        e.upload.key() == key && e.meta == *meta && e.headers_of.as_deref() == headers_of
+    })?;
     let mut sent = HashMap::new();
     for (number, (valid, request)) in e.parts {
         if let Some(etag) = request.await.filter(|_| valid) {

@@ -458,9 +458,12 @@ impl bucketfs_store::layer::StoreLayer for HoldsPut {
         body: bytes::Bytes,
         meta: &bucketfs_store::UserMeta,
         if_match: Option<&str>,
+        headers_from: Option<bucketfs_store::HeadersFrom<'_>>,
     ) -> bucketfs_store::StoreResult<String> {
         self.gate.pass(key == self.key).await;
-        self.inner.put_if(key, body, meta, if_match).await
+        self.inner
+            .put_if(key, body, meta, if_match, headers_from)
+            .await
     }
 }
 

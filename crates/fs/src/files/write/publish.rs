@@ -498,7 +498,7 @@ impl WriteState {
 
     pub(super) async fn put_whole(&self, body: Bytes, pin: Option<&str>) -> FsResult<String> {
         self.store
-            .put_if(&self.key, body, &self.meta, pin)
+            .put_if(&self.key, body, &self.meta, pin, self.headers_from())
             .await
             .map_err(|e| self.publish_err(&format!("upload {}", self.key), e, pin.is_some()))
     }

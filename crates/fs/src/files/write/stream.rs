@@ -92,9 +92,19 @@ impl WriteState {
                         mtime_into(&mut meta, t);
                     }
                     let (uploads, key) = (self.cfg.uploads.clone(), self.key.to_string());
+                    let headers_of = self.known_etag().map(str::to_string);
                     self.opening = Some(tokio::spawn(async move {
-                        let upload = uploads.create(&key, &meta).await?;
-                        Ok((upload, meta))
+                        let from = headers_of.as_deref().map(|etag| HeadersFrom {
+                            key: &key,
+                            etag: Some(etag),
+                        });
+                        let upload = uploads.create(&key, &meta, from).await?;
+                        Ok(Stream {
+                            upload,
+                            slots: BTreeMap::new(),
+                            meta,
+                            headers_of,
+                        })
                     }));
                     return false;
                 }
@@ -104,12 +114,8 @@ impl WriteState {
                         self.opening = Some(t);
                         return false;
                     }
-                    Some(Ok(Ok((upload, meta)))) if upload.key() == self.key.as_str() => {
-                        self.stream = Some(Stream {
-                            upload,
-                            slots: BTreeMap::new(),
-                            meta,
-                        });
+                    Some(Ok(Ok(stream))) if stream.upload.key() == self.key.as_str() => {
+                        self.stream = Some(stream);
                     }
                     _ => {
                         self.early_off = true;
@@ -174,6 +180,7 @@ impl WriteState {
         Some(EarlyParts {
             upload: stream.upload,
             meta: stream.meta,
+            headers_of: stream.headers_of,
             parts,
         })
     }
@@ -190,13 +197,14 @@ impl WriteState {
             let upload = self
                 .cfg
                 .uploads
-                .create(&self.key, &meta)
+                .create(&self.key, &meta, self.headers_from())
                 .await
                 .map_err(|e| log_store_err(&format!("start upload of {}", self.key), e))?;
             self.stream = Some(Stream {
                 upload,
                 slots: BTreeMap::new(),
                 meta,
+                headers_of: self.known_etag().map(str::to_string),
             });
         }
         Ok(())
