@@ -36,7 +36,7 @@ use md5::Digest;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
-use std::io::{self, BufRead, BufReader, Seek, SeekFrom, Write};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -154,13 +154,30 @@ impl UploadJournal {
     /// recovery can tell this store from another one holding a bucket of the same name.
     pub fn open_for_store(dir: &Path, tag: &str, store: &str) -> io::Result<Self> {
         create_dir(dir)?;
-        let path = dir.join(format!("{tag}.{}{SUFFIX}", std::process::id()));
-        let file = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&path)?;
+        // A new file: one by this name is a dead daemon's that had this pid, whose
+        // leftovers its recovery kept (see `MountJournal::open`) for the next mount.
+        let pid = std::process::id();
+        let mut n = 0u32;
+        let (path, file) = loop {
+            let path = match n {
+                0 => dir.join(format!("{tag}.{pid}{SUFFIX}")),
+                n => dir.join(format!("{tag}.{pid}-{n}{SUFFIX}")),
+            };
+            match OpenOptions::new()
+                .create_new(true)
+                .write(true)
+                .mode(0o600)
+                .open(&path)
+            {
+                Ok(f) => {
+                    // Its name survives a power loss with the lines it will hold.
+                    std::fs::File::open(dir)?.sync_all()?;
+                    break (path, f);
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && n < 1000 => n += 1,
+                Err(e) => return Err(e),
+            }
+        };
         lock(&file, true)?;
         let mut inner = JournalInner {
             file,
@@ -294,11 +311,14 @@ pub struct Leftovers {
     pub temporaries: Vec<String>,
 }
 
-/// Parses journal text. Damaged lines (a torn last line after a crash) are skipped.
+/// Parses journal text. Damaged lines are skipped, and a last line without its newline (torn
+/// by a crash) too: cut at an even number of hex digits, it would name a prefix of its key,
+/// another object, which recovery would delete.
 pub fn parse_journal(text: &str) -> Leftovers {
     let mut live: BTreeMap<String, String> = BTreeMap::new();
     let mut temporaries = BTreeSet::new();
-    for line in text.lines() {
+    let whole_lines = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    for line in whole_lines.lines() {
         let mut f = line.split(' ');
         let decode = |s: Option<&str>| {
             s.and_then(|s| hex::decode(s).ok())
@@ -439,16 +459,10 @@ async fn recover_journal(
         return Ok(()); // its daemon is alive
     }
     rec.journals += 1;
-    let mut text = String::new();
-    for line in BufReader::new(&file).lines() {
-        match line {
-            Ok(l) => {
-                text.push_str(&l);
-                text.push('\n');
-            }
-            Err(_) => break,
-        }
-    }
+    let mut bytes = Vec::new();
+    (&file).read_to_end(&mut bytes)?;
+    // Damaged bytes spoil their line only (see `parse_journal`).
+    let text = String::from_utf8_lossy(&bytes).into_owned();
     let recorded = journal_store(&text);
     let this_store = (scope.this_store)(name, recorded.as_deref());
     let mut kept = Leftovers::default();
@@ -647,6 +661,39 @@ mod tests {
         let t = journal_tag("s3://bucket/pre fix @ http://127.0.0.1:9000");
         assert!(!t.contains('/') && !t.contains('.') && !t.contains(' '));
         assert_ne!(journal_tag("a/b"), journal_tag("a_b"));
+    }
+
+    /// A last line torn by a crash is not read: cut at an even number of hex digits, it
+    /// named a prefix of its key, which recovery deleted.
+    #[test]
+    fn a_torn_last_line_is_not_read() {
+        let line = |op: &str, key: &str| format!("{op} {}", hex::encode(key));
+        let text = format!(
+            "{}\n{}",
+            line("t", ".bucketfs-unlinked/a"),
+            &line("t", "data/file.bucketfs-unlinked")[..2 + 8]
+        );
+        assert_eq!(
+            parse_journal(&text).temporaries,
+            vec![".bucketfs-unlinked/a".to_string()]
+        );
+    }
+
+    /// A dead daemon's journal that its recovery kept (an abort failed) under the name this
+    /// process's would have (the dead one had this pid: a restart in a container) stays
+    /// for the next recovery: opening this one's truncated it, and its uploads were never
+    /// aborted.
+    #[test]
+    fn a_kept_journal_under_this_processs_name_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = dir.path().join(format!("t.{}{SUFFIX}", std::process::id()));
+        let lines = format!("+ {} {}\n", hex::encode("id"), hex::encode("k"));
+        std::fs::write(&kept, &lines).unwrap();
+        let journal = UploadJournal::open(dir.path(), "t").unwrap();
+        assert_ne!(journal.path(), kept);
+        assert_eq!(std::fs::read_to_string(&kept).unwrap(), lines);
+        let again = UploadJournal::open(dir.path(), "t").unwrap();
+        assert_ne!(again.path(), journal.path());
     }
 
     /// A journal written by a "dead daemon" (a journal file nobody holds a lock on).

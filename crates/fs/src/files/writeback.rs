@@ -2567,10 +2567,11 @@ impl WriteBack {
                 let key = e.key.clone();
                 inner.by_key.entry(key).or_insert(seq);
                 let e = inner.entries.get_mut(&seq).expect("present");
-                e.status = if e.error.is_some() {
-                    Status::Failed
-                } else {
-                    Status::Queued
+                // A failed upload waits for its next try, a conflict for the file to be
+                // written again; one the retry loop had queued again (no next try) goes now.
+                e.status = match &e.error {
+                    Some(_) if e.conflict || e.next_try.is_some() => Status::Failed,
+                    _ => Status::Queued,
                 };
                 if e.status == Status::Queued {
                     inner.ready.push_back(seq);
@@ -4163,6 +4164,33 @@ mod tests {
             .unwrap();
         slot.write(Bytes::copy_from_slice(body)).await.unwrap();
         wb.commit(slot, 0, false).await.unwrap()
+    }
+
+    /// An entry whose failed upload the retry loop had queued again, held by a rename or an
+    /// unlink that then failed, is queued again at its release: it was left failed with no
+    /// next try, never retried while the mount lasted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_upload_queued_again_and_held_is_still_retried() {
+        let (_dir, _store, wb) = started_wb().await;
+        let seq = put(&wb, "f", b"v1").await;
+        {
+            // As the retry loop leaves a failed upload whose time came.
+            let mut inner = wb.inner.lock();
+            let e = inner.entries.get_mut(&seq).unwrap();
+            e.error = Some("refused".into());
+            e.tries = 1;
+            assert_eq!((e.status, e.next_try), (Status::Queued, None));
+        }
+        assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
+        wb.release(seq);
+        let inner = wb.inner.lock();
+        let e = &inner.entries[&seq];
+        assert!(
+            e.status == Status::Queued && inner.ready.contains(&seq),
+            "left {:?} with next try {:?}",
+            e.status,
+            e.next_try
+        );
     }
 
     /// A commit whose sync fails (a disk error) after its record's header was written is
