@@ -297,7 +297,8 @@ pub const OPTIONS: &[OptionSpec] = &[
          too, come from the disk instead of the bucket. Default: off",
     ),
     value("data_cache_size", "SIZE").env().default("10G").help(
-        "Most the --data-cache directory holds; the least recently used blocks go first (K/M/G).",
+        "Most disk space the --data-cache directory's files take (in 4 KiB blocks); the least \
+         recently used blocks go first (K/M/G).",
     ),
     flag("passthrough").env().help(
         "With --data-cache, let the kernel read a file the cache holds whole itself (FUSE \

@@ -203,8 +203,15 @@ impl crate::namespace::saved::ListingDisk for PagesInDataCache {
             drop(leave);
         }));
     }
-    fn load(&self, dir_key: &str) -> Option<Vec<u8>> {
-        self.cache.listing(dir_key)
+    fn load(&self, dir_key: &str) -> BoxFuture<'static, Option<(Vec<u8>, Option<SystemTime>)>> {
+        let (cache, dir_key) = (self.cache.clone(), dir_key.to_string());
+        async move {
+            cache
+                .read_disk(move |cache| Some((cache.listing(&dir_key)?, cache.changed_until())))
+                .await
+                .flatten()
+        }
+        .boxed()
     }
     fn changing_until(&self, until: SystemTime) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -253,9 +260,6 @@ impl crate::namespace::saved::ListingDisk for PagesInDataCache {
                 written = until;
             }
         }));
-    }
-    fn changed_until(&self) -> Option<SystemTime> {
-        self.cache.changed_until()
     }
 }
 

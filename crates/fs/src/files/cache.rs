@@ -66,6 +66,11 @@ const STALE_TMP: Duration = Duration::from_secs(600);
 /// place: one without a manifest for longer is a crashed assembly's.
 const ORPHAN_AGE: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 60 });
 /// Subdirectory of the cache directory: a new file format gets a new one.
+/// Reads of the cache's disk at once (see [`DataCache::read_disk`]): what a hung disk
+/// holds at most, each with the buffer it fills.
+const DISK_READS: usize = 8;
+/// How long a read of the cache's disk is waited for before the bucket is asked instead.
+const DISK_READ_WAIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 5 });
 const VERSION_DIR: &str = "bucketfs-v1";
 const MAGIC: &[u8; 8] = b"BFSBLK1\n";
 /// magic, three string lengths, index, data length, data CRC.
@@ -170,11 +175,20 @@ fn create_tmp(path: &Path) -> std::io::Result<(File, PathBuf)> {
             Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
             Err(e) if e.kind() == ErrorKind::NotFound && !made_dir => {
                 made_dir = true;
-                std::fs::create_dir_all(path.parent().expect("a cache file has a parent"))?;
+                private_dirs(path.parent().expect("a cache file has a parent"))?;
             }
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Makes directory `dir` and those above it that are missing, 0700 whatever the umask:
+/// others could list what was read, and when, or with umask 0 move the files.
+fn private_dirs(dir: &Path) -> std::io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
 }
 
 /// Lock file `path` (made if need be, never through a link), held exclusively (`flock`)
@@ -194,7 +208,7 @@ fn lock_exclusive(path: &Path) -> std::io::Result<File> {
     let f = match open() {
         // The cache's directory is made by its writer, which may not have run yet.
         Err(e) if e.kind() == ErrorKind::NotFound => {
-            std::fs::create_dir_all(path.parent().expect("a cache file has a parent"))?;
+            private_dirs(path.parent().expect("a cache file has a parent"))?;
             open()?
         }
         r => r?,
@@ -315,8 +329,18 @@ struct Index {
     unsealed: HashSet<u128>,
 }
 
+/// The disk space a cache file of `len` bytes takes: whole file-system blocks (4 KiB on
+/// every common one), at least one. What the limit counts: a cache of tiny objects counted
+/// by their length used many times its limit on disk (and an inode each).
+fn on_disk(len: u64) -> u64 {
+    len.div_ceil(4096).max(1) * 4096
+}
+
 impl Index {
+    /// Indexes file `name` of `size` bytes on disk (see [`on_disk`]; a whole object's two
+    /// files, each counted so).
     fn insert(&mut self, name: u128, size: u64, used: u64) {
+        let size = on_disk(size);
         self.remove(name);
         self.files.insert(name, (size, used));
         self.lru.insert((used, name));
@@ -546,6 +570,13 @@ pub struct DataCache {
     ident_key: std::collections::hash_map::RandomState,
     /// A thread is reading manifests for their seals ([`DataCache::read_seals`]).
     reading_seals: AtomicBool,
+    /// One permit per read of the disk in flight ([`DISK_READS`]).
+    disk_reads: Arc<tokio::sync::Semaphore>,
+    /// Reads of the disk past [`DISK_READ_WAIT`] that have not ended: while there is one,
+    /// the disk is not read.
+    disk_stuck: Arc<std::sync::atomic::AtomicUsize>,
+    /// A read waited past [`DISK_READ_WAIT`] was logged (once per mount).
+    warned_slow: AtomicBool,
 }
 
 impl std::fmt::Debug for DataCache {
@@ -614,6 +645,9 @@ impl DataCache {
             boot,
             ident_key: Default::default(),
             reading_seals: AtomicBool::new(false),
+            disk_reads: Arc::new(tokio::sync::Semaphore::new(DISK_READS)),
+            disk_stuck: Arc::default(),
+            warned_slow: AtomicBool::new(false),
             #[cfg(test)]
             writer_held: Mutex::new(()),
         });
@@ -735,7 +769,7 @@ impl DataCache {
         }
         // Its last use, on the manifest (the data file's own times are part of the seal).
         touch(&mf);
-        let bytes = md.len() + man.len() as u64;
+        let bytes = on_disk(md.len()) + on_disk(man.len() as u64);
         self.index.lock().touch_whole(name, bytes, now_tick());
         Ok((f, m, bytes))
     }
@@ -908,6 +942,75 @@ impl DataCache {
             let _ = std::fs::remove_file(&tmp);
         }
         r.map(|()| bytes.len() as u64)
+    }
+
+    /// Where the manifest of the whole copy of `key` version `etag` is (the first file a
+    /// read of the object opens).
+    #[cfg(test)]
+    pub(crate) fn whole_manifest(&self, key: &str, etag: &str) -> PathBuf {
+        self.whole_path(self.id(key, etag, WHOLE).name(), MAN)
+    }
+
+    /// Runs read `f` of the cache's disk in the blocking pool, [`DISK_READS`] at most at
+    /// once, and waits for it (its place included) [`DISK_READ_WAIT`] at most: `None` when
+    /// the disk is that slow, and at once while a read that slow has not ended (the caller
+    /// asks the bucket). A read that did not answer holds its thread and its place until
+    /// the disk does, so a hung disk holds [`DISK_READS`] threads and buffers, and neither
+    /// the blocking pool the staging files and the write-back directory use nor the reads of
+    /// the mount.
+    pub async fn read_disk<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&DataCache) -> T + Send + 'static,
+    ) -> Option<T> {
+        use std::sync::atomic::AtomicUsize;
+        if self.disk_stuck.load(Ordering::Relaxed) > 0 {
+            inc(&self.metrics.data_cache_errors);
+            return None;
+        }
+        let deadline = tokio::time::Instant::now() + DISK_READ_WAIT;
+        let place = self.disk_reads.clone().acquire_owned();
+        let Ok(Ok(place)) = tokio::time::timeout_at(deadline, place).await else {
+            self.disk_slow();
+            return None;
+        };
+        let cache = self.clone();
+        let mut read = tokio::task::spawn_blocking(move || {
+            let _place = place;
+            f(&cache)
+        });
+        match tokio::time::timeout_at(deadline, &mut read).await {
+            Ok(r) => r.ok(),
+            Err(_) => {
+                /// Counts a read as stuck until it ends.
+                struct Stuck(Arc<AtomicUsize>);
+                impl Drop for Stuck {
+                    fn drop(&mut self) {
+                        self.0.fetch_sub(1, Ordering::Relaxed);
+                    }
+                }
+                self.disk_stuck.fetch_add(1, Ordering::Relaxed);
+                let stuck = Stuck(self.disk_stuck.clone());
+                tokio::spawn(async move {
+                    let _ = read.await;
+                    drop(stuck);
+                });
+                self.disk_slow();
+                None
+            }
+        }
+    }
+
+    /// A read of the disk did not answer within [`DISK_READ_WAIT`].
+    fn disk_slow(&self) {
+        inc(&self.metrics.data_cache_errors);
+        if !self.warned_slow.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "data cache {}: a read did not answer within {} s (is the disk hung?); \
+                 reading from the bucket instead (logged once)",
+                self.root.display(),
+                DISK_READ_WAIT.as_secs()
+            );
+        }
     }
 
     fn io_error(&self, what: &str, e: &std::io::Error) {
@@ -1107,10 +1210,10 @@ impl DataCache {
         }
         let header = id.header(job.data.len() as u64, crc32fast::hash(&job.data));
         let size = (header.len() + job.data.len()) as u64;
-        if size > self.max_bytes {
+        if on_disk(size) > self.max_bytes {
             return false;
         }
-        self.evict_keeping(self.max_bytes - size, &[name]);
+        self.evict_keeping(self.max_bytes - on_disk(size), &[name]);
         let listing = job.index == LISTING;
         let path = match listing {
             true => self.whole_path(name, LST),
@@ -1286,7 +1389,7 @@ impl DataCache {
         let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, i).name()).collect();
         // Room for the copy (and its manifest) next to this object's own blocks, which it
         // is made from and which go once it is sealed.
-        self.evict_keeping(self.max_bytes.saturating_sub(size + 256), &blocks);
+        self.evict_keeping(self.max_bytes.saturating_sub(on_disk(size) + 4096), &blocks);
         let mut tmp = None;
         let made = (|| -> Result<(File, Vec<u32>), Miss> {
             let (mut f, t) = create_tmp(&obj).map_err(Miss::Io)?;
@@ -1344,7 +1447,7 @@ impl DataCache {
                     ix.remove(*b);
                 }
                 if let Some(&(_, used)) = ix.files.get(&name) {
-                    ix.insert_whole(name, size + man_len, used);
+                    ix.insert_whole(name, on_disk(size) + on_disk(man_len), used);
                     self.keep_seal(&mut ix, name, &id, &m);
                 }
             }
@@ -1452,7 +1555,7 @@ impl DataCache {
                     LST => listings.push((n, md.len(), tick(mtime))),
                     OBJ | MAN => {
                         let w = wholes.entry(n).or_default();
-                        w.0 += md.len();
+                        w.0 += on_disk(md.len());
                         w.1 = w.1.max(tick(mtime));
                         if ext == OBJ {
                             w.2 = true;
@@ -1776,7 +1879,7 @@ mod tests {
     fn eviction_keeps_the_size_and_the_recently_read_blocks() {
         let dir = tempfile::tempdir().unwrap();
         let block = vec![7u8; 100_000];
-        let one = block.len() as u64 + 200;
+        let one = on_disk(block.len() as u64 + 200);
         let (c, m) = start(dir.path(), 3 * one);
         for i in 0..3 {
             put_and_wait(&c, "e", i, &block);
@@ -1796,6 +1899,48 @@ mod tests {
         wait_until("rescan", || FsMetrics::get(&m.data_cache_evictions) == 1);
         assert!(FsMetrics::get(&m.data_cache_bytes) <= 2 * one);
         assert_eq!(c.index.lock().files.len(), 2);
+    }
+
+    /// The directories the cache makes below its own are its user's alone: under a umask
+    /// of 022 they were 0755, so other users could list what was read, and when.
+    #[test]
+    fn the_directories_below_the_cache_are_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, _m) = start(dir.path(), 1 << 20);
+        put_and_wait(&c, "e", 0, b"data");
+        let sub = c.path(c.id("k", "e", 0).name());
+        let sub = sub.parent().unwrap();
+        assert_ne!(sub, dir.path());
+        let mode = std::fs::metadata(sub).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "{} is {mode:o}", sub.display());
+    }
+
+    /// Tiny objects count the disk blocks their files take, not their length: 100 of 10
+    /// bytes in a 40 KiB cache kept all 100 (400 KiB on disk, and 100 inodes).
+    #[test]
+    fn tiny_blocks_count_the_disk_space_they_take() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, m) = start(dir.path(), 40 << 10);
+        for i in 0..100 {
+            put_and_wait(&c, &format!("e{i}"), 0, b"0123456789");
+        }
+        let files = c.index.lock().files.len();
+        assert!(files <= 10, "{files} files of 4 KiB at least in 40 KiB");
+        fn used(dir: &Path) -> u64 {
+            std::fs::read_dir(dir)
+                .unwrap()
+                .map(|e| {
+                    let e = e.unwrap();
+                    match e.file_type().unwrap().is_dir() {
+                        true => used(&e.path()),
+                        false => e.metadata().unwrap().blocks() * 512,
+                    }
+                })
+                .sum()
+        }
+        let on_disk = used(&dir.path().join(VERSION_DIR));
+        assert!(on_disk <= 40 << 10, "{on_disk} bytes on disk");
+        assert!(FsMetrics::get(&m.data_cache_bytes) <= 40 << 10);
     }
 
     #[test]

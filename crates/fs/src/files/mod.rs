@@ -207,7 +207,8 @@ impl OpenFiles {
         size: u64,
     ) -> Option<std::fs::File> {
         let cache = self.rcfg.data_cache.clone()?;
-        crate::inline::local_io(move || cache.local_copy(&key, &etag, size))
+        cache
+            .read_disk(move |cache| cache.local_copy(&key, &etag, size))
             .await
             .flatten()
     }

@@ -584,15 +584,20 @@ async fn fetch_cached(
     buf: PoolBuf,
 ) -> FsResult<Bytes> {
     let blocks = blocks_within(&range, size);
-    let (mut buf, hits, cache, key, etag) = {
-        let r = range.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut buf = buf;
-            let hits = cache.read_blocks(&key, &etag, size, r, buf.as_mut_slice());
-            (buf, hits, cache, key, etag)
-        })
-        .await
-        .map_err(|_| FsError::EIO)?
+    let read = {
+        let (r, key, etag) = (range.clone(), key.clone(), etag.clone());
+        cache
+            .read_disk(move |cache| {
+                let mut buf = buf;
+                let hits = cache.read_blocks(&key, &etag, size, r, buf.as_mut_slice());
+                (buf, hits)
+            })
+            .await
+    };
+    let Some((mut buf, hits)) = read else {
+        // The cache's disk is slow or hung; the read there kept its buffer.
+        let buf = budget.buffer(range.end - range.start).await;
+        return fetch(&*store, &key, range, Some(&etag), buf).await;
     };
     let first = blocks.start;
     let hit = |i: u64| hits[(i - first) as usize];
@@ -758,6 +763,93 @@ mod tests {
             used / MIB
         );
         drop(held);
+    }
+
+    /// A hung cache disk (here a FIFO where the object's first cache file is: its open
+    /// never returns) leaves reads to the bucket after a few seconds (one in tests), and
+    /// holds a few blocking threads: each read waited for the disk for good, one more
+    /// blocking thread each, until the pool the staging files and the write-back directory
+    /// use was full.
+    #[test]
+    fn a_hung_cache_disk_leaves_reads_to_the_bucket() {
+        // Twice the reads the cache sends its disk at once.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .max_blocking_threads(16)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (store, cfg, data, etag) = rt.block_on(setup(256 * MIB, 2 * MIB as usize));
+        let dir = tempfile::tempdir().unwrap();
+        crate::files::cache::prepare_dir(dir.path()).unwrap();
+        let dc = crate::config::DataCacheConfig {
+            dir: dir.path().to_path_buf(),
+            max_bytes: 256 * MIB,
+            scope: "test".into(),
+        };
+        let cache = rt.block_on(async { DataCache::start(&dc, 8, cfg.metrics.clone()) });
+        // Its first look at the directory done (it removes what is not its own): the writer
+        // takes a block after it.
+        cache.put("other", "e", 1, 0, Bytes::from_static(b"x"));
+        assert!(rt.block_on(cache.settle(std::time::Duration::from_secs(10))));
+        let fifo = cache.whole_manifest("f", &etag);
+        std::fs::create_dir_all(fifo.parent().unwrap()).unwrap();
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        /// Lets the reads stuck on the FIFO go, whatever the test's outcome.
+        struct Unblock(std::path::PathBuf);
+        impl Drop for Unblock {
+            fn drop(&mut self) {
+                use std::os::unix::fs::OpenOptionsExt;
+                let _ = std::fs::OpenOptions::new()
+                    .write(true)
+                    .custom_flags(libc::O_NONBLOCK)
+                    .open(&self.0);
+            }
+        }
+        let unblock = Unblock(fifo);
+        let size = data.len() as u64;
+        let errors = || FsMetrics::get(&cfg.metrics.data_cache_errors);
+        assert_eq!(errors(), 0);
+        let reads = rt.block_on(async {
+            let reads = (0..40).map(|_| {
+                let cached = CacheIn {
+                    cache: cache.clone(),
+                    budget: cfg.budget.clone(),
+                };
+                let buf = cfg.budget.try_buffer(size).unwrap();
+                let store: Arc<dyn ObjectStore> = store.clone();
+                tokio::spawn(fetch_cached(
+                    store,
+                    cached,
+                    "f".into(),
+                    etag.clone(),
+                    size,
+                    0..size,
+                    buf,
+                ))
+            });
+            let all = futures::future::join_all(reads);
+            tokio::time::timeout(std::time::Duration::from_secs(20), all).await
+        });
+        let free = rt.block_on(async {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(2),
+                tokio::task::spawn_blocking(|| ()),
+            )
+            .await
+        });
+        assert!(unblock.0.exists(), "the FIFO went");
+        // Each read that did not wait for the disk, or waited past the limit.
+        assert_eq!(errors(), 40);
+        drop(unblock);
+        rt.shutdown_background();
+        let reads = reads.expect("reads waited for the hung cache disk");
+        for r in reads {
+            assert!(r.unwrap().unwrap() == data, "a read got other bytes");
+        }
+        assert!(free.is_ok(), "the blocking pool is full of cache reads");
     }
 
     /// A stream's GETs past its first part start on part boundaries, so each reads whole

@@ -511,9 +511,7 @@ impl Lookups {
         if !usable() {
             return;
         }
-        let key = dir_key.clone();
-        let load = move || Some((disk.load(&key)?, disk.changed_until()));
-        let Some(Some((blob, changed))) = crate::inline::local_io(load).await else {
+        let Some((blob, changed)) = disk.load(&dir_key).await else {
             return;
         };
         // Not one without user metadata when a LIST now would carry it (a HEAD per file),

@@ -15,6 +15,7 @@
 //! ([`ListingDisk`]).
 
 use bucketfs_store::{ListDetail, ListPage, ObjectMeta};
+use futures::future::BoxFuture;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Where pages are saved: the data cache's directory.
@@ -22,14 +23,14 @@ pub trait ListingDisk: Send + Sync {
     /// Saves `blob` as the page of directory `dir_key`, replacing any (in the background;
     /// may be dropped).
     fn save(&self, dir_key: &str, blob: Vec<u8>);
-    /// The blob last saved for `dir_key`, checked sound. Blocking (file I/O).
-    fn load(&self, dir_key: &str) -> Option<Vec<u8>>;
+    /// The blob last saved for `dir_key`, checked sound, and until when a mount sharing
+    /// this disk last said it changes something: `None` when there is none, or the disk
+    /// does not answer in time.
+    fn load(&self, dir_key: &str) -> BoxFuture<'static, Option<(Vec<u8>, Option<SystemTime>)>>;
     /// A mount changes something in the store, until `until` at the latest: pages saved
     /// before then are not used by later mounts (they may predate the change). In the
     /// background (callers may hold locks).
     fn changing_until(&self, until: SystemTime);
-    /// Until when a mount sharing this disk last said it changes something. Blocking.
-    fn changed_until(&self) -> Option<SystemTime>;
 }
 
 const VERSION: u8 = 1;
