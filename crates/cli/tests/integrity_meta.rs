@@ -804,3 +804,27 @@ fn files_written_again_keep_the_headers_another_tool_gave_them() {
         assert_kept_headers(&b, key);
     }
 }
+
+/// A file whose version's headers cannot be read (a credential that may write but not
+/// read them, an object encrypted with the client's own key: here the test proxy answers
+/// the pinned HEAD `403`) is still written again: it gets a new object's headers, as before
+/// they were kept (before this fallback, the append failed).
+#[test]
+fn a_file_whose_headers_cannot_be_read_is_still_written_again() {
+    let b = s3().new_bucket("unreadableheaders");
+    put_with_headers(&b, "f.csv", b"a,b\n".to_vec());
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let m = via_proxy(&b, &proxy).mount();
+    assert_eq!(read_file(&m.join("f.csv")), b"a,b\n");
+    proxy.reject_with_header(&format!("HEAD /{b}/f.csv"), "if-match", 403);
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(m.join("f.csv"))
+        .unwrap();
+    f.write_all(b"1,2\n").unwrap();
+    close_checked(f).unwrap();
+    drop(m);
+    assert!(proxy.rejected() >= 1, "the headers were not asked for");
+    assert_eq!(s3().get(&b, "f.csv").as_deref(), Some(&b"a,b\n1,2\n"[..]));
+    assert_eq!(content_type(&b, "f.csv").as_deref(), Some("text/csv"));
+}

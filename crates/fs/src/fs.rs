@@ -207,7 +207,9 @@ impl crate::namespace::saved::ListingDisk for PagesInDataCache {
         let (cache, dir_key) = (self.cache.clone(), dir_key.to_string());
         async move {
             cache
-                .read_disk(move |cache| Some((cache.listing(&dir_key)?, cache.changed_until())))
+                .read_disk(0, move |cache| {
+                    Some((cache.listing(&dir_key)?, cache.changed_until()))
+                })
                 .await
                 .flatten()
         }
@@ -1012,7 +1014,8 @@ impl Fs {
                 if fsync {
                     self.files.note_fsync(&h);
                 }
-                if !waits && self.files.nothing_to_publish(&h) == Some(true) {
+                let of_writers = fsync && h.write.is_none() && self.files.write_of(ino).is_some();
+                if !waits && !of_writers && self.files.nothing_to_publish(&h) == Some(true) {
                     return Now::Done(Ok(()));
                 }
             }
@@ -1046,7 +1049,10 @@ impl Fs {
     /// local fsyncs its version waits for the close before it uploads: see
     /// `writeback::PARK`).
     async fn publish_handle(&self, ino: Ino, fh: u64, fsync: bool) -> FsResult<Option<u64>> {
-        let Some(w) = self.files.handle(ino, fh)?.write else {
+        // An fsync through a descriptor open for reading (`sync FILE`) stores what the
+        // file's writers wrote, as on a local disk.
+        let write = self.files.handle(ino, fh)?.write;
+        let Some(w) = write.or_else(|| self.files.write_of(ino).filter(|_| fsync)) else {
             return Ok(None);
         };
         let mut st = w.state.lock().await;

@@ -169,16 +169,17 @@ impl UploadJournal {
                 .mode(0o600)
                 .open(&path)
             {
-                Ok(f) => {
-                    // Its name survives a power loss with the lines it will hold.
-                    std::fs::File::open(dir)?.sync_all()?;
-                    break (path, f);
-                }
+                Ok(f) => break (path, f),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists && n < 1000 => n += 1,
                 Err(e) => return Err(e),
             }
         };
         lock(&file, true)?;
+        // Its name survives a power loss with the lines it will hold. Locked first: another
+        // mount's recovery takes an unlocked journal for a dead daemon's.
+        if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+            tracing::debug!("sync of {}: {e}", dir.display());
+        }
         let mut inner = JournalInner {
             file,
             header: String::new(),

@@ -122,6 +122,9 @@ pub struct S3Store {
     /// The versions this client's PUTs, uploads and copies made, with every header it gave
     /// them: a rewrite or a copy replacing their metadata has none to read first.
     own: parking_lot::Mutex<OwnVersions>,
+    /// A version's headers could not be read (see [`S3Store::headers_to_keep`]) and that
+    /// was logged.
+    warned_headers: AtomicBool,
     /// Multipart uploads under way, with the headers they were given: what they make is one
     /// of [`S3Store::own`]'s.
     own_uploads: parking_lot::Mutex<HashMap<String, Own>>,
@@ -706,6 +709,7 @@ impl S3Store {
             endpoint,
             guess_content_type: cfg.guess_content_type,
             own: Default::default(),
+            warned_headers: AtomicBool::new(false),
             own_uploads: Default::default(),
         })
     }
@@ -761,7 +765,14 @@ impl S3Store {
             head = self.head_object(src, None).await;
         }
         match head {
-            Ok(h) => Ok(KeptHeaders::of(&h)),
+            Ok(h) => {
+                let mut kept = KeptHeaders::of(&h);
+                // The type its name gives (one this mount gave, likely): at a new name, that
+                // name's (see `OWN_KNOWN_FOR`).
+                kept.type_guessed =
+                    kept.content_type.is_some() && kept.content_type == self.content_type_of(src);
+                Ok(kept)
+            }
             Err(StoreError::NotFound(_)) => Ok(KeptHeaders::guessed(self.content_type_of(dst))),
             Err(e) => Err(e),
         }
@@ -774,12 +785,26 @@ impl S3Store {
         key: &str,
         from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<KeptHeaders> {
-        match from {
-            None => Ok(KeptHeaders::guessed(self.content_type_of(key))),
-            Some(f) => Ok(self
-                .headers_to_keep(f.key, f.etag, key)
-                .await?
-                .for_new_bytes()),
+        let Some(f) = from else {
+            return Ok(KeptHeaders::guessed(self.content_type_of(key)));
+        };
+        match self.headers_to_keep(f.key, f.etag, key).await {
+            Ok(h) => Ok(h.for_new_bytes()),
+            // Not a reason to refuse the write: a credential that may write but not read
+            // (s3:PutObject alone), an object encrypted with a key of the client's own
+            // (SSE-C). The version gets a new object's headers, as before they were kept.
+            Err(e @ (StoreError::AccessDenied(_) | StoreError::Invalid(_))) => {
+                if !self.warned_headers.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{}: its headers cannot be read ({e}); a version written over such an \
+                         object gets a new object's Content-Type and no other header (logged \
+                         once)",
+                        f.key
+                    );
+                }
+                Ok(KeptHeaders::guessed(self.content_type_of(key)))
+            }
+            Err(e) => Err(e),
         }
     }
 

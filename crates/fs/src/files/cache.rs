@@ -69,8 +69,12 @@ const ORPHAN_AGE: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 60 }
 /// Reads of the cache's disk at once (see [`DataCache::read_disk`]): what a hung disk
 /// holds at most, each with the buffer it fills.
 const DISK_READS: usize = 8;
-/// How long a read of the cache's disk is waited for before the bucket is asked instead.
+/// How long a read of the cache's disk is waited for before the bucket is asked instead,
+/// plus the time its bytes take at [`DISK_READ_SLOWEST`].
 const DISK_READ_WAIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 5 });
+/// The slowest a cache disk reads and still counts as working, in bytes per second: the
+/// check of a 10 GB whole copy after a reboot is waited for 205 s.
+const DISK_READ_SLOWEST: u64 = 50 << 20;
 const VERSION_DIR: &str = "bucketfs-v1";
 const MAGIC: &[u8; 8] = b"BFSBLK1\n";
 /// magic, three string lengths, index, data length, data CRC.
@@ -951,15 +955,17 @@ impl DataCache {
         self.whole_path(self.id(key, etag, WHOLE).name(), MAN)
     }
 
-    /// Runs read `f` of the cache's disk in the blocking pool, [`DISK_READS`] at most at
-    /// once, and waits for it (its place included) [`DISK_READ_WAIT`] at most: `None` when
-    /// the disk is that slow, and at once while a read that slow has not ended (the caller
-    /// asks the bucket). A read that did not answer holds its thread and its place until
-    /// the disk does, so a hung disk holds [`DISK_READS`] threads and buffers, and neither
-    /// the blocking pool the staging files and the write-back directory use nor the reads of
-    /// the mount.
+    /// Runs read `f` of the cache's disk, of `bytes` at most, in the blocking pool,
+    /// [`DISK_READS`] at most at once, and waits for it (its place included)
+    /// [`DISK_READ_WAIT`] plus the time of `bytes` at [`DISK_READ_SLOWEST`] at most: `None`
+    /// when the disk is that slow, and at once while a read that slow has not ended (the
+    /// caller asks the bucket). A read that did not answer holds its thread and its place
+    /// until the disk does, so a hung disk holds [`DISK_READS`] threads and buffers, and
+    /// neither the blocking pool the staging files and the write-back directory use nor the
+    /// reads of the mount.
     pub async fn read_disk<T: Send + 'static>(
         self: &Arc<Self>,
+        bytes: u64,
         f: impl FnOnce(&DataCache) -> T + Send + 'static,
     ) -> Option<T> {
         use std::sync::atomic::AtomicUsize;
@@ -967,7 +973,8 @@ impl DataCache {
             inc(&self.metrics.data_cache_errors);
             return None;
         }
-        let deadline = tokio::time::Instant::now() + DISK_READ_WAIT;
+        let wait = DISK_READ_WAIT + Duration::from_secs(bytes / DISK_READ_SLOWEST);
+        let deadline = tokio::time::Instant::now() + wait;
         let place = self.disk_reads.clone().acquire_owned();
         let Ok(Ok(place)) = tokio::time::timeout_at(deadline, place).await else {
             self.disk_slow();

@@ -208,7 +208,8 @@ impl OpenFiles {
     ) -> Option<std::fs::File> {
         let cache = self.rcfg.data_cache.clone()?;
         cache
-            .read_disk(move |cache| cache.local_copy(&key, &etag, size))
+            // After a reboot, the first open reads the whole copy to check it.
+            .read_disk(size, move |cache| cache.local_copy(&key, &etag, size))
             .await
             .flatten()
     }

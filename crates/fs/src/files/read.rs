@@ -587,7 +587,7 @@ async fn fetch_cached(
     let read = {
         let (r, key, etag) = (range.clone(), key.clone(), etag.clone());
         cache
-            .read_disk(move |cache| {
+            .read_disk(r.end - r.start, move |cache| {
                 let mut buf = buf;
                 let hits = cache.read_blocks(&key, &etag, size, r, buf.as_mut_slice());
                 (buf, hits)
@@ -596,7 +596,7 @@ async fn fetch_cached(
     };
     let Some((mut buf, hits)) = read else {
         // The cache's disk is slow or hung; the read there kept its buffer.
-        let buf = budget.buffer(range.end - range.start).await;
+        let buf = budget.demand_buffer(range.end - range.start).await;
         return fetch(&*store, &key, range, Some(&etag), buf).await;
     };
     let first = blocks.start;

@@ -35,7 +35,7 @@ use crate::paths::ObjectKey;
 use crate::pool::PoolBuf;
 use bucketfs_store::{
     run_bounded, CompletedPart, HeadersFrom, ObjectStore, StoreError, StoreLimits, StoreResult,
-    Upload, Uploads, UserMeta,
+    Upload, Uploads, UserMeta, IF_ABSENT,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -511,10 +511,15 @@ impl WriteState {
     }
 
     /// The version whose headers other than the user metadata (Content-Type,
-    /// Cache-Control, ...) the next version keeps: the one it replaces, as far as this
-    /// state knows (see [`Self::known_etag`]); none for a new file.
-    pub fn headers_from(&self) -> Option<HeadersFrom<'_>> {
-        let etag = self.known_etag()?;
+    /// Cache-Control, ...) the next version, stored under `pin`, keeps: the one it replaces,
+    /// the pinned one or as far as this state knows (see [`Self::known_etag`]); none for a
+    /// new file.
+    pub fn headers_from<'a>(&'a self, pin: Option<&'a str>) -> Option<HeadersFrom<'a>> {
+        let etag = match pin {
+            Some(IF_ABSENT) => return None,
+            Some(etag) => etag,
+            None => self.known_etag()?,
+        };
         Some(HeadersFrom {
             key: self.key.as_str(),
             etag: Some(etag),
@@ -708,7 +713,7 @@ impl WriteState {
         else {
             return Ok(());
         };
-        if let Err(e) = self.start_stream().await {
+        if let Err(e) = self.start_stream(None).await {
             // Keep the bytes (on disk, or else still in the tail): publish sends them, and
             // says if it cannot. After a failure that may pass (EIO: the store unreachable)
             // the write that filled the part succeeded: failing it would have the caller write

@@ -185,6 +185,37 @@ async fn fsync_with_nothing_to_upload_is_answered_at_once() {
     assert_eq!(object(&e.mem, "w").await, b"new");
 }
 
+/// An fsync through a descriptor open for reading (`sync FILE`, which opens the file
+/// read-only) stores what another descriptor of the file wrote, as on a local disk: it
+/// returned 0 and stored nothing.
+#[tokio::test]
+async fn an_fsync_through_a_read_only_descriptor_stores_the_writers_changes() {
+    let e = env();
+    let (attr, w) =
+        e.fs.create(ROOT_INO, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    e.fs.write(attr.ino, w.fh, 0, Bytes::from_static(b"written"))
+        .await
+        .unwrap();
+    let r = e.fs.open(attr.ino, libc::O_RDONLY).await.unwrap();
+    match e.fs.publish_now(attr.ino, r.fh, true) {
+        Now::Done(d) => d.unwrap(),
+        Now::Later(f) => f.await.unwrap(),
+    }
+    assert_eq!(object(&e.mem, "f").await, b"written");
+    // A flush (a close) of the reader stores nothing of the writer's.
+    e.fs.write(attr.ino, w.fh, 7, Bytes::from_static(b" more"))
+        .await
+        .unwrap();
+    let puts = e.metrics.requests(Op::Put);
+    assert!(matches!(
+        e.fs.publish_now(attr.ino, r.fh, false),
+        Now::Done(Ok(()))
+    ));
+    assert_eq!(e.metrics.requests(Op::Put), puts);
+}
+
 #[tokio::test]
 async fn truncate_to_the_same_size_sends_nothing() {
     let e = env();

@@ -498,7 +498,7 @@ impl WriteState {
 
     pub(super) async fn put_whole(&self, body: Bytes, pin: Option<&str>) -> FsResult<String> {
         self.store
-            .put_if(&self.key, body, &self.meta, pin, self.headers_from())
+            .put_if(&self.key, body, &self.meta, pin, self.headers_from(pin))
             .await
             .map_err(|e| self.publish_err(&format!("upload {}", self.key), e, pin.is_some()))
     }
@@ -541,7 +541,7 @@ impl WriteState {
         if parts.len() > self.cfg.limits.max_parts as usize {
             return Err(FsError::EFBIG);
         }
-        self.start_stream().await?;
+        self.start_stream(pin).await?;
         match self.send_parts(&parts).await {
             Ok(completed) => {
                 let stream = self.stream.as_mut().expect("stream");

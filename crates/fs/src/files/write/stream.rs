@@ -26,7 +26,7 @@ impl WriteState {
                 continue;
             }
             let generation = self.generations.get(&i).copied().unwrap_or(0);
-            self.start_stream().await?;
+            self.start_stream(None).await?;
             self.wait_for_upload_slot().await;
             // A pool buffer (not the allocator's, see pool.rs), its memory held by the upload.
             let (buf, mem) = self.cfg.budget.buffer(r.end - r.start).await.split_mem();
@@ -185,8 +185,9 @@ impl WriteState {
         })
     }
 
-    /// Opens the multipart upload parts stream into, if not open yet.
-    pub(super) async fn start_stream(&mut self) -> FsResult<()> {
+    /// Opens the multipart upload parts stream into, if not open yet: for a version
+    /// stored under `pin`, if known yet (see [`Self::headers_from`]).
+    pub(super) async fn start_stream(&mut self, pin: Option<&str>) -> FsResult<()> {
         if self.stream.is_none() {
             // The object's mtime is the latest write's as of now; a later write's would cost
             // a copy of the object, so the publish keeps this one (and stat shows it).
@@ -197,14 +198,18 @@ impl WriteState {
             let upload = self
                 .cfg
                 .uploads
-                .create(&self.key, &meta, self.headers_from())
+                .create(&self.key, &meta, self.headers_from(pin))
                 .await
                 .map_err(|e| log_store_err(&format!("start upload of {}", self.key), e))?;
+            let headers_of = self
+                .headers_from(pin)
+                .and_then(|f| f.etag)
+                .map(str::to_string);
             self.stream = Some(Stream {
                 upload,
                 slots: BTreeMap::new(),
                 meta,
-                headers_of: self.known_etag().map(str::to_string),
+                headers_of,
             });
         }
         Ok(())
