@@ -226,6 +226,12 @@ fn umount(args: &UmountArgs) -> i32 {
             return 1;
         }
     };
+    // A link to a mount point (the mount went where it points): only when the path is no
+    // mount point itself, whose root may be a hung mount's.
+    let mp = match bucketfs_fuse::mount_info(&mp) {
+        None if std::fs::read_link(&mp).is_ok() => mp.canonicalize().unwrap_or(mp),
+        _ => mp,
+    };
     match bucketfs_fuse::mount_info(&mp) {
         None => {
             eprintln!("bucketfs: {} is not mounted", mp.display());

@@ -617,9 +617,12 @@ async fn wait_and_shutdown(fs: &Fs, handle: MountHandle, journal: &MountJournal)
         _ = handle.unmounted() => info!("{} was unmounted", handle.mountpoint().display()),
     }
     let second = tokio::select! {
-        code = async { unmount(handle).await.max(drain_uploads(fs).await) } => {
-            return code.max(clean_up(fs).await)
-        }
+        // The clean-up too: a store or disk that stops answering there leaves the second
+        // signal its way out.
+        code = async {
+            let code = unmount(handle).await.max(drain_uploads(fs).await);
+            code.max(clean_up(fs).await)
+        } => return code,
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
         // Not SIGHUP: a terminal's hangup can deliver it twice (kernel and shell).

@@ -112,11 +112,17 @@ pub fn mount(
     cfg.clone_fd = true;
     bucketfs_fs::set_fuse_threads(opts.n_threads.max(1));
 
+    // A link to the directory: the mount goes where it points (fuser canonicalizes it), and
+    // the unmount and /proc/self/mountinfo must name that place, not the link (fusermount
+    // refused to unmount the link, and the daemon exited as if signalled twice).
+    let mountpoint = match std::fs::read_link(mountpoint) {
+        Ok(_) => mountpoint.canonicalize()?,
+        Err(_) => absolute(mountpoint),
+    };
     let notifier = adapter.notifier_slot();
     let mount_id = adapter.mount_id_slot();
-    let session = fuser::spawn_mount(adapter, mountpoint, &cfg)?;
+    let session = fuser::spawn_mount(adapter, &mountpoint, &cfg)?;
     let _ = notifier.set(session.notifier());
-    let mountpoint = absolute(mountpoint);
     if let Some(m) = mount_info(&mountpoint).filter(MountInfo::is_fuse) {
         let _ = mount_id.set(m.id);
     }
