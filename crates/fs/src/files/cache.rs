@@ -1047,7 +1047,8 @@ impl DataCache {
         blocks_within(&range, size)
             .map(|i| {
                 let b = block_range(i, size);
-                let dst = &mut out[(b.start - range.start) as usize..(b.end - range.start) as usize];
+                let dst =
+                    &mut out[(b.start - range.start) as usize..(b.end - range.start) as usize];
                 let id = self.id(key, etag, i);
                 match self.read_one(&id, dst) {
                     Ok(()) => {
@@ -1060,23 +1061,26 @@ impl DataCache {
                         match miss {
                             Miss::Absent => {}
                             Miss::Io(e) => self.io_error("read", &e),
-                            Miss::Corrupt(why) => {
-                                inc(&self.metrics.data_cache_corrupt);
-                                let name = id.name();
-                                tracing::warn!(
-                                    "data cache block {} ({key} block {i}) is {why}: removed, fetching it again",
-                                    self.path(name).display()
-                                );
-                                let _ = std::fs::remove_file(self.path(name));
-                                self.index.lock().remove(name);
-                                self.update_size();
-                            }
+                            Miss::Corrupt(why) => self.drop_corrupt(&id, key, i, why),
                         }
                         false
                     }
                 }
             })
             .collect()
+    }
+
+    /// Removes block `i` of `key` (`id`), found `why` damaged, from the disk and the index.
+    fn drop_corrupt(&self, id: &BlockId<'_>, key: &str, i: u64, why: &str) {
+        inc(&self.metrics.data_cache_corrupt);
+        let name = id.name();
+        tracing::warn!(
+            "data cache block {} ({key} block {i}) is {why}: removed, fetching it again",
+            self.path(name).display()
+        );
+        let _ = std::fs::remove_file(self.path(name));
+        self.index.lock().remove(name);
+        self.update_size();
     }
 
     /// Reads and checks one block file into `dst` (its expected length).
@@ -1409,7 +1413,23 @@ impl DataCache {
                 } else {
                     let b = block_range(i, size);
                     buf.resize((b.end - b.start) as usize, 0);
-                    self.read_one(&self.id(key, etag, i), &mut buf)?;
+                    let id = self.id(key, etag, i);
+                    match self.read_one(&id, &mut buf) {
+                        Ok(()) => {}
+                        // Out of the index, so that the next open does not ask for this
+                        // copy again (reading and writing all the rest) before a read
+                        // brought the block back.
+                        Err(Miss::Corrupt(why)) => {
+                            self.drop_corrupt(&id, key, i, why);
+                            return Err(Miss::Corrupt(why));
+                        }
+                        Err(miss) => {
+                            if self.index.lock().remove(id.name()).is_some() {
+                                self.update_size();
+                            }
+                            return Err(miss);
+                        }
+                    }
                     &buf
                 };
                 crcs.push(crc32fast::hash(data));
@@ -1906,6 +1926,33 @@ mod tests {
         wait_until("rescan", || FsMetrics::get(&m.data_cache_evictions) == 1);
         assert!(FsMetrics::get(&m.data_cache_bytes) <= 2 * one);
         assert_eq!(c.index.lock().files.len(), 2);
+    }
+
+    /// A damaged block found while assembling its object's whole copy is removed: it stayed
+    /// indexed, so every open asked for the copy again, each reading and writing all the
+    /// other blocks to fail at the same one, until a read through the daemon removed it.
+    #[test]
+    fn a_damaged_block_found_by_an_assembly_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, m) = start(dir.path(), 64 << 20);
+        let size = 3 * BLOCK;
+        let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        put_all(&c, "e", &data);
+        let name = |i| c.id("k", "e", i).name();
+        wait_until("blocks written", || {
+            (0..3).all(|i| c.index.lock().files.contains_key(&name(i)))
+        });
+        let path = c.path(name(1));
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 10] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        c.set_whole_files(true);
+        assert!(c.local_copy("k", "e", size).is_none());
+        wait_until("the damaged block removed", || !path.exists());
+        assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1);
+        assert!(!c.index.lock().files.contains_key(&name(1)));
+        assert!(c.local_copy("k", "e", size).is_none());
     }
 
     /// The directories the cache makes below its own are its user's alone: under a umask
