@@ -4301,16 +4301,26 @@ mod tests {
         let (wb, n) = open_wb(dir.path(), &store).await;
         assert_eq!(n, 2);
         // b unlinked, d written again, at once (before they go up, unless the upload
-        // workers are first: the old names must be gone either way).
+        // workers are first, as on a loaded machine: the old names must be gone either way).
         let (b, d) = {
             let inner = wb.inner.lock();
-            (inner.by_key["b"], inner.by_key["d"])
+            (
+                inner.by_key.get("b").copied(),
+                inner.by_key.get("d").copied(),
+            )
         };
-        if let Holding::Held { .. } = wb.hold(b).await {
-            wb.discard(b).await.unwrap();
+        if let Some(b) = b {
+            if let Holding::Held { .. } = wb.hold(b).await {
+                wb.discard(b).await.unwrap();
+            }
         }
+        // Over the version of d that went up already, if it did.
+        let cond = match d {
+            Some(_) => Cond::Absent,
+            None => Cond::Any,
+        };
         let mut slot = wb
-            .begin("d", 4, &UserMeta::new(), Some(d), Cond::Absent, None)
+            .begin("d", 4, &UserMeta::new(), d, cond, None)
             .await
             .unwrap();
         slot.write(Bytes::from_static(b"d v3")).await.unwrap();
