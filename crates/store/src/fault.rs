@@ -20,6 +20,8 @@ pub enum Fault {
     Delay(Duration),
     /// Call the inner store (the request happens), then report a dropped connection.
     DropAfter,
+    /// Call the inner store (the request happens), then never answer (a held response).
+    HangAfter,
 }
 
 #[derive(Debug, Clone)]
@@ -139,6 +141,10 @@ impl FaultStore {
             Some(Fault::DropAfter) => {
                 let _ = call.await;
                 Err(StoreError::Transient("connection reset (injected)".into()))
+            }
+            Some(Fault::HangAfter) => {
+                let _ = call.await;
+                std::future::pending().await
             }
         }
     }

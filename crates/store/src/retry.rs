@@ -30,7 +30,9 @@
 //! reports the original transient error, so the caller never believes in an object that is not
 //! the one it uploaded. A conditional PUT or CompleteMultipartUpload (`If-Match`) whose first
 //! attempt landed and lost its answer gets `PreconditionFailed` on the repeat (the object now
-//! has the new ETag): the same HEAD tells that apart from another writer's version. A
+//! has the new ETag): the same HEAD tells that apart from another writer's version, and so
+//! does, by its metadata, a copy of an object onto itself pinned to its ETag (a chmod). An
+//! attempt this layer cut counts as one whose answer was lost. A
 //! CreateMultipartUpload whose answer was lost leaves an upload the
 //! caller never learns about; see `docs/reliability.md`.
 
@@ -401,41 +403,77 @@ impl<S: ObjectStore + ?Sized> RetryStore<S> {
     }
 }
 
-/// Remembers the first transient failure of a call's attempts.
-fn note_transient<T>(first: &Mutex<Option<StoreError>>, r: &StoreResult<T>) {
-    if let Err(e) = r {
-        if e.is_transient() {
-            first.lock().get_or_insert_with(|| e.clone());
+/// What the attempts of one write said so far, for [`RetryStore::lost_answer`].
+#[derive(Default)]
+struct Attempts {
+    /// The first sign that an attempt may have landed without its answer: a transient
+    /// failure, or an attempt this layer cut (the store may have done it and held the answer).
+    lost: Mutex<Option<StoreError>>,
+    started: std::sync::atomic::AtomicBool,
+}
+
+impl Attempts {
+    /// An attempt begins: one before it ended without an answer (only a transient failure or
+    /// a cut is retried).
+    fn begin(&self) {
+        if self.started.swap(true, Ordering::Relaxed) {
+            self.lost.lock().get_or_insert_with(|| {
+                StoreError::Transient("an earlier attempt got no answer".into())
+            });
+        }
+    }
+
+    /// Remembers the first transient failure of the attempts.
+    fn ended<T>(&self, r: &StoreResult<T>) {
+        if let Err(e) = r {
+            if e.is_transient() {
+                self.lost.lock().get_or_insert_with(|| e.clone());
+            }
         }
     }
 }
 
 impl<S: ObjectStore + ?Sized> RetryStore<S> {
     /// A write to `key` ended in `r` (not found, or a failed precondition) after an earlier
-    /// attempt failed transiently (`lost`): that attempt may have landed and lost its answer.
-    /// It did if the object now has `expected`, the ETag our request gives it; otherwise the
-    /// original failure stands (transient), or `r` when no attempt failed before.
+    /// attempt failed transiently or was cut (`attempts`): that attempt may have landed and
+    /// lost its answer. It did if the object now has `expected`, the ETag our request gives
+    /// it; otherwise the original failure stands (transient), or `r` when no attempt failed
+    /// before, or when the object has another client's version.
     async fn lost_answer(
         &self,
         what: &str,
         key: &str,
-        lost: &Mutex<Option<StoreError>>,
+        attempts: &Attempts,
         expected: Option<String>,
         r: StoreResult<String>,
     ) -> StoreResult<String> {
-        let Some(lost) = lost.lock().take() else {
+        let Some(lost) = attempts.lost.lock().take() else {
             return r; // no attempt failed before: the answer stands
         };
         let Err(now) = r else {
             return r;
         };
-        match self.head(key).await {
-            Ok(obj) if expected.is_some() && obj.etag == expected => {
+        let found = match self.head(key).await {
+            Ok(obj) => obj.etag,
+            // Gone: not ours either.
+            Err(StoreError::NotFound(_)) => None,
+            Err(e) => {
+                // Whether our attempt landed is not known: not a conflict.
+                tracing::warn!(
+                    "{what}: an attempt failed ({lost}), the retry said {now}, and the object \
+                     could not be checked ({e}): reported as failed"
+                );
+                return Err(lost);
+            }
+        };
+        let same = |a: &str, b: &str| a.eq_ignore_ascii_case(b);
+        match found {
+            Some(etag) if expected.as_deref().is_some_and(|e| same(e, &etag)) => {
                 tracing::info!(
                     "{what}: the answer to an attempt was lost ({lost}), but the object has \
                      the ETag of our request: done"
                 );
-                Ok(obj.etag.unwrap_or_default())
+                Ok(etag)
             }
             _ => {
                 tracing::warn!(
@@ -554,14 +592,15 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
         headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         let what = format!("PUT {key}");
-        let lost = Mutex::new(None);
+        let attempts = Attempts::default();
         let r = self
             .retry(&what, || async {
+                attempts.begin();
                 let r = self
                     .inner
                     .put_if(key, body.clone(), meta, if_match, headers_from)
                     .await;
-                note_transient(&lost, &r);
+                attempts.ended(&r);
                 r
             })
             .await;
@@ -570,7 +609,7 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
         }
         // A single PUT's ETag is the MD5 of its body (on stores that say so).
         let ours = format!("\"{}\"", hex::encode(Md5::digest(&body)));
-        self.lost_answer(&what, key, &lost, Some(ours), r).await
+        self.lost_answer(&what, key, &attempts, Some(ours), r).await
     }
 
     async fn create_multipart(
@@ -629,14 +668,15 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
         if_match: Option<&str>,
     ) -> StoreResult<String> {
         let what = format!("CompleteMultipartUpload {key}");
-        let lost = Mutex::new(None);
+        let attempts = Attempts::default();
         let r = self
             .retry(&what, || async {
+                attempts.begin();
                 let r = self
                     .inner
                     .complete_multipart(key, upload_id, parts, if_match)
                     .await;
-                note_transient(&lost, &r);
+                attempts.ended(&r);
                 r
             })
             .await;
@@ -646,7 +686,7 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
         ) {
             return r;
         }
-        self.lost_answer(&what, key, &lost, multipart_etag(parts), r)
+        self.lost_answer(&what, key, &attempts, multipart_etag(parts), r)
             .await
     }
 
@@ -671,10 +711,38 @@ impl<S: ObjectStore + ?Sized> crate::layer::StoreLayer for RetryStore<S> {
         meta: Option<&UserMeta>,
         src_if_match: Option<&str>,
     ) -> StoreResult<String> {
-        self.retry(&format!("CopyObject {src_key} -> {dst_key}"), || {
-            self.inner.copy(src_key, dst_key, meta, src_if_match)
-        })
-        .await
+        let what = format!("CopyObject {src_key} -> {dst_key}");
+        let attempts = Attempts::default();
+        let r = self
+            .retry(&what, || async {
+                attempts.begin();
+                let r = self.inner.copy(src_key, dst_key, meta, src_if_match).await;
+                attempts.ended(&r);
+                r
+            })
+            .await;
+        let pinned_onto_itself = src_key == dst_key && src_if_match.is_some();
+        if !pinned_onto_itself || !matches!(r, Err(StoreError::PreconditionFailed(_))) {
+            return r;
+        }
+        // A copy onto itself (new metadata) gives a new ETag, so a repeat after an attempt
+        // that landed is refused: the object is ours if it has the metadata we sent. Its ETag
+        // cannot tell (a copy of a multipart object has an MD5 of its own).
+        let Some(lost) = attempts.lost.lock().take() else {
+            return r;
+        };
+        match ObjectStore::head(self, dst_key).await {
+            Ok(obj) if meta.is_some_and(|m| *m == obj.user) => {
+                tracing::info!(
+                    "{what}: the answer to an attempt was lost ({lost}), but the object has \
+                     the metadata of our request: done"
+                );
+                Ok(obj.etag.unwrap_or_default())
+            }
+            // Not ours, or not known: the attempt's failure stands (never taken for another
+            // client's version, which sync mode keeps as a conflict).
+            _ => Err(lost),
+        }
     }
 
     async fn delete(&self, key: &str) -> StoreResult<()> {
@@ -844,6 +912,108 @@ mod tests {
         busy.await.unwrap();
         assert_eq!(RetryMetrics::get(&retry.metrics().retries), 1);
         assert_eq!(RetryMetrics::get(&retry.metrics().recovered), 1);
+    }
+
+    /// A write whose answer the store held until this layer cut the attempt (others'
+    /// requests moving meanwhile), then retried: the retry's 412 or NoSuchUpload was taken
+    /// for another client's doing, though the first attempt had stored our bytes. Found done
+    /// now, as after a transient failure.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_whose_attempt_was_cut_after_it_landed_is_found_done() {
+        let (mem, fault, retry) = setup(quick(200));
+        let retry = Arc::new(retry.cutting_stalls());
+        let meta = UserMeta::new();
+        let v1 = mem
+            .put("k", Bytes::from_static(b"v1"), &meta)
+            .await
+            .unwrap();
+        let busy = tokio::spawn({
+            let retry = retry.clone();
+            async move {
+                for _ in 0..60 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    let _ = retry
+                        .list("", None, ListFrom::Start, 1, ListDetail::Plain)
+                        .await;
+                }
+            }
+        });
+        fault.inject(Op::Put, 0, Some(1), Fault::HangAfter);
+        let put = retry
+            .put_if("k", Bytes::from_static(b"v2"), &meta, Some(&v1), None)
+            .await;
+        let up = retry.create_multipart("m", &meta, None).await.unwrap();
+        let etag = retry
+            .upload_part("m", &up, 1, Bytes::from_static(b"part"))
+            .await
+            .unwrap();
+        let parts = [CompletedPart {
+            part_number: 1,
+            etag,
+        }];
+        fault.inject(Op::CompleteMultipart, 0, Some(1), Fault::HangAfter);
+        let done = retry.complete_multipart("m", &up, &parts, None).await;
+        busy.await.unwrap();
+        assert_eq!(put.unwrap(), mem.head("k").await.unwrap().etag.unwrap());
+        assert_eq!(done.unwrap(), mem.head("m").await.unwrap().etag.unwrap());
+    }
+
+    /// The retry of a write said 412 after an attempt failed, and the HEAD that would tell
+    /// whether that attempt landed failed too: unknown, so a transient failure, not another
+    /// client's version (a conflict, which sync mode makes sticky).
+    #[tokio::test]
+    async fn a_lost_answer_that_cannot_be_checked_is_no_conflict() {
+        let (mem, fault, retry) = setup(quick(100));
+        let meta = UserMeta::new();
+        let v1 = mem
+            .put("k", Bytes::from_static(b"v1"), &meta)
+            .await
+            .unwrap();
+        mem.put("k", Bytes::from_static(b"other"), &meta)
+            .await
+            .unwrap();
+        fault.inject(
+            Op::Put,
+            0,
+            Some(1),
+            Fault::Error(StoreError::Transient("reset".into())),
+        );
+        fault.inject(Op::Head, 0, None, transient());
+        let r = retry
+            .put_if("k", Bytes::from_static(b"v2"), &meta, Some(&v1), None)
+            .await;
+        assert!(matches!(r, Err(ref e) if e.is_transient()), "{r:?}");
+    }
+
+    /// A copy of an object onto itself (a chmod of a multipart object) that landed and lost
+    /// its answer: the repeat's source pin no longer matched (the copy has a new ETag), and
+    /// the 412 made a chmod of our own file a conflict with "another client".
+    #[tokio::test]
+    async fn a_copy_onto_itself_that_landed_and_lost_its_answer_is_found_done() {
+        let (mem, fault, retry) = setup(quick(300));
+        let up = mem
+            .create_multipart("big", &UserMeta::new(), None)
+            .await
+            .unwrap();
+        let etag = mem
+            .upload_part("big", &up, 1, Bytes::from_static(b"part"))
+            .await
+            .unwrap();
+        let parts = [CompletedPart {
+            part_number: 1,
+            etag,
+        }];
+        let v1 = mem
+            .complete_multipart("big", &up, &parts, None)
+            .await
+            .unwrap();
+        let mut meta = UserMeta::new();
+        meta.insert("mode".into(), "100600".into());
+        fault.inject(Op::Copy, 0, Some(1), Fault::DropAfter);
+        let r = retry.copy("big", "big", Some(&meta), Some(&v1)).await;
+        let now = mem.head("big").await.unwrap();
+        assert_eq!(now.user, meta);
+        assert_eq!(r.unwrap(), now.etag.unwrap());
     }
 
     fn hanging(policy: RetryPolicy) -> (Arc<MemoryStore>, Arc<FaultStore>, RetryStore) {

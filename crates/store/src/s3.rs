@@ -489,8 +489,12 @@ fn refused_condition<E: ProvideErrorMetadata>(
         return false;
     };
     let status = se.raw().status().as_u16();
+    let code = se.err().code();
+    // A 400 for the header itself; an expired token or a request timeout is a 400 too, and
+    // says nothing of it.
+    let of_header = matches!(code, None | Some("InvalidArgument" | "InvalidRequest"));
     let refused =
-        status == 501 || (or_400 && status == 400) || se.err().code() == Some("NotImplemented");
+        status == 501 || (or_400 && status == 400 && of_header) || code == Some("NotImplemented");
     if refused && !flag.swap(true, Ordering::Relaxed) {
         let why = format!("{status} {}", se.err().code().unwrap_or(""));
         tracing::warn!("{}", message(&why));
@@ -1691,6 +1695,37 @@ mod tests {
                 false => assert!(most > PAGE_LISTS_IN_FLIGHT, "{most} one-key LISTs"),
             }
         }
+    }
+
+    /// A 400 to a pinned DELETE that is not about the header (an expired token) turned
+    /// If-Match off for the rest of the mount and deleted at once without it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_400_that_is_not_about_if_match_keeps_deletes_pinned() {
+        let deletes = Arc::new(AtomicUsize::new(0));
+        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>ExpiredToken\
+            </Code><Message>The provided token has expired.</Message></Error>";
+        let answer = format!(
+            "HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let url = serve({
+            let deletes = deletes.clone();
+            move |conn, request| {
+                if request.starts_with("DELETE") {
+                    deletes.fetch_add(1, AtomicOrdering::SeqCst);
+                }
+                conn.write_all(answer.as_bytes())
+            }
+        });
+        let store = plain_store(url).await;
+        assert!(store.delete_if("k", "\"e\"").await.is_err());
+        assert_eq!(
+            deletes.load(AtomicOrdering::SeqCst),
+            1,
+            "deleted without the pin"
+        );
+        assert!(!store.no_conditional_delete.load(Ordering::Relaxed));
     }
 
     /// A plain-HTTP server that answers every request with `body` (as XML, status 200).
