@@ -1384,6 +1384,16 @@ impl Fs {
                 gone = t.get(ino).map(|i| (i.parent, i.path.clone()));
                 t.removed(ino);
             } else if ask_store {
+                // Readers build on the inode's (ETag, size): the size never stored goes
+                // with the state, back to its base version's.
+                if let Some(i) = t.get_mut(ino) {
+                    let base = st.base_etag().zip(st.base_size());
+                    if let Some((etag, size)) = base.filter(|_| st.committed().is_none()) {
+                        if i.etag.as_deref() == Some(etag) {
+                            i.attr.size = size;
+                        }
+                    }
+                }
                 self.ns.ask_store_again(&mut t, ino);
             }
             t.maybe_drop(ino);

@@ -395,7 +395,16 @@ impl Reader {
                 }
             }
         }
-        let hit = self.queue().covered().contains(&offset);
+        // Checked and pinned at once: a reclaim in between took every chunk, leaving `next`
+        // past them, so nothing was fetched again and the read failed (EIO).
+        let hit = {
+            let mut q = self.queue();
+            let hit = q.covered().contains(&offset);
+            if hit {
+                q.pinned = Some(offset..end);
+            }
+            hit
+        };
         if !hit {
             self.retire_chunks();
             if let Some(b) = self.cached_block(offset, end) {
@@ -404,17 +413,20 @@ impl Reader {
                 return Ok(b);
             }
             let align = self.cfg.align();
-            self.queue().next = if self.small_file() {
+            let next = if self.small_file() {
                 0
             } else if sequential && self.cfg.data_cache.is_none() {
                 offset
             } else {
                 offset - offset % align
             };
+            let mut q = self.queue();
+            q.next = next;
+            // From here the bytes this read asks for are the reader's own: nobody reclaims
+            // them.
+            q.pinned = Some(offset..end);
         }
         inc(if hit { &m.read_hits } else { &m.read_misses });
-        // From here the bytes this read asks for are the reader's own: nobody reclaims them.
-        self.queue().pinned = Some(offset..end);
         let r = self.fill_and_collect(offset, end, sequential).await;
         self.queue().pinned = None;
         r

@@ -504,6 +504,11 @@ impl WriteState {
         self.base.as_ref().map(|b| b.etag.as_str())
     }
 
+    /// The size of the version this state builds on, as stored.
+    pub fn base_size(&self) -> Option<u64> {
+        self.base.as_ref().map(|b| b.size)
+    }
+
     /// The ETag of the version this state builds on, as far as it knows: its base object's,
     /// else (background mode) that of its last commit's upload once it landed.
     pub fn known_etag(&self) -> Option<&str> {

@@ -653,6 +653,45 @@ async fn a_truncate_whose_close_failed_leaves_the_stored_size_to_the_next_writer
     );
 }
 
+/// A descriptor open for reading while a writer truncated the file and failed to store it:
+/// the inode kept the size never stored beside the stored version's ETag, and the reader's
+/// next read, which builds its reader from that pair, ended at byte 100 of a 1 MiB object
+/// (buffered, the kernel then cut the file to 100 bytes for every reader).
+#[tokio::test]
+async fn a_reader_after_a_failed_truncate_reads_the_stored_version_whole() {
+    let mem = Arc::new(MemoryStore::new());
+    let data = random(MIB as usize, 32);
+    put(&mem, "f", &data).await;
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let ino = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap().ino;
+    let r = fs.open(ino, libc::O_RDONLY | libc::O_DIRECT).await.unwrap();
+    let w = fs.open(ino, libc::O_RDWR).await.unwrap();
+    set_size(&fs, ino, w.fh, 100).await;
+    faulty.inject(
+        Op::Put,
+        0,
+        None,
+        Fault::Error(StoreError::Transient("503".into())),
+    );
+    assert_eq!(fs.flush(ino, w.fh).await, Err(FsError::EIO));
+    fs.release(ino, w.fh).await.unwrap();
+    faulty.clear();
+    let mut got = Vec::new();
+    loop {
+        let b = fs
+            .read(ino, r.fh, got.len() as u64, 256 * 1024)
+            .await
+            .unwrap();
+        if b.is_empty() {
+            break;
+        }
+        got.extend_from_slice(&b);
+    }
+    assert_eq!(got.len(), data.len(), "read a size never stored");
+    assert!(got == data);
+    fs.release(ino, r.fh).await.unwrap();
+}
+
 /// Another client's version put at a name between the copy and the delete of a rename of a
 /// file open for writing (logrotate's `mv app.log app.log.1`), or of an unlink of a file
 /// open for reading: the delete is pinned to the version copied, so the other client's
