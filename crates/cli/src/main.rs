@@ -219,18 +219,12 @@ fn set_refresh(p: &Path) -> std::io::Result<()> {
 
 /// `bucketfs umount`: `fusermount3 -u` (then `umount`) on a FUSE mount point.
 fn umount(args: &UmountArgs) -> i32 {
-    let mp = match run::absolute_within(&args.mountpoint) {
+    let mp = match run::mountpoint_within(&args.mountpoint) {
         Ok(mp) => mp,
         Err(e) => {
             eprintln!("bucketfs: {e}");
             return 1;
         }
-    };
-    // A link to a mount point (the mount went where it points): only when the path is no
-    // mount point itself, whose root may be a hung mount's.
-    let mp = match bucketfs_fuse::mount_info(&mp) {
-        None if std::fs::read_link(&mp).is_ok() => mp.canonicalize().unwrap_or(mp),
-        _ => mp,
     };
     match bucketfs_fuse::mount_info(&mp) {
         None => {

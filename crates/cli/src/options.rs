@@ -412,8 +412,6 @@ pub const IGNORED_MOUNT_OPTIONS: &[&str] = &[
     "nosuid",
     "dev",
     "nodev",
-    "exec",
-    "noexec",
     "async",
     "atime",
     "noatime",

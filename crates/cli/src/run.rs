@@ -96,7 +96,7 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     }
     let (source, mountpoint) = args.source_and_mountpoint();
     let target = target_of(&source, &settings)?;
-    let mountpoint = absolute_within(&mountpoint)?;
+    let mountpoint = mountpoint_within(&mountpoint)?;
     check_mountpoint(&mountpoint, settings.nonempty, settings.allow_stacking)?;
     if let Target::Local { dir } = &target {
         if mountpoint.starts_with(dir) {
@@ -284,6 +284,17 @@ pub(crate) fn absolute_within(mp: &Path) -> Result<PathBuf, String> {
             MOUNTPOINT_ANSWER.as_secs()
         )
     })
+}
+
+/// [`absolute_within`], and a symbolic link to a directory taken for where it points, as the
+/// mount goes there (the stats socket, mountinfo and the unmount name that place); only when
+/// the path is no mount point itself, whose root may be a hung mount's.
+pub(crate) fn mountpoint_within(mp: &Path) -> Result<PathBuf, String> {
+    let abs = absolute_within(mp)?;
+    if bucketfs_fuse::mount_info(&abs).is_some() || std::fs::read_link(&abs).is_err() {
+        return Ok(abs);
+    }
+    Ok(mountpoint_answer(&abs, |p| p.canonicalize())?.unwrap_or(abs))
 }
 
 /// `stat` of the mount point (see [`mountpoint_answer`]).
@@ -523,6 +534,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         fsname: plan.fsname.clone(),
         allow_other: s.allow_other,
         read_only: s.read_only,
+        no_exec: s.no_exec,
         n_threads: s.fuse_threads,
         passthrough: s.passthrough && !s.no_passthrough,
     };

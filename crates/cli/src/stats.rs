@@ -103,7 +103,7 @@ fn peer_uid(sock: &UnixStream) -> std::io::Result<u32> {
 /// yet, one a line (state, size, key, error, write-back file), then a summary.
 pub fn pending(a: &crate::args::PendingArgs) -> i32 {
     // Not canonicalize: it would stat the mount, which may be the hung one to look into.
-    let mp = match crate::run::absolute_within(&a.mountpoint) {
+    let mp = match crate::run::mountpoint_within(&a.mountpoint) {
         Ok(mp) => mp,
         Err(e) => {
             eprintln!("bucketfs: pending: {e}");
@@ -256,7 +256,7 @@ pub fn render(prev: Option<&Sample>, cur: &Sample, secs: f64) -> String {
 
 /// Runs `bucketfs stats`; returns the exit code.
 pub fn run(args: &StatsArgs) -> i32 {
-    let mp = match crate::run::absolute_within(&args.mountpoint) {
+    let mp = match crate::run::mountpoint_within(&args.mountpoint) {
         Ok(mp) => mp,
         Err(e) => {
             eprintln!("bucketfs: stats: {e}");

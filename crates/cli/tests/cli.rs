@@ -289,6 +289,29 @@ fn local_directory_source_works() {
     assert_eq!(read_file(&m.join("hello.txt")), b"hello local");
 }
 
+/// `-o noexec` makes a mount whose files the kernel will not execute (it was accepted and
+/// ignored, so a no-execution policy for a volume silently had no effect).
+#[test]
+fn noexec_reaches_the_mount() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    fs::create_dir(&data).unwrap();
+    fs::write(data.join("run.sh"), "#!/bin/sh\necho ran\n").unwrap();
+    let m = MountSpec::local(&data).arg("-o").arg("noexec").mount();
+    let script = m.join("run.sh");
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+    let err = std::process::Command::new(&script).output().unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+    assert!(fs::metadata(&script).unwrap().permissions().mode() & 0o111 != 0);
+    drop(m);
+    let m2 = MountSpec::local(&data).mount();
+    let out = std::process::Command::new(m2.join("run.sh"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ran\n");
+}
+
 /// `bucketfs stats --once` reports what the mount sent to the store.
 #[test]
 fn stats_shows_the_requests_of_a_mount() {

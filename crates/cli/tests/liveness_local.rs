@@ -724,3 +724,162 @@ fn a_hung_state_disk_does_not_keep_the_daemon_from_exiting() {
         "the log does not say the journal did not answer:\n{log}"
     );
 }
+
+/// The file system mounted on top at `mp`, per /proc/self/mountinfo.
+fn top_fstype(mp: &Path) -> Option<String> {
+    let want = mp.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .rev()
+        .filter(|l| l.split(' ').nth(4) == Some(want.as_str()))
+        .find_map(|l| Some(l.split(" - ").nth(1)?.split(' ').next()?.to_string()))
+}
+
+/// Mounts a small tmpfs at `mp` (over whatever is there).
+fn cover_with_tmpfs(mp: &Path) {
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "bucketfs-test-cover"])
+        .arg(mp)
+        .status()
+        .unwrap();
+    assert!(st.success(), "mount tmpfs over {}", mp.display());
+    std::fs::write(mp.join("cover"), b"the other mount").unwrap();
+}
+
+/// Unmounts the tmpfs `cover_with_tmpfs` put at `mp`, if it is still on top.
+fn uncover(mp: &Path) {
+    if top_fstype(mp).as_deref() == Some("tmpfs") {
+        let _ = std::process::Command::new("umount").arg(mp).status();
+    }
+}
+
+/// Another file system mounted over a live mount at the same path (a tmpfs here; a second
+/// bucketfs with --allow-stacking alike) is not the daemon's to unmount. Its SIGTERM
+/// unmounted the path, removing the other mount, then waited for good for its own, still
+/// mounted below.
+#[test]
+fn a_daemon_stopped_under_another_mount_leaves_that_mount() {
+    let d = tempfile::tempdir().unwrap();
+    let mut m = MountSpec::local(d.path()).mount();
+    let mp = m.path().to_path_buf();
+    std::fs::write(m.join("mine"), b"in the bucket").unwrap();
+    cover_with_tmpfs(&mp);
+    m.signal(libc::SIGTERM);
+    let st = m.wait_exit(Duration::from_secs(30));
+    let top = top_fstype(&mp);
+    let cover = std::fs::read(mp.join("cover")).ok();
+    uncover(&mp);
+    let log = m.log();
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "the daemon did not exit cleanly within 30 s of SIGTERM ({st:?}):\n{log}"
+    );
+    assert_eq!(
+        top.as_deref(),
+        Some("tmpfs"),
+        "the other mount was unmounted"
+    );
+    assert_eq!(cover.as_deref(), Some(&b"the other mount"[..]));
+    assert!(
+        log.contains("another file system is mounted over this one"),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::read(d.path().join("mine")).unwrap(),
+        b"in the bucket"
+    );
+}
+
+/// `umount -l` of a busy mount, then another mount made at the path: the daemon's SIGTERM
+/// unmounted that one. It now leaves the path alone and exits when its last user goes.
+#[test]
+fn a_daemon_detached_before_another_mount_came_leaves_that_mount() {
+    let d = tempfile::tempdir().unwrap();
+    let mut m = MountSpec::local(d.path()).mount();
+    let mp = m.path().to_path_buf();
+    let mut f = std::fs::File::create(m.join("open")).unwrap();
+    f.write_all(b"written while detached").unwrap();
+    let st = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(&mp)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    cover_with_tmpfs(&mp);
+    m.signal(libc::SIGTERM);
+    wait_for(
+        "the daemon to see it is detached",
+        Duration::from_secs(30),
+        || m.log().contains("was detached already"),
+    );
+    let top_while_open = top_fstype(&mp);
+    let alive_while_open = m.wait_exit(Duration::from_millis(200)).is_none();
+    drop(f);
+    let st = m.wait_exit(Duration::from_secs(30));
+    let top = top_fstype(&mp);
+    uncover(&mp);
+    let log = m.log();
+    assert_eq!(top_while_open.as_deref(), Some("tmpfs"), "{log}");
+    assert!(alive_while_open, "exited with a file open: {log}");
+    assert!(st.is_some_and(|s| s.success()), "{st:?}: {log}");
+    assert_eq!(
+        top.as_deref(),
+        Some("tmpfs"),
+        "the other mount was unmounted"
+    );
+    assert_eq!(
+        std::fs::read(d.path().join("open")).unwrap(),
+        b"written while detached"
+    );
+}
+
+/// A mount point given as a symbolic link: the mount goes where the link points, and its
+/// stats socket was named after the link, so `bucketfs pending` and `stats` of the mount's
+/// real path (what mountinfo and df show) found no daemon.
+#[test]
+fn a_mount_made_through_a_link_is_found_by_its_real_path_and_its_link() {
+    let s3 = s3();
+    let b = s3.new_bucket("vialink");
+    let d = tempfile::tempdir().unwrap();
+    let real = d.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    let link = d.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let envs = creds();
+    let started = mount_bg(&format!("s3://{b}"), &link, &[], &envs);
+    let pid = processes_mentioning(&format!("s3://{b}")).first().copied();
+    let mounted = mounts_at(&real);
+    let cli = |cmd: &str, at: &Path| {
+        run_cli(
+            &[cmd.into(), at.as_os_str().to_owned()],
+            &[],
+            None,
+            Duration::from_secs(30),
+        )
+    };
+    let pending_real = cli("pending", &real);
+    let pending_link = cli("pending", &link);
+    let umount = cli("umount", &link);
+    wait_gone(pid);
+    let left = mounts_at(&real);
+    force_unmount(&real);
+    assert_eq!(
+        started.status.and_then(|s| s.code()),
+        Some(0),
+        "{started:?}"
+    );
+    assert_eq!(mounted, 1);
+    assert_eq!(
+        pending_real.status.and_then(|s| s.code()),
+        Some(0),
+        "{pending_real:?}"
+    );
+    assert_eq!(
+        pending_link.status.and_then(|s| s.code()),
+        Some(0),
+        "{pending_link:?}"
+    );
+    assert_eq!(umount.status.and_then(|s| s.code()), Some(0), "{umount:?}");
+    assert_eq!(left, 0, "bucketfs umount of the link left the mount");
+}

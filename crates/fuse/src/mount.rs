@@ -34,6 +34,8 @@ pub struct MountOptions {
     pub allow_other: bool,
     /// Mount read-only (the kernel refuses writes with `EROFS`).
     pub read_only: bool,
+    /// The kernel refuses to execute files of the mount (`noexec`).
+    pub no_exec: bool,
     /// FUSE request threads (each with its own cloned `/dev/fuse` descriptor); at least 1.
     pub n_threads: usize,
     /// Let the kernel read files the data cache holds whole itself (FUSE passthrough), when
@@ -47,6 +49,7 @@ impl Default for MountOptions {
             fsname: "bucketfs".into(),
             allow_other: false,
             read_only: false,
+            no_exec: false,
             n_threads: 4,
             passthrough: false,
         }
@@ -58,6 +61,9 @@ impl Default for MountOptions {
 pub struct MountHandle {
     session: Option<BackgroundSession>,
     mountpoint: PathBuf,
+    /// The kernel's id of this mount, when mountinfo showed it: an unmount by path acts only
+    /// while this mount is the one on top there.
+    mount_id: Option<u64>,
     done: watch::Receiver<bool>,
 }
 
@@ -101,6 +107,9 @@ pub fn mount(
     if opts.read_only {
         options.push(MountOption::RO);
     }
+    if opts.no_exec {
+        options.push(MountOption::NoExec);
+    }
     let mut cfg = fuser::Config::default();
     cfg.mount_options = options;
     cfg.acl = if opts.allow_other {
@@ -123,8 +132,11 @@ pub fn mount(
     let mount_id = adapter.mount_id_slot();
     let session = fuser::spawn_mount(adapter, &mountpoint, &cfg)?;
     let _ = notifier.set(session.notifier());
-    if let Some(m) = mount_info(&mountpoint).filter(MountInfo::is_fuse) {
-        let _ = mount_id.set(m.id);
+    let id = mount_info(&mountpoint)
+        .filter(MountInfo::is_fuse)
+        .map(|m| m.id);
+    if let Some(id) = id {
+        let _ = mount_id.set(id);
     }
     info!(
         "mounted {} at {} ({} FUSE threads{}{})",
@@ -142,6 +154,7 @@ pub fn mount(
     Ok(MountHandle {
         session: Some(session),
         mountpoint,
+        mount_id: id,
         done: rx,
     })
 }
@@ -167,30 +180,33 @@ impl MountHandle {
     /// Unmounts and waits for the FUSE threads to exit. A busy mount point (a process has its
     /// cwd or a file open in it) is detached lazily; the threads then keep serving the
     /// remaining users and this waits until they are gone.
+    ///
+    /// Only this mount is unmounted: another one on top of it at the same path (stacked, or
+    /// made there after this one was detached) is left alone (see [`MountHandle::place`]).
     pub fn unmount(mut self) -> io::Result<()> {
         let Some(session) = self.session.take() else {
             return Ok(());
         };
         if !self.is_unmounted() {
-            match unmount_path(&self.mountpoint, false) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            match self.place() {
+                Place::Top => self.unmount_top()?,
+                Place::Covered => {
                     warn!(
-                        "{} is busy: detaching it lazily; it goes away when its last user does",
+                        "{}: another file system is mounted over this one: not unmounting \
+                         the path, which would unmount that one; this mount's connection \
+                         ends with the daemon, leaving it to answer ENOTCONN under the other \
+                         (unmount the path twice to clear both)",
                         self.mountpoint.display()
                     );
-                    unmount_path(&self.mountpoint, true)?;
+                    return let_go(session, self.mount_id);
                 }
-                // Not mounted any more: someone unmounted it while we were getting here.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-                Err(e) => {
-                    if !self.is_unmounted() {
-                        return Err(e);
-                    }
-                }
+                Place::Detached => info!(
+                    "{} was detached already: waiting for its last user",
+                    self.mountpoint.display()
+                ),
             }
         }
-        match session.join() {
+        match join_leaving_the_path(session) {
             Ok(()) => {}
             // The kernel aborts the connection when a lazily detached mount finally goes
             // away: that is the end we asked for, not a failure.
@@ -199,6 +215,47 @@ impl MountHandle {
         }
         info!("unmounted {}", self.mountpoint.display());
         Ok(())
+    }
+
+    /// Unmounts the path, this mount being on top there: lazily when busy.
+    fn unmount_top(&self) -> io::Result<()> {
+        match unmount_path(&self.mountpoint, false) {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                warn!(
+                    "{} is busy: detaching it lazily; it goes away when its last user does",
+                    self.mountpoint.display()
+                );
+                unmount_path(&self.mountpoint, true)
+            }
+            // Not mounted any more: someone unmounted it while we were getting here.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+            Err(_) if self.is_unmounted() => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Where this mount stands at its path, per /proc/self/mountinfo.
+    fn place(&self) -> Place {
+        let Some(id) = self.mount_id else {
+            // Never seen in mountinfo (it could not be read): the path is all there is.
+            return Place::Top;
+        };
+        let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
+            return Place::Top;
+        };
+        let mounts: Vec<MountInfo> = text.lines().filter_map(parse_mountinfo_line).collect();
+        let top = mounts
+            .iter()
+            .rev()
+            .find(|m| m.mountpoint == self.mountpoint);
+        if top.is_some_and(|m| m.id == id) {
+            Place::Top
+        } else if mounts.iter().any(|m| m.id == id) {
+            Place::Covered
+        } else {
+            Place::Detached
+        }
     }
 
     /// Blocks until the kernel drops the mount (someone else unmounts it).
@@ -213,16 +270,71 @@ impl MountHandle {
 impl Drop for MountHandle {
     fn drop(&mut self) {
         if let Some(session) = self.session.take() {
-            if !self.is_unmounted() {
-                if let Err(e) = unmount_path(&self.mountpoint, false) {
-                    if e.raw_os_error() != Some(libc::EINVAL) {
-                        debug!("unmount {}: {e}", self.mountpoint.display());
-                    }
+            if self.is_unmounted() {
+                return;
+            }
+            if self.place() != Place::Top {
+                // fuser's own unmount on drop goes by path too.
+                let _ = let_go(session, self.mount_id);
+                return;
+            }
+            if let Err(e) = unmount_path(&self.mountpoint, false) {
+                if e.raw_os_error() != Some(libc::EINVAL) {
+                    debug!("unmount {}: {e}", self.mountpoint.display());
                 }
             }
             drop(session);
         }
     }
+}
+
+/// Joins the FUSE session's thread, without fuser's unmount when the session is dropped: that
+/// unmounts the path once more after the session ended (its check of the device takes an
+/// ended connection, `POLLERR`, for a live one), removing whatever is mounted there by then.
+/// The session's device and record of the mount are left to the process's exit.
+fn join_leaving_the_path(mut session: BackgroundSession) -> io::Result<()> {
+    let ended = std::thread::spawn(|| Ok(()));
+    let guard = std::mem::replace(&mut session.guard, ended);
+    std::mem::forget(session);
+    guard
+        .join()
+        .map_err(|_| io::Error::other("the FUSE session's thread panicked"))?
+}
+
+/// Where a mount stands at its mount point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// The topmost mount there: unmounting the path unmounts it.
+    Top,
+    /// Still mounted, under another mount at the same path.
+    Covered,
+    /// Detached (`umount -l`), still serving processes that had files open in it.
+    Detached,
+}
+
+/// Ends a FUSE session without unmounting by path (which would unmount the mount on top of
+/// this one): the connection is aborted through fusectl when it can be (its mount stays,
+/// answering `ENOTCONN`, for whoever unmounts it), else the session is left to end when the
+/// process exits and the kernel closes its device.
+fn let_go(session: BackgroundSession, mount_id: Option<u64>) -> io::Result<()> {
+    let dev = mount_id.and_then(|id| {
+        let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+        let m = text
+            .lines()
+            .filter_map(parse_mountinfo_line)
+            .find(|m| m.id == id)?;
+        let (major, minor) = m.dev.split_once(':')?;
+        Some((major.parse::<u64>().ok()? << 20) | minor.parse::<u64>().ok()?)
+    });
+    let aborted = dev.is_some_and(|dev| {
+        std::fs::write(format!("/sys/fs/fuse/connections/{dev}/abort"), "1").is_ok()
+    });
+    if aborted {
+        let _ = join_leaving_the_path(session);
+    } else {
+        std::mem::forget(session);
+    }
+    Ok(())
 }
 
 /// Unmounts the mount at `mountpoint` (`lazy`: detach now, finish when no longer busy).
