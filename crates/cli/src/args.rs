@@ -38,7 +38,7 @@ CONFIG FILE (-c FILE or -o config=FILE), either format:
                bucketfs's own keys also work as --key=value (e.g. --force_path_style)
   With a file that names the bucket, MOUNTPOINT alone is enough: mount /mnt/oss -c ossfs2.conf
   Keys only the file may hold: bucket, prefix, access_key_id, secret_access_key, session_token.
-  Unknown keys are errors. A file holding credentials must not be readable by group or others.
+  Unknown keys are errors. A file holding credentials must not be readable or writable by group or others.
 
 CREDENTIALS (S3): the config file keys above, else the AWS SDK chain: AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, --profile or AWS_PROFILE in ~/.aws/config and

@@ -54,6 +54,8 @@ pub struct Settings {
     pub force_path_style: bool,
     pub profile: Option<String>,
     pub read_only: bool,
+    /// `-o noexec`: the kernel refuses to execute files of the mount.
+    pub no_exec: bool,
     pub uid: Option<u32>,
     pub gid: Option<u32>,
     pub file_mode: u16,
@@ -128,6 +130,7 @@ impl fmt::Debug for Settings {
             .field("force_path_style", &self.force_path_style)
             .field("profile", &self.profile)
             .field("read_only", &self.read_only)
+            .field("no_exec", &self.no_exec)
             .field("uid", &self.uid)
             .field("gid", &self.gid)
             .field("file_mode", &format_args!("{:o}", self.file_mode))
@@ -192,6 +195,7 @@ impl Default for Settings {
             force_path_style: false,
             profile: None,
             read_only: false,
+            no_exec: false,
             uid: None,
             gid: None,
             file_mode: fs.file_mode,
@@ -570,7 +574,9 @@ impl Settings {
             }
             match canonical(&key).as_str() {
                 "config" => {}
-                "ro" => self.read_only = true,
+                "ro" => self.read_only = value.as_deref().map_or(Ok(true), parse_bool)?,
+                "noexec" => self.no_exec = true,
+                "exec" => self.no_exec = false,
                 "url" => self.apply("endpoint_url", value.as_deref(), Origin::Opt)?,
                 "use_path_request_style" => {
                     self.apply("force_path_style", value.as_deref(), Origin::Opt)?
@@ -594,9 +600,10 @@ impl Settings {
                 .map_err(|e| format!("config {}: {e}", path.display()))?
                 .permissions()
                 .mode();
-            if mode & 0o044 != 0 {
+            // Writable by others, it could send the keys' signatures to another endpoint.
+            if mode & 0o066 != 0 {
                 return Err(format!(
-                    "config {} holds credentials but is readable by group or others \
+                    "config {} holds credentials but is readable or writable by group or others \
                      (mode {:04o}): run chmod 600 {}",
                     path.display(),
                     mode & 0o7777,
@@ -721,9 +728,17 @@ fn parse_toml(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, 
             None => format!("config {}: invalid TOML: {msg}", path.display()),
         }
     })?;
-    let mut out = Vec::new();
+    let mut out: Vec<(String, Option<String>)> = Vec::new();
     for (k, v) in table {
         let ck = canonical(&k);
+        // TOML refuses a key given twice, not two spellings of it (`part-size`, `part_size`):
+        // which one won would depend on their order.
+        if out.iter().any(|(seen, _)| *seen == ck) {
+            return Err(format!(
+                "config {}: {k}: given twice (under two spellings)",
+                path.display()
+            ));
+        }
         let s = match v {
             toml::Value::String(s) => s,
             toml::Value::Boolean(b) => b.to_string(),
@@ -976,14 +991,31 @@ mod tests {
     }
 
     #[test]
+    fn a_key_under_two_spellings_is_an_error() {
+        let f = file("part-size = \"8M\"\npart_size = \"16M\"\n", 0o644);
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert!(e.contains("given twice"), "{e}");
+    }
+
+    #[test]
     fn credentials_need_a_private_file() {
         let f = file(
             "access_key_id = \"AK\"\nsecret_access_key = \"never-shown\"\n",
             0o644,
         );
         let e = Settings::default().apply_file(f.path()).unwrap_err();
-        assert!(e.contains("readable by group or others (mode 0644)"), "{e}");
+        assert!(
+            e.contains("readable or writable by group or others (mode 0644)"),
+            "{e}"
+        );
         assert!(!e.contains("never-shown"));
+        // Writable by the group: it could point the keys at another endpoint.
+        let f = file(
+            "access_key_id = \"AK\"\nsecret_access_key = \"never-shown\"\n",
+            0o620,
+        );
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert!(e.contains("(mode 0620)"), "{e}");
         let f = file(
             "access_key_id = \"AK\"\nsecret_access_key = \"never-shown\"\n",
             0o600,
@@ -1020,6 +1052,19 @@ mod tests {
         assert!(e.contains("not accepted"), "{e}");
         assert!(!e.contains("xyz"));
         assert!(s.apply_mount_options(&["region".to_string()]).is_err());
+    }
+
+    /// `noexec` reaches the mount (it was accepted and ignored), and `ro` takes a value.
+    #[test]
+    fn noexec_and_ro_with_a_value() {
+        let mut s = Settings::default();
+        s.apply_mount_options(&["noexec,ro=false".to_string()])
+            .unwrap();
+        assert!(s.no_exec && !s.read_only);
+        s.apply_mount_options(&["exec,ro=true".to_string()])
+            .unwrap();
+        assert!(!s.no_exec && s.read_only);
+        assert!(s.apply_mount_options(&["ro=maybe".to_string()]).is_err());
     }
 
     #[test]

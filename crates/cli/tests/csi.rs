@@ -1463,3 +1463,54 @@ fn csi_auto_mode_as_pid_1_of_a_pid_namespace_warns_and_the_next_driver_remounts(
         .unpublish(&vol, &target)
         .expect("NodeUnpublishVolume");
 }
+
+/// Another file system mounted over a target whose daemon died (an admin's tmpfs, a bind)
+/// is not the driver's: its recovery and a publish again detached it and mounted the bucket
+/// in its place (unpublish already refused to touch it).
+#[test]
+fn csi_leaves_a_mount_it_did_not_make_over_a_dead_target() {
+    let bucket = s3().new_bucket("csi-covered");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let mut driver = Driver::start(dir.path());
+    let t = dir.path().join("t");
+    let v = format!("{bucket}/a");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "a")];
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&v, &t, &ctx, false))
+        .expect("NodePublishVolume");
+    drop(c);
+    let d = daemon_of(&t);
+    driver.kill9();
+    // SAFETY: plain syscall on the test's own daemon.
+    unsafe { libc::kill(d as i32, libc::SIGKILL) };
+    wait_for("the daemon to die", Duration::from_secs(10), || !alive(d));
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "csi-test-cover"])
+        .arg(&t)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    fs::write(t.join("cover"), "the admin's").unwrap();
+    let driver = Driver::start(dir.path());
+    // Past the startup recovery and a heal round.
+    std::thread::sleep(Duration::from_secs(7));
+    let after_recovery = fs::read_to_string(t.join("cover")).ok();
+    let mut c = Csi::connect(&driver);
+    let again = c.publish(publish_request(&v, &t, &ctx, false));
+    let after_publish = fs::read_to_string(t.join("cover")).ok();
+    let _ = Command::new("umount").arg(&t).status();
+    assert_eq!(after_recovery.as_deref(), Some("the admin's"), "recovery");
+    assert_eq!(
+        again.as_ref().map_err(|e| e.code()),
+        Err(tonic::Code::AlreadyExists),
+        "{again:?}"
+    );
+    assert_eq!(after_publish.as_deref(), Some("the admin's"), "publish");
+    // Uncovered, the dead mount is the driver's again: mounted anew, then unpublished.
+    wait_for("t to be mounted again", Duration::from_secs(20), || {
+        fuse_mounted(&t) && fs::read_dir(&t).is_ok()
+    });
+    c.unpublish(&v, &t).expect("NodeUnpublishVolume");
+    assert!(!fuse_mounted(&t));
+}

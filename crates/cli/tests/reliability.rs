@@ -908,7 +908,7 @@ fn credentials_never_appear_in_logs_errors_or_the_command_line() {
         assert!(!run.status.unwrap().success());
         assert!(
             run.stderr
-                .contains("holds credentials but is readable by group or others"),
+                .contains("holds credentials but is readable or writable by group or others"),
             "mode {mode:o}: {run:?}"
         );
         assert!(!run.stderr.contains(wrong));

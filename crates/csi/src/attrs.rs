@@ -131,7 +131,7 @@ fn added_by_kubernetes(key: &str) -> bool {
     key.starts_with("csi.storage.k8s.io/") || key.starts_with("storage.kubernetes.io/")
 }
 
-fn parse_bool(key: &str, v: &str) -> Result<bool, String> {
+pub(crate) fn parse_bool(key: &str, v: &str) -> Result<bool, String> {
     match v.trim().to_ascii_lowercase().as_str() {
         "true" | "yes" | "1" | "on" => Ok(true),
         "false" | "no" | "0" | "off" | "" => Ok(false),

@@ -62,8 +62,12 @@ async fn store(
         bucket: bucket.to_string(),
         endpoint_url: setting("endpoint", params, secrets),
         region: setting("region", params, secrets),
-        force_path_style: setting("forcePathStyle", params, secrets)
-            .is_some_and(|v| v.eq_ignore_ascii_case("true")),
+        force_path_style: match setting("forcePathStyle", params, secrets) {
+            Some(v) => {
+                crate::attrs::parse_bool("forcePathStyle", &v).map_err(Status::invalid_argument)?
+            }
+            None => false,
+        },
         access_key_id: creds.access_key_id,
         secret_access_key: creds.secret_access_key,
         session_token: creds.session_token,

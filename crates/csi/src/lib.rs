@@ -189,17 +189,34 @@ async fn termination() {
     }
 }
 
-/// Binds the socket, replacing a stale one left by a driver that was killed.
+/// Binds the socket, replacing a stale one left by a driver that was killed. Only its owner
+/// (root: kubelet and the registrar) may connect, whatever the umask: a caller can have any
+/// directory mounted as root. It is bound under a temporary name and made private before it
+/// takes its own, so no connection comes before.
 fn bind(path: &Path) -> Result<tokio::net::UnixListener, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let fail = |p: &Path, e: std::io::Error| format!("{}: {e}", p.display());
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| fail(dir, e))?;
     }
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    for p in [path, &tmp] {
+        match std::fs::remove_file(p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(fail(p, e)),
+        }
     }
-    tokio::net::UnixListener::bind(path).map_err(|e| format!("{}: {e}", path.display()))
+    let listener = tokio::net::UnixListener::bind(&tmp).map_err(|e| fail(&tmp, e))?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(fail(path, e));
+    }
+    Ok(listener)
 }
 
 /// A gRPC channel to a driver's socket (for tests and tools).
@@ -215,4 +232,25 @@ pub async fn connect(path: &Path) -> Result<tonic::transport::Channel, tonic::tr
             }
         }))
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// The driver's socket is its owner's only (it was 0755 under the usual umask, 0777
+    /// under 0: anyone could ask the root driver to mount a bucket anywhere).
+    #[tokio::test]
+    async fn the_socket_is_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        std::fs::write(&path, b"stale").unwrap();
+        let _l = bind(&path).unwrap();
+        let md = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!(md.permissions().mode() & 0o777, 0o600);
+        assert!(std::os::unix::fs::FileTypeExt::is_socket(&md.file_type()));
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        tokio::net::UnixStream::connect(&path).await.unwrap();
+    }
 }

@@ -179,9 +179,16 @@ fn is_fuse(fstype: &str) -> bool {
     fstype == "fuse" || fstype.starts_with("fuse.")
 }
 
-/// Whether `pid` is a live (not zombie) bucketfs daemon for `target`.
+/// Whether `pid` is a live (not zombie) bucketfs daemon for `target`: its command line
+/// names the target, and it runs as the driver's user (the daemons it starts do), so that
+/// another user's process naming the target cannot pass for the daemon of a dead mount and
+/// keep it from being mounted again.
 pub fn daemon_alive(pid: i32, target: &Path) -> bool {
     if pid <= 0 {
+        return false;
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if effective_uid(pid) != Some(unsafe { libc::geteuid() }) {
         return false;
     }
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -196,6 +203,13 @@ pub fn daemon_alive(pid: i32, target: &Path) -> bool {
     let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let want = target.as_os_str().as_encoded_bytes();
     cmdline.split(|b| *b == 0).any(|a| a == want)
+}
+
+/// The effective uid of process `pid`, from /proc.
+fn effective_uid(pid: i32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let uids = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    uids.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The live daemon of `r`: its recorded pid, or the daemon /proc shows for its target (one
@@ -326,6 +340,13 @@ impl Mounts {
                     }
                     return Ok(());
                 }
+            }
+            if let Some(t) = fstype.as_deref().filter(|t| !is_fuse(t)) {
+                // Not the daemon's: someone else's, to be left alone (as unpublish does).
+                return Err(MountError::AlreadyExists(format!(
+                    "{} has a {t} mount over it that this driver did not make",
+                    target.display()
+                )));
             }
             // Same volume, daemon gone: clear the dead mount and mount again.
             if fstype.is_some() {
@@ -638,6 +659,20 @@ impl Mounts {
                 self.forget(&r.target);
                 continue;
             }
+            if fstype.as_deref().is_some_and(|t| !is_fuse(t)) {
+                // Another file system mounted over the target: not ours to detach (a
+                // remount would, and then put the bucket in place of that one in pods).
+                if startup {
+                    warn!(
+                        "{} has a {} mount over it that this driver did not make: not \
+                         mounting {} again there",
+                        r.target.display(),
+                        fstype.as_deref().unwrap_or_default(),
+                        r.source
+                    );
+                }
+                continue;
+            }
             let taken = self.remount_lock().remove(&r.target);
             let earlier = match taken {
                 Some(e) if Instant::now() < e.next => {
@@ -774,5 +809,43 @@ mod tests {
         assert_eq!(unescape("/a\\040b\\134c"), "/a b\\c");
         assert_eq!(id_of("/x"), id_of("/x"));
         assert_ne!(id_of("/x"), id_of("/y"));
+    }
+
+    /// A process of another user whose command line is a daemon's for a target (anyone can
+    /// start one) is no daemon: it kept a dead mount from being mounted again.
+    #[test]
+    fn another_users_process_is_no_daemon() {
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("target");
+        // `bucketfs mount TARGET`, as /proc shows it: sh running a script named `mount`.
+        fs::write(dir.path().join("mount"), "sleep 30\n").unwrap();
+        for (p, mode) in [
+            (dir.path().to_path_buf(), 0o755),
+            (dir.path().join("mount"), 0o644),
+        ] {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+        }
+        let spawn = |uid: u32| {
+            let mut c = Command::new("sh");
+            c.arg0("bucketfs").arg("mount").arg(&target);
+            c.current_dir(dir.path()).uid(uid);
+            c.spawn().unwrap()
+        };
+        let mut other = spawn(65534);
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let mut own = spawn(unsafe { libc::geteuid() });
+        std::thread::sleep(Duration::from_millis(300));
+        let other_alive = daemon_alive(other.id() as i32, &target);
+        let own_alive = daemon_alive(own.id() as i32, &target);
+        let found = launch::find_daemon(&target);
+        for c in [&mut other, &mut own] {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        assert!(!other_alive, "another user's process passed for the daemon");
+        assert!(own_alive, "the driver's own daemon was not recognised");
+        assert_eq!(found, Some(own.id() as i32));
     }
 }
