@@ -839,7 +839,12 @@ impl Fs {
         if served {
             r.mark_served();
         }
-        let got = r.read(offset, size).await;
+        // A 404 to the pinned GET: another client deleted the file from under the descriptor.
+        let gone_is_stale = |e| match e {
+            FsError::ENOENT => FsError::ESTALE,
+            e => e,
+        };
+        let got = r.read(offset, size).await.map_err(gone_is_stale);
         if got != Err(FsError::ESTALE) {
             if got.is_ok() && !direct && !(pages_current && r.etag() == etag.as_deref()) {
                 self.filled_pages(ino, r.etag());
@@ -862,7 +867,7 @@ impl Fs {
                 break Err(FsError::ESTALE);
             }
             *r = new_reader(etag, len);
-            match r.read(offset, size).await {
+            match r.read(offset, size).await.map_err(gone_is_stale) {
                 Err(e) if e == FsError::ESTALE && tries < REPIN_TRIES => continue,
                 other => break other,
             }

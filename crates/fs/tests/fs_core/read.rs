@@ -568,3 +568,24 @@ async fn a_file_deleted_elsewhere_keeps_its_attributes_for_its_descriptors() {
     );
     e.fs.release(a.ino, h.fh).await.unwrap();
 }
+
+/// Another client deletes a file a descriptor is reading: its next read that needs the store
+/// gets `ESTALE`, as SEMANTICS says (the pinned GET's 404 gave `ENOENT`, which a program
+/// takes for a missing path, not a file gone from under it).
+#[tokio::test]
+async fn a_read_of_a_file_deleted_elsewhere_gets_estale() {
+    let e = env();
+    let data = random(16 * MIB as usize, 7);
+    put(&e.mem, "gone", &data).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("gone")).await.unwrap();
+    let h =
+        e.fs.open(a.ino, libc::O_RDONLY | libc::O_DIRECT)
+            .await
+            .unwrap();
+    let head = e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap();
+    assert!(head[..] == data[..4096]);
+    e.mem.delete("gone").await.unwrap();
+    let r = e.fs.read(a.ino, h.fh, 15 * MIB, 4096).await;
+    assert_eq!(r, Err(FsError(libc::ESTALE)));
+    e.fs.release(a.ino, h.fh).await.unwrap();
+}
