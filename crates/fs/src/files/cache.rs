@@ -1697,6 +1697,12 @@ impl DataCache {
 
 impl Drop for DataCache {
     fn drop(&mut self) {
+        // A disk that holds a read for good would hold the daemon's exit too: the uses are
+        // an eviction hint, not worth that.
+        if self.disk_stuck.load(Ordering::Relaxed) > 0 {
+            tracing::warn!("data cache: its disk does not answer; last uses not recorded");
+            return;
+        }
         self.persist_uses();
     }
 }
