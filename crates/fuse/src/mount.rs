@@ -293,7 +293,9 @@ impl Drop for MountHandle {
 /// ended connection, `POLLERR`, for a live one), removing whatever is mounted there by then.
 /// The session's device and record of the mount are left to the process's exit.
 fn join_leaving_the_path(mut session: BackgroundSession) -> io::Result<()> {
-    let ended = std::thread::spawn(|| Ok(()));
+    let Ok(ended) = std::thread::Builder::new().spawn(|| Ok(())) else {
+        return session.join();
+    };
     let guard = std::mem::replace(&mut session.guard, ended);
     std::mem::forget(session);
     guard
