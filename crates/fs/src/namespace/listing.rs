@@ -587,11 +587,10 @@ impl Namespace {
         let (added, removed) = self.changed_since(st.ino, since);
         let mut t = self.table.lock();
         if let Some(i) = t.get_mut(st.ino) {
-            // As of its end, less the age its first page had when taken (a page a lookup
-            // kept): the names it lacks are believed no longer than that page's entries.
-            let now = Instant::now();
-            let kept_for = st.listed_at.map(|l| since.saturating_duration_since(l));
-            let at = kept_for.and_then(|d| now.checked_sub(d)).unwrap_or(now);
+            // As of its first LIST (a page a lookup kept, or the first asked for): a name
+            // another client added to a page read long ago is missing from it, however slowly
+            // the rest was read, so the names it lacks are believed no longer than that page.
+            let at = st.listed_at.unwrap_or_else(Instant::now);
             let mut l = DirListing::new(names, at);
             l.added = added;
             l.removed = removed;

@@ -1513,3 +1513,42 @@ async fn an_implied_directory_listed_and_emptied_by_an_unlink_of_an_open_file_st
     e.fs.release(f, fh).await.unwrap();
     assert_eq!(e.mem.keys(), vec!["h/".to_string()]);
 }
+
+/// A listing read slowly (a program working on each entry between readdirs) believed the
+/// names it lacks for T from its end: a name another client added to a page read longer
+/// than T ago was ENOENT for up to T more, and a create made a new file over it. The
+/// listing is believed from when its first LIST was sent.
+#[tokio::test]
+async fn a_slow_listing_is_believed_from_its_first_list_not_its_end() {
+    let mem = Arc::new(MemoryStore::new());
+    for i in 0..2500 {
+        put(&mem, &format!("d/{i:05}"), b"x").await;
+    }
+    let (fs, _cache) = short_ttl_fs(mem.clone());
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let fh = fs.opendir(d.ino).await.unwrap();
+    let mut off = fs
+        .readdir(d.ino, fh, 0)
+        .await
+        .unwrap()
+        .last()
+        .unwrap()
+        .next_offset;
+    outlive_short_ttl().await;
+    put(&mem, "d/00000a", b"theirs").await;
+    let mut names = 0;
+    loop {
+        let batch = fs.readdir(d.ino, fh, off).await.unwrap();
+        let Some(last) = batch.last() else { break };
+        off = last.next_offset;
+        names += batch.len();
+    }
+    fs.releasedir(d.ino, fh);
+    assert!(names > 1500, "{names}");
+    let got = fs.lookup(d.ino, OsStr::new("00000a")).await;
+    assert_eq!(
+        got.map(|a| a.size),
+        Ok(6),
+        "added T ago to a page read before"
+    );
+}
