@@ -576,6 +576,44 @@ async fn a_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds() {
     assert!(object(&mem, "log").await == data);
 }
 
+/// The same with little memory, where every part goes through the staging file: the write
+/// that completed a part failed with EIO though its bytes were kept (an O_APPEND writer's
+/// retry then stored them twice).
+#[tokio::test]
+async fn a_staged_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        faulty.clone(),
+        FsConfig {
+            max_memory: 8 * MIB,
+            ..config(&cache)
+        },
+    );
+    faulty.inject(
+        Op::CreateMultipart,
+        0,
+        None,
+        Fault::Error(StoreError::Transient("connection refused".into())),
+    );
+    let data = random(12 * MIB as usize, 42);
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("log"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    for (i, c) in data.chunks(MIB as usize).enumerate() {
+        let r = fs
+            .write(attr.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
+            .await;
+        assert_eq!(r, Ok(MIB as u32), "write {i}");
+    }
+    faulty.clear();
+    fs.flush(attr.ino, h.fh).await.unwrap();
+    fs.release(attr.ino, h.fh).await.unwrap();
+    assert!(object(&mem, "log").await == data);
+}
+
 /// The same start refused for good (403): the write fails, so that a writer stops before it
 /// fills the staging disk with a file that cannot be stored.
 #[tokio::test]

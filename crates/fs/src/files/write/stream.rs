@@ -26,7 +26,14 @@ impl WriteState {
                 continue;
             }
             let generation = self.generations.get(&i).copied().unwrap_or(0);
-            self.start_stream(None).await?;
+            if let Err(e) = self.start_stream(None).await {
+                // The bytes are in the staging file: publish sends them, as for a tail that
+                // cannot start its upload (see `ship_tail`: EIO may pass, a refusal not).
+                return match e {
+                    FsError::EIO => Ok(()),
+                    e => Err(e),
+                };
+            }
             self.wait_for_upload_slot().await;
             // A pool buffer (not the allocator's, see pool.rs), its memory held by the upload.
             let (buf, mem) = self.cfg.budget.buffer(r.end - r.start).await.split_mem();
