@@ -39,6 +39,18 @@ impl Fs {
                 }
                 continue;
             }
+            // A metadata change to a file whose writers' changes are all stored (its close
+            // came, its release not yet: a forked child holds the descriptor) is stored now,
+            // as for a closed file: queued in the state, it waited for the release, which
+            // stores it as a whole upload whose failure can only be logged.
+            if set.size.is_none()
+                && self.files.writeback().is_none()
+                && !st.has_changes_to_publish()
+                && !st.is_unlinked()
+                && st.base_etag().is_some()
+            {
+                break;
+            }
             // With no writer open (truncate(2) of a path, or of a closed file's state kept
             // for its upload while only readers have it open): no writer's close will
             // publish it, so it is published now.

@@ -614,6 +614,35 @@ async fn a_staged_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds()
     assert!(object(&mem, "log").await == data);
 }
 
+/// A chmod by path after a file's close stored it and before its release (a forked child
+/// still holds the descriptor): queued in the writer's clean state, it waited for the
+/// release, which stored it as a whole upload whose failure was only logged, and the mode
+/// went back. It is stored at once, as for a closed file.
+#[tokio::test]
+async fn a_chmod_between_a_close_and_its_release_is_stored_at_once() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (ino, fh) = write_open(&fs, "f", b"data").await;
+    fs.flush(ino, fh).await.unwrap();
+    let set = SetAttr {
+        mode: Some(0o600),
+        ..SetAttr::default()
+    };
+    fs.setattr(ino, None, set).await.unwrap();
+    faulty.inject(
+        Op::Put,
+        0,
+        None,
+        Fault::Error(StoreError::Transient("503".into())),
+    );
+    fs.release(ino, fh).await.unwrap();
+    faulty.clear();
+    let m = mem.head("f").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
+    assert_eq!(object(&mem, "f").await, b"data");
+    assert_eq!(fs.getattr(ino).await.unwrap().perm, 0o600);
+}
+
 /// The same start refused for good (403): the write fails, so that a writer stops before it
 /// fills the staging disk with a file that cannot be stored.
 #[tokio::test]
