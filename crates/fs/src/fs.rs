@@ -934,13 +934,12 @@ impl Fs {
     ) -> FsResult<u32> {
         let h = self.files.handle(ino, fh)?;
         let w = h.write.as_ref().ok_or(FsError::EBADF)?;
-        let len = data.len() as u32;
         let mut st = w.state.lock().await;
         let at = FileHandle::write_offset(offset, st.size(), append);
-        st.write(at, data).await?;
+        let took = st.write(at, data).await?;
         drop(st);
         self.wrote(ino);
-        Ok(len)
+        Ok(took as u32)
     }
 
     /// The file's content changed here: its mtime is now, and the kernel's pages may hold

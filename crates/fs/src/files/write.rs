@@ -554,34 +554,50 @@ impl WriteState {
         }
     }
 
-    /// Writes `data` at `offset`.
-    pub async fn write(&mut self, offset: u64, mut data: Bytes) -> FsResult<()> {
+    /// Writes `data` at `offset`; returns how many bytes the file took: all, or fewer when the
+    /// local disk failed after some were (a short write, as a disk filling up gives: failing
+    /// it as a whole would leave its first bytes in the file unsaid, and an O_APPEND caller's
+    /// retry would write them twice). A store's refusal fails the write, so that a writer
+    /// stops before it fills the staging disk with a file that cannot be stored.
+    pub async fn write(&mut self, offset: u64, mut data: Bytes) -> FsResult<usize> {
         if !fits_object(&self.cfg.limits, offset, data.len()) {
             return Err(FsError::EFBIG);
         }
         if data.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
+        let len = data.len();
         // A part rewritten in part needs its other bytes at publish.
-        self.recover(self.parts_around(offset..offset + data.len() as u64))
+        self.recover(self.parts_around(offset..offset + len as u64))
             .await?;
         self.touch();
+        let short = |at: u64, e: FsError| match at - offset {
+            0 => Err(e),
+            took => Ok(took as usize),
+        };
         let mut at = offset;
         while !data.is_empty() {
             // A part filled by `append_now` and not shipped yet.
             self.ship_full_tail().await?;
-            if !self.tail_takes(at) {
-                self.spill_tail().await?;
-                return self.write_staging(at, data).await;
-            }
-            let tail = self.tail.as_mut().expect("tail_takes made one");
-            let n = data.len().min((tail.part_end - at) as usize);
-            if !tail.append(&self.cfg.budget, &data[..n]) {
-                // The budget is full: this part continues on disk.
-                self.spill_tail().await?;
-                return self.write_staging(at, data).await;
-            }
-            let full = tail.is_full();
+            let tail_took = match self.tail_takes(at) {
+                true => {
+                    let tail = self.tail.as_mut().expect("tail_takes made one");
+                    let n = data.len().min((tail.part_end - at) as usize);
+                    // False when the budget is full: this part continues on disk.
+                    tail.append(&self.cfg.budget, &data[..n]).then_some(n)
+                }
+                false => None,
+            };
+            let Some(n) = tail_took else {
+                if let Err(e) = self.spill_tail().await {
+                    return short(at, e);
+                }
+                return match self.write_staging(at, data).await {
+                    (0, Err(e)) => short(at, e),
+                    (_, r) => r.map(|()| len),
+                };
+            };
+            let full = self.tail.as_ref().is_some_and(Tail::is_full);
             let _ = data.split_to(n);
             self.wrote(at..at + n as u64);
             at += n as u64;
@@ -589,7 +605,7 @@ impl WriteState {
                 self.ship_tail().await?;
             }
         }
-        Ok(())
+        Ok(len)
     }
 
     /// Appends `data` at `at` to the in-memory tail when that needs nothing asynchronous: the
@@ -935,15 +951,18 @@ impl WriteState {
         write_at(&staging, offset, data, flush).await
     }
 
-    /// Writes `data` at `offset` through the staging file.
-    async fn write_staging(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
+    /// Writes `data` at `offset` through the staging file; returns how many bytes the file
+    /// took (all, or none when the disk refused them) and how the step ended.
+    async fn write_staging(&mut self, offset: u64, data: Bytes) -> (u64, FsResult<()>) {
         let r = offset..offset + data.len() as u64;
         self.settle_spills().await;
-        self.stage(offset, data).await?;
+        if let Err(e) = self.stage(offset, data).await {
+            return (0, Err(e));
+        }
         self.local.insert(r.clone());
         self.uploaded_only.remove(r.clone());
         self.wrote(r.clone());
-        self.stream_full_parts(r).await
+        (r.end - r.start, self.stream_full_parts(r).await)
     }
 
     /// Sets the size (truncate/extend).

@@ -259,6 +259,53 @@ fn fs_without_staging(store: Arc<dyn ObjectStore>) -> (Arc<Fs>, tempfile::TempDi
     (Fs::new(store, cfg), cache)
 }
 
+/// A write that crosses a part's end, whose first half went into the part in memory and whose
+/// second half then could not be staged (no room in memory while the part goes up, and a
+/// staging disk that fails): it failed as a whole, though its first half was in the file and
+/// stored at close (a torn record, written twice by an O_APPEND writer's retry). It is a
+/// short write now: the count says what the file took.
+#[tokio::test]
+async fn a_write_failing_halfway_is_a_short_write() {
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    faulty.inject(
+        Op::UploadPart,
+        0,
+        None,
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        faulty.clone(),
+        FsConfig {
+            cache_dir: cache.path().join("missing"),
+            max_memory: 12 * MIB,
+            ..config(&cache)
+        },
+    );
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("log"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    let first = 5 * MIB - 4096;
+    let data = random(first as usize, 43);
+    fs.write(attr.ino, h.fh, 0, Bytes::from(data))
+        .await
+        .unwrap();
+    let r = fs
+        .write(attr.ino, h.fh, first, Bytes::from(vec![7u8; 8192]))
+        .await;
+    let size = fs.getattr(attr.ino).await.unwrap().size;
+    let took = r.map_or(0, u64::from);
+    assert_eq!(
+        size,
+        first + took,
+        "{r:?}: the file took other bytes than the count says"
+    );
+    let _ = fs.flush(attr.ino, h.fh).await;
+    fs.release(attr.ino, h.fh).await.unwrap();
+}
+
 /// Where a streamed part cannot be copied locally, its bytes are only in the upload: a read
 /// of them (and a rename of the file) is EIO, and nothing is published before close; the
 /// writer goes on, and close stores every byte.
