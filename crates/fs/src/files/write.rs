@@ -859,6 +859,11 @@ impl WriteState {
     /// Before the staging file changes: if it is a write-back entry's file (which must stay
     /// as committed until uploaded), the bytes move to a staging file of this state's own.
     async fn unshare(&mut self) -> FsResult<()> {
+        self.unshare_below(self.size()).await
+    }
+
+    /// [`Self::unshare`], of the bytes below `end` only (a truncate's new size).
+    async fn unshare_below(&mut self, end: u64) -> FsResult<()> {
         if !self.staging_shared {
             return Ok(());
         }
@@ -867,7 +872,7 @@ impl WriteState {
         let dst = Arc::new(dst);
         let ranges: Vec<Range<u64>> = self
             .local
-            .segments(0..self.size())
+            .segments(0..end.min(self.size()))
             .filter(|(_, local)| *local)
             .map(|(r, _)| r)
             .collect();
@@ -983,6 +988,17 @@ impl WriteState {
         self.spill_tail().await?;
         self.settle_spills().await;
         if size < old {
+            // The disk steps first: one that fails leaves the file as it was (cut before
+            // them, the bytes from the cut on read as zeros, and a close stored that).
+            // A shared file is copied into a new one holding only the bytes below the cut.
+            let shared = self.staging_shared;
+            self.unshare_below(size).await?;
+            if let Some(staging) = self.staging.clone().filter(|_| !shared) {
+                tokio::task::spawn_blocking(move || staging.set_len(size))
+                    .await
+                    .map_err(|_| FsError::EIO)?
+                    .map_err(io_err)?;
+            }
             if let Some(since) = &mut self.since_commit {
                 since.written.truncate(size);
                 since.keep = since.keep.min(size);
@@ -993,13 +1009,6 @@ impl WriteState {
             self.base_len = self.base_len.min(size);
             // Parts from the cut on no longer hold what they held.
             self.touch_parts(size..old);
-            self.unshare().await?;
-            if let Some(staging) = self.staging.clone() {
-                tokio::task::spawn_blocking(move || staging.set_len(size))
-                    .await
-                    .map_err(|_| FsError::EIO)?
-                    .map_err(io_err)?;
-            }
         } else if size > old {
             // The new bytes are zeros: mark them dirty so they are not taken from the base.
             self.touch_parts(old..size);
