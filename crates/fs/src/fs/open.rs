@@ -79,15 +79,7 @@ impl Fs {
                 None => self.wait_through(ino, &mut waits).await?,
             }
         };
-        if let (Some(w), true) = (&write, flags & libc::O_TRUNC != 0) {
-            let trunc = SetAttr {
-                size: Some(0),
-                ..SetAttr::default()
-            };
-            let mut st = w.state.lock().await;
-            self.setattr_state(ino, FileKind::File, &mut st, &trunc, false)
-                .await?;
-        }
+        let trunc = write.clone().filter(|_| flags & libc::O_TRUNC != 0);
         let fh = self.files.add_handle(FileHandle {
             ino,
             flags,
@@ -97,6 +89,23 @@ impl Fs {
             write,
             through: local.is_some(),
         });
+        if let Some(w) = trunc {
+            let set = SetAttr {
+                size: Some(0),
+                ..SetAttr::default()
+            };
+            let r = {
+                let mut st = w.state.lock().await;
+                self.setattr_state(ino, FileKind::File, &mut st, &set, false)
+                    .await
+            };
+            if let Err(e) = r {
+                // Registered as a writer and an open handle, which no release would undo
+                // (the kernel sends none for a failed open): the inode stayed `writing`.
+                let _ = self.release(ino, fh).await;
+                return Err(e);
+            }
+        }
         Ok(OpenReply {
             fh,
             keep_cache,

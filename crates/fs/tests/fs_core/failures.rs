@@ -306,6 +306,39 @@ async fn a_write_failing_halfway_is_a_short_write() {
     fs.release(attr.ino, h.fh).await.unwrap();
 }
 
+/// An open with O_TRUNC whose truncate fails (here: the staging disk, needed for the tail
+/// another descriptor wrote) registered a writer no release ever undid: the inode stayed
+/// written here for good, and a chmod after the other descriptor's close was queued where
+/// nothing stored it.
+#[tokio::test]
+async fn a_failed_truncating_open_leaves_no_writer_behind() {
+    let mem = Arc::new(MemoryStore::new());
+    let (fs, _cache) = fs_without_staging(mem.clone());
+    let (a, h) = fs
+        .create(ROOT_INO, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.write(a.ino, h.fh, 0, Bytes::from_static(b"hello"))
+        .await
+        .unwrap();
+    let again = fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC).await;
+    assert!(again.is_err(), "the truncate needs the staging disk");
+    fs.flush(a.ino, h.fh).await.unwrap();
+    fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, b"hello");
+    let set = SetAttr {
+        mode: Some(0o600),
+        ..SetAttr::default()
+    };
+    fs.setattr(a.ino, None, set).await.unwrap();
+    let m = mem.head("f").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
+    // Another client's version shows (a file written here shows its own state's).
+    put(&mem, "f", b"another client").await;
+    fs.refresh(a.ino).unwrap();
+    assert_eq!(fs.getattr(a.ino).await.unwrap().size, 14);
+}
+
 /// Where a streamed part cannot be copied locally, its bytes are only in the upload: a read
 /// of them (and a rename of the file) is EIO, and nothing is published before close; the
 /// writer goes on, and close stores every byte.
