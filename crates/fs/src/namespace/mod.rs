@@ -656,6 +656,7 @@ impl Namespace {
     }
 
     /// Whether a directory holds anything (in the store or created here and not yet uploaded).
+    /// A marker `dir/` holding bytes counts as something: rmdir would delete them.
     pub async fn dir_is_empty(&self, ino: Ino, path: &MountPath) -> FsResult<bool> {
         if !self
             .table
@@ -676,7 +677,11 @@ impl Namespace {
             .list(&dir_key, None, ListFrom::Start, 2, ListDetail::Plain)
             .await
             .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
-        Ok(page.objects.iter().all(|o| dir_key == *o.key) && page.common_prefixes.is_empty())
+        Ok(page
+            .objects
+            .iter()
+            .all(|o| dir_key == *o.key && o.size == 0)
+            && page.common_prefixes.is_empty())
     }
 
     // ---- what this mount knows going stale ----

@@ -1552,3 +1552,16 @@ async fn a_slow_listing_is_believed_from_its_first_list_not_its_end() {
         "added T ago to a page read before"
     );
 }
+
+/// A directory whose marker `d/` holds bytes (another tool stored data under that key):
+/// rmdir deleted the object, bytes and all, as if it were an empty marker. It is
+/// `ENOTEMPTY` now, and the object stays.
+#[tokio::test]
+async fn rmdir_keeps_a_marker_that_holds_bytes() {
+    let e = env();
+    put(&e.mem, "d/", b"data under the marker").await;
+    e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let r = e.fs.rmdir(ROOT_INO, OsStr::new("d")).await;
+    assert_eq!(r, Err(FsError::ENOTEMPTY));
+    assert_eq!(object(&e.mem, "d/").await, b"data under the marker");
+}
