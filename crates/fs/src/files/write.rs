@@ -97,6 +97,23 @@ impl PartLayout {
         }
     }
 
+    /// The largest file this layout can store as one object within `limits`: its parts
+    /// must number at most `max_parts` and be at most `max_part` each (they double every
+    /// 1,000), and the object at most `max_object`.
+    pub fn largest_file(&self, limits: &StoreLimits) -> u64 {
+        let max_parts = u64::from(limits.max_parts.max(1));
+        let mut end = self.bounds(max_parts - 1).end;
+        let mut step = 0;
+        while step * PARTS_PER_STEP < max_parts {
+            if self.part_size << step > limits.max_part {
+                end = end.min(self.bounds(step * PARTS_PER_STEP).start);
+                break;
+            }
+            step += 1;
+        }
+        end.min(limits.max_object)
+    }
+
     /// Ranges of all parts of an object of `size` bytes (the last one cut at `size`).
     pub fn parts(&self, size: u64) -> Vec<Range<u64>> {
         let mut out = Vec::new();
@@ -411,11 +428,12 @@ impl SinceCommit {
     }
 }
 
-/// Whether `len` bytes at `offset` end within the largest object the store allows.
-fn fits_object(limits: &StoreLimits, offset: u64, len: usize) -> bool {
+/// Whether `len` bytes at `offset` end within the largest file `cfg`'s part layout can
+/// store (it failed at close before, after all of it was written).
+fn fits_object(cfg: &WriteConfig, offset: u64, len: usize) -> bool {
     offset
         .checked_add(len as u64)
-        .is_some_and(|e| e <= limits.max_object)
+        .is_some_and(|e| e <= cfg.layout.largest_file(&cfg.limits))
 }
 
 fn io_err(e: std::io::Error) -> FsError {
@@ -560,7 +578,7 @@ impl WriteState {
     /// retry would write them twice). A store's refusal fails the write, so that a writer
     /// stops before it fills the staging disk with a file that cannot be stored.
     pub async fn write(&mut self, offset: u64, mut data: Bytes) -> FsResult<usize> {
-        if !fits_object(&self.cfg.limits, offset, data.len()) {
+        if !fits_object(&self.cfg, offset, data.len()) {
             return Err(FsError::EFBIG);
         }
         if data.is_empty() {
@@ -614,7 +632,7 @@ impl WriteState {
     /// an owned one first (a third of the user-space copying of a sequential write).
     pub fn append_now(&mut self, at: u64, data: &[u8]) -> Appended {
         let full_tail = self.tail.as_ref().is_some_and(Tail::is_full);
-        if data.is_empty() || !fits_object(&self.cfg.limits, at, data.len()) || full_tail {
+        if data.is_empty() || !fits_object(&self.cfg, at, data.len()) || full_tail {
             return Appended::No;
         }
         if !self.tail_takes(at) {
@@ -972,7 +990,7 @@ impl WriteState {
 
     /// Sets the size (truncate/extend).
     pub async fn truncate(&mut self, size: u64) -> FsResult<()> {
-        if size > self.cfg.limits.max_object {
+        if size > self.cfg.layout.largest_file(&self.cfg.limits) {
             return Err(FsError::EFBIG);
         }
         let old = self.size();
@@ -1428,5 +1446,23 @@ mod tests {
         // With 8 MiB parts, 10,000 parts cover the 5 TiB maximum object.
         let big = PartLayout { part_size: 8 << 20 };
         assert!(big.bounds(9999).end >= StoreLimits::S3.max_object);
+        assert_eq!(
+            big.largest_file(&StoreLimits::S3),
+            StoreLimits::S3.max_object
+        );
+    }
+
+    /// At `--part-size 5M`, 10,000 parts end before 5 TiB, and with parts of 5 GiB the
+    /// second 1,000 would be 10 GiB each: a write past either fails at once with EFBIG,
+    /// not at close after terabytes were written.
+    #[test]
+    fn the_largest_file_is_what_the_parts_can_hold() {
+        let s3 = StoreLimits::S3;
+        let small = PartLayout { part_size: 5 << 20 };
+        assert_eq!(small.largest_file(&s3), small.bounds(9999).end);
+        assert!(small.largest_file(&s3) < s3.max_object);
+        let huge = PartLayout { part_size: 5 << 30 };
+        assert_eq!(huge.largest_file(&s3), 1000 * (5 << 30));
+        assert!(huge.bounds(1000).end - huge.bounds(1000).start > s3.max_part);
     }
 }

@@ -608,3 +608,30 @@ async fn o_append_follows_the_descriptors_flags_of_each_write() {
     e.fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(object(&e.mem, "log").await, b"Xbcdef");
 }
+
+/// At 5 MiB parts (this config's), 10,000 parts end at 5 MiB x 1,000 x 1,023 bytes, short of
+/// the 5 TiB object limit: a write past that was accepted and failed only at close, after
+/// all of it was written. It is EFBIG at once now, as a truncate past it.
+#[tokio::test]
+async fn a_write_past_what_the_parts_can_hold_is_efbig_at_once() {
+    let e = crate::support::env();
+    let largest: u64 = (5 << 20) * 1000 * 1023;
+    let (a, h) =
+        e.fs.create(ROOT_INO, OsStr::new("huge"), 0o644, 0, libc::O_WRONLY, ME)
+            .await
+            .unwrap();
+    let r =
+        e.fs.write(a.ino, h.fh, largest, Bytes::from_static(b"x"))
+            .await;
+    assert_eq!(r, Err(FsError::EFBIG));
+    let set = SetAttr {
+        size: Some(largest + 1),
+        ..SetAttr::default()
+    };
+    assert_eq!(
+        e.fs.setattr(a.ino, Some(h.fh), set).await.map(|_| ()),
+        Err(FsError::EFBIG)
+    );
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+}
