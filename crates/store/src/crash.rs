@@ -408,38 +408,48 @@ mod tests {
         assert!(!second.path().exists());
     }
 
-    /// A journal that stops answering after the first abort of many: the other uploads
-    /// are aborted without waiting for it again, so shutdown waits for it once, not once
-    /// per upload.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_journal_that_stops_answering_is_waited_for_once() {
-        use crate::fault::{Fault, FaultStore};
-        use crate::metrics::Op;
+    /// A mount's journal (in a temp dir) over a fault store, with `n` uploads open, `k0`...
+    async fn with_open_uploads(
+        n: usize,
+    ) -> (
+        tempfile::TempDir,
+        Arc<MemoryStore>,
+        Arc<crate::fault::FaultStore>,
+        MountJournal,
+        Vec<crate::Upload>,
+    ) {
         let tmp = tempfile::tempdir().unwrap();
         let dirs = JournalDirs {
             dir: tmp.path().join("journal"),
             legacy: vec![],
         };
         let mem = Arc::new(MemoryStore::new());
-        let fault = Arc::new(FaultStore::new(mem.clone()));
+        let fault = Arc::new(crate::fault::FaultStore::new(mem.clone()));
         let bucket = Bucket::S3 {
             bucket: "b".into(),
             endpoint: Some("http://127.0.0.1:9".into()),
         };
-        let (mut mount, _) = MountJournal::open(fault.clone(), &bucket, &dirs, "t/".into())
+        let (mount, _) = MountJournal::open(fault.clone(), &bucket, &dirs, "t/".into())
             .await
             .unwrap();
-        mount.wait = Duration::from_millis(300);
         let uploads = Uploads::new(mount.store().clone());
         let mut open = Vec::new();
-        for i in 0..5 {
-            open.push(
-                uploads
-                    .create(&format!("k{i}"), &UserMeta::new(), None)
-                    .await
-                    .unwrap(),
-            );
+        for i in 0..n {
+            let key = format!("k{i}");
+            open.push(uploads.create(&key, &UserMeta::new(), None).await.unwrap());
         }
+        (tmp, mem, fault, mount, open)
+    }
+
+    /// A journal that stops answering after the first abort of many: the other uploads
+    /// are aborted without waiting for it again, so shutdown waits for it once, not once
+    /// per upload.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_journal_that_stops_answering_is_waited_for_once() {
+        use crate::fault::Fault;
+        use crate::metrics::Op;
+        let (_tmp, mem, fault, mut mount, _open) = with_open_uploads(5).await;
+        mount.wait = Duration::from_millis(300);
         // The first abort takes a while; meanwhile the journal's disk stops answering.
         let slow = Fault::Delay(Duration::from_millis(200));
         fault.inject(Op::AbortMultipart, 0, Some(1), slow);
@@ -467,28 +477,9 @@ mod tests {
     /// uploads took 8 s one after another (a stalled one, 15 s each).
     #[tokio::test]
     async fn shutdown_aborts_open_uploads_at_once() {
-        use crate::fault::{Fault, FaultStore};
+        use crate::fault::Fault;
         use crate::metrics::Op;
-        let tmp = tempfile::tempdir().unwrap();
-        let dirs = JournalDirs {
-            dir: tmp.path().join("journal"),
-            legacy: vec![],
-        };
-        let mem = Arc::new(MemoryStore::new());
-        let fault = Arc::new(FaultStore::new(mem.clone()));
-        let bucket = Bucket::S3 {
-            bucket: "b".into(),
-            endpoint: Some("http://127.0.0.1:9".into()),
-        };
-        let (mount, _) = MountJournal::open(fault.clone(), &bucket, &dirs, "t/".into())
-            .await
-            .unwrap();
-        let uploads = Uploads::new(mount.store().clone());
-        let mut open = Vec::new();
-        for i in 0..20 {
-            let key = format!("k{i}");
-            open.push(uploads.create(&key, &UserMeta::new(), None).await.unwrap());
-        }
+        let (_tmp, mem, fault, mount, _open) = with_open_uploads(20).await;
         let slow = Fault::Delay(Duration::from_millis(400));
         fault.inject(Op::AbortMultipart, 0, None, slow);
         let t = std::time::Instant::now();

@@ -738,6 +738,16 @@ mod tests {
         (Arc::new(FaultStore::new(mem)), cfg, data, etag)
     }
 
+    /// A data cache of 256 MiB in `dir`, made ready for it.
+    fn cache_in(dir: &std::path::Path) -> crate::config::DataCacheConfig {
+        crate::files::cache::prepare_dir(dir).unwrap();
+        crate::config::DataCacheConfig {
+            dir: dir.to_path_buf(),
+            max_bytes: 256 * MIB,
+            scope: "test".into(),
+        }
+    }
+
     /// Blocks waiting for a slow cache disk hold a block of memory each, not the chunk they
     /// were fetched in: an earlier build queued slices of it, so the 9 blocks the writer took
     /// of a 16 MiB chunk held all of it (with a queue of 64, a whole budget of chunks).
@@ -747,12 +757,7 @@ mod tests {
     async fn blocks_waiting_for_the_cache_disk_hold_only_their_own_memory() {
         let (store, cfg, data, etag) = setup(64 * MIB, 16 * MIB as usize).await;
         let dir = tempfile::tempdir().unwrap();
-        crate::files::cache::prepare_dir(dir.path()).unwrap();
-        let dc = crate::config::DataCacheConfig {
-            dir: dir.path().to_path_buf(),
-            max_bytes: 256 * MIB,
-            scope: "test".into(),
-        };
+        let dc = cache_in(dir.path());
         let cache = DataCache::start(&dc, 8, cfg.metrics.clone());
         let held = cache.writer_held.lock();
         let budget = cfg.budget.clone();
@@ -793,12 +798,7 @@ mod tests {
             .unwrap();
         let (store, cfg, data, etag) = rt.block_on(setup(256 * MIB, 2 * MIB as usize));
         let dir = tempfile::tempdir().unwrap();
-        crate::files::cache::prepare_dir(dir.path()).unwrap();
-        let dc = crate::config::DataCacheConfig {
-            dir: dir.path().to_path_buf(),
-            max_bytes: 256 * MIB,
-            scope: "test".into(),
-        };
+        let dc = cache_in(dir.path());
         let cache = rt.block_on(async { DataCache::start(&dc, 8, cfg.metrics.clone()) });
         // Its first look at the directory done (it removes what is not its own): the writer
         // takes a block after it.

@@ -630,15 +630,38 @@ async fn a_rename_over_a_directory_failing_after_its_copies_keeps_the_moved_mark
 /// fails).
 #[tokio::test]
 async fn a_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds() {
+    writes_whose_upload_cannot_start(None, 41).await;
+}
+
+/// The same with little memory, where every part goes through the staging file: the write
+/// that completed a part failed with EIO though its bytes were kept (an O_APPEND writer's
+/// retry then stored them twice).
+#[tokio::test]
+async fn a_staged_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds() {
+    writes_whose_upload_cannot_start(Some(8 * MIB), 42).await;
+}
+
+/// 12 MiB written in 1 MiB writes while the start of the upload fails (with `max_memory`
+/// if given): every write succeeds, and the close stores every byte.
+async fn writes_whose_upload_cannot_start(max_memory: Option<u64>, seed: u64) {
     let mem = Arc::new(MemoryStore::new());
-    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let cfg = config(&cache);
+    let fs = Fs::new(
+        faulty.clone(),
+        FsConfig {
+            max_memory: max_memory.unwrap_or(cfg.max_memory),
+            ..cfg
+        },
+    );
     faulty.inject(
         Op::CreateMultipart,
         0,
         None,
         Fault::Error(StoreError::Transient("connection refused".into())),
     );
-    let data = random(12 * MIB as usize, 41);
+    let data = random(12 * MIB as usize, seed);
     let (attr, h) = fs
         .create(ROOT_INO, OsStr::new("log"), 0o644, 0, libc::O_WRONLY, ME)
         .await
@@ -650,44 +673,6 @@ async fn a_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds() {
         assert_eq!(r, Ok(MIB as u32), "write {i}");
     }
     assert_eq!(fs.getattr(attr.ino).await.unwrap().size, data.len() as u64);
-    faulty.clear();
-    fs.flush(attr.ino, h.fh).await.unwrap();
-    fs.release(attr.ino, h.fh).await.unwrap();
-    assert!(object(&mem, "log").await == data);
-}
-
-/// The same with little memory, where every part goes through the staging file: the write
-/// that completed a part failed with EIO though its bytes were kept (an O_APPEND writer's
-/// retry then stored them twice).
-#[tokio::test]
-async fn a_staged_write_whose_upload_cannot_start_keeps_its_bytes_and_succeeds() {
-    let mem = Arc::new(MemoryStore::new());
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(
-        faulty.clone(),
-        FsConfig {
-            max_memory: 8 * MIB,
-            ..config(&cache)
-        },
-    );
-    faulty.inject(
-        Op::CreateMultipart,
-        0,
-        None,
-        Fault::Error(StoreError::Transient("connection refused".into())),
-    );
-    let data = random(12 * MIB as usize, 42);
-    let (attr, h) = fs
-        .create(ROOT_INO, OsStr::new("log"), 0o644, 0, libc::O_WRONLY, ME)
-        .await
-        .unwrap();
-    for (i, c) in data.chunks(MIB as usize).enumerate() {
-        let r = fs
-            .write(attr.ino, h.fh, i as u64 * MIB, Bytes::copy_from_slice(c))
-            .await;
-        assert_eq!(r, Ok(MIB as u32), "write {i}");
-    }
     faulty.clear();
     fs.flush(attr.ino, h.fh).await.unwrap();
     fs.release(attr.ino, h.fh).await.unwrap();
