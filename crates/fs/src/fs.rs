@@ -38,6 +38,7 @@ use parking_lot::Mutex;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -935,6 +936,7 @@ impl Fs {
         let h = self.files.handle(ino, fh)?;
         let w = h.write.as_ref().ok_or(FsError::EBADF)?;
         let mut st = w.state.lock().await;
+        h.changes();
         let at = FileHandle::write_offset(offset, st.size(), append);
         let took = st.write(at, data).await?;
         drop(st);
@@ -1022,6 +1024,9 @@ impl Fs {
                 if !waits && !of_writers && self.files.nothing_to_publish(&h) == Some(true) {
                     return Now::Done(Ok(()));
                 }
+                if !fsync && self.files.leaves_close_to_others(&h) {
+                    return Now::Done(Ok(()));
+                }
             }
         }
         let fs = self.clone();
@@ -1055,13 +1060,17 @@ impl Fs {
     async fn publish_handle(&self, ino: Ino, fh: u64, fsync: bool) -> FsResult<Option<u64>> {
         // An fsync through a descriptor open for reading (`sync FILE`) stores what the
         // file's writers wrote, as on a local disk.
-        let write = self.files.handle(ino, fh)?.write;
+        let h = self.files.handle(ino, fh)?;
+        let write = h.write.clone();
         let Some(w) = write.or_else(|| self.files.write_of(ino).filter(|_| fsync)) else {
             return Ok(None);
         };
         let mut st = w.state.lock().await;
         if !st.has_changes_to_publish() {
             return Ok(st.committed());
+        }
+        if !fsync && self.files.leaves_close_to_others(&h) {
+            return Ok(None);
         }
         let park = fsync
             && self
@@ -1074,6 +1083,7 @@ impl Fs {
             }
             return Err(e);
         }
+        h.changed.store(false, Ordering::Relaxed);
         Ok(st.committed())
     }
 

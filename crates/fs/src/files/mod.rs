@@ -64,6 +64,9 @@ pub struct FileHandle {
     pub write: Option<Arc<OpenWrite>>,
     /// Handed to the kernel with a local copy (passthrough): its reads never come here.
     pub through: bool,
+    /// This descriptor changed the file (wrote, truncated or created it) since a publish
+    /// through it last stored the file. Set and cleared under the write state's lock.
+    pub changed: Arc<AtomicBool>,
 }
 
 impl FileHandle {
@@ -74,6 +77,11 @@ impl FileHandle {
         } else {
             offset
         }
+    }
+
+    /// A change of the file through this descriptor (see [`Self::changed`]).
+    pub fn changes(&self) {
+        self.changed.store(true, Ordering::Relaxed);
     }
 
     /// Whether the handle was opened with `O_APPEND`.
@@ -466,8 +474,17 @@ impl OpenFiles {
         let Ok(mut st) = w.state.try_lock() else {
             return Appended::No;
         };
+        h.changes();
         let at = FileHandle::write_offset(offset, st.size(), append);
         st.append_now(at, data)
+    }
+
+    /// Whether a close of writer `h` leaves the file to the other writers' closes: it changed
+    /// nothing, and another writer has the file open (a program that opens `O_RDWR` to read
+    /// would store another process's half-written file as a version). The last writer's
+    /// close stores what is left either way.
+    pub fn leaves_close_to_others(&self, h: &FileHandle) -> bool {
+        h.write.is_some() && !h.changed.load(Ordering::Relaxed) && self.writers(h.ino) > 1
     }
 
     /// Whether handle `h` has nothing to publish, known without waiting (`None`: its state

@@ -6,7 +6,7 @@ impl Fs {
     /// The change is stored, or queued in the file's live write state, before this returns. A
     /// state whose last close is retiring it is never used: its publish is over and nothing
     /// would publish the change (see [`WriteState::retire`]).
-    pub async fn setattr(&self, ino: Ino, _fh: Option<u64>, set: SetAttr) -> FsResult<Attr> {
+    pub async fn setattr(&self, ino: Ino, fh: Option<u64>, set: SetAttr) -> FsResult<Attr> {
         self.check_writable()?;
         // No writer opens meanwhile with the metadata from before the change.
         let _changing_meta = self.meta_changes.lock(ino).await;
@@ -50,6 +50,9 @@ impl Fs {
                 && st.base_etag().is_some()
             {
                 break;
+            }
+            if let Some(h) = fh.and_then(|fh| self.files.handle(ino, fh).ok()) {
+                h.changes();
             }
             // With no writer open (truncate(2) of a path, or of a closed file's state kept
             // for its upload while only readers have it open): no writer's close will

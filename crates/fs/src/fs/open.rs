@@ -88,6 +88,7 @@ impl Fs {
             page_drops,
             write,
             through: local.is_some(),
+            changed: Arc::default(),
         });
         if let Some(w) = trunc {
             let set = SetAttr {
@@ -96,6 +97,9 @@ impl Fs {
             };
             let r = {
                 let mut st = w.state.lock().await;
+                if let Ok(h) = self.files.handle(ino, fh) {
+                    h.changes();
+                }
                 self.setattr_state(ino, FileKind::File, &mut st, &set, false)
                     .await
             };
@@ -275,6 +279,8 @@ impl Fs {
             page_drops,
             write: Some(w),
             through: false,
+            // An empty file is still a file: its close stores it.
+            changed: Arc::new(AtomicBool::new(true)),
         });
         Ok((
             attr,

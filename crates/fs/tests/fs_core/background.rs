@@ -1161,3 +1161,41 @@ async fn a_chmod_or_truncate_while_only_readers_have_the_file_open_is_stored() {
     assert_eq!(m.user["mode"], (libc::S_IFREG | 0o600).to_string());
     assert_eq!(object(&e.mem, "t").await, b"a");
 }
+
+/// Background mode: a descriptor open for writing that wrote nothing commits nothing at
+/// its close, so another writer's half-written file never goes up as a version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_that_wrote_nothing_commits_no_half_file() {
+    let state = tempfile::tempdir().unwrap();
+    let e = background_env(&state, Duration::ZERO);
+    put(&e.mem, "f", b"the old version").await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let writer =
+        e.fs.open(attr.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    e.fs.write(attr.ino, writer.fh, 0, Bytes::from_static(b"first half, "))
+        .await
+        .unwrap();
+    let idle = e.fs.open(attr.ino, libc::O_RDWR).await.unwrap();
+    e.fs.flush(attr.ino, idle.fh).await.unwrap();
+    e.fs.release(attr.ino, idle.fh).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        e.fs.pending_uploads().is_empty(),
+        "the idle close committed"
+    );
+    assert_eq!(object(&e.mem, "f").await, b"the old version");
+    e.fs.write(attr.ino, writer.fh, 12, Bytes::from_static(b"second half"))
+        .await
+        .unwrap();
+    e.fs.flush(attr.ino, writer.fh).await.unwrap();
+    e.fs.release(attr.ino, writer.fh).await.unwrap();
+    for _ in 0..100 {
+        if object(&e.mem, "f").await == b"first half, second half" {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the writer's close never went up");
+}

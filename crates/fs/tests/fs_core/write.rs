@@ -635,3 +635,75 @@ async fn a_write_past_what_the_parts_can_hold_is_efbig_at_once() {
     e.fs.flush(a.ino, h.fh).await.unwrap();
     e.fs.release(a.ino, h.fh).await.unwrap();
 }
+
+/// A program opens a file another process is half way through writing, for reading and
+/// writing (`O_RDWR`: many do, to read), and closes it having written nothing: its close
+/// stores nothing, so other clients never get the half-written file as a version; the
+/// writer's close stores it whole. A descriptor that did write (or truncate) stores the
+/// file at its close as before, what the other writer wrote so far included.
+#[tokio::test]
+async fn a_close_that_wrote_nothing_does_not_store_another_writers_half_file() {
+    let e = env();
+    put(&e.mem, "f", b"the old version").await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let writer =
+        e.fs.open(attr.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    e.fs.write(attr.ino, writer.fh, 0, Bytes::from_static(b"first half, "))
+        .await
+        .unwrap();
+    let puts = e.metrics.requests(Op::Put);
+    for flags in [libc::O_RDWR, libc::O_WRONLY] {
+        let idle = e.fs.open(attr.ino, flags).await.unwrap();
+        assert!(matches!(
+            e.fs.publish_now(attr.ino, idle.fh, false),
+            Now::Done(Ok(()))
+        ));
+        e.fs.flush(attr.ino, idle.fh).await.unwrap();
+        e.fs.release(attr.ino, idle.fh).await.unwrap();
+    }
+    assert_eq!(
+        e.metrics.requests(Op::Put),
+        puts,
+        "a close that wrote nothing stored"
+    );
+    assert_eq!(object(&e.mem, "f").await, b"the old version");
+    // A descriptor that changed the file stores it at its close, the other's bytes too.
+    let other = e.fs.open(attr.ino, libc::O_RDWR).await.unwrap();
+    e.fs.write(attr.ino, other.fh, 100, Bytes::from_static(b"!"))
+        .await
+        .unwrap();
+    e.fs.flush(attr.ino, other.fh).await.unwrap();
+    let stored = object(&e.mem, "f").await;
+    assert_eq!(&stored[..12], b"first half, ");
+    assert_eq!(stored.len(), 101);
+    e.fs.release(attr.ino, other.fh).await.unwrap();
+    e.fs.write(attr.ino, writer.fh, 12, Bytes::from_static(b"second half"))
+        .await
+        .unwrap();
+    e.fs.flush(attr.ino, writer.fh).await.unwrap();
+    e.fs.release(attr.ino, writer.fh).await.unwrap();
+    assert_eq!(&object(&e.mem, "f").await[..23], b"first half, second half");
+}
+
+/// [`a_close_that_wrote_nothing_does_not_store_another_writers_half_file`]'s ftruncate:
+/// a descriptor that only truncated the file changed it, and its close stores that.
+#[tokio::test]
+async fn a_close_after_an_ftruncate_stores_the_file() {
+    let e = env();
+    put(&e.mem, "f", b"0123456789").await;
+    let attr = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let writer = e.fs.open(attr.ino, libc::O_WRONLY).await.unwrap();
+    let cutter = e.fs.open(attr.ino, libc::O_WRONLY).await.unwrap();
+    let cut = SetAttr {
+        size: Some(4),
+        ..SetAttr::default()
+    };
+    e.fs.setattr(attr.ino, Some(cutter.fh), cut).await.unwrap();
+    e.fs.flush(attr.ino, cutter.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "f").await, b"0123");
+    for fh in [cutter.fh, writer.fh] {
+        e.fs.release(attr.ino, fh).await.unwrap();
+    }
+}
