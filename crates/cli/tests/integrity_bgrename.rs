@@ -218,6 +218,47 @@ fn a_rename_killed_between_copy_and_delete_leaves_the_version_under_the_new_name
     }
 }
 
+/// A file renamed over one whose version waits for upload, the daemon killed between the
+/// rename's copy and its delete of the old name: after the restart the new name holds the
+/// moved file, and the replaced version never goes up over it (it did, from the write-back
+/// directory: the moved file's bytes were then under neither name, or the upload stopped as
+/// a conflict). Two replaced files: one written under its name, one renamed there.
+#[test]
+fn a_rename_over_a_file_waiting_for_upload_killed_after_its_copy_keeps_the_moved_file() {
+    let b = s3().new_bucket("bgrenw");
+    for (moved, replaced, via) in [("z1", "y1", None), ("z2", "y2", Some("tmp"))] {
+        s3().put(&b, moved, b"the moved file".to_vec());
+        let state = state_dir();
+        let mut m = background_at(
+            &b,
+            state.path(),
+            "rename.copied=abort",
+            &["--upload-delay", "600"],
+        )
+        .mount();
+        write_file(&m.join(via.unwrap_or(replaced)), b"the replaced version");
+        if let Some(via) = via {
+            std::fs::rename(m.join(via), m.join(replaced)).unwrap();
+        }
+        let renamed = std::fs::rename(m.join(moved), m.join(replaced));
+        assert!(renamed.is_err(), "the daemon was not killed at the copy");
+        m.kill9();
+        drop(m);
+        assert_eq!(
+            s3().get(&b, replaced).as_deref(),
+            Some(&b"the moved file"[..])
+        );
+        let m = background_at(&b, state.path(), "", &["--upload-delay", "0"]).mount();
+        let (status, log) = m.unmount();
+        assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+        assert_eq!(
+            s3().get(&b, replaced).as_deref(),
+            Some(&b"the moved file"[..]),
+            "{replaced}: the replaced version went up over the moved file"
+        );
+    }
+}
+
 /// A background mount of a new bucket (`name`) whose file `a` (`body`) is renamed to `b`
 /// while its upload is stopped before it lands, then let go; returns once the rename
 /// returned and nothing is pending, with the bucket, the state directory, the mount and, if

@@ -55,6 +55,20 @@ impl Drop for Held {
     }
 }
 
+impl Held {
+    /// Removes the held versions for good: a rename's copy replaced them at `dst`.
+    async fn discard(&mut self, dst: &ObjectKey) {
+        for (wb, seq) in std::mem::take(&mut self.0) {
+            if let Err(e) = wb.discard(seq).await {
+                tracing::warn!(
+                    "rename over {dst}: removing the replaced file's version waiting for \
+                     upload: {e}"
+                );
+            }
+        }
+    }
+}
+
 impl Fs {
     /// `flags` are renameat2 flags (`RENAME_NOREPLACE` is honoured, `RENAME_EXCHANGE` is not
     /// supported).
@@ -235,7 +249,9 @@ impl Fs {
         )
         .await;
         // The replaced file's version waiting for upload never goes up from now on; it is
-        // removed once the rename is done (a failed rename leaves it as it was).
+        // removed once the copy replaced it, before the source's delete (a failure before
+        // the copy leaves it as it was). Removed later, a crash or a failed delete between
+        // would let it go up over the copy, the moved file then under neither name.
         let mut replaced_held = Held::default();
         if let (Some(wb), Some(st)) = (self.files.writeback(), replaced_guard.as_deref()) {
             if let Some(seq) = st.committed() {
@@ -259,7 +275,13 @@ impl Fs {
             None => None,
         };
         let moved = self
-            .move_object(path, new_path, version, guard.as_deref_mut())
+            .move_object(
+                path,
+                new_path,
+                version,
+                guard.as_deref_mut(),
+                &mut replaced_held,
+            )
             .await;
         if let (Ok(_), Some(w), Some(st)) = (&moved, &src.1, guard.as_deref_mut()) {
             self.drop_if_uploaded(src.0, w, st);
@@ -272,14 +294,6 @@ impl Fs {
                 Err(e)
             }
             (Ok(etag), Some(r)) => {
-                for (wb, seq) in std::mem::take(&mut replaced_held.0) {
-                    if let Err(e) = wb.discard(seq).await {
-                        tracing::warn!(
-                            "rename over {new_path}: removing the replaced file's version \
-                             waiting for upload: {e}"
-                        );
-                    }
-                }
                 self.retire_open_file(r.ino, replaced_guard.as_deref_mut(), kept)
                     .await;
                 if let (Some(w), Some(st)) = (&r.write, replaced_guard.as_deref_mut()) {
@@ -315,13 +329,15 @@ impl Fs {
     /// copies); the file's previous complete object, if any, moves with the name, else the
     /// new name has no object until close. Either way each key holds a complete object or
     /// none, whenever the daemon dies. The copy is pinned to the version the file was looked
-    /// up on (`version`: size and ETag), or its state is based on.
-    pub(super) async fn move_object(
+    /// up on (`version`: size and ETag), or its state is based on. `replaced`: the replaced
+    /// file's version waiting for upload, removed once `new_path`'s object is replaced.
+    async fn move_object(
         &self,
         path: &MountPath,
         new_path: &MountPath,
         version: (u64, Option<String>),
         st: Option<&mut WriteState>,
+        replaced: &mut Held,
     ) -> FsResult<Option<String>> {
         let (src, dst) = (self.ns.key(path), self.ns.key(new_path));
         let Some(st) = st else {
@@ -331,6 +347,8 @@ impl Fs {
             let copied = self
                 .copy_object(&src, &dst, size, None, etag.as_deref())
                 .await?;
+            replaced.discard(&dst).await;
+            testpoint::reached("rename.copied").await;
             self.delete_copied(&src, etag.as_deref())
                 .await
                 .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
@@ -357,7 +375,9 @@ impl Fs {
             _ => (None, None),
         };
         let uploaded = held.is_none() && st.committed().is_some();
-        let moved = self.move_state_object(&src, &dst, st, expect, held).await?;
+        let moved = self
+            .move_state_object(&src, &dst, st, expect, held, replaced)
+            .await?;
         if let (Some(wb), true) = (self.files.writeback(), uploaded) {
             // Its upload landed under the old name and moved with it: the next version
             // replaces the copy.
@@ -372,6 +392,7 @@ impl Fs {
     /// replace); another client's object there is neither moved nor deleted (`ESTALE`).
     /// `held`: that version, held (with its condition): it moves to `dst` durably before
     /// the bucket changes (a crash in between: see [`WriteBack::rekey`]), back on failure.
+    /// `replaced`: as [`Self::move_object`] says.
     async fn move_state_object(
         &self,
         src: &ObjectKey,
@@ -379,6 +400,7 @@ impl Fs {
         st: &mut WriteState,
         expect: Option<Cond>,
         held: Option<(Arc<WriteBack>, u64, Cond)>,
+        replaced: &mut Held,
     ) -> FsResult<Option<String>> {
         let what = format!("rename {src} to {dst}");
         let old = match self.store.head(src).await {
@@ -421,7 +443,9 @@ impl Fs {
             }
             None => None,
         };
-        let moved = self.move_base_object(src, dst, st, old, expect).await;
+        let moved = self
+            .move_base_object(src, dst, st, old, expect, replaced)
+            .await;
         match (moved, rekeyed) {
             (Ok(etag), Some((wb, new, _))) => {
                 wb.moved(new, etag.clone().map_or(Cond::Absent, Cond::Match));
@@ -450,6 +474,7 @@ impl Fs {
 
     /// The bucket's part of [`Self::move_state_object`]: `old` (the object at `src`, checked
     /// against `expect`) copied to `dst` and deleted, or, with none, `dst` deleted.
+    /// `replaced`: as [`Self::move_object`] says.
     async fn move_base_object(
         &self,
         src: &ObjectKey,
@@ -457,6 +482,7 @@ impl Fs {
         st: &WriteState,
         old: Option<ObjectMeta>,
         expect: Option<Cond>,
+        replaced: &mut Held,
     ) -> FsResult<Option<String>> {
         let what = format!("rename {src} to {dst}");
         // The state reads its base from the copy: it must be that base, whole.
@@ -480,8 +506,9 @@ impl Fs {
                 None
             }
         };
-        testpoint::reached("rename.copied").await;
+        replaced.discard(dst).await;
         if let Some(o) = &old {
+            testpoint::reached("rename.copied").await;
             self.delete_copied(src, pin.as_deref().or(o.etag.as_deref()))
                 .await
                 .map_err(|e| log_store_err(&format!("delete {src} after copy"), e))?;
