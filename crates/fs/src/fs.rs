@@ -632,26 +632,31 @@ impl Fs {
 
     pub async fn readlink(&self, ino: Ino) -> FsResult<Bytes> {
         crate::testpoint::reached("readlink").await;
-        let (path, size, cached) = {
+        let (path, cached) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
             if i.kind != FileKind::Symlink {
                 return Err(FsError::EINVAL);
             }
-            (i.path.clone(), i.attr.size, i.symlink_target.clone())
+            (i.path.clone(), i.symlink_target.clone())
         };
         let known = self.ns.table().get(ino).and_then(|i| i.etag.clone());
         if let Some(c) = cached {
             return Ok(c);
         }
         let key = self.ns.key(&path);
-        // Another client may have made it longer than the size known (PATH_MAX covers any
-        // target a kernel would follow).
+        // Another client may have made it longer than the size known. No more than PATH_MAX
+        // bytes: a target is shorter (another client's object marked as a symlink may hold
+        // gigabytes, which the inode would keep).
         let target = self
             .store
-            .get_range(&key, 0..size.max(libc::PATH_MAX as u64), None)
+            .get_range(&key, 0..libc::PATH_MAX as u64, None)
             .await
             .map_err(|e| log_store_err(&format!("readlink {key}"), e))?;
+        if target.len() >= libc::PATH_MAX as usize {
+            tracing::warn!("readlink {key}: a symbolic link of PATH_MAX bytes or more");
+            return Err(FsError(libc::ENAMETOOLONG));
+        }
         if let Some(i) = self.ns.table().get_mut(ino) {
             // Not if a new version was learnt while the GET ran: it may hold the old target.
             if i.etag == known {

@@ -774,3 +774,26 @@ async fn a_set_group_id_directory_gives_its_group_to_what_is_made_in_it() {
     e.fs.release(g.ino, h.fh).await.unwrap();
     assert_eq!(g.gid, ME.gid);
 }
+
+/// An object marked as a symlink (its mode says so) that holds 8 MiB: readlink fetches no
+/// more than the longest target a kernel takes (PATH_MAX) and refuses the rest with
+/// `ENAMETOOLONG`. It fetched the whole object (at least), and kept it for the inode's life:
+/// a directory of such objects from another client took memory outside every bound.
+#[tokio::test]
+async fn a_huge_object_marked_as_a_symlink_is_not_fetched_whole() {
+    let e = crate::support::env();
+    e.fs.symlink(ROOT_INO, OsStr::new("model"), std::path::Path::new("t"), ME)
+        .await
+        .unwrap();
+    let meta = e.mem.head("model").await.unwrap().user;
+    e.mem
+        .put("ln", bytes::Bytes::from(vec![b'a'; 8 << 20]), &meta)
+        .await
+        .unwrap();
+    let l = e.fs.lookup(ROOT_INO, OsStr::new("ln")).await.unwrap();
+    assert_eq!(l.kind, FileKind::Symlink);
+    let down = e.metrics.bytes_down();
+    let target = e.fs.readlink(l.ino).await.map(|t| t.len());
+    assert_eq!(target, Err(FsError(libc::ENAMETOOLONG)));
+    assert!(e.metrics.bytes_down() - down <= libc::PATH_MAX as u64);
+}
