@@ -22,6 +22,9 @@ pub enum Fault {
     DropAfter,
     /// Call the inner store (the request happens), then never answer (a held response).
     HangAfter,
+    /// Call the inner store (the request happens), then sleep before answering (an answer
+    /// slow on its way back: the store may change meanwhile).
+    DelayAfter(Duration),
 }
 
 #[derive(Debug, Clone)]
@@ -145,6 +148,11 @@ impl FaultStore {
             Some(Fault::HangAfter) => {
                 let _ = call.await;
                 std::future::pending().await
+            }
+            Some(Fault::DelayAfter(d)) => {
+                let r = call.await;
+                tokio::time::sleep(d).await;
+                r
             }
         }
     }

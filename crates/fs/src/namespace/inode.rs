@@ -267,6 +267,12 @@ impl InodeTable {
 
     /// The store says `name` of `parent` does not exist (any more): drops its entry, if any,
     /// and the numbers kept for it.
+    /// Whether `name` in directory `parent` is at `path` (a rename of the directory, or of
+    /// one above it, changes that).
+    pub fn names_at(&self, parent: Ino, name: &str, path: &MountPath) -> bool {
+        self.get(parent).is_some_and(|p| p.path.join(name) == *path)
+    }
+
     pub fn remove_child(&mut self, parent: Ino, name: &str) {
         if let Some(p) = self.inodes.get(&parent) {
             let path = p.path.join(name);

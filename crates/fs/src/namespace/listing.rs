@@ -606,20 +606,31 @@ impl Namespace {
     /// keep (TTL zero): its first stat asks the store, as after a plain readdir, and a symlink
     /// the listing showed as a file is looked up again before anything relies on its type.
     pub fn plus_entry(&self, dir: Ino, e: &DirEntry) -> Option<(Attr, bool)> {
+        // The directory renamed between reading its path and registering the entry there.
+        for _ in 0..super::MOVED_TRIES {
+            if let Some(r) = self.plus_entry_at(dir, e)? {
+                return Some(r);
+            }
+        }
+        None
+    }
+
+    /// [`Self::plus_entry`] at the directory's path now: `Some(None)`: it moved meanwhile.
+    fn plus_entry_at(&self, dir: Ino, e: &DirEntry) -> Option<Option<(Attr, bool)>> {
         if e.is_dot() {
             let t = self.table.lock();
             let attr = t.get(e.ino).map(|i| i.attr.clone()).unwrap_or_else(|| {
                 self.policy
                     .attr(e.ino, FileKind::Dir, 0, &PosixMeta::default(), None)
             });
-            return Some((attr, true));
+            return Some(Some((attr, true)));
         }
         let path = {
             let mut t = self.table.lock();
             if let Some(i) = t.child(dir, &e.name).and_then(|c| t.get_mut(c)) {
                 if self.fresh(i.fetched) || i.writing {
                     i.lookups += 1;
-                    return Some((i.attr.clone(), true));
+                    return Some(Some((i.attr.clone(), true)));
                 }
             }
             t.get(dir)?.path.join(&e.name)
@@ -636,7 +647,7 @@ impl Namespace {
                     // at its next stat.
                     i.lookups += 1;
                     i.fetched = stale.or(i.fetched);
-                    return Some((i.attr.clone(), false));
+                    return Some(Some((i.attr.clone(), false)));
                 }
             }
             drop(t);
@@ -645,11 +656,13 @@ impl Namespace {
                 obj: ObjectMeta::default(),
                 has_marker: false,
             };
-            let attr = self.remember(dir, &e.name, path, found, 1, Instant::now());
+            let Some(attr) = self.remember(dir, &e.name, path, found, 1, Instant::now()) else {
+                return Some(None);
+            };
             if let Some(i) = self.table.lock().get_mut(attr.ino) {
                 i.fetched = stale.or(i.fetched);
             }
-            return Some((attr, false));
+            return Some(Some((attr, false)));
         };
         if !complete && matches!(found.kind, FileKind::Dir | FileKind::File) {
             // A common prefix says nothing of a directory's attributes: a known one keeps its
@@ -664,12 +677,14 @@ impl Namespace {
                 {
                     i.lookups += 1;
                     i.fetched = stale.or(i.fetched);
-                    return Some((i.attr.clone(), false));
+                    return Some(Some((i.attr.clone(), false)));
                 }
             }
         }
         // Fresh for the TTL from when the store said it, not from now.
-        let attr = self.remember(dir, &e.name, path, found, 1, at);
+        let Some(attr) = self.remember(dir, &e.name, path, found, 1, at) else {
+            return Some(None);
+        };
         if !complete {
             // Not fresh: the next stat or lookup of it asks the store.
             let stale = self.stale_instant();
@@ -677,7 +692,7 @@ impl Namespace {
                 i.fetched = stale.or(i.fetched);
             }
         }
-        Some((attr, complete))
+        Some(Some((attr, complete)))
     }
 
     pub fn releasedir(&self, fh: u64) {

@@ -39,6 +39,9 @@ use std::time::{Duration, Instant, SystemTime};
 /// Longest object key S3 accepts, in bytes.
 pub(crate) const MAX_KEY_LEN: usize = 1024;
 
+/// Times a lookup asks the store again when its directory moved before the answer came.
+const MOVED_TRIES: usize = 3;
+
 /// The name at the mount root that holds files unlinked while open: never a file's.
 pub fn is_reserved(parent: Ino, name: &str) -> bool {
     parent == ROOT_INO && name == UNLINKED_DIR
@@ -233,8 +236,9 @@ impl Namespace {
 
     // ---- asking the store what a path is ----
 
-    /// Records what the store said about `name` in `parent` at `at`; returns the inode's
-    /// attributes.
+    /// Records what the store said about `name` in `parent` (at `path`) at `at`; returns the
+    /// inode's attributes. `None`: the parent is no longer at `path`'s parent (a rename of it
+    /// or above it while the store was asked): the answer is about a name nothing here has.
     pub fn remember(
         &self,
         parent: Ino,
@@ -243,8 +247,11 @@ impl Namespace {
         f: Found,
         lookups: u64,
         at: Instant,
-    ) -> Attr {
+    ) -> Option<Attr> {
         let mut t = self.table.lock();
+        if !t.names_at(parent, name, &path) {
+            return None;
+        }
         if let Some(ino) = t.child(parent, name) {
             let i = t.get_mut(ino).expect("child in table");
             if i.kind == f.kind {
@@ -264,7 +271,7 @@ impl Namespace {
                 i.has_marker = f.has_marker;
                 i.fetched = Some(at);
                 i.lookups += lookups;
-                return i.attr.clone();
+                return Some(i.attr.clone());
             }
         }
         let ino = t.ino_for(&path);
@@ -276,17 +283,39 @@ impl Namespace {
         i.lookups = lookups;
         i.fetched = Some(at);
         t.insert(i);
-        attr
+        Some(attr)
+    }
+
+    /// Forgets `name` in `parent` (at `path`), which the store says is not there; false if
+    /// the parent is no longer at `path`'s parent (see [`Self::remember`]).
+    fn remove_missing(&self, parent: Ino, name: &str, path: &MountPath) -> bool {
+        let mut t = self.table.lock();
+        if !t.names_at(parent, name, path) {
+            return false;
+        }
+        t.remove_child(parent, name);
+        true
     }
 
     /// Finds `name` in `parent`, from the table while fresh, else from the store; adds
     /// `lookups` references to the inode. The size of a file being written is the one
-    /// recorded here, not its live one.
+    /// recorded here, not its live one. A directory renamed while the store was asked is
+    /// asked again at its new path, a few times, then `ESTALE` (the kernel looks it up again).
     pub async fn resolve(&self, parent: Ino, name: &OsStr, lookups: u64) -> FsResult<Attr> {
         let name = check_name(name)?;
         if is_reserved(parent, name) {
             return Err(FsError::ENOENT);
         }
+        for _ in 0..MOVED_TRIES {
+            if let Some(a) = self.resolve_at(parent, name, lookups).await? {
+                return Ok(a);
+            }
+        }
+        Err(FsError::ESTALE)
+    }
+
+    /// [`Self::resolve`] at the parent's path now; `None`: it moved before the answer came.
+    async fn resolve_at(&self, parent: Ino, name: &str, lookups: u64) -> FsResult<Option<Attr>> {
         let parent_path = self.dir_path(parent)?;
         {
             let mut t = self.table.lock();
@@ -295,7 +324,7 @@ impl Namespace {
                 if self.fresh(i.fetched) || i.writing {
                     i.lookups += lookups;
                     inc(&self.metrics.attr_hits);
-                    return Ok(i.attr.clone());
+                    return Ok(Some(i.attr.clone()));
                 }
             }
         }
@@ -319,7 +348,9 @@ impl Namespace {
                 // still holds under the name leaves it, as when the store says so (else the
                 // name could not be made again).
                 inc(&self.metrics.attr_hits);
-                self.table.lock().remove_child(parent, name);
+                if !self.remove_missing(parent, name, &path) {
+                    return Ok(None);
+                }
                 return Err(FsError::ENOENT);
             }
             ListingSays::Present { window, far_end } => {
@@ -357,8 +388,8 @@ impl Namespace {
                 Ok(self.remember(parent, name, path, f, lookups, at))
             }
             Err(e) => {
-                if e == FsError::ENOENT {
-                    self.table.lock().remove_child(parent, name);
+                if e == FsError::ENOENT && !self.remove_missing(parent, name, &path) {
+                    return Ok(None);
                 }
                 Err(e)
             }

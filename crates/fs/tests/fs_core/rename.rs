@@ -563,3 +563,48 @@ async fn a_directory_rename_that_would_make_a_key_too_long_moves_nothing() {
         .unwrap();
     assert_eq!(object(&e.mem, &format!("c{}", &file[1..])).await, b"x");
 }
+
+/// A lookup of `x` in directory `a` whose answer (found) comes back after a rename of `a`
+/// to `b` finished: the inode it registers is `b/x`, not the old path `a/x` (it was: a write
+/// through it stored under `a/x`, bringing the old directory back, and `b/x` kept the old
+/// bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_answered_after_a_rename_of_its_directory_registers_the_new_path() {
+    use bucketfs_store::fault::Fault;
+    use bucketfs_store::metrics::Op;
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "a/x", b"old").await;
+    let (faulty, fs, _cache) = crate::support::faulty_fs(&mem);
+    let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    // The lookup's HEAD of a/x happens at once, its answer comes 500 ms later.
+    faulty.inject(
+        Op::Head,
+        0,
+        Some(1),
+        Fault::DelayAfter(std::time::Duration::from_millis(500)),
+    );
+    let looking = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.lookup(a.ino, OsStr::new("x")).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+        .await
+        .unwrap();
+    assert_eq!(object(&mem, "b/x").await, b"old");
+    let x = looking.await.unwrap().unwrap();
+    let h = fs
+        .open(x.ino, libc::O_WRONLY | libc::O_TRUNC)
+        .await
+        .unwrap();
+    fs.write(x.ino, h.fh, 0, Bytes::from_static(b"new"))
+        .await
+        .unwrap();
+    fs.flush(x.ino, h.fh).await.unwrap();
+    fs.release(x.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "b/x").await, b"new");
+    assert!(
+        mem.head("a/x").await.is_err(),
+        "the write went to the old path"
+    );
+}
