@@ -811,19 +811,9 @@ impl Fs {
         objects: &[ObjectMeta],
         replaced: Option<crate::namespace::markers::Unstored<'_>>,
     ) -> FsResult<Copies> {
-        if replaced.is_some() {
-            self.store
-                .delete(dst)
-                .await
-                .map_err(|e| log_store_err(&format!("delete {dst}"), e))?;
-        }
-        if !objects.iter().any(|o| *src == *o.key) {
-            // An implied directory: give the new one a marker so it exists even if empty.
-            self.store
-                .put(dst, Bytes::new(), &UserMeta::new())
-                .await
-                .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
-        }
+        // The marker of a directory replaced is overwritten by the moved one's (its copy,
+        // or the one put below), never deleted first: a rename failing before that leaves
+        // the directory replaced as it was, its attributes included.
         let copies: Vec<BoxFuture<'_, FsResult<(String, Copied)>>> = objects
             .iter()
             .map(|o| {
@@ -842,6 +832,13 @@ impl Fs {
         // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
         // would skip its abort.
         let copies = run_bounded(copies, RENAME_CONCURRENCY).await?;
+        if !objects.iter().any(|o| *src == *o.key) {
+            // An implied directory: give the new one a marker so it exists even if empty.
+            self.store
+                .put(dst, Bytes::new(), &UserMeta::new())
+                .await
+                .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
+        }
         if let Some(r) = replaced {
             r.replaced();
         }

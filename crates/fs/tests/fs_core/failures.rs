@@ -519,6 +519,41 @@ async fn a_failed_rename_over_a_directory_keeps_its_marker_pending() {
     );
 }
 
+/// A rename over an empty directory whose marker is in the bucket (with its mode), failing
+/// at its copies: the directory replaced keeps its marker and mode (the marker was deleted
+/// before the copies, so the failed rename took the directory's attributes, and after the
+/// stat TTL the directory itself). With `a` implied (no marker of its own), the same.
+#[tokio::test]
+async fn a_failed_rename_over_a_stored_directory_keeps_its_marker() {
+    for implied in [false, true] {
+        let mem = Arc::new(MemoryStore::new());
+        let (faulty, fs, _cache) = faulty_fs(&mem);
+        if !implied {
+            mem.put("a/", Bytes::new(), &Default::default())
+                .await
+                .unwrap();
+        }
+        put(&mem, "a/x", b"x").await;
+        fs.mkdir(ROOT_INO, OsStr::new("b"), 0o700, 0, ME)
+            .await
+            .unwrap();
+        fs.fsyncdir(ROOT_INO).await.unwrap();
+        let mode = mem.head("b/").await.unwrap().user["mode"].clone();
+        fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+        let e = StoreError::Transient("injected".into());
+        faulty.inject(Op::Copy, 0, None, Fault::Error(e));
+        assert_eq!(
+            fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+                .await,
+            Err(FsError::EIO)
+        );
+        faulty.clear();
+        let marker = mem.head("b/").await;
+        assert!(marker.is_ok(), "implied {implied}: b/ is gone");
+        assert_eq!(marker.unwrap().user["mode"], mode, "implied {implied}");
+    }
+}
+
 /// `a/x` ("hello") in a fresh fs, and a rename of `a` to `b` running, held between its
 /// copies and its deletes (its first DELETE takes 300 ms): the store, the fs, `x`'s inode,
 /// the rename, and the cache dir (keep it alive).
@@ -608,8 +643,8 @@ async fn a_rename_over_a_directory_failing_after_its_copies_keeps_the_moved_mark
         .unwrap();
     assert_eq!(fs.fsyncdir(ROOT_INO).await, Err(FsError::EIO));
     faulty.clear();
-    // Deletes: b/ (replaced), a/x, then a/ (done, its answer lost).
-    faulty.inject(Op::Delete, 2, Some(1), Fault::DropAfter);
+    // Deletes: a/x, then a/ (done, its answer lost); b/ is overwritten by the copy of a/.
+    faulty.inject(Op::Delete, 1, Some(1), Fault::DropAfter);
     assert!(fs
         .rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
         .await
