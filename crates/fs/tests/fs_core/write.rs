@@ -707,3 +707,40 @@ async fn a_close_after_an_ftruncate_stores_the_file() {
         e.fs.release(attr.ino, fh).await.unwrap();
     }
 }
+
+/// A file created here while another client makes an object at the same name (after this
+/// mount found the name free): the close is refused (`ESTALE`) and the other client's object
+/// stays. It was overwritten (the PUT of a new file was unconditional), a version of a name
+/// nobody here had seen replaced. Background mode did this already (`If-None-Match`).
+#[tokio::test]
+async fn a_new_file_is_never_stored_over_an_object_another_client_made_meanwhile() {
+    let e = env();
+    for (name, size) in [("small", 1000usize), ("big", 7 * MIB as usize)] {
+        let (a, h) =
+            e.fs.create(ROOT_INO, OsStr::new(name), 0o644, 0, libc::O_WRONLY, ME)
+                .await
+                .unwrap();
+        put(&e.mem, name, b"another client's").await;
+        write_mib(&e.fs, a.ino, h.fh, 0, &random(size, 3)).await;
+        assert_eq!(
+            e.fs.flush(a.ino, h.fh).await,
+            Err(FsError::ESTALE),
+            "{name}"
+        );
+        e.fs.release(a.ino, h.fh).await.unwrap();
+        assert_eq!(object(&e.mem, name).await, b"another client's", "{name}");
+    }
+    // Made here, then rewritten: a file of this mount's own is no new file.
+    write_file(&e.fs, "mine", b"v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("mine")).await.unwrap();
+    let h =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_TRUNC)
+            .await
+            .unwrap();
+    e.fs.write(a.ino, h.fh, 0, Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    e.fs.flush(a.ino, h.fh).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "mine").await, b"v2");
+}

@@ -506,7 +506,12 @@ impl WriteState {
     /// The ETag the published object must replace (`If-Match`): the base's, when the new
     /// content keeps any of its bytes (a partial rewrite: append, pwrite, truncate/extend).
     /// A whole rewrite keeps nothing of it and replaces whatever is there (last writer wins).
+    /// A new file (no base, nothing committed) replaces nothing ([`IF_ABSENT`]): an object
+    /// another client made at its name since the mount found none is never overwritten.
     pub(super) fn publish_condition(&self) -> Option<&str> {
+        if self.base.is_none() && self.committed.is_none() && self.committed_etag.is_none() {
+            return Some(IF_ABSENT);
+        }
         let keeps_base = self
             .dirty
             .segments(0..self.base_len)
