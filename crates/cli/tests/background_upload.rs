@@ -256,7 +256,7 @@ fn kill_9_mid_10000_creates_loses_no_acknowledged_file() {
     }
     // Listed until the file system has learnt each uploaded version (just after it lands).
     wait_for("nothing pending", Duration::from_secs(10), || {
-        pending_run(m.path()).1.contains("0 file(s)")
+        nothing_pending(m.path())
     });
     assert_eq!(pending_run(m.path()).0, Some(0));
 }

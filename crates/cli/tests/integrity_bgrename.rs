@@ -288,7 +288,7 @@ fn renamed_while_uploading(
     let renamed = within(Duration::from_secs(30), move || rename.join().unwrap());
     renamed.expect("rename hung").expect("rename");
     wait_for("nothing pending", Duration::from_secs(20), || {
-        pending(m.path()).starts_with("0 file(s)")
+        nothing_pending(m.path())
     });
     (b, state, m, reader)
 }

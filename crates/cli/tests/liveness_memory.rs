@@ -265,12 +265,86 @@ fn many_small_file_writers_stay_within_the_memory_bound() {
     writers_stay_within_the_memory_bound(64, 6, 64);
 }
 
+/// 64 processes each append a line to an existing 6 MiB object and close at once: each
+/// close stores the whole object with one PUT whose body (a budget buffer) takes the unchanged
+/// bytes from the bucket. The GET's body was a second copy beside it, outside the budget
+/// (64 MiB over it at 64M); it goes straight into the body now.
+#[test]
+fn appends_to_existing_files_stay_within_the_memory_bound() {
+    let (files, size, budget_mib) = (64u64, 6 * MIB as u64, 64);
+    let s3 = s3();
+    let b = s3.new_bucket("appends");
+    for i in 0..files {
+        s3.put(&b, &format!("a{i}"), pattern::bytes(200 + i, size as usize));
+    }
+    let m = MountSpec::s3(&b, "")
+        .arg("--max-memory")
+        .arg(&format!("{budget_mib}M"))
+        .watchdog(Duration::from_secs(300))
+        .mount();
+    let threads: Vec<_> = (0..files)
+        .map(|i| {
+            let path = m.join(format!("a{i}"));
+            std::thread::spawn(move || {
+                let mut f = std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(&path)
+                    .unwrap();
+                f.write_all(b"one more line\n").unwrap();
+                close_checked(f).unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let (_, hwm) = m.rss_kib();
+    let peak_mib = hwm / 1024;
+    let bound = budget_mib + overhead_mib(budget_mib);
+    eprintln!("{files} appends to 6 MiB objects at --max-memory {budget_mib}M: peak RSS {peak_mib} MiB, bound {bound} MiB");
+    for i in 0..files {
+        let got = s3.get(&b, &format!("a{i}")).expect("stored");
+        assert_eq!(got.len() as u64, size + 14, "a{i}");
+        pattern::check_slice(&got[..size as usize], 200 + i, size).unwrap();
+        assert_eq!(&got[size as usize..], b"one more line\n");
+    }
+    drop(m);
+    s3.remove_bucket(&b);
+    assert!(
+        peak_mib <= bound,
+        "peak RSS {peak_mib} MiB over the budget {budget_mib} MiB and its overhead"
+    );
+}
+
 /// `writers` threads each write a file of `size_mib` at `--max-memory budget_mib`M; the peak
 /// RSS stays within the stated bound and every file is stored exactly.
 fn writers_stay_within_the_memory_bound(writers: u64, size_mib: u64, budget_mib: u64) {
+    writers_stay_within_the_memory_bound_in(writers, size_mib, budget_mib, None)
+}
+
+/// Background mode: each full part is staged (and sent) from the tail's own memory. A copy
+/// of it was made for the staging write, a part's worth outside the budget per writer
+/// staging at that moment.
+#[test]
+fn background_writers_stay_within_the_memory_bound() {
+    let state = state_dir();
+    writers_stay_within_the_memory_bound_in(64, 24, 64, Some(state.path()));
+}
+
+/// [`writers_stay_within_the_memory_bound`], in background mode with state directory `state`.
+fn writers_stay_within_the_memory_bound_in(
+    writers: u64,
+    size_mib: u64,
+    budget_mib: u64,
+    state: Option<&Path>,
+) {
     let s3 = s3();
     let b = s3.new_bucket("writers");
-    let m = MountSpec::s3(&b, "")
+    let spec = match state {
+        Some(dir) => background(MountSpec::s3(&b, ""), dir, &[]),
+        None => MountSpec::s3(&b, ""),
+    };
+    let m = spec
         .arg("--max-memory")
         .arg(&format!("{budget_mib}M"))
         .watchdog(Duration::from_secs(600))
@@ -289,6 +363,11 @@ fn writers_stay_within_the_memory_bound(writers: u64, size_mib: u64, budget_mib:
         .collect();
     for t in threads {
         t.join().unwrap();
+    }
+    if state.is_some() {
+        wait_for("nothing pending", Duration::from_secs(120), || {
+            nothing_pending(m.path())
+        });
     }
     let (_, hwm) = m.rss_kib();
     let peak_mib = hwm / 1024;

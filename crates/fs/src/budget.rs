@@ -159,6 +159,13 @@ pub struct Reservation {
     lasting: Option<Arc<AtomicU64>>,
 }
 
+impl Reservation {
+    /// How many bytes it holds.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.metrics

@@ -47,3 +47,12 @@ pub fn pending(mp: &Path) -> String {
     assert_eq!(code, Some(0), "{out}");
     out
 }
+
+/// Whether `bucketfs pending` says nothing is left (its summary line: "0 file(s), ...", not
+/// "10 file(s)").
+pub fn nothing_pending(mp: &Path) -> bool {
+    pending_run(mp)
+        .1
+        .lines()
+        .any(|l| l.starts_with("0 file(s)"))
+}

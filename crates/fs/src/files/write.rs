@@ -181,6 +181,15 @@ impl TailBuf {
         }
     }
 
+    /// A buffer holding a copy of `data` in memory `mem`: what [`Self::freeze`] gave, back
+    /// as a tail (its bytes could not be staged).
+    fn thawed(data: &[u8], mem: Vec<Reservation>) -> Self {
+        let mut buf = AlignedBuf::default();
+        buf.extend_from_slice(data);
+        let reserved = mem.iter().map(Reservation::bytes).sum();
+        TailBuf::Small { buf, mem, reserved }
+    }
+
     /// The bytes, without a copy, and the memory they hold (whose holder returns it when the
     /// part is sent and copied, even if a store keeps the bytes).
     fn freeze(self) -> (Bytes, Vec<Reservation>) {
@@ -726,12 +735,28 @@ impl WriteState {
             return Ok(());
         }
         self.settle_spills().await;
-        // A copy, so the tail survives a failed write (this is not the streaming path).
-        let data = Bytes::copy_from_slice(self.tail.as_ref().expect("checked").buf.as_slice());
-        self.stage(r.start, data).await?;
-        self.tail = None;
+        self.stage_tail().await?;
         self.local.insert(r);
         Ok(())
+    }
+
+    /// Stages the tail's bytes from its own memory and takes it; returns the bytes (frozen)
+    /// and the memory they hold. A copy beside the tail would be a part's worth of memory
+    /// outside the budget per writer staging. A failed write leaves the tail (a copy then).
+    async fn stage_tail(&mut self) -> FsResult<(Bytes, Vec<Reservation>)> {
+        let tail = self.tail.take().expect("a tail to stage");
+        let (start, part_end) = (tail.start, tail.part_end);
+        let (body, mem) = tail.buf.freeze();
+        if let Err(e) = self.stage(start, body.clone()).await {
+            let buf = TailBuf::thawed(&body, mem);
+            self.tail = Some(Tail {
+                start,
+                part_end,
+                buf,
+            });
+            return Err(e);
+        }
+        Ok((body, mem))
     }
 
     /// The tail holds a whole part: upload it from memory, and copy it to the staging file in
@@ -1186,8 +1211,18 @@ impl WriteState {
                     buf.as_mut()[at..at + n].copy_from_slice(&t.buf.as_slice()[from..from + n]);
                 }
                 Source::Base => {
-                    let data = self.get_base(seg).await?;
-                    buf.as_mut()[at..at + n].copy_from_slice(&data);
+                    // Straight into `buf` (budget memory): a body of the size of the range
+                    // beside it would be memory outside the budget, per close of a rewrite.
+                    let dst = &mut buf.as_mut()[at..at + n];
+                    let got = self
+                        .store
+                        .get_range_into(&self.key, seg, self.base_etag(), dst)
+                        .await
+                        .map_err(|e| log_store_err(&format!("read {}", self.key), e))?;
+                    if got != n {
+                        tracing::warn!("{}: object shorter than expected", self.key);
+                        return Err(FsError::EIO);
+                    }
                 }
                 Source::Zeros => buf.as_mut()[at..at + n].fill(0),
                 Source::Uploaded => {

@@ -71,13 +71,9 @@ impl WriteState {
             return self.spill_tail().await;
         }
         self.settle_spills().await;
-        // A copy, so the tail survives a failed write (as in spill_tail).
-        let copy = Bytes::copy_from_slice(self.tail.as_ref().expect("checked").buf.as_slice());
-        self.stage(r.start, copy).await?;
+        let (body, mem) = self.stage_tail().await?;
         self.local.insert(r);
-        let tail = self.tail.take().expect("checked");
         let generation = self.generations.get(&i).copied().unwrap_or(0);
-        let (body, mem) = tail.buf.freeze();
         // The staging file holds the bytes: a failed upload drops its copy.
         self.spawn_part_upload(i, generation, body, Arc::new(mem), false)
             .await;
