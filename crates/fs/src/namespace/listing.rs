@@ -109,6 +109,8 @@ pub struct DirStream {
     /// The last key the pages read so far (less the prefix), where the listing goes on
     /// should the directory move (see [`DirStream::moved`]).
     last_read: String,
+    /// A readdir was answered: one from offset 0 again is a `rewinddir`.
+    served: bool,
 }
 
 impl DirStream {
@@ -137,6 +139,7 @@ impl DirStream {
             listed_at: None,
             unsettled: Vec::new(),
             last_read: String::new(),
+            served: false,
         }
     }
 
@@ -429,6 +432,13 @@ impl Namespace {
     ) -> FsResult<Vec<DirEntry>> {
         let stream = self.dirs.lock().get(&fh).cloned().ok_or(FsError::EBADF)?;
         let mut st = stream.lock().await;
+        if offset <= 0 && st.served {
+            // rewinddir: the directory as it is now (POSIX), not the listing read before,
+            // which may hold names removed since (readdirplus would register them again).
+            let dots = st.entries[..2].to_vec();
+            *st = DirStream::new(st.ino, st.path.clone(), st.prefix.clone(), st.detail, dots);
+        }
+        st.served = true;
         if let Some(path) = path.filter(|p| **p != st.path && !st.done) {
             st.moved(path.clone(), self.dir_key(path));
         }

@@ -1565,3 +1565,26 @@ async fn rmdir_keeps_a_marker_that_holds_bytes() {
     assert_eq!(r, Err(FsError::ENOTEMPTY));
     assert_eq!(object(&e.mem, "d/").await, b"data under the marker");
 }
+
+/// `rewinddir` (a readdir from offset 0 again on the same handle) lists the directory as it
+/// is now: a name unlinked here since is gone and one another client added is there. It
+/// replayed the listing the handle read first, and readdirplus registered the unlinked
+/// names again.
+#[tokio::test]
+async fn rewinddir_lists_the_directory_as_it_is_now() {
+    let e = env();
+    put(&e.mem, "d/gone", b"1").await;
+    put(&e.mem, "d/stays", b"2").await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let fh = e.fs.opendir(d.ino).await.unwrap();
+    let names = |batch: Vec<bucketfs_fs::DirEntry>| -> Vec<String> {
+        batch.into_iter().map(|e| e.name).collect()
+    };
+    let first = names(e.fs.readdir(d.ino, fh, 0).await.unwrap());
+    assert_eq!(first, [".", "..", "gone", "stays"]);
+    e.fs.unlink(d.ino, OsStr::new("gone")).await.unwrap();
+    put(&e.mem, "d/new", b"3").await;
+    let again = names(e.fs.readdir(d.ino, fh, 0).await.unwrap());
+    e.fs.releasedir(d.ino, fh);
+    assert_eq!(again, [".", "..", "new", "stays"]);
+}

@@ -500,7 +500,7 @@ impl WriteState {
         self.store
             .put_if(&self.key, body, &self.meta, pin, self.headers_from(pin))
             .await
-            .map_err(|e| self.publish_err(&format!("upload {}", self.key), e, pin.is_some()))
+            .map_err(|e| self.publish_err(&format!("upload {}", self.key), e, pin))
     }
 
     /// The ETag the published object must replace (`If-Match`): the base's, when the new
@@ -519,15 +519,27 @@ impl WriteState {
         self.base_etag().filter(|_| keeps_base)
     }
 
-    /// A publish step failed. Under a pin, a failed precondition or a missing object means
-    /// another client replaced or deleted the object since this file's base was read: the
-    /// publish is refused (ESTALE), and the other version stays.
-    pub(super) fn publish_err(&self, what: &str, e: StoreError, pinned: bool) -> FsError {
+    /// A publish step failed. Under a pin (`If-Match`: an ETag; or [`IF_ABSENT`]), a failed
+    /// precondition means another client replaced, deleted or made the object since this
+    /// file's base was read, and so does a missing object under an ETag: the publish is
+    /// refused (ESTALE), and the other version stays.
+    pub(super) fn publish_err(&self, what: &str, e: StoreError, pin: Option<&str>) -> FsError {
+        let conflict = match &e {
+            StoreError::PreconditionFailed(_) => pin.is_some(),
+            StoreError::NotFound(_) => pin.is_some_and(|p| p != IF_ABSENT),
+            _ => false,
+        };
         match e {
-            StoreError::PreconditionFailed(_) | StoreError::NotFound(_) if pinned => {
+            e if conflict => {
+                let since = match pin {
+                    Some(IF_ABSENT) => {
+                        "made by another client since this mount found the name free"
+                    }
+                    _ => "changed by another client since this file was opened",
+                };
                 tracing::warn!(
-                    "{}: changed by another client since this file was opened; not published \
-                     (ESTALE), the other client's version is kept ({what}: {e})",
+                    "{}: {since}; not published (ESTALE), the other client's version is kept \
+                     ({what}: {e})",
                     self.key
                 );
                 FsError::ESTALE
@@ -558,7 +570,7 @@ impl WriteState {
                     }
                     Err(e) => {
                         let what = format!("complete upload of {key}");
-                        let e = self.publish_err(&what, e, pin.is_some());
+                        let e = self.publish_err(&what, e, pin);
                         self.drop_failed_stream(e).await;
                         Err(e)
                     }
@@ -615,7 +627,7 @@ impl WriteState {
         self.store
             .copy(&self.key, &self.key, Some(&self.meta), Some(&etag))
             .await
-            .map_err(|e| self.publish_err(&what, e, true))
+            .map_err(|e| self.publish_err(&what, e, Some(&etag)))
     }
 
     /// After a publish failed with `e`: the upload is aborted, unless it holds bytes found
@@ -706,7 +718,7 @@ impl WriteState {
             return upload
                 .copy_part(number, &self.key, r, pin)
                 .await
-                .map_err(|e| self.publish_err(&what, e, pin.is_some()));
+                .map_err(|e| self.publish_err(&what, e, pin));
         }
         let (body, _mem) = match kept {
             // Its budget is held by the slot that kept it.
