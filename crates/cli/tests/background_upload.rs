@@ -888,6 +888,7 @@ fn a_full_writeback_disk_makes_closes_upload_their_files_themselves() {
     let disk = SmallDisk::new(96).expect("mount a tmpfs (run as root)");
     let state = disk.path().join("state");
     let m = background(MountSpec::s3(&b, ""), &state, &["--upload-delay", "2"]).mount();
+    wait_first_segment(&state);
     let filler = disk.path().join("filler");
     {
         let mut f = std::fs::File::create(&filler).unwrap();
@@ -914,6 +915,73 @@ fn a_full_writeback_disk_makes_closes_upload_their_files_themselves() {
     assert!(log.contains("no room in the write-back directory"), "{log}");
     assert!(s3().get(&b, "f0") == Some(body(9)), "{log}");
     for i in 1..4 {
+        assert!(s3().get(&b, &format!("f{i}")) == Some(body(i)), "f{i}");
+    }
+}
+
+/// The segment files under `state` (name, length).
+fn segment_files(state: &Path) -> Vec<(String, u64)> {
+    let mut segments = Vec::new();
+    let mut dirs = vec![state.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                dirs.push(e.path());
+            } else if name.starts_with("seg-") {
+                segments.push((name, e.metadata().map_or(0, |m| m.len())));
+            }
+        }
+    }
+    segments
+}
+
+/// Waits until the write-back directory under `state` made its first segment (in the
+/// background at mount): a disk filled before would take that segment's room instead.
+fn wait_first_segment(state: &Path) {
+    wait_for("the first segment", Duration::from_secs(20), || {
+        segment_files(state).iter().any(|(_, len)| *len == 64 << 20)
+    });
+    // Its head and sync follow the zeros.
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+/// A write-back disk too full for a new 64 MiB segment: each try to make one (once the
+/// segment in use is a quarter full, and again at later commits) fails, and leaves nothing
+/// behind. The half-written segment files stayed until the next mount, each holding the
+/// space that was free when it was tried, so a disk full for a moment stayed full.
+#[test]
+fn a_segment_that_cannot_be_made_leaves_no_file_behind() {
+    let b = s3().new_bucket("bgsegfull");
+    let disk = SmallDisk::new(96).expect("mount a tmpfs (run as root)");
+    let state = disk.path().join("state");
+    let m = background(MountSpec::s3(&b, ""), &state, &["--upload-delay", "0"]).mount();
+    wait_first_segment(&state);
+    let filler = disk.path().join("filler");
+    let mut f = std::fs::File::create(&filler).unwrap();
+    let chunk = vec![7u8; 1 << 20];
+    while f.write_all(&chunk).is_ok() {}
+    let len = f.metadata().unwrap().len();
+    f.set_len(len - (8 << 20)).unwrap();
+    drop(f);
+    let body = |i: u64| pattern::bytes(i, 1 << 20);
+    for i in 0..24 {
+        write_file(&m.join(format!("f{i}")), &body(i));
+    }
+    // Room again, not enough for a segment: the next tries fail too.
+    std::fs::remove_file(&filler).unwrap();
+    for i in 24..28 {
+        write_file(&m.join(format!("f{i}")), &body(i));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let segments = segment_files(&state);
+    assert!(
+        segments.iter().all(|(_, len)| *len == 64 << 20),
+        "segment files that are not whole segments: {segments:?}"
+    );
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    for i in 0..28 {
         assert!(s3().get(&b, &format!("f{i}")) == Some(body(i)), "f{i}");
     }
 }

@@ -60,6 +60,9 @@ const FREE_KEPT: usize = 2;
 /// little writes no second segment's zeros, and a quarter of a segment of records is time
 /// enough to make one.
 const SPARE_AT: u64 = SEGMENT_SIZE / 4;
+/// How long after a failed try to make a segment (a full disk) the next waits.
+const SPARE_RETRY: Duration = Duration::from_secs(1);
+
 const REC_MAGIC: &[u8; 8] = b"BFSWREC1";
 /// Records start at multiples of this (so recovery can step over a torn one).
 const REC_ALIGN: u64 = 4096;
@@ -428,6 +431,9 @@ struct Segs {
     current: Option<(Arc<Segment>, u64)>,
     spare: Option<Arc<Segment>>,
     making: bool,
+    /// When making a spare last failed (a full disk): the next try waits [`SPARE_RETRY`],
+    /// as each writes up to a segment of zeros.
+    failed_at: Option<Instant>,
     live: HashMap<u64, usize>,
     sealed: std::collections::HashSet<u64>,
     free: Vec<Arc<Segment>>,
@@ -2008,7 +2014,11 @@ impl WriteBack {
     fn make_spare(&self) {
         let (id, reuse) = {
             let mut inner = self.inner.lock();
-            if inner.segs.spare.is_some() || inner.segs.making {
+            let failed_lately = inner
+                .segs
+                .failed_at
+                .is_some_and(|t| t.elapsed() < SPARE_RETRY);
+            if inner.segs.spare.is_some() || inner.segs.making || failed_lately {
                 return;
             }
             inner.segs.making = true;
@@ -2036,7 +2046,12 @@ impl WriteBack {
                     }
                 }
                 let seg = create_segment(id, &path)?;
-                dir?.sync_all()?;
+                if let Err(e) = dir.and_then(|d| d.sync_all()) {
+                    // Its name may not last: not used, and not left to fill the disk.
+                    drop(seg);
+                    let _ = std::fs::remove_file(&path);
+                    return Err(e);
+                }
                 Ok(seg)
             })
             .await;
@@ -2045,11 +2060,20 @@ impl WriteBack {
             };
             let mut inner = wb.inner.lock();
             inner.segs.making = false;
-            match made {
-                Ok(Ok(seg)) => inner.segs.spare = Some(Arc::new(seg)),
-                Ok(Err(e)) => tracing::warn!("write-back directory: new segment: {e}"),
-                Err(e) => tracing::warn!("write-back directory: new segment: {e}"),
-            }
+            inner.segs.failed_at = match made {
+                Ok(Ok(seg)) => {
+                    inner.segs.spare = Some(Arc::new(seg));
+                    None
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!("write-back directory: new segment: {e}");
+                    Some(Instant::now())
+                }
+                Err(e) => {
+                    tracing::warn!("write-back directory: new segment: {e}");
+                    Some(Instant::now())
+                }
+            };
         });
     }
 
@@ -3839,14 +3863,26 @@ fn create_segment(id: u64, path: &Path) -> std::io::Result<Segment> {
         .write(true)
         .mode(0o600)
         .open(path)?;
-    let zeros = vec![0u8; 1 << 20];
-    let mut at = 0;
-    while at < SEGMENT_SIZE {
-        file.write_all_at(&zeros, at)?;
-        at += zeros.len() as u64;
-    }
-    let nonce = write_segment_head(&file)?;
-    file.sync_all()?;
+    let filled = (|| {
+        let zeros = vec![0u8; 1 << 20];
+        let mut at = 0;
+        while at < SEGMENT_SIZE {
+            file.write_all_at(&zeros, at)?;
+            at += zeros.len() as u64;
+        }
+        let nonce = write_segment_head(&file)?;
+        file.sync_all()?;
+        Ok(nonce)
+    })();
+    let nonce = match filled {
+        Ok(n) => n,
+        Err(e) => {
+            // A disk too full for it: what it took goes back at once, not at the next mount.
+            drop(file);
+            let _ = std::fs::remove_file(path);
+            return Err(e);
+        }
+    };
     Ok(Segment {
         id,
         path: path.to_path_buf(),
