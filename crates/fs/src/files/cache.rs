@@ -1291,7 +1291,7 @@ impl DataCache {
         // Mounts sharing the cache compare and write one at a time too.
         let _theirs = match lock_exclusive(&path.with_extension("lock")) {
             Ok(l) => l,
-            Err(e) => return self.io_error("lock", &e),
+            Err(e) => return self.unrecorded(&path, "lock", &e),
         };
         if self.changed_until().is_some_and(|t| t >= until) {
             return;
@@ -1309,7 +1309,29 @@ impl DataCache {
             r
         });
         if let Err(e) = r {
-            self.io_error("write", &e);
+            self.unrecorded(&path, "write", &e);
+        }
+    }
+
+    /// A change could not be recorded at `path`: the record is cut to nothing (no free
+    /// space needed), which reads as "now" (see [`Self::changed_until`]), so no page saved
+    /// before is used; the older record would have let a mount sharing the cache take a
+    /// page from before this change for the directory as it is.
+    fn unrecorded(&self, path: &Path, what: &str, e: &std::io::Error) {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.io_error(what, e);
+        let cut = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path);
+        if let Err(e) = cut {
+            tracing::warn!(
+                "data cache: the record of changes {} cannot be written nor cut ({e}): listing \
+                 pages saved in the cache may be used after a change",
+                path.display()
+            );
         }
     }
 
@@ -1849,6 +1871,25 @@ mod tests {
             }
         });
         assert_eq!(a.changed_until(), Some(at(last)));
+    }
+
+    /// A change that cannot be recorded (a full or failing cache disk) leaves a record that
+    /// reads as "now", never the older one: a mount sharing the cache would otherwise use a
+    /// listing page saved before this change, and with it the version the change replaced.
+    #[test]
+    fn a_change_that_cannot_be_recorded_makes_every_saved_page_old() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, _) = start(dir.path(), 64 << 20);
+        let old = UNIX_EPOCH + Duration::from_secs(1_000_000);
+        c.changing_until(old);
+        assert_eq!(c.changed_until(), Some(old));
+        // The shared lock cannot be taken (a directory in its place).
+        let lock = c.changed_path().with_extension("lock");
+        std::fs::remove_file(&lock).unwrap();
+        std::fs::create_dir(&lock).unwrap();
+        let before = SystemTime::now();
+        c.changing_until(before + Duration::from_secs(60));
+        assert!(c.changed_until().is_some_and(|t| t >= before));
     }
 
     #[test]
