@@ -223,15 +223,29 @@ pub struct Moved {
 }
 
 impl Moved {
-    pub fn now(key: &str, etag: Option<String>) -> Self {
-        let at = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() + 1);
+    /// A rename of the version of `key` with `etag`, last modified at `modified` (the
+    /// store's time, when known): a restart deletes what is at `key` only if it has that
+    /// ETag and is no newer. Unknown, the time is now plus a second (the store's times are
+    /// whole seconds), which an identical version made just after the rename passes too.
+    pub fn of(key: &str, etag: Option<String>, modified: Option<std::time::SystemTime>) -> Self {
+        let secs = |t: std::time::SystemTime| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        };
+        let at = match modified {
+            Some(t) => secs(t),
+            None => secs(std::time::SystemTime::now()) + 1,
+        };
         Moved {
             key: key.to_string(),
             etag,
             at,
         }
+    }
+
+    /// [`Self::of`] a version whose time is not known.
+    pub fn now(key: &str, etag: Option<String>) -> Self {
+        Self::of(key, etag, None)
     }
 }
 
@@ -4322,6 +4336,48 @@ mod tests {
             object(&store, "c").await.as_deref(),
             Some(&b"c v1"[..]),
             "an object the rename did not move was deleted"
+        );
+    }
+
+    /// A rename that finished (the old name deleted), then a file made again at the old name
+    /// with the same bytes and uploaded, the renamed file's entry still waiting when the
+    /// daemon stops: the next start leaves the new file. Its record of the rename held the
+    /// local clock at the rename plus a second, and a version with the same ETag made within
+    /// that was deleted as the rename's leftover; it holds the moved version's own time now.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_file_made_again_at_a_renamed_name_is_not_taken_for_the_renames_leftover() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(bucketfs_store::memory::MemoryStore::new());
+        store
+            .put("a", Bytes::new(), &UserMeta::new())
+            .await
+            .unwrap();
+        let o = store.head("a").await.unwrap();
+        {
+            let (wb, _) = open_wb(dir.path(), &store).await;
+            let seq = put(&wb, "a", b"v2").await;
+            assert!(matches!(wb.hold(seq).await, Holding::Held { .. }));
+            let from = Moved::of("a", o.etag.clone(), o.last_modified);
+            let new = wb
+                .rekey(seq, "b", Cond::Any, Some(from), None)
+                .await
+                .unwrap();
+            wb.moved(new, Cond::Absent);
+            store.delete("a").await.unwrap();
+            // Made again a second later, empty like the first.
+            tokio::time::sleep(Duration::from_millis(1050)).await;
+            store
+                .put("a", Bytes::new(), &UserMeta::new())
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (wb, _) = open_wb(dir.path(), &store).await;
+        wb.drain(Duration::from_secs(5), |_, _| {}).await;
+        assert_eq!(object(&store, "b").await.as_deref(), Some(&b"v2"[..]));
+        assert!(
+            store.head("a").await.is_ok(),
+            "the file made again at the old name was deleted"
         );
     }
 

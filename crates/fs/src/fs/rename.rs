@@ -430,7 +430,10 @@ impl Fs {
         }
         let rekeyed = match &held {
             Some((wb, seq, cond)) => {
-                let from = Moved::now(src, old.as_ref().and_then(|o| o.etag.clone()));
+                let (etag, modified) = old
+                    .as_ref()
+                    .map_or((None, None), |o| (o.etag.clone(), o.last_modified));
+                let from = Moved::of(src, etag, modified);
                 match wb.rekey(*seq, dst, Cond::Any, Some(from), None).await {
                     Ok(new) => Some((wb, new, cond)),
                     Err(e) => {
@@ -776,9 +779,10 @@ impl Fs {
             wb.release(seq);
             return Err(FsError::ENAMETOOLONG);
         }
+        let modified = listed.and_then(|o| o.last_modified);
         let listed = listed.and_then(|o| o.etag.clone());
         let checked = listed.clone().filter(|_| check);
-        let from = Moved::now(&key, listed);
+        let from = Moved::of(&key, listed.clone(), modified);
         let prior = moving.iter().position(|m| m.key == new_key);
         let also = prior.map(|i| moving[i].seq);
         let new = wb.rekey(seq, &new_key, Cond::Any, Some(from), also).await?;
