@@ -465,6 +465,10 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
             Err(msg) => warn!("{msg}"),
         }
     }
+    if let Target::S3 { bucket, .. } = &plan.target {
+        let endpoint = opened.endpoint.as_deref().unwrap_or("aws");
+        other_spellings(&writeback_dir, (endpoint, bucket, &prefix));
+    }
     if let Some(w) = &mut fs_config.writeback {
         // One directory per bucket and prefix (and store): files wait there for upload.
         w.dir = writeback_dir.clone();
@@ -971,6 +975,69 @@ fn writeback_store(target: &Target, scope: &str, prefix: &str) -> String {
     match target {
         Target::S3 { .. } => format!("{scope} {prefix}"),
         Target::Local { .. } => scope.to_string(),
+    }
+}
+
+/// The write-back directories of bucket `bucket` (and `prefix`) beside this mount's (`ours`)
+/// that hold files a background mount acknowledged: one recorded for this very store under
+/// another spelling of its endpoint (`http://localhost:9000`, `http://127.0.0.1:9000/`) is
+/// taken over, so its files go up from this mount; one for another endpoint is named in a
+/// warning (its files wait for a mount of that store). Neither is left unsaid: a remount
+/// spelling the endpoint otherwise showed none of the files acknowledged before.
+fn other_spellings(ours: &Path, (endpoint, bucket, prefix): (&str, &str, &str)) {
+    let Some(parent) = ours.parent() else {
+        return;
+    };
+    let Some(tag_start) = ours
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.rsplit_once('-'))
+        .map(|(b, _)| format!("{b}-"))
+    else {
+        return;
+    };
+    let Ok(dirs) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for dir in dirs.flatten().map(|e| e.path()) {
+        let named = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if dir == ours || !named.starts_with(&tag_start) || !WriteBack::holds_entries(&dir) {
+            continue;
+        }
+        let Ok(record) = std::fs::read_to_string(dir.join(bucketfs_fs::WRITEBACK_STORE_FILE))
+        else {
+            continue;
+        };
+        let mut f = record.splitn(4, ' ');
+        let (Some("s3"), Some(theirs), Some(b), Some(p)) = (f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        if b != bucket || p != prefix {
+            continue;
+        }
+        let same = theirs == endpoint
+            || (theirs != "aws"
+                && endpoint != "aws"
+                && bucketfs_store::crash::same_endpoint(theirs, endpoint));
+        if !same {
+            warn!(
+                "{}: files a background mount acknowledged for bucket {bucket} at {theirs} wait \
+                 there; a mount of that store uploads them",
+                dir.display()
+            );
+            continue;
+        }
+        match WriteBack::take_over_spelling(&dir, ours) {
+            Ok(true) => warn!(
+                "{}: files acknowledged for this bucket at {theirs} (this store, spelt \
+                 otherwise): moved to {}, uploaded from here",
+                dir.display(),
+                ours.display()
+            ),
+            Ok(false) => {}
+            Err(msg) => warn!("{msg}"),
+        }
     }
 }
 

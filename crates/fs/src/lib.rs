@@ -25,7 +25,7 @@ pub use budget::default_budget;
 pub use config::{DataCacheConfig, FsConfig, MinFree, WriteBackConfig};
 pub use error::{FsError, FsResult};
 pub use files::cache::prepare_dir as prepare_data_cache_dir;
-pub use files::writeback::{PendingFile, WriteBack};
+pub use files::writeback::{PendingFile, WriteBack, STORE_FILE as WRITEBACK_STORE_FILE};
 pub use fs::{Caller, DirEntry, Fs, Now, OpenReply, SetAttr, StaleCache, StatFs};
 pub use inline::{poll_here, set_fuse_threads};
 pub use meta::{Attr, FileKind, Ino, ROOT_INO};

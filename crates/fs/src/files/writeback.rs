@@ -1450,7 +1450,23 @@ impl WriteBack {
     /// entries. Returns whether it moved it; an error says why it could not (the mount goes
     /// on without it).
     pub fn take_over(from: &Path, to: &Path) -> Result<bool, String> {
-        if !Self::holds_entries(from) || from.join(STORE_FILE).exists() {
+        if from.join(STORE_FILE).exists() {
+            return Ok(false);
+        }
+        Self::move_dir(from, to)
+    }
+
+    /// Moves write-back directory `from`, recorded for this very store under another
+    /// spelling of its endpoint (the caller checked: `http://localhost:9000` and
+    /// `http://127.0.0.1:9000/` are one server), to `to`, as [`Self::take_over`] does; its
+    /// record goes, and the mount records its own.
+    pub fn take_over_spelling(from: &Path, to: &Path) -> Result<bool, String> {
+        Self::move_dir(from, to)
+    }
+
+    /// [`Self::take_over`] without its check of the record, which goes with the move.
+    fn move_dir(from: &Path, to: &Path) -> Result<bool, String> {
+        if !Self::holds_entries(from) {
             return Ok(false);
         }
         let err = |e: std::io::Error| format!("write-back directory {}: {e}", from.display());
@@ -1477,6 +1493,12 @@ impl WriteBack {
             }
             false => None,
         };
+        for name in [STORE_FILE, STORE_ASIDE] {
+            match std::fs::remove_file(from.join(name)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
+                _ => {}
+            }
+        }
         std::fs::rename(from, to).map_err(err)?;
         if let Some(parent) = to.parent() {
             File::open(parent).and_then(|f| f.sync_all()).map_err(err)?;
