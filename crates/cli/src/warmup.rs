@@ -34,6 +34,9 @@ fn mount_of(path: &Path) -> Option<PathBuf> {
 const PASSES: usize = 7;
 /// How long a pass waits at most for the cache writers to finish what they were given.
 const DRAIN_WAIT: Duration = Duration::from_secs(120);
+/// A drain during which the writers write nothing for this long ends: their disk hangs
+/// (another pass would read every file from the bucket again for nothing).
+const DRAIN_STALL: Duration = Duration::from_secs(10);
 
 /// What the data caches of a set of mounts say, summed.
 #[derive(Default, Clone, Copy)]
@@ -64,10 +67,26 @@ fn cache_counts(mounts: &BTreeSet<PathBuf>) -> CacheCounts {
 }
 
 /// Waits until the mounts' cache writers have written every block they were given, for
-/// [`DRAIN_WAIT`] at most.
-fn drain(mounts: &BTreeSet<PathBuf>) {
-    let deadline = Instant::now() + DRAIN_WAIT;
-    while cache_counts(mounts).queued > 0 && Instant::now() < deadline {
+/// [`DRAIN_WAIT`] at most, and [`DRAIN_STALL`] without progress; whether they did.
+fn drain(mounts: &BTreeSet<PathBuf>) -> bool {
+    drain_queue(|| cache_counts(mounts).queued, DRAIN_WAIT, DRAIN_STALL)
+}
+
+/// [`drain`] of a queue whose length `queued` says.
+fn drain_queue(queued: impl Fn() -> u64, wait: Duration, stall: Duration) -> bool {
+    let start = Instant::now();
+    let (mut least, mut moved) = (u64::MAX, start);
+    loop {
+        let n = queued();
+        if n == 0 {
+            return true;
+        }
+        if n < least {
+            (least, moved) = (n, Instant::now());
+        }
+        if start.elapsed() >= wait || moved.elapsed() >= stall {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -192,12 +211,16 @@ pub fn run(args: &WarmupArgs) -> i32 {
     }
     let tty = std::io::stderr().is_terminal();
     let (read, failed) = read_pass(&files, args.jobs, tty);
-    drain(&mounts);
+    let mut drained = drain(&mounts);
     let after_first = cache_counts(&mounts);
     let already = after_first.served.saturating_sub(first.served);
-    // Blocks the writers had no room for: read again, fewer at once, until none is left out.
+    // Blocks the writers had no room for: read again, fewer at once, until none is left out;
+    // not while they write nothing (a hung cache disk: each pass would be for nothing).
     let (mut passes, mut before, mut left_out) = (1, first, after_first);
-    while first.any && left_out.skipped > before.skipped && passes < PASSES {
+    if !drained && first.any {
+        eprintln!("bucketfs: warmup: the cache writers write nothing (is the cache disk hung?)");
+    }
+    while first.any && drained && left_out.skipped > before.skipped && passes < PASSES {
         passes += 1;
         if tty {
             eprintln!(
@@ -207,7 +230,7 @@ pub fn run(args: &WarmupArgs) -> i32 {
         }
         before = left_out;
         read_pass(&files, (args.jobs >> (passes - 1)).max(1), tty);
-        drain(&mounts);
+        drained = drain(&mounts);
         left_out = cache_counts(&mounts);
     }
     let secs = start.elapsed().as_secs_f64();
@@ -226,4 +249,30 @@ pub fn run(args: &WarmupArgs) -> i32 {
         errors.len()
     );
     i32::from(!errors.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A writer that writes nothing (a hung cache disk) ends the drain after the stall, not
+    /// the whole wait, and says so: the passes stop (each read every file from the bucket
+    /// again, 7 in all, with 2 minutes of drain each). One that writes on is waited for.
+    #[test]
+    fn a_drain_ends_when_the_writers_write_nothing() {
+        let t = Instant::now();
+        let stuck = drain_queue(|| 5, Duration::from_secs(30), Duration::from_millis(300));
+        assert!(!stuck);
+        assert!(t.elapsed() < Duration::from_secs(5));
+        let left = AtomicU64::new(8);
+        let moving = drain_queue(
+            || {
+                std::thread::sleep(Duration::from_millis(100));
+                left.fetch_sub(1, Ordering::Relaxed) - 1
+            },
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+        );
+        assert!(moving);
+    }
 }
