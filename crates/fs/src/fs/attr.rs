@@ -39,13 +39,13 @@ impl Fs {
                 }
                 continue;
             }
-            // A metadata change to a stored file being written (or closed, its release not
-            // yet: a forked child holds the descriptor) is stored now, as for a closed file,
-            // and the writers' next publish carries it too (below): only queued in the
-            // state, it was lost if that publish failed (a release's failure can only be
-            // logged), after the chmod had returned 0.
+            // A metadata change to a file whose writers' changes are all stored (its close
+            // came, its release not yet: a forked child holds the descriptor) is stored now,
+            // as for a closed file: queued in the state, it waited for the release, which
+            // stores it as a whole upload whose failure can only be logged.
             if set.size.is_none()
                 && self.files.writeback().is_none()
+                && !st.has_changes_to_publish()
                 && !st.is_unlinked()
                 && st.base_etag().is_some()
             {

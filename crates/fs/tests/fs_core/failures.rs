@@ -743,53 +743,6 @@ async fn a_chmod_between_a_close_and_its_release_is_stored_at_once() {
     assert_eq!(fs.getattr(ino).await.unwrap().perm, 0o600);
 }
 
-/// A chmod by path of a stored file another process has open with unstored writes: the mode
-/// is stored at once (a copy of the stored version onto itself), and the writer's close
-/// carries it too. It was only queued in the writer's state: when that close and the release
-/// failed (the store down), the chmod that had returned 0 was lost with them.
-#[tokio::test]
-async fn a_chmod_of_a_file_another_process_writes_is_stored_at_once() {
-    let mem = Arc::new(MemoryStore::new());
-    let (faulty, fs, _cache) = faulty_fs(&mem);
-    put(&mem, "f", b"stored version").await;
-    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
-    let w = fs.open(f.ino, libc::O_WRONLY).await.unwrap();
-    fs.write(f.ino, w.fh, 0, Bytes::from_static(b"STORED"))
-        .await
-        .unwrap();
-    let set = SetAttr {
-        mode: Some(0o600),
-        ..SetAttr::default()
-    };
-    fs.setattr(f.ino, None, set).await.unwrap();
-    let mode = (libc::S_IFREG | 0o600).to_string();
-    assert_eq!(mem.head("f").await.unwrap().user["mode"], mode);
-    assert_eq!(object(&mem, "f").await, b"stored version");
-    // The writer's close (pinned to the version the chmod made) stores both.
-    fs.flush(f.ino, w.fh).await.unwrap();
-    fs.release(f.ino, w.fh).await.unwrap();
-    assert_eq!(object(&mem, "f").await, b"STORED version");
-    assert_eq!(mem.head("f").await.unwrap().user["mode"], mode);
-    // Again, the writer's close and release failing: the mode stays.
-    let w = fs.open(f.ino, libc::O_WRONLY).await.unwrap();
-    fs.write(f.ino, w.fh, 0, Bytes::from_static(b"lost"))
-        .await
-        .unwrap();
-    let set = SetAttr {
-        mode: Some(0o640),
-        ..SetAttr::default()
-    };
-    fs.setattr(f.ino, None, set).await.unwrap();
-    let e = StoreError::Transient("503".into());
-    faulty.inject(Op::Put, 0, None, Fault::Error(e));
-    assert!(fs.flush(f.ino, w.fh).await.is_err());
-    fs.release(f.ino, w.fh).await.unwrap();
-    faulty.clear();
-    let m = mem.head("f").await.unwrap();
-    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o640).to_string());
-    assert_eq!(object(&mem, "f").await, b"STORED version");
-}
-
 /// The same start refused for good (403): the write fails, so that a writer stops before it
 /// fills the staging disk with a file that cannot be stored.
 #[tokio::test]
