@@ -980,7 +980,8 @@ fn writeback_store(target: &Target, scope: &str, prefix: &str) -> String {
 
 /// The write-back directories of bucket `bucket` (and `prefix`) beside this mount's (`ours`)
 /// that hold files a background mount acknowledged: one recorded for this very store under
-/// another spelling of its endpoint (`http://localhost:9000`, `http://127.0.0.1:9000/`) is
+/// another spelling of its endpoint (the same host name in other case or with the default
+/// port, or `localhost` for `127.0.0.1`; never two names that merely share an address) is
 /// taken over, so its files go up from this mount; one for another endpoint is named in a
 /// warning (its files wait for a mount of that store). Neither is left unsaid: a remount
 /// spelling the endpoint otherwise showed none of the files acknowledged before.
@@ -1019,7 +1020,7 @@ fn other_spellings(ours: &Path, (endpoint, bucket, prefix): (&str, &str, &str)) 
         let same = theirs == endpoint
             || (theirs != "aws"
                 && endpoint != "aws"
-                && bucketfs_store::crash::same_endpoint(theirs, endpoint));
+                && bucketfs_store::crash::same_endpoint_spelt(theirs, endpoint));
         if !same {
             warn!(
                 "{}: files a background mount acknowledged for bucket {bucket} at {theirs} wait \

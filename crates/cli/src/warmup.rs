@@ -34,8 +34,9 @@ fn mount_of(path: &Path) -> Option<PathBuf> {
 const PASSES: usize = 7;
 /// How long a pass waits at most for the cache writers to finish what they were given.
 const DRAIN_WAIT: Duration = Duration::from_secs(120);
-/// A drain during which the writers write nothing for this long ends: their disk hangs
-/// (another pass would read every file from the bucket again for nothing).
+/// A drain during which the writers' queue does not change for this long ends: their disk
+/// hangs (another pass would read every file from the bucket again for nothing). Not "no
+/// new low": other readers of the mounts may keep the queue up while the writers write.
 const DRAIN_STALL: Duration = Duration::from_secs(10);
 
 /// What the data caches of a set of mounts say, summed.
@@ -67,7 +68,7 @@ fn cache_counts(mounts: &BTreeSet<PathBuf>) -> CacheCounts {
 }
 
 /// Waits until the mounts' cache writers have written every block they were given, for
-/// [`DRAIN_WAIT`] at most, and [`DRAIN_STALL`] without progress; whether they did.
+/// [`DRAIN_WAIT`] at most, and [`DRAIN_STALL`] with the queue unchanged; whether they did.
 fn drain(mounts: &BTreeSet<PathBuf>) -> bool {
     drain_queue(|| cache_counts(mounts).queued, DRAIN_WAIT, DRAIN_STALL)
 }
@@ -75,14 +76,14 @@ fn drain(mounts: &BTreeSet<PathBuf>) -> bool {
 /// [`drain`] of a queue whose length `queued` says.
 fn drain_queue(queued: impl Fn() -> u64, wait: Duration, stall: Duration) -> bool {
     let start = Instant::now();
-    let (mut least, mut moved) = (u64::MAX, start);
+    let (mut last, mut moved) = (u64::MAX, start);
     loop {
         let n = queued();
         if n == 0 {
             return true;
         }
-        if n < least {
-            (least, moved) = (n, Instant::now());
+        if n != last {
+            (last, moved) = (n, Instant::now());
         }
         if start.elapsed() >= wait || moved.elapsed() >= stall {
             return false;

@@ -1029,7 +1029,7 @@ impl Fs {
                 if !waits && !of_writers && self.files.nothing_to_publish(&h) == Some(true) {
                     return Now::Done(Ok(()));
                 }
-                if !fsync && self.files.leaves_close_to_others(&h) {
+                if !fsync && self.files.leaves_close_to_others_now(&h) {
                     return Now::Done(Ok(()));
                 }
             }
@@ -1074,7 +1074,7 @@ impl Fs {
         if !st.has_changes_to_publish() {
             return Ok(st.committed());
         }
-        if !fsync && self.files.leaves_close_to_others(&h) {
+        if !fsync && self.files.leaves_close_to_others(&h, st.failed()) {
             return Ok(None);
         }
         let park = fsync

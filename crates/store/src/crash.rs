@@ -252,6 +252,27 @@ fn legacy_tag_start(id: &str) -> String {
         .collect()
 }
 
+/// Whether two endpoint URLs name the same server without asking DNS: same scheme, port and
+/// path, and the same host name, or both this machine (`localhost`, `127.0.0.0/8`, `::1`).
+/// Stricter than [`same_endpoint`], where two names sharing an address (an anycast front, one
+/// ingress for two tenants) count as one: for moving files acknowledged for one store to
+/// another spelling of it, where being wrong would upload them to another store.
+pub fn same_endpoint_spelt(a: &str, b: &str) -> bool {
+    if a == b {
+        return true;
+    }
+    let (Some(pa), Some(pb)) = (split_endpoint(a), split_endpoint(b)) else {
+        return false;
+    };
+    let loopback = |h: &str| {
+        h == "localhost"
+            || h.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    };
+    (pa.0, pa.2, &pa.3) == (pb.0, pb.2, &pb.3)
+        && (pa.1 == pb.1 || loopback(&pa.1) && loopback(&pb.1))
+}
+
 /// Whether two endpoint URLs reach the same server: same scheme, port and path, and the same
 /// host name or a host address in common (`localhost` and `127.0.0.1` are one store).
 pub fn same_endpoint(a: &str, b: &str) -> bool {
@@ -315,6 +336,27 @@ mod tests {
     use super::*;
     use crate::memory::MemoryStore;
     use crate::{Uploads, UserMeta};
+
+    #[test]
+    fn endpoint_spellings_without_dns() {
+        assert!(same_endpoint_spelt(
+            "http://127.0.0.1:9000",
+            "http://localhost:9000/"
+        ));
+        assert!(same_endpoint_spelt(
+            "https://S3.example.com",
+            "https://s3.example.com:443"
+        ));
+        // Two names of one address are not taken for one store.
+        assert!(!same_endpoint_spelt(
+            "https://a.r2.example.com",
+            "https://b.r2.example.com"
+        ));
+        assert!(!same_endpoint_spelt(
+            "http://localhost:9000",
+            "http://localhost:9001"
+        ));
+    }
 
     #[test]
     fn endpoint_spellings() {

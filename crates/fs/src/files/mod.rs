@@ -482,9 +482,25 @@ impl OpenFiles {
     /// Whether a close of writer `h` leaves the file to the other writers' closes: it changed
     /// nothing, and another writer has the file open (a program that opens `O_RDWR` to read
     /// would store another process's half-written file as a version). The last writer's
-    /// close stores what is left either way.
-    pub fn leaves_close_to_others(&self, h: &FileHandle) -> bool {
-        h.write.is_some() && !h.changed.load(Ordering::Relaxed) && self.writers(h.ino) > 1
+    /// close stores what is left either way. Not after a publish failed (`failed`: its
+    /// writer was told): any close tries again, as the last one may never come to it.
+    pub fn leaves_close_to_others(&self, h: &FileHandle, failed: bool) -> bool {
+        h.write.is_some()
+            && !failed
+            && !h.changed.load(Ordering::Relaxed)
+            && self.writers(h.ino) > 1
+    }
+
+    /// [`Self::leaves_close_to_others`], known without waiting (false while the state is
+    /// busy).
+    pub fn leaves_close_to_others_now(&self, h: &FileHandle) -> bool {
+        let Some(w) = &h.write else {
+            return false;
+        };
+        let Ok(st) = w.state.try_lock() else {
+            return false;
+        };
+        self.leaves_close_to_others(h, st.failed())
     }
 
     /// Whether handle `h` has nothing to publish, known without waiting (`None`: its state

@@ -397,6 +397,11 @@ pub struct WriteState {
     /// A publish was refused because another client changed the object (ESTALE): a content
     /// that keeps bytes of the base can never be published (and its streamed parts are gone).
     conflict: bool,
+    /// The mtimes (`x-amz-meta-mtime`) of this new file's publishes since it was last stored
+    /// (`If-None-Match`): one whose answer was lost may have landed, and the next publish,
+    /// refused because the name is taken, finds that object its own (see
+    /// [`Self::own_earlier_try`]), not another client's.
+    new_tries: Vec<String>,
     /// The mtime to publish; `None` keeps the one in `meta` (nothing written since open, so
     /// a chmod or an atime-only utimens through the descriptor leaves the stored mtime).
     pub mtime: Option<SystemTime>,
@@ -513,6 +518,7 @@ impl WriteState {
             meta,
             phase: Phase::Clean,
             conflict: false,
+            new_tries: Vec::new(),
             mtime: None,
             mtime_set: false,
             committed: None,

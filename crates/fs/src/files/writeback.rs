@@ -1493,15 +1493,17 @@ impl WriteBack {
             }
             false => None,
         };
-        for name in [STORE_FILE, STORE_ASIDE] {
-            match std::fs::remove_file(from.join(name)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
-                _ => {}
-            }
-        }
         std::fs::rename(from, to).map_err(err)?;
         if let Some(parent) = to.parent() {
             File::open(parent).and_then(|f| f.sync_all()).map_err(err)?;
+        }
+        // Its record of the other spelling goes once it is here (before, a failed move would
+        // leave it with none); one that stays makes the mount refuse it, saying why.
+        for name in [STORE_FILE, STORE_ASIDE] {
+            match std::fs::remove_file(to.join(name)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
+                _ => {}
+            }
         }
         Ok(true)
     }

@@ -905,3 +905,60 @@ async fn a_version_put_between_the_copy_and_the_delete_of_an_open_file_stays() {
     assert_eq!(&fs.read(r, rh.fh, 0, 100).await.unwrap()[..], b"read here");
     fs.release(r, rh.fh).await.unwrap();
 }
+
+/// A new file's PUT lands but its answer is lost (the close gets `EIO`), then the file is
+/// written again and closed: the second PUT, sent `If-None-Match`, is refused because the
+/// name is taken, by this file's own first try, which it replaces (pinned to it). It was
+/// taken for another client's object: `ESTALE`, the refusal sticky, the file's bytes lost.
+#[tokio::test]
+async fn a_new_files_publish_whose_answer_was_lost_is_no_conflict_for_the_next() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (a, h) = fs
+        .create(ROOT_INO, OsStr::new("n"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.write(a.ino, h.fh, 0, Bytes::from_static(b"first"))
+        .await
+        .unwrap();
+    faulty.inject(Op::Put, 0, Some(1), Fault::DropAfter);
+    assert_eq!(fs.flush(a.ino, h.fh).await, Err(FsError::EIO));
+    assert_eq!(
+        object(&mem, "n").await,
+        b"first",
+        "the lost answer's PUT landed"
+    );
+    fs.write(a.ino, h.fh, 5, Bytes::from_static(b" and second"))
+        .await
+        .unwrap();
+    fs.flush(a.ino, h.fh).await.unwrap();
+    fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "n").await, b"first and second");
+}
+
+/// A writer's close fails (the store refused the PUT) and it goes; two descriptors open for
+/// writing that changed nothing close after it: the first tries the publish again and stores
+/// the file. Left to the last close (they changed nothing), neither tried, and the release,
+/// which does not publish a failed state again, left the bytes unstored.
+#[tokio::test]
+async fn after_a_failed_close_a_close_that_changed_nothing_tries_again() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    put(&mem, "f", b"old").await;
+    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let w = fs.open(f.ino, libc::O_WRONLY).await.unwrap();
+    let x = fs.open(f.ino, libc::O_RDWR).await.unwrap();
+    let y = fs.open(f.ino, libc::O_RDWR).await.unwrap();
+    fs.write(f.ino, w.fh, 0, Bytes::from_static(b"NEW"))
+        .await
+        .unwrap();
+    let e = StoreError::Transient("503".into());
+    faulty.inject(Op::Put, 0, Some(1), Fault::Error(e));
+    assert!(fs.flush(f.ino, w.fh).await.is_err());
+    fs.release(f.ino, w.fh).await.unwrap();
+    fs.flush(f.ino, x.fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, b"NEW");
+    for h in [x.fh, y.fh] {
+        fs.release(f.ino, h).await.unwrap();
+    }
+}

@@ -415,7 +415,37 @@ impl WriteState {
     /// flush tries again) and any multipart upload is aborted.
     pub async fn publish(&mut self) -> FsResult<()> {
         let pin = self.publish_condition().map(str::to_string);
-        self.publish_pinned(pin).await
+        let r = self.publish_pinned(pin.clone()).await;
+        if r != Err(FsError::ESTALE) || pin.as_deref() != Some(IF_ABSENT) {
+            return r;
+        }
+        // The name is taken: by an earlier publish of this file whose answer was lost (the
+        // close failed with EIO), which this one replaces, or by another client.
+        match self.own_earlier_try().await {
+            Some(etag) => {
+                self.conflict = false;
+                self.publish_pinned(Some(etag)).await
+            }
+            None => r,
+        }
+    }
+
+    /// The ETag of the object at this new file's key if an earlier publish of it made it
+    /// (its mtime is one this state published with; see `new_tries`).
+    async fn own_earlier_try(&self) -> Option<String> {
+        let o = self.store.head(&self.key).await.ok()?;
+        let mtime = o.user.get("mtime")?;
+        self.new_tries.contains(mtime).then_some(o.etag).flatten()
+    }
+
+    /// A publish of this file as a new one is about to carry `meta` (see `new_tries`).
+    pub(super) fn trying_new(&mut self, meta_mtime: Option<String>) {
+        if let Some(m) = meta_mtime {
+            if self.new_tries.len() >= 16 {
+                self.new_tries.remove(0);
+            }
+            self.new_tries.push(m);
+        }
     }
 
     /// [`Self::publish`] under `pin` (`If-Match`, or [`bucketfs_store::IF_ABSENT`]) instead of the base's.
@@ -430,6 +460,10 @@ impl WriteState {
         let size = self.size();
         if let Some(t) = self.mtime {
             mtime_into(&mut self.meta, t);
+        }
+        if pin.as_deref() == Some(IF_ABSENT) {
+            let m = self.meta.get("mtime").cloned();
+            self.trying_new(m);
         }
         self.settle_spills().await;
         // Bytes only the open upload holds can only be published by completing it.
@@ -453,6 +487,7 @@ impl WriteState {
         match result {
             Ok(etag) => {
                 self.base = Some(Base { etag, size });
+                self.new_tries.clear();
                 self.base_len = size;
                 self.dirty.clear();
                 self.generations.clear();
@@ -561,6 +596,14 @@ impl WriteState {
         self.start_stream(pin).await?;
         match self.send_parts(&parts).await {
             Ok(completed) => {
+                if pin == Some(IF_ABSENT) {
+                    // The object takes the metadata the upload was created with.
+                    let m = self
+                        .stream
+                        .as_ref()
+                        .and_then(|s| s.meta.get("mtime").cloned());
+                    self.trying_new(m);
+                }
                 let stream = self.stream.as_mut().expect("stream");
                 let done = stream.upload.complete(&completed, pin).await;
                 match done {
