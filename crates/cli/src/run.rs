@@ -1000,6 +1000,26 @@ fn other_spellings(ours: &Path, (endpoint, bucket, prefix): (&str, &str, &str)) 
     let Ok(dirs) = std::fs::read_dir(parent) else {
         return;
     };
+    let spelt_otherwise = |record: &str| {
+        let mut f = record.splitn(4, ' ');
+        let (Some("s3"), Some(theirs), Some(b), Some(p)) = (f.next(), f.next(), f.next(), f.next())
+        else {
+            return None;
+        };
+        let same = theirs == endpoint
+            || (theirs != "aws"
+                && endpoint != "aws"
+                && bucketfs_store::crash::same_endpoint_spelt(theirs, endpoint));
+        (b == bucket && p == prefix).then(|| (theirs.to_string(), same))
+    };
+    // A move cut short (a crash after the rename) left the other spelling's record here:
+    // this store's, it goes, and the mount records its own.
+    let record = ours.join(bucketfs_fs::WRITEBACK_STORE_FILE);
+    if let Ok(r) = std::fs::read_to_string(&record) {
+        if spelt_otherwise(&r).is_some_and(|(theirs, same)| same && theirs != endpoint) {
+            let _ = std::fs::remove_file(&record);
+        }
+    }
     for dir in dirs.flatten().map(|e| e.path()) {
         let named = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if dir == ours || !named.starts_with(&tag_start) || !WriteBack::holds_entries(&dir) {
@@ -1009,18 +1029,9 @@ fn other_spellings(ours: &Path, (endpoint, bucket, prefix): (&str, &str, &str)) 
         else {
             continue;
         };
-        let mut f = record.splitn(4, ' ');
-        let (Some("s3"), Some(theirs), Some(b), Some(p)) = (f.next(), f.next(), f.next(), f.next())
-        else {
+        let Some((theirs, same)) = spelt_otherwise(&record) else {
             continue;
         };
-        if b != bucket || p != prefix {
-            continue;
-        }
-        let same = theirs == endpoint
-            || (theirs != "aws"
-                && endpoint != "aws"
-                && bucketfs_store::crash::same_endpoint_spelt(theirs, endpoint));
         if !same {
             warn!(
                 "{}: files a background mount acknowledged for bucket {bucket} at {theirs} wait \

@@ -253,7 +253,7 @@ fn legacy_tag_start(id: &str) -> String {
 }
 
 /// Whether two endpoint URLs name the same server without asking DNS: same scheme, port and
-/// path, and the same host name, or both this machine (`localhost`, `127.0.0.0/8`, `::1`).
+/// path, and the same host name, or `localhost` and its usual addresses (`127.0.0.1`, `::1`).
 /// Stricter than [`same_endpoint`], where two names sharing an address (an anycast front, one
 /// ingress for two tenants) count as one: for moving files acknowledged for one store to
 /// another spelling of it, where being wrong would upload them to another store.
@@ -264,11 +264,9 @@ pub fn same_endpoint_spelt(a: &str, b: &str) -> bool {
     let (Some(pa), Some(pb)) = (split_endpoint(a), split_endpoint(b)) else {
         return false;
     };
-    let loopback = |h: &str| {
-        h == "localhost"
-            || h.parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback())
-    };
+    // `localhost` and its usual addresses; not all of 127/8 (a tunnel to another store may
+    // listen on 127.0.0.2).
+    let loopback = |h: &str| matches!(h, "localhost" | "127.0.0.1" | "::1");
     (pa.0, pa.2, &pa.3) == (pb.0, pb.2, &pb.3)
         && (pa.1 == pb.1 || loopback(&pa.1) && loopback(&pb.1))
 }
@@ -355,6 +353,10 @@ mod tests {
         assert!(!same_endpoint_spelt(
             "http://localhost:9000",
             "http://localhost:9001"
+        ));
+        assert!(!same_endpoint_spelt(
+            "http://127.0.0.2:9000",
+            "http://127.0.0.1:9000"
         ));
     }
 

@@ -397,11 +397,11 @@ pub struct WriteState {
     /// A publish was refused because another client changed the object (ESTALE): a content
     /// that keeps bytes of the base can never be published (and its streamed parts are gone).
     conflict: bool,
-    /// The mtimes (`x-amz-meta-mtime`) of this new file's publishes since it was last stored
-    /// (`If-None-Match`): one whose answer was lost may have landed, and the next publish,
-    /// refused because the name is taken, finds that object its own (see
-    /// [`Self::own_earlier_try`]), not another client's.
-    new_tries: Vec<String>,
+    /// The ETags (as S3 computes them: the body's MD5, or the multipart form) and sizes of
+    /// this new file's publishes (`If-None-Match`) that failed without a definite answer:
+    /// one may have landed, and the next publish, refused because the name is taken, finds
+    /// that object its own (see [`Self::own_earlier_try`]), not another client's.
+    new_tries: Vec<(String, u64)>,
     /// The mtime to publish; `None` keeps the one in `meta` (nothing written since open, so
     /// a chmod or an atime-only utimens through the descriptor leaves the stored mtime).
     pub mtime: Option<SystemTime>,

@@ -962,3 +962,26 @@ async fn after_a_failed_close_a_close_that_changed_nothing_tries_again() {
         fs.release(f.ino, h).await.unwrap();
     }
 }
+
+/// The same with the first PUT refused before it landed (503), then another client's object
+/// put at the name: the next close is refused (`ESTALE`) and that object stays. A failed try
+/// makes only an object with its own ETag and size this file's, never whatever is there.
+#[tokio::test]
+async fn a_failed_try_of_a_new_file_never_takes_another_clients_object_for_its_own() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let (a, h) = fs
+        .create(ROOT_INO, OsStr::new("n"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    fs.write(a.ino, h.fh, 0, Bytes::from_static(b"ours"))
+        .await
+        .unwrap();
+    let e = StoreError::Transient("503".into());
+    faulty.inject(Op::Put, 0, Some(1), Fault::Error(e));
+    assert_eq!(fs.flush(a.ino, h.fh).await, Err(FsError::EIO));
+    put(&mem, "n", b"theirs").await;
+    assert_eq!(fs.flush(a.ino, h.fh).await, Err(FsError::ESTALE));
+    fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "n").await, b"theirs");
+}

@@ -415,36 +415,64 @@ impl WriteState {
     /// flush tries again) and any multipart upload is aborted.
     pub async fn publish(&mut self) -> FsResult<()> {
         let pin = self.publish_condition().map(str::to_string);
+        let refused_before = self.conflict;
         let r = self.publish_pinned(pin.clone()).await;
-        if r != Err(FsError::ESTALE) || pin.as_deref() != Some(IF_ABSENT) {
+        if r != Err(FsError::ESTALE) || pin.as_deref() != Some(IF_ABSENT) || refused_before {
             return r;
         }
         // The name is taken: by an earlier publish of this file whose answer was lost (the
         // close failed with EIO), which this one replaces, or by another client.
         match self.own_earlier_try().await {
-            Some(etag) => {
+            NameTaken::ByUs(etag) => {
                 self.conflict = false;
                 self.publish_pinned(Some(etag)).await
             }
-            None => r,
+            NameTaken::NoLonger => {
+                self.conflict = false;
+                self.publish_pinned(Some(IF_ABSENT.to_string())).await
+            }
+            NameTaken::Unknown(e) => {
+                // Not known to be another client's: no conflict, the next close tries again.
+                self.conflict = false;
+                Err(e)
+            }
+            NameTaken::ByAnother => r,
         }
     }
 
-    /// The ETag of the object at this new file's key if an earlier publish of it made it
-    /// (its mtime is one this state published with; see `new_tries`).
-    async fn own_earlier_try(&self) -> Option<String> {
-        let o = self.store.head(&self.key).await.ok()?;
-        let mtime = o.user.get("mtime")?;
-        self.new_tries.contains(mtime).then_some(o.etag).flatten()
+    /// Who has the object at this new file's key (see `new_tries`).
+    async fn own_earlier_try(&self) -> NameTaken {
+        match self.store.head(&self.key).await {
+            Ok(o) => {
+                let etag = o.etag.as_deref().map(norm_etag);
+                let ours = etag.is_some_and(|e| self.new_tries.contains(&(e, o.size)));
+                match (ours, o.etag) {
+                    (true, Some(etag)) => NameTaken::ByUs(etag),
+                    _ => NameTaken::ByAnother,
+                }
+            }
+            Err(StoreError::NotFound(_)) => NameTaken::NoLonger,
+            Err(e) => NameTaken::Unknown(log_store_err(&format!("stat {}", self.key), e)),
+        }
     }
 
-    /// A publish of this file as a new one is about to carry `meta` (see `new_tries`).
-    pub(super) fn trying_new(&mut self, meta_mtime: Option<String>) {
-        if let Some(m) = meta_mtime {
+    /// A publish of this file as a new one (`pin`) ended in `r`; `etag` gives the ETag its
+    /// object would have. One that failed without a definite answer is remembered.
+    fn note_new_try<T>(
+        &mut self,
+        pin: Option<&str>,
+        r: &FsResult<T>,
+        etag: impl FnOnce() -> Option<String>,
+        size: u64,
+    ) {
+        if pin != Some(IF_ABSENT) || matches!(r, Ok(_) | Err(FsError::ESTALE)) {
+            return;
+        }
+        if let Some(e) = etag() {
             if self.new_tries.len() >= 16 {
                 self.new_tries.remove(0);
             }
-            self.new_tries.push(m);
+            self.new_tries.push((norm_etag(&e), size));
         }
     }
 
@@ -460,10 +488,6 @@ impl WriteState {
         let size = self.size();
         if let Some(t) = self.mtime {
             mtime_into(&mut self.meta, t);
-        }
-        if pin.as_deref() == Some(IF_ABSENT) {
-            let m = self.meta.get("mtime").cloned();
-            self.trying_new(m);
         }
         self.settle_spills().await;
         // Bytes only the open upload holds can only be published by completing it.
@@ -505,7 +529,9 @@ impl WriteState {
     /// once must not each hold a copy outside the budget), held for the request.
     pub(super) async fn publish_small(&mut self, size: u64, pin: Option<&str>) -> FsResult<String> {
         if size == 0 {
-            return self.put_whole(Bytes::new(), pin).await;
+            let r = self.put_whole(Bytes::new(), pin).await;
+            self.note_new_try(pin, &r, || Some(md5_etag(&[])), 0);
+            return r;
         }
         let len = size as usize;
         let (mut buf, _mem) = self.cfg.budget.buffer(size).await.split_mem();
@@ -518,10 +544,14 @@ impl WriteState {
             // appends after this publish (fsync).
             let tail = self.tail.as_ref().expect("checked").buf.as_slice();
             buf.as_mut_slice()[..len].copy_from_slice(tail);
-            return self.put_whole(buf.freeze(len), pin).await;
+            let body = buf.freeze(len);
+            let r = self.put_whole(body.clone(), pin).await;
+            self.note_new_try(pin, &r, || Some(md5_etag(&body)), size);
+            return r;
         }
         let body = self.assemble_into(0..size, buf).await?.freeze(len);
         let r = self.put_whole(body.clone(), pin).await;
+        self.note_new_try(pin, &r, || Some(md5_etag(&body)), size);
         // The whole small file is at hand: keep it, so the next rewrite of a few bytes needs
         // no GET.
         if r.is_ok() && self.stage(0, body).await.is_ok() {
@@ -596,16 +626,19 @@ impl WriteState {
         self.start_stream(pin).await?;
         match self.send_parts(&parts).await {
             Ok(completed) => {
-                if pin == Some(IF_ABSENT) {
-                    // The object takes the metadata the upload was created with.
-                    let m = self
-                        .stream
-                        .as_ref()
-                        .and_then(|s| s.meta.get("mtime").cloned());
-                    self.trying_new(m);
-                }
                 let stream = self.stream.as_mut().expect("stream");
                 let done = stream.upload.complete(&completed, pin).await;
+                let outcome = match &done {
+                    Ok(_) => Ok(()),
+                    Err(StoreError::PreconditionFailed(_)) => Err(FsError::ESTALE),
+                    Err(_) => Err(FsError::EIO),
+                };
+                self.note_new_try(
+                    pin,
+                    &outcome,
+                    || bucketfs_store::retry::multipart_etag(&completed),
+                    size,
+                );
                 match done {
                     Ok(etag) => {
                         let stored = self.stream.take().expect("stream").meta;
@@ -822,4 +855,26 @@ fn write_fills(slot: &mut Slot, fills: Vec<Fill>, mut buf: Option<PoolBuf>) -> s
         }
     }
     Ok(())
+}
+
+/// Who has the name a new file was refused at (see `WriteState::own_earlier_try`).
+enum NameTaken {
+    /// An earlier publish of this file, whose answer was lost: its ETag.
+    ByUs(String),
+    ByAnother,
+    /// Nobody now (deleted since the refusal).
+    NoLonger,
+    /// Not known (the HEAD failed): its error.
+    Unknown(FsError),
+}
+
+/// An ETag as compared: no quotes, lower case.
+fn norm_etag(e: &str) -> String {
+    e.trim_matches('"').to_ascii_lowercase()
+}
+
+/// The ETag S3 gives a single PUT of `body`.
+fn md5_etag(body: &[u8]) -> String {
+    use md5::{Digest, Md5};
+    hex::encode(Md5::digest(body))
 }
