@@ -2098,14 +2098,13 @@ impl WriteBack {
             };
             let mut inner = wb.inner.lock();
             inner.segs.making = false;
+            let made = made
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()));
             inner.segs.failed_at = match made {
-                Ok(Ok(seg)) => {
+                Ok(seg) => {
                     inner.segs.spare = Some(Arc::new(seg));
                     None
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!("write-back directory: new segment: {e}");
-                    Some(Instant::now())
                 }
                 Err(e) => {
                     tracing::warn!("write-back directory: new segment: {e}");
@@ -3191,10 +3190,7 @@ impl WriteBack {
             })?;
             let from = headers_from(key, pin);
             let r = self.store.put_if(key, body.clone(), meta, pin, from).await;
-            (
-                r,
-                Box::new(move || format!("\"{}\"", hex::encode(Md5::digest(&body)))),
-            )
+            (r, Box::new(move || put_etag(&body)))
         } else {
             let (r, ours) = self
                 .upload_multipart(key, size, meta, pin, content, early)
@@ -4074,6 +4070,12 @@ impl DirSync {
         drop(s);
         self.done.notify_waiters();
     }
+}
+
+/// The ETag S3 gives a single PUT of `body` (its MD5, quoted): how an upload whose answer
+/// was lost is told to be ours.
+pub(crate) fn put_etag(body: &[u8]) -> String {
+    format!("\"{}\"", hex::encode(Md5::digest(body)))
 }
 
 #[cfg(test)]

@@ -530,7 +530,7 @@ impl WriteState {
     pub(super) async fn publish_small(&mut self, size: u64, pin: Option<&str>) -> FsResult<String> {
         if size == 0 {
             let r = self.put_whole(Bytes::new(), pin).await;
-            self.note_new_try(pin, &r, || Some(md5_etag(&[])), 0);
+            self.note_new_try(pin, &r, || Some(crate::files::writeback::put_etag(&[])), 0);
             return r;
         }
         let len = size as usize;
@@ -546,12 +546,22 @@ impl WriteState {
             buf.as_mut_slice()[..len].copy_from_slice(tail);
             let body = buf.freeze(len);
             let r = self.put_whole(body.clone(), pin).await;
-            self.note_new_try(pin, &r, || Some(md5_etag(&body)), size);
+            self.note_new_try(
+                pin,
+                &r,
+                || Some(crate::files::writeback::put_etag(&body)),
+                size,
+            );
             return r;
         }
         let body = self.assemble_into(0..size, buf).await?.freeze(len);
         let r = self.put_whole(body.clone(), pin).await;
-        self.note_new_try(pin, &r, || Some(md5_etag(&body)), size);
+        self.note_new_try(
+            pin,
+            &r,
+            || Some(crate::files::writeback::put_etag(&body)),
+            size,
+        );
         // The whole small file is at hand: keep it, so the next rewrite of a few bytes needs
         // no GET.
         if r.is_ok() && self.stage(0, body).await.is_ok() {
@@ -871,10 +881,4 @@ enum NameTaken {
 /// An ETag as compared: no quotes, lower case.
 fn norm_etag(e: &str) -> String {
     e.trim_matches('"').to_ascii_lowercase()
-}
-
-/// The ETag S3 gives a single PUT of `body`.
-fn md5_etag(body: &[u8]) -> String {
-    use md5::{Digest, Md5};
-    hex::encode(Md5::digest(body))
 }
