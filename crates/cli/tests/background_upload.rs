@@ -921,12 +921,7 @@ fn a_full_writeback_disk_makes_closes_upload_their_files_themselves() {
     let state = disk.path().join("state");
     let m = background(MountSpec::s3(&b, ""), &state, &["--upload-delay", "2"]).mount();
     wait_first_segment(&state);
-    let filler = disk.path().join("filler");
-    {
-        let mut f = std::fs::File::create(&filler).unwrap();
-        let chunk = vec![7u8; 1 << 20];
-        while f.write_all(&chunk).is_ok() {}
-    }
+    let (filler, _) = fill(disk.path());
     let body = |i: u64| pattern::bytes(i, (5 << 20) + i as usize * 1000);
     for i in 0..4 {
         let name = format!("f{i}");
@@ -968,6 +963,16 @@ fn segment_files(state: &Path) -> Vec<(String, u64)> {
     segments
 }
 
+/// Fills the disk of `dir` with a file `dir/filler` (1 MiB writes until one fails); returns
+/// its path and the file.
+fn fill(dir: &Path) -> (PathBuf, std::fs::File) {
+    let filler = dir.join("filler");
+    let mut f = std::fs::File::create(&filler).unwrap();
+    let chunk = vec![7u8; 1 << 20];
+    while f.write_all(&chunk).is_ok() {}
+    (filler, f)
+}
+
 /// Waits until the write-back directory under `state` made its first segment (in the
 /// background at mount): a disk filled before would take that segment's room instead.
 fn wait_first_segment(state: &Path) {
@@ -989,10 +994,7 @@ fn a_segment_that_cannot_be_made_leaves_no_file_behind() {
     let state = disk.path().join("state");
     let m = background(MountSpec::s3(&b, ""), &state, &["--upload-delay", "0"]).mount();
     wait_first_segment(&state);
-    let filler = disk.path().join("filler");
-    let mut f = std::fs::File::create(&filler).unwrap();
-    let chunk = vec![7u8; 1 << 20];
-    while f.write_all(&chunk).is_ok() {}
+    let (filler, f) = fill(disk.path());
     let len = f.metadata().unwrap().len();
     f.set_len(len - (8 << 20)).unwrap();
     drop(f);
