@@ -12,12 +12,20 @@
 //!
 //! The syslog writer is a small RFC 3164 client over a Unix datagram socket (facility daemon),
 //! one datagram per event, with the severity taken from the event's level.
+//!
+//! A mount's log lines reach their sink through a bounded queue and a thread of their own
+//! ([`Queue`]): a sink that blocks (a hung log disk, a syslog daemon that stopped reading, a
+//! stderr pipe nobody reads) stalls that thread only, never a file operation that logs.
+//! Lines beyond the queue are dropped and their number logged when the sink takes lines again.
 
 use crate::config::LogLevel;
 use std::io::{self, Write};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 use tracing::{Level, Metadata};
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::EnvFilter;
@@ -110,7 +118,53 @@ fn never_secret(meta: &Metadata<'_>) -> bool {
     *meta.level() != Level::TRACE || !(t.starts_with("aws_sigv4") || t.starts_with("aws_smithy"))
 }
 
-/// Installs the global subscriber.
+/// Installs the global subscriber of a mount: its lines go through a [`Queue`] (see the
+/// module docs); [`flush`] before the process exits.
+pub fn init_queued(level: LogLevel, target: &LogTarget) -> Result<(), String> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter(level));
+    let cap = tracing_subscriber::filter::filter_fn(never_secret);
+    let r = match target {
+        LogTarget::Stderr => builder
+            .with_ansi(colour_stderr())
+            .with_writer(Queue::start(Sink::Stream(Box::new(io::stderr()))))
+            .finish()
+            .with(cap)
+            .try_init(),
+        LogTarget::File(path) => {
+            let f = open_log(path).map_err(|e| format!("log file {}: {e}", path.display()))?;
+            builder
+                .with_ansi(false)
+                .with_writer(Queue::start(Sink::Stream(Box::new(f))))
+                .finish()
+                .with(cap)
+                .try_init()
+        }
+        LogTarget::Syslog => {
+            let w = SyslogWriter::connect().map_err(|e| format!("syslog {SYSLOG_SOCKET}: {e}"))?;
+            builder
+                .with_ansi(false)
+                .without_time()
+                .with_target(false)
+                .with_level(false)
+                .with_writer(Queue::start(Sink::Syslog(w)))
+                .finish()
+                .with(cap)
+                .try_init()
+        }
+    };
+    r.map_err(|e| format!("cannot set up logging: {e}"))
+}
+
+/// Waits up to `most` for the queued log lines to reach their sink (see [`Queue`]).
+pub fn flush(most: Duration) {
+    if let Some(q) = QUEUED.get() {
+        q.flush(most);
+    }
+}
+
+/// Installs the global subscriber, writing each line where it is made (a command's).
 pub fn init(level: LogLevel, target: &LogTarget) -> Result<(), String> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
@@ -193,6 +247,20 @@ impl SyslogWriter {
     }
 }
 
+impl SyslogWriter {
+    /// Sends one line as a datagram of severity `pri`.
+    fn send(&self, pri: u8, line: &[u8]) {
+        let text = String::from_utf8_lossy(line);
+        let text = text.trim_end();
+        if text.is_empty() {
+            return;
+        }
+        let msg = format!("<{pri}>{}: {text}", self.tag);
+        // A lost log line is not worth failing a file operation over.
+        let _ = self.sock.send(msg.as_bytes());
+    }
+}
+
 /// Severity (RFC 5424 numbers) of a tracing level.
 fn severity(level: &Level) -> u8 {
     match *level {
@@ -224,14 +292,7 @@ impl Write for SyslogLine {
 
 impl Drop for SyslogLine {
     fn drop(&mut self) {
-        let text = String::from_utf8_lossy(&self.buf);
-        let text = text.trim_end();
-        if text.is_empty() {
-            return;
-        }
-        let msg = format!("<{}>{}: {}", self.pri, self.w.tag, text);
-        // A lost log line is not worth failing a file operation over.
-        let _ = self.w.sock.send(msg.as_bytes());
+        self.w.send(self.pri, &self.buf);
     }
 }
 
@@ -249,6 +310,147 @@ impl<'a> MakeWriter<'a> for SyslogWriter {
     fn make_writer_for(&'a self, meta: &Metadata<'_>) -> SyslogLine {
         SyslogLine {
             w: self.clone(),
+            pri: FACILITY_DAEMON * 8 + severity(meta.level()),
+            buf: Vec::new(),
+        }
+    }
+}
+
+/// Lines waiting for the log's thread at most: about a minute of a busy mount's warnings.
+const QUEUED_LINES: usize = 4096;
+
+/// The queue of the mount's log, for [`flush`].
+static QUEUED: OnceLock<Queue> = OnceLock::new();
+
+/// Where the log's thread writes lines.
+enum Sink {
+    /// A file or stderr: each line as formatted.
+    Stream(Box<dyn Write + Send>),
+    Syslog(SyslogWriter),
+}
+
+impl Sink {
+    fn put(&mut self, pri: u8, line: &[u8]) {
+        // A lost log line is not worth stopping the log over.
+        match self {
+            Sink::Stream(w) => {
+                let _ = w.write_all(line);
+                let _ = w.flush();
+            }
+            Sink::Syslog(w) => w.send(pri, line),
+        }
+    }
+}
+
+/// A bounded queue of log lines and the thread that writes them to the sink (see the module
+/// docs). Every event makes one [`QueuedLine`].
+#[derive(Clone)]
+struct Queue {
+    tx: SyncSender<(u8, Vec<u8>)>,
+    state: Arc<QueueState>,
+}
+
+#[derive(Default)]
+struct QueueState {
+    /// Lines sent and not yet written.
+    pending: AtomicU64,
+    /// Lines dropped (the queue was full) since the thread last said so.
+    dropped: AtomicU64,
+}
+
+impl Queue {
+    fn start(sink: Sink) -> Self {
+        let q = Self::new(sink, QUEUED_LINES);
+        let _ = QUEUED.set(q.clone());
+        q
+    }
+
+    fn new(mut sink: Sink, lines: usize) -> Self {
+        let (tx, rx): (_, Receiver<(u8, Vec<u8>)>) = sync_channel(lines);
+        let state = Arc::new(QueueState::default());
+        let st = state.clone();
+        let spawned = std::thread::Builder::new()
+            .name("bucketfs-log".into())
+            .spawn(move || {
+                for (pri, line) in rx {
+                    let n = st.dropped.swap(0, Ordering::Relaxed);
+                    if n > 0 {
+                        let note =
+                            format!("{n} log line(s) dropped: the log did not take them in time\n");
+                        sink.put(
+                            FACILITY_DAEMON * 8 + severity(&Level::WARN),
+                            note.as_bytes(),
+                        );
+                    }
+                    sink.put(pri, &line);
+                    st.pending.fetch_sub(1, Ordering::Release);
+                }
+            });
+        if let Err(e) = spawned {
+            // No thread: every line is dropped (counted), none waited for.
+            eprintln!("bucketfs: cannot start the log thread: {e}");
+        }
+        Self { tx, state }
+    }
+
+    fn send(&self, pri: u8, line: Vec<u8>) {
+        self.state.pending.fetch_add(1, Ordering::Acquire);
+        match self.tx.try_send((pri, line)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.state.pending.fetch_sub(1, Ordering::Release);
+                self.state.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn flush(&self, most: Duration) {
+        let until = Instant::now() + most;
+        while self.state.pending.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// One event's text, queued when dropped.
+struct QueuedLine {
+    q: Queue,
+    pri: u8,
+    buf: Vec<u8>,
+}
+
+impl Write for QueuedLine {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for QueuedLine {
+    fn drop(&mut self) {
+        if !self.buf.is_empty() {
+            self.q.send(self.pri, std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+impl<'a> MakeWriter<'a> for Queue {
+    type Writer = QueuedLine;
+
+    fn make_writer(&'a self) -> QueuedLine {
+        QueuedLine {
+            q: self.clone(),
+            pri: FACILITY_DAEMON * 8 + 6,
+            buf: Vec::new(),
+        }
+    }
+
+    fn make_writer_for(&'a self, meta: &Metadata<'_>) -> QueuedLine {
+        QueuedLine {
+            q: self.clone(),
             pri: FACILITY_DAEMON * 8 + severity(meta.level()),
             buf: Vec::new(),
         }
@@ -289,6 +491,59 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&log).unwrap(), "a\nb\n");
         let mode = std::fs::metadata(&log).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
+    }
+
+    /// A syslog that stopped reading (its socket's queue full) holds no event: the lines
+    /// past the queue are dropped, counted, and said once the sink takes lines again.
+    #[test]
+    fn a_sink_that_blocks_holds_no_event() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let server = UnixDatagram::bind(&path).unwrap();
+        let sock = UnixDatagram::unbound().unwrap();
+        sock.connect(&path).unwrap();
+        let w = SyslogWriter {
+            sock: Arc::new(sock),
+            tag: "bucketfs[1]".into(),
+        };
+        let q = Queue::new(Sink::Syslog(w), 16);
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let q2 = q.clone();
+        std::thread::spawn(move || {
+            // Far more than the socket queues (net.unix.max_dgram_qlen) and the queue hold.
+            for i in 0..5000 {
+                let mut l = q2.make_writer();
+                writeln!(l, "line {i}").unwrap();
+            }
+            done_tx.send(()).unwrap();
+        });
+        done.recv_timeout(Duration::from_secs(60))
+            .expect("logging returns while the sink blocks");
+        assert!(q.state.dropped.load(Ordering::Relaxed) > 0);
+        // The reader comes back: the drop is said, the lines after it arrive.
+        server.set_nonblocking(true).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 256];
+        let until = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < until {
+            let mut l = q.make_writer();
+            writeln!(l, "after").unwrap();
+            drop(l);
+            while let Ok(n) = server.recv(&mut buf) {
+                got.push(String::from_utf8_lossy(&buf[..n]).to_string());
+            }
+            if got.iter().any(|l| l.contains("dropped")) && got.iter().any(|l| l.ends_with("after"))
+            {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            got.iter().any(|l| l.contains("log line(s) dropped")),
+            "{:?}",
+            &got[..got.len().min(5)]
+        );
+        assert!(got.iter().any(|l| l.ends_with("after")));
     }
 
     #[test]

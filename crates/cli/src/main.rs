@@ -87,6 +87,8 @@ fn main() {
         Command::Install(a) => install::run(&a),
         Command::Csi(a) => csi(&a),
     };
+    // A mount's last lines (why it stopped) are in the log's queue.
+    logging::flush(std::time::Duration::from_secs(2));
     std::process::exit(code);
 }
 

@@ -241,6 +241,8 @@ fn check_local_source(dir: &Path) -> Result<PathBuf, String> {
 /// How long the mount point may take to answer a `stat`: a FUSE mount whose daemon hangs
 /// (stopped, or stuck) never answers, and the mount command must say so, not hang too.
 const MOUNTPOINT_ANSWER: Duration = Duration::from_secs(5);
+/// How long an exit waits for the log's queued lines (a hung log disk must not hold it).
+const LOG_FLUSH: Duration = Duration::from_secs(2);
 
 /// What `f` returns, if within `limit`: it runs on a thread of its own, left behind if it
 /// never returns (a look at a hung FUSE mount cannot be interrupted).
@@ -386,7 +388,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         }
         1
     };
-    if let Err(msg) = logging::init(s.log_level, &target) {
+    if let Err(msg) = logging::init_queued(s.log_level, &target) {
         return report_failure(readiness, msg);
     }
     match raise_open_files_limit() {
@@ -587,6 +589,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         );
         // Now: what is left to drop (the runtime's tasks, the write-back directory's
         // segments) would wait for the same disk.
+        logging::flush(LOG_FLUSH);
         std::process::exit(code.max(1));
     };
     if left > 0 {
