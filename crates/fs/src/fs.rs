@@ -28,7 +28,7 @@ mod subtrees;
 
 use bucketfs_store::{
     run_bounded, CompletedPart, HeadersFrom, ListDetail, ListFrom, ObjectMeta, ObjectStore,
-    StoreError, UserMeta,
+    StoreError, UserMeta, IF_ABSENT,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -672,6 +672,30 @@ impl Fs {
         self.ns.prepare_new(parent, name)
     }
 
+    /// Stores the object of an entry made here at `path`, a name this mount found free:
+    /// only while no object has `key` (another client may have made one since the mount
+    /// looked), else `EEXIST` and the name is asked of the store again.
+    async fn put_new(
+        &self,
+        path: &MountPath,
+        key: &str,
+        body: Bytes,
+        pm: &PosixMeta,
+        what: &str,
+    ) -> FsResult<String> {
+        match self
+            .store
+            .put_if(key, body, &pm.to_user(), Some(IF_ABSENT), None)
+            .await
+        {
+            Err(StoreError::PreconditionFailed(_)) => {
+                self.ns.changing(path);
+                Err(FsError::EEXIST)
+            }
+            r => r.map_err(|e| log_store_err(&format!("{what} {key}"), e)),
+        }
+    }
+
     /// Holds off a rename of directory `dir`, or of one above it, while what is in it
     /// changes (see `subtrees`): waits for one under way.
     async fn changing_in(&self, dir: Ino) -> FsResult<subtrees::Held<'_>> {
@@ -696,10 +720,8 @@ impl Fs {
             self.ns.markers.start(key, pm.to_user());
         } else {
             // A server may refuse this marker for its name alone: say so to mkdir.
-            self.store
-                .put(&key, Bytes::new(), &pm.to_user())
-                .await
-                .map_err(|e| log_store_err(&format!("mkdir {key}"), e))?;
+            self.put_new(&path, &key, Bytes::new(), &pm, "mkdir")
+                .await?;
         }
         let (ino, attr) = self
             .ns
@@ -729,10 +751,8 @@ impl Fs {
         let pm = self.new_meta(parent, FileKind::File, mode, umask, caller);
         let key = self.ns.key(&path);
         let etag = self
-            .store
-            .put(&key, Bytes::new(), &pm.to_user())
-            .await
-            .map_err(|e| log_store_err(&format!("create {key}"), e))?;
+            .put_new(&path, &key, Bytes::new(), &pm, "create")
+            .await?;
         Ok(self
             .ns
             .add_new(
@@ -762,10 +782,8 @@ impl Fs {
         let key = self.ns.key(&path);
         let body = Bytes::copy_from_slice(target.as_os_str().as_bytes());
         let etag = self
-            .store
-            .put(&key, body.clone(), &pm.to_user())
-            .await
-            .map_err(|e| log_store_err(&format!("symlink {key}"), e))?;
+            .put_new(&path, &key, body.clone(), &pm, "symlink")
+            .await?;
         let (ino, attr) = self.ns.add_new(
             parent,
             &name,

@@ -797,3 +797,37 @@ async fn a_huge_object_marked_as_a_symlink_is_not_fetched_whole() {
     assert_eq!(target, Err(FsError(libc::ENAMETOOLONG)));
     assert!(e.metrics.bytes_down() - down <= libc::PATH_MAX as u64);
 }
+
+/// A symlink, an `mknod`'d file or a long-named directory made at a name this mount found
+/// free replaces nothing another client stored there since: `EEXIST`, their object stays,
+/// and the name is asked of the store again.
+#[tokio::test]
+async fn a_new_entry_never_replaces_an_object_another_client_made_meanwhile() {
+    let e = env();
+    for name in ["l", "n"] {
+        assert_eq!(
+            e.fs.lookup(ROOT_INO, OsStr::new(name)).await.unwrap_err(),
+            FsError::ENOENT
+        );
+    }
+    let long = "d".repeat(250);
+    put(&e.mem, "l", b"precious l").await;
+    put(&e.mem, "n", b"precious n").await;
+    put(&e.mem, &format!("{long}/"), b"").await;
+    let r =
+        e.fs.symlink(ROOT_INO, OsStr::new("l"), std::path::Path::new("t"), ME)
+            .await;
+    assert_eq!(r.unwrap_err(), FsError::EEXIST);
+    let r =
+        e.fs.mknod(ROOT_INO, OsStr::new("n"), libc::S_IFREG | 0o644, 0, ME)
+            .await;
+    assert_eq!(r.unwrap_err(), FsError::EEXIST);
+    let r = e.fs.mkdir(ROOT_INO, OsStr::new(&long), 0o755, 0, ME).await;
+    assert_eq!(r.unwrap_err(), FsError::EEXIST);
+    assert_eq!(object(&e.mem, "l").await, b"precious l");
+    assert_eq!(object(&e.mem, "n").await, b"precious n");
+    // The next lookup finds the other client's file.
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("l")).await.unwrap();
+    assert_eq!(a.kind, FileKind::File);
+    assert_eq!(a.size, 10);
+}
