@@ -398,10 +398,11 @@ pub struct WriteState {
     /// that keeps bytes of the base can never be published (and its streamed parts are gone).
     conflict: bool,
     /// The ETags (as S3 computes them: the body's MD5, or the multipart form) and sizes of
-    /// this new file's publishes (`If-None-Match`) that failed without a definite answer:
-    /// one may have landed, and the next publish, refused because the name is taken, finds
+    /// this file's pinned publishes (`If-None-Match` for a new file, `If-Match` for a
+    /// partial rewrite) that failed without a definite answer: one may have landed, and the
+    /// next publish, refused because the object is no longer what it was pinned to, finds
     /// that object its own (see [`Self::own_earlier_try`]), not another client's.
-    new_tries: Vec<(String, u64)>,
+    unanswered_tries: Vec<(String, u64)>,
     /// The mtime to publish; `None` keeps the one in `meta` (nothing written since open, so
     /// a chmod or an atime-only utimens through the descriptor leaves the stored mtime).
     pub mtime: Option<SystemTime>,
@@ -518,7 +519,7 @@ impl WriteState {
             meta,
             phase: Phase::Clean,
             conflict: false,
-            new_tries: Vec::new(),
+            unanswered_tries: Vec::new(),
             mtime: None,
             mtime_set: false,
             committed: None,

@@ -936,6 +936,57 @@ async fn a_new_files_publish_whose_answer_was_lost_is_no_conflict_for_the_next()
     assert_eq!(object(&mem, "n").await, b"first and second");
 }
 
+/// The same for a partial rewrite pinned to the version it was opened on: its publish
+/// landed, the answer was lost (`EIO`), and the writer goes on. The next close finds the
+/// object not the one pinned to, but the ETag and size of its own earlier try: it builds on
+/// that and stores the file (before: `ESTALE` for good, the later bytes refused as if
+/// another client had written the file).
+#[tokio::test]
+async fn a_rewrites_publish_whose_answer_was_lost_is_no_conflict_for_the_next() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    put(&mem, "f", b"old").await;
+    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = fs.open(f.ino, libc::O_WRONLY).await.unwrap();
+    fs.write(f.ino, h.fh, 3, Bytes::from_static(b"A"))
+        .await
+        .unwrap();
+    faulty.inject(Op::Put, 0, Some(1), Fault::DropAfter);
+    assert_eq!(fs.flush(f.ino, h.fh).await, Err(FsError::EIO));
+    assert_eq!(
+        object(&mem, "f").await,
+        b"oldA",
+        "the lost answer's PUT landed"
+    );
+    fs.write(f.ino, h.fh, 4, Bytes::from_static(b"B"))
+        .await
+        .unwrap();
+    fs.flush(f.ino, h.fh).await.unwrap();
+    fs.release(f.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, b"oldAB");
+}
+
+/// Guard: a rewrite whose earlier try failed before it landed, then another client's
+/// version: the next close is refused (`ESTALE`) and that version stays.
+#[tokio::test]
+async fn a_failed_try_of_a_rewrite_never_takes_another_clients_version_for_its_own() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    put(&mem, "f", b"old").await;
+    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = fs.open(f.ino, libc::O_WRONLY).await.unwrap();
+    fs.write(f.ino, h.fh, 3, Bytes::from_static(b"A"))
+        .await
+        .unwrap();
+    let e = StoreError::Transient("503".into());
+    faulty.inject(Op::Put, 0, Some(1), Fault::Error(e));
+    assert!(fs.flush(f.ino, h.fh).await.is_err());
+    put(&mem, "f", b"oldX").await;
+    assert_eq!(fs.flush(f.ino, h.fh).await, Err(FsError::ESTALE));
+    let _ = fs.release(f.ino, h.fh).await;
+    assert_eq!(object(&mem, "f").await, b"oldX");
+}
+
 /// A writer's close fails (the store refused the PUT) and it goes; two descriptors open for
 /// writing that changed nothing close after it: the first tries the publish again and stores
 /// the file. Left to the last close (they changed nothing), neither tried, and the release,

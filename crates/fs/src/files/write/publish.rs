@@ -417,20 +417,34 @@ impl WriteState {
         let pin = self.publish_condition().map(str::to_string);
         let refused_before = self.conflict;
         let r = self.publish_pinned(pin.clone()).await;
-        if r != Err(FsError::ESTALE) || pin.as_deref() != Some(IF_ABSENT) || refused_before {
+        let new_file = pin.as_deref() == Some(IF_ABSENT);
+        if r != Err(FsError::ESTALE) || pin.is_none() || refused_before {
             return r;
         }
-        // The name is taken: by an earlier publish of this file whose answer was lost (the
-        // close failed with EIO), which this one replaces, or by another client.
+        // A rewrite's earlier try is taken for the base only while every byte the new content
+        // keeps of the base is one it kept too: not when bytes only a lost upload held are
+        // part of it.
+        if !new_file && (self.unanswered_tries.is_empty() || !self.uploaded_only.is_empty()) {
+            return r;
+        }
+        // The object is not the one pinned to: an earlier publish of this file whose answer
+        // was lost (its close failed with EIO) made it, and this one replaces it, or another
+        // client did.
         match self.own_earlier_try().await {
             NameTaken::ByUs(etag) => {
                 self.conflict = false;
+                if let Some(b) = self.base.as_mut() {
+                    // That try kept the base's bytes wherever this content keeps them: it is
+                    // the base now, read and copied from where this content keeps bytes.
+                    b.etag.clone_from(&etag);
+                }
                 self.publish_pinned(Some(etag)).await
             }
-            NameTaken::NoLonger => {
+            NameTaken::NoLonger if new_file => {
                 self.conflict = false;
                 self.publish_pinned(Some(IF_ABSENT.to_string())).await
             }
+            NameTaken::NoLonger => r,
             NameTaken::Unknown(e) => {
                 // Not known to be another client's: no conflict, the next close tries again.
                 self.conflict = false;
@@ -440,12 +454,12 @@ impl WriteState {
         }
     }
 
-    /// Who has the object at this new file's key (see `new_tries`).
+    /// Who has the object at this file's key (see `unanswered_tries`).
     async fn own_earlier_try(&self) -> NameTaken {
         match self.store.head(&self.key).await {
             Ok(o) => {
                 let etag = o.etag.as_deref().map(norm_etag);
-                let ours = etag.is_some_and(|e| self.new_tries.contains(&(e, o.size)));
+                let ours = etag.is_some_and(|e| self.unanswered_tries.contains(&(e, o.size)));
                 match (ours, o.etag) {
                     (true, Some(etag)) => NameTaken::ByUs(etag),
                     _ => NameTaken::ByAnother,
@@ -456,23 +470,23 @@ impl WriteState {
         }
     }
 
-    /// A publish of this file as a new one (`pin`) ended in `r`; `etag` gives the ETag its
-    /// object would have. One that failed without a definite answer is remembered.
-    fn note_new_try<T>(
+    /// A publish of this file pinned to `pin` ended in `r`; `etag` gives the ETag its object
+    /// would have. One that failed without a definite answer is remembered.
+    fn note_try<T>(
         &mut self,
         pin: Option<&str>,
         r: &FsResult<T>,
         etag: impl FnOnce() -> Option<String>,
         size: u64,
     ) {
-        if pin != Some(IF_ABSENT) || matches!(r, Ok(_) | Err(FsError::ESTALE)) {
+        if pin.is_none() || matches!(r, Ok(_) | Err(FsError::ESTALE)) {
             return;
         }
         if let Some(e) = etag() {
-            if self.new_tries.len() >= 16 {
-                self.new_tries.remove(0);
+            if self.unanswered_tries.len() >= 16 {
+                self.unanswered_tries.remove(0);
             }
-            self.new_tries.push((norm_etag(&e), size));
+            self.unanswered_tries.push((norm_etag(&e), size));
         }
     }
 
@@ -511,7 +525,7 @@ impl WriteState {
         match result {
             Ok(etag) => {
                 self.base = Some(Base { etag, size });
-                self.new_tries.clear();
+                self.unanswered_tries.clear();
                 self.base_len = size;
                 self.dirty.clear();
                 self.generations.clear();
@@ -530,7 +544,7 @@ impl WriteState {
     pub(super) async fn publish_small(&mut self, size: u64, pin: Option<&str>) -> FsResult<String> {
         if size == 0 {
             let r = self.put_whole(Bytes::new(), pin).await;
-            self.note_new_try(pin, &r, || Some(crate::files::writeback::put_etag(&[])), 0);
+            self.note_try(pin, &r, || Some(crate::files::writeback::put_etag(&[])), 0);
             return r;
         }
         let len = size as usize;
@@ -546,7 +560,7 @@ impl WriteState {
             buf.as_mut_slice()[..len].copy_from_slice(tail);
             let body = buf.freeze(len);
             let r = self.put_whole(body.clone(), pin).await;
-            self.note_new_try(
+            self.note_try(
                 pin,
                 &r,
                 || Some(crate::files::writeback::put_etag(&body)),
@@ -556,7 +570,7 @@ impl WriteState {
         }
         let body = self.assemble_into(0..size, buf).await?.freeze(len);
         let r = self.put_whole(body.clone(), pin).await;
-        self.note_new_try(
+        self.note_try(
             pin,
             &r,
             || Some(crate::files::writeback::put_etag(&body)),
@@ -643,7 +657,7 @@ impl WriteState {
                     Err(StoreError::PreconditionFailed(_)) => Err(FsError::ESTALE),
                     Err(_) => Err(FsError::EIO),
                 };
-                self.note_new_try(
+                self.note_try(
                     pin,
                     &outcome,
                     || bucketfs_store::retry::multipart_etag(&completed),
@@ -867,7 +881,7 @@ fn write_fills(slot: &mut Slot, fills: Vec<Fill>, mut buf: Option<PoolBuf>) -> s
     Ok(())
 }
 
-/// Who has the name a new file was refused at (see `WriteState::own_earlier_try`).
+/// Who has the object a pinned publish was refused at (see `WriteState::own_earlier_try`).
 enum NameTaken {
     /// An earlier publish of this file, whose answer was lost: its ETag.
     ByUs(String),
