@@ -431,9 +431,12 @@ impl Lookups {
         }
     }
 
-    /// What `path` is: from the cache when fresh and complete, else from the store.
-    pub async fn stat(&self, path: &MountPath) -> FsResult<(Found, bool)> {
-        self.stat_keeping(path, None).await.0
+    /// What `path` is: from the cache when fresh and complete, else from the store; and
+    /// whether the answer is current: false when this mount changed the name (forgot it)
+    /// while the store was asked, so the answer may predate the change.
+    pub async fn stat(&self, path: &MountPath) -> (FsResult<(Found, bool)>, bool) {
+        let (r, _, current) = self.stat_keeping(path, None).await;
+        (r, current)
     }
 
     /// [`Self::stat`] of a path whose listing may well follow (the kernel's lookup of it):
@@ -445,7 +448,7 @@ impl Lookups {
         &self,
         path: &MountPath,
         epoch: u64,
-    ) -> FsResult<(Found, bool)> {
+    ) -> (FsResult<(Found, bool)>, bool) {
         // A directory bigger than a page: its lookup comes back each stat TTL while a job
         // reads or writes in it (the kernel revalidates the dentry), and a page of up to
         // 1,000 entries each time, for a listing that rarely follows, cost the server more
@@ -456,7 +459,7 @@ impl Lookups {
             return self.stat(path).await;
         }
         self.load_saved(path).await;
-        let (r, paged) = self.stat_keeping(path, Some(epoch)).await;
+        let (r, paged, current) = self.stat_keeping(path, Some(epoch)).await;
         let page_missing = match &r {
             // A probe that kept its page: fed by whoever came first (and perhaps dropped
             // since, with the other fed pages, by the time a joiner gets here).
@@ -475,7 +478,7 @@ impl Lookups {
             // instead of a HEAD and a LIST each.
             self.fetch_page(path, epoch).await;
         }
-        r
+        (r, current)
     }
 
     /// Saves the first page of a directory's listing (`dir_key`, from its start), whose LIST
@@ -666,12 +669,13 @@ impl Lookups {
     }
 
     /// [`Self::stat`]; with `keep_epoch`, a probe it starts keeps the page it fetches. Also
-    /// says whether the probe it awaited (its own or another's) kept its page.
+    /// says whether the probe it awaited (its own or another's) kept its page, and whether
+    /// the answer is current (see [`Self::stat`]).
     async fn stat_keeping(
         &self,
         path: &MountPath,
         keep_epoch: Option<u64>,
-    ) -> (FsResult<(Found, bool)>, bool) {
+    ) -> (FsResult<(Found, bool)>, bool, bool) {
         let cached = self.fresh(path);
         if cached.as_ref().is_some_and(|c| {
             c.from_listing && c.found.as_ref().is_some_and(|f| f.kind != FileKind::Dir)
@@ -679,8 +683,8 @@ impl Lookups {
             self.listed_used.fetch_add(1, Ordering::Relaxed);
         }
         let hint = match cached.map(|c| (c.found, c.complete)) {
-            Some((None, _)) => return (Err(FsError::ENOENT), false),
-            Some((Some(f), true)) => return (Ok((f, true)), false),
+            Some((None, _)) => return (Err(FsError::ENOENT), false, true),
+            Some((Some(f), true)) => return (Ok((f, true)), false, true),
             Some((Some(f), false)) => Some(f.kind),
             // A name seen before, stale now (a job reading a big directory for longer than
             // the TTL, the next epoch's open): a file costs a HEAD, not a HEAD and a LIST.
@@ -722,7 +726,7 @@ impl Lookups {
             // A newer probe's, or its cache entry, stay.
             Err(_) => {}
         }
-        (result.map(|f| (f, false)), paged)
+        (result.map(|f| (f, false)), paged, current)
     }
 
     /// Stats `paths` in the background (those not cached yet), a bounded number at a time.
@@ -766,7 +770,7 @@ impl Lookups {
                         match dir {
                             true => drop(this.stat_before_listing(&p, epoch).await),
                             false => {
-                                if matches!(this.stat(&p).await, Ok((f, _)) if f.kind == FileKind::Dir)
+                                if matches!(this.stat(&p).await.0, Ok((f, _)) if f.kind == FileKind::Dir)
                                 {
                                     if let Some(c) = this.cache.lock().get_mut(&p) {
                                         c.page_due = true;
@@ -981,11 +985,11 @@ mod tests {
         let all = futures::future::join_all((0..32).map(|_| l.stat(&a))).await;
         assert!(all
             .iter()
-            .all(|r| r.as_ref().unwrap().0.kind == FileKind::File));
+            .all(|r| r.0.as_ref().unwrap().0.kind == FileKind::File));
         assert_eq!(m.requests(Op::Head), 1);
         assert_eq!(m.requests(Op::List), 1);
         // Cached now.
-        l.stat(&"a".into()).await.unwrap();
+        l.stat(&"a".into()).await.0.unwrap();
         assert_eq!(m.total_requests(), 2);
     }
 
@@ -996,8 +1000,8 @@ mod tests {
         let m = metered.metrics();
         let store: Arc<dyn ObjectStore> = Arc::new(metered);
         let l = Lookups::new(store.clone(), Keys::default(), limits());
-        assert_eq!(l.stat(&"nope".into()).await.unwrap_err(), FsError::ENOENT);
-        assert_eq!(l.stat(&"nope".into()).await.unwrap_err(), FsError::ENOENT);
+        assert_eq!(l.stat(&"nope".into()).await.0.unwrap_err(), FsError::ENOENT);
+        assert_eq!(l.stat(&"nope".into()).await.0.unwrap_err(), FsError::ENOENT);
         assert_eq!(
             m.total_requests(),
             2,
@@ -1008,7 +1012,7 @@ mod tests {
             .await
             .unwrap();
         l.forget(&"nope".into());
-        assert!(l.stat(&"nope".into()).await.is_ok());
+        assert!(l.stat(&"nope".into()).await.0.is_ok());
 
         let off = CacheLimits {
             negative_ttl: Duration::ZERO,
@@ -1017,7 +1021,10 @@ mod tests {
         let l = Lookups::new(store, Keys::default(), off);
         let before = m.total_requests();
         for _ in 0..3 {
-            assert_eq!(l.stat(&"other".into()).await.unwrap_err(), FsError::ENOENT);
+            assert_eq!(
+                l.stat(&"other".into()).await.0.unwrap_err(),
+                FsError::ENOENT
+            );
         }
         assert_eq!(
             m.total_requests() - before,
@@ -1037,15 +1044,19 @@ mod tests {
         let metered = MeteredStore::new(mem as Arc<dyn ObjectStore>);
         let m = metered.metrics();
         let l = Lookups::new(Arc::new(metered), Keys::default(), limits());
-        let (d, _) = l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
+        let (d, _) = l
+            .stat_before_listing(&"d".into(), l.epoch())
+            .await
+            .0
+            .unwrap();
         assert_eq!(d.kind, FileKind::Dir);
         let after_dir = m.total_requests();
         // Files and subdirectories of the page are known now, with their metadata.
-        let (a, cached) = l.stat(&"d/a".into()).await.unwrap();
+        let (a, cached) = l.stat(&"d/a".into()).await.0.unwrap();
         assert!(cached);
         assert_eq!(a.kind, FileKind::File);
         assert_eq!(a.obj.user["mode"], (libc::S_IFREG | 0o600).to_string());
-        assert!(l.stat(&"d/b".into()).await.unwrap().1);
+        assert!(l.stat(&"d/b".into()).await.0.unwrap().1);
         assert!(l
             .fresh(&"d/sub".into())
             .is_some_and(|c| c.found.is_some_and(|f| f.kind == FileKind::Dir)));
@@ -1076,7 +1087,11 @@ mod tests {
         // showed `d` as a directory.
         l.list_user_meta.store(false, Ordering::Relaxed);
         l.listed(&"d".into(), Found::listed_dir(), l.epoch(), Instant::now());
-        let (d, _) = l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
+        let (d, _) = l
+            .stat_before_listing(&"d".into(), l.epoch())
+            .await
+            .0
+            .unwrap();
         assert_eq!(d.obj.user["mode"], (libc::S_IFDIR | 0o700).to_string());
         assert!(d.has_marker);
         assert_eq!((m.requests(Op::List), m.requests(Op::Head)), (1, 1));
@@ -1084,7 +1099,10 @@ mod tests {
         assert!(l.take_page(&"d/".into(), ListDetail::Plain).is_some());
         l.forget(&"d".into());
         l.listed(&"d".into(), Found::listed_dir(), l.epoch(), Instant::now());
-        l.stat_before_listing(&"d".into(), l.epoch()).await.unwrap();
+        l.stat_before_listing(&"d".into(), l.epoch())
+            .await
+            .0
+            .unwrap();
         assert!(l.take_page(&"d/".into(), ListDetail::UserMeta).is_none());
     }
 
@@ -1137,6 +1155,7 @@ mod tests {
         for d in 0..20 {
             l.stat_before_listing(&MountPath::new(format!("d{d:02}")), l.epoch())
                 .await
+                .0
                 .unwrap();
             assert!(l.kept.lock().len() <= KEPT_PAGES);
         }
@@ -1155,7 +1174,7 @@ mod tests {
         assert!(l.take_page(&"d18/".into(), ListDetail::UserMeta).is_none());
         assert!(l.kept.lock().is_empty());
         // A plain stat keeps nothing.
-        l.stat(&"d00".into()).await.unwrap();
+        l.stat(&"d00".into()).await.0.unwrap();
         assert!(l.kept.lock().is_empty());
 
         let short = CacheLimits {
@@ -1165,6 +1184,7 @@ mod tests {
         let l = Lookups::new(mem, Keys::default(), short);
         l.stat_before_listing(&"d01".into(), l.epoch())
             .await
+            .0
             .unwrap();
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert!(

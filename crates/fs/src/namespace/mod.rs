@@ -314,7 +314,8 @@ impl Namespace {
         Err(FsError::ESTALE)
     }
 
-    /// [`Self::resolve`] at the parent's path now; `None`: it moved before the answer came.
+    /// [`Self::resolve`] at the parent's path now; `None`: it moved before the answer came,
+    /// or the name changed here and nothing holds it now (the answer may predate that).
     async fn resolve_at(&self, parent: Ino, name: &str, lookups: u64) -> FsResult<Option<Attr>> {
         let parent_path = self.dir_path(parent)?;
         {
@@ -375,11 +376,26 @@ impl Namespace {
         // bucket yet (the page would lack it); the epoch is read first, so one made after
         // the check invalidates the page.
         let epoch = self.lookups.epoch();
-        let stat = if lookups > 0 && !self.markers.any_below(&dir_key) {
+        let (stat, current) = if lookups > 0 && !self.markers.any_below(&dir_key) {
             self.lookups.stat_before_listing(&path, epoch).await
         } else {
             self.lookups.stat(&path).await
         };
+        if !current {
+            // This mount changed the name while the store was asked (a truncate, a chmod, a
+            // rename over it, an unlink, a create): the answer may predate that. The inode the
+            // change left has what the change made; with none there, ask again.
+            let mut t = self.table.lock();
+            if !t.names_at(parent, name, &path) {
+                return Ok(None);
+            }
+            let Some(ino) = t.child(parent, name) else {
+                return Ok(None);
+            };
+            let i = t.get_mut(ino).expect("child in table");
+            i.lookups += lookups;
+            return Ok(Some(i.attr.clone()));
+        }
         match stat.map(|(f, _)| f) {
             Ok(f) => {
                 // Believed for the TTL from when the store said it (a listing's time), not

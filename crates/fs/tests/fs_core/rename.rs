@@ -608,3 +608,46 @@ async fn a_lookup_answered_after_a_rename_of_its_directory_registers_the_new_pat
         "the write went to the old path"
     );
 }
+
+/// A lookup whose store answer comes after this mount changed the file (a truncate that
+/// stored a new version) does not put the older answer on the inode: the size stays the
+/// truncate's, and an append builds on the version the truncate stored (before: the old
+/// ETag and size came back, believed for the TTL, and the append's close was `ESTALE`).
+#[tokio::test]
+async fn a_lookup_answered_after_a_change_here_keeps_the_change() {
+    use bucketfs_fs::SetAttr;
+    use bucketfs_store::fault::Fault;
+    use bucketfs_store::metrics::Op;
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "f", b"old").await;
+    let (faulty, fs, _cache) = crate::support::faulty_fs(&mem);
+    let f = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    // Older than the TTL: the next lookup asks the store.
+    fs.refresh(f.ino).unwrap();
+    faulty.inject(
+        Op::Head,
+        0,
+        Some(1),
+        Fault::DelayAfter(std::time::Duration::from_millis(500)),
+    );
+    let looking = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.lookup(ROOT_INO, OsStr::new("f")).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let set = SetAttr {
+        size: Some(10),
+        ..Default::default()
+    };
+    fs.setattr(f.ino, None, set).await.unwrap();
+    let seen = looking.await.unwrap().unwrap();
+    assert_eq!(seen.size, 10, "the lookup's answer predates the truncate");
+    assert_eq!(fs.getattr(f.ino).await.unwrap().size, 10);
+    let h = fs.open(f.ino, libc::O_WRONLY).await.unwrap();
+    fs.write(f.ino, h.fh, 10, Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    assert_eq!(fs.flush(f.ino, h.fh).await, Ok(()));
+    fs.release(f.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, b"old\0\0\0\0\0\0\0x");
+}
