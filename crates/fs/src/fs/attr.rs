@@ -72,6 +72,18 @@ impl Fs {
         // Not while a directory at or above it is being renamed (see `subtrees`), and at the
         // path it has after that.
         let (path, _storing) = self.subtrees.store(|| self.path_of(ino)).await?;
+        // The state of a writer whose changes were all stored (seen above) is held across the
+        // copy: its publish, pinned to the version copied, landing between the copy and the
+        // restamp below was refused (ESTALE, no other client involved), and a whole rewrite
+        // published meanwhile carried the old metadata over the copy.
+        let writer = self.files.write_of(ino);
+        let mut held = match &writer {
+            Some(w) => Some(w.state.lock().await),
+            None => None,
+        };
+        if held.as_ref().is_some_and(|st| st.is_retired()) {
+            held = None;
+        }
         // The change goes onto the object's own metadata, as the store says it now when the
         // inode's is out of date: it may be a listing's defaults (listed without metadata) or
         // of a version before the one its ETag names (another client's, copied by a
@@ -107,9 +119,18 @@ impl Fs {
             .ok_or(FsError::ENOENT)?
             .etag
             .clone();
-        let write = self.files.write_of(ino);
-        if let Some(w) = write {
-            let mut st = w.state.lock().await;
+        let relocked;
+        let st = match held {
+            Some(st) => Some(st),
+            None => match self.files.write_of(ino) {
+                Some(w) => {
+                    relocked = w;
+                    Some(relocked.state.lock().await)
+                }
+                None => None,
+            },
+        };
+        if let Some(mut st) = st {
             if !st.is_retired() {
                 change.write_into(&mut st.meta);
                 if let Some(t) = change.mtime {

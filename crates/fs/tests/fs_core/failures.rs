@@ -1036,3 +1036,58 @@ async fn a_failed_try_of_a_new_file_never_takes_another_clients_object_for_its_o
     fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(object(&mem, "n").await, b"theirs");
 }
+
+/// A `chmod` by path of a file open for writing with nothing unstored copies the object
+/// onto itself; the writer appends and fsyncs while the copy is under way. The fsync builds
+/// on the copy (before: pinned to the version copied, it landed after the copy and was
+/// refused, `ESTALE`, as if another client had written the file, and every later write
+/// with it); a whole rewrite closed meanwhile carries the new mode (before: the old one,
+/// over the copy, while stat showed the new).
+#[tokio::test]
+async fn a_chmod_copying_a_file_open_for_writing_holds_the_writers_publish() {
+    let mem = Arc::new(MemoryStore::new());
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    put(&mem, "f", b"0123456789").await;
+    put(&mem, "g", b"0123456789").await;
+    for (name, whole) in [("f", false), ("g", true)] {
+        let f = fs.lookup(ROOT_INO, OsStr::new(name)).await.unwrap();
+        let h = fs.open(f.ino, libc::O_RDWR).await.unwrap();
+        faulty.inject(
+            Op::Copy,
+            0,
+            Some(1),
+            Fault::DelayAfter(Duration::from_millis(300)),
+        );
+        let chmod = {
+            let fs = fs.clone();
+            let set = SetAttr {
+                mode: Some(0o600),
+                ..Default::default()
+            };
+            tokio::spawn(async move { fs.setattr(f.ino, None, set).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (at, data): (u64, &[u8]) = match whole {
+            false => (10, b"more"),
+            true => (0, b"ABCDEFGHIJ"),
+        };
+        fs.write(f.ino, h.fh, at, Bytes::copy_from_slice(data))
+            .await
+            .unwrap();
+        assert_eq!(fs.fsync(f.ino, h.fh).await, Ok(()), "{name}");
+        fs.flush(f.ino, h.fh).await.unwrap();
+        fs.release(f.ino, h.fh).await.unwrap();
+        chmod.await.unwrap().unwrap();
+        let want: &[u8] = match whole {
+            false => b"0123456789more",
+            true => b"ABCDEFGHIJ",
+        };
+        assert_eq!(object(&mem, name).await, want);
+        let m = mem.head(name).await.unwrap();
+        assert_eq!(
+            m.user["mode"],
+            (libc::S_IFREG | 0o600).to_string(),
+            "{name}"
+        );
+    }
+}
