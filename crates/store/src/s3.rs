@@ -430,12 +430,20 @@ where
                 "XMinioStorageFull" | "QuotaExceeded" | "InsufficientStorage" => {
                     StoreError::NoSpace(detail)
                 }
+                // A conditional write racing another one (AWS says to retry it), or an
+                // operation on the key aborted by a concurrent one.
                 "SlowDown"
                 | "RequestTimeout"
                 | "InternalError"
                 | "ServiceUnavailable"
-                | "XMinioServerNotInitialized" => StoreError::Transient(detail),
+                | "XMinioServerNotInitialized"
+                | "ConditionalRequestConflict"
+                | "OperationAborted" => StoreError::Transient(detail),
+                // A feature (a conditional header) the store does not have: no retry makes
+                // it; the callers that can do without it look for this answer first.
+                "NotImplemented" => StoreError::Other(detail),
                 _ => match status {
+                    501 => StoreError::Other(detail),
                     404 => StoreError::NotFound(detail),
                     412 => StoreError::PreconditionFailed(detail),
                     401 | 403 => StoreError::AccessDenied(detail),
@@ -451,21 +459,41 @@ where
 }
 
 /// Classifies an error that is not an answer of the service: TLS and credential problems are
-/// permanent (retrying cannot fix them), connection failures and timeouts are transient.
+/// permanent (retrying cannot fix them), connection failures and timeouts are transient, also
+/// during a TLS handshake (a load balancer with no backend closes it) or a credential
+/// provider's refresh (STS throttled or unreachable).
 fn classify_failure<E, R>(what: &str, e: &SdkError<E, R>, text: &str) -> StoreError {
     let lower = text.to_ascii_lowercase();
-    if lower.contains("certificate")
-        || lower.contains("unknownissuer")
-        || lower.contains("invalid peer")
-        || lower.contains("handshake")
-        || lower.contains("wrong version number")
-        || lower.contains("invalidcontenttype")
+    // What the connection did, not what the peer or its certificate is.
+    let cut = [
+        "handshake eof",
+        "unexpected eof",
+        "connection reset",
+        "connection refused",
+        "connection closed",
+        "broken pipe",
+        "timed out",
+        "timeout",
+        "throttl",
+        "slowdown",
+        "service unavailable",
+        "internal error",
+    ]
+    .iter()
+    .any(|w| lower.contains(w));
+    if !cut
+        && (lower.contains("certificate")
+            || lower.contains("unknownissuer")
+            || lower.contains("invalid peer")
+            || lower.contains("handshake")
+            || lower.contains("wrong version number")
+            || lower.contains("invalidcontenttype"))
     {
         return StoreError::Other(format!(
             "{what}: TLS failure (certificate not trusted? see --ca-bundle): {text}"
         ));
     }
-    if lower.contains("credential") {
+    if lower.contains("credential") && !cut {
         return StoreError::AccessDenied(format!("{what}: no usable credentials: {text}"));
     }
     match e {
@@ -1859,6 +1887,70 @@ mod tests {
                 b"abcd"
             );
         }
+    }
+
+    /// An HTTPS endpoint that accepts each connection and closes it during the handshake (a
+    /// load balancer with no backend): transient, ridden out by the retries. Before: taken
+    /// for a certificate problem, permanent, every call failed at once.
+    #[tokio::test]
+    async fn a_handshake_cut_by_the_peer_is_transient() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                drop(conn);
+            }
+        });
+        let store = plain_store(url).await;
+        let e = store.head("k").await.unwrap_err();
+        assert!(e.is_transient(), "{e:?}");
+    }
+
+    /// `409 ConditionalRequestConflict` (a conditional write racing another; AWS says to
+    /// retry it) is transient; `501 NotImplemented` (a conditional header the store does not
+    /// have) is not: no retry makes it.
+    #[tokio::test]
+    async fn a_conditional_conflict_is_retried_and_a_missing_feature_is_not() {
+        let answer = |status: &str, code: &str| {
+            format!(
+                "HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n{}",
+                format!("<Error><Code>{code}</Code><Message>m</Message></Error>").len(),
+                format!("<Error><Code>{code}</Code><Message>m</Message></Error>")
+            )
+            .into_bytes()
+        };
+        let store = plain_store(fixed_answer(answer(
+            "409 Conflict",
+            "ConditionalRequestConflict",
+        )))
+        .await;
+        let e = store
+            .put_if(
+                "k",
+                Bytes::from_static(b"x"),
+                &UserMeta::new(),
+                Some("\"e\""),
+                None,
+            )
+            .await
+            .unwrap_err();
+        assert!(e.is_transient(), "{e:?}");
+        let store = plain_store(fixed_answer(answer(
+            "501 Not Implemented",
+            "NotImplemented",
+        )))
+        .await;
+        let e = store
+            .put_if(
+                "k",
+                Bytes::from_static(b"x"),
+                &UserMeta::new(),
+                Some("\"e\""),
+                None,
+            )
+            .await
+            .unwrap_err();
+        assert!(!e.is_transient(), "{e:?}");
     }
 
     /// A store on the plain-HTTP test server at `url`, one attempt per request.
