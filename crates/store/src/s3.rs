@@ -1912,10 +1912,10 @@ mod tests {
     #[tokio::test]
     async fn a_conditional_conflict_is_retried_and_a_missing_feature_is_not() {
         let answer = |status: &str, code: &str| {
+            let body = format!("<Error><Code>{code}</Code><Message>m</Message></Error>");
             format!(
-                "HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n{}",
-                format!("<Error><Code>{code}</Code><Message>m</Message></Error>").len(),
-                format!("<Error><Code>{code}</Code><Message>m</Message></Error>")
+                "HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
             )
             .into_bytes()
         };
