@@ -535,6 +535,11 @@ fn csi_a_remount_that_fails_is_tried_again_until_it_works() {
             .contains(&format!("at {} failed", target.display()))
     });
     assert!(!fuse_mounted(&target), "mounted while the store refuses");
+    // Meanwhile a pod's container restarting binds the target: an empty read-only stand-in,
+    // never the bare directory (its writes went to the node's disk, and the remount then
+    // found the target not empty, for good).
+    let e = fs::write(target.join("local.txt"), "lost").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
     proxy.fail_requests("", 0);
     wait_for(
         "the target to be mounted again",

@@ -133,6 +133,65 @@ pub struct MountEntry {
     /// The file system's device number, `MAJ:MIN`.
     pub dev: String,
     pub fstype: String,
+    pub source: String,
+}
+
+impl MountEntry {
+    /// Whether this is the driver's fence (see [`fence`]).
+    fn is_fence(&self) -> bool {
+        self.fstype == "tmpfs" && self.source == FENCE_SOURCE
+    }
+}
+
+/// The source name of the driver's fences (see [`fence`]).
+const FENCE_SOURCE: &str = "bucketfs-fence";
+
+/// Mounts a fence at `target` unless one is on top there: an empty, read-only file system that
+/// stands in for the volume while its daemon is dead and not mounted again yet. A pod's
+/// container restarting meanwhile binds that, not the bare directory, whose writes would go
+/// to the node's disk (never to the bucket, and the remount would then find the target not
+/// empty). The remount stacks the daemon's mount on it; unpublish removes both.
+fn fence(target: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    if mount_at(target).is_some_and(|m| m.is_fence()) {
+        return;
+    }
+    let (Ok(src), Ok(dst), Ok(fstype), Ok(opts)) = (
+        std::ffi::CString::new(FENCE_SOURCE),
+        std::ffi::CString::new(target.as_os_str().as_bytes()),
+        std::ffi::CString::new("tmpfs"),
+        std::ffi::CString::new("size=4k,nr_inodes=1,mode=0555"),
+    ) else {
+        return;
+    };
+    let flags = libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: NUL-terminated strings that live across the call.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            opts.as_ptr().cast(),
+        )
+    };
+    if r != 0 {
+        warn!(
+            "cannot fence {} while its volume is mounted again ({}): a pod starting meanwhile \
+             sees the bare directory",
+            target.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// Removes the fences at `target` (see [`fence`]), once nothing of bucketfs is above them.
+fn remove_fences(target: &Path) {
+    while mount_at(target).is_some_and(|m| m.is_fence()) {
+        if umount2(target, libc::MNT_DETACH).is_err() {
+            break;
+        }
+    }
 }
 
 /// The entry of /proc/self/mountinfo whose mount point is `target` (the last one wins:
@@ -147,6 +206,7 @@ pub fn mount_at(target: &Path) -> Option<MountEntry> {
             Some(MountEntry {
                 dev: f.get(2)?.to_string(),
                 fstype: f.get(sep + 1)?.to_string(),
+                source: unescape(f.get(sep + 2)?),
             })
         })?
     })
@@ -433,6 +493,10 @@ impl Mounts {
             target.clone().into(),
         ];
         argv.extend(r.args.iter().map(Into::into));
+        if mount_at(&target).is_some_and(|m| m.is_fence()) {
+            // A remount: over the fence that stands in for the volume meanwhile.
+            argv.push("--allow-stacking".into());
+        }
         if r.has_credentials {
             argv.push("-c".into());
             argv.push(self.cred_path(&target).into());
@@ -526,6 +590,8 @@ impl Mounts {
         let rec = self.load(target);
         let pid = rec.as_ref().and_then(live_pid).unwrap_or(0);
         let mut unmounted_now = false;
+        // A fence on top: the remount that would have stacked on it has not yet.
+        remove_fences(target);
         if let Some(t) = mounted_fstype(target) {
             if !is_fuse(&t) {
                 return Err(MountError::Internal(format!(
@@ -581,6 +647,8 @@ impl Mounts {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // The fence a remount stacked on.
+        remove_fences(target);
         match fs::remove_dir(target) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -630,7 +698,10 @@ impl Mounts {
             {
                 continue;
             }
-            let fstype = mounted_fstype(&r.target);
+            let top = mount_at(&r.target);
+            let fenced = top.as_ref().is_some_and(MountEntry::is_fence);
+            // The fence of a remount still to do stands for no mount.
+            let fstype = top.filter(|m| !m.is_fence()).map(|m| m.fstype);
             let live = live_pid(&r);
             if let Some(pid) = live.filter(|p| *p != r.pid) {
                 let _ = self.save(&Record { pid, ..r.clone() });
@@ -655,7 +726,7 @@ impl Mounts {
                 // Unmounted but still storing files: unpublish waits for it.
                 continue;
             }
-            if fstype.is_none() && !r.target.is_dir() {
+            if fstype.is_none() && !fenced && !r.target.is_dir() {
                 self.forget(&r.target);
                 continue;
             }
@@ -714,6 +785,7 @@ impl Mounts {
         if dead_mounted {
             detach(&r.target);
         }
+        fence(&r.target);
         match self.start(r.clone(), OnFailure::Keep).await {
             Ok(()) => {
                 if let Some(d) = dead {
