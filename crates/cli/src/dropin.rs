@@ -493,6 +493,11 @@ pub fn s3fs_call(
             _ => positional.push(a),
         }
     }
+    // `-o config=FILE`: the file's settings first, the other options over them (as for
+    // `bucketfs mount -o`).
+    if let Some(path) = crate::config::config_from_mount_options(&opts) {
+        s.apply_file(&path)?;
+    }
     let mut bucket_opt = None;
     let mut passwd_file = None;
     for (key, value) in split_mount_options(&opts) {
@@ -532,14 +537,31 @@ pub fn s3fs_call(
             "invalid bucket \"{spec}\" (use BUCKET or BUCKET:/PREFIX)"
         ));
     }
+    // As s3fs: a passwd file given is used; the default ones only when no other credentials
+    // are named (keys in a config file, a profile, the AWS_* variables), and one this user
+    // may not read (a root-only /etc/passwd-s3fs) is passed over.
+    let named = s.access_key_id.is_some()
+        || s.profile.is_some()
+        || ["AWS_ACCESS_KEY_ID", "AWSACCESSKEYID"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some());
     let file = match passwd_file {
-        Some(p) => Some(p),
-        None => default_passwd_file(flavor, home),
+        Some(p) => Some((p, true)),
+        None if !named => default_passwd_file(flavor, home).map(|p| (p, false)),
+        None => None,
     };
-    if let Some(p) = file {
-        let (ak, sk) = read_passwd_file(&p, &bucket)?;
-        s.access_key_id = Some(ak);
-        s.secret_access_key = Some(sk);
+    if let Some((p, given)) = file {
+        let unreadable = || {
+            std::fs::File::open(&p).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied)
+        };
+        match read_passwd_file(&p, &bucket) {
+            Ok((ak, sk)) => {
+                s.access_key_id = Some(ak);
+                s.secret_access_key = Some(sk);
+            }
+            Err(_) if !given && unreadable() => {}
+            Err(e) => return Err(e),
+        }
     }
     let source = if prefix.is_empty() {
         format!("s3://{bucket}")
@@ -871,6 +893,41 @@ mod tests {
         assert!(read_passwd_file(f.path(), "b")
             .unwrap_err()
             .contains("line 1"));
+    }
+
+    /// `-o config=FILE` under s3fs applies the file (before: accepted and dropped: a
+    /// read-only mount, its credentials, its endpoint silently not applied); the other `-o`
+    /// options win over it.
+    #[test]
+    fn an_s3fs_config_option_applies_the_file() {
+        let conf = file("read_only = true\nregion = \"eu-west-1\"\n", 0o600);
+        let opts = format!("config={},region=us-east-2", conf.path().display());
+        let (_, _, s) = mount(&["b", "/m", "-o", &opts], Flavor::S3fs).unwrap();
+        assert!(s.read_only);
+        assert_eq!(s.region.as_deref(), Some("us-east-2"));
+    }
+
+    /// As s3fs: a default passwd file does not override a profile named on the command line
+    /// (before: its keys did, silently), and a default one this user may not read is passed
+    /// over.
+    #[test]
+    fn a_default_passwd_file_never_overrides_a_named_profile() {
+        let home = tempfile::tempdir().unwrap();
+        let pw = home.path().join(".passwd-s3fs");
+        std::fs::write(&pw, "AK:SK\n").unwrap();
+        std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let call = |args: &[&str]| match s3fs_call(&os(args), Flavor::S3fs, Some(home.path())) {
+            Ok(S3fsCall::Mount { settings, .. }) => *settings,
+            other => panic!("{other:?}"),
+        };
+        let s = call(&["b", "/m", "-o", "profile=prod"]);
+        assert_eq!(s.access_key_id, None);
+        assert_eq!(s.profile.as_deref(), Some("prod"));
+        if std::env::var_os("AWS_ACCESS_KEY_ID").is_none()
+            && std::env::var_os("AWSACCESSKEYID").is_none()
+        {
+            assert_eq!(call(&["b", "/m"]).access_key_id.as_deref(), Some("AK"));
+        }
     }
 
     #[test]
