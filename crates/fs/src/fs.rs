@@ -1012,7 +1012,7 @@ impl Fs {
             Appended::PartFull => {
                 let w = h.write.expect("only a writer's handle appends");
                 Now::Later(Box::pin(async move {
-                    w.state.lock().await.ship_full_tail().await?;
+                    w.state.lock().await.ship_filled_tail().await;
                     Ok(n)
                 }))
             }

@@ -378,6 +378,10 @@ pub struct WriteState {
     uploaded_only: Extents,
     /// Streamed parts stopped getting staging copies (the disk reached --cache-min-free).
     copies_stopped: bool,
+    /// Shipping a part a write filled failed after the write took its bytes (they are
+    /// kept): that write got its count, the next one gets this error (a writer the store
+    /// refuses stops before it fills the staging disk).
+    deferred_err: Option<FsError>,
     dirty: Extents,
     /// Bytes whose current content is in the staging file: what was written (`dirty`) plus
     /// what was fetched or published since. Reads and uploads take these from disk.
@@ -510,6 +514,7 @@ impl WriteState {
             spills: Vec::new(),
             uploaded_only: Extents::default(),
             copies_stopped: false,
+            deferred_err: None,
             dirty: Extents::default(),
             local: Extents::default(),
             generations: BTreeMap::new(),
@@ -600,6 +605,9 @@ impl WriteState {
         if data.is_empty() {
             return Ok(0);
         }
+        if let Some(e) = self.deferred_err.take() {
+            return Err(e);
+        }
         let len = data.len();
         // A part rewritten in part needs its other bytes at publish.
         self.recover(self.parts_around(offset..offset + len as u64))
@@ -636,7 +644,12 @@ impl WriteState {
             self.wrote(at..at + n as u64);
             at += n as u64;
             if full {
-                self.ship_tail().await?;
+                if let Err(e) = self.ship_tail().await {
+                    // The bytes are taken (kept in the tail or on disk): failing this write
+                    // would have its caller write them again (twice, with O_APPEND).
+                    self.deferred_err = Some(e);
+                    return Ok((at - offset) as usize);
+                }
             }
         }
         Ok(len)
@@ -674,6 +687,14 @@ impl WriteState {
             self.ship_tail().await?;
         }
         Ok(())
+    }
+
+    /// [`Self::ship_full_tail`] after the write that filled the part took its bytes: a
+    /// failure is the next write's (see `deferred_err`).
+    pub async fn ship_filled_tail(&mut self) {
+        if let Err(e) = self.ship_full_tail().await {
+            self.deferred_err = Some(e);
+        }
     }
 
     /// The content changes now: it differs from the bucket, and an earlier failed publish
@@ -803,6 +824,17 @@ impl WriteState {
             None
         };
         self.reap_spills();
+        let shipped = self.tail.as_ref().map(Tail::range);
+        if shipped.is_some_and(|r| {
+            self.spills
+                .iter()
+                .any(|(s, _)| s.start < r.end && r.start < s.end)
+        }) {
+            // An earlier copy of these bytes (the part written again from its start) still
+            // runs: two copies of one range at once could land in either order, the older
+            // bytes last, and a failure of the older one would mark the newer bytes lost.
+            self.settle_spills().await;
+        }
         self.wait_for_upload_slot().await;
         let Some(tail) = self.tail.take() else {
             return Ok(());
@@ -1115,7 +1147,7 @@ impl WriteState {
                     buf.as_mut_slice(),
                 )
                 .await
-                .map_err(|e| log_store_err(&format!("read {}", self.key), e))?;
+                .map_err(|e| self.base_err(e))?;
             if n as u64 != span.end - span.start {
                 tracing::warn!("{}: object shorter than expected", self.key);
                 return Err(FsError::EIO);
@@ -1183,13 +1215,30 @@ impl WriteState {
         out
     }
 
+    /// A read of the base's bytes failed: gone (another client deleted the object since
+    /// this file's base was read) is a conflict, as a replaced one is (`ESTALE`, never
+    /// `ENOENT` for a file that is open).
+    fn base_err(&self, e: StoreError) -> FsError {
+        let gone = matches!(e, StoreError::NotFound(_)) && self.base_etag().is_some();
+        let errno = log_store_err(&format!("read {}", self.key), e);
+        if !gone {
+            return errno;
+        }
+        tracing::warn!(
+            "{}: deleted by another client since this file was opened; the bytes it keeps of \
+             that version cannot be read (ESTALE)",
+            self.key
+        );
+        FsError::ESTALE
+    }
+
     /// `range` of the base object, which must lie within `base_len`.
     async fn get_base(&self, range: Range<u64>) -> FsResult<Bytes> {
         let data = self
             .store
             .get_range(&self.key, range.clone(), self.base_etag())
             .await
-            .map_err(|e| log_store_err(&format!("read {}", self.key), e))?;
+            .map_err(|e| self.base_err(e))?;
         if data.len() as u64 != range.end - range.start {
             tracing::warn!("{}: object shorter than expected", self.key);
             return Err(FsError::EIO);
@@ -1225,7 +1274,7 @@ impl WriteState {
                         .store
                         .get_range_into(&self.key, seg, self.base_etag(), dst)
                         .await
-                        .map_err(|e| log_store_err(&format!("read {}", self.key), e))?;
+                        .map_err(|e| self.base_err(e))?;
                     if got != n {
                         tracing::warn!("{}: object shorter than expected", self.key);
                         return Err(FsError::EIO);

@@ -744,3 +744,25 @@ async fn a_new_file_is_never_stored_over_an_object_another_client_made_meanwhile
     e.fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(object(&e.mem, "mine").await, b"v2");
 }
+
+/// Another client deletes a file this mount has open for a partial rewrite whose kept bytes
+/// are still only in the bucket: the close that needs them, and a read of them, get `ESTALE`
+/// (a conflict, as for a replaced object), not `ENOENT` for a file that is open.
+#[tokio::test]
+async fn a_partial_rewrite_of_an_object_deleted_meanwhile_is_a_conflict() {
+    let e = env();
+    put(&e.mem, "f", b"0123456789").await;
+    let f = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = e.fs.open(f.ino, libc::O_RDWR).await.unwrap();
+    e.fs.write(f.ino, h.fh, 10, Bytes::from_static(b"ab"))
+        .await
+        .unwrap();
+    e.mem.delete("f").await.unwrap();
+    assert_eq!(
+        e.fs.read(f.ino, h.fh, 0, 4).await.unwrap_err(),
+        FsError::ESTALE
+    );
+    assert_eq!(e.fs.flush(f.ino, h.fh).await, Err(FsError::ESTALE));
+    let _ = e.fs.release(f.ino, h.fh).await;
+    assert!(e.mem.head("f").await.is_err(), "nothing stored");
+}
