@@ -60,6 +60,7 @@ pub struct Settings {
     pub gid: Option<u32>,
     pub file_mode: u16,
     pub dir_mode: u16,
+    pub umask: u16,
     pub allow_other: bool,
     pub nonempty: bool,
     /// Mount even where a file system is already mounted (stacking over it).
@@ -135,6 +136,7 @@ impl fmt::Debug for Settings {
             .field("gid", &self.gid)
             .field("file_mode", &format_args!("{:o}", self.file_mode))
             .field("dir_mode", &format_args!("{:o}", self.dir_mode))
+            .field("umask", &format_args!("{:o}", self.umask))
             .field("allow_other", &self.allow_other)
             .field("nonempty", &self.nonempty)
             .field("allow_stacking", &self.allow_stacking)
@@ -200,6 +202,7 @@ impl Default for Settings {
             gid: None,
             file_mode: fs.file_mode,
             dir_mode: fs.dir_mode,
+            umask: fs.umask,
             allow_other: false,
             nonempty: false,
             allow_stacking: false,
@@ -461,6 +464,7 @@ impl Settings {
             "gid" => self.gid = Some(parse_id(v)?),
             "file_mode" => self.file_mode = parse_mode(v)?,
             "dir_mode" => self.dir_mode = parse_mode(v)?,
+            "umask" => self.umask = parse_mode(v)?,
             "allow_other" => self.allow_other = parse_bool(v)?,
             "nonempty" => self.nonempty = parse_bool(v)?,
             "allow_stacking" => self.allow_stacking = parse_bool(v)?,
@@ -624,6 +628,7 @@ impl Settings {
             prefix,
             file_mode: self.file_mode,
             dir_mode: self.dir_mode,
+            umask: self.umask,
             read_only: self.read_only,
             stat_ttl: self.stat_ttl,
             negative_ttl: self.negative_ttl,

@@ -258,7 +258,7 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
     ),
     (
         "umask",
-        Translated("file_mode = 0666 & !umask, dir_mode = 0777 & !umask"),
+        Translated("umask = umask, file_mode = 0666 & !umask, dir_mode = 0777 & !umask"),
     ),
     ("nomultipart", Notice(STREAMS)),
     ("streamupload", Notice(STREAMS)),
@@ -660,6 +660,8 @@ fn apply_s3fs(
                     let mask = crate::config::parse_mode(&need(&value)?).map_err(ctx)?;
                     s.file_mode = 0o666 & !mask;
                     s.dir_mode = 0o777 & !mask;
+                    // As s3fs: every object's mode, not only the defaults.
+                    s.umask = mask;
                 }
                 "dbglevel" => {
                     let v = need(&value)?;

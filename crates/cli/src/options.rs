@@ -198,6 +198,11 @@ pub const OPTIONS: &[OptionSpec] = &[
         .env()
         .default("0755")
         .help("Permission bits (octal) of directories that have no mode metadata."),
+    value("umask", "OCTAL").env().default("0000").help(
+        "Permission bits (octal) cleared from every file and directory, whatever mode it \
+         stores (as s3fs's -o umask): 0077 keeps a mount shared with allow_other private to \
+         its owner",
+    ),
     flag("allow_other").env().help(
         "Let other users use the mount (non-root needs user_allow_other in \
          /etc/fuse.conf). Permissions are checked by the kernel against each entry's mode \

@@ -178,7 +178,8 @@ fn ossfs1_guide_command_line_mounts_through_a_link_named_ossfs() {
 /// The usual s3fs line as `bucketfs s3fs BUCKET:/PREFIX MNT -o url=...,use_path_request_style,
 /// passwd_file=...,allow_other,uid=,gid=,umask=,mp_umask=`: the BUCKET:ACCESS:SECRET line for
 /// this bucket is used (not the other bucket's wrong one), files land under PREFIX, and
-/// uid/gid/umask show on an object another client wrote without metadata.
+/// uid/gid/umask show on an object another client wrote without metadata and on one made
+/// through the mount.
 #[test]
 fn s3fs_command_line_with_passwd_file_mounts_a_prefix() {
     let bucket = s3().new_bucket("dropin-s3fs");
@@ -216,6 +217,11 @@ fn s3fs_command_line_with_passwd_file_mounts_a_prefix() {
         s3().get(&bucket, "team/a/new.txt").unwrap(),
         b"via s3fs line"
     );
+    // As s3fs, the umask applies to every object, also one that stores its mode (this file,
+    // made 0644 through the mount): before, only to those without one, so a mount shared
+    // with allow_other showed new files to every local user.
+    let md = fs::metadata(m.join("new.txt")).unwrap();
+    assert_eq!(md.mode() & 0o777, 0o640);
     assert!(m.log().contains("bucketfs: notice: -o mp_umask: "));
 }
 

@@ -54,6 +54,8 @@ pub struct FsConfig {
     /// Permission bits for objects without `mode` metadata.
     pub file_mode: u16,
     pub dir_mode: u16,
+    /// Permission bits cleared from every file and directory shown (s3fs `-o umask`).
+    pub umask: u16,
     pub read_only: bool,
     /// How long attributes learned from the store are trusted.
     pub stat_ttl: Duration,
@@ -92,6 +94,7 @@ impl Default for FsConfig {
             force_gid: None,
             file_mode: 0o644,
             dir_mode: 0o755,
+            umask: 0,
             read_only: false,
             stat_ttl: Duration::from_secs(5),
             negative_ttl: Duration::from_secs(5),

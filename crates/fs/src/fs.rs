@@ -288,6 +288,7 @@ impl Fs {
             force_gid: cfg.force_gid,
             file_mode: cfg.file_mode,
             dir_mode: cfg.dir_mode,
+            umask: cfg.umask,
         };
         let metrics = Arc::new(FsMetrics::default());
         let limits = CacheLimits {

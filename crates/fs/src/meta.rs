@@ -151,6 +151,8 @@ pub struct AttrPolicy {
     pub force_gid: Option<u32>,
     pub file_mode: u16,
     pub dir_mode: u16,
+    /// Permission bits cleared from every file and directory, whatever mode it stores.
+    pub umask: u16,
 }
 
 impl AttrPolicy {
@@ -172,6 +174,10 @@ impl AttrPolicy {
             .mode
             .map(|m| (m & 0o7777) as u16)
             .unwrap_or(default_perm);
+        let perm = match kind {
+            FileKind::Symlink => perm,
+            _ => perm & !self.umask,
+        };
         let mtime = meta.mtime.or(last_modified).unwrap_or(UNIX_EPOCH);
         Attr {
             ino,
@@ -241,6 +247,7 @@ mod tests {
             force_gid: None,
             file_mode: 0o640,
             dir_mode: 0o750,
+            umask: 0,
         };
         let a = p.attr(5, FileKind::File, 10, &PosixMeta::default(), None);
         assert_eq!((a.perm, a.uid, a.gid), (0o640, 7, 2));
