@@ -62,6 +62,7 @@ pub struct Settings {
     pub dir_mode: u16,
     pub umask: u16,
     pub allow_other: bool,
+    pub allow_root: bool,
     pub nonempty: bool,
     /// Mount even where a file system is already mounted (stacking over it).
     pub allow_stacking: bool,
@@ -138,6 +139,7 @@ impl fmt::Debug for Settings {
             .field("dir_mode", &format_args!("{:o}", self.dir_mode))
             .field("umask", &format_args!("{:o}", self.umask))
             .field("allow_other", &self.allow_other)
+            .field("allow_root", &self.allow_root)
             .field("nonempty", &self.nonempty)
             .field("allow_stacking", &self.allow_stacking)
             .field("part_size", &self.part_size)
@@ -204,6 +206,7 @@ impl Default for Settings {
             dir_mode: fs.dir_mode,
             umask: fs.umask,
             allow_other: false,
+            allow_root: false,
             nonempty: false,
             allow_stacking: false,
             part_size: fs.part_size,
@@ -466,6 +469,7 @@ impl Settings {
             "dir_mode" => self.dir_mode = parse_mode(v)?,
             "umask" => self.umask = parse_mode(v)?,
             "allow_other" => self.allow_other = parse_bool(v)?,
+            "allow_root" => self.allow_root = parse_bool(v)?,
             "nonempty" => self.nonempty = parse_bool(v)?,
             "allow_stacking" => self.allow_stacking = parse_bool(v)?,
             "part_size" => {

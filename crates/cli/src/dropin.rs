@@ -344,7 +344,7 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
     ("region", Setting("region")),
     // FUSE options s3fs passes to libfuse
     ("allow_other", Setting("allow_other")),
-    ("allow_root", Translated("allow_other")),
+    ("allow_root", Setting("allow_root")),
     ("uid", Setting("uid")),
     ("gid", Setting("gid")),
     ("nonempty", Setting("nonempty")),
@@ -673,7 +673,6 @@ fn apply_s3fs(
                     .to_string();
                     s.log_level = crate::config::parse_log_level(&level).map_err(ctx)?;
                 }
-                "allow_root" => s.allow_other = true,
                 _ => unreachable!("no translation for s3fs option {key}"),
             }
             Ok(())

@@ -208,6 +208,10 @@ pub const OPTIONS: &[OptionSpec] = &[
          /etc/fuse.conf). Permissions are checked by the kernel against each entry's mode \
          and owner",
     ),
+    flag("allow_root").env().help(
+        "Let root use the mount besides the user who mounts (FUSE allow_root; needs \
+         user_allow_other in /etc/fuse.conf when not root); every other user gets EACCES",
+    ),
     flag("nonempty").help(
         "Mount even if the mount point is not empty (its contents are hidden while \
          mounted)",

@@ -539,6 +539,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     let opts = MountOptions {
         fsname: plan.fsname.clone(),
         allow_other: s.allow_other,
+        allow_root: s.allow_root,
         read_only: s.read_only,
         no_exec: s.no_exec,
         n_threads: s.fuse_threads,

@@ -775,3 +775,38 @@ umount {m2}
     assert_eq!(s3().get(&b1, "data/one.txt").unwrap(), b"one\n");
     assert_eq!(s3().get(&b2, "two.txt").unwrap(), b"two\n");
 }
+
+/// s3fs's `allow_root`: the user who mounts and root may use the mount, no other user (FUSE
+/// `allow_root`; before: mapped to `allow_other`, so every local user could, here reading a
+/// file whose mode lets everyone).
+#[test]
+fn s3fs_allow_root_admits_root_and_the_owner_only() {
+    let bucket = s3().new_bucket("dropin-allow-root");
+    s3().put(&bucket, "f", b"not for everyone".to_vec());
+    let dir = tempfile::tempdir().unwrap();
+    let e = env();
+    let passwd = private_file(
+        dir.path(),
+        "pw",
+        &format!("{}:{}\n", e.access_key, e.secret_key),
+        0o600,
+    );
+    let opts = format!(
+        "url={},use_path_request_style,passwd_file={},allow_root,umask=0000",
+        e.endpoint,
+        passwd.display()
+    );
+    let m = spec(None, &["s3fs"], &bucket, &["-o".into(), opts, "-f".into()]).mount();
+    // Other users may reach the mount point.
+    let parent = m.path().parent().unwrap();
+    fs::set_permissions(parent, fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(fs::read(m.join("f")).unwrap(), b"not for everyone");
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])
+        .arg(m.join("f"))
+        .output()
+        .expect("setpriv");
+    assert!(!out.status.success(), "another user read the file");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Permission denied"), "{err}");
+}

@@ -32,6 +32,9 @@ pub struct MountOptions {
     /// Let users other than the one mounting use the mount (needs `user_allow_other` in
     /// `/etc/fuse.conf` when not root).
     pub allow_other: bool,
+    /// With `allow_other` off: let root use the mount too, besides its owner (FUSE
+    /// `allow_root`; the kernel admits everyone, requests of other users get `EACCES`).
+    pub allow_root: bool,
     /// Mount read-only (the kernel refuses writes with `EROFS`).
     pub read_only: bool,
     /// The kernel refuses to execute files of the mount (`noexec`).
@@ -48,6 +51,7 @@ impl Default for MountOptions {
         Self {
             fsname: "bucketfs".into(),
             allow_other: false,
+            allow_root: false,
             read_only: false,
             no_exec: false,
             n_threads: 4,
@@ -114,6 +118,8 @@ pub fn mount(
     cfg.mount_options = options;
     cfg.acl = if opts.allow_other {
         SessionACL::All
+    } else if opts.allow_root {
+        SessionACL::RootAndOwner
     } else {
         SessionACL::Owner
     };
