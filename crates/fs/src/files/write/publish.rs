@@ -642,13 +642,53 @@ impl WriteState {
         size: u64,
         pin: Option<&str>,
     ) -> FsResult<String> {
+        self.publish_multipart_into(size, pin, true).await
+    }
+
+    /// [`Self::publish_multipart`]; `again`: an upload the parts went into early that the
+    /// store no longer has (aborted by a lifecycle rule, or MinIO's stale-upload expiry,
+    /// while the file stayed open) is not taken for a deleted object: when every byte is
+    /// still here (none only in that upload), the parts go again into a new upload, once.
+    fn publish_multipart_into<'a>(
+        &'a mut self,
+        size: u64,
+        pin: Option<&'a str>,
+        again: bool,
+    ) -> BoxFuture<'a, FsResult<String>> {
+        async move {
+            let early = self.stream.as_ref().is_some_and(|s| !s.slots.is_empty());
+            let r = self.publish_multipart_once(size, pin, early && again).await;
+            match r {
+                Err(UploadGone) => {
+                    if let Some(stream) = self.stream.take() {
+                        let _ = stream.upload.abort().await;
+                    }
+                    self.publish_multipart_into(size, pin, false).await
+                }
+                Ok(r) => r,
+            }
+        }
+        .boxed()
+    }
+
+    /// One try of [`Self::publish_multipart`]; with `gone_is_retried`, a "not found" that may
+    /// be the early upload's is [`UploadGone`] (nothing logged, the stream left).
+    async fn publish_multipart_once(
+        &mut self,
+        size: u64,
+        pin: Option<&str>,
+        gone_is_retried: bool,
+    ) -> Result<FsResult<String>, UploadGone> {
         let key = self.key.clone();
         let parts = self.cfg.layout.parts(size);
         if parts.len() > self.cfg.limits.max_parts as usize {
-            return Err(FsError::EFBIG);
+            return Ok(Err(FsError::EFBIG));
         }
-        self.start_stream(pin).await?;
-        match self.send_parts(&parts).await {
+        if let Err(e) = self.start_stream(pin).await {
+            return Ok(Err(e));
+        }
+        let gone_is_retried = gone_is_retried && self.uploaded_only.is_empty();
+        Ok(match self.send_parts(&parts).await {
             Ok(completed) => {
                 let stream = self.stream.as_mut().expect("stream");
                 let done = stream.upload.complete(&completed, pin).await;
@@ -668,6 +708,13 @@ impl WriteState {
                         let stored = self.stream.take().expect("stream").meta;
                         self.settle_meta(stored, etag, size).await
                     }
+                    Err(StoreError::NotFound(e)) if gone_is_retried => {
+                        tracing::info!(
+                            "{key}: the upload its parts went into early is gone ({e}); \
+                             sending them again"
+                        );
+                        return Err(UploadGone);
+                    }
                     Err(e) => {
                         let what = format!("complete upload of {key}");
                         let e = self.publish_err(&what, e, pin);
@@ -676,11 +723,17 @@ impl WriteState {
                     }
                 }
             }
+            Err(FsError::ENOENT) if gone_is_retried => {
+                tracing::info!(
+                    "{key}: the upload its parts went into early is gone; sending them again"
+                );
+                return Err(UploadGone);
+            }
             Err(e) => {
                 self.drop_failed_stream(e).await;
                 Err(e)
             }
-        }
+        })
     }
 
     /// The multipart upload just completed as `etag` carries `stored`, the metadata it was
@@ -880,6 +933,10 @@ fn write_fills(slot: &mut Slot, fills: Vec<Fill>, mut buf: Option<PoolBuf>) -> s
     }
     Ok(())
 }
+
+/// A publish's multipart upload the store no longer has (see
+/// `WriteState::publish_multipart_into`).
+struct UploadGone;
 
 /// Who has the object a pinned publish was refused at (see `WriteState::own_earlier_try`).
 enum NameTaken {
