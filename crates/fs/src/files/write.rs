@@ -661,7 +661,12 @@ impl WriteState {
     /// an owned one first (a third of the user-space copying of a sequential write).
     pub fn append_now(&mut self, at: u64, data: &[u8]) -> Appended {
         let full_tail = self.tail.as_ref().is_some_and(Tail::is_full);
-        if data.is_empty() || !fits_object(&self.cfg, at, data.len()) || full_tail {
+        // A deferred error is the next write's: the slow path returns it.
+        if data.is_empty()
+            || !fits_object(&self.cfg, at, data.len())
+            || full_tail
+            || self.deferred_err.is_some()
+        {
             return Appended::No;
         }
         if !self.tail_takes(at) {

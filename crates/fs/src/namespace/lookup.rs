@@ -168,14 +168,17 @@ impl Keep {
     }
 }
 
+/// A probe in flight (see `Lookups::inflight`).
+type Inflight = (Probe, u64, bool, Arc<AtomicBool>);
+
 pub struct Lookups {
     store: Arc<dyn ObjectStore>,
     keys: Keys,
     limits: CacheLimits,
     cache: Mutex<HashMap<MountPath, Cached>>,
-    /// Probes in flight, with the epoch each started at and whether it keeps the page it
-    /// fetches.
-    inflight: Mutex<HashMap<MountPath, (Probe, u64, bool)>>,
+    /// Probes in flight, with the epoch each started at, whether it keeps the page it
+    /// fetches, and whether this mount forgot the name since it began (see [`Self::stat`]).
+    inflight: Mutex<HashMap<MountPath, Inflight>>,
     /// Files (and symlinks) listed since the listing detail was last decided.
     listed_files: AtomicU64,
     /// Stats of listed files since then.
@@ -388,7 +391,9 @@ impl Lookups {
         self.changes.fetch_add(1, Ordering::SeqCst);
         self.cache.lock().remove(path);
         // A probe under way may have been answered before the change: not cached, not joined.
-        self.inflight.lock().remove(path);
+        if let Some((.., forgotten)) = self.inflight.lock().remove(path) {
+            forgotten.store(true, Ordering::SeqCst);
+        }
     }
 
     /// Forgets everything below directory `dir`.
@@ -396,7 +401,9 @@ impl Lookups {
         self.changes.fetch_add(1, Ordering::SeqCst);
         let below = |p: &MountPath| p == dir || p.is_below(dir);
         self.cache.lock().retain(|p, _| !below(p));
-        self.inflight.lock().retain(|p, _| !below(p));
+        self.inflight
+            .lock()
+            .retain(|p, e| forgotten_unless(!below(p), e));
     }
 
     /// [`Self::forget_below`] of `a` and `b`, in one pass.
@@ -404,7 +411,9 @@ impl Lookups {
         self.changes.fetch_add(1, Ordering::SeqCst);
         let kept = |p: &MountPath| p != a && !p.is_below(a) && p != b && !p.is_below(b);
         self.cache.lock().retain(|p, _| kept(p));
-        self.inflight.lock().retain(|p, _| kept(p));
+        self.inflight
+            .lock()
+            .retain(|p, e| forgotten_unless(kept(p), e));
     }
 
     /// This mount changes something in the store (before, and again once done, where the
@@ -702,7 +711,7 @@ impl Lookups {
             // the TTL, the next epoch's open): a file costs a HEAD, not a HEAD and a LIST.
             None => self.last_kind(path),
         };
-        let (probe, started, paged) = {
+        let (probe, started, paged, forgotten) = {
             let mut inflight = self.inflight.lock();
             match inflight.get(path) {
                 Some(p) => p.clone(),
@@ -711,7 +720,7 @@ impl Lookups {
                     let paged = keep.is_some();
                     let key = self.keys.key(path).into_string();
                     let p = probe(self.store.clone(), key, hint, keep).boxed().shared();
-                    let entry = (p, self.epoch(), paged);
+                    let entry = (p, self.epoch(), paged, Arc::new(AtomicBool::new(false)));
                     inflight.insert(path.clone(), entry.clone());
                     entry
                 }
@@ -738,7 +747,9 @@ impl Lookups {
             // A newer probe's, or its cache entry, stay.
             Err(_) => {}
         }
-        (result.map(|f| (f, false)), paged, current)
+        // Not "not current": a joiner finds the entry gone because the first waiter took it.
+        let unchanged = !forgotten.load(Ordering::SeqCst);
+        (result.map(|f| (f, false)), paged, unchanged)
     }
 
     /// Stats `paths` in the background (those not cached yet), a bounded number at a time.
@@ -932,6 +943,14 @@ pub fn page_entries(
     dirs.into_iter()
         .map(|name| (name, Found::listed_dir()))
         .chain(files)
+}
+
+/// `keep` for a `retain` of the probes in flight; one not kept is marked forgotten.
+fn forgotten_unless(keep: bool, e: &Inflight) -> bool {
+    if !keep {
+        e.3.store(true, Ordering::SeqCst);
+    }
+    keep
 }
 
 /// A plain object: a symlink if its mode says so, else a file.
@@ -1226,5 +1245,46 @@ mod tests {
             l.peek(&"f4999".into()).is_some(),
             "the newest entry is kept"
         );
+    }
+
+    /// Lookups that share one probe, nothing changed here meanwhile: every one is told the
+    /// answer is current (before: only the first woken; the others took it for one a change
+    /// here made stale, and the caller answered with the inode's old attributes).
+    #[tokio::test]
+    async fn every_lookup_sharing_a_probe_gets_it_as_current() {
+        use bucketfs_store::fault::{Fault, FaultStore};
+        let mem = Arc::new(MemoryStore::new());
+        mem.put("a", bytes::Bytes::from_static(b"x"), &UserMeta::new())
+            .await
+            .unwrap();
+        let faulty = Arc::new(FaultStore::new(mem));
+        faulty.inject(
+            Op::Head,
+            0,
+            Some(1),
+            Fault::DelayAfter(Duration::from_millis(200)),
+        );
+        let l = Lookups::new(faulty.clone(), Keys::default(), limits());
+        let a: MountPath = "a".into();
+        let all = futures::future::join_all((0..4).map(|_| l.stat(&a))).await;
+        for (r, current) in all {
+            assert_eq!(r.unwrap().0.obj.size, 1);
+            assert!(current);
+        }
+        // A change here while the probe runs: no one is told it is current.
+        faulty.inject(
+            Op::Head,
+            0,
+            Some(1),
+            Fault::DelayAfter(Duration::from_millis(200)),
+        );
+        l.forget(&a);
+        let stats = futures::future::join_all((0..2).map(|_| l.stat(&a)));
+        let forget = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            l.forget(&a);
+        };
+        let (all, ()) = futures::join!(stats, forget);
+        assert!(all.iter().all(|(_, current)| !current));
     }
 }

@@ -781,6 +781,29 @@ async fn a_write_whose_upload_is_refused_fails() {
     assert_eq!(fs.getattr(attr.ino).await.unwrap().size, 5 * MIB);
     let _ = fs.flush(attr.ino, h.fh).await;
     fs.release(attr.ino, h.fh).await.unwrap();
+
+    // The same through the FUSE thread's fast path (`dd bs=1M`): the write after the one
+    // that filled the part fails too (before: it took the fast path, and every write after
+    // succeeded, to the staging disk).
+    let (attr, h) = fs
+        .create(ROOT_INO, OsStr::new("log2"), 0o644, 0, libc::O_WRONLY, ME)
+        .await
+        .unwrap();
+    let chunk = vec![7u8; MIB as usize];
+    let mut refused = None;
+    for i in 0..12u64 {
+        let r = match fs.write_now(attr.ino, h.fh, i * MIB, &chunk, false, false) {
+            bucketfs_fs::Now::Done(r) => r,
+            bucketfs_fs::Now::Later(f) => f.await,
+        };
+        if let Err(e) = r {
+            refused = Some((i, e));
+            break;
+        }
+    }
+    assert_eq!(refused, Some((5, FsError(libc::EACCES))));
+    let _ = fs.flush(attr.ino, h.fh).await;
+    fs.release(attr.ino, h.fh).await.unwrap();
 }
 
 /// A truncate whose close failed to store it leaves the file as the store has it: the next
@@ -1135,4 +1158,29 @@ async fn an_early_upload_the_store_removed_is_sent_again_at_close() {
     fs.flush(n.ino, nh.fh).await.unwrap();
     fs.release(n.ino, nh.fh).await.unwrap();
     assert!(object(&mem, "new").await == added);
+
+    // A base of whole parts, copied server-side at close into the gone upload: its copies
+    // say "changed", and the object as pinned tells the upload's loss from a conflict.
+    let base = vec![3u8; 15 * MIB as usize];
+    put(&mem, "big", &base).await;
+    let b = fs.lookup(ROOT_INO, OsStr::new("big")).await.unwrap();
+    let bh = fs.open(b.ino, libc::O_WRONLY).await.unwrap();
+    for (i, c) in added.chunks(MIB as usize).enumerate() {
+        fs.write(
+            b.ino,
+            bh.fh,
+            15 * MIB + i as u64 * MIB,
+            Bytes::copy_from_slice(c),
+        )
+        .await
+        .unwrap();
+    }
+    for u in mem.list_multipart_uploads("").await.unwrap() {
+        mem.abort_multipart(&u.key, &u.upload_id).await.unwrap();
+    }
+    fs.flush(b.ino, bh.fh).await.unwrap();
+    fs.release(b.ino, bh.fh).await.unwrap();
+    let mut want = base;
+    want.extend_from_slice(&added);
+    assert!(object(&mem, "big").await == want);
 }

@@ -180,6 +180,8 @@ impl WriteState {
             }
         }
         self.since_commit = Some(SinceCommit::new(size));
+        // Every byte is committed: an error deferred from shipping one part is over.
+        self.deferred_err = None;
         Ok(())
     }
 
@@ -526,6 +528,8 @@ impl WriteState {
             Ok(etag) => {
                 self.base = Some(Base { etag, size });
                 self.unanswered_tries.clear();
+                // Every byte is stored: an error deferred from shipping one part is over.
+                self.deferred_err = None;
                 self.base_len = size;
                 self.dirty.clear();
                 self.generations.clear();
@@ -671,8 +675,9 @@ impl WriteState {
         .boxed()
     }
 
-    /// One try of [`Self::publish_multipart`]; with `gone_is_retried`, a "not found" that may
-    /// be the early upload's is [`UploadGone`] (nothing logged, the stream left).
+    /// One try of [`Self::publish_multipart`]; with `gone_is_retried`, a "not found" or
+    /// "changed" with the object still as pinned is the early upload's: [`UploadGone`] (the
+    /// stream left).
     async fn publish_multipart_once(
         &mut self,
         size: u64,
@@ -708,7 +713,9 @@ impl WriteState {
                         let stored = self.stream.take().expect("stream").meta;
                         self.settle_meta(stored, etag, size).await
                     }
-                    Err(StoreError::NotFound(e)) if gone_is_retried => {
+                    Err(StoreError::NotFound(e))
+                        if gone_is_retried && self.as_pinned(pin).await =>
+                    {
                         tracing::info!(
                             "{key}: the upload its parts went into early is gone ({e}); \
                              sending them again"
@@ -723,7 +730,10 @@ impl WriteState {
                     }
                 }
             }
-            Err(FsError::ENOENT) if gone_is_retried => {
+            // A part copied from the base into a gone upload says ESTALE (see `send_part`).
+            Err(FsError::ENOENT | FsError::ESTALE)
+                if gone_is_retried && self.as_pinned(pin).await =>
+            {
                 tracing::info!(
                     "{key}: the upload its parts went into early is gone; sending them again"
                 );
@@ -932,6 +942,20 @@ fn write_fills(slot: &mut Slot, fills: Vec<Fill>, mut buf: Option<PoolBuf>) -> s
         }
     }
     Ok(())
+}
+
+impl WriteState {
+    /// Whether the object is still as `pin` says (the ETag pinned to, or none for a new
+    /// file): then a "not found" is the upload's, not the object's. Unpinned, only the
+    /// upload can be missing.
+    async fn as_pinned(&self, pin: Option<&str>) -> bool {
+        let Some(pin) = pin else { return true };
+        match self.store.head(&self.key).await {
+            Ok(o) => pin != IF_ABSENT && o.etag.as_deref().map(norm_etag) == Some(norm_etag(pin)),
+            Err(StoreError::NotFound(_)) => pin == IF_ABSENT,
+            Err(_) => false,
+        }
+    }
 }
 
 /// A publish's multipart upload the store no longer has (see
