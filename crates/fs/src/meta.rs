@@ -165,15 +165,7 @@ impl AttrPolicy {
         meta: &PosixMeta,
         last_modified: Option<SystemTime>,
     ) -> Attr {
-        let default_perm = match kind {
-            FileKind::Dir => self.dir_mode,
-            FileKind::File => self.file_mode,
-            FileKind::Symlink => 0o777,
-        };
-        let perm = meta
-            .mode
-            .map(|m| (m & 0o7777) as u16)
-            .unwrap_or(default_perm);
+        let perm = self.stored_perm(kind, meta);
         let perm = match kind {
             FileKind::Symlink => perm,
             _ => perm & !self.umask,
@@ -190,6 +182,19 @@ impl AttrPolicy {
             atime: meta.atime.unwrap_or(mtime),
             ctime: last_modified.unwrap_or(mtime),
         }
+    }
+
+    /// The permission bits an entry has before `umask`: its stored mode's, else the
+    /// default for its kind. What a change of its metadata stores again.
+    pub fn stored_perm(&self, kind: FileKind, meta: &PosixMeta) -> u16 {
+        let default_perm = match kind {
+            FileKind::Dir => self.dir_mode,
+            FileKind::File => self.file_mode,
+            FileKind::Symlink => 0o777,
+        };
+        meta.mode
+            .map(|m| (m & 0o7777) as u16)
+            .unwrap_or(default_perm)
     }
 
     pub fn attr_of_object(&self, ino: u64, kind: FileKind, obj: &ObjectMeta) -> Attr {

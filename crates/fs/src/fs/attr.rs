@@ -355,7 +355,9 @@ impl Fs {
         let mut pm = PosixMeta::from_user(user);
         let t = self.ns.table();
         let i = t.get(ino).ok_or(FsError::ENOENT)?;
-        pm.mode.get_or_insert(kind.mode_bits() | i.attr.perm as u32);
+        // The default as stored, not as `--umask` shows it.
+        let perm = self.ns.policy.stored_perm(kind, &PosixMeta::default());
+        pm.mode.get_or_insert(kind.mode_bits() | perm as u32);
         pm.uid.get_or_insert(i.attr.uid);
         pm.gid.get_or_insert(i.attr.gid);
         pm.mtime.get_or_insert(i.attr.mtime);
@@ -373,7 +375,11 @@ impl Fs {
         let Some(i) = t.get(ino).filter(|i| i.kind == FileKind::File) else {
             return 0;
         };
-        let perm = i.attr.perm as u32;
+        // As stored, not as `--umask` shows it.
+        let perm = self
+            .ns
+            .policy
+            .stored_perm(i.kind, &PosixMeta::from_user(&i.user)) as u32;
         let mut kill = perm & libc::S_ISUID;
         if perm & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
             kill |= libc::S_ISGID;
@@ -388,7 +394,10 @@ impl Fs {
         if kill == 0 {
             return Ok(());
         }
-        let perm = self.ns.table().get(ino).map_or(0, |i| i.attr.perm as u32);
+        let perm = self.ns.table().get(ino).map_or(0, |i| {
+            let stored = PosixMeta::from_user(&i.user);
+            self.ns.policy.stored_perm(i.kind, &stored) as u32
+        });
         let set = SetAttr {
             mode: Some(perm & !kill),
             ..SetAttr::default()

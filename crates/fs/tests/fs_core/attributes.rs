@@ -831,3 +831,22 @@ async fn a_new_entry_never_replaces_an_object_another_client_made_meanwhile() {
     assert_eq!(a.kind, FileKind::File);
     assert_eq!(a.size, 10);
 }
+
+/// `--umask` changes what is shown, never what is stored: a utimens of an object another
+/// client stored without a mode stores the default mode, not the masked one (before: 0600
+/// at `--umask 077`, for every other mount too), and is shown masked.
+#[tokio::test]
+async fn umask_is_shown_and_never_stored() {
+    let e = crate::support::env_with(MemoryStore::new(), |c| FsConfig { umask: 0o077, ..c });
+    put(&e.mem, "plain", b"x").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("plain")).await.unwrap();
+    assert_eq!(a.perm, 0o644 & !0o077);
+    let set = SetAttr {
+        mtime: Some(std::time::SystemTime::now()),
+        ..Default::default()
+    };
+    let a = e.fs.setattr(a.ino, None, set).await.unwrap();
+    assert_eq!(a.perm, 0o600);
+    let m = e.mem.head("plain").await.unwrap();
+    assert_eq!(m.user["mode"], (libc::S_IFREG | 0o644).to_string());
+}
