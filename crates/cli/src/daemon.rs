@@ -6,6 +6,10 @@
 //! parent says so. The child starts a new session, moves to `/`, builds everything, mounts, and
 //! then reports through [`Readiness`]; after `ok` its stdin/stdout/stderr point at `/dev/null`.
 //! Until then the child still writes to the caller's stderr, so startup notices reach the user.
+//!
+//! Under systemd (a `Type=notify` unit, `bucketfs mount -f`), [`notify_systemd`] says when the
+//! mount is ready, so that `systemctl start` fails when the mount does and units ordered after
+//! it start once it is there.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -105,5 +109,54 @@ fn redirect_stdio_to_null() {
                 libc::dup2(null.as_raw_fd(), fd);
             }
         }
+    }
+}
+
+/// Sends `state` (`READY=1`) to systemd when it started this process as a `Type=notify`
+/// service (`$NOTIFY_SOCKET` set); nothing otherwise.
+pub fn notify_systemd(state: &str) {
+    if let Some(socket) = std::env::var_os("NOTIFY_SOCKET") {
+        if let Err(e) = notify_to(&socket, state) {
+            tracing::warn!("cannot tell systemd {state}: {e}");
+        }
+    }
+}
+
+/// Sends `state` to the notify socket `socket`: a path, or an abstract name (`@name`).
+fn notify_to(socket: &std::ffi::OsStr, state: &str) -> std::io::Result<()> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let sock = UnixDatagram::unbound()?;
+    let name = socket.as_bytes();
+    let addr = match name.strip_prefix(b"@") {
+        Some(abs) => SocketAddr::from_abstract_name(abs)?,
+        None => SocketAddr::from_pathname(std::path::Path::new(socket))?,
+    };
+    sock.send_to_addr(state.as_bytes(), &addr).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn systemd_is_told_at_a_path_and_an_abstract_name() {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr, UnixDatagram};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify");
+        let server = UnixDatagram::bind(&path).unwrap();
+        notify_to(path.as_os_str(), "READY=1").unwrap();
+        let mut buf = [0u8; 64];
+        let n = server.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"READY=1");
+        let name = format!("bucketfs-test-{}", std::process::id());
+        let server =
+            UnixDatagram::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap())
+                .unwrap();
+        notify_to(std::ffi::OsStr::new(&format!("@{name}")), "STOPPING=1").unwrap();
+        let n = server.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"STOPPING=1");
     }
 }

@@ -16,7 +16,9 @@ const MAN_PAGE: &str = include_str!("../../../docs/bucketfs.1.md");
 
 /// `bucketfs@.service`: `systemctl enable --now bucketfs@mnt-data` mounts /mnt/data with the
 /// config file /etc/bucketfs/mnt-data.conf (TOML or ossfs 2.0; it names the bucket). The log
-/// goes to the journal (plain text: stderr is not a terminal).
+/// goes to the journal (plain text: stderr is not a terminal). `Type=notify`: the daemon says
+/// when the mount is ready, so `systemctl start` fails when the mount does (a bad credential,
+/// a missing bucket) and units ordered after it find it mounted.
 const UNIT_TEMPLATE: &str = "\
 [Unit]
 Description=bucketfs mount of %f
@@ -26,7 +28,11 @@ After=network-online.target
 RequiresMountsFor=%f
 
 [Service]
-Type=simple
+Type=notify
+NotifyAccess=main
+# Files a crash left to upload go up before the mount is ready (progress in the journal):
+# that may take longer than systemd's default start timeout.
+TimeoutStartSec=infinity
 ExecStart=@BIN@ mount -f %f -c /etc/bucketfs/%i.conf
 ExecStop=@BIN@ umount --lazy %f
 # Files still open at stop are uploaded at their close; give them time.
