@@ -537,14 +537,21 @@ pub fn s3fs_call(
             "invalid bucket \"{spec}\" (use BUCKET or BUCKET:/PREFIX)"
         ));
     }
-    // As s3fs: a passwd file given is used; the default ones only when no other credentials
-    // are named (keys in a config file, a profile, the AWS_* variables), and one this user
-    // may not read (a root-only /etc/passwd-s3fs) is passed over.
+    // As s3fs: a passwd file given is used; else s3fs's own AWSACCESSKEYID and
+    // AWSSECRETACCESSKEY variables; the default passwd files only when no other credentials
+    // are named (keys in a config file or those variables, a profile, AWS_ACCESS_KEY_ID),
+    // and one this user may not read (a root-only /etc/passwd-s3fs) is passed over.
+    if passwd_file.is_none() && s.access_key_id.is_none() {
+        let var = |v: &str| std::env::var(v).ok().filter(|x| !x.is_empty());
+        if let (Some(ak), Some(sk)) = (var("AWSACCESSKEYID"), var("AWSSECRETACCESSKEY")) {
+            s.access_key_id = Some(ak);
+            s.secret_access_key = Some(sk);
+            s.session_token = s.session_token.take().or_else(|| var("AWSSESSIONTOKEN"));
+        }
+    }
     let named = s.access_key_id.is_some()
         || s.profile.is_some()
-        || ["AWS_ACCESS_KEY_ID", "AWSACCESSKEYID"]
-            .iter()
-            .any(|v| std::env::var_os(v).is_some());
+        || std::env::var_os("AWS_ACCESS_KEY_ID").is_some();
     let file = match passwd_file {
         Some(p) => Some((p, true)),
         None if !named => default_passwd_file(flavor, home).map(|p| (p, false)),

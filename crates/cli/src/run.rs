@@ -68,7 +68,11 @@ pub fn run(args: &MountArgs) -> i32 {
             }
         }
     };
-    serve(plan, readiness)
+    let code = serve(plan, readiness);
+    // Its last lines (why it stopped, what was not stored) are in the log's queue; every
+    // caller (the s3fs and ossfs command lines too) exits next.
+    logging::flush(LOG_FLUSH);
+    code
 }
 
 fn plan(args: &MountArgs) -> Result<Plan, String> {
@@ -549,12 +553,23 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
         match bucketfs_fuse::mount(fs.clone(), rt.handle().clone(), &plan.mountpoint, &opts) {
             Ok(h) => h,
             Err(e) => {
-                let hint = if e.raw_os_error() == Some(libc::EPERM)
-                    || e.to_string().contains("allow_other")
-                {
-                    " (non-root users need user_allow_other in /etc/fuse.conf for --allow-other)"
+                let shared = if s.allow_other {
+                    Some("--allow-other")
+                } else if s.allow_root {
+                    Some("--allow-root")
                 } else {
-                    ""
+                    None
+                };
+                let hint = match shared {
+                    Some(opt)
+                        if e.raw_os_error() == Some(libc::EPERM)
+                            || e.to_string().contains("allow_other") =>
+                    {
+                        format!(
+                            " (non-root users need user_allow_other in /etc/fuse.conf for {opt})"
+                        )
+                    }
+                    _ => String::new(),
                 };
                 return report_failure(
                     readiness,
@@ -575,6 +590,7 @@ fn serve(plan: Plan, readiness: Option<Readiness>) -> i32 {
     if let Some(r) = readiness {
         r.ready();
     }
+    daemon::notify_systemd("READY=1");
     let code = rt.block_on(wait_and_shutdown(&fs, handle, &journal));
     log_metrics(&metrics, &retry_metrics);
     let Some(Left {

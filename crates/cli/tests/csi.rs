@@ -540,7 +540,15 @@ fn csi_a_remount_that_fails_is_tried_again_until_it_works() {
     // found the target not empty, for good).
     let e = fs::write(target.join("local.txt"), "lost").unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    // The kubelet publishing again meanwhile is not told the fence is someone else's mount.
+    let mut again = publish_request(&vol, &target, &ctx, false);
+    again.secrets.insert("endpoint".into(), proxy.endpoint());
+    let e = c.publish(again.clone()).unwrap_err();
+    assert_ne!(e.code(), tonic::Code::AlreadyExists, "{e}");
     proxy.fail_requests("", 0);
+    // Published again (a failed publish forgets the record the background remount uses).
+    c.publish(again)
+        .expect("NodePublishVolume once the store answers");
     wait_for(
         "the target to be mounted again",
         Duration::from_secs(120),

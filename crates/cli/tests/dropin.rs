@@ -257,6 +257,31 @@ fn s3fs_link_with_a_plain_passwd_file() {
     assert_eq!(s3().get(&bucket, "x").unwrap(), b"x");
 }
 
+/// s3fs's own credential variables, `AWSACCESSKEYID` and `AWSSECRETACCESSKEY`, are used
+/// when no passwd file is given (before: they only kept the default passwd file from being
+/// read, and the mount went to the SDK chain with neither).
+#[test]
+fn s3fs_credential_variables_are_used() {
+    let bucket = s3().new_bucket("dropin-s3fs-vars");
+    let e = env();
+    let mut m = spec(
+        None,
+        &["s3fs"],
+        &bucket,
+        &[
+            "-o".into(),
+            format!("url={},use_path_request_style", e.endpoint),
+            "-f".into(),
+        ],
+    );
+    m.envs.push(("AWSACCESSKEYID".into(), e.access_key.clone()));
+    m.envs
+        .push(("AWSSECRETACCESSKEY".into(), e.secret_key.clone()));
+    let m = m.mount();
+    write_file(&m.join("x"), b"via s3fs variables");
+    assert_eq!(s3().get(&bucket, "x").unwrap(), b"via s3fs variables");
+}
+
 /// As s3fs does, a passwd file others (or its group) may read is refused with one line that
 /// says how to fix it and shows no secret; nothing is mounted.
 #[test]
@@ -493,6 +518,32 @@ fn install_lays_out_the_system_files_in_a_temp_root() {
         unit.contains("\nExecStart=/usr/local/bin/bucketfs mount -f %f -c /etc/bucketfs/%i.conf\n"),
         "{unit}"
     );
+    // systemd learns when the mount is ready (see the next test): before, `Type=simple`
+    // reported the unit started before the mount was there, and failed or not.
+    assert!(unit.contains("\nType=notify\n"), "{unit}");
+}
+
+/// A mount started by systemd as a `Type=notify` service says `READY=1` on `$NOTIFY_SOCKET`
+/// once the mount is there, and only then.
+#[test]
+fn a_foreground_mount_tells_systemd_when_it_is_ready() {
+    use std::os::unix::net::UnixDatagram;
+    let bucket = s3().new_bucket("notify");
+    s3().put(&bucket, "f", b"here".to_vec());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("notify");
+    let server = UnixDatagram::bind(&path).unwrap();
+    server
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut spec = MountSpec::s3(&bucket, "");
+    spec.envs
+        .push(("NOTIFY_SOCKET".into(), path.display().to_string()));
+    let m = spec.mount();
+    let mut buf = [0u8; 64];
+    let n = server.recv(&mut buf).expect("READY=1 within 60 s");
+    assert_eq!(&buf[..n], b"READY=1");
+    assert_eq!(fs::read(m.join("f")).unwrap(), b"here");
 }
 
 /// Runs `cmd` as mount(8) runs a helper for an fstab line: `path_dir` first on PATH, the test

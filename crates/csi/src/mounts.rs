@@ -89,6 +89,9 @@ pub struct Mounts {
 struct Remount {
     /// The dead file system the pods' binds still show, for when the remount works.
     dead: Option<crate::repair::Dead>,
+    /// The fence standing in meanwhile (see [`fence`]), which containers restarted since
+    /// show: their binds get the new mount too.
+    fence: Option<crate::repair::Dead>,
     failures: u32,
     next: Instant,
 }
@@ -382,7 +385,15 @@ impl Mounts {
         let lock = self.lock_of(&want.target);
         let _g = lock.lock().await;
         let target = want.target.clone();
-        let fstype = mounted_fstype(&target);
+        let top = mount_at(&target);
+        // A fence (a remount still to do) stands for no mount: the daemon stacks over it,
+        // and the binds of it that containers restarted meanwhile get the new mount.
+        let fenced = top
+            .as_ref()
+            .is_some_and(MountEntry::is_fence)
+            .then(|| crate::repair::Dead::hold(&target))
+            .flatten();
+        let fstype = top.filter(|m| !m.is_fence()).map(|m| m.fstype);
         // The file system of a dead daemon this publish replaces.
         let mut dead = None;
         if let Some(have) = self.load(&target) {
@@ -431,7 +442,7 @@ impl Mounts {
             // No credentials file (nor record) outlives a publish that failed anywhere.
             self.forget(&target);
         } else {
-            if let Some(d) = dead {
+            for d in [dead, fenced].into_iter().flatten() {
                 crate::repair::repair_binds(d, target.clone());
             }
             // An unpublish given up on before this publish starts its deadline afresh.
@@ -778,18 +789,26 @@ impl Mounts {
         );
         // The file system the pods' binds show: the one at the target now, else the one an
         // earlier try detached.
+        let (earlier_dead, earlier_fence) = earlier.map_or((None, None), |e| (e.dead, e.fence));
         let dead = dead_mounted
             .then(|| crate::repair::Dead::hold(&r.target))
             .flatten()
-            .or_else(|| earlier.and_then(|e| e.dead));
+            .or(earlier_dead);
         if dead_mounted {
             detach(&r.target);
         }
         fence(&r.target);
+        let fence = earlier_fence.or_else(|| {
+            mount_at(&r.target)
+                .is_some_and(|m| m.is_fence())
+                .then(|| crate::repair::Dead::hold(&r.target))
+                .flatten()
+        });
         match self.start(r.clone(), OnFailure::Keep).await {
             Ok(()) => {
-                if let Some(d) = dead {
-                    // Pods' binds of the dead mount get the new one.
+                // Pods' binds of the dead mount, and of the fence (containers restarted
+                // meanwhile), get the new one.
+                for d in [dead, fence].into_iter().flatten() {
                     crate::repair::repair_binds(d, r.target.clone());
                 }
             }
@@ -804,6 +823,7 @@ impl Mounts {
                     r.target.clone(),
                     Remount {
                         dead,
+                        fence,
                         failures: failures + 1,
                         next: Instant::now() + wait,
                     },

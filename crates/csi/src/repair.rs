@@ -134,6 +134,10 @@ fn replace_dead_binds(dead: &Dead, target: &Path) -> usize {
                 continue;
             }
             let (root, point) = (crate::mounts::unescape(f[3]), crate::mounts::unescape(f[4]));
+            if Path::new(&point) == target {
+                // The target itself as the host sees it: a fence the new mount stacks on.
+                continue;
+            }
             let why_not = if root != "/" {
                 Some("it is a bind of a subdirectory (subPath)")
             } else if lines.iter().any(|c| c.len() > 1 && c[1] == f[0]) {
