@@ -692,7 +692,8 @@ impl WriteState {
         if let Err(e) = self.start_stream(pin).await {
             return Ok(Err(e));
         }
-        let gone_is_retried = gone_is_retried && self.uploaded_only.is_empty();
+        // Bytes only that upload held cannot be sent again.
+        let resend = self.uploaded_only.is_empty();
         Ok(match self.send_parts(&parts).await {
             Ok(completed) => {
                 let stream = self.stream.as_mut().expect("stream");
@@ -716,11 +717,7 @@ impl WriteState {
                     Err(StoreError::NotFound(e))
                         if gone_is_retried && self.as_pinned(pin).await =>
                     {
-                        tracing::info!(
-                            "{key}: the upload its parts went into early is gone ({e}); \
-                             sending them again"
-                        );
-                        return Err(UploadGone);
+                        return self.upload_gone(&e.to_string(), resend).await;
                     }
                     Err(e) => {
                         let what = format!("complete upload of {key}");
@@ -734,10 +731,7 @@ impl WriteState {
             Err(FsError::ENOENT | FsError::ESTALE)
                 if gone_is_retried && self.as_pinned(pin).await =>
             {
-                tracing::info!(
-                    "{key}: the upload its parts went into early is gone; sending them again"
-                );
-                return Err(UploadGone);
+                return self.upload_gone("a part was refused", resend).await;
             }
             Err(e) => {
                 self.drop_failed_stream(e).await;
@@ -945,6 +939,29 @@ fn write_fills(slot: &mut Slot, fills: Vec<Fill>, mut buf: Option<PoolBuf>) -> s
 }
 
 impl WriteState {
+    /// The upload the parts went into early is gone (`why`): sent again (`resend`), else
+    /// `EIO`, the bytes only it held lost (no other client is involved: not `ESTALE`).
+    async fn upload_gone(
+        &mut self,
+        why: &str,
+        resend: bool,
+    ) -> Result<FsResult<String>, UploadGone> {
+        if resend {
+            tracing::info!(
+                "{}: the upload its parts went into early is gone ({why}); sending them again",
+                self.key
+            );
+            return Err(UploadGone);
+        }
+        tracing::error!(
+            "{}: the upload its parts went into early is gone ({why}), with bytes only it held \
+             (no staging copy); the file cannot be stored (EIO)",
+            self.key
+        );
+        self.abort_stream().await;
+        Ok(Err(FsError::EIO))
+    }
+
     /// Whether the object is still as `pin` says (the ETag pinned to, or none for a new
     /// file): then a "not found" is the upload's, not the object's. Unpinned, only the
     /// upload can be missing.
