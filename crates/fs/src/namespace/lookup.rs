@@ -630,22 +630,10 @@ impl Lookups {
                 return true;
             }
             k.fed = true;
-            // A file whose `name/` would sort past the page's end may be a directory's
-            // shadow on a later page ("a directory wins"): left to its own lookup.
-            let end = k.page.next_continuation.as_ref().map(|_| {
-                let last_object = k.page.objects.last().map(|o| o.key.as_str());
-                let last_prefix = k.page.common_prefixes.last().map(String::as_str);
-                last_object.max(last_prefix).unwrap_or_default().to_string()
-            });
-            let plen = dir_key.len();
-            let entries: Vec<(MountPath, Found)> = page_entries(&k.page, plen, path.is_root())
-                .filter(|(name, found)| {
-                    let Some(end) = &end else { return true };
-                    found.kind == FileKind::Dir
-                        || format!("{}{name}/", &dir_key[..]).as_str() <= end.as_str()
-                })
-                .map(|(name, found)| (path.join(name), found))
-                .collect();
+            let entries: Vec<(MountPath, Found)> =
+                page_entries(&k.page, dir_key.len(), path.is_root())
+                    .map(|(name, found)| (path.join(name), found))
+                    .collect();
             (entries, k.epoch, k.at, k.saved)
         };
         // Not counted as listed files: the listing that usually follows counts them, and

@@ -1588,20 +1588,3 @@ async fn rewinddir_lists_the_directory_as_it_is_now() {
     e.fs.releasedir(d.ino, fh);
     assert_eq!(again, [".", "..", "new", "stays"]);
 }
-
-/// A file and a directory of one name, the directory's prefix on the second LIST page (the
-/// file's 999 `x-NNN` neighbours sort before `x/`): the directory wins, also when the lookup
-/// of the parent kept its first page and fed the names on it (before: `x` was taken from it
-/// for a file, and `cd d/x` failed with ENOTDIR).
-#[tokio::test]
-async fn a_directory_on_a_later_page_wins_over_a_file_the_first_page_shows() {
-    let e = env();
-    put(&e.mem, "d/x", b"file").await;
-    for i in 0..999 {
-        put(&e.mem, &format!("d/x-{i:03}"), b"").await;
-    }
-    put(&e.mem, "d/x/y", b"below").await;
-    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
-    let x = e.fs.lookup(d.ino, OsStr::new("x")).await.unwrap();
-    assert_eq!(x.kind, FileKind::Dir);
-}
