@@ -258,7 +258,7 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
     ),
     (
         "umask",
-        Translated("umask = umask, file_mode = 0666 & !umask, dir_mode = 0777 & !umask"),
+        Translated("umask = umask, file_mode = 0666, dir_mode = 0777"),
     ),
     ("nomultipart", Notice(STREAMS)),
     ("streamupload", Notice(STREAMS)),
@@ -665,9 +665,10 @@ fn apply_s3fs(
                 }
                 "umask" => {
                     let mask = crate::config::parse_mode(&need(&value)?).map_err(ctx)?;
-                    s.file_mode = 0o666 & !mask;
-                    s.dir_mode = 0o777 & !mask;
-                    // As s3fs: every object's mode, not only the defaults.
+                    // As s3fs: every object's mode is shown masked, the defaults included;
+                    // what is stored (a mode filled in for an object without one) is not.
+                    s.file_mode = 0o666;
+                    s.dir_mode = 0o777;
                     s.umask = mask;
                 }
                 "dbglevel" => {
@@ -806,7 +807,7 @@ mod tests {
         assert_eq!(s.endpoint_url.as_deref(), Some("http://h:9000"));
         assert!(s.force_path_style && s.allow_other && s.foreground);
         assert_eq!((s.uid, s.gid), (Some(1000), Some(1001)));
-        assert_eq!((s.file_mode, s.dir_mode), (0o644, 0o755));
+        assert_eq!((s.file_mode, s.dir_mode, s.umask), (0o666, 0o777, 0o022));
         assert_eq!(s.part_size, 16 << 20);
         assert_eq!(s.upload_concurrency, 4);
         assert_eq!(s.access_key_id.as_deref(), Some("AK2"));

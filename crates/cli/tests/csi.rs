@@ -546,14 +546,14 @@ fn csi_a_remount_that_fails_is_tried_again_until_it_works() {
     let e = c.publish(again.clone()).unwrap_err();
     assert_ne!(e.code(), tonic::Code::AlreadyExists, "{e}");
     proxy.fail_requests("", 0);
-    // Published again (a failed publish forgets the record the background remount uses).
-    c.publish(again)
-        .expect("NodePublishVolume once the store answers");
+    // The failed publish left the remount going on: it mounts the target again by itself.
     wait_for(
         "the target to be mounted again",
         Duration::from_secs(120),
         || fuse_mounted(&target) && fs::read_dir(&target).is_ok(),
     );
+    c.publish(again)
+        .expect("NodePublishVolume of the mounted target");
     assert_eq!(
         fs::read_to_string(target.join("before.txt")).unwrap(),
         "before"

@@ -394,6 +394,11 @@ impl Mounts {
             .then(|| crate::repair::Dead::hold(&target))
             .flatten();
         let fstype = top.filter(|m| !m.is_fence()).map(|m| m.fstype);
+        // The remount under way there (its dead mount, which pods' binds still show, and its
+        // fence): this publish does it, and leaves it to go on if it fails too.
+        let pending = fenced
+            .as_ref()
+            .and_then(|_| self.remount_lock().remove(&target));
         // The file system of a dead daemon this publish replaces.
         let mut dead = None;
         if let Some(have) = self.load(&target) {
@@ -434,15 +439,35 @@ impl Mounts {
             has_credentials: !creds.is_empty(),
             ..want
         };
+        let on_failure = match pending {
+            Some(_) => OnFailure::Keep,
+            None => OnFailure::Forget,
+        };
         let r = match self.write_credentials(&target, creds) {
-            Ok(()) => self.start(this, OnFailure::Forget).await,
+            Ok(()) => self.start(this, on_failure).await,
             Err(e) => Err(MountError::Internal(e)),
         };
         if r.is_err() {
-            // No credentials file (nor record) outlives a publish that failed anywhere.
-            self.forget(&target);
+            match pending {
+                // The remount goes on trying, as before this publish.
+                Some(p) => {
+                    self.remount_lock().insert(
+                        target.clone(),
+                        Remount {
+                            fence: p.fence.or(fenced),
+                            ..p
+                        },
+                    );
+                }
+                // No credentials file (nor record) outlives a publish that failed anywhere.
+                None => self.forget(&target),
+            }
         } else {
-            for d in [dead, fenced].into_iter().flatten() {
+            let (pending_dead, pending_fence) = pending.map_or((None, None), |p| (p.dead, p.fence));
+            for d in [dead, fenced, pending_dead, pending_fence]
+                .into_iter()
+                .flatten()
+            {
                 crate::repair::repair_binds(d, target.clone());
             }
             // An unpublish given up on before this publish starts its deadline afresh.

@@ -692,8 +692,6 @@ impl WriteState {
         if let Err(e) = self.start_stream(pin).await {
             return Ok(Err(e));
         }
-        // Bytes only that upload held cannot be sent again.
-        let resend = self.uploaded_only.is_empty();
         Ok(match self.send_parts(&parts).await {
             Ok(completed) => {
                 let stream = self.stream.as_mut().expect("stream");
@@ -714,10 +712,21 @@ impl WriteState {
                         let stored = self.stream.take().expect("stream").meta;
                         self.settle_meta(stored, etag, size).await
                     }
-                    Err(StoreError::NotFound(e))
-                        if gone_is_retried && self.as_pinned(pin).await =>
-                    {
-                        return self.upload_gone(&e.to_string(), resend).await;
+                    Err(StoreError::NotFound(e)) if gone_is_retried => {
+                        match self.as_pinned(pin).await {
+                            Ok(true) => return self.upload_gone(&e.to_string()).await,
+                            Ok(false) => {
+                                let what = format!("complete upload of {key}");
+                                let e = self.publish_err(&what, StoreError::NotFound(e), pin);
+                                self.drop_failed_stream(e).await;
+                                Err(e)
+                            }
+                            // Not known to be another client's: no conflict.
+                            Err(e) => {
+                                self.drop_failed_stream(e).await;
+                                Err(e)
+                            }
+                        }
                     }
                     Err(e) => {
                         let what = format!("complete upload of {key}");
@@ -728,10 +737,15 @@ impl WriteState {
                 }
             }
             // A part copied from the base into a gone upload says ESTALE (see `send_part`).
-            Err(FsError::ENOENT | FsError::ESTALE)
-                if gone_is_retried && self.as_pinned(pin).await =>
-            {
-                return self.upload_gone("a part was refused", resend).await;
+            Err(e @ (FsError::ENOENT | FsError::ESTALE)) if gone_is_retried => {
+                let e = match self.as_pinned(pin).await {
+                    Ok(true) => return self.upload_gone("a part was refused").await,
+                    Ok(false) => e,
+                    // Not known to be another client's: no conflict.
+                    Err(unknown) => unknown,
+                };
+                self.drop_failed_stream(e).await;
+                Err(e)
             }
             Err(e) => {
                 self.drop_failed_stream(e).await;
@@ -939,14 +953,12 @@ fn write_fills(slot: &mut Slot, fills: Vec<Fill>, mut buf: Option<PoolBuf>) -> s
 }
 
 impl WriteState {
-    /// The upload the parts went into early is gone (`why`): sent again (`resend`), else
-    /// `EIO`, the bytes only it held lost (no other client is involved: not `ESTALE`).
-    async fn upload_gone(
-        &mut self,
-        why: &str,
-        resend: bool,
-    ) -> Result<FsResult<String>, UploadGone> {
-        if resend {
+    /// The upload the parts went into early is gone (`why`): sent again when every byte is
+    /// here, else `EIO`, the bytes only it held lost (no other client is involved: not
+    /// `ESTALE`).
+    async fn upload_gone(&mut self, why: &str) -> Result<FsResult<String>, UploadGone> {
+        // Read now: settling the parts may have staged what the upload gave back.
+        if self.uploaded_only.is_empty() {
             tracing::info!(
                 "{}: the upload its parts went into early is gone ({why}); sending them again",
                 self.key
@@ -964,13 +976,15 @@ impl WriteState {
 
     /// Whether the object is still as `pin` says (the ETag pinned to, or none for a new
     /// file): then a "not found" is the upload's, not the object's. Unpinned, only the
-    /// upload can be missing.
-    async fn as_pinned(&self, pin: Option<&str>) -> bool {
-        let Some(pin) = pin else { return true };
+    /// upload can be missing. An error: not known (the HEAD failed).
+    async fn as_pinned(&self, pin: Option<&str>) -> FsResult<bool> {
+        let Some(pin) = pin else { return Ok(true) };
         match self.store.head(&self.key).await {
-            Ok(o) => pin != IF_ABSENT && o.etag.as_deref().map(norm_etag) == Some(norm_etag(pin)),
-            Err(StoreError::NotFound(_)) => pin == IF_ABSENT,
-            Err(_) => false,
+            Ok(o) => {
+                Ok(pin != IF_ABSENT && o.etag.as_deref().map(norm_etag) == Some(norm_etag(pin)))
+            }
+            Err(StoreError::NotFound(_)) => Ok(pin == IF_ABSENT),
+            Err(e) => Err(log_store_err(&format!("stat {}", self.key), e)),
         }
     }
 }
