@@ -74,8 +74,6 @@ pub const ATTEMPT_BASE: Duration = Duration::from_secs(30);
 /// The slowest transfer rate an attempt with a body is allowed before it counts as hung
 /// (it is then retried): 8 MiB parts get 30 s + 8 s, 1 GiB parts 30 s + 17 min.
 pub const MIN_RATE: u64 = 1024 * 1024;
-/// Longest wait for the first bytes of an answer on an open connection.
-pub const READ_TIMEOUT: Duration = Duration::from_secs(60);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long one attempt that moves `bytes` of body may take.
@@ -83,10 +81,14 @@ pub fn attempt_timeout(bytes: u64) -> Duration {
     ATTEMPT_BASE + Duration::from_secs_f64(bytes as f64 / MIN_RATE as f64)
 }
 
+/// No read timeout: the SDK's runs from the request's start to the answer's head, which S3
+/// sends once it has the whole body (or the copy is done), so it would cut every upload and
+/// copy at its length however fast bytes move; the attempt limit and the stall bound of
+/// [`crate::retry`] bound those instead.
 fn timeouts(attempt: Duration) -> aws_sdk_s3::config::timeout::TimeoutConfig {
     aws_sdk_s3::config::timeout::TimeoutConfig::builder()
         .connect_timeout(CONNECT_TIMEOUT)
-        .read_timeout(READ_TIMEOUT)
+        .disable_read_timeout()
         .operation_attempt_timeout(attempt)
         .build()
 }
@@ -1025,10 +1027,33 @@ impl S3Store {
                     )));
                 }
             }
+            // A store (or proxy) that ignores Range sends the object from its start (bytes of
+            // another offset) and as much of it as it likes (a daemon buffering it runs out
+            // of memory): the bytes must start where asked and stop at the range's end.
+            let starts_at = out
+                .content_range()
+                .and_then(|r| r.strip_prefix("bytes "))
+                .and_then(|r| r.split_once('-'))
+                .and_then(|(from, _)| from.parse::<u64>().ok())
+                .unwrap_or(0);
+            if starts_at != range.start {
+                return Err(StoreError::Other(format!(
+                    "{key}: asked for bytes from {}, the store sent them from {starts_at} (it \
+                     ignores Range)",
+                    range.start
+                )));
+            }
+            let (want, mut got) = (range.end - range.start, 0u64);
             let mut body = out.body;
             while let Some(frame) = body.next().await {
                 let frame = frame
                     .map_err(|e| StoreError::Transient(format!("{key}: reading body: {e}")))?;
+                got += frame.len() as u64;
+                if got > want {
+                    return Err(StoreError::Other(format!(
+                        "{key}: asked for {want} bytes, the store sent more (it ignores Range)"
+                    )));
+                }
                 sink(&frame)?;
             }
             Ok(())
@@ -1315,8 +1340,8 @@ impl ObjectStore for S3Store {
                 .bucket(&self.bucket)
                 .prefix(prefix)
                 .encoding_type(EncodingType::Url)
-                .set_key_marker(key_marker.take())
-                .set_upload_id_marker(id_marker.take())
+                .set_key_marker(key_marker.clone())
+                .set_upload_id_marker(id_marker.clone())
                 .customize()
                 .interceptor(SanitizeListing)
                 .send()
@@ -1343,11 +1368,20 @@ impl ObjectStore for S3Store {
             if page.is_truncated() != Some(true) {
                 return Ok(out);
             }
-            key_marker = page.next_key_marker().and_then(dec);
-            id_marker = page.next_upload_id_marker().map(str::to_string);
-            if key_marker.is_none() {
+            let next = (
+                page.next_key_marker().and_then(dec),
+                page.next_upload_id_marker().map(str::to_string),
+            );
+            if next.0.is_none() {
                 return Ok(out);
             }
+            if next == (key_marker, id_marker) {
+                // Going on from it would read the same page for ever.
+                return Err(StoreError::Other(format!(
+                    "uploads under {prefix:?}: the store answered a marker with itself"
+                )));
+            }
+            (key_marker, id_marker) = next;
         }
     }
 
@@ -1466,7 +1500,7 @@ impl ObjectStore for S3Store {
                 .prefix(prefix)
                 .set_delimiter(delimiter.map(str::to_string))
                 .set_start_after(start_after)
-                .set_continuation_token(token)
+                .set_continuation_token(token.clone())
                 .max_keys(max_keys.min(1000) as i32),
             detail,
         );
@@ -1474,6 +1508,12 @@ impl ObjectStore for S3Store {
             .send()
             .await
             .map_err(|e| map_err(&format!("list {prefix:?}"), e))?;
+        if out.is_truncated() == Some(true) && out.next_continuation_token() == token.as_deref() {
+            // Going on from it would read the same page for ever.
+            return Err(StoreError::Other(format!(
+                "list {prefix:?}: the store answered a continuation token with itself"
+            )));
+        }
         // The user metadata of each `<Contents>`, in the same order as the SDK's entries.
         let mut metas = match capture.map(|c| c.take()) {
             Some(c) => {
@@ -1886,6 +1926,89 @@ mod tests {
                 &store.get_range("k", 0..4, want).await.unwrap()[..],
                 b"abcd"
             );
+        }
+    }
+
+    /// A store (or proxy) that ignores Range answers 200 with the whole object: its bytes
+    /// start at 0, not where asked, and are more than asked. Refused, never handed on (before:
+    /// a read at 100 got the object's first bytes, and a huge object was buffered whole).
+    #[tokio::test]
+    async fn a_get_whose_range_is_ignored_fails() {
+        let mut answer = b"HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 1000\r\n\r\n".to_vec();
+        answer.extend((0..1000u32).map(|i| (i % 251) as u8));
+        let store = plain_store(fixed_answer(answer)).await;
+        for range in [100..110, 0..10] {
+            let e = store.get_range("k", range.clone(), None).await.unwrap_err();
+            assert!(matches!(e, StoreError::Other(_)), "{range:?}: {e:?}");
+            let mut dst = [0u8; 10];
+            let e = store
+                .get_range_into("k", range.clone(), None, &mut dst)
+                .await
+                .unwrap_err();
+            assert!(matches!(e, StoreError::Other(_)), "{range:?}: {e:?}");
+        }
+        // The whole object asked for: its bytes.
+        assert_eq!(
+            store.get_range("k", 0..1000, None).await.unwrap().len(),
+            1000
+        );
+    }
+
+    /// A LIST answered with the continuation token it was given (a gateway's bug) would be
+    /// read again for ever (`ls` hung, and a rename of the directory with it): an error.
+    #[tokio::test]
+    async fn a_list_that_answers_a_token_with_itself_fails() {
+        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><ListBucketResult><Name>b</Name>\
+            <Prefix>d/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>true\
+            </IsTruncated><NextContinuationToken>t1</NextContinuationToken><Contents><Key>d/a\
+            </Key><Size>1</Size></Contents></ListBucketResult>";
+        let store = plain_store(fixed_server(body.as_bytes())).await;
+        let first = store
+            .list("d/", Some("/"), ListFrom::Start, 1000, ListDetail::Plain)
+            .await
+            .unwrap();
+        assert_eq!(first.next_continuation.as_deref(), Some("t1"));
+        let again = store.list(
+            "d/",
+            Some("/"),
+            ListFrom::Token("t1".into()),
+            1000,
+            ListDetail::Plain,
+        );
+        let e = tokio::time::timeout(Duration::from_secs(10), again)
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(matches!(e, StoreError::Other(_)), "{e:?}");
+        // The same for the multipart uploads a start recovers (before: a loop that never
+        // ended, growing its list).
+        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><ListMultipartUploadsResult>\
+            <Bucket>b</Bucket><KeyMarker>a</KeyMarker><UploadIdMarker>u</UploadIdMarker>\
+            <NextKeyMarker>a</NextKeyMarker><NextUploadIdMarker>u</NextUploadIdMarker>\
+            <IsTruncated>true</IsTruncated><Upload><Key>a</Key><UploadId>u</UploadId></Upload>\
+            </ListMultipartUploadsResult>";
+        let store = plain_store(fixed_server(body.as_bytes())).await;
+        let uploads = store.list_multipart_uploads("");
+        let e = tokio::time::timeout(Duration::from_secs(10), uploads)
+            .await
+            .expect("a loop that never ends")
+            .unwrap_err();
+        assert!(matches!(e, StoreError::Other(_)), "{e:?}");
+    }
+
+    /// No request has a read timeout: the SDK's runs to the answer's head, which S3 sends
+    /// after the whole body or copy, so it cut any upload or copy longer than it (60 s: a
+    /// 64 MiB part under 1.1 MiB/s, a multi-GiB copy on MinIO) whatever its attempt limit.
+    #[test]
+    fn no_request_has_a_read_timeout() {
+        for attempt in [
+            ATTEMPT_BASE,
+            attempt_timeout(1 << 30),
+            Duration::from_secs(600),
+        ] {
+            let t = timeouts(attempt);
+            assert_eq!(t.read_timeout(), None, "{attempt:?}");
+            assert_eq!(t.operation_attempt_timeout(), Some(attempt));
         }
     }
 
