@@ -1,8 +1,8 @@
 //! Directories: listings streamed page by page to readdir, the listing each complete pass
 //! leaves for negative lookups and statahead, and what a cached listing says about a name.
 
-use super::inode::DirListing;
-use super::lookup::{page_entries, Found, LIST_PAGE};
+use super::inode::{DirListing, InodeTable};
+use super::lookup::{dir_shadow_to_come, page_end, page_entries, Found, LIST_PAGE};
 use super::Namespace;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::meta::{Attr, FileKind, Ino, PosixMeta};
@@ -11,7 +11,7 @@ use bucketfs_store::{ListDetail, ListFrom, ObjectMeta};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One directory entry as `readdir` returns it.
 #[derive(Debug, Clone)]
@@ -103,14 +103,38 @@ pub struct DirStream {
     /// When the LIST of its first page was sent (earlier than `started` for a page a lookup
     /// kept).
     listed_at: Option<Instant>,
-    /// Positions and names of the entries that are not directories as far as the pages read
-    /// say, but that a later page may show to be (see [`DirStream::settled`]).
-    unsettled: Vec<(usize, String)>,
+    /// The entries that are not directories as far as the pages read say, but that a later
+    /// page may show to be (see [`DirStream::settled`]).
+    unsettled: Vec<Unsettled>,
     /// The last key the pages read so far (less the prefix), where the listing goes on
     /// should the directory move (see [`DirStream::moved`]).
     last_read: String,
     /// A readdir was answered: one from offset 0 again is a `rewinddir`.
     served: bool,
+}
+
+/// The listing of directory `dir` while it is fresh, to note a change made here in. A stale
+/// one forgets what it noted: nothing reads that, and a directory listed once and written to
+/// for days (temporary names made and renamed) grew it for ever.
+fn fresh_listing(t: &mut InodeTable, dir: Ino, ttl: Duration) -> Option<&mut DirListing> {
+    let l = t.get_mut(dir)?.listing.as_mut()?;
+    if l.at.elapsed() < ttl {
+        return Some(l);
+    }
+    l.added = HashSet::new();
+    l.removed = HashSet::new();
+    None
+}
+
+/// A file of a listing that a later page may show to be a directory.
+struct Unsettled {
+    /// Its position in [`DirStream::entries`].
+    pos: usize,
+    name: String,
+    /// What its page showed, with that page's epoch and time.
+    found: Found,
+    epoch: u64,
+    at: Instant,
 }
 
 impl DirStream {
@@ -155,15 +179,13 @@ impl DirStream {
         self.prefix = prefix;
     }
 
-    /// How many entries may be handed out. An object `x` and keys below `x/` may both exist
-    /// (not on MinIO; on AWS S3), and the directory wins; keys such as `x-1` sort between
-    /// them, so `x/` can come a page after `x`. A file whose directory would sort after the
-    /// last key read waits for the next page, and so does what follows it (offsets are
-    /// positions).
+    /// How many entries may be handed out. A file whose directory would sort after the last
+    /// key read ([`dir_shadow_to_come`]) waits for the next page, and so does what follows it
+    /// (offsets are positions).
     fn settled(&self) -> usize {
         self.unsettled
             .iter()
-            .map(|(i, _)| *i)
+            .map(|u| u.pos)
             .min()
             .unwrap_or(self.entries.len())
     }
@@ -231,12 +253,7 @@ impl Namespace {
     /// so does a listing whose LIST was sent before now: see [`Self::added_since`]).
     pub fn note_added(&self, parent: Ino, name: &str) {
         self.note_change(parent, name, true);
-        if let Some(l) = self
-            .table
-            .lock()
-            .get_mut(parent)
-            .and_then(|p| p.listing.as_mut())
-        {
+        if let Some(l) = fresh_listing(&mut self.table.lock(), parent, self.ttl) {
             l.removed.remove(name);
             l.added.insert(name.to_string());
         }
@@ -247,12 +264,7 @@ impl Namespace {
     pub fn note_removed(&self, parent: Ino, path: &MountPath) {
         let name = path.as_str().rsplit('/').next().unwrap_or_default();
         self.note_change(parent, name, false);
-        if let Some(l) = self
-            .table
-            .lock()
-            .get_mut(parent)
-            .and_then(|p| p.listing.as_mut())
-        {
+        if let Some(l) = fresh_listing(&mut self.table.lock(), parent, self.ttl) {
             l.added.remove(name);
             l.removed.insert(name.to_string());
         }
@@ -507,22 +519,17 @@ impl Namespace {
         };
         st.listed_at.get_or_insert(at);
         let at_root = st.path.is_root();
-        // The last key this page read: a directory sorting after it is still to come.
-        let last = match page.next_continuation {
-            None => None,
-            Some(_) => [
-                page.objects.last().map(|o| o.key.as_str()),
-                page.common_prefixes.last().map(String::as_str),
-            ]
-            .into_iter()
-            .flatten()
-            .max()
-            .map(str::to_string),
-        };
+        // The last key this page read: a directory sorting after it is still to come. A page
+        // with none that more follow (a store may send fewer keys than asked, even none)
+        // settles nothing.
+        let last = page_end(&page).map(str::to_string);
+        let empty_page_of_more = last.is_none() && page.next_continuation.is_some();
         let prefix = st.prefix.to_string();
         let to_come = |name: &str| {
-            last.as_deref()
-                .is_some_and(|l| format!("{prefix}{name}/").as_str() > l)
+            empty_page_of_more
+                || last
+                    .as_deref()
+                    .is_some_and(|l| dir_shadow_to_come(&prefix, name, l))
         };
         if let Some(l) = last
             .as_deref()
@@ -530,14 +537,13 @@ impl Namespace {
         {
             st.last_read = l.to_string();
         }
-        st.unsettled.retain(|(_, name)| to_come(name));
         for (name, found) in page_entries(&page, st.prefix.len(), at_root) {
             let path = st.path.join(name);
             if found.kind == FileKind::Dir {
                 match st.index.get(name) {
                     Some(&i) => {
                         st.entries[i].kind = FileKind::Dir; // a directory wins
-                        st.unsettled.retain(|(_, n)| n != name);
+                        st.unsettled.retain(|u| u.name != name);
                     }
                     None => {
                         let ino = self.table.lock().entry_ino(st.ino, name, &path);
@@ -564,11 +570,27 @@ impl Namespace {
                 st.push(name, kind, ino);
                 if to_come(name) {
                     // Not believed either until the page that may hold `name/` is read.
-                    st.unsettled.push((st.entries.len() - 1, name.to_string()));
+                    st.unsettled.push(Unsettled {
+                        pos: st.entries.len() - 1,
+                        name: name.to_string(),
+                        found,
+                        epoch,
+                        at,
+                    });
                     continue;
                 }
             }
             self.lookups.listed(&path, found, epoch, at);
+        }
+        // Files no directory of their name came for on the pages read: believed now, as of
+        // the page that showed them.
+        let (waiting, settled) = std::mem::take(&mut st.unsettled)
+            .into_iter()
+            .partition(|u| to_come(&u.name));
+        st.unsettled = waiting;
+        for u in settled {
+            self.lookups
+                .listed(&st.path.join(&u.name), u.found, u.epoch, u.at);
         }
         if let Some(t) = page.next_continuation {
             st.from = ListFrom::Token(t);
@@ -596,7 +618,9 @@ impl Namespace {
         drop(t);
         let (added, removed) = self.changed_since(st.ino, since);
         let mut t = self.table.lock();
-        if let Some(i) = t.get_mut(st.ino) {
+        // Not on a directory renamed since (its path is the stream's until it is done, but
+        // for one made for lookups): its pages may have seen the old keys half moved.
+        if let Some(i) = t.get_mut(st.ino).filter(|i| i.path == st.path) {
             // As of its first LIST (a page a lookup kept, or the first asked for): a name
             // another client added to a page read long ago is missing from it, however slowly
             // the rest was read, so the names it lacks are believed no longer than that page.

@@ -630,8 +630,15 @@ impl Lookups {
                 return true;
             }
             k.fed = true;
+            // A file whose `name/` sorts past the page's end may have a directory of its name
+            // on a later page, which wins: left to its own lookup (or the listing's next page).
+            let end = page_end(&k.page);
             let entries: Vec<(MountPath, Found)> =
                 page_entries(&k.page, dir_key.len(), path.is_root())
+                    .filter(|(name, found)| {
+                        found.kind == FileKind::Dir
+                            || !end.is_some_and(|end| dir_shadow_to_come(&dir_key, name, end))
+                    })
                     .map(|(name, found)| (path.join(name), found))
                     .collect();
             (entries, k.epoch, k.at, k.saved)
@@ -931,6 +938,23 @@ pub fn page_entries(
     dirs.into_iter()
         .map(|name| (name, Found::listed_dir()))
         .chain(files)
+}
+
+/// The last key a LIST page read, when more pages follow (see [`dir_shadow_to_come`]).
+pub fn page_end(page: &ListPage) -> Option<&str> {
+    page.next_continuation.as_ref()?;
+    let last_object = page.objects.last().map(|o| o.key.as_str());
+    let last_prefix = page.common_prefixes.last().map(String::as_str);
+    last_object.max(last_prefix)
+}
+
+/// Whether a directory `name/` in the directory of key prefix `dir_key` would sort past
+/// `end`, the last key read: an object `x` and keys below `x/` may both exist (not on MinIO;
+/// on AWS S3), the directory wins, and keys such as `x-1` sort between them, so `x/` can
+/// come a page after `x`.
+pub fn dir_shadow_to_come(dir_key: &str, name: &str, end: &str) -> bool {
+    let shadow = [dir_key, name, "/"];
+    shadow.concat().as_str() > end
 }
 
 /// `keep` for a `retain` of the probes in flight; one not kept is marked forgotten.

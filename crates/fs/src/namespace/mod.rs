@@ -557,12 +557,16 @@ impl Namespace {
             RenamedObjects::Below(copies) => {
                 // Its objects moved with a marker (one was made where it had none).
                 i.has_marker = true;
+                // A listing read from the old keys may have seen them half moved (one made
+                // for lookups takes no part in the rename's exclusion): listed again.
+                i.listing = None;
                 // Every object below was copied: each inode names its copy now, whose
                 // ETag the rename knows. The copy's time is asked again (an object with
                 // no mtime of its own shows the copy's).
                 let stale = self.stale_instant();
                 for d in t.descendants(&new_path) {
                     let Some(i) = t.get_mut(d) else { continue };
+                    i.listing = None;
                     if i.writing {
                         continue;
                     }

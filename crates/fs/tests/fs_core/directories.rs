@@ -5,11 +5,11 @@ use crate::support::{
     Env, ME,
 };
 use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
-use bucketfs_store::fault::Fault;
+use bucketfs_store::fault::{Fault, FaultStore};
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::metrics::Op;
 use bucketfs_store::ObjectStore;
-use bucketfs_store::{ListDetail, StoreError, UserMeta};
+use bucketfs_store::{ListDetail, ListFrom, ListPage, StoreError, UserMeta};
 use bytes::Bytes;
 use std::ffi::OsStr;
 use std::sync::Arc;
@@ -1587,4 +1587,174 @@ async fn rewinddir_lists_the_directory_as_it_is_now() {
     let again = names(e.fs.readdir(d.ino, fh, 0).await.unwrap());
     e.fs.releasedir(d.ino, fh);
     assert_eq!(again, [".", "..", "new", "stays"]);
+}
+
+/// A file and a directory of one name, the directory's prefix on the second LIST page (the
+/// file's 999 `x-NNN` neighbours sort before `x/`): the directory wins, also when the lookup
+/// of the parent kept its first page and fed the names on it (before: `x` was taken from it
+/// for a file, and `cd d/x` failed with ENOTDIR).
+#[tokio::test]
+async fn a_directory_on_a_later_page_wins_over_a_file_the_first_page_shows() {
+    let e = env();
+    put(&e.mem, "d/x", b"file").await;
+    for i in 0..999 {
+        put(&e.mem, &format!("d/x-{i:03}"), b"").await;
+    }
+    put(&e.mem, "d/x/y", b"below").await;
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let x = e.fs.lookup(d.ino, OsStr::new("x")).await.unwrap();
+    assert_eq!(x.kind, FileKind::Dir);
+}
+
+/// The file a lookup's kept first page ends with is held back from the stat cache (a
+/// directory of its name may come on the next page), and the listing's next page settles it:
+/// `ls -l` of 1,000 files and a marker stats every one of them without a request (before the
+/// listing fed it, the last file of the first page cost a HEAD).
+#[tokio::test]
+async fn the_file_a_page_ends_with_is_believed_once_the_next_page_is_read() {
+    let e = env_on(MemoryStore::with_list_metadata());
+    let marker: UserMeta = [("mode".to_string(), (libc::S_IFDIR | 0o750).to_string())].into();
+    e.mem.put("d/", Bytes::new(), &marker).await.unwrap();
+    for i in 0..1000u32 {
+        let meta = file_meta(0o640, 1_600_000_000 + i as u64);
+        e.mem
+            .put(&format!("d/f{i:04}"), Bytes::from_static(b"xy"), &meta)
+            .await
+            .unwrap();
+    }
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let names = list(&e.fs, d.ino).await;
+    assert_eq!(names.len(), 2 + 1000);
+    assert_eq!(
+        e.metrics.requests(Op::List),
+        2,
+        "the kept page and the second"
+    );
+    let before = e.metrics.total_requests();
+    for n in &names[2..] {
+        let a = e.fs.lookup(d.ino, OsStr::new(n)).await.unwrap();
+        assert_eq!((a.kind, a.size, a.perm), (FileKind::File, 2, 0o640), "{n}");
+    }
+    assert_eq!(e.metrics.total_requests(), before, "ls -l sent requests");
+}
+
+/// Every other LIST page empty and truncated, as a store may send (fewer keys than asked,
+/// none at all): the token of a page is first answered with an empty page.
+struct EmptyPagesBetween {
+    inner: Arc<dyn ObjectStore>,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for EmptyPagesBetween {
+    type Inner = dyn ObjectStore;
+    fn inner(&self) -> &Self::Inner {
+        &*self.inner
+    }
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        from: ListFrom,
+        max_keys: usize,
+        detail: ListDetail,
+    ) -> bucketfs_store::StoreResult<ListPage> {
+        let from = match from {
+            ListFrom::Token(t) => match t.strip_prefix("empty:") {
+                Some(t) => ListFrom::Token(t.to_string()),
+                None => {
+                    return Ok(ListPage {
+                        objects: Vec::new(),
+                        common_prefixes: Vec::new(),
+                        next_continuation: Some(format!("empty:{t}")),
+                    })
+                }
+            },
+            other => other,
+        };
+        self.inner
+            .list(prefix, delimiter, from, max_keys, detail)
+            .await
+    }
+}
+
+/// A file the first page ends with waits for a page that reads past its directory's key:
+/// an empty page in between (truncated, with no key) settles nothing. Before: the empty
+/// page let the listing hand out `x` as a file, and its directory came a page later.
+#[tokio::test]
+async fn an_empty_page_settles_no_file_a_directory_may_follow() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "d/x", b"file").await;
+    for i in 0..999 {
+        put(&mem, &format!("d/x-{i:03}"), b"").await;
+    }
+    put(&mem, "d/x/y", b"below").await;
+    let store = EmptyPagesBetween {
+        inner: mem.clone() as Arc<dyn ObjectStore>,
+    };
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(Arc::new(store), config(&cache));
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    let fh = fs.opendir(d.ino).await.unwrap();
+    let mut kinds = std::collections::HashMap::new();
+    loop {
+        let offset = kinds.len() as i64;
+        let batch = fs.readdir(d.ino, fh, offset).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        kinds.extend(batch.into_iter().map(|e| (e.name, e.kind)));
+    }
+    fs.releasedir(d.ino, fh);
+    assert_eq!(kinds.len(), 2 + 1000);
+    assert_eq!(kinds["x"], FileKind::Dir);
+    assert_eq!(
+        fs.lookup(d.ino, OsStr::new("x")).await.unwrap().kind,
+        FileKind::Dir
+    );
+}
+
+/// A listing made for lookups (a name missed in a directory whose listing went stale) whose
+/// LIST is read while the directory is renamed here: it saw the old keys gone and is not
+/// kept for the directory at its new name (before: its files were ENOENT there for the stat
+/// TTL).
+#[tokio::test]
+async fn a_listing_read_while_its_directory_is_renamed_is_not_kept() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "p/f", b"f").await;
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let ttl = Duration::from_secs(1);
+    let cfg = FsConfig {
+        stat_ttl: ttl,
+        negative_ttl: ttl,
+        ..config(&cache)
+    };
+    let fs = Fs::new(faulty.clone(), cfg);
+    let p = fs.lookup(ROOT_INO, OsStr::new("p")).await.unwrap();
+    assert_eq!(list(&fs, p.ino).await, [".", "..", "f"]);
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    // A miss in the stale listing lists p again; that LIST is read after the rename.
+    faulty.inject(
+        Op::List,
+        0,
+        Some(1),
+        Fault::Delay(Duration::from_millis(500)),
+    );
+    let looking = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.lookup(p.ino, OsStr::new("missing")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fs.rename(ROOT_INO, OsStr::new("p"), ROOT_INO, OsStr::new("q"), 0)
+        .await
+        .unwrap();
+    assert!(
+        !looking.is_finished(),
+        "the listing was read before the rename"
+    );
+    assert_eq!(looking.await.unwrap(), Err(FsError::ENOENT));
+    let q = fs.lookup(ROOT_INO, OsStr::new("q")).await.unwrap();
+    assert_eq!(q.ino, p.ino);
+    let f = fs.lookup(q.ino, OsStr::new("f")).await.unwrap();
+    assert_eq!(f.size, 1);
 }
