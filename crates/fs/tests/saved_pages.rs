@@ -208,3 +208,47 @@ fn a_hung_cache_disk_holds_one_blocking_thread_for_the_change_record() {
         "the blocking pool is full of writes of the change record"
     );
 }
+
+/// A listing's own first page starts after the directory's marker: saved, it told the next
+/// mount the directory has none, which then showed the default mode and owner and, at the
+/// `rm` of its last file, wrote the marker again without them. Only a lookup's page (from
+/// the marker on) is saved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remount_keeps_the_marker_of_a_directory_listed_twice() {
+    let mem = Arc::new(MemoryStore::with_list_metadata());
+    let dir_meta: bucketfs_store::UserMeta = [
+        ("mode".to_string(), (libc::S_IFDIR | 0o700).to_string()),
+        ("uid".to_string(), "4321".to_string()),
+    ]
+    .into();
+    mem.put("d/", bytes::Bytes::new(), &dir_meta).await.unwrap();
+    put(&mem, "d/f", b"one").await;
+    let dc = tempfile::tempdir().unwrap();
+    let (c1, c2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (fs, _) = mount(&mem, dc.path(), &c1);
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!((d.perm, d.uid), (0o700, 4321));
+    wait_for_file(dc.path(), |n| n.ends_with(".lst"));
+    let saved = || {
+        walkdir(dc.path())
+            .into_iter()
+            .filter(|p| p.to_string_lossy().ends_with(".lst"))
+            .map(|p| std::fs::read(p).unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    let first = saved();
+    // The first listing takes the lookup's page; the second sends a LIST of its own.
+    for _ in 0..2 {
+        assert_eq!(support::list(&fs, d.ino).await, [".", "..", "f"]);
+    }
+    // Time for a save of that page to land, as it did before.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(saved(), first, "the listing's page replaced the lookup's");
+    drop(fs);
+    let (fs, _) = mount(&mem, dc.path(), &c2);
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!((d.perm, d.uid), (0o700, 4321));
+    fs.unlink(d.ino, OsStr::new("f")).await.unwrap();
+    let marker = mem.head("d/").await.unwrap();
+    assert_eq!(marker.user.get("uid").map(String::as_str), Some("4321"));
+}

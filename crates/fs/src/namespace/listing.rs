@@ -511,7 +511,10 @@ impl Namespace {
                     .list(&st.prefix, Some("/"), st.from.clone(), LIST_PAGE, st.detail)
                     .await
                     .map_err(|e| log_store_err(&format!("list {}", st.prefix), e))?;
-                if first {
+                // Only a page from the directory's start: one from after its marker (every
+                // directory but a root) would tell a later mount it has none (its mode and
+                // owner lost, its marker written again empty).
+                if first && matches!(st.from, ListFrom::Start) {
                     self.lookups.save_page(&st.prefix, &page, sent, st.detail);
                 }
                 (page, epoch, at)
