@@ -105,6 +105,12 @@ fn csi(a: &args::CsiArgs) -> i32 {
         eprintln!("bucketfs: {e}");
         return 1;
     }
+    // Every connection of its socket and every volume it mounts is a descriptor.
+    match run::raise_open_files_limit() {
+        Ok(Some((old, new))) => tracing::info!("open files limit raised from {old} to {new}"),
+        Ok(None) => {}
+        Err(e) => tracing::warn!("cannot raise the open files limit: {e}"),
+    }
     let bucketfs = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {

@@ -926,7 +926,7 @@ fn legacy_journal_dirs(settings: &Settings) -> Vec<PathBuf> {
 
 /// Raises the soft limit of open files to the hard limit (often 1024 of 4096 or more): every
 /// open file, staging file and store connection is a descriptor. Returns `(old, new)` if raised.
-fn raise_open_files_limit() -> std::io::Result<Option<(u64, u64)>> {
+pub(crate) fn raise_open_files_limit() -> std::io::Result<Option<(u64, u64)>> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,

@@ -1527,3 +1527,119 @@ fn csi_leaves_a_mount_it_did_not_make_over_a_dead_target() {
     c.unpublish(&v, &t).expect("NodeUnpublishVolume");
     assert!(!fuse_mounted(&t));
 }
+
+/// User and system CPU time of process `pid` so far.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // After the command name, which may hold spaces: state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: plain sysconf query.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis(ticks * 1000 / hz)
+}
+
+/// Idle clients holding more connections than the driver may open descriptors: its accepts
+/// fail with `EMFILE`. It pauses between tries instead of spinning a core (before: tonic's
+/// loop tried again at once, a whole core for as long as they stayed), and answers again
+/// once they are gone.
+#[test]
+fn csi_socket_flooded_past_the_open_files_limit_backs_off_and_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let _cleanup = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let mut c = Csi::connect(&driver);
+    c.rt.block_on(c.identity.probe(ProbeRequest {})).unwrap();
+    let pid = driver.child.id();
+    let low = libc::rlimit {
+        rlim_cur: 64,
+        rlim_max: 64,
+    };
+    // SAFETY: prlimit(2) on our own child, with a valid new limit and no old one asked.
+    let r = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &low,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(r, 0, "prlimit: {}", std::io::Error::last_os_error());
+    let flood: Vec<std::os::unix::net::UnixStream> = (0..200)
+        .map(|_| std::os::unix::net::UnixStream::connect(&driver.socket).unwrap())
+        .collect();
+    // Past the limit: what is left waits in the socket's backlog.
+    std::thread::sleep(Duration::from_millis(500));
+    let before = cpu_time(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let spent = cpu_time(pid) - before;
+    assert!(
+        spent < Duration::from_millis(400),
+        "the driver spent {spent:?} of CPU in 2 s with its accepts failing"
+    );
+    drop(flood);
+    let mut c = Csi::connect(&driver);
+    let probe = c.rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(10), c.identity.probe(ProbeRequest {})).await
+    });
+    assert!(
+        matches!(probe, Ok(Ok(_))),
+        "no answer once the clients left: {probe:?}"
+    );
+    let log = fs::read_to_string(&driver.log).unwrap();
+    assert!(log.contains("cannot accept a connection"), "{log}");
+}
+
+/// A publish the kubelet gave up on (its deadline passed while the daemon checked a slow
+/// store) leaves that daemon starting: the kubelet's next publish waits for it instead of
+/// starting a second one over it (before: two daemons, both mounted there, one of them in no
+/// record).
+#[test]
+fn csi_a_publish_retried_while_its_daemon_starts_starts_no_second_daemon() {
+    let bucket = s3().new_bucket("csi-retry");
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let target = dir.path().join("target-x");
+    let vol = format!("{bucket}/v");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let mut c = Csi::connect(&driver);
+    let mut p = publish_request(&vol, &target, &ctx, false);
+    p.secrets.insert("endpoint".into(), proxy.endpoint());
+    // Each answer takes 4 s: longer than the first publish's deadline.
+    proxy.set_delay(Duration::from_secs(4));
+    let mut first = tonic::Request::new(p.clone());
+    first.set_timeout(Duration::from_secs(2));
+    let e =
+        c.rt.block_on(c.node.node_publish_volume(first))
+            .unwrap_err();
+    assert!(
+        matches!(
+            e.code(),
+            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        ),
+        "{e}"
+    );
+    let needle = target.to_string_lossy().to_string();
+    let daemons = || processes_mentioning(&needle);
+    assert_eq!(daemons().len(), 1, "the first publish's daemon, starting");
+    // The store is quick again (the first daemon's requests still come slowly) and the
+    // kubelet publishes again.
+    proxy.set_delay(Duration::ZERO);
+    c.publish(p).expect("the publish tried again");
+    assert!(fuse_mounted(&target));
+    assert_eq!(
+        daemons().len(),
+        1,
+        "daemons for one target: {:?}",
+        daemons()
+    );
+    fs::write(target.join("a.txt"), "a").unwrap();
+    assert_eq!(s3().get(&bucket, "v/a.txt").as_deref(), Some(&b"a"[..]));
+    c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
+    assert!(!fuse_mounted(&target));
+    wait_for("the daemon to exit", Duration::from_secs(10), || {
+        daemons().is_empty()
+    });
+}

@@ -99,7 +99,7 @@ async fn serve(cfg: Config) -> Result<(), String> {
         cfg.node_id,
         cfg.state_dir.display()
     );
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let incoming = Incoming::new(listener);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let services = Services {
         identity: proto::identity_server::IdentityServer::new(identity::IdentityService),
@@ -130,6 +130,72 @@ async fn serve(cfg: Config) -> Result<(), String> {
     };
     let _ = std::fs::remove_file(&path);
     r.map_err(|e| format!("gRPC server: {e}"))
+}
+
+/// The connections of the driver's socket, as the gRPC server takes them. An accept that
+/// fails (`EMFILE`: clients holding every descriptor) is tried again after a pause that
+/// doubles up to [`ACCEPT_PAUSE_MAX`], and said once per run of failures: tonic's own loop
+/// tried again at once, spinning a core until a descriptor came free.
+struct Incoming {
+    listener: tokio::net::UnixListener,
+    pause: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    next_pause: std::time::Duration,
+    failing: bool,
+}
+
+const ACCEPT_PAUSE_MIN: std::time::Duration = std::time::Duration::from_millis(10);
+const ACCEPT_PAUSE_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl Incoming {
+    fn new(listener: tokio::net::UnixListener) -> Self {
+        Self {
+            listener,
+            pause: None,
+            next_pause: ACCEPT_PAUSE_MIN,
+            failing: false,
+        }
+    }
+}
+
+impl tokio_stream::Stream for Incoming {
+    type Item = std::io::Result<tokio::net::UnixStream>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::future::Future;
+        use std::task::{ready, Poll};
+        loop {
+            if let Some(pause) = self.pause.as_mut() {
+                ready!(pause.as_mut().poll(cx));
+                self.pause = None;
+            }
+            match ready!(self.listener.poll_accept(cx)) {
+                Ok((conn, _)) => {
+                    if self.failing {
+                        tracing::info!("CSI socket: accepting connections again");
+                    }
+                    self.failing = false;
+                    self.next_pause = ACCEPT_PAUSE_MIN;
+                    return Poll::Ready(Some(Ok(conn)));
+                }
+                Err(e) => {
+                    if !self.failing {
+                        tracing::warn!(
+                            "CSI socket: cannot accept a connection ({e}); trying again with \
+                             pauses of up to {} s",
+                            ACCEPT_PAUSE_MAX.as_secs()
+                        );
+                    }
+                    self.failing = true;
+                    let pause = self.next_pause;
+                    self.next_pause = (pause * 2).min(ACCEPT_PAUSE_MAX);
+                    self.pause = Some(Box::pin(tokio::time::sleep(pause)));
+                }
+            }
+        }
+    }
 }
 
 /// The three CSI services behind one socket, routed by the gRPC path's service name (what

@@ -401,6 +401,7 @@ impl Mounts {
             .and_then(|_| self.remount_lock().remove(&target));
         // The file system of a dead daemon this publish replaces.
         let mut dead = None;
+        let mut starting = None;
         if let Some(have) = self.load(&target) {
             if !have.same_mount(&want) {
                 return Err(MountError::AlreadyExists(format!(
@@ -416,6 +417,13 @@ impl Mounts {
                     }
                     return Ok(());
                 }
+            }
+            if fstype.is_none() {
+                // Its daemon still starting (a publish cut off by the kubelet's deadline or a
+                // driver restart while the daemon checked a slow bucket): waited for. A second
+                // one started over it mounted on top, or, as a systemd unit of the same name,
+                // failed and took the record with it.
+                starting = live_pid(&have).map(|pid| Record { pid, ..have });
             }
             if let Some(t) = fstype.as_deref().filter(|t| !is_fuse(t)) {
                 // Not the daemon's: someone else's, to be left alone (as unpublish does).
@@ -443,9 +451,12 @@ impl Mounts {
             Some(_) => OnFailure::Keep,
             None => OnFailure::Forget,
         };
-        let r = match self.write_credentials(&target, creds) {
-            Ok(()) => self.start(this, on_failure).await,
-            Err(e) => Err(MountError::Internal(e)),
+        let r = match starting {
+            Some(r) => self.await_mount(r, 0, on_failure).await,
+            None => match self.write_credentials(&target, creds) {
+                Ok(()) => self.start(this, on_failure).await,
+                Err(e) => Err(MountError::Internal(e)),
+            },
         };
         if r.is_err() {
             match pending {
@@ -547,15 +558,39 @@ impl Mounts {
             CHILDREN.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
         }
         // Recorded before the mount shows: a driver that dies meanwhile leaves its successor
-        // a record to adopt the daemon by.
-        self.save(&r).map_err(MountError::Internal)?;
+        // a record to adopt the daemon by. Without one (a full state disk) the daemon is
+        // stopped: mounted and in no record, it would make the target refused for good.
+        if let Err(e) = self.save(&r) {
+            if r.pid != 0 {
+                // SAFETY: plain syscall on the daemon just started.
+                unsafe { libc::kill(r.pid, libc::SIGKILL) };
+            }
+            return Err(MountError::Internal(e));
+        }
+        self.await_mount(r, log_len, on_failure).await
+    }
+
+    /// Waits until the daemon of `r` (started, its log `log_len` bytes long before) mounts
+    /// its target; kills it when it is not mounted within [`MOUNT_TIMEOUT`].
+    async fn await_mount(
+        &self,
+        mut r: Record,
+        log_len: u64,
+        on_failure: OnFailure,
+    ) -> Result<(), MountError> {
+        let target = r.target.clone();
+        let log_path = self.log_path(&target);
         let started = Instant::now();
         loop {
             if r.pid == 0 {
                 // Started by systemd: its pid shows in /proc.
                 r.pid = launch::find_daemon(&target).unwrap_or(0);
                 if r.pid != 0 {
-                    self.save(&r).map_err(MountError::Internal)?;
+                    if let Err(e) = self.save(&r) {
+                        // SAFETY: plain syscall on the daemon just found (see above).
+                        unsafe { libc::kill(r.pid, libc::SIGKILL) };
+                        return Err(MountError::Internal(e));
+                    }
                 }
             }
             let mounted = mounted_fstype(&target).as_deref().is_some_and(is_fuse);
