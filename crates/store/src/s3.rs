@@ -2029,6 +2029,43 @@ mod tests {
         assert!(e.is_transient(), "{e:?}");
     }
 
+    /// `--no-verify-ssl` against a server that accepts TCP and never answers the TLS
+    /// handshake (a load balancer without a backend): the connection is given up within the
+    /// 10 s connect timeout, handshake included (before: only the TCP handshake was bounded,
+    /// and the socket stayed until the attempt's 30 s cut, or for ever when hyper finished the
+    /// connect in the background).
+    #[tokio::test]
+    async fn a_tls_handshake_never_answered_is_given_up_within_the_connect_timeout() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let accepted = std::time::Instant::now();
+            let mut buf = [0u8; 4096];
+            // The client hello, then nothing until the client closes.
+            while matches!(std::io::Read::read(&mut conn, &mut buf), Ok(n) if n > 0) {}
+            let _ = tx.send(accepted.elapsed());
+            // Further connections (a retry) are held open, never answered.
+            for c in listener.incoming() {
+                std::mem::forget(c);
+            }
+        });
+        let store = S3Store::new(&S3Config {
+            tls: crate::tls::TlsTrust::Insecure,
+            ..plain_config(url)
+        })
+        .await
+        .unwrap();
+        let head = tokio::spawn(async move { store.head("k").await });
+        let closed = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(20)))
+            .await
+            .unwrap()
+            .expect("the connection was not closed within 20 s");
+        assert!(closed < Duration::from_secs(15), "closed after {closed:?}");
+        head.abort();
+    }
+
     /// `409 ConditionalRequestConflict` (a conditional write racing another; AWS says to
     /// retry it) is transient; `501 NotImplemented` (a conditional header the store does not
     /// have) is not: no retry makes it.

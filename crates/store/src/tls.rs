@@ -146,9 +146,56 @@ impl ServerCertVerifier for AcceptAny {
 }
 
 type Inner = hyper_util::client::legacy::Client<
-    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    ConnectTimeout<
+        hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    >,
     SdkBody,
 >;
+
+/// How long a new connection may take, DNS, TCP and TLS handshake together.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connector whose connections are made within [`CONNECT_TIMEOUT`] or fail. The TCP
+/// connector's own timeout ends at the TCP handshake, and hyper finishes a connect that lost
+/// the race to an idle pooled connection in the background: a server that accepts and never
+/// answers the TLS handshake (a load balancer without a backend) left one such task and its
+/// socket behind for ever per request.
+#[derive(Debug, Clone)]
+struct ConnectTimeout<C>(C);
+
+impl<C> tower_service::Service<http::Uri> for ConnectTimeout<C>
+where
+    C: tower_service::Service<http::Uri>,
+    C::Future: Send + 'static,
+    C::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Response = C::Response;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<C::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connect = self.0.call(uri);
+        Box::pin(async move {
+            match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+                Ok(r) => r.map_err(Into::into),
+                Err(_) => Err(format!(
+                    "no connection within {} s (TCP and TLS handshakes)",
+                    CONNECT_TIMEOUT.as_secs()
+                )
+                .into()),
+            }
+        })
+    }
+}
 
 /// The `--no-verify-ssl` HTTP client.
 #[derive(Debug, Clone)]
@@ -168,12 +215,14 @@ impl InsecureClient {
         let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
-        http.set_connect_timeout(Some(Duration::from_secs(10)));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(config)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
+        http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        let https = ConnectTimeout(
+            hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config(config)
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(http),
+        );
         let client =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(60))
