@@ -130,6 +130,87 @@ pub struct S3Store {
     /// Multipart uploads under way, with the headers they were given: what they make is one
     /// of [`S3Store::own`]'s.
     own_uploads: parking_lot::Mutex<HashMap<String, Own>>,
+    /// Where the continuation tokens this store was given lead from.
+    list_progress: parking_lot::Mutex<ListProgress>,
+}
+
+/// Where each of the last [`ListProgress::KEPT`] continuation tokens of LIST answers leads
+/// from: the greatest entry listed before it, and how many pages in a row added none past
+/// it. A store (or a gateway before it) whose token leads back to entries already listed,
+/// or on to pages of nothing for ever, would loop a listing (a `readdir` that never returns,
+/// a DeleteVolume that never ends): such a page is an error instead.
+#[derive(Default)]
+struct ListProgress {
+    by_token: HashMap<(String, String), Progress>,
+    order: std::collections::VecDeque<(String, String)>,
+}
+
+#[derive(Clone)]
+struct Progress {
+    last: String,
+    idle_pages: u32,
+}
+
+impl ListProgress {
+    /// Tokens remembered (one per listing in flight is all a check needs).
+    const KEPT: usize = 4096;
+    /// Pages in a row that may add no entry (S3 may cut a page short before any).
+    const MAX_IDLE_PAGES: u32 = 1000;
+
+    fn of(&self, prefix: &str, token: &str) -> Option<Progress> {
+        self.by_token
+            .get(&(prefix.to_string(), token.to_string()))
+            .cloned()
+    }
+
+    fn note(&mut self, prefix: &str, token: &str, p: Progress) {
+        let k = (prefix.to_string(), token.to_string());
+        if self.by_token.insert(k.clone(), p).is_none() {
+            self.order.push_back(k);
+        }
+        while self.order.len() > Self::KEPT {
+            if let Some(old) = self.order.pop_front() {
+                self.by_token.remove(&old);
+            }
+        }
+    }
+}
+
+/// Checks that `page`, asked for after `before` (the progress its token was given at), goes
+/// on past what was listed, and returns the progress its own token leads from.
+fn list_progress(prefix: &str, before: Option<Progress>, page: &ListPage) -> StoreResult<Progress> {
+    let keys = page.objects.iter().map(|o| o.key.as_str());
+    let entries = || {
+        keys.clone()
+            .chain(page.common_prefixes.iter().map(String::as_str))
+    };
+    let (first, last) = (entries().min(), entries().max());
+    match (before, last) {
+        (Some(b), _) if first.is_some_and(|f| f < b.last.as_str()) => {
+            Err(StoreError::Other(format!(
+                "list {prefix:?}: the store went back to {:?} after {:?} (a continuation token \
+                 that does not go on)",
+                first.unwrap_or_default(),
+                b.last
+            )))
+        }
+        (Some(b), l) if l.is_none_or(|l| l <= b.last.as_str()) => {
+            if b.idle_pages >= ListProgress::MAX_IDLE_PAGES {
+                return Err(StoreError::Other(format!(
+                    "list {prefix:?}: {} pages in a row without a new entry",
+                    b.idle_pages + 1
+                )));
+            }
+            Ok(Progress {
+                idle_pages: b.idle_pages + 1,
+                ..b
+            })
+        }
+        (_, l) => Ok(Progress {
+            last: l.unwrap_or_default().to_string(),
+            idle_pages: u32::from(l.is_none()),
+        }),
+    }
 }
 
 /// Gives request `$req` (a PutObject, CreateMultipartUpload or CopyObject) the headers
@@ -745,6 +826,7 @@ impl S3Store {
             own: Default::default(),
             warned_headers: AtomicBool::new(false),
             own_uploads: Default::default(),
+            list_progress: Default::default(),
         })
     }
 
@@ -1333,6 +1415,7 @@ impl ObjectStore for S3Store {
         let _slot = self.slot().await;
         let mut out = Vec::new();
         let (mut key_marker, mut id_marker) = (None::<String>, None::<String>);
+        let mut seen = std::collections::HashSet::new();
         loop {
             let page = self
                 .client
@@ -1375,10 +1458,12 @@ impl ObjectStore for S3Store {
             if next.0.is_none() {
                 return Ok(out);
             }
-            if next == (key_marker, id_marker) {
-                // Going on from it would read the same page for ever.
+            // Going on from a marker already given (or from before one: the uploads are
+            // listed in key order) would read the same pages for ever.
+            if !seen.insert(next.clone()) || next.0 < key_marker {
                 return Err(StoreError::Other(format!(
-                    "uploads under {prefix:?}: the store answered a marker with itself"
+                    "uploads under {prefix:?}: the store answered a marker with itself or \
+                     an earlier one"
                 )));
             }
             (key_marker, id_marker) = next;
@@ -1508,11 +1593,22 @@ impl ObjectStore for S3Store {
             .send()
             .await
             .map_err(|e| map_err(&format!("list {prefix:?}"), e))?;
-        if out.is_truncated() == Some(true) && out.next_continuation_token() == token.as_deref() {
-            // Going on from it would read the same page for ever.
-            return Err(StoreError::Other(format!(
-                "list {prefix:?}: the store answered a continuation token with itself"
-            )));
+        if out.is_truncated() == Some(true) {
+            match out.next_continuation_token() {
+                // Taken for the end, it would make the listing look complete.
+                None => {
+                    return Err(StoreError::Other(format!(
+                        "list {prefix:?}: a truncated page without a continuation token"
+                    )))
+                }
+                // Going on from it would read the same page for ever.
+                Some(next) if Some(next) == token.as_deref() => {
+                    return Err(StoreError::Other(format!(
+                        "list {prefix:?}: the store answered a continuation token with itself"
+                    )))
+                }
+                Some(_) => {}
+            }
         }
         // The user metadata of each `<Contents>`, in the same order as the SDK's entries.
         let mut metas = match capture.map(|c| c.take()) {
@@ -1578,6 +1674,13 @@ impl ObjectStore for S3Store {
                  skipped: {skipped:?}",
                 skipped.len()
             );
+        }
+        let before = token
+            .as_deref()
+            .and_then(|t| self.list_progress.lock().of(prefix, t));
+        let progress = list_progress(prefix, before, &page)?;
+        if let Some(next) = &page.next_continuation {
+            self.list_progress.lock().note(prefix, next, progress);
         }
         Ok(page)
     }
@@ -1992,6 +2095,64 @@ mod tests {
         let e = tokio::time::timeout(Duration::from_secs(10), uploads)
             .await
             .expect("a loop that never ends")
+            .unwrap_err();
+        assert!(matches!(e, StoreError::Other(_)), "{e:?}");
+    }
+
+    /// A gateway whose continuation tokens do not go on: each answer is the first page
+    /// again under a new token, or a page of nothing under a new token, for ever; or a
+    /// truncated page comes without a token. Each fails (the first when its token leads
+    /// back, the second after 1,000 empty pages) instead of listing for ever, or (the
+    /// third) of being taken for the last page. Before: only a token answered with itself
+    /// was caught, and the third ended the listing there.
+    #[tokio::test]
+    async fn a_list_whose_tokens_do_not_go_on_fails() {
+        let page = |keys: &str, token: Option<String>| {
+            let next = token.map_or(String::new(), |t| {
+                format!("<NextContinuationToken>{t}</NextContinuationToken>")
+            });
+            format!(
+                "<?xml version=\"1.0\" encoding=\"UTF-8\"?><ListBucketResult><Name>b</Name>\
+                 <Prefix>d/</Prefix><MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>\
+                 {next}{keys}</ListBucketResult>"
+            )
+        };
+        let two = "<Contents><Key>d/a</Key><Size>1</Size></Contents><Contents><Key>d/b</Key>\
+                   <Size>1</Size></Contents>";
+        for (keys, want_pages) in [(two, 2), ("", 1001)] {
+            let n = Arc::new(AtomicUsize::new(0));
+            let url = serve({
+                let n = n.clone();
+                move |conn, _| {
+                    let i = n.fetch_add(1, AtomicOrdering::SeqCst);
+                    conn.write_all(&answer_with(page(keys, Some(format!("t{i}"))).as_bytes()))
+                }
+            });
+            let store = plain_store(url).await;
+            let walk = async {
+                let mut from = ListFrom::Start;
+                loop {
+                    let p = store
+                        .list("d/", Some("/"), from, 1000, ListDetail::Plain)
+                        .await?;
+                    match p.next_continuation {
+                        Some(t) => from = ListFrom::Token(t),
+                        None => return Ok(()),
+                    }
+                }
+            };
+            let e: StoreError = tokio::time::timeout(Duration::from_secs(60), walk)
+                .await
+                .expect("a listing that never ends")
+                .unwrap_err();
+            assert!(matches!(e, StoreError::Other(_)), "{e:?}");
+            assert_eq!(n.load(AtomicOrdering::SeqCst), want_pages, "{e:?}");
+        }
+        let body = page(two, None);
+        let store = plain_store(fixed_server(Box::leak(body.into_boxed_str()).as_bytes())).await;
+        let e = store
+            .list("d/", Some("/"), ListFrom::Start, 1000, ListDetail::Plain)
+            .await
             .unwrap_err();
         assert!(matches!(e, StoreError::Other(_)), "{e:?}");
     }

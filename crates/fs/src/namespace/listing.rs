@@ -11,7 +11,7 @@ use bucketfs_store::{ListDetail, ListFrom, ObjectMeta};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// One directory entry as `readdir` returns it.
 #[derive(Debug, Clone)]
@@ -113,17 +113,22 @@ pub struct DirStream {
     served: bool,
 }
 
-/// The listing of directory `dir` while it is fresh, to note a change made here in. A stale
-/// one forgets what it noted: nothing reads that, and a directory listed once and written to
-/// for days (temporary names made and renamed) grew it for ever.
-fn fresh_listing(t: &mut InodeTable, dir: Ino, ttl: Duration) -> Option<&mut DirListing> {
-    let l = t.get_mut(dir)?.listing.as_mut()?;
-    if l.at.elapsed() < ttl {
-        return Some(l);
+/// Most names a listing of a directory notes as made or removed here since it was read.
+const MAX_NOTED: usize = 10_000;
+
+/// The listing of directory `dir`, fresh or stale, to note a change made here in (both
+/// [`Namespace::listing_lacks`] reads). One with [`MAX_NOTED`] names noted is dropped
+/// instead: a directory listed once and written to for days (temporary names made and
+/// renamed) grew them for ever; a lookup lists it again when it needs a listing.
+fn noting_listing(t: &mut InodeTable, dir: Ino) -> Option<&mut DirListing> {
+    let i = t.get_mut(dir)?;
+    if i.listing
+        .as_ref()
+        .is_some_and(|l| l.added.len() + l.removed.len() >= MAX_NOTED)
+    {
+        i.listing = None;
     }
-    l.added = HashSet::new();
-    l.removed = HashSet::new();
-    None
+    i.listing.as_mut()
 }
 
 /// A file of a listing that a later page may show to be a directory.
@@ -253,7 +258,7 @@ impl Namespace {
     /// so does a listing whose LIST was sent before now: see [`Self::added_since`]).
     pub fn note_added(&self, parent: Ino, name: &str) {
         self.note_change(parent, name, true);
-        if let Some(l) = fresh_listing(&mut self.table.lock(), parent, self.ttl) {
+        if let Some(l) = noting_listing(&mut self.table.lock(), parent) {
             l.removed.remove(name);
             l.added.insert(name.to_string());
         }
@@ -264,7 +269,7 @@ impl Namespace {
     pub fn note_removed(&self, parent: Ino, path: &MountPath) {
         let name = path.as_str().rsplit('/').next().unwrap_or_default();
         self.note_change(parent, name, false);
-        if let Some(l) = fresh_listing(&mut self.table.lock(), parent, self.ttl) {
+        if let Some(l) = noting_listing(&mut self.table.lock(), parent) {
             l.added.remove(name);
             l.removed.insert(name.to_string());
         }

@@ -490,8 +490,8 @@ impl Lookups {
         (r, current)
     }
 
-    /// Saves the first page of a directory's listing (`dir_key`, from its start), whose LIST
-    /// was sent at `sent`, for later mounts. Only one with user metadata: a page without it
+    /// Saves the page a LIST of `dir_key` from its start (marker included: a lookup's, not
+    /// a listing's from after the marker) gave, sent at `sent`, for later mounts. Only one with user metadata: a page without it
     /// (a walk that stats nothing) would replace the lookup's, which has it.
     pub fn save_page(&self, dir_key: &str, page: &ListPage, sent: SystemTime, detail: ListDetail) {
         if let Some(disk) = self.disk.get() {
@@ -871,12 +871,27 @@ async fn probe(
 async fn dir_from_page(
     store: &dyn ObjectStore,
     dir_key: &str,
-    page: ListPage,
-    keep: Option<Keep>,
+    mut page: ListPage,
+    mut keep: Option<Keep>,
     marker_head: Option<Result<ObjectMeta, StoreError>>,
 ) -> Result<Option<Found>, FsError> {
-    if page.objects.is_empty() && page.common_prefixes.is_empty() {
-        return Ok(None);
+    // A store may cut a page short before any key: those of the directory, if any, come
+    // on a later page (the first non-empty one, which is not kept: it is no first page).
+    while page.objects.is_empty() && page.common_prefixes.is_empty() {
+        let Some(token) = page.next_continuation.take() else {
+            return Ok(None);
+        };
+        keep = None;
+        page = store
+            .list(
+                dir_key,
+                Some("/"),
+                ListFrom::Token(token),
+                1,
+                ListDetail::UserMeta,
+            )
+            .await
+            .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
     }
     let marker = page.objects.first().filter(|o| o.key == dir_key).cloned();
     let has_marker = marker.is_some();

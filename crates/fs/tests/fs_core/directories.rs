@@ -1677,6 +1677,75 @@ impl bucketfs_store::layer::StoreLayer for EmptyPagesBetween {
     }
 }
 
+/// Every listing's first page empty and truncated: its keys come on the page its token
+/// gives.
+struct EmptyFirstPages {
+    inner: Arc<dyn ObjectStore>,
+}
+
+#[async_trait::async_trait]
+impl bucketfs_store::layer::StoreLayer for EmptyFirstPages {
+    type Inner = dyn ObjectStore;
+    fn inner(&self) -> &Self::Inner {
+        &*self.inner
+    }
+    async fn list(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        from: ListFrom,
+        max_keys: usize,
+        detail: ListDetail,
+    ) -> bucketfs_store::StoreResult<ListPage> {
+        let from = match from {
+            ListFrom::Token(t) if t == "start" => ListFrom::Start,
+            ListFrom::Token(t) => match t.strip_prefix("after:") {
+                Some(k) => ListFrom::After(k.to_string()),
+                None => ListFrom::Token(t),
+            },
+            first => {
+                let token = match first {
+                    ListFrom::After(k) => format!("after:{k}"),
+                    _ => "start".to_string(),
+                };
+                return Ok(ListPage {
+                    objects: Vec::new(),
+                    common_prefixes: Vec::new(),
+                    next_continuation: Some(token),
+                });
+            }
+        };
+        self.inner
+            .list(prefix, delimiter, from, max_keys, detail)
+            .await
+    }
+}
+
+/// A directory whose first LIST page comes back empty and truncated (a store may cut a page
+/// short before any key) is still a directory, with its marker's attributes; a name with
+/// nothing at any page is still `ENOENT`. Before: `ENOENT` for the directory.
+#[tokio::test]
+async fn a_directory_whose_first_page_is_empty_is_still_found() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "d/f", b"file").await;
+    let marker: UserMeta = [("mode".to_string(), (libc::S_IFDIR | 0o700).to_string())].into();
+    mem.put("e/", Bytes::new(), &marker).await.unwrap();
+    let store = EmptyFirstPages {
+        inner: mem.clone() as Arc<dyn ObjectStore>,
+    };
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(Arc::new(store), config(&cache));
+    let d = fs.lookup(ROOT_INO, OsStr::new("d")).await.unwrap();
+    assert_eq!(d.kind, FileKind::Dir);
+    let e = fs.lookup(ROOT_INO, OsStr::new("e")).await.unwrap();
+    assert_eq!(e.kind, FileKind::Dir);
+    assert_eq!(e.perm, 0o700);
+    let err = fs.lookup(ROOT_INO, OsStr::new("none")).await.unwrap_err();
+    assert_eq!(err, FsError::ENOENT);
+    assert_eq!(list(&fs, ROOT_INO).await, [".", "..", "d", "e"]);
+    assert_eq!(list(&fs, d.ino).await, [".", "..", "f"]);
+}
+
 /// A file the first page ends with waits for a page that reads past its directory's key:
 /// an empty page in between (truncated, with no key) settles nothing. Before: the empty
 /// page let the listing hand out `x` as a file, and its directory came a page later.
