@@ -806,6 +806,23 @@ impl Fs {
         let handle = self.files.handle(ino, fh)?;
         let (reader, direct) = (handle.reader.clone(), handle.flags & libc::O_DIRECT != 0);
         if let Some(w) = self.files.write_of(ino) {
+            if handle.write.is_none() {
+                // A reader opened before another client's version was learnt: the state is
+                // of that version, so only one that cannot have handed out the one before
+                // reads it (as below).
+                let (learned, etag) = self
+                    .ns
+                    .table()
+                    .get(ino)
+                    .map(|i| (i.learned_changes, i.etag.clone()))
+                    .ok_or(FsError::ENOENT)?;
+                if handle.learned_changes != learned {
+                    let served = reader.lock().await.as_ref().is_some_and(|r| r.has_served());
+                    if served || !(direct || self.pages_only_of(ino, &handle, etag.as_deref())) {
+                        return Err(FsError::ESTALE);
+                    }
+                }
+            }
             // Someone is writing this file: read its current content, staged bytes included.
             let mut st = w.state.lock().await;
             let got = st.read(offset..offset.saturating_add(size as u64)).await;

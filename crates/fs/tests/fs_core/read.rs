@@ -257,6 +257,47 @@ async fn a_version_learnt_after_an_open_is_read_only_where_no_older_page_can_be(
     }
 }
 
+/// A descriptor that read part of a version, once another client's version is learnt and a
+/// writer here opens the file (its state built on that version), gets `ESTALE`, not the rest
+/// from the other version through the writer's state (a copy torn between two versions);
+/// one that has read nothing, and whose pages can hold nothing older, reads the writer's.
+/// Before: the first read on in the other version's bytes.
+#[tokio::test]
+async fn a_reader_never_reads_on_from_another_version_through_a_writers_state() {
+    let e = crate::support::env_with(bucketfs_store::memory::MemoryStore::new(), |c| {
+        bucketfs_fs::FsConfig {
+            stat_ttl: std::time::Duration::ZERO,
+            ..c
+        }
+    });
+    put(&e.mem, "k", b"v1v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let read =
+        e.fs.open(a.ino, libc::O_RDONLY | libc::O_DIRECT)
+            .await
+            .unwrap();
+    let unread =
+        e.fs.open(a.ino, libc::O_RDONLY | libc::O_DIRECT)
+            .await
+            .unwrap();
+    assert_eq!(&e.fs.read(a.ino, read.fh, 0, 2).await.unwrap()[..], b"v1");
+    put(&e.mem, "k", b"v2v2").await;
+    // The writer's open learns v2 and builds its state on it.
+    let w =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_APPEND)
+            .await
+            .unwrap();
+    let r = e.fs.read(a.ino, read.fh, 2, 2).await;
+    assert_eq!(r, Err(FsError(libc::ESTALE)), "read on from v2 after v1");
+    assert_eq!(
+        &e.fs.read(a.ino, unread.fh, 0, 4).await.unwrap()[..],
+        b"v2v2"
+    );
+    for h in [read, unread, w] {
+        e.fs.release(a.ino, h.fh).await.unwrap();
+    }
+}
+
 /// A descriptor that read part of a version keeps serving it from memory (a small file comes
 /// in one GET): once another client's version is learnt, its next read gets `ESTALE` rather
 /// than put more bytes of the old version into the kernel's pages, which a newer open reads.
