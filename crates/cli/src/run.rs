@@ -32,6 +32,10 @@ use tracing::{error, info, warn};
 const S3_MAX_ATTEMPTS: u32 = 1;
 /// Longest the startup access check may take before the endpoint counts as unreachable.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+/// Tries of the startup access check when it fails for a transient reason: a reset
+/// connection or a 503 must not fail the mount, while an endpoint that refuses every
+/// connection (a typo, a server that is down) is still said within about 2 s.
+const CHECK_TRIES: u32 = 4;
 
 /// A mount request after parsing and the checks that need no network.
 struct Plan {
@@ -1243,7 +1247,7 @@ async fn open_raw_store(
             })?;
             let resolved = store.endpoint().map(str::to_string);
             let endpoint = resolved.as_deref().unwrap_or("AWS S3").to_string();
-            match tokio::time::timeout(CHECK_TIMEOUT, store.check_access(prefix)).await {
+            match tokio::time::timeout(CHECK_TIMEOUT, check_access(&store, prefix)).await {
                 Err(_) => {
                     return Err(format!(
                         "cannot reach endpoint {endpoint}: no answer within {} s",
@@ -1259,6 +1263,28 @@ async fn open_raw_store(
             let metrics = metered.metrics();
             metrics.watch_request_slots(slots);
             Ok((Arc::new(metered), metrics, resolved))
+        }
+    }
+}
+
+/// The startup access check, tried again after 250 ms, then twice as long each time, while it
+/// fails for a transient reason, [`CHECK_TRIES`] tries in all.
+async fn check_access(store: &S3Store, prefix: &str) -> Result<(), StoreError> {
+    let mut pause = Duration::from_millis(250);
+    let mut tries = 1;
+    loop {
+        match store.check_access(prefix).await {
+            Err(e) if e.is_transient() && tries < CHECK_TRIES => {
+                warn!(
+                    "bucket access check: {}; trying again in {} ms",
+                    one_line(&e.to_string()),
+                    pause.as_millis()
+                );
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                tries += 1;
+            }
+            r => return r,
         }
     }
 }

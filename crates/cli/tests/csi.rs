@@ -1218,6 +1218,148 @@ fn csi_unpublish_of_a_hung_busy_mount_escalates_after_the_timeout() {
     assert_eq!(state_files(dir.path()), Vec::<PathBuf>::new());
 }
 
+/// A daemon without its mount that the publish did not start (here an admin's `umount -l`
+/// while a file is being written; an unpublish the kubelet cut off or a driver restart leave
+/// the same) is never killed by a publish: it is given as long as a start may take to mount,
+/// then the publish is `UNAVAILABLE` and the daemon goes on to store the file once it is
+/// closed; after it exits, a publish mounts again. Before, the publish killed it (SIGKILL
+/// after 60 s) and the file was lost.
+#[test]
+fn csi_a_publish_never_kills_a_daemon_storing_the_files_of_an_unmount() {
+    let bucket = s3().new_bucket("csi-detached");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let driver = Driver::start(dir.path());
+    let target = dir.path().join("target-d");
+    let vol = format!("{bucket}/v");
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let mut c = Csi::connect(&driver);
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume");
+    let daemon = daemon_of(&target);
+    let mut w = ForeignWriter::start();
+    w.open("f", &target.join("f.bin"));
+    assert_eq!(w.cmd("fill f 3"), "ok");
+    let st = Command::new("umount")
+        .arg("-l")
+        .arg(&target)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert!(!fuse_mounted(&target));
+    let e = c
+        .publish(publish_request(&vol, &target, &ctx, false))
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(
+        alive(daemon),
+        "the publish killed the daemon of the unmount"
+    );
+    assert_eq!(w.cmd("close f"), "ok");
+    let got = s3()
+        .get(&bucket, "v/f.bin")
+        .expect("the file written stored");
+    assert_eq!(got.len(), 3 * MIB);
+    assert!(got.chunks(MIB).all(|b| b == writer_block()));
+    wait_for("the daemon to exit", Duration::from_secs(20), || {
+        !alive(daemon)
+    });
+    c.publish(publish_request(&vol, &target, &ctx, false))
+        .expect("NodePublishVolume once it exited");
+    assert!(fuse_mounted(&target));
+    assert_eq!(fs::read(target.join("f.bin")).unwrap().len(), 3 * MIB);
+    c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
+}
+
+/// A daemon whose record cannot be saved (here a directory in the way of the record's
+/// temporary file; a full state disk does the same) is stopped, not left to mount in no
+/// record: the publish fails with nothing mounted and no daemon left, as a child and as a
+/// systemd unit (killed with `systemctl kill`: before, the unit went on and mounted).
+#[test]
+fn csi_a_daemon_whose_record_cannot_be_saved_is_stopped() {
+    let bucket = s3().new_bucket("csi-norecord");
+    let dir = tempfile::tempdir().unwrap();
+    let _clean = Cleanup(dir.path().to_path_buf());
+    let fake = dir.path().join("fake-bin");
+    fs::create_dir(&fake).unwrap();
+    // A stand-in systemd: `systemd-run` starts the command detached and notes its pid under
+    // the unit's name, `systemctl kill` kills that pid.
+    let script = r#"#!/bin/sh
+here="$(dirname "$0")"
+echo "$(basename "$0") $*" >> "$here/calls"
+if [ "$(basename "$0")" = systemctl ]; then
+  [ "$1" = kill ] && for a; do [ -f "$here/$a.pid" ] && kill -9 "$(cat "$here/$a.pid")"; done
+  exit 0
+fi
+for a; do
+  case "$a" in
+    --property=StandardError=append:*) log="${a#--property=StandardError=append:}";;
+    --unit=*) unit="${a#--unit=}";;
+  esac
+done
+while [ "$1" != "--" ]; do shift; done
+shift
+setsid "$@" >>"$log" 2>&1 </dev/null &
+echo $! > "$here/$unit.pid"
+"#;
+    for name in ["systemd-run", "systemctl"] {
+        fs::write(fake.join(name), script).unwrap();
+        fs::set_permissions(fake.join(name), fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let path = format!(
+        "{}:{}",
+        fake.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let path_env = [("PATH", path.as_str())];
+    let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
+    let vol = format!("{bucket}/v");
+    for (n, extra) in [&[][..], &["--daemons=systemd"][..]]
+        .into_iter()
+        .enumerate()
+    {
+        let state = dir.path().join(format!("run{n}"));
+        fs::create_dir(&state).unwrap();
+        let driver = Driver::launch(&state, "debug", &path_env, extra, None);
+        let target = state.join("target-r");
+        let mut c = Csi::connect(&driver);
+        // The record's name, from a first publish.
+        c.publish(publish_request(&vol, &target, &ctx, false))
+            .expect("NodePublishVolume");
+        let record = state_files(&state)
+            .into_iter()
+            .find(|p| p.extension().is_some_and(|x| x == "toml"))
+            .expect("a record");
+        c.unpublish(&vol, &target).expect("NodeUnpublishVolume");
+        let needle = target.to_string_lossy().to_string();
+        wait_for("the daemon to exit", Duration::from_secs(10), || {
+            processes_mentioning(&needle).is_empty()
+        });
+        fs::create_dir(record.with_extension("tmp")).unwrap();
+        let e = c
+            .publish(publish_request(&vol, &target, &ctx, false))
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");
+        wait_for("no daemon left", Duration::from_secs(10), || {
+            processes_mentioning(&needle).is_empty()
+        });
+        std::thread::sleep(Duration::from_secs(2));
+        assert!(!fuse_mounted(&target), "a daemon in no record mounted");
+        assert!(processes_mentioning(&needle).is_empty());
+        if n == 1 {
+            // Not left to die of its credentials file removed after it (it may have read
+            // it already, or need none).
+            let calls = fs::read_to_string(fake.join("calls")).unwrap();
+            assert!(
+                calls
+                    .lines()
+                    .any(|l| l.starts_with("systemctl kill --signal=SIGKILL bucketfs-csi-")),
+                "{calls}"
+            );
+        }
+    }
+}
+
 /// `--daemons systemd` against a stand-in `systemd-run` (the test machines have no systemd as
 /// PID 1) that starts the command after `--` detached, its output appended where the
 /// `StandardError=append:` property says: the driver names the unit after the target, asks

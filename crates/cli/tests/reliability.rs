@@ -292,6 +292,24 @@ fn second_sigterm_aborts_uploads_and_names_the_files_not_stored() {
 // Network faults through a proxy
 // ---------------------------------------------------------------------------------------------
 
+/// The startup access check is tried again when it fails for a transient reason: a 503 and a
+/// reset connection at the moment of the mount (a store restarting, a load balancer's
+/// hiccup) do not fail it. Before, one such answer failed the mount ("cannot reach endpoint").
+#[test]
+fn a_mount_whose_first_requests_fail_transiently_still_mounts() {
+    let s3 = s3();
+    let b = s3.new_bucket("startretry");
+    s3.put(&b, "f", b"here".to_vec());
+    let proxy = FaultProxy::start(&minio_addr());
+    proxy.slow_down(1);
+    proxy.fail_requests(&format!("GET /{b}"), 1);
+    let m = Mount::start(via_proxy(&b, &proxy)).expect("mount failed on transient errors");
+    assert_eq!(proxy.slowdowns(), 1);
+    assert_eq!(fs::read(m.join("f")).unwrap(), b"here");
+    let log = m.log();
+    assert_eq!(log.matches("bucket access check:").count(), 2, "{log}");
+}
+
 /// 503 SlowDown answers, all connections dropped mid-transfer and response bodies cut short:
 /// every write and read still completes with exact bytes, thanks to the retries.
 #[test]

@@ -126,6 +126,24 @@ impl Launcher {
         format!("bucketfs-csi-{id}.service")
     }
 
+    /// Kills the systemd unit of record `id` (`systemctl kill --signal=SIGKILL`), for a
+    /// daemon given up on before its pid showed: it must not mount later, in no record.
+    /// Nothing for the other kinds, whose daemons are killed by pid.
+    pub fn kill_unit(&self, id: &str) {
+        if self.kind != Kind::Systemd {
+            return;
+        }
+        let unit = Launcher::unit(id);
+        let out = in_host_mount_ns(
+            Command::new("systemctl").args(["kill", "--signal=SIGKILL", unit.as_str()]),
+            self.host,
+        )
+        .and_then(|c| c.output());
+        if let Err(e) = out {
+            tracing::warn!("systemctl kill {unit}: {e}");
+        }
+    }
+
     /// Starts `bin argv...` with stdout and stderr to `log`, stdin /dev/null, only `PATH` in
     /// its environment. Never waits for it (a reaper thread collects children).
     pub fn spawn(&self, id: &str, argv: &[OsString], log: &Path) -> Result<Spawned, String> {

@@ -284,6 +284,30 @@ fn live_pid(r: &Record) -> Option<i32> {
     launch::find_daemon(&r.target)
 }
 
+/// How long process `pid` has run, from /proc (its start in clock ticks after boot).
+fn process_age(pid: i32) -> Option<Duration> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Field 22, counted after the parenthesized command name (field 2).
+    let start: u64 = stat
+        .rsplit(')')
+        .next()?
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()?;
+    let uptime: f64 = fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Some(Duration::from_secs_f64(
+        (uptime - start as f64 / hz).max(0.0),
+    ))
+}
+
 /// Daemons this driver started and has not reaped yet.
 static CHILDREN: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
 
@@ -451,15 +475,23 @@ impl Mounts {
             Some(_) => OnFailure::Keep,
             None => OnFailure::Forget,
         };
-        let r = match starting {
-            Some(r) => self.await_mount(r, 0, on_failure).await,
-            None => match self.write_credentials(&target, creds) {
+        let adopted = match starting {
+            Some(r) => self.await_adopted(&r).await,
+            None => Ok(false),
+        };
+        let still_running = adopted.is_err();
+        let r = match adopted {
+            Ok(true) => Ok(()),
+            Ok(false) => match self.write_credentials(&target, creds) {
                 Ok(()) => self.start(this, on_failure).await,
                 Err(e) => Err(MountError::Internal(e)),
             },
+            Err(e) => Err(e),
         };
         if r.is_err() {
             match pending {
+                // A daemon of the volume still runs: its record and credentials stay.
+                None if still_running => {}
                 // The remount goes on trying, as before this publish.
                 Some(p) => {
                     self.remount_lock().insert(
@@ -564,10 +596,54 @@ impl Mounts {
             if r.pid != 0 {
                 // SAFETY: plain syscall on the daemon just started.
                 unsafe { libc::kill(r.pid, libc::SIGKILL) };
+            } else {
+                self.launcher.kill_unit(&id);
             }
             return Err(MountError::Internal(e));
         }
         self.await_mount(r, log_len, on_failure).await
+    }
+
+    /// Waits for the live daemon of `r`, which this call did not start (a publish the kubelet
+    /// gave up on, or one from before a driver restart), to mount its target: true once it
+    /// has, false once it has exited (a new one is then started). Never kills it: a daemon
+    /// without its mount may be storing the files of an unmount (an unpublish cut off, a
+    /// `umount -l`) rather than starting, and killing it would lose them. One older than
+    /// [`MOUNT_TIMEOUT`] (a start gives up by then), or whose target an unpublish is under
+    /// way for, is not starting: `UNAVAILABLE` at once, as for a starting one not mounted in
+    /// time; the kubelet tries again.
+    async fn await_adopted(&self, r: &Record) -> Result<bool, MountError> {
+        let target = &r.target;
+        let unpublishing = self
+            .unpublishing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(target);
+        loop {
+            if mounted_fstype(target).as_deref().is_some_and(is_fuse) {
+                let _ = self.save(r);
+                self.remount_lock().remove(target);
+                info!(
+                    "mounted {} at {} (daemon pid {}, started by an earlier publish)",
+                    r.source,
+                    target.display(),
+                    r.pid
+                );
+                return Ok(true);
+            }
+            if !daemon_alive(r.pid, target) {
+                return Ok(false);
+            }
+            if unpublishing || process_age(r.pid).is_none_or(|a| a > MOUNT_TIMEOUT) {
+                return Err(MountError::Busy(format!(
+                    "the daemon of {} (pid {}) runs without its mount (starting, or storing \
+                     the files of an unmount); retry once it has mounted or exited",
+                    target.display(),
+                    r.pid
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Waits until the daemon of `r` (started, its log `log_len` bytes long before) mounts
@@ -612,6 +688,8 @@ impl Mounts {
                 if r.pid != 0 {
                     // SAFETY: plain syscall on the daemon just started (or already gone).
                     unsafe { libc::kill(r.pid, libc::SIGKILL) };
+                } else {
+                    self.launcher.kill_unit(&id_of(&target.to_string_lossy()));
                 }
                 let why = fs::read(&log_path)
                     .map(|b| {
