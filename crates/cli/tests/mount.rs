@@ -814,6 +814,40 @@ fn append_overwrite_and_truncate_existing_files() {
     assert_eq!(read_file(&m.join("f")), b"short");
 }
 
+/// `: > f` (an open with `O_TRUNC`) of a file another process holds open for writing: the
+/// truncation is stored at that open's close, as any change through a descriptor is. Before,
+/// the kernel sent it as a SETATTR without the descriptor, which therefore had changed
+/// nothing: the bucket kept the old bytes until the other writer's close (and for good had
+/// the daemon died first). `O_RDONLY|O_TRUNC` truncates too, as on Linux file systems.
+#[test]
+fn an_o_trunc_open_of_a_file_another_process_writes_stores_the_truncation() {
+    let s3 = s3();
+    let b = s3.new_bucket("otrunc");
+    let m = Mount::s3(&b);
+    let p = m.join("app.log");
+    write_file(&p, b"old content\n");
+    let mut w = ForeignWriter::start();
+    assert_eq!(w.cmd(&format!("append a {}", p.display())), "ok");
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&p)
+        .unwrap();
+    close_checked(f).unwrap();
+    assert_eq!(s3.get(&b, "app.log").as_deref(), Some(&b""[..]));
+    assert_eq!(w.cmd("text a more"), "ok");
+    assert_eq!(w.cmd("close a"), "ok");
+    assert_eq!(s3.get(&b, "app.log").as_deref(), Some(&b"more"[..]));
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path; the descriptor is closed right after.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_TRUNC) };
+    assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: the descriptor just opened.
+    assert_eq!(unsafe { libc::close(fd) }, 0);
+    assert_eq!(fs::metadata(&p).unwrap().len(), 0);
+    assert_eq!(s3.get(&b, "app.log").as_deref(), Some(&b""[..]));
+}
+
 #[test]
 fn mmap_read_and_shared_write() {
     use std::os::unix::io::AsRawFd;

@@ -392,8 +392,12 @@ impl Filesystem for FuseFs {
         // Writeback cache stays off: close() must see upload errors and sizes must be exact.
         // Readdirplus (the kernel's adaptive mode: for a directory's first batch, and then only
         // while its entries get looked up) hands `ls -l` the attributes a listing carried.
+        // Atomic O_TRUNC: the open gets O_TRUNC, so the truncation counts as a change of its
+        // descriptor (without it the kernel sends a SETATTR with no file handle, and `: > f`
+        // of a file another process has open for writing was stored only at that one's close).
         for flag in [
             InitFlags::FUSE_ASYNC_READ,
+            InitFlags::FUSE_ATOMIC_O_TRUNC,
             InitFlags::FUSE_PARALLEL_DIROPS,
             InitFlags::FUSE_DO_READDIRPLUS,
             InitFlags::FUSE_READDIRPLUS_AUTO,

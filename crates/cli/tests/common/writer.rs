@@ -33,6 +33,8 @@ for line in sys.stdin:
     try:
         if cmd[0] == "open":
             files[cmd[1]] = open(cmd[2], "wb", buffering=0)
+        elif cmd[0] == "append":
+            files[cmd[1]] = open(cmd[2], "ab", buffering=0)
         elif cmd[0] == "fill":
             for _ in range(int(cmd[2])):
                 files[cmd[1]].write(block)
@@ -60,7 +62,7 @@ for line in sys.stdin:
         }
     }
 
-    /// Runs one command (`open NAME PATH`, `fill NAME MIB`, `text NAME TEXT`, `close NAME`);
+    /// Runs one command (`open NAME PATH`, `append NAME PATH`, `fill NAME MIB`, `text NAME TEXT`, `close NAME`);
     /// returns `ok` or `errno N`.
     pub fn cmd(&mut self, line: &str) -> String {
         use std::io::BufRead;

@@ -16,7 +16,20 @@ type OpenedInode = (
 impl Fs {
     /// `flags` are the open(2) flags.
     pub async fn open(&self, ino: Ino, flags: i32) -> FsResult<OpenReply> {
-        self.open_as(ino, flags, true).await
+        let r = self.open_as(ino, flags, true).await?;
+        if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE == libc::O_RDONLY {
+            // Linux truncates for O_RDONLY|O_TRUNC too; with atomic O_TRUNC the kernel leaves
+            // that to the open (a writable one truncates through its own state).
+            let set = SetAttr {
+                size: Some(0),
+                ..SetAttr::default()
+            };
+            if let Err(e) = self.setattr(ino, None, set).await {
+                let _ = self.release(ino, r.fh).await;
+                return Err(e);
+            }
+        }
+        Ok(r)
     }
 
     /// [`Fs::open`]; `through`: the reply may hand the kernel a local copy (not for `create`,
