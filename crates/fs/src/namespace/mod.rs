@@ -548,9 +548,16 @@ impl Namespace {
                 // A copy pinned to the version it knew, if the inode still knows that one
                 // (not another client's learnt meanwhile): the same bytes.
                 let same = copied.is_some() && i.etag == copied;
+                let pinned = copied.is_some();
                 if let (true, Some(old), Some(new)) = (same, copied, etag.as_deref()) {
                     i.pages.retag(&old, new);
                     retagged.push((ino, old, new.to_string()));
+                } else if pinned && etag.is_some() && i.etag.is_some() {
+                    // Another client's version was learnt while the one before was copied:
+                    // the name holds that one's copy now. A descriptor that read the other
+                    // stops there, and the size (the other's) is asked again.
+                    i.learned_changes += 1;
+                    i.fetched = self.stale_instant().or(i.fetched);
                 }
                 i.etag = etag;
             }

@@ -651,3 +651,56 @@ async fn a_lookup_answered_after_a_change_here_keeps_the_change() {
     fs.release(f.ino, h.fh).await.unwrap();
     assert_eq!(object(&mem, "f").await, b"old\0\0\0\0\0\0\0x");
 }
+
+/// A rename whose copy, pinned to the version this mount knew, is answered after another
+/// client replaced the object and this mount learnt that (an open read it): the renamed
+/// file names the copy of the version before, so the descriptor that read the other
+/// client's version stops (`ESTALE`) instead of reading on from the copy, and `stat` shows
+/// the copy's size. Before: it read on (here: an early end of file), and the size was the
+/// other version's.
+#[tokio::test]
+async fn a_rename_copying_the_version_before_one_learnt_meanwhile_stops_its_readers() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    use std::time::Duration;
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "a", b"v1v1").await;
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let cfg = FsConfig {
+        stat_ttl: Duration::ZERO,
+        ..config(&cache)
+    };
+    let fs = Fs::new(faulty.clone(), cfg);
+    let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
+    faulty.inject(
+        Op::Copy,
+        0,
+        Some(1),
+        Fault::DelayAfter(Duration::from_millis(500)),
+    );
+    let renaming = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            fs.rename(ROOT_INO, OsStr::new("a"), ROOT_INO, OsStr::new("b"), 0)
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    put(&mem, "a", b"v2v2v2v2").await;
+    let h = fs
+        .open(a.ino, libc::O_RDONLY | libc::O_DIRECT)
+        .await
+        .unwrap();
+    assert_eq!(&fs.read(a.ino, h.fh, 0, 4).await.unwrap()[..], b"v2v2");
+    renaming.await.unwrap().unwrap();
+    assert_eq!(object(&mem, "b").await, b"v1v1");
+    let r = fs.read(a.ino, h.fh, 4, 4).await;
+    assert_eq!(
+        r,
+        Err(FsError(libc::ESTALE)),
+        "read on after v2 from the copy of v1"
+    );
+    fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(fs.getattr(a.ino).await.unwrap().size, 4);
+}
