@@ -180,8 +180,9 @@ fn mount_call(call: Result<dropin::S3fsCall, String>, usage: &str) -> i32 {
 /// `f_type` of FUSE file systems.
 const FUSE_SUPER_MAGIC: libc::c_long = 0x6573_5546;
 
-/// `bucketfs refresh`: sets the refresh attribute the mount understands on each path. A path
-/// the mount does not know yet (added by another client) refreshes its directory instead.
+/// `bucketfs refresh`: asks the mount to refresh each path (an ioctl on the path opened for
+/// reading). A path the mount does not know yet (added by another client) refreshes its
+/// directory instead.
 fn refresh(args: &args::RefreshArgs) -> i32 {
     let mut code = 0;
     for p in &args.paths {
@@ -215,6 +216,56 @@ fn set_refresh(p: &Path) -> std::io::Result<()> {
     if st.f_type != FUSE_SUPER_MAGIC {
         return Err(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP));
     }
+    let older = |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::ENOTTY | libc::ENOSYS));
+    match refresh_by_ioctl(p, &path) {
+        // A mount of an older version, or a FIFO or device node (the ioctl never reaches
+        // the mount), or a path this user may not read: the extended attribute, which
+        // needs a writable mount and file. Its error is said if the ioctl's is only that.
+        Err(e)
+            if older(&e)
+                || matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL | libc::EACCES | libc::EPERM | libc::ENXIO)
+                ) =>
+        {
+            set_refresh_xattr(&path).map_err(|x| if older(&e) { x } else { e })
+        }
+        r => r,
+    }
+}
+
+/// Opens `p` for reading and sends it [`bucketfs_fuse::REFRESH_IOCTL`]: read access is all
+/// it needs, on a read-only mount too. `O_DIRECT` for a file, so that a passthrough mount
+/// makes no local copy for this open; `O_NONBLOCK`, so that a FIFO does not wait.
+fn refresh_by_ioctl(p: &Path, path: &std::ffi::CStr) -> std::io::Result<()> {
+    let kind = std::fs::metadata(p)?.file_type();
+    let flags = libc::O_RDONLY
+        | libc::O_NONBLOCK
+        | libc::O_CLOEXEC
+        | if kind.is_dir() {
+            libc::O_DIRECTORY
+        } else if kind.is_file() {
+            libc::O_DIRECT
+        } else {
+            0
+        };
+    // SAFETY: `path` is NUL-terminated; the descriptor is closed below.
+    let fd = unsafe { libc::open(path.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened; the request carries no argument.
+    let rc = unsafe { libc::ioctl(fd, bucketfs_fuse::REFRESH_IOCTL as _) };
+    let r = match rc {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    };
+    // SAFETY: `fd` is ours and closed once.
+    unsafe { libc::close(fd) };
+    r
+}
+
+fn set_refresh_xattr(path: &std::ffi::CStr) -> std::io::Result<()> {
     let name = std::ffi::CString::new(bucketfs_fuse::REFRESH_XATTR)?;
     // SAFETY: both strings are NUL-terminated and the value buffer is valid for 1 byte.
     let rc = unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), b"1".as_ptr().cast(), 1, 0) };

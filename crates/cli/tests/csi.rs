@@ -1280,37 +1280,7 @@ fn csi_a_daemon_whose_record_cannot_be_saved_is_stopped() {
     let bucket = s3().new_bucket("csi-norecord");
     let dir = tempfile::tempdir().unwrap();
     let _clean = Cleanup(dir.path().to_path_buf());
-    let fake = dir.path().join("fake-bin");
-    fs::create_dir(&fake).unwrap();
-    // A stand-in systemd: `systemd-run` starts the command detached and notes its pid under
-    // the unit's name, `systemctl kill` kills that pid.
-    let script = r#"#!/bin/sh
-here="$(dirname "$0")"
-echo "$(basename "$0") $*" >> "$here/calls"
-if [ "$(basename "$0")" = systemctl ]; then
-  [ "$1" = kill ] && for a; do [ -f "$here/$a.pid" ] && kill -9 "$(cat "$here/$a.pid")"; done
-  exit 0
-fi
-for a; do
-  case "$a" in
-    --property=StandardError=append:*) log="${a#--property=StandardError=append:}";;
-    --unit=*) unit="${a#--unit=}";;
-  esac
-done
-while [ "$1" != "--" ]; do shift; done
-shift
-setsid "$@" >>"$log" 2>&1 </dev/null &
-echo $! > "$here/$unit.pid"
-"#;
-    for name in ["systemd-run", "systemctl"] {
-        fs::write(fake.join(name), script).unwrap();
-        fs::set_permissions(fake.join(name), fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    let path = format!(
-        "{}:{}",
-        fake.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
+    let (fake, path) = stand_in_systemd(dir.path());
     let path_env = [("PATH", path.as_str())];
     let ctx = [("bucket", bucket.as_str()), ("prefix", "v")];
     let vol = format!("{bucket}/v");
@@ -1353,11 +1323,49 @@ echo $! > "$here/$unit.pid"
             assert!(
                 calls
                     .lines()
-                    .any(|l| l.starts_with("systemctl kill --signal=SIGKILL bucketfs-csi-")),
+                    .any(|l| l.contains("systemctl kill --signal=SIGKILL bucketfs-csi-")),
                 "{calls}"
             );
         }
     }
+}
+
+/// A stand-in for systemd in `DIR/fake-bin` (the test machines have no systemd as PID 1):
+/// `systemd-run` starts the command after `--` detached, its output appended where the
+/// `StandardError=append:` property says, and notes its pid under the unit's name;
+/// `systemctl kill` kills that pid; every call is appended to `fake-bin/calls`. Returns the
+/// directory and a `PATH` with it first.
+fn stand_in_systemd(dir: &Path) -> (PathBuf, String) {
+    let fake = dir.join("fake-bin");
+    fs::create_dir(&fake).unwrap();
+    let script = r#"#!/bin/sh
+here="$(dirname "$0")"
+echo "$0 $*" >> "$here/calls"
+if [ "$(basename "$0")" = systemctl ]; then
+  [ "$1" = kill ] && for a; do [ -f "$here/$a.pid" ] && kill -9 "$(cat "$here/$a.pid")"; done
+  exit 0
+fi
+for a; do
+  case "$a" in
+    --property=StandardError=append:*) log="${a#--property=StandardError=append:}";;
+    --unit=*) unit="${a#--unit=}";;
+  esac
+done
+while [ "$1" != "--" ]; do shift; done
+shift
+setsid "$@" >>"$log" 2>&1 </dev/null &
+echo $! > "$here/$unit.pid"
+"#;
+    for name in ["systemd-run", "systemctl"] {
+        fs::write(fake.join(name), script).unwrap();
+        fs::set_permissions(fake.join(name), fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let path = format!(
+        "{}:{}",
+        fake.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    (fake, path)
 }
 
 /// `--daemons systemd` against a stand-in `systemd-run` (the test machines have no systemd as
@@ -1370,27 +1378,7 @@ fn csi_systemd_mode_starts_each_daemon_as_a_transient_unit() {
     let bucket = s3().new_bucket("csi-systemd");
     let dir = tempfile::tempdir().unwrap();
     let _clean = Cleanup(dir.path().to_path_buf());
-    let fake = dir.path().join("fake-bin");
-    fs::create_dir(&fake).unwrap();
-    let script = r#"#!/bin/sh
-echo "$0 $*" >> "$(dirname "$0")/calls"
-[ "$(basename "$0")" = systemctl ] && exit 0
-for a; do
-  case "$a" in --property=StandardError=append:*) log="${a#--property=StandardError=append:}";; esac
-done
-while [ "$1" != "--" ]; do shift; done
-shift
-setsid "$@" >>"$log" 2>&1 </dev/null &
-"#;
-    for name in ["systemd-run", "systemctl"] {
-        fs::write(fake.join(name), script).unwrap();
-        fs::set_permissions(fake.join(name), fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    let path = format!(
-        "{}:{}",
-        fake.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
+    let (fake, path) = stand_in_systemd(dir.path());
     let path_env = [("PATH", path.as_str())];
     let mut driver = Driver::launch(dir.path(), "debug", &path_env, &["--daemons=systemd"], None);
     let target = dir.path().join("pods/p/v");

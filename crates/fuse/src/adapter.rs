@@ -17,9 +17,9 @@
 use bucketfs_fs::{Attr, Caller, FileKind, Fs, FsError, Now, SetAttr};
 use fuser::{
     BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    InitFlags, KernelConfig, LockOwner, Notifier, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyWrite, Request, TimeOrNow, WriteFlags,
+    InitFlags, IoctlFlags, KernelConfig, LockOwner, Notifier, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl,
+    ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -98,9 +98,14 @@ fn caller(req: &Request) -> Caller {
     }
 }
 
-/// The adapter the FUSE session drives.
-/// The extended attribute whose setting asks the mount to refresh a path.
+/// The extended attribute whose setting asks the mount to refresh a path (what older
+/// versions of `bucketfs refresh` do).
 pub const REFRESH_XATTR: &str = "user.bucketfs.refresh";
+
+/// The ioctl (`_IO('B', 0xF5)`, no data) on an open file or directory that asks the mount to
+/// refresh it: an open needs only read access and works on a read-only mount, where the
+/// kernel refuses to set [`REFRESH_XATTR`] before the mount sees it.
+pub const REFRESH_IOCTL: u32 = ((b'B' as u32) << 8) | 0xF5;
 
 /// The backing ids handed to the kernel: one per inode, held by each handle using it.
 #[derive(Default)]
@@ -109,6 +114,7 @@ struct Backings {
     by_fh: HashMap<u64, Arc<BackingId>>,
 }
 
+/// The adapter the FUSE session drives.
 pub(crate) struct FuseFs {
     fs: Arc<Fs>,
     /// Passthrough is wanted (not `--no-passthrough`).
@@ -871,6 +877,32 @@ impl Filesystem for FuseFs {
             Self::reply_empty("refresh", self.fs.refresh(ino.0), reply);
         } else {
             reply.error(Errno::EOPNOTSUPP);
+        }
+    }
+
+    /// Only [`REFRESH_IOCTL`] (`bucketfs refresh`); `ENOTTY` for any other, as a file
+    /// system without ioctls answers.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        if cmd != REFRESH_IOCTL {
+            return reply.error(Errno::ENOTTY);
+        }
+        match self.fs.refresh(ino.0) {
+            Ok(()) => {
+                // The kernel's attributes too (setting the attribute made it drop them).
+                invalidate_attr(&Arc::downgrade(&self.notifier), ino.0);
+                reply.ioctl(0, &[]);
+            }
+            Err(e) => reply.error(errno("refresh", e)),
         }
     }
 

@@ -16,5 +16,5 @@
 mod adapter;
 mod mount;
 
-pub use adapter::{file_attr, REFRESH_XATTR};
+pub use adapter::{file_attr, REFRESH_IOCTL, REFRESH_XATTR};
 pub use mount::{absolute, mount, mount_info, unmount_path, MountHandle, MountInfo, MountOptions};
