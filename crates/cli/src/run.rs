@@ -36,6 +36,10 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 /// connection or a 503 must not fail the mount, while an endpoint that refuses every
 /// connection (a typo, a server that is down) is still said within about 2 s.
 const CHECK_TRIES: u32 = 4;
+/// A failure later than this after the check began is said as it is, not tried again (a
+/// resolver or connect timing out would take the tries past [`CHECK_TIMEOUT`], whose
+/// message names no cause).
+const CHECK_RETRY_WITHIN: Duration = Duration::from_secs(5);
 
 /// A mount request after parsing and the checks that need no network.
 struct Plan {
@@ -1268,13 +1272,18 @@ async fn open_raw_store(
 }
 
 /// The startup access check, tried again after 250 ms, then twice as long each time, while it
-/// fails for a transient reason, [`CHECK_TRIES`] tries in all.
+/// fails quickly for a transient reason, [`CHECK_TRIES`] tries in all.
 async fn check_access(store: &S3Store, prefix: &str) -> Result<(), StoreError> {
     let mut pause = Duration::from_millis(250);
     let mut tries = 1;
+    let started = std::time::Instant::now();
     loop {
         match store.check_access(prefix).await {
-            Err(e) if e.is_transient() && tries < CHECK_TRIES => {
+            Err(e)
+                if e.is_transient()
+                    && tries < CHECK_TRIES
+                    && started.elapsed() < CHECK_RETRY_WITHIN =>
+            {
                 warn!(
                     "bucket access check: {}; trying again in {} ms",
                     one_line(&e.to_string()),

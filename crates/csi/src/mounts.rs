@@ -619,6 +619,7 @@ impl Mounts {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains_key(target);
+        let started = Instant::now();
         loop {
             if mounted_fstype(target).as_deref().is_some_and(is_fuse) {
                 let _ = self.save(r);
@@ -634,7 +635,12 @@ impl Mounts {
             if !daemon_alive(r.pid, target) {
                 return Ok(false);
             }
-            if unpublishing || process_age(r.pid).is_none_or(|a| a > MOUNT_TIMEOUT) {
+            // Its age from /proc, and this wait's own (a container's uptime may not be the
+            // host's, and a wrong age must not make the wait endless).
+            let age = process_age(r.pid)
+                .unwrap_or(MOUNT_TIMEOUT)
+                .max(started.elapsed());
+            if unpublishing || age >= MOUNT_TIMEOUT {
                 return Err(MountError::Busy(format!(
                     "the daemon of {} (pid {}) runs without its mount (starting, or storing \
                      the files of an unmount); retry once it has mounted or exited",

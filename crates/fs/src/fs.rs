@@ -808,8 +808,10 @@ impl Fs {
         if let Some(w) = self.files.write_of(ino) {
             if handle.write.is_none() {
                 // A reader opened before another client's version was learnt: the state is
-                // of that version, so only one that cannot have handed out the one before
-                // reads it (as below).
+                // of the file as it is now, so only one that cannot have handed out the
+                // version before reads it (as below, with no writer): its own reader, if
+                // it served any, is of the version the inode names; with none, the
+                // kernel's pages can hold no older version for it.
                 let (learned, etag) = self
                     .ns
                     .table()
@@ -817,8 +819,11 @@ impl Fs {
                     .map(|i| (i.learned_changes, i.etag.clone()))
                     .ok_or(FsError::ENOENT)?;
                 if handle.learned_changes != learned {
-                    let served = reader.lock().await.as_ref().is_some_and(|r| r.has_served());
-                    if served || !(direct || self.pages_only_of(ino, &handle, etag.as_deref())) {
+                    let older = match reader.lock().await.as_ref() {
+                        Some(r) if r.has_served() => r.etag() != etag.as_deref(),
+                        _ => !(direct || self.pages_only_of(ino, &handle, etag.as_deref())),
+                    };
+                    if older {
                         return Err(FsError::ESTALE);
                     }
                 }

@@ -154,8 +154,9 @@ struct Progress {
 impl ListProgress {
     /// Tokens remembered (one per listing in flight is all a check needs).
     const KEPT: usize = 4096;
-    /// Pages in a row that may add no entry (S3 may cut a page short before any).
-    const MAX_IDLE_PAGES: u32 = 1000;
+    /// Pages in a row that may add no entry (S3 may cut a page short before any, as over
+    /// many delete markers of a versioned bucket).
+    const MAX_IDLE_PAGES: u32 = 10_000;
 
     fn of(&self, prefix: &str, token: &str) -> Option<Progress> {
         self.by_token
@@ -2102,7 +2103,7 @@ mod tests {
     /// A gateway whose continuation tokens do not go on: each answer is the first page
     /// again under a new token, or a page of nothing under a new token, for ever; or a
     /// truncated page comes without a token. Each fails (the first when its token leads
-    /// back, the second after 1,000 empty pages) instead of listing for ever, or (the
+    /// back, the second after 10,000 empty pages) instead of listing for ever, or (the
     /// third) of being taken for the last page. Before: only a token answered with itself
     /// was caught, and the third ended the listing there.
     #[tokio::test]
@@ -2119,7 +2120,7 @@ mod tests {
         };
         let two = "<Contents><Key>d/a</Key><Size>1</Size></Contents><Contents><Key>d/b</Key>\
                    <Size>1</Size></Contents>";
-        for (keys, want_pages) in [(two, 2), ("", 1001)] {
+        for (keys, want_pages) in [(two, 2), ("", 10_001)] {
             let n = Arc::new(AtomicUsize::new(0));
             let url = serve({
                 let n = n.clone();

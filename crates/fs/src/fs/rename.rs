@@ -136,10 +136,11 @@ impl Fs {
         if target.is_some() && flags & libc::RENAME_NOREPLACE != 0 {
             return Err(FsError::EEXIST);
         }
-        let (kind, path, size, etag) = {
+        let (kind, path, size, etag, learned) = {
             let t = self.ns.table();
             let i = t.get(src).ok_or(FsError::ENOENT)?;
-            (i.kind, i.path.clone(), i.attr.size, i.etag.clone())
+            let learned = i.learned_changes;
+            (i.kind, i.path.clone(), i.attr.size, i.etag.clone(), learned)
         };
         let write = self.files.write_of(src);
         let new_path = new_parent_path.join(&new_name_s);
@@ -213,6 +214,7 @@ impl Fs {
         };
         let file = RenamedObjects::File {
             copied,
+            learned,
             etag: new_etag,
         };
         let retagged = self.ns.renamed(src, (parent, &path), to, file);

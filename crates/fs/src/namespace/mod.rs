@@ -544,18 +544,22 @@ impl Namespace {
         };
         i.attr.ctime = SystemTime::now();
         match objects {
-            RenamedObjects::File { copied, etag } => {
+            RenamedObjects::File {
+                copied,
+                learned,
+                etag,
+            } => {
                 // A copy pinned to the version it knew, if the inode still knows that one
                 // (not another client's learnt meanwhile): the same bytes.
                 let same = copied.is_some() && i.etag == copied;
-                let pinned = copied.is_some();
                 if let (true, Some(old), Some(new)) = (same, copied, etag.as_deref()) {
                     i.pages.retag(&old, new);
                     retagged.push((ino, old, new.to_string()));
-                } else if pinned && etag.is_some() && i.etag.is_some() {
-                    // Another client's version was learnt while the one before was copied:
-                    // the name holds that one's copy now. A descriptor that read the other
-                    // stops there, and the size (the other's) is asked again.
+                } else if i.learned_changes != learned && etag.is_some() {
+                    // Another client's version was learnt while the one before was copied
+                    // (not a version this mount stored meanwhile): the name holds that
+                    // one's copy now. A descriptor that read the other stops there, and
+                    // the size (the other's) is asked again.
                     i.learned_changes += 1;
                     i.fetched = self.stale_instant().or(i.fetched);
                 }
@@ -786,10 +790,11 @@ impl Namespace {
 
 /// What a rename left in the store of what it moved.
 pub enum RenamedObjects {
-    /// A file: the ETag of the version the rename copied, and its object's now (`None`:
-    /// not stored yet, or not known).
+    /// A file: the ETag of the version the rename copied, the inode's `learned_changes`
+    /// when it was read, and its object's ETag now (`None`: not stored yet, or not known).
     File {
         copied: Option<String>,
+        learned: u64,
         etag: Option<String>,
     },
     /// A directory: the copies of the objects below it, by their new keys.

@@ -630,3 +630,27 @@ async fn a_read_of_a_file_deleted_elsewhere_gets_estale() {
     assert_eq!(r, Err(FsError(libc::ESTALE)));
     e.fs.release(a.ino, h.fh).await.unwrap();
 }
+
+/// A descriptor that found another client's version at its first read (its GET refused, the
+/// new version pinned) and read it, reads on through the state of a writer that opens
+/// afterwards, built on that same version: it never saw another.
+#[tokio::test]
+async fn a_reader_of_the_version_a_writers_state_builds_on_reads_on_through_it() {
+    let e = env();
+    put(&e.mem, "k", b"v1v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let r =
+        e.fs.open(a.ino, libc::O_RDONLY | libc::O_DIRECT)
+            .await
+            .unwrap();
+    put(&e.mem, "k", b"v2v2").await;
+    assert_eq!(&e.fs.read(a.ino, r.fh, 0, 2).await.unwrap()[..], b"v2");
+    let w =
+        e.fs.open(a.ino, libc::O_WRONLY | libc::O_APPEND)
+            .await
+            .unwrap();
+    assert_eq!(&e.fs.read(a.ino, r.fh, 2, 2).await.unwrap()[..], b"v2");
+    for h in [r, w] {
+        e.fs.release(a.ino, h.fh).await.unwrap();
+    }
+}

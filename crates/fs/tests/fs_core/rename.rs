@@ -704,3 +704,55 @@ async fn a_rename_copying_the_version_before_one_learnt_meanwhile_stops_its_read
     fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(fs.getattr(a.ino).await.unwrap().size, 4);
 }
+
+/// A rename waiting for a version this mount is storing (an `fsync` under way, as logrotate
+/// renames a log its writer syncs) copies that version: no other client's change, so a
+/// reader of the file reads on, the file as it is now. (The check for another client's
+/// version learnt meanwhile must not take this mount's own new version for one.)
+#[tokio::test]
+async fn a_rename_waiting_for_this_mounts_own_store_keeps_its_readers_reading() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    use std::time::Duration;
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "log", b"one ").await;
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let fs = Fs::new(faulty.clone(), config(&cache));
+    let a = fs.lookup(ROOT_INO, OsStr::new("log")).await.unwrap();
+    let w = fs
+        .open(a.ino, libc::O_WRONLY | libc::O_APPEND)
+        .await
+        .unwrap();
+    let r = fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(&fs.read(a.ino, r.fh, 0, 4).await.unwrap()[..], b"one ");
+    fs.write(a.ino, w.fh, 4, Bytes::from_static(b"two "))
+        .await
+        .unwrap();
+    faulty.inject(
+        Op::Put,
+        0,
+        Some(1),
+        Fault::Delay(Duration::from_millis(500)),
+    );
+    let syncing = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.fsync(a.ino, w.fh).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fs.rename(
+        ROOT_INO,
+        OsStr::new("log"),
+        ROOT_INO,
+        OsStr::new("log.1"),
+        0,
+    )
+    .await
+    .unwrap();
+    syncing.await.unwrap().unwrap();
+    assert_eq!(object(&mem, "log.1").await, b"one two ");
+    assert_eq!(&fs.read(a.ino, r.fh, 4, 4).await.unwrap()[..], b"two ");
+    for h in [r, w] {
+        fs.release(a.ino, h.fh).await.unwrap();
+    }
+}
