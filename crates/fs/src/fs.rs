@@ -818,7 +818,7 @@ impl Fs {
                     .get(ino)
                     .map(|i| (i.learned_changes, i.etag.clone()))
                     .ok_or(FsError::ENOENT)?;
-                if handle.learned_changes != learned {
+                if handle.learned() != learned {
                     let older = match reader.lock().await.as_ref() {
                         Some(r) if r.has_served() => r.etag() != etag.as_deref(),
                         _ => !(direct || self.pages_only_of(ino, &handle, etag.as_deref())),
@@ -857,7 +857,7 @@ impl Fs {
         }
         let new_reader = |etag, size| self.files.new_reader(key.clone(), etag, size, direct);
         if slot.is_none()
-            && handle.learned_changes != learned
+            && handle.learned() != learned
             && !(!served && (direct || self.pages_only_of(ino, &handle, etag.as_deref())))
         {
             // Another client's version was learnt since the open, and the kernel may have
@@ -865,7 +865,7 @@ impl Fs {
             return Err(FsError::ESTALE);
         }
         if !direct
-            && handle.learned_changes != learned
+            && handle.learned() != learned
             && slot.as_ref().is_some_and(|r| r.etag() != etag.as_deref())
         {
             // Its reader, of the version before another client's learnt since the open, could
@@ -874,13 +874,17 @@ impl Fs {
             return Err(FsError::ESTALE);
         }
         if etag.is_some()
-            && handle.learned_changes == learned
+            && handle.learned() == learned
             && slot.as_ref().is_some_and(|r| r.etag() != etag.as_deref())
         {
             // The version changed through this mount since the reader began (a write
             // published, a chmod's copy): the file is what this mount made it, as on a local
             // disk, and the reader's pin would refuse it.
             served |= slot.take().is_some_and(|r| r.has_served());
+        }
+        if slot.is_none() && !served {
+            // Reads the version the inode names from its first byte on.
+            handle.took_up(learned);
         }
         let r = slot.get_or_insert_with(|| new_reader(etag.clone(), file_size));
         if served {
@@ -914,6 +918,9 @@ impl Fs {
                 break Err(FsError::ESTALE);
             }
             *r = new_reader(etag, len);
+            if let Some(l) = self.ns.table().get(ino).map(|i| i.learned_changes) {
+                handle.took_up(l);
+            }
             match r.read(offset, size).await.map_err(gone_is_stale) {
                 Err(e) if e == FsError::ESTALE && tries < REPIN_TRIES => continue,
                 other => break other,

@@ -54,9 +54,10 @@ pub struct FileHandle {
     /// The open(2) flags.
     pub flags: i32,
     pub reader: Arc<tokio::sync::Mutex<Option<Reader>>>,
-    /// The inode's `learned_changes` at the open: another client's version learnt since is
-    /// read only by a descriptor the kernel cannot have handed pages of the one before.
-    pub learned_changes: u64,
+    /// The inode's `learned_changes` at the open, or when this descriptor, having read
+    /// nothing, took up the version learnt since: another client's version learnt after it
+    /// is read only by a descriptor the kernel cannot have handed pages of the one before.
+    pub learned_changes: Arc<AtomicU64>,
     /// The inode's `page_drops` after the open: while it stays, the inode's `pages` say
     /// every page the kernel may have handed this descriptor.
     pub page_drops: u64,
@@ -77,6 +78,18 @@ impl FileHandle {
         } else {
             offset
         }
+    }
+
+    /// See [`Self::learned_changes`].
+    pub fn learned(&self) -> u64 {
+        self.learned_changes.load(Ordering::Relaxed)
+    }
+
+    /// This descriptor, having read nothing, reads the version the inode knows as of its
+    /// `learned_changes` being `learned`: this mount's own changes after it are no other
+    /// client's to it.
+    pub fn took_up(&self, learned: u64) {
+        self.learned_changes.store(learned, Ordering::Relaxed);
     }
 
     /// A change of the file through this descriptor (see [`Self::changed`]).

@@ -633,7 +633,8 @@ async fn a_read_of_a_file_deleted_elsewhere_gets_estale() {
 
 /// A descriptor that found another client's version at its first read (its GET refused, the
 /// new version pinned) and read it, reads on through the state of a writer that opens
-/// afterwards, built on that same version: it never saw another.
+/// afterwards, built on that same version, and after that writer's fsync and close: it never
+/// saw another version, and this mount's changes are none.
 #[tokio::test]
 async fn a_reader_of_the_version_a_writers_state_builds_on_reads_on_through_it() {
     let e = env();
@@ -650,7 +651,12 @@ async fn a_reader_of_the_version_a_writers_state_builds_on_reads_on_through_it()
             .await
             .unwrap();
     assert_eq!(&e.fs.read(a.ino, r.fh, 2, 2).await.unwrap()[..], b"v2");
-    for h in [r, w] {
-        e.fs.release(a.ino, h.fh).await.unwrap();
-    }
+    e.fs.write(a.ino, w.fh, 4, Bytes::from_static(b"++"))
+        .await
+        .unwrap();
+    e.fs.fsync(a.ino, w.fh).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, r.fh, 0, 8).await.unwrap()[..], b"v2v2++");
+    e.fs.release(a.ino, w.fh).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, r.fh, 0, 8).await.unwrap()[..], b"v2v2++");
+    e.fs.release(a.ino, r.fh).await.unwrap();
 }
