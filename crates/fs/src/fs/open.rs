@@ -16,7 +16,13 @@ type OpenedInode = (
 impl Fs {
     /// `flags` are the open(2) flags.
     pub async fn open(&self, ino: Ino, flags: i32) -> FsResult<OpenReply> {
-        let r = self.open_as(ino, flags, true).await?;
+        self.open_as(ino, flags, true).await
+    }
+
+    /// [`Fs::open`]; `through`: the reply may hand the kernel a local copy (not for `create`,
+    /// whose reply cannot).
+    async fn open_as(&self, ino: Ino, flags: i32, through: bool) -> FsResult<OpenReply> {
+        let r = self.open_handle(ino, flags, through).await?;
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE == libc::O_RDONLY {
             // Linux truncates for O_RDONLY|O_TRUNC too; with atomic O_TRUNC the kernel leaves
             // that to the open (a writable one truncates through its own state).
@@ -32,9 +38,8 @@ impl Fs {
         Ok(r)
     }
 
-    /// [`Fs::open`]; `through`: the reply may hand the kernel a local copy (not for `create`,
-    /// whose reply cannot).
-    async fn open_as(&self, ino: Ino, flags: i32, through: bool) -> FsResult<OpenReply> {
+    /// [`Fs::open_as`] without the truncation an `O_RDONLY|O_TRUNC` open makes.
+    async fn open_handle(&self, ino: Ino, flags: i32, through: bool) -> FsResult<OpenReply> {
         let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
         if writable || flags & libc::O_TRUNC != 0 {
             self.check_writable()?;

@@ -766,3 +766,21 @@ async fn a_partial_rewrite_of_an_object_deleted_meanwhile_is_a_conflict() {
     let _ = e.fs.release(f.ino, h.fh).await;
     assert!(e.mem.head("f").await.is_err(), "nothing stored");
 }
+
+/// `O_RDONLY|O_CREAT|O_TRUNC` of a name that exists by the time the create runs (another
+/// process made it at that instant: the kernel sent a create) truncates it, as the same open
+/// of an existing file does (before: only writable ones did).
+#[tokio::test]
+async fn a_read_only_create_finding_the_file_truncates_it() {
+    let e = env();
+    put(&e.mem, "f", b"content").await;
+    e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let flags = libc::O_RDONLY | libc::O_CREAT | libc::O_TRUNC;
+    let (a, h) =
+        e.fs.create(ROOT_INO, OsStr::new("f"), 0o644, 0, flags, ME)
+            .await
+            .unwrap();
+    assert_eq!(a.size, 0);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&e.mem, "f").await, b"");
+}
