@@ -134,16 +134,51 @@ pub struct S3Store {
     list_progress: parking_lot::Mutex<ListProgress>,
 }
 
-/// Where each of the last [`ListProgress::KEPT`] continuation tokens of LIST answers leads
-/// from: the greatest entry listed before it, and how many pages in a row added none past
-/// it. A store (or a gateway before it) whose token leads back to entries already listed,
-/// or on to pages of nothing for ever, would loop a listing (a `readdir` that never returns,
-/// a DeleteVolume that never ends): such a page is an error instead.
-#[derive(Default)]
-struct ListProgress {
-    by_token: HashMap<(String, String), Progress>,
-    order: std::collections::VecDeque<(String, String)>,
+/// The last `N` entries put, by key: a map that forgets its oldest insertions first.
+struct Recent<K, V, const N: usize> {
+    map: HashMap<K, V>,
+    order: std::collections::VecDeque<K>,
 }
+
+impl<K, V, const N: usize> Default for Recent<K, V, N> {
+    fn default() -> Self {
+        Self {
+            map: HashMap::new(),
+            order: Default::default(),
+        }
+    }
+}
+
+impl<K: std::hash::Hash + Eq + Clone, V, const N: usize> Recent<K, V, N> {
+    fn put(&mut self, k: K, v: V) {
+        if self.map.insert(k.clone(), v).is_none() {
+            self.order.push_back(k);
+            while self.order.len() > N {
+                if let Some(old) = self.order.pop_front() {
+                    self.map.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn get(&self, k: &K) -> Option<&V> {
+        self.map.get(k)
+    }
+
+    fn remove(&mut self, k: &K) {
+        if self.map.remove(k).is_some() {
+            self.order.retain(|o| o != k);
+        }
+    }
+}
+
+/// Where each of the last 4,096 continuation tokens of LIST answers (with their prefix)
+/// leads from: the greatest entry listed before it, and how many pages in a row added none
+/// past it. A store (or a gateway before it) whose token leads back to entries already
+/// listed, or on to pages of nothing for ever, would loop a listing (a `readdir` that never
+/// returns, a DeleteVolume that never ends): such a page is an error instead. One token
+/// per listing in flight is all a check needs.
+type ListProgress = Recent<(String, String), Progress, 4096>;
 
 #[derive(Clone)]
 struct Progress {
@@ -151,31 +186,9 @@ struct Progress {
     idle_pages: u32,
 }
 
-impl ListProgress {
-    /// Tokens remembered (one per listing in flight is all a check needs).
-    const KEPT: usize = 4096;
-    /// Pages in a row that may add no entry (S3 may cut a page short before any, as over
-    /// many delete markers of a versioned bucket).
-    const MAX_IDLE_PAGES: u32 = 10_000;
-
-    fn of(&self, prefix: &str, token: &str) -> Option<Progress> {
-        self.by_token
-            .get(&(prefix.to_string(), token.to_string()))
-            .cloned()
-    }
-
-    fn note(&mut self, prefix: &str, token: &str, p: Progress) {
-        let k = (prefix.to_string(), token.to_string());
-        if self.by_token.insert(k.clone(), p).is_none() {
-            self.order.push_back(k);
-        }
-        while self.order.len() > Self::KEPT {
-            if let Some(old) = self.order.pop_front() {
-                self.by_token.remove(&old);
-            }
-        }
-    }
-}
+/// Pages in a row that may add no entry (S3 may cut a page short before any, as over many
+/// delete markers of a versioned bucket).
+const MAX_IDLE_PAGES: u32 = 10_000;
 
 /// Checks that `page`, asked for after `before` (the progress its token was given at), goes
 /// on past what was listed, and returns the progress its own token leads from.
@@ -196,7 +209,7 @@ fn list_progress(prefix: &str, before: Option<Progress>, page: &ListPage) -> Sto
             )))
         }
         (Some(b), l) if l.is_none_or(|l| l <= b.last.as_str()) => {
-            if b.idle_pages >= ListProgress::MAX_IDLE_PAGES {
+            if b.idle_pages >= MAX_IDLE_PAGES {
                 return Err(StoreError::Other(format!(
                     "list {prefix:?}: {} pages in a row without a new entry",
                     b.idle_pages + 1
@@ -248,13 +261,10 @@ fn test_max_copy_object() -> Option<u64> {
     })
 }
 
-/// The last [`OwnVersions::KEPT`] (key, ETag) pairs this client stored, each with what it
-/// gave the version besides the bytes.
+/// The last 4,096 (key, ETag) pairs this client stored, each with what it gave the version
+/// besides the bytes.
 #[derive(Default)]
-struct OwnVersions {
-    etags: HashMap<String, (String, Own)>,
-    order: std::collections::VecDeque<String>,
-}
+struct OwnVersions(Recent<String, (String, Own), 4096>);
 
 /// What this client gave a version it stored: its whole user metadata and its other
 /// headers.
@@ -283,37 +293,22 @@ impl Own {
 const OWN_KNOWN_FOR: Duration = Duration::from_secs(60);
 
 impl OwnVersions {
-    const KEPT: usize = 4096;
-
     fn made(&mut self, key: &str, etag: &str, own: Own) {
-        if self
-            .etags
-            .insert(key.to_string(), (etag.to_string(), own))
-            .is_none()
-        {
-            self.order.push_back(key.to_string());
-            while self.order.len() > Self::KEPT {
-                if let Some(k) = self.order.pop_front() {
-                    self.etags.remove(&k);
-                }
-            }
-        }
+        self.0.put(key.to_string(), (etag.to_string(), own));
     }
 
     /// What version `etag` of `key` was given, if it is one of these stored less than
     /// [`OWN_KNOWN_FOR`] ago.
     fn get(&self, key: &str, etag: &str) -> Option<Own> {
-        self.etags
-            .get(key)
+        self.0
+            .get(&key.to_string())
             .filter(|(e, o)| e == etag && o.at.elapsed() < OWN_KNOWN_FOR)
             .map(|(_, o)| o.clone())
     }
 
     /// `key` holds a version another client's headers may be on (a copy of one), or none.
     fn forget(&mut self, key: &str) {
-        if self.etags.remove(key).is_some() {
-            self.order.retain(|k| k != key);
-        }
+        self.0.remove(&key.to_string());
     }
 }
 
@@ -1677,11 +1672,13 @@ impl ObjectStore for S3Store {
             );
         }
         let before = token
-            .as_deref()
-            .and_then(|t| self.list_progress.lock().of(prefix, t));
+            .map(|t| (prefix.to_string(), t))
+            .and_then(|k| self.list_progress.lock().get(&k).cloned());
         let progress = list_progress(prefix, before, &page)?;
         if let Some(next) = &page.next_continuation {
-            self.list_progress.lock().note(prefix, next, progress);
+            self.list_progress
+                .lock()
+                .put((prefix.to_string(), next.clone()), progress);
         }
         Ok(page)
     }
