@@ -572,7 +572,8 @@ fn chmod_chown_utimens_keep_the_objects_other_headers() {
 
 /// The same for an object over the CopyObject limit (5 GiB; lowered to 1 MiB here by a
 /// test-only variable), which a chmod or a rename copies in parts: the multipart upload
-/// carried the user metadata only, so a `text/html` object became `binary/octet-stream`.
+/// carried the user metadata only, so a `text/html` object became `binary/octet-stream`;
+/// and its tags, which a single copy keeps by itself.
 #[test]
 fn a_chmod_or_rename_of_an_object_over_the_copy_limit_keeps_its_headers() {
     let b = s3().new_bucket("bigheaders");
@@ -588,6 +589,7 @@ fn a_chmod_or_rename_of_an_object_over_the_copy_limit_keeps_its_headers() {
             .content_disposition("inline; filename=big.html")
             .content_language("en")
             .content_encoding("identity")
+            .tagging(TAGGING)
             .send(),
     )
     .unwrap();
@@ -615,6 +617,7 @@ fn a_chmod_or_rename_of_an_object_over_the_copy_limit_keeps_its_headers() {
     assert_eq!(h.content_disposition(), Some("inline; filename=big.html"));
     assert_eq!(h.content_language(), Some("en"));
     assert_eq!(h.content_encoding(), Some("identity"));
+    assert_eq!(tags(&b, "moved.html"), kept_tags());
     // It was copied in parts (a single copy would have kept them anyway).
     assert!(
         h.e_tag().is_some_and(|e| e.contains('-')),
@@ -707,8 +710,40 @@ fn is_default_type(bucket: &str, key: &str) -> bool {
     )
 }
 
+/// The tags [`put_with_headers`] gives (a lifecycle rule's, and one whose key and value
+/// need encoding), as `x-amz-tagging` says them.
+const TAGGING: &str = "retention=30d&cost%20centre=ml%2Fteam%20a%2Bb%3A1";
+
+/// The tags of `key`, sorted.
+fn tags(bucket: &str, key: &str) -> Vec<(String, String)> {
+    let out = s3()
+        .block_on(
+            s3().client
+                .get_object_tagging()
+                .bucket(bucket)
+                .key(key)
+                .send(),
+        )
+        .unwrap();
+    let mut tags: Vec<(String, String)> = out
+        .tag_set()
+        .iter()
+        .map(|t| (t.key().to_string(), t.value().to_string()))
+        .collect();
+    tags.sort();
+    tags
+}
+
+/// What [`TAGGING`] says.
+fn kept_tags() -> Vec<(String, String)> {
+    vec![
+        ("cost centre".into(), "ml/team a+b:1".into()),
+        ("retention".into(), "30d".into()),
+    ]
+}
+
 /// Puts `key` as another tool would, with every header a version keeps besides its user
-/// metadata that MinIO stores.
+/// metadata that MinIO stores, and tags.
 fn put_with_headers(bucket: &str, key: &str, body: Vec<u8>) {
     s3().block_on(
         s3().client
@@ -722,6 +757,7 @@ fn put_with_headers(bucket: &str, key: &str, body: Vec<u8>) {
             .content_language("en")
             .content_encoding("identity")
             .storage_class(aws_sdk_s3::types::StorageClass::ReducedRedundancy)
+            .tagging(TAGGING)
             .send(),
     )
     .unwrap();
@@ -729,6 +765,12 @@ fn put_with_headers(bucket: &str, key: &str, body: Vec<u8>) {
 
 /// Asserts `key` still has what [`put_with_headers`] gave it.
 fn assert_kept_headers(bucket: &str, key: &str) {
+    assert_kept_headers_but_tags(bucket, key);
+    assert_eq!(tags(bucket, key), kept_tags(), "{key}");
+}
+
+/// Asserts `key` still has the headers [`put_with_headers`] gave it.
+fn assert_kept_headers_but_tags(bucket: &str, key: &str) {
     let h = s3()
         .block_on(s3().client.head_object().bucket(bucket).key(key).send())
         .unwrap();
@@ -748,11 +790,13 @@ fn assert_kept_headers(bucket: &str, key: &str) {
     );
 }
 
-/// A file another tool stored with its own headers keeps them when written again here: an
-/// append, a rewrite from empty (`>`, `O_TRUNC`), a rewrite in place of a big file (in
-/// parts), and the same from a background mount's write-back directory. Each writes a
-/// new version, which S3 gives no header it is not sent: before, every such version came
-/// out an octet stream with no caching, download name or storage class.
+/// A file another tool stored with its own headers and tags keeps them when written again
+/// here: an append, a rewrite from empty (`>`, `O_TRUNC`), a rewrite in place of a big
+/// file (in parts), and the same from a background mount's write-back directory. Each
+/// writes a new version, which S3 gives no header and no tag it is not sent: before, every
+/// such version came out an octet stream with no caching, download name or storage class,
+/// and (until the tags were read too) untagged, out of reach of the lifecycle rules and
+/// policies that select by tag.
 #[test]
 fn files_written_again_keep_the_headers_another_tool_gave_them() {
     let b = s3().new_bucket("rewriteheaders");
@@ -827,4 +871,58 @@ fn a_file_whose_headers_cannot_be_read_is_still_written_again() {
     assert!(proxy.rejected() >= 1, "the headers were not asked for");
     assert_eq!(s3().get(&b, "f.csv").as_deref(), Some(&b"a,b\n1,2\n"[..]));
     assert_eq!(content_type(&b, "f.csv").as_deref(), Some("text/csv"));
+}
+
+/// A tagged file is still written again when its tags cannot be carried: when they cannot
+/// be read (a credential without `s3:GetObjectTagging`; here the test proxy answers the
+/// tag read `403`), and when the store refuses a write that carries them (without
+/// `s3:PutObjectTagging`: the proxy answers a PUT with `x-amz-tagging` `403`). The version
+/// is stored without them, and after the refused write the mount neither reads nor sends
+/// tags again (one refused request, not one per write).
+#[test]
+fn a_tagged_file_whose_tags_cannot_be_carried_is_still_written_again() {
+    let b = s3().new_bucket("untaggable");
+    for key in ["unread.csv", "refused.csv", "later.csv"] {
+        put_with_headers(&b, key, b"a,b\n".to_vec());
+    }
+    let proxy = proxy::FaultProxy::start(&minio_addr());
+    let m = via_proxy(&b, &proxy).mount();
+    let append = |name: &str| {
+        let mut f = OpenOptions::new().append(true).open(m.join(name)).unwrap();
+        f.write_all(b"1,2\n").unwrap();
+        close_checked(f)
+    };
+
+    proxy.reject_with_header(&format!("GET /{b}/unread.csv?tagging"), "host", 403);
+    append("unread.csv").unwrap();
+    assert_eq!(proxy.rejected(), 1, "the tags were not asked for");
+    assert_eq!(
+        s3().get(&b, "unread.csv").as_deref(),
+        Some(&b"a,b\n1,2\n"[..])
+    );
+    assert_eq!(tags(&b, "unread.csv"), vec![]);
+
+    proxy.reject_with_header(&format!("PUT /{b}/"), "x-amz-tagging", 403);
+    append("refused.csv").unwrap();
+    assert_eq!(proxy.rejected(), 2, "the write did not carry the tags");
+    assert_eq!(
+        s3().get(&b, "refused.csv").as_deref(),
+        Some(&b"a,b\n1,2\n"[..])
+    );
+    assert_eq!(tags(&b, "refused.csv"), vec![]);
+
+    append("later.csv").unwrap();
+    drop(m);
+    assert_eq!(proxy.rejected(), 2, "tags were sent again after a refusal");
+    assert!(
+        proxy
+            .request_heads(&format!("GET /{b}/later.csv?tagging"))
+            .is_empty(),
+        "tags were read again after a refusal"
+    );
+    assert_eq!(
+        s3().get(&b, "later.csv").as_deref(),
+        Some(&b"a,b\n1,2\n"[..])
+    );
+    assert_kept_headers_but_tags(&b, "later.csv");
 }

@@ -127,6 +127,12 @@ pub struct S3Store {
     /// A version's headers could not be read (see [`S3Store::headers_to_keep`]) and that
     /// was logged.
     warned_headers: AtomicBool,
+    /// A version's tags could not be read, or a write carrying tags was refused, and that
+    /// was logged.
+    warned_tags: AtomicBool,
+    /// The store refused a write carrying tags (`403`: no `s3:PutObjectTagging`) and took
+    /// it without: later writes neither read nor send tags.
+    no_tag_writes: AtomicBool,
     /// Multipart uploads under way, with the headers they were given: what they make is one
     /// of [`S3Store::own`]'s.
     own_uploads: parking_lot::Mutex<HashMap<String, Own>>,
@@ -315,7 +321,8 @@ impl OwnVersions {
 /// The headers other than the user metadata that a version has and that a new version
 /// replacing it, or a copy of it replacing its user metadata, gives again (S3 keeps none of
 /// them then): Content-Type, Content-Encoding, Content-Language, Content-Disposition,
-/// Cache-Control, the website redirect, the storage class and the KMS encryption.
+/// Cache-Control, the website redirect, the storage class and the KMS encryption; and for
+/// new bytes, its tags.
 #[derive(Clone, Debug, Default, PartialEq)]
 struct KeptHeaders {
     content_type: Option<String>,
@@ -331,6 +338,13 @@ struct KeptHeaders {
     server_side_encryption: Option<aws_sdk_s3::types::ServerSideEncryption>,
     ssekms_key_id: Option<String>,
     bucket_key_enabled: Option<bool>,
+    /// Its tags as a write gives them (`x-amz-tagging`: `k=v&k2=v2`, URL-encoded), or none.
+    /// A copy keeps the source's by itself (S3's default tagging directive), so it sends
+    /// none; a PUT or a multipart upload of new bytes has none unless it sends them.
+    tagging: Option<String>,
+    /// The version has tags that [`Self::tagging`] does not hold: a HEAD counted them and
+    /// they were not read (a copy needs none read), or the version is a copy of such.
+    tags_unread: bool,
 }
 
 impl KeptHeaders {
@@ -363,6 +377,8 @@ impl KeptHeaders {
             server_side_encryption: h.server_side_encryption().cloned(),
             ssekms_key_id: h.ssekms_key_id().map(str::to_string),
             bucket_key_enabled: h.bucket_key_enabled(),
+            tagging: None,
+            tags_unread: h.tag_count().is_some_and(|n| n > 0),
         }
     }
 
@@ -609,6 +625,29 @@ fn refused_condition<E: ProvideErrorMetadata>(
     refused
 }
 
+/// A tag set as `x-amz-tagging` gives it: `k=v&k2=v2`, each key and value URL-encoded;
+/// `None` for an empty one.
+fn encode_tagging(tags: &[aws_sdk_s3::types::Tag]) -> Option<String> {
+    use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+    // Everything but RFC 3986's unreserved characters.
+    const ENCODED: &AsciiSet = &NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'_')
+        .remove(b'.')
+        .remove(b'~');
+    let pairs: Vec<String> = tags
+        .iter()
+        .map(|t| {
+            format!(
+                "{}={}",
+                utf8_percent_encode(t.key(), ENCODED),
+                utf8_percent_encode(t.value(), ENCODED)
+            )
+        })
+        .collect();
+    (!pairs.is_empty()).then(|| pairs.join("&"))
+}
+
 fn to_hashmap(meta: &UserMeta) -> HashMap<String, String> {
     meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
@@ -684,6 +723,7 @@ impl S3Store {
             .body(ByteStream::from(body))
             .set_metadata(Some(to_hashmap(meta)));
         let req = with_headers!(req, headers)
+            .set_tagging(headers.tagging.clone())
             .set_if_match(if_match.filter(|t| *t != IF_ABSENT).map(str::to_string))
             .set_if_none_match((if_match == Some(IF_ABSENT)).then(|| "*".to_string()))
             .customize()
@@ -821,6 +861,8 @@ impl S3Store {
             guess_content_type: cfg.guess_content_type,
             own: Default::default(),
             warned_headers: AtomicBool::new(false),
+            warned_tags: AtomicBool::new(false),
+            no_tag_writes: AtomicBool::new(false),
             own_uploads: Default::default(),
             list_progress: Default::default(),
         })
@@ -901,7 +943,13 @@ impl S3Store {
             return Ok(KeptHeaders::guessed(self.content_type_of(key)));
         };
         match self.headers_to_keep(f.key, f.etag, key).await {
-            Ok(h) => Ok(h.for_new_bytes()),
+            Ok(mut h) => {
+                if h.tags_unread {
+                    h.tagging = self.tags_to_keep(f.key).await?;
+                    h.tags_unread = false;
+                }
+                Ok(h.for_new_bytes())
+            }
             // Not a reason to refuse the write: a credential that may write but not read
             // (s3:PutObject alone), an object encrypted with a key of the client's own
             // (SSE-C). The version gets a new object's headers, as before they were kept.
@@ -917,6 +965,64 @@ impl S3Store {
                 Ok(KeptHeaders::guessed(self.content_type_of(key)))
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// The tags of `key` that a write of new bytes over it gives again (see
+    /// [`KeptHeaders::tagging`]): none when the object has gone, or when they cannot be
+    /// read or written (a credential without `s3:GetObjectTagging` or
+    /// `s3:PutObjectTagging`; logged once): the write is not refused for them.
+    async fn tags_to_keep(&self, key: &str) -> StoreResult<Option<String>> {
+        if self.no_tag_writes.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let out = {
+            let _slot = self.metadata_slot().await;
+            self.client
+                .get_object_tagging()
+                .bucket(&self.bucket)
+                .key(key)
+                .send()
+                .await
+        };
+        match out.map_err(|e| map_err(key, e)) {
+            Ok(o) => Ok(encode_tagging(o.tag_set())),
+            Err(StoreError::NotFound(_)) => Ok(None),
+            Err(e @ (StoreError::AccessDenied(_) | StoreError::Invalid(_))) => {
+                if !self.warned_tags.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{key}: its tags cannot be read ({e}); a version written over a \
+                         tagged object is stored without its tags (logged once)"
+                    );
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether `e`, the answer to a write of `key` sent with `headers`, may be the store
+    /// refusing their tags (`403`): the write is sent again without them (see
+    /// [`Self::took_untagged`]).
+    fn tags_refused<E>(
+        &self,
+        e: &SdkError<E, aws_smithy_runtime_api::http::Response>,
+        headers: &KeptHeaders,
+    ) -> bool {
+        headers.tagging.is_some()
+            && matches!(e, SdkError::ServiceError(se) if se.raw().status().as_u16() == 403)
+    }
+
+    /// A write of `key` refused with its tags was taken without them: later writes send
+    /// none (logged once).
+    fn took_untagged(&self, key: &str) {
+        self.no_tag_writes.store(true, Ordering::Relaxed);
+        if !self.warned_tags.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "write {key}: the store refuses the tags of the version it replaces (403; \
+                 no s3:PutObjectTagging?) and took it without them: versions written over \
+                 tagged objects are stored without their tags (logged once)"
+            );
         }
     }
 
@@ -1228,11 +1334,24 @@ impl ObjectStore for S3Store {
         headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
         let if_match = self.create_condition(key, if_match).await?;
-        let headers = self.headers_of_write(key, headers_from).await?;
-        let out = match self
+        let mut headers = self.headers_of_write(key, headers_from).await?;
+        let mut out = self
             .put_request(key, body.clone(), meta, &headers, if_match)
-            .await
-        {
+            .await;
+        if matches!(&out, Err(e) if self.tags_refused(e, &headers)) {
+            let untagged = KeptHeaders {
+                tagging: None,
+                ..headers.clone()
+            };
+            out = self
+                .put_request(key, body.clone(), meta, &untagged, if_match)
+                .await;
+            if out.is_ok() {
+                self.took_untagged(key);
+                headers = untagged;
+            }
+        }
+        let out = match out {
             Err(e) if if_match == Some(IF_ABSENT) && self.refuses_create_condition(key, &e) => {
                 self.create_condition(key, if_match).await?;
                 self.put_request(key, body, meta, &headers, None).await
@@ -1253,18 +1372,32 @@ impl ObjectStore for S3Store {
         meta: &UserMeta,
         headers_from: Option<HeadersFrom<'_>>,
     ) -> StoreResult<String> {
-        let headers = self.headers_of_write(key, headers_from).await?;
+        let mut headers = self.headers_of_write(key, headers_from).await?;
+        let create = |headers: &KeptHeaders| {
+            let req = self
+                .client
+                .create_multipart_upload()
+                .bucket(&self.bucket)
+                .key(key)
+                .set_metadata(Some(to_hashmap(meta)));
+            with_headers!(req, headers)
+                .set_tagging(headers.tagging.clone())
+                .send()
+        };
         let _slot = self.metadata_slot().await;
-        let req = self
-            .client
-            .create_multipart_upload()
-            .bucket(&self.bucket)
-            .key(key)
-            .set_metadata(Some(to_hashmap(meta)));
-        let out = with_headers!(req, &headers)
-            .send()
-            .await
-            .map_err(|e| map_err(key, e))?;
+        let mut out = create(&headers).await;
+        if matches!(&out, Err(e) if self.tags_refused(e, &headers)) {
+            let untagged = KeptHeaders {
+                tagging: None,
+                ..headers.clone()
+            };
+            out = create(&untagged).await;
+            if out.is_ok() {
+                self.took_untagged(key);
+                headers = untagged;
+            }
+        }
+        let out = out.map_err(|e| map_err(key, e))?;
         let id = out
             .upload_id()
             .map(str::to_string)
@@ -2153,6 +2286,19 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(e, StoreError::Other(_)), "{e:?}");
+    }
+
+    /// Tags go out as `x-amz-tagging` query pairs: every key and value URL-encoded but the
+    /// unreserved characters (a `+` sent bare would come back a space), none for none.
+    #[test]
+    fn tags_are_sent_url_encoded() {
+        use aws_sdk_s3::types::Tag;
+        let tag = |k: &str, v: &str| Tag::builder().key(k).value(v).build().unwrap();
+        assert_eq!(
+            encode_tagging(&[tag("cost centre", "ml/a+b:1"), tag("k-1_.~", "v=é")]).as_deref(),
+            Some("cost%20centre=ml%2Fa%2Bb%3A1&k-1_.~=v%3D%C3%A9")
+        );
+        assert_eq!(encode_tagging(&[]), None);
     }
 
     /// No request has a read timeout: the SDK's runs to the answer's head, which S3 sends

@@ -158,8 +158,9 @@ impl FaultProxy {
     }
 
     /// From now on, every request whose first line starts with `line` and whose head carries
-    /// header `header` (any case) is answered `status` with error code `NotImplemented`
-    /// and not forwarded: a store that does not support that header on that request.
+    /// header `header` (any case) is answered `status` and not forwarded: with error code
+    /// `AccessDenied` for 403 (a credential without the permission the header needs), else
+    /// `NotImplemented` (a store that does not support that header on that request).
     pub fn reject_with_header(&self, line: &str, header: &str, status: u16) {
         *self.state.reject.lock().unwrap() =
             Some((line.to_string(), header.to_ascii_lowercase(), status));
@@ -312,11 +313,16 @@ fn reject(st: &State, chunk: &[u8], client: &mut TcpStream) -> bool {
         }
         _ => return false,
     };
-    let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>NotImplemented</Code>\
-<Message>A header you provided implies functionality that is not implemented (injected by \
-the test proxy).</Message><RequestId>proxy-reject</RequestId></Error>";
+    let (code, reason) = match status {
+        403 => ("AccessDenied", "Forbidden"),
+        _ => ("NotImplemented", "Not Implemented"),
+    };
+    let body = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code>\
+<Message>Refused by the test proxy.</Message><RequestId>proxy-reject</RequestId></Error>"
+    );
     let resp = format!(
-        "HTTP/1.1 {status} Not Implemented\r\nContent-Type: application/xml\r\n\
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n\
          Content-Length: {}\r\nx-amz-request-id: proxy-reject\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
