@@ -322,6 +322,14 @@ const QUEUED_LINES: usize = 4096;
 /// The queue of the mount's log, for [`flush`].
 static QUEUED: OnceLock<Queue> = OnceLock::new();
 
+/// Lines the log dropped (its queue was full) in this process's life, for the metrics.
+static DROPPED_LINES: AtomicU64 = AtomicU64::new(0);
+
+/// Log lines dropped so far because the log did not take them in time.
+pub fn dropped_lines() -> u64 {
+    DROPPED_LINES.load(Ordering::Relaxed)
+}
+
 /// Where the log's thread writes lines.
 enum Sink {
     /// A file or stderr: each line as formatted.
@@ -400,6 +408,7 @@ impl Queue {
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
                 self.state.pending.fetch_sub(1, Ordering::Release);
                 self.state.dropped.fetch_add(1, Ordering::Relaxed);
+                DROPPED_LINES.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -521,6 +530,7 @@ mod tests {
             took: took.clone(),
         };
         let q = Queue::new(Sink::Stream(Box::new(sink)), 16);
+        let dropped_before = dropped_lines();
         let (done_tx, done) = std::sync::mpsc::channel();
         let q2 = q.clone();
         std::thread::spawn(move || {
@@ -540,6 +550,13 @@ mod tests {
         let text = String::from_utf8(took.lock().unwrap().clone()).unwrap();
         assert!(text.contains("log line(s) dropped"), "{text:.200}");
         assert!(text.ends_with("after\n"), "{text:.200}");
+        // The metrics count them (at least those of this queue: tests run side by side).
+        let lines = text.matches("line ").count() as u64;
+        assert!(
+            dropped_lines() - dropped_before >= 5000 - lines,
+            "{} dropped counted, {lines} of 5000 written",
+            dropped_lines() - dropped_before
+        );
     }
 
     #[test]

@@ -77,6 +77,13 @@ impl Counters {
              bucketfs_inodes {}\n",
             (self.inodes)()
         );
+        s += &format!(
+            "# HELP bucketfs_log_lines_dropped_total Log lines dropped because the log (a file, \
+             stderr or syslog) did not take them in time\n\
+             # TYPE bucketfs_log_lines_dropped_total counter\n\
+             bucketfs_log_lines_dropped_total {}\n",
+            crate::logging::dropped_lines()
+        );
         s
     }
 }
