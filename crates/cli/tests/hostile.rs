@@ -46,6 +46,14 @@ fn hostile_names() -> Vec<String> {
         "emoji👨‍👩‍👧",
         "\u{7f}del",
         "\u{1}ctrl",
+        // Only whitespace: at the top of a whole-bucket mount, the key is the name, which
+        // the SDK refuses as a key unless the mount works around it.
+        " ",
+        "\t",
+        "\n",
+        "\u{a0}",
+        "\u{3000}",
+        "\u{2028}",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -95,10 +103,17 @@ fn hostile_names_round_trip_as_files_and_keys() {
         assert_eq!(md.len(), n.len() as u64);
     }
     assert_eq!(listed.len(), 2 * names.len(), "{listed:?}");
-    // Renames keep every byte.
+    // Renames keep every byte, away from each name and back to it.
     for n in &names {
         let to = format!("r{}", prefix(n, 250));
         fs::rename(m.join(n), m.join(&to)).unwrap_or_else(|e| panic!("rename {n:?}: {e}"));
+        fs::rename(m.join(&to), m.join(n)).unwrap_or_else(|e| panic!("rename to {n:?}: {e}"));
+        assert_eq!(
+            s3.get(&b, n).unwrap(),
+            n.as_bytes(),
+            "renamed back to {n:?}"
+        );
+        fs::rename(m.join(n), m.join(&to)).unwrap();
         assert!(s3.head(&b, &to).is_some(), "renamed key {to:?}");
         assert!(s3.head(&b, n).is_none(), "old key {n:?} still there");
         fs::remove_file(m.join(&to)).unwrap();

@@ -4,6 +4,7 @@
 //! [`s3::S3Store`] (any S3-compatible service), [`local::LocalStore`] (a local directory used as a
 //! bucket, the embedded default), [`memory::MemoryStore`] and [`fault::FaultStore`] (tests).
 
+pub mod blank_keys;
 pub mod crash;
 pub mod error;
 pub mod fault;

@@ -1,6 +1,7 @@
 //! The S3 backend on `aws-sdk-s3`: Amazon S3, Alibaba OSS, MinIO, Ceph RGW and any other
 //! S3-compatible store.
 
+use crate::blank_keys::sdk_key;
 use crate::list_encoding::{decode, SanitizeListing};
 use crate::list_meta::{ListCapture, ListMetadata};
 use crate::*;
@@ -719,7 +720,7 @@ impl S3Store {
             .client
             .put_object()
             .bucket(&self.bucket)
-            .key(key)
+            .key(sdk_key(key))
             .body(ByteStream::from(body))
             .set_metadata(Some(to_hashmap(meta)));
         let req = with_headers!(req, headers)
@@ -787,7 +788,7 @@ impl S3Store {
         self.client
             .delete_object()
             .bucket(&self.bucket)
-            .key(key)
+            .key(sdk_key(key))
             .set_if_match(pin.map(str::to_string))
             .send()
             .await
@@ -836,7 +837,8 @@ impl S3Store {
                     .with_max_backoff(Duration::from_secs(5))
             })
             .timeout_config(timeouts(ATTEMPT_BASE))
-            .interceptor(crate::wire::Progress);
+            .interceptor(crate::wire::Progress)
+            .interceptor(crate::blank_keys::BlankKeys);
         if sdk.region().is_none() {
             b = b.region(Region::new("us-east-1"));
         }
@@ -887,7 +889,7 @@ impl S3Store {
         self.client
             .head_object()
             .bucket(&self.bucket)
-            .key(key)
+            .key(sdk_key(key))
             .set_if_match(if_match.map(str::to_string))
             .send()
             .await
@@ -981,7 +983,7 @@ impl S3Store {
             self.client
                 .get_object_tagging()
                 .bucket(&self.bucket)
-                .key(key)
+                .key(sdk_key(key))
                 .send()
                 .await
         };
@@ -1181,7 +1183,7 @@ impl S3Store {
                 .client
                 .get_object()
                 .bucket(&self.bucket)
-                .key(key)
+                .key(sdk_key(key))
                 .range(format!("bytes={}-{}", range.start, range.end - 1))
                 .set_if_match(if_match.map(str::to_string))
                 .customize()
@@ -1378,7 +1380,7 @@ impl ObjectStore for S3Store {
                 .client
                 .create_multipart_upload()
                 .bucket(&self.bucket)
-                .key(key)
+                .key(sdk_key(key))
                 .set_metadata(Some(to_hashmap(meta)));
             with_headers!(req, headers)
                 .set_tagging(headers.tagging.clone())
@@ -1420,7 +1422,7 @@ impl ObjectStore for S3Store {
             .client
             .upload_part()
             .bucket(&self.bucket)
-            .key(key)
+            .key(sdk_key(key))
             .upload_id(upload_id)
             .part_number(part_number as i32)
             .body(ByteStream::from(body))
@@ -1452,7 +1454,7 @@ impl ObjectStore for S3Store {
             .client
             .upload_part_copy()
             .bucket(&self.bucket)
-            .key(key)
+            .key(sdk_key(key))
             .upload_id(upload_id)
             .part_number(part_number as i32)
             .copy_source(copy_source(&self.bucket, src_key))
@@ -1488,7 +1490,7 @@ impl ObjectStore for S3Store {
             self.client
                 .complete_multipart_upload()
                 .bucket(&self.bucket)
-                .key(key)
+                .key(sdk_key(key))
                 .upload_id(upload_id)
                 .multipart_upload(
                     CompletedMultipartUpload::builder()
@@ -1527,7 +1529,7 @@ impl ObjectStore for S3Store {
             .client
             .abort_multipart_upload()
             .bucket(&self.bucket)
-            .key(key)
+            .key(sdk_key(key))
             .upload_id(upload_id)
             .send()
             .await
@@ -1631,7 +1633,7 @@ impl ObjectStore for S3Store {
             .client
             .copy_object()
             .bucket(&self.bucket)
-            .key(dst_key)
+            .key(sdk_key(dst_key))
             .copy_source(copy_source(&self.bucket, src_key))
             .set_copy_source_if_match(src_if_match.map(str::to_string));
         if src_key == dst_key {

@@ -6,6 +6,7 @@ use aws_sdk_s3::config::{
 };
 use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::Client;
+use bucketfs_store::blank_keys::{sdk_key, BlankKeys};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::OnceLock;
 
@@ -43,6 +44,7 @@ pub fn s3() -> &'static S3 {
             .force_path_style(true)
             .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
             .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
+            .interceptor(BlankKeys)
             .build();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -88,7 +90,7 @@ impl S3 {
             .client
             .put_object()
             .bucket(bucket)
-            .key(key)
+            .key(sdk_key(key))
             .body(ByteStream::from(body.into()));
         for (k, v) in meta {
             req = req.metadata(*k, *v);
@@ -106,7 +108,7 @@ impl S3 {
                 client
                     .put_object()
                     .bucket(bucket)
-                    .key(&key)
+                    .key(sdk_key(&key))
                     .body(ByteStream::from(body))
                     .send()
                     .await
@@ -121,8 +123,14 @@ impl S3 {
     /// The object's bytes, or `None` when the key does not exist.
     /// DeleteObject, as another client would.
     pub fn delete(&self, bucket: &str, key: &str) {
-        self.block_on(self.client.delete_object().bucket(bucket).key(key).send())
-            .unwrap_or_else(|e| panic!("DeleteObject {bucket}/{key}: {e:?}"));
+        self.block_on(
+            self.client
+                .delete_object()
+                .bucket(bucket)
+                .key(sdk_key(key))
+                .send(),
+        )
+        .unwrap_or_else(|e| panic!("DeleteObject {bucket}/{key}: {e:?}"));
     }
 
     pub fn get(&self, bucket: &str, key: &str) -> Option<Vec<u8>> {
@@ -131,7 +139,7 @@ impl S3 {
                 .client
                 .get_object()
                 .bucket(bucket)
-                .key(key)
+                .key(sdk_key(key))
                 .send()
                 .await?;
             Ok::<_, aws_sdk_s3::Error>(Some(out.body.collect().await.unwrap().into_bytes()))
@@ -145,7 +153,13 @@ impl S3 {
 
     /// HEAD of a key, or `None` when it does not exist.
     pub fn head(&self, bucket: &str, key: &str) -> Option<Head> {
-        match self.block_on(self.client.head_object().bucket(bucket).key(key).send()) {
+        match self.block_on(
+            self.client
+                .head_object()
+                .bucket(bucket)
+                .key(sdk_key(key))
+                .send(),
+        ) {
             Ok(out) => Some(Head {
                 size: out.content_length().unwrap_or(-1) as u64,
                 meta: out.metadata().cloned().unwrap_or_default(),
@@ -187,14 +201,14 @@ impl S3 {
     pub fn remove_bucket(&self, bucket: &str) {
         let c = &self.client;
         for key in self.list_keys(bucket, "") {
-            self.block_on(c.delete_object().bucket(bucket).key(&key).send())
+            self.block_on(c.delete_object().bucket(bucket).key(sdk_key(&key)).send())
                 .unwrap_or_else(|e| panic!("DeleteObject {bucket}/{key}: {}", err_text(&e)));
         }
         for (key, id) in self.list_multipart_uploads(bucket) {
             let abort = c
                 .abort_multipart_upload()
                 .bucket(bucket)
-                .key(&key)
+                .key(sdk_key(&key))
                 .upload_id(id);
             self.block_on(abort.send()).unwrap_or_else(|e| {
                 panic!("AbortMultipartUpload {bucket}/{key}: {}", err_text(&e))
@@ -240,7 +254,7 @@ pub fn create_upload(bucket: &str, key: &str) -> String {
         s3.client
             .create_multipart_upload()
             .bucket(bucket)
-            .key(key)
+            .key(sdk_key(key))
             .send(),
     )
     .unwrap()
