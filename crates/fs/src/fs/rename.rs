@@ -818,10 +818,19 @@ impl Fs {
         replaced: Option<crate::namespace::markers::Unstored<'_>>,
     ) -> FsResult<Copies> {
         // The marker of a directory replaced is overwritten by the moved one's (its copy,
-        // or the one put below), never deleted first: a rename failing before that leaves
-        // the directory replaced as it was, its attributes included.
-        let copies: Vec<BoxFuture<'_, FsResult<(String, Copied)>>> = objects
-            .iter()
+        // or a new one) after the other copies, never deleted first: a rename failing before
+        // that leaves the directory replaced as it was, its attributes included. With none
+        // replaced, the new marker goes first: a store may refuse it for its new name alone
+        // (MinIO's limit on a marker's name), and refused after the other copies it would
+        // leave part of the tree at each name.
+        let (top, below): (Vec<&ObjectMeta>, Vec<&ObjectMeta>) =
+            objects.iter().partition(|o| *src == *o.key);
+        let mut moved = Vec::with_capacity(objects.len());
+        if replaced.is_none() {
+            moved.extend(self.move_marker(top.first().copied(), dst).await?);
+        }
+        let copies: Vec<BoxFuture<'_, FsResult<(String, Copied)>>> = below
+            .into_iter()
             .map(|o| {
                 let to = format!("{dst}{}", &o.key[src.len()..]);
                 // Each object as listed: its size and version go together.
@@ -837,15 +846,9 @@ impl Fs {
             .collect();
         // A failed copy lets the others finish: one over 5 GiB is multipart, and dropping it
         // would skip its abort.
-        let copies = run_bounded(copies, RENAME_CONCURRENCY).await?;
-        if !objects.iter().any(|o| *src == *o.key) {
-            // An implied directory: give the new one a marker so it exists even if empty.
-            self.store
-                .put(dst, Bytes::new(), &UserMeta::new())
-                .await
-                .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
-        }
+        moved.extend(run_bounded(copies, RENAME_CONCURRENCY).await?);
         if let Some(r) = replaced {
+            moved.extend(self.move_marker(top.first().copied(), dst).await?);
             r.replaced();
         }
         testpoint::reached("rename_dir.copied").await;
@@ -889,7 +892,28 @@ impl Fs {
                 .await
                 .map_err(|e| log_store_err(&format!("delete {}", m.key), e))?;
         }
-        Ok(copies.into_iter().collect())
+        Ok(moved.into_iter().collect())
+    }
+
+    /// The marker `dst` of a directory rename: a copy of `top`, the source's marker, or a
+    /// new one for an implied directory, so that it exists even if empty.
+    async fn move_marker(
+        &self,
+        top: Option<&ObjectMeta>,
+        dst: &ObjectKey,
+    ) -> FsResult<Option<(String, Copied)>> {
+        let Some(o) = top else {
+            self.store
+                .put(dst, Bytes::new(), &UserMeta::new())
+                .await
+                .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
+            return Ok(None);
+        };
+        let etag = self
+            .copy_object(&o.key, dst, o.size, None, o.etag.as_deref())
+            .await?;
+        let (from, size) = (o.etag.clone(), o.size);
+        Ok(Some((dst.to_string(), Copied { from, size, etag })))
     }
 }
 

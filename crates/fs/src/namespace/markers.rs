@@ -6,11 +6,13 @@
 //! PUT per directory. Everything that needs the marker in the bucket waits for it first:
 //! fsyncdir, a listing of its parent, a store lookup of it, chmod and friends, rename, rmdir,
 //! unmount. A marker whose upload failed is sent again by the next of those, which reports
-//! EIO if that fails too, so a failure is never silent.
+//! EIO if that fails too, so a failure is never silent. A marker the store refuses for its
+//! key (a `400`: MinIO's limit on a marker's name) is logged and then no longer waited for:
+//! no try could store it, and every listing above it would fail for good.
 
 use crate::error::{FsError, FsResult};
 use crate::paths::ObjectKey;
-use bucketfs_store::{ObjectStore, UserMeta};
+use bucketfs_store::{ObjectStore, StoreError, UserMeta};
 use bytes::Bytes;
 use futures::future::{BoxFuture, Shared};
 use futures::FutureExt;
@@ -71,10 +73,19 @@ impl PendingMarkers {
                     m.remove(&task_key);
                     Ok(())
                 }
+                Err(e @ StoreError::Invalid(_)) => {
+                    tracing::error!(
+                        "{task_key}: the store refuses this directory marker ({e}); the \
+                         directory is in the bucket only while it holds something"
+                    );
+                    m.remove(&task_key);
+                    // Nothing to wait for: no try could store it.
+                    Ok(())
+                }
                 Err(e) => {
                     tracing::error!(
-                        "mkdir {task_key}: the directory marker could not be stored ({e}); \
-                         it is sent again when the directory is next synced, listed or changed"
+                        "{task_key}: the directory marker could not be stored ({e}); it is \
+                         sent again when the directory is next synced, listed or changed"
                     );
                     m.insert(task_key, Marker::Failed(task_meta));
                     Err(e.to_string())
@@ -220,15 +231,32 @@ mod tests {
     use bucketfs_store::fault::{Fault, FaultStore};
     use bucketfs_store::memory::MemoryStore;
     use bucketfs_store::metrics::Op;
-    use bucketfs_store::StoreError;
 
     /// Markers over a memory store whose next `times` PUTs fail.
     fn failing_puts(times: u64) -> (Arc<MemoryStore>, PendingMarkers) {
+        refused_puts(times, StoreError::Transient("injected".into()))
+    }
+
+    /// Markers over a memory store whose next `times` PUTs fail with `e`.
+    fn refused_puts(times: u64, e: StoreError) -> (Arc<MemoryStore>, PendingMarkers) {
         let mem = Arc::new(MemoryStore::new());
         let fault = Arc::new(FaultStore::new(mem.clone()));
-        let e = StoreError::Transient("injected".into());
         fault.inject(Op::Put, 0, Some(times), Fault::Error(e));
         (mem, PendingMarkers::new(fault))
+    }
+
+    /// A marker the store refuses for its key is logged and not kept: the listings above
+    /// it, which wait for every marker below, go on, the first one too (before: `EIO` for
+    /// good, and every unmount said a file was not stored).
+    #[tokio::test]
+    async fn a_marker_the_store_refuses_for_its_key_is_not_kept() {
+        let (mem, markers) = refused_puts(1, StoreError::Invalid("KeyTooLongError".into()));
+        markers.start("top/long/".into(), UserMeta::new());
+        markers.wait_below(&"top/".into()).await.unwrap();
+        assert_eq!(markers.len(), 0, "kept for a try that cannot succeed");
+        markers.wait_below(&"".into()).await.unwrap();
+        markers.wait_below(&"top/".into()).await.unwrap();
+        assert!(mem.head("top/long/").await.is_err());
     }
 
     #[tokio::test]
