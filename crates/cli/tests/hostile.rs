@@ -10,6 +10,7 @@ use common::*;
 use std::ffi::OsStr;
 use std::fs;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 /// Names that must round-trip byte for byte (as file names and as object keys).
@@ -331,4 +332,42 @@ fn directories_whose_names_cannot_have_a_marker_fail_cleanly() {
     assert_eq!(keys.iter().filter(|k| k.starts_with("src/")).count(), 21);
     let (status, log) = m.unmount();
     assert!(status.is_some_and(|s| s.success()), "{status:?}: {log}");
+}
+
+/// Names ending in `__XLDIR__`: MinIO stores the marker of a directory `foo/` as
+/// `foo__XLDIR__`, so a file of that name is that marker. Making one is refused (`EPERM`:
+/// before, `d/foo__XLDIR__` written became a directory `foo` and its bytes were gone, and
+/// `d/bar__XLDIR__` overwrote the marker of directory `bar`, its mode with it), and looking
+/// one up finds nothing (before: `bar`'s marker, as an empty file).
+#[test]
+fn names_that_are_minio_marker_aliases_are_refused() {
+    let s3 = s3();
+    let b = s3.new_bucket("hostile-xldir");
+    let m = MountSpec::s3(&b, "").mount();
+    fs::create_dir(m.join("d")).unwrap();
+    fs::create_dir(m.join("d/bar")).unwrap();
+    fs::set_permissions(m.join("d/bar"), fs::Permissions::from_mode(0o700)).unwrap();
+    assert_eq!(
+        errno(fs::File::create(m.join("d/foo__XLDIR__"))),
+        libc::EPERM
+    );
+    assert_eq!(errno(fs::metadata(m.join("d/bar__XLDIR__"))), libc::ENOENT);
+    assert_eq!(
+        errno(fs::File::create(m.join("d/bar__XLDIR__"))),
+        libc::EPERM
+    );
+    assert_eq!(errno(fs::create_dir(m.join("d/x__XLDIR__"))), libc::EPERM);
+    write_file(&m.join("d/f"), b"f");
+    assert_eq!(
+        errno(fs::rename(m.join("d/f"), m.join("d/bar__XLDIR__"))),
+        libc::EPERM
+    );
+    let m = m.remount();
+    assert_eq!(
+        list_dir(&m.join("d")),
+        ["bar", "f"].iter().map(|s| s.to_string()).collect()
+    );
+    let md = fs::metadata(m.join("d/bar")).unwrap();
+    assert!(md.is_dir());
+    assert_eq!(md.permissions().mode() & 0o7777, 0o700);
 }

@@ -42,9 +42,11 @@ pub(crate) const MAX_KEY_LEN: usize = 1024;
 /// Times a lookup asks the store again when its directory moved before the answer came.
 const MOVED_TRIES: usize = 3;
 
-/// The name at the mount root that holds files unlinked while open: never a file's.
+/// A name no entry may have: the one at the mount root that holds files unlinked while
+/// open, and any ending with MinIO's name for directory markers (see
+/// [`names::MARKER_ALIAS_SUFFIX`]).
 pub fn is_reserved(parent: Ino, name: &str) -> bool {
-    parent == ROOT_INO && name == UNLINKED_DIR
+    (parent == ROOT_INO && name == UNLINKED_DIR) || name.ends_with(names::MARKER_ALIAS_SUFFIX)
 }
 
 /// Per directory, names made (true) or removed (false) here, with when, oldest first.

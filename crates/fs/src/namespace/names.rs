@@ -17,6 +17,12 @@ pub const NAME_MAX: usize = 255;
 /// created under this name at the root.
 pub const UNLINKED_DIR: &str = ".bucketfs-unlinked";
 
+/// The suffix under which MinIO stores a directory marker `name/` (as the file
+/// `name__XLDIR__`): to MinIO a key ending with it is that marker, so a file of such a name
+/// would be, or overwrite, the directory `name` and its attributes. Names ending with it are
+/// neither shown nor made, on every store.
+pub const MARKER_ALIAS_SUFFIX: &str = "__XLDIR__";
+
 /// Checks a name coming from the kernel and returns it as UTF-8.
 pub fn check_name(name: &OsStr) -> FsResult<&str> {
     let b = name.as_bytes();
@@ -37,6 +43,7 @@ pub fn listable(name: &str) -> bool {
         && name != ".."
         && name.len() <= NAME_MAX
         && !name.contains('\0')
+        && !name.ends_with(MARKER_ALIAS_SUFFIX)
 }
 
 /// Key prefix of the hidden copies of files unlinked while open, for a mount of `prefix`
