@@ -363,3 +363,46 @@ fn a_sync_mount_refuses_when_what_was_left_cannot_be_uploaded() {
         pending(m.path())
     );
 }
+
+/// A chmod or utimens of a file held as a conflict (another client wrote the object after
+/// this mount's version was acknowledged) keeps it a conflict: the change is recorded in
+/// this mount's version, which still never goes over the other client's object (before: the
+/// change made a new version that went over it, and the other client's bytes were gone).
+/// Writing the file again is what stores it over theirs.
+#[test]
+fn a_chmod_of_a_conflict_keeps_the_other_clients_object() {
+    use std::os::unix::fs::PermissionsExt;
+    let b = s3().new_bucket("bgfixc");
+    s3().put(&b, "old", b"theirs v1".to_vec());
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "1"],
+    )
+    .mount();
+    assert_eq!(read_file(&m.join("old")), b"theirs v1");
+    write_file(&m.join("old"), b"ours over v1");
+    s3().put(&b, "old", b"theirs v2".to_vec());
+    wait_for("the conflict", Duration::from_secs(30), || {
+        pending_lines(m.path(), "conflict") == 1
+    });
+    std::fs::set_permissions(m.join("old"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let old = std::fs::File::options()
+        .write(true)
+        .open(m.join("old"))
+        .unwrap();
+    old.set_modified(std::time::UNIX_EPOCH + Duration::from_secs(1_000_000_000))
+        .unwrap();
+    drop(old);
+    // Past the upload delay and a try.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2");
+    wait_for("the conflict again", Duration::from_secs(30), || {
+        pending_lines(m.path(), "conflict") == 1
+    });
+    let md = std::fs::metadata(m.join("old")).unwrap();
+    assert_eq!(md.permissions().mode() & 0o7777, 0o600);
+    let (_, log) = m.unmount();
+    assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2", "{log}");
+}

@@ -926,3 +926,48 @@ fn a_tagged_file_whose_tags_cannot_be_carried_is_still_written_again() {
     );
     assert_kept_headers_but_tags(&b, "later.csv");
 }
+
+/// Background mode: chmod and utimens by path of a file another descriptor holds open for
+/// writing are stored at once when every write is committed (a log file after its fsync;
+/// a file opened `O_RDWR` and not written), so a kill -9 before that descriptor's close
+/// keeps them (before: kept only in memory until the close, and the next mount uploaded
+/// the file with its old mode and mtime; sync mode stored them).
+#[test]
+fn background_chmod_of_a_file_open_for_writing_survives_a_crash() {
+    let b = s3().new_bucket("bgopenmeta");
+    s3().put(&b, "plain", b"p".to_vec());
+    let state = state_dir();
+    let spec = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "600"],
+    );
+    let mut m = spec.mount();
+    let mut log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(m.join("log"))
+        .unwrap();
+    log.write_all(b"line1\n").unwrap();
+    log.sync_all().unwrap();
+    fs::set_permissions(m.join("log"), Permissions::from_mode(0o600)).unwrap();
+    set_times(&m.join("log"), None, Some(1_000_000_000));
+    let plain = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.join("plain"))
+        .unwrap();
+    fs::set_permissions(m.join("plain"), Permissions::from_mode(0o640)).unwrap();
+    m.kill9();
+    drop((log, plain));
+    drop(m);
+    let (status, out) = background(MountSpec::s3(&b, ""), state.path(), &[])
+        .mount()
+        .unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{out}");
+    assert_eq!(s3().get(&b, "log").as_deref(), Some(&b"line1\n"[..]));
+    assert_eq!(stored_mode(&b, "log") & 0o7777, 0o600);
+    assert_eq!(stored_mtime(&b, "log") as i64, 1_000_000_000);
+    assert_eq!(s3().get(&b, "plain").as_deref(), Some(&b"p"[..]));
+    assert_eq!(stored_mode(&b, "plain") & 0o7777, 0o640);
+}

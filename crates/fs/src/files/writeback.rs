@@ -1542,6 +1542,11 @@ impl WriteBack {
     /// the key's entry waiting for upload (not uploading, no conflict), the commit is a
     /// delta over it (see [`Slot::is_delta`]) when the changes are small next to the file:
     /// an fsync of a big file after a few writes stores kilobytes, not the file.
+    ///
+    /// `rewrite`: the bytes changed since `prev` (not only the metadata). Only a rewrite
+    /// after a conflict goes over the other client's version; a chmod or utimens of a file
+    /// held as a conflict stays one.
+    #[allow(clippy::too_many_arguments)]
     pub async fn begin(
         &self,
         key: &str,
@@ -1550,6 +1555,7 @@ impl WriteBack {
         prev: Option<u64>,
         origin: Cond,
         changes: Option<Changes>,
+        rewrite: bool,
     ) -> FsResult<Slot> {
         if let Some(c) = changes {
             if let Some(slot) = self.try_delta(key, size, meta, prev, c).await? {
@@ -1574,7 +1580,7 @@ impl WriteBack {
                                 e.status = Status::Held;
                                 // After a conflict the user wrote the file again: this
                                 // version goes over the other client's.
-                                let (cond, landed) = if e.conflict {
+                                let (cond, landed) = if e.conflict && rewrite {
                                     (Cond::Any, Vec::new())
                                 } else {
                                     (e.cond.clone(), e.landed.clone())
@@ -4235,6 +4241,7 @@ mod tests {
                 None,
                 Cond::Absent,
                 None,
+                true,
             )
             .await
             .unwrap();
@@ -4286,6 +4293,7 @@ mod tests {
                 None,
                 Cond::Absent,
                 None,
+                true,
             )
             .await
             .unwrap();
@@ -4438,7 +4446,7 @@ mod tests {
             None => Cond::Any,
         };
         let mut slot = wb
-            .begin("d", 4, &UserMeta::new(), d, cond, None)
+            .begin("d", 4, &UserMeta::new(), d, cond, None, true)
             .await
             .unwrap();
         slot.write(Bytes::from_static(b"d v3")).await.unwrap();
@@ -4482,7 +4490,7 @@ mod tests {
         assert!(matches!(wb.hold(f).await, Holding::Held { .. }));
         // d written again: begun while its entry still has the move to finish.
         let mut slot = wb
-            .begin("d", 4, &UserMeta::new(), Some(d), Cond::Absent, None)
+            .begin("d", 4, &UserMeta::new(), Some(d), Cond::Absent, None, true)
             .await
             .unwrap();
         store.clear();
@@ -4934,7 +4942,7 @@ mod tests {
     async fn delta(wb: &WriteBack, key: &str, prev: u64, size: u64, c: Changes, b: &[u8]) -> u64 {
         let meta = UserMeta::new();
         let mut slot = wb
-            .begin(key, size, &meta, Some(prev), Cond::Absent, Some(c))
+            .begin(key, size, &meta, Some(prev), Cond::Absent, Some(c), true)
             .await
             .unwrap();
         assert!(slot.is_delta(), "a whole commit");
@@ -5008,7 +5016,7 @@ mod tests {
             let panicked = tokio::spawn(async move {
                 let meta = UserMeta::new();
                 let mut slot = w
-                    .begin("a", 8192, &meta, Some(v1), Cond::Absent, changes)
+                    .begin("a", 8192, &meta, Some(v1), Cond::Absent, changes, true)
                     .await
                     .unwrap();
                 slot.write(Bytes::from_static(b"half")).await.unwrap();
@@ -5045,7 +5053,7 @@ mod tests {
         // The failed one: sealed (valid on disk), then abandoned as a failed sync leaves it.
         let meta = UserMeta::new();
         let mut failed = wb
-            .begin("a", 8192, &meta, Some(w), Cond::Absent, Some(c(0)))
+            .begin("a", 8192, &meta, Some(w), Cond::Absent, Some(c(0)), true)
             .await
             .unwrap();
         assert!(failed.is_delta());

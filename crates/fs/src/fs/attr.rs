@@ -40,16 +40,23 @@ impl Fs {
                 continue;
             }
             // A metadata change to a file whose writers' changes are all stored (its close
-            // came, its release not yet: a forked child holds the descriptor) is stored now,
-            // as for a closed file: queued in the state, it waited for the release, which
-            // stores it as a whole upload whose failure can only be logged.
-            if set.size.is_none()
-                && self.files.writeback().is_none()
-                && !st.has_changes_to_publish()
-                && !st.is_unlinked()
-                && st.base_etag().is_some()
-            {
-                break;
+            // came, its release not yet: a forked child holds the descriptor; or nothing was
+            // written through it) is stored now, as for a closed file: queued in the state,
+            // it waited for the release, which stores it as a whole upload whose failure can
+            // only be logged, and in background mode a crash before then lost it.
+            if set.size.is_none() && !st.has_changes_to_publish() && !st.is_unlinked() {
+                let background = self.files.writeback().is_some();
+                if background && st.committed().is_some() {
+                    // Background mode, every write committed (an fsync): the change is
+                    // committed now over that content, as an fsync would (queued in the
+                    // state, a crash before the writer's close lost it).
+                    let a = self.setattr_state(ino, kind, &mut st, &set, false).await?;
+                    self.persist(ino, &mut st, true).await?;
+                    return Ok(a);
+                }
+                if st.base_etag().is_some() {
+                    break;
+                }
             }
             if let Some(h) = fh.and_then(|fh| self.files.handle(ino, fh).ok()) {
                 h.changes();

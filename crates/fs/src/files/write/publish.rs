@@ -280,8 +280,21 @@ impl WriteState {
                 .ok_or(FsError::EAGAIN)?,
             (true, None) => return Err(FsError::EAGAIN),
             (false, changes) => {
-                wb.begin(&self.key, size, &self.meta, self.committed, origin, changes)
-                    .await?
+                // Only the metadata changed since the last commit (a chmod, a utimens).
+                let meta_only = self.since_commit.as_ref().is_some_and(|since| {
+                    since.written.is_empty() && since.keep == since.committed && size == since.keep
+                });
+                let rewrite = !meta_only;
+                wb.begin(
+                    &self.key,
+                    size,
+                    &self.meta,
+                    self.committed,
+                    origin,
+                    changes,
+                    rewrite,
+                )
+                .await?
             }
         };
         if let Some(e) = early.filter(|_| !slot.is_delta()) {
