@@ -406,3 +406,44 @@ fn a_chmod_of_a_conflict_keeps_the_other_clients_object() {
     let (_, log) = m.unmount();
     assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2", "{log}");
 }
+
+/// Background mode: a directory the bucket holds only through its keys (no marker) whose
+/// last stored file is removed while a file made here waits for upload in it keeps
+/// existing: it gets a marker, so it is still listed (with the file) and `rm -rf` of the
+/// tree above removes the waiting file too, which then never reaches the bucket (before:
+/// the directories vanished from listings, `rm -rf` succeeded without seeing the file, and
+/// the upload brought it back).
+#[test]
+fn a_file_waiting_for_upload_keeps_its_implied_directory() {
+    let b = s3().new_bucket("bgfixd");
+    s3().put(&b, "top/d/x", b"theirs".to_vec());
+    s3().put(&b, "one/x", b"theirs".to_vec());
+    let state = state_dir();
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "600"],
+    )
+    .mount();
+    write_file(&m.join("top/d/a"), b"acked");
+    write_file(&m.join("one/a"), b"acked");
+    std::fs::remove_file(m.join("top/d/x")).unwrap();
+    std::fs::remove_file(m.join("one/x")).unwrap();
+    // A listing waits for the markers made below it.
+    let root = list_dir(m.path());
+    assert!(root.contains("top") && root.contains("one"), "{root:?}");
+    assert!(s3().head(&b, "top/d/").is_some(), "no marker keeps top/d");
+    assert!(s3().head(&b, "one/").is_some(), "no marker keeps one");
+    assert!(list_dir(&m.join("top")).contains("d"));
+    assert!(list_dir(&m.join("top/d")).contains("a"));
+    assert!(list_dir(&m.join("one")).contains("a"));
+    std::fs::remove_dir_all(m.join("top")).unwrap();
+    let (status, log) = m.unmount();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(
+        s3().list_keys(&b, "top/").is_empty(),
+        "{:?}",
+        s3().list_keys(&b, "top/")
+    );
+    assert_eq!(s3().get(&b, "one/a").as_deref(), Some(&b"acked"[..]));
+}

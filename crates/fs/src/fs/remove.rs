@@ -394,24 +394,30 @@ impl Fs {
         if dir == crate::ROOT_INO {
             return;
         }
+        let only_here;
         let path = {
             let t = self.ns.table();
             let Some(i) = t.get(dir) else { return };
             if i.kind != FileKind::Dir || i.has_marker || i.unlinked {
                 return;
             }
-            if !t.children_of(dir).is_empty() {
-                // Entries known here: not empty (as far as the mount can tell cheaply).
+            let children = t.children_of(dir);
+            if children.iter().any(|c| c.fetched.is_some()) {
+                // Entries of the bucket known here: not empty (as far as the mount can
+                // tell cheaply).
                 return;
             }
+            // Entries made here only (files waiting for a background upload) do not keep
+            // it in the bucket meanwhile: it gets a marker if the bucket holds nothing else.
+            only_here = !children.is_empty();
             i.path.clone()
         };
-        if self.ns.listing_holds_entries(dir) == Some(true) {
+        if !only_here && self.ns.listing_holds_entries(dir) == Some(true) {
             return;
         }
         let key = self.ns.dir_key(&path);
         if self.ns.markers.pending(&key)
-            || !matches!(self.ns.dir_is_empty(dir, &path).await, Ok(true))
+            || !matches!(self.ns.bucket_dir_is_empty(&key).await, Ok(true))
         {
             return;
         }

@@ -736,15 +736,21 @@ impl Namespace {
             // A subdirectory made here whose marker is not in the bucket (yet).
             return Ok(false);
         }
+        self.bucket_dir_is_empty(&dir_key).await
+    }
+
+    /// Whether the bucket holds nothing under `dir_key` but an empty marker (one LIST of 2
+    /// keys).
+    pub async fn bucket_dir_is_empty(&self, dir_key: &ObjectKey) -> FsResult<bool> {
         let page = self
             .store
-            .list(&dir_key, None, ListFrom::Start, 2, ListDetail::Plain)
+            .list(dir_key, None, ListFrom::Start, 2, ListDetail::Plain)
             .await
             .map_err(|e| log_store_err(&format!("list {dir_key}"), e))?;
         Ok(page
             .objects
             .iter()
-            .all(|o| dir_key == *o.key && o.size == 0)
+            .all(|o| *dir_key == *o.key && o.size == 0)
             && page.common_prefixes.is_empty())
     }
 
