@@ -368,7 +368,8 @@ fn a_sync_mount_refuses_when_what_was_left_cannot_be_uploaded() {
 /// this mount's version was acknowledged) keeps it a conflict: the change is recorded in
 /// this mount's version, which still never goes over the other client's object (before: the
 /// change made a new version that went over it, and the other client's bytes were gone).
-/// Writing the file again is what stores it over theirs.
+/// Writing the file again is what stores it over theirs. The same after a remount (the
+/// conflict taken up from the state directory).
 #[test]
 fn a_chmod_of_a_conflict_keeps_the_other_clients_object() {
     use std::os::unix::fs::PermissionsExt;
@@ -403,6 +404,23 @@ fn a_chmod_of_a_conflict_keeps_the_other_clients_object() {
     });
     let md = std::fs::metadata(m.join("old")).unwrap();
     assert_eq!(md.permissions().mode() & 0o7777, 0o600);
+    let (_, log) = m.unmount();
+    assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2", "{log}");
+    // The same after a remount, which takes the conflict up from the state directory.
+    let m = background(
+        MountSpec::s3(&b, ""),
+        state.path(),
+        &["--upload-delay", "1"],
+    )
+    .mount();
+    wait_for(
+        "the conflict after a remount",
+        Duration::from_secs(30),
+        || pending_lines(m.path(), "conflict") == 1,
+    );
+    std::fs::set_permissions(m.join("old"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2");
     let (_, log) = m.unmount();
     assert_eq!(s3().get(&b, "old").unwrap(), b"theirs v2", "{log}");
 }

@@ -2,8 +2,10 @@
 //! but the SDK refuses a key whose `trim()` is empty before sending anything ("key was
 //! missing"), so such a file at the top of a whole-bucket mount was listed and could never be
 //! read, written, renamed or deleted (in background mode: acknowledged and never stored).
-//! Such a key goes to the SDK behind a NUL ([`sdk_key`]), which no key bucketfs sends holds,
-//! and [`BlankKeys`] takes the NUL out of the request's path before the request is signed.
+//! Such a key goes to the SDK behind a mark ([`sdk_key`]: a NUL, a 0x01, `bucketfs-blank`,
+//! a NUL), and [`BlankKeys`] takes the mark out of the request's path before the request is
+//! signed. A key of another client holding NULs (copied by a directory rename) is sent as
+//! it is: only that whole sequence is a mark.
 
 use aws_smithy_runtime_api::box_error::BoxError;
 use aws_smithy_runtime_api::client::interceptors::context::BeforeTransmitInterceptorContextMut;
@@ -12,13 +14,15 @@ use aws_smithy_runtime_api::client::runtime_components::RuntimeComponents;
 use aws_smithy_types::config_bag::ConfigBag;
 use std::borrow::Cow;
 
-/// How the SDK's path encoding writes the NUL [`sdk_key`] puts first.
-const MARK: &str = "/%00";
+/// What [`sdk_key`] puts before a blank key.
+const MARK: &str = "\0\u{1}bucketfs-blank\0";
+/// [`MARK`] after a `/`, as the SDK's path encoding writes it.
+const PATH_MARK: &str = "/%00%01bucketfs-blank%00";
 
-/// `key` as it is given to the SDK: behind a NUL when it is all whitespace.
+/// `key` as it is given to the SDK: behind [`MARK`] when it is all whitespace.
 pub fn sdk_key(key: &str) -> Cow<'_, str> {
     match !key.is_empty() && key.trim().is_empty() {
-        true => Cow::Owned(format!("\0{key}")),
+        true => Cow::Owned(format!("{MARK}{key}")),
         false => Cow::Borrowed(key),
     }
 }
@@ -46,11 +50,11 @@ impl Intercept for BlankKeys {
     }
 }
 
-/// `uri` without the NUL that starts its key, if one does (never in the query).
+/// `uri` without the [`MARK`] that starts its key, if one does (never in the query).
 fn unmarked(uri: &str) -> Option<String> {
     let path_end = uri.find('?').unwrap_or(uri.len());
-    let at = uri[..path_end].find(MARK)?;
-    Some(format!("{}/{}", &uri[..at], &uri[at + MARK.len()..]))
+    let at = uri[..path_end].find(PATH_MARK)?;
+    Some(format!("{}/{}", &uri[..at], &uri[at + PATH_MARK.len()..]))
 }
 
 #[cfg(test)]
@@ -63,16 +67,22 @@ mod tests {
         assert_eq!(sdk_key(" x"), " x");
         assert_eq!(sdk_key(""), "");
         for blank in [" ", "\t", "\n", "\u{a0}", "\u{3000}", "\u{2028} "] {
-            assert_eq!(sdk_key(blank), format!("\0{blank}"));
+            assert_eq!(sdk_key(blank), format!("{MARK}{blank}"));
         }
         assert_eq!(
-            unmarked("http://h:9000/b/%00%20?x-id=PutObject").as_deref(),
+            unmarked("http://h:9000/b/%00%01bucketfs-blank%00%20?x-id=PutObject").as_deref(),
             Some("http://h:9000/b/%20?x-id=PutObject")
         );
         assert_eq!(
-            unmarked("https://b.s3.amazonaws.com/%00%C2%A0?tagging").as_deref(),
+            unmarked("https://b.s3.amazonaws.com/%00%01bucketfs-blank%00%C2%A0?tagging").as_deref(),
             Some("https://b.s3.amazonaws.com/%C2%A0?tagging")
         );
-        assert_eq!(unmarked("http://h/b/a%20b?prefix=%2F%00"), None);
+        // Not in the query; not a key of another client holding NULs.
+        assert_eq!(
+            unmarked("http://h/b/a%20b?prefix=%2F%00%01bucketfs-blank%00"),
+            None
+        );
+        assert_eq!(unmarked("http://h/b/d/%00x"), None);
+        assert_eq!(unmarked("http://h/b/d/%00%20"), None);
     }
 }

@@ -32,7 +32,22 @@ pub enum StoreError {
     Other(String),
 }
 
+/// What stores answer for a key they cannot hold (AWS's, MinIO's for a name it cannot
+/// store, the local store's), as the error's text says it.
+const KEY_REFUSALS: [&str; 4] = [
+    "KeyTooLong",
+    "XMinioInvalidObjectName",
+    "InvalidObjectName",
+    "cannot be stored in a local directory",
+];
+
 impl StoreError {
+    /// The store refuses the key itself: no try of the same key can succeed (unlike any
+    /// other `400`, which a setting of the bucket or the request may cause).
+    pub fn refuses_key(&self) -> bool {
+        matches!(self, StoreError::Invalid(d) if KEY_REFUSALS.iter().any(|c| d.contains(c)))
+    }
+
     pub fn is_not_found(&self) -> bool {
         matches!(self, StoreError::NotFound(_))
     }

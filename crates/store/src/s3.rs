@@ -1003,16 +1003,18 @@ impl S3Store {
         }
     }
 
-    /// Whether `e`, the answer to a write of `key` sent with `headers`, may be the store
-    /// refusing their tags (`403`): the write is sent again without them (see
+    /// Whether `e`, the answer to a write sent with `headers`, may be the store refusing
+    /// their tags (`403 AccessDenied`): the write is sent again without them (see
     /// [`Self::took_untagged`]).
-    fn tags_refused<E>(
+    fn tags_refused<E: ProvideErrorMetadata>(
         &self,
         e: &SdkError<E, aws_smithy_runtime_api::http::Response>,
         headers: &KeptHeaders,
     ) -> bool {
+        // Not a clock skew or a signature error, which are 403s too.
         headers.tagging.is_some()
-            && matches!(e, SdkError::ServiceError(se) if se.raw().status().as_u16() == 403)
+            && matches!(e, SdkError::ServiceError(se)
+                if se.raw().status().as_u16() == 403 && se.err().code() == Some("AccessDenied"))
     }
 
     /// A write of `key` refused with its tags was taken without them: later writes send

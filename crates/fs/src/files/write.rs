@@ -421,6 +421,10 @@ pub struct WriteState {
     /// Background mode: what changed since that commit made the content, for a delta
     /// commit; None: not known (no commit yet, or the entry was made otherwise).
     since_commit: Option<SinceCommit>,
+    /// Background mode: bytes were written or the size changed since the content was last
+    /// committed or stored (or since the state was made): a commit now is a rewrite, which
+    /// may go over another client's version after a conflict; a chmod's is not.
+    bytes_changed: bool,
     /// The staging file is that entry's file: it is read, and copied before a change.
     staging_shared: bool,
     /// Where the file's bytes start in a shared staging file (a segment record's).
@@ -530,6 +534,7 @@ impl WriteState {
             committed: None,
             committed_etag: None,
             since_commit: None,
+            bytes_changed: false,
             staging_shared: false,
             staging_offset: 0,
         }
@@ -718,6 +723,7 @@ impl WriteState {
 
     /// Bookkeeping of bytes `r` just written.
     fn wrote(&mut self, r: Range<u64>) {
+        self.bytes_changed = true;
         if let Some(since) = &mut self.since_commit {
             since.written.insert(r.clone());
         }
@@ -1068,6 +1074,7 @@ impl WriteState {
             // copy the whole object server-side (fio reopens its files this way).
             return Ok(());
         }
+        self.bytes_changed = true;
         // The part where the old and new sizes meet is sent again: its kept bytes are needed.
         let edge = size.min(old);
         let part = self.cfg.layout.bounds(self.cfg.layout.index_of(edge));

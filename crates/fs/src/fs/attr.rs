@@ -49,12 +49,14 @@ impl Fs {
                 if background && st.committed().is_some() {
                     // Background mode, every write committed (an fsync): the change is
                     // committed now over that content, as an fsync would (queued in the
-                    // state, a crash before the writer's close lost it).
-                    let a = self.setattr_state(ino, kind, &mut st, &set, false).await?;
-                    self.persist(ino, &mut st, true).await?;
-                    return Ok(a);
-                }
-                if st.base_etag().is_some() {
+                    // state, a crash before the writer's close lost it). A closed file's
+                    // state, kept for its upload, is committed below, unparked.
+                    if self.files.writers(ino) > 0 {
+                        let a = self.setattr_state(ino, kind, &mut st, &set, false).await?;
+                        self.persist(ino, &mut st, true).await?;
+                        return Ok(a);
+                    }
+                } else if st.base_etag().is_some() {
                     break;
                 }
             }

@@ -7,12 +7,13 @@
 //! fsyncdir, a listing of its parent, a store lookup of it, chmod and friends, rename, rmdir,
 //! unmount. A marker whose upload failed is sent again by the next of those, which reports
 //! EIO if that fails too, so a failure is never silent. A marker the store refuses for its
-//! key (a `400`: MinIO's limit on a marker's name) is logged and then no longer waited for:
+//! key (MinIO's limit on a marker's name: `XMinioInvalidObjectName`; `KeyTooLongError`) is
+//! logged and then no longer waited for:
 //! no try could store it, and every listing above it would fail for good.
 
 use crate::error::{FsError, FsResult};
 use crate::paths::ObjectKey;
-use bucketfs_store::{ObjectStore, StoreError, UserMeta};
+use bucketfs_store::{ObjectStore, UserMeta};
 use bytes::Bytes;
 use futures::future::{BoxFuture, Shared};
 use futures::FutureExt;
@@ -73,7 +74,7 @@ impl PendingMarkers {
                     m.remove(&task_key);
                     Ok(())
                 }
-                Err(e @ StoreError::Invalid(_)) => {
+                Err(e) if e.refuses_key() => {
                     tracing::error!(
                         "{task_key}: the store refuses this directory marker ({e}); the \
                          directory is in the bucket only while it holds something"
@@ -231,6 +232,7 @@ mod tests {
     use bucketfs_store::fault::{Fault, FaultStore};
     use bucketfs_store::memory::MemoryStore;
     use bucketfs_store::metrics::Op;
+    use bucketfs_store::StoreError;
 
     /// Markers over a memory store whose next `times` PUTs fail.
     fn failing_puts(times: u64) -> (Arc<MemoryStore>, PendingMarkers) {
@@ -250,13 +252,20 @@ mod tests {
     /// good, and every unmount said a file was not stored).
     #[tokio::test]
     async fn a_marker_the_store_refuses_for_its_key_is_not_kept() {
-        let (mem, markers) = refused_puts(1, StoreError::Invalid("KeyTooLongError".into()));
+        let e = StoreError::Invalid("400 XMinioInvalidObjectName Object name contains...".into());
+        let (mem, markers) = refused_puts(1, e);
         markers.start("top/long/".into(), UserMeta::new());
         markers.wait_below(&"top/".into()).await.unwrap();
         assert_eq!(markers.len(), 0, "kept for a try that cannot succeed");
         markers.wait_below(&"".into()).await.unwrap();
         markers.wait_below(&"top/".into()).await.unwrap();
         assert!(mem.head("top/long/").await.is_err());
+        // Any other 400 (a setting of the bucket, a malformed request) stays a failure.
+        let e = StoreError::Invalid("400 InvalidRequest Content-MD5 required".into());
+        let (_, markers) = refused_puts(1, e);
+        markers.start("other/".into(), UserMeta::new());
+        assert_eq!(markers.wait_below(&"".into()).await, Err(FsError::EIO));
+        assert_eq!(markers.len(), 1);
     }
 
     #[tokio::test]

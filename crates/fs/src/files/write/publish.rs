@@ -104,6 +104,7 @@ impl WriteState {
         // The object is this content now: the next commit builds on it, not on an entry.
         self.committed = None;
         self.since_commit = None;
+        self.bytes_changed = false;
         Ok(())
     }
 
@@ -180,6 +181,7 @@ impl WriteState {
             }
         }
         self.since_commit = Some(SinceCommit::new(size));
+        self.bytes_changed = false;
         // Every byte is committed: an error deferred from shipping one part is over.
         self.deferred_err = None;
         Ok(())
@@ -280,11 +282,8 @@ impl WriteState {
                 .ok_or(FsError::EAGAIN)?,
             (true, None) => return Err(FsError::EAGAIN),
             (false, changes) => {
-                // Only the metadata changed since the last commit (a chmod, a utimens).
-                let meta_only = self.since_commit.as_ref().is_some_and(|since| {
-                    since.written.is_empty() && since.keep == since.committed && size == since.keep
-                });
-                let rewrite = !meta_only;
+                // Not when only the metadata changed (a chmod, a utimens).
+                let rewrite = self.bytes_changed;
                 wb.begin(
                     &self.key,
                     size,
