@@ -21,6 +21,7 @@ use bucketfs_store::retry::{RetryMetrics, RetryPolicy, RetryStore};
 use bucketfs_store::s3::{S3Config, S3Store};
 use bucketfs_store::tls::{load_ca_bundle, TlsTrust};
 use bucketfs_store::{ObjectStore, StoreError};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -119,6 +120,16 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
             ));
         }
     }
+    for (what, p) in [
+        ("cache dir", Some(settings.cache_dir.as_path())),
+        ("data cache", settings.data_cache.as_deref()),
+        ("state dir", settings.state_dir.as_deref()),
+        ("log file", settings.log_file.as_deref()),
+    ] {
+        if let Some(p) = p {
+            check_links(what, p)?;
+        }
+    }
     // Paths are made absolute before the daemon moves to `/`.
     settings.cache_dir = absolute(&settings.cache_dir);
     settings.data_cache = settings.data_cache.as_deref().map(absolute);
@@ -182,16 +193,18 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
 /// The daemon's own files (`own`: what, where, absolute) lie outside the mount point, which
 /// would hide them once mounted and send the daemon's own I/O through itself, and outside a
 /// local source directory, where they would show as the bucket's files.
+/// Each is checked where it leads (a link to the mount point is inside it).
 fn check_own_paths(
     own: &[(&str, &Path)],
     mountpoint: &Path,
     target: &Target,
 ) -> Result<(), String> {
-    for (what, p) in own {
+    for (what, given) in own {
+        let p = &resolved(given);
         if p.starts_with(mountpoint) {
             return Err(format!(
                 "{what} {} is inside the mount point {}: give one outside it",
-                p.display(),
+                given.display(),
                 mountpoint.display()
             ));
         }
@@ -203,6 +216,53 @@ fn check_own_paths(
                     dir.display()
                 ));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Where absolute path `p` leads: its links resolved (a dangling one too: what it names is
+/// made through it), the rest (to be made) as given.
+fn resolved(p: &Path) -> PathBuf {
+    resolved_within(p, 40)
+}
+
+/// [`resolved`], following `links` more links at most (a loop of them ends).
+fn resolved_within(p: &Path, links: u32) -> PathBuf {
+    if let Ok(real) = p.canonicalize() {
+        return real;
+    }
+    if let (Ok(to), Some(dir), true) = (std::fs::read_link(p), p.parent(), links > 0) {
+        return resolved_within(&dir.join(to), links - 1);
+    }
+    match (p.parent(), p.file_name()) {
+        (Some(parent), Some(name)) => resolved_within(parent, links).join(name),
+        _ => p.to_path_buf(),
+    }
+}
+
+/// Refuses `p` (one of the daemon's own paths, as given) when a link on the way to it is
+/// another user's: that user chose where the daemon (root, often) makes and writes its
+/// files, and may point it into a mount or another file system at any time.
+fn check_links(what: &str, p: &Path) -> Result<(), String> {
+    let p = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir().unwrap_or_default().join(p)
+    };
+    let me = uid();
+    for a in p.ancestors() {
+        let Ok(md) = std::fs::symlink_metadata(a) else {
+            continue;
+        };
+        if md.file_type().is_symlink() && md.uid() != me && md.uid() != 0 {
+            return Err(format!(
+                "{what} {}: {} on the way is a link of user {}: give a path whose links are \
+                 this user's or root's",
+                p.display(),
+                a.display(),
+                md.uid()
+            ));
         }
     }
     Ok(())
@@ -820,7 +880,6 @@ fn uid() -> u32 {
 /// Whether `dir` is a real directory of this user that nobody else can enter (`mask` 0o077)
 /// or change (`mask` 0o022).
 fn owned_by_us(dir: &Path, mask: u32) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
     let md = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     if md.is_dir() && md.uid() == uid() && md.mode() & mask == 0 {
         return Ok(());

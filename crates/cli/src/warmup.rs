@@ -11,7 +11,7 @@
 
 use crate::args::WarmupArgs;
 use crate::metrics_http::stats_socket;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{IsTerminal, Read};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -48,8 +48,38 @@ struct CacheCounts {
     skipped: u64,
     /// Blocks given to the writers and not written yet.
     queued: u64,
+    /// Files evicted (blocks, whole copies).
+    evicted: u64,
     /// Any of the mounts has a data cache.
     any: bool,
+}
+
+/// The size of mount `m`'s data cache (0: none, or its daemon does not answer).
+fn cache_limit(m: &Path) -> u64 {
+    crate::stats::fetch(&stats_socket(m))
+        .ok()
+        .and_then(|s| s.get("bucketfs_data_cache_limit_bytes").copied())
+        .unwrap_or(0.0) as u64
+}
+
+/// The mounts (of `bytes`: mount and the bytes of the files to warm there) whose data cache
+/// cannot hold those files, said on stderr: warming them evicts what it warmed first.
+fn too_big(bytes: &BTreeMap<PathBuf, u64>) -> bool {
+    let mut any = false;
+    for (m, &n) in bytes {
+        let limit = cache_limit(m);
+        if limit > 0 && n > limit {
+            eprintln!(
+                "bucketfs: warmup: the files to warm in {} take {:.1} MB, more than its data \
+                 cache holds ({:.1} MB, --data-cache-size): only the last read stay in it",
+                m.display(),
+                n as f64 / 1e6,
+                limit as f64 / 1e6
+            );
+            any = true;
+        }
+    }
+    any
 }
 
 fn cache_counts(mounts: &BTreeSet<PathBuf>) -> CacheCounts {
@@ -61,6 +91,7 @@ fn cache_counts(mounts: &BTreeSet<PathBuf>) -> CacheCounts {
             c.served += get("bucketfs_passthrough_bytes_total");
             c.skipped += get("bucketfs_data_cache_skipped_total");
             c.queued += get("bucketfs_data_cache_queued_blocks");
+            c.evicted += get("bucketfs_data_cache_evictions_total");
             c.any |= get("bucketfs_data_cache_limit_bytes") > 0;
         }
     }
@@ -181,10 +212,15 @@ pub fn run(args: &WarmupArgs) -> i32 {
     let mut files = Vec::new();
     let mut errors = Vec::new();
     let mut mounts = BTreeSet::new();
+    let mut bytes_in = BTreeMap::new();
     for p in &args.paths {
         let p = bucketfs_fuse::absolute(p);
+        let before = files.len();
         match mount_of(&p) {
             Some(m) => {
+                collect(&p, &mut files, &mut errors);
+                *bytes_in.entry(m.clone()).or_default() +=
+                    files[before..].iter().map(|f| f.1).sum::<u64>();
                 mounts.insert(m);
             }
             None => {
@@ -195,7 +231,6 @@ pub fn run(args: &WarmupArgs) -> i32 {
                 return 1;
             }
         }
-        collect(&p, &mut files, &mut errors);
     }
     let count = files.len();
     let first = cache_counts(&mounts);
@@ -210,6 +245,7 @@ pub fn run(args: &WarmupArgs) -> i32 {
                 .join(", ")
         );
     }
+    let overflow = too_big(&bytes_in);
     let tty = std::io::stderr().is_terminal();
     let (read, failed) = read_pass(&files, args.jobs, tty);
     let mut drained = drain(&mounts);
@@ -240,16 +276,20 @@ pub fn run(args: &WarmupArgs) -> i32 {
         eprintln!("bucketfs: warmup: {e}");
     }
     let not_cached = left_out.skipped.saturating_sub(before.skipped);
+    let evicted = left_out.evicted.saturating_sub(first.evicted);
     println!(
         "warmup: {count} files, {:.1} MB in {secs:.1} s ({:.1} MB/s), {:.1} MB already cached, \
-         {passes} {}, {not_cached} blocks not cached, {} errors",
+         {passes} {}, {not_cached} blocks not cached, {evicted} cache files evicted, {} errors",
         read as f64 / 1e6,
         read as f64 / 1e6 / secs.max(1e-3),
         already as f64 / 1e6,
         if passes == 1 { "pass" } else { "passes" },
         errors.len()
     );
-    i32::from(!errors.is_empty())
+    if overflow {
+        eprintln!("bucketfs: warmup: the data cache is too small for these files (see above)");
+    }
+    i32::from(!errors.is_empty() || overflow)
 }
 
 #[cfg(test)]

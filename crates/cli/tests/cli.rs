@@ -220,6 +220,59 @@ fn own_directories_inside_the_mount_point_or_the_source_are_refused() {
     );
 }
 
+/// The daemon's own paths are checked where they lead: a link to the mount point (or a
+/// dangling one into it) is inside it (before: accepted; the data cache was made in the
+/// mount, through it, and uploaded as the bucket's files, and a cache dir there froze the
+/// mount at the first write, the daemon's staging files going through itself); a link another user owns on
+/// the way is refused (that user chose where the daemon, root, writes, and can repoint it);
+/// nothing is made where any of them leads.
+#[test]
+fn own_paths_are_checked_where_their_links_lead() {
+    use std::os::unix::fs::{lchown, symlink};
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    fs::create_dir(&data).unwrap();
+    let (_m, mp) = mountpoint();
+    let to_mp = d.path().join("to-mp");
+    symlink(&mp, &to_mp).unwrap();
+    let to_log = d.path().join("to-log");
+    symlink(mp.join("log"), &to_log).unwrap();
+    let to_data = d.path().join("to-data");
+    symlink(data.join("dc"), &to_data).unwrap();
+    let elsewhere = d.path().join("elsewhere");
+    let theirs = d.path().join("theirs");
+    symlink(&elsewhere, &theirs).unwrap();
+    lchown(&theirs, Some(65534), Some(65534)).unwrap();
+    let cases = [
+        ("--data-cache", &to_mp, "data cache", "mount point"),
+        ("--cache-dir", &to_mp, "cache dir", "mount point"),
+        ("--state-dir", &to_mp, "state dir", "mount point"),
+        ("--log-file", &to_log, "log file", "mount point"),
+        ("--data-cache", &to_data, "data cache", "source directory"),
+        ("--data-cache", &theirs, "data cache", "link of user 65534"),
+        ("--log-file", &theirs, "log file", "link of user 65534"),
+    ];
+    for (flag, p, what, why) in cases {
+        let err = refused_local_mount(&data, &mp, &[flag, p.to_str().unwrap()], flag);
+        assert!(
+            err.contains(what) && err.contains(why),
+            "{flag} {}: the message does not say what is wrong: {err}",
+            p.display()
+        );
+    }
+    assert_eq!(
+        fs::read_dir(&mp).unwrap().count(),
+        0,
+        "made in the mount point"
+    );
+    assert_eq!(
+        fs::read_dir(&data).unwrap().count(),
+        0,
+        "made in the source"
+    );
+    assert!(!elsewhere.exists(), "made where another user's link leads");
+}
+
 #[test]
 fn non_empty_mount_point_is_refused() {
     let d = tempfile::tempdir().unwrap();

@@ -442,6 +442,40 @@ fn warmup_fills_the_data_cache_ahead_of_a_read() {
     }
 }
 
+/// Warming more than the data cache holds says so and exits 1: before, it reported every
+/// block cached and exited 0, the cache holding only the last files read.
+#[test]
+fn warmup_of_more_than_the_cache_holds_fails_and_says_so() {
+    let b = s3().new_bucket("dcache-warmup-big");
+    for i in 0..3 {
+        s3().put(
+            &b,
+            &format!("d/{i}"),
+            pattern::bytes(30 + i, (3 * MIB) as usize),
+        );
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let (m, addr) = mount_cached(&b, cache.path(), &["--data-cache-size", "4M"]);
+    let dir = m.join("d");
+    let w = run_cli(
+        &os(&["warmup", dir.to_str().unwrap()]),
+        &[],
+        None,
+        Duration::from_secs(60),
+    );
+    assert_eq!(w.status.and_then(|s| s.code()), Some(1), "{w:?}");
+    assert!(
+        w.stderr
+            .contains("take 9.4 MB, more than its data cache holds (4.2 MB"),
+        "{}",
+        w.stderr
+    );
+    assert!(w.stdout.contains("warmup: 3 files, 9.4 MB"), "{}", w.stdout);
+    let evicted = metric(&addr, "bucketfs_data_cache_evictions_total");
+    assert!(evicted > 0);
+    assert!(w.stdout.contains("cache files evicted"), "{}", w.stdout);
+}
+
 /// Pages of a file the kernel still holds (kept across opens) would serve warmup's reads
 /// without the daemon seeing them: warmup drops them first, so blocks the data cache lost
 /// meanwhile (here: removed behind the daemon's back, as another mount sharing the

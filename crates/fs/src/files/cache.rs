@@ -76,9 +76,9 @@ const DISK_READ_WAIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 
 /// check of a 10 GB whole copy after a reboot is waited for 205 s.
 const DISK_READ_SLOWEST: u64 = 50 << 20;
 const VERSION_DIR: &str = "bucketfs-v1";
-const MAGIC: &[u8; 8] = b"BFSBLK1\n";
-/// magic, three string lengths, index, data length, data CRC.
-const FIXED: usize = 8 + 3 * 4 + 8 + 8 + 4;
+const MAGIC: &[u8; 8] = b"BFSBLK2\n";
+/// magic, three string lengths, index, data length, data CRC, object size.
+const FIXED: usize = 8 + 3 * 4 + 8 + 8 + 4 + 8;
 const MAN_MAGIC: &[u8; 8] = b"BFSOBJ1\n";
 /// The block index a whole object's name is hashed with (no block has it).
 const WHOLE: u64 = u64::MAX;
@@ -253,6 +253,10 @@ struct BlockId<'a> {
     scope: &'a str,
     key: &'a str,
     etag: &'a str,
+    /// The object's size (0 for what is no object's block): a store whose ETags do not
+    /// change with the content (a gateway's fixed or weak ones) still never has the blocks
+    /// of a version of another size served.
+    size: u64,
     index: u64,
 }
 
@@ -263,7 +267,8 @@ impl BlockId<'_> {
         let mut a: u64 = 0xcbf2_9ce4_8422_2325;
         let mut b: u64 = 0x6c62_272e_07bb_0142;
         let idx = self.index.to_le_bytes();
-        let parts: [&[u8]; 7] = [
+        let size = self.size.to_le_bytes();
+        let parts: [&[u8]; 8] = [
             self.scope.as_bytes(),
             b"\0",
             self.key.as_bytes(),
@@ -271,6 +276,7 @@ impl BlockId<'_> {
             self.etag.as_bytes(),
             b"\0",
             &idx,
+            &size,
         ];
         for p in parts {
             for &x in p {
@@ -291,6 +297,7 @@ impl BlockId<'_> {
         h.extend_from_slice(&self.index.to_le_bytes());
         h.extend_from_slice(&len.to_le_bytes());
         h.extend_from_slice(&crc.to_le_bytes());
+        h.extend_from_slice(&self.size.to_le_bytes());
         for s in [self.scope, self.key, self.etag] {
             h.extend_from_slice(s.as_bytes());
         }
@@ -663,11 +670,13 @@ impl DataCache {
         cache
     }
 
-    fn id<'a>(&'a self, key: &'a str, etag: &'a str, index: u64) -> BlockId<'a> {
+    /// Block `index` of `key` version `etag`, `size` bytes.
+    fn id<'a>(&'a self, key: &'a str, etag: &'a str, size: u64, index: u64) -> BlockId<'a> {
         BlockId {
             scope: &self.scope,
             key,
             etag,
+            size,
             index,
         }
     }
@@ -676,7 +685,8 @@ impl DataCache {
     /// nobody can make two objects collide in it.
     fn ident(&self, id: &BlockId<'_>) -> u64 {
         use std::hash::BuildHasher;
-        self.ident_key.hash_one((id.scope, id.key, id.etag))
+        self.ident_key
+            .hash_one((id.scope, id.key, id.etag, id.size))
     }
 
     /// Keeps `m`, the manifest of whole object `id` (indexed as `name`), as its seal in
@@ -813,7 +823,7 @@ impl DataCache {
     /// if the cache has it whole and it checks out: for the kernel to read from directly.
     /// Blocking (file I/O).
     pub fn local_copy(&self, key: &str, etag: &str, size: u64) -> Option<File> {
-        let id = self.id(key, etag, WHOLE);
+        let id = self.id(key, etag, size, WHOLE);
         let name = id.name();
         if let Some((f, _)) = self.open_sealed(&id, name, size) {
             return Some(f);
@@ -888,7 +898,7 @@ impl DataCache {
         range: &Range<u64>,
         out: &mut [u8],
     ) -> Option<Vec<bool>> {
-        let id = self.id(key, etag, WHOLE);
+        let id = self.id(key, etag, size, WHOLE);
         let name = id.name();
         // Only a copy of one block: the CRCs of a larger one are in its manifest alone.
         let one_block = self.index.lock().seals.get(&name).and_then(|s| s.crc);
@@ -951,8 +961,8 @@ impl DataCache {
     /// Where the manifest of the whole copy of `key` version `etag` is (the first file a
     /// read of the object opens).
     #[cfg(test)]
-    pub(crate) fn whole_manifest(&self, key: &str, etag: &str) -> PathBuf {
-        self.whole_path(self.id(key, etag, WHOLE).name(), MAN)
+    pub(crate) fn whole_manifest(&self, key: &str, etag: &str, size: u64) -> PathBuf {
+        self.whole_path(self.id(key, etag, size, WHOLE).name(), MAN)
     }
 
     /// Runs read `f` of the cache's disk, of `bytes` at most, in the blocking pool,
@@ -1049,7 +1059,7 @@ impl DataCache {
                 let b = block_range(i, size);
                 let dst =
                     &mut out[(b.start - range.start) as usize..(b.end - range.start) as usize];
-                let id = self.id(key, etag, i);
+                let id = self.id(key, etag, size, i);
                 match self.read_one(&id, dst) {
                     Ok(()) => {
                         inc(&self.metrics.data_cache_hits);
@@ -1188,7 +1198,7 @@ impl DataCache {
     /// on, an object of one block is written whole, and the last missing block of a larger
     /// one has it assembled.
     fn write(&self, job: &Job) {
-        let whole = self.id(&job.key, &job.etag, WHOLE).name();
+        let whole = self.id(&job.key, &job.etag, job.size, WHOLE).name();
         if self.index.lock().files.contains_key(&whole) {
             return;
         }
@@ -1214,7 +1224,7 @@ impl DataCache {
     /// Writes the block file of `job`; `replace`: over the one of the same name, if any.
     /// Whether it was written.
     fn write_block(&self, job: &Job, replace: bool) -> bool {
-        let id = self.id(&job.key, &job.etag, job.index);
+        let id = self.id(&job.key, &job.etag, job.size, job.index);
         let name = id.name();
         if !replace && self.index.lock().files.contains_key(&name) {
             return false;
@@ -1266,7 +1276,8 @@ impl DataCache {
             &Job {
                 key: dir_key.to_string(),
                 etag: String::new(),
-                size: blob.len() as u64,
+                // No object's: found by the directory's key alone.
+                size: 0,
                 index: LISTING,
                 data: Bytes::from(blob),
             },
@@ -1277,7 +1288,7 @@ impl DataCache {
     /// Where the record of the last change made by a mount of this scope is: in the root,
     /// which the rescan does not read (it is no block).
     fn changed_path(&self) -> PathBuf {
-        let name = self.id("", "", CHANGED).name();
+        let name = self.id("", "", 0, CHANGED).name();
         self.root.join(format!("changed-{name:032x}"))
     }
 
@@ -1352,7 +1363,7 @@ impl DataCache {
     /// The listing page last saved for directory `dir_key`, checked like a block (a damaged
     /// one is removed). Blocking (file I/O).
     pub fn listing(&self, dir_key: &str) -> Option<Vec<u8>> {
-        let id = self.id(dir_key, "", LISTING);
+        let id = self.id(dir_key, "", 0, LISTING);
         let name = id.name();
         let path = self.whole_path(name, LST);
         let hlen = id.header(0, 0).len() as u64;
@@ -1389,7 +1400,7 @@ impl DataCache {
         let ix = self.index.lock();
         (0..job.size.div_ceil(BLOCK)).rev().all(|i| {
             ix.files
-                .contains_key(&self.id(&job.key, &job.etag, i).name())
+                .contains_key(&self.id(&job.key, &job.etag, job.size, i).name())
         })
     }
 
@@ -1398,7 +1409,7 @@ impl DataCache {
     /// the block files go. Whatever fails leaves the blocks as they were.
     fn assemble(&self, job: &Job) {
         let (key, etag, size) = (&job.key, &job.etag, job.size);
-        let id = self.id(key, etag, WHOLE);
+        let id = self.id(key, etag, size, WHOLE);
         let name = id.name();
         // The copy is written next to the blocks it is made of: one over half the cache
         // would push out everything else, then not fit (on a disk the size of the cache,
@@ -1419,7 +1430,7 @@ impl DataCache {
             let _ = std::fs::remove_file(&obj);
         }
         let n = size.div_ceil(BLOCK);
-        let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, i).name()).collect();
+        let blocks: Vec<u128> = (0..n).map(|i| self.id(key, etag, size, i).name()).collect();
         // Room for the copy (and its manifest) next to this object's own blocks, which it
         // is made from and which go once it is sealed.
         self.evict_keeping(self.max_bytes.saturating_sub(on_disk(size) + 4096), &blocks);
@@ -1435,7 +1446,7 @@ impl DataCache {
                 } else {
                     let b = block_range(i, size);
                     buf.resize((b.end - b.start) as usize, 0);
-                    let id = self.id(key, etag, i);
+                    let id = self.id(key, etag, size, i);
                     match self.read_one(&id, &mut buf) {
                         Ok(()) => {}
                         // Out of the index, so that the next open does not ask for this
@@ -1710,6 +1721,7 @@ impl DataCache {
             scope: std::str::from_utf8(&scope).ok()?,
             key: std::str::from_utf8(&key).ok()?,
             etag: std::str::from_utf8(&etag).ok()?,
+            size: m.size,
             index: WHOLE,
         };
         let ours = id.scope == self.scope && id.name() == name;
@@ -1844,7 +1856,7 @@ mod tests {
     fn put_and_wait(c: &DataCache, etag: &str, index: u64, data: &[u8]) {
         let size = index * BLOCK + data.len() as u64;
         c.put("k", etag, size, index, Bytes::copy_from_slice(data));
-        let name = c.id("k", etag, index).name();
+        let name = c.id("k", etag, size, index).name();
         wait_until("block written", || c.index.lock().files.contains_key(&name));
     }
 
@@ -1900,7 +1912,7 @@ mod tests {
         c.put_listing("d/", b"second".to_vec());
         assert_eq!(c.listing("d/").as_deref(), Some(&b"second"[..]));
         assert!(c.listing("e/").is_none());
-        let path = c.whole_path(c.id("d/", "", LISTING).name(), LST);
+        let path = c.whole_path(c.id("d/", "", 0, LISTING).name(), LST);
         assert!(path.exists());
         // Damaged: removed, never returned.
         let mut bytes = std::fs::read(&path).unwrap();
@@ -1924,14 +1936,26 @@ mod tests {
         let data: Vec<u8> = (0..5000u32).map(|i| (i % 253) as u8).collect();
         put_and_wait(&c, "e1", 3, &data);
         assert_eq!(get(&c, "e1", 3, data.len()).as_deref(), Some(&data[..]));
-        // Another version, another block, another length: misses.
+        // Another version, another block, another object size (a store whose ETags do not
+        // change with the content): misses.
         assert!(get(&c, "e2", 3, data.len()).is_none());
         assert!(get(&c, "e1", 2, data.len()).is_none());
         assert!(get(&c, "e1", 3, data.len() - 1).is_none());
+        put_and_wait(&c, "e1", 0, &vec![7; BLOCK as usize]);
+        let mut out = vec![0; BLOCK as usize];
+        assert_eq!(c.read_blocks("k", "e1", BLOCK, 0..BLOCK, &mut out), [true]);
+        assert_eq!(
+            c.read_blocks("k", "e1", 2 * BLOCK, 0..BLOCK, &mut out),
+            [false]
+        );
+        // A block file cut short: removed, never served.
+        let path = c.path(c.id("k", "e1", 3 * BLOCK + data.len() as u64, 3).name());
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+        assert!(get(&c, "e1", 3, data.len()).is_none());
         assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 1, "the wrong length");
         // That removed it; written again, then one bit flipped: removed, never served.
         put_and_wait(&c, "e1", 3, &data);
-        let path = c.path(c.id("k", "e1", 3).name());
         let mut bytes = std::fs::read(&path).unwrap();
         let n = bytes.len();
         bytes[n - 7] ^= 4;
@@ -1946,7 +1970,7 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         assert!(get(&c, "e1", 3, data.len()).is_none());
         assert_eq!(FsMetrics::get(&m.data_cache_corrupt), 3);
-        assert_eq!(FsMetrics::get(&m.data_cache_hits), 1);
+        assert_eq!(FsMetrics::get(&m.data_cache_hits), 2);
     }
 
     #[test]
@@ -1985,7 +2009,7 @@ mod tests {
         let size = 3 * BLOCK;
         let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
         put_all(&c, "e", &data);
-        let name = |i| c.id("k", "e", i).name();
+        let name = |i| c.id("k", "e", size, i).name();
         wait_until("blocks written", || {
             (0..3).all(|i| c.index.lock().files.contains_key(&name(i)))
         });
@@ -2011,7 +2035,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (c, _m) = start(dir.path(), 1 << 20);
         put_and_wait(&c, "e", 0, b"data");
-        let sub = c.path(c.id("k", "e", 0).name());
+        let sub = c.path(c.id("k", "e", 4, 0).name());
         let sub = sub.parent().unwrap();
         assert_ne!(sub, dir.path());
         let mode = std::fs::metadata(sub).unwrap().permissions().mode();
@@ -2059,7 +2083,7 @@ mod tests {
             c.put("k", "e", size, i, part);
         }
         wait_until("assembled", || c.local_copy("k", "e", size).is_some());
-        let name = c.id("k", "e", WHOLE).name();
+        let name = c.id("k", "e", size, WHOLE).name();
         let obj = c.whole_path(name, OBJ);
         assert_eq!(
             std::fs::read(&obj).unwrap(),
@@ -2067,7 +2091,7 @@ mod tests {
             "exactly the object's bytes"
         );
         wait_until("blocks removed", || {
-            (0..3).all(|i| !c.path(c.id("k", "e", i).name()).exists())
+            (0..3).all(|i| !c.path(c.id("k", "e", size, i).name()).exists())
         });
         // Daemon reads come from it, each block checked.
         let mut out = vec![0; size as usize];
@@ -2085,7 +2109,7 @@ mod tests {
                 crc32fast::hash(&data[b.start as usize..b.end as usize])
             })
             .collect();
-        let id = c.id("k", "e", WHOLE);
+        let id = c.id("k", "e", size, WHOLE);
         c.write_manifest(&id, &Manifest::sealed(&md, "another boot", crcs))
             .unwrap();
         assert!(c.local_copy("k", "e", size).is_none());
@@ -2113,7 +2137,7 @@ mod tests {
             c.local_copy("k", "e", size).is_some()
         });
         wait_until("blocks removed again", || {
-            (0..3).all(|i| !c.path(c.id("k", "e", i).name()).exists())
+            (0..3).all(|i| !c.path(c.id("k", "e", size, i).name()).exists())
         });
         drop(c);
         let (c, m) = start(dir.path(), BLOCK);
@@ -2143,7 +2167,7 @@ mod tests {
                 );
             }
             wait_until(key, || {
-                (0..blocks).all(|i| c.path(c.id(key, "e", i).name()).exists())
+                (0..blocks).all(|i| c.path(c.id(key, "e", size, i).name()).exists())
                     || c.local_copy(key, "e", size).is_some()
             });
         }
@@ -2152,7 +2176,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(300));
         assert!(c.local_copy("big", "e", 5 * BLOCK).is_none(), "made whole");
         assert_eq!(FsMetrics::get(&m.data_cache_evictions), 0);
-        assert!((0..2).all(|i| c.path(c.id("other", "e", i).name()).exists()));
+        assert!((0..2).all(|i| c.path(c.id("other", "e", 2 * BLOCK, i).name()).exists()));
         assert!(FsMetrics::get(&m.data_cache_bytes) <= 8 * BLOCK);
     }
 
@@ -2177,9 +2201,9 @@ mod tests {
         let victim = dir.path().join("victim");
         std::fs::write(&victim, b"precious").unwrap();
         let pid = std::process::id();
-        let name = c.id("k", "e", WHOLE).name();
+        let name = c.id("k", "e", size, WHOLE).name();
         let mut planted = vec![c.whole_path(name, OBJ), c.whole_path(name, MAN)];
-        planted.extend((0..3).map(|i| c.path(c.id("k", "e", i).name())));
+        planted.extend((0..3).map(|i| c.path(c.id("k", "e", size, i).name())));
         for p in &planted {
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
             let f = p.file_name().unwrap().to_string_lossy().into_owned();
@@ -2206,12 +2230,14 @@ mod tests {
         assert!(c.local_copy("k", "e", size).is_none(), "followed a link");
     }
 
-    /// The name of the whole copy of version `etag` of `k` in a cache of scope "test".
-    fn c_name(etag: &str) -> u128 {
+    /// The name of the whole copy of version `etag` of `k` (`size` bytes) in a cache of
+    /// scope "test".
+    fn c_name(etag: &str, size: u64) -> u128 {
         let id = BlockId {
             scope: "test",
             key: "k",
             etag,
+            size,
             index: WHOLE,
         };
         id.name()
@@ -2231,8 +2257,8 @@ mod tests {
         put_all(&c, "e1", one);
         wait_until("written whole", || c.local_copy("k", "e1", 5000).is_some());
         drop(c);
-        let one_name = c_name("e1");
-        let name = c_name("e");
+        let one_name = c_name("e1", 5000);
+        let name = c_name("e", size);
         // Another boot's manifests give no seal: their copies are checked in full first.
         let cfg = DataCacheConfig {
             dir: dir.path().to_path_buf(),
@@ -2290,7 +2316,7 @@ mod tests {
         wait_until("assembled", || c.local_copy("k", "e", size).is_some());
         // Bytes lost in a crash, then sealed in the same (unknown) boot: only a full check
         // finds them.
-        let name = c.id("k", "e", WHOLE).name();
+        let name = c.id("k", "e", size, WHOLE).name();
         let obj = c.whole_path(name, OBJ);
         let mut bytes = data.clone();
         bytes[BLOCK as usize + 1] ^= 1;
@@ -2302,7 +2328,7 @@ mod tests {
                 crc32fast::hash(&data[b.start as usize..b.end as usize])
             })
             .collect();
-        let id = c.id("k", "e", WHOLE);
+        let id = c.id("k", "e", size, WHOLE);
         c.write_manifest(&id, &Manifest::sealed(&md, "", crcs))
             .unwrap();
         assert!(
@@ -2320,7 +2346,7 @@ mod tests {
         let size = 2 * BLOCK + 3;
         let data: Vec<u8> = (0..size).map(|i| (i * 5 % 239) as u8).collect();
         // kill -9 between linking the data file and writing its manifest.
-        let name = c.id("k", "e", WHOLE).name();
+        let name = c.id("k", "e", size, WHOLE).name();
         let obj = c.whole_path(name, OBJ);
         std::fs::create_dir_all(obj.parent().unwrap()).unwrap();
         std::fs::write(&obj, b"half an assembly").unwrap();
@@ -2345,7 +2371,7 @@ mod tests {
         let data: Vec<u8> = (0..size).map(|i| (i * 13 % 241) as u8).collect();
         put_all(&c, "e", &data);
         wait_until("assembled", || c.local_copy("k", "e", size).is_some());
-        let id = c.id("k", "e", WHOLE);
+        let id = c.id("k", "e", size, WHOLE);
         let name = id.name();
         let obj = c.whole_path(name, OBJ);
         let crcs = |d: &[u8]| -> Vec<u32> {
@@ -2469,8 +2495,9 @@ mod tests {
         store.clear();
         let (r0, _, cache) = reader(dir.path());
         drop(r0);
-        std::fs::remove_file(cache.path(cache.id("f", &etag, 1).name())).unwrap();
-        let last = cache.path(cache.id("f", &etag, 3).name());
+        std::fs::remove_file(cache.path(cache.id("f", &etag, data.len() as u64, 1).name()))
+            .unwrap();
+        let last = cache.path(cache.id("f", &etag, data.len() as u64, 3).name());
         let mut bytes = std::fs::read(&last).unwrap();
         let n = bytes.len();
         bytes[n - 1] ^= 1;
@@ -2509,7 +2536,7 @@ mod tests {
         let (r0, _, cache, _) = read_all(dir.path());
         drop(r0);
         for i in [2, 3, 6] {
-            std::fs::remove_file(cache.path(cache.id("f", &etag, i).name())).unwrap();
+            std::fs::remove_file(cache.path(cache.id("f", &etag, 8 * MIB, i).name())).unwrap();
         }
         let (mut r, m, _c, store) = read_all(dir.path());
         assert!(r.read(0, (8 * MIB) as u32).await.unwrap()[..] == data[..]);

@@ -804,7 +804,7 @@ mod tests {
         // takes a block after it.
         cache.put("other", "e", 1, 0, Bytes::from_static(b"x"));
         assert!(rt.block_on(cache.settle(std::time::Duration::from_secs(10))));
-        let fifo = cache.whole_manifest("f", &etag);
+        let fifo = cache.whole_manifest("f", &etag, data.len() as u64);
         std::fs::create_dir_all(fifo.parent().unwrap()).unwrap();
         let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: a valid NUL-terminated path.
