@@ -551,7 +551,16 @@ impl Settings {
             "passthrough" => self.passthrough = parse_bool(v)?,
             "no_passthrough" => self.no_passthrough = parse_bool(v)?,
             "unsigned_payload" => self.unsigned_payload = Some(parse_bool(v)?),
-            "retry_timeout" => self.retry_timeout = parse_duration(v)?,
+            "retry_timeout" => {
+                let t = parse_duration(v)?;
+                // Below a second no request can answer in time: every call would fail.
+                if !t.is_zero() && t < Duration::from_secs(1) {
+                    return Err(format!(
+                        "{v}: at least 1 second (0 turns retries and the bound off)"
+                    ));
+                }
+                self.retry_timeout = t;
+            }
             "list_metadata" => self.list_metadata = v.parse()?,
             "max_connections" => self.max_connections = parse_count(v, 1, 4096)?,
             "content_type" => {
@@ -624,6 +633,23 @@ impl Settings {
         }
         self.notices.extend(notices);
         Ok(())
+    }
+
+    /// Credentials come as a pair: half of one is refused (before, a key id without its
+    /// secret was ignored without a word, and the mount ran as whoever the AWS chain found).
+    pub fn check_credentials(&self) -> Result<(), String> {
+        match (&self.access_key_id, &self.secret_access_key) {
+            (Some(_), None) => Err("access_key_id is given without secret_access_key: give \
+                 both, or neither to use the AWS credential chain"
+                .into()),
+            (None, Some(_)) => Err("secret_access_key is given without access_key_id: give \
+                 both, or neither to use the AWS credential chain"
+                .into()),
+            (None, None) if self.session_token.is_some() => Err("session_token is given \
+                 without access_key_id and secret_access_key: give all three"
+                .into()),
+            _ => Ok(()),
+        }
     }
 
     /// The fs-core settings for a mount of `prefix` (already normalized).
@@ -727,16 +753,18 @@ pub fn parse_config_text(text: &str, path: &Path) -> Result<ParsedConfig, String
 }
 
 fn parse_toml(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, String> {
-    let table: toml::Table = toml::from_str(text).map_err(|e| {
-        let line = e
-            .span()
-            .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-        let msg = e.message().replace('\n', " ");
-        match line {
-            Some(l) => format!("config {}: invalid TOML at line {l}: {msg}", path.display()),
-            None => format!("config {}: invalid TOML: {msg}", path.display()),
-        }
-    })?;
+    // Spanned: the text of a number says how it was written (`0o077` is 63).
+    let table: std::collections::BTreeMap<String, toml::Spanned<toml::Value>> =
+        toml::from_str(text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            let msg = e.message().replace('\n', " ");
+            match line {
+                Some(l) => format!("config {}: invalid TOML at line {l}: {msg}", path.display()),
+                None => format!("config {}: invalid TOML: {msg}", path.display()),
+            }
+        })?;
     let mut out: Vec<(String, Option<String>)> = Vec::new();
     for (k, v) in table {
         let ck = canonical(&k);
@@ -748,9 +776,19 @@ fn parse_toml(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, 
                 path.display()
             ));
         }
-        let s = match v {
+        let raw = text.get(v.span()).unwrap_or_default().replace('_', "");
+        let s = match v.into_inner() {
             toml::Value::String(s) => s,
             toml::Value::Boolean(b) => b.to_string(),
+            // `umask = 0o077`: the octal digits, with their prefix (a mode; a size refuses it).
+            toml::Value::Integer(i) if raw.starts_with("0o") => format!("0o{i:o}"),
+            toml::Value::Integer(_) if raw.starts_with("0x") || raw.starts_with("0b") => {
+                return Err(format!(
+                    "config {}: {k} = {raw}: write numbers in decimal, and modes as octal \
+                     (`0o640`, or \"0640\")",
+                    path.display()
+                ))
+            }
             // `file_mode = 644` means 0644: modes are parsed from these digits as octal.
             toml::Value::Integer(i) => i.to_string(),
             toml::Value::Float(f) => f.to_string(),
@@ -893,6 +931,11 @@ mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert!(parse_duration("-1").is_err());
         assert!(parse_duration("soon").is_err());
+        let mut s = Settings::default();
+        assert!(s.apply("retry_timeout", Some("1ms"), Origin::Flag).is_err());
+        s.apply("retry_timeout", Some("0"), Origin::Flag).unwrap();
+        s.apply("retry_timeout", Some("1.5"), Origin::Flag).unwrap();
+        assert_eq!(s.retry_timeout, Duration::from_millis(1500));
         assert_eq!(parse_bool("Yes"), Ok(true));
         assert_eq!(parse_bool("off"), Ok(false));
         assert!(parse_bool("maybe").is_err());
@@ -922,6 +965,42 @@ mod tests {
         let c = s.fs_config("p/q/".into());
         assert_eq!((c.uid, c.force_uid, c.force_gid), (1000, Some(1000), None));
         assert_eq!(c.part_size, 16 << 20);
+    }
+
+    /// A mode written as a TOML octal number is that mode: `0o077` is 63 to TOML, and was
+    /// read as the digits "63", octal (umask 063: new files readable by every user).
+    #[test]
+    fn toml_modes_in_octal_are_those_modes() {
+        let f = file("umask = 0o077\nfile_mode = 0o6_40\ndir_mode = 750\n", 0o600);
+        let mut s = Settings::default();
+        s.apply_file(f.path()).unwrap();
+        assert_eq!((s.umask, s.file_mode, s.dir_mode), (0o077, 0o640, 0o750));
+        let f = file("umask = 0x12\n", 0o600);
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert!(e.contains("umask = 0x12: write numbers in decimal"), "{e}");
+    }
+
+    #[test]
+    fn half_a_credential_is_refused() {
+        for (text, missing) in [
+            ("access_key_id = \"AK\"\n", "without secret_access_key"),
+            ("secret_access_key = \"SK\"\n", "without access_key_id"),
+            ("session_token = \"T\"\n", "give all three"),
+        ] {
+            let f = file(text, 0o600);
+            let mut s = Settings::default();
+            s.apply_file(f.path()).unwrap();
+            let e = s.check_credentials().unwrap_err();
+            assert!(e.contains(missing), "{e}");
+        }
+        let f = file(
+            "access_key_id = \"AK\"\nsecret_access_key = \"SK\"\n",
+            0o600,
+        );
+        let mut s = Settings::default();
+        s.apply_file(f.path()).unwrap();
+        s.check_credentials().unwrap();
+        Settings::default().check_credentials().unwrap();
     }
 
     #[test]

@@ -24,7 +24,7 @@ mod warmup;
 use args::{Cli, Command, HelperCall, UmountArgs};
 use clap::Parser;
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command as Process;
 
 /// Two malloc arenas instead of eight per core: part-sized write buffers freed by one tokio
@@ -183,13 +183,26 @@ const FUSE_SUPER_MAGIC: libc::c_long = 0x6573_5546;
 /// `bucketfs refresh`: asks the mount to refresh each path (an ioctl on the path opened for
 /// reading). A path the mount does not know yet (added by another client) refreshes its
 /// directory instead.
+/// How long `bucketfs refresh` waits for a path's mount: a refresh may LIST or HEAD, each
+/// bounded by the mount's `--retry-timeout` (30 s by default); a daemon that hangs (stopped,
+/// deadlocked) would hold the command for good.
+const REFRESH_ANSWER: std::time::Duration = std::time::Duration::from_secs(60);
+
 fn refresh(args: &args::RefreshArgs) -> i32 {
     let mut code = 0;
     for p in &args.paths {
-        let mut r = set_refresh(p);
+        let refresh_within = |p: PathBuf| {
+            run::within(REFRESH_ANSWER, move || set_refresh(&p)).unwrap_or_else(|| {
+                Err(std::io::Error::other(format!(
+                    "no answer within {} s (is its mount hung?)",
+                    REFRESH_ANSWER.as_secs()
+                )))
+            })
+        };
+        let mut r = refresh_within(p.clone());
         if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::ENOENT)) {
             let parent = p.parent().filter(|d| !d.as_os_str().is_empty());
-            r = set_refresh(parent.unwrap_or(Path::new(".")));
+            r = refresh_within(parent.unwrap_or(Path::new(".")).to_path_buf());
         }
         if let Err(e) = r {
             let why = if e.raw_os_error() == Some(libc::EOPNOTSUPP) {

@@ -355,7 +355,7 @@ pub const OPTIONS: &[OptionSpec] = &[
     ),
     value("retry_timeout", "SECONDS").env().default("30").help(
         "How long a failing S3 request is retried (with exponential backoff and jitter) \
-         before the file operation fails with EIO; 0 turns retries off.",
+         before the file operation fails with EIO; 0 turns retries off, otherwise at least 1.",
     ),
     value("list_metadata", "auto|on|off")
         .env()

@@ -96,6 +96,7 @@ fn plan(args: &MountArgs) -> Result<Plan, String> {
     for n in &settings.notices {
         eprintln!("bucketfs: {n}");
     }
+    settings.check_credentials()?;
     // Every part goes up from one buffer of the memory budget, and uploads hold at most a
     // quarter of it: a bigger part would wait for memory that writers may hold for good.
     if settings.part_size > settings.max_memory / 4 {
@@ -1364,7 +1365,24 @@ fn access_error(e: StoreError, bucket: &str, endpoint: &str) -> String {
         let d = d.strip_prefix(&format!("bucket {bucket}: ")).unwrap_or(d);
         short_detail(d)
     };
+    // An endpoint with a path (`http://host:9000/minio/`): the bucket is looked for under
+    // it, which few stores serve; said with a "does not exist".
+    let path_hint = match endpoint
+        .split_once("://")
+        .and_then(|(_, r)| r.split_once('/'))
+    {
+        Some((_, path)) if !path.trim_matches('/').is_empty() => format!(
+            "; the endpoint has a path (/{}): S3 endpoints seldom do, try without it",
+            path.trim_end_matches('/')
+        ),
+        _ => String::new(),
+    };
     match e {
+        // What a plain-HTTP server answers to a TLS hello (rustls: "received corrupt
+        // message of type InvalidContentType").
+        StoreError::Other(d) if d.contains("TLS failure (is it an http://") => {
+            format!("{endpoint} does not speak HTTPS: {}", detail(&d))
+        }
         StoreError::Other(d) if d.contains("TLS failure") => format!(
             "the HTTPS certificate of {endpoint} is not trusted (for a private CA give \
              --ca-bundle FILE): {}",
@@ -1387,10 +1405,10 @@ fn access_error(e: StoreError, bucket: &str, endpoint: &str) -> String {
             detail(&d)
         ),
         StoreError::NoSuchBucket(_) => {
-            format!("bucket {bucket} does not exist (endpoint {endpoint})")
+            format!("bucket {bucket} does not exist (endpoint {endpoint}{path_hint})")
         }
         StoreError::NotFound(d) => format!(
-            "bucket {bucket} does not exist (endpoint {endpoint}: {})",
+            "bucket {bucket} does not exist (endpoint {endpoint}: {}{path_hint})",
             detail(&d)
         ),
         StoreError::Transient(d) => {
@@ -1421,6 +1439,22 @@ mod tests {
         assert_eq!(
             access_error(StoreError::NoSuchBucket("x".into()), "b", "http://h"),
             "bucket b does not exist (endpoint http://h)"
+        );
+        assert_eq!(
+            access_error(
+                StoreError::NoSuchBucket("x".into()),
+                "b",
+                "http://h:9/minio/"
+            ),
+            "bucket b does not exist (endpoint http://h:9/minio/; the endpoint has a path \
+             (/minio): S3 endpoints seldom do, try without it)"
+        );
+        let plain = "bucket b: TLS failure (is it an http:// endpoint?): dispatch failure: \
+                     received corrupt message of type InvalidContentType";
+        assert!(
+            access_error(StoreError::Other(plain.into()), "b", "https://h:9000").starts_with(
+                "https://h:9000 does not speak HTTPS: TLS failure (is it an http:// endpoint?)"
+            )
         );
         assert!(access_error(
             StoreError::Transient("bucket b: dispatch failure: Connection refused".into()),

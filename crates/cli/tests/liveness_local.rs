@@ -428,6 +428,39 @@ fn mounting_over_a_hung_mount_fails_in_bounded_time() {
     );
 }
 
+/// `bucketfs refresh` of a path in a mount whose daemon hangs (stopped) fails after 60 s in
+/// one line (before: it waited for good).
+#[test]
+fn refresh_of_a_hung_mount_fails_in_bounded_time() {
+    let b = s3().new_bucket("hungrefresh");
+    let m = MountSpec::s3(&b, "").mount();
+    std::fs::write(m.join("f"), b"x").unwrap();
+    let daemon = m.daemon_pid().expect("the daemon's pid");
+    unsafe { libc::kill(daemon as i32, libc::SIGSTOP) };
+    let cont = Cont(daemon);
+    let refresh = run_cli(
+        &["refresh".into(), m.join("f").into_os_string()],
+        &[],
+        None,
+        Duration::from_secs(90),
+    );
+    drop(cont);
+    drop(m);
+    assert!(!refresh.timed_out, "{refresh:?}");
+    assert_eq!(
+        refresh.status.and_then(|s| s.code()),
+        Some(1),
+        "{refresh:?}"
+    );
+    assert!(
+        refresh
+            .stderr
+            .contains("no answer within 60 s (is its mount hung?)"),
+        "{refresh:?}"
+    );
+    assert_eq!(refresh.stderr.trim().lines().count(), 1, "{refresh:?}");
+}
+
 /// `bucketfs mount --allow-stacking` over a mount whose daemon hangs, and whose root the
 /// kernel still knows (its stat answers from the cache): the emptiness check read the
 /// directory without a time bound and hung with it. Now it fails within seconds, in one line.

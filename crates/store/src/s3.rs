@@ -585,9 +585,12 @@ fn classify_failure<E, R>(what: &str, e: &SdkError<E, R>, text: &str) -> StoreEr
             || lower.contains("wrong version number")
             || lower.contains("invalidcontenttype"))
     {
-        return StoreError::Other(format!(
-            "{what}: TLS failure (certificate not trusted? see --ca-bundle): {text}"
-        ));
+        // What a plain-HTTP server answers to a TLS hello is no certificate matter.
+        let why = match lower.contains("invalidcontenttype") || lower.contains("wrong version") {
+            true => "is it an http:// endpoint?",
+            false => "certificate not trusted? see --ca-bundle",
+        };
+        return StoreError::Other(format!("{what}: TLS failure ({why}): {text}"));
     }
     if lower.contains("credential") && !cut {
         return StoreError::AccessDenied(format!("{what}: no usable credentials: {text}"));
