@@ -393,8 +393,15 @@ pub fn mount_helper_args(args: &[OsString]) -> Result<HelperCall, String> {
                 out.push("-o".into());
                 out.push(v.clone());
             }
-            "-t" | "-N" => {
+            "-t" => {
                 it.next();
+            }
+            // util-linux passes the namespace to enter (`mount -N`); mounting in the
+            // caller's instead would put the mount where nobody asked for it.
+            "-N" => {
+                return Err("-N (mount in another namespace) is not supported: run \
+                            `nsenter --mount=NAMESPACE mount ...` instead"
+                    .into())
             }
             "-h" | "--help" => {
                 return Ok(HelperCall::Run(vec![
@@ -473,6 +480,10 @@ mod tests {
             HelperCall::Fake
         );
         assert!(mount_helper_args(&os(&["mount.bucketfs", "a"])).is_err());
+        let e = mount_helper_args(&os(&["mount.bucketfs", "a", "b", "-N", "/proc/1/fd/3"]));
+        assert!(e
+            .unwrap_err()
+            .contains("-N (mount in another namespace) is not supported"));
         assert!(mount_helper_args(&os(&["mount.bucketfs", "a", "b", "--bogus"])).is_err());
     }
 

@@ -61,6 +61,7 @@ pub struct Settings {
     pub file_mode: u16,
     pub dir_mode: u16,
     pub umask: u16,
+    pub mp_umask: u16,
     pub allow_other: bool,
     pub allow_root: bool,
     pub nonempty: bool,
@@ -138,6 +139,7 @@ impl fmt::Debug for Settings {
             .field("file_mode", &format_args!("{:o}", self.file_mode))
             .field("dir_mode", &format_args!("{:o}", self.dir_mode))
             .field("umask", &format_args!("{:o}", self.umask))
+            .field("mp_umask", &format_args!("{:o}", self.mp_umask))
             .field("allow_other", &self.allow_other)
             .field("allow_root", &self.allow_root)
             .field("nonempty", &self.nonempty)
@@ -205,6 +207,7 @@ impl Default for Settings {
             file_mode: fs.file_mode,
             dir_mode: fs.dir_mode,
             umask: fs.umask,
+            mp_umask: fs.mp_umask,
             allow_other: false,
             allow_root: false,
             nonempty: false,
@@ -468,6 +471,7 @@ impl Settings {
             "file_mode" => self.file_mode = parse_mode(v)?,
             "dir_mode" => self.dir_mode = parse_mode(v)?,
             "umask" => self.umask = parse_mode(v)?,
+            "mp_umask" => self.mp_umask = parse_mode(v)?,
             "allow_other" => self.allow_other = parse_bool(v)?,
             "allow_root" => self.allow_root = parse_bool(v)?,
             "nonempty" => self.nonempty = parse_bool(v)?,
@@ -659,6 +663,7 @@ impl Settings {
             file_mode: self.file_mode,
             dir_mode: self.dir_mode,
             umask: self.umask,
+            mp_umask: self.mp_umask,
             read_only: self.read_only,
             stat_ttl: self.stat_ttl,
             negative_ttl: self.negative_ttl,

@@ -252,10 +252,7 @@ pub const S3FS_OPTIONS: &[(&str, Meaning)] = &[
     ("endpoint", Setting("region")),
     ("sigv2", Refused("signature version 2 is not supported")),
     ("sigv4", Notice(ALWAYS)),
-    (
-        "mp_umask",
-        Notice("the mount point shows --dir-mode (or the root marker's mode)"),
-    ),
+    ("mp_umask", Setting("mp_umask")),
     (
         "umask",
         Translated("umask = umask, file_mode = 0666, dir_mode = 0777"),
@@ -500,6 +497,16 @@ pub fn s3fs_call(
     }
     let mut bucket_opt = None;
     let mut passwd_file = None;
+    // A mode given (an option, the config file) is kept whatever the order: s3fs's `umask`
+    // masks the defaults it implies (0666, 0777), never widens a mode given next to it.
+    let keys: Vec<String> = split_mount_options(&opts)
+        .iter()
+        .map(|(k, _)| canonical(k))
+        .collect();
+    let defaults = Settings::default();
+    let file_mode_given =
+        s.file_mode != defaults.file_mode || keys.iter().any(|k| k == "file_mode");
+    let dir_mode_given = s.dir_mode != defaults.dir_mode || keys.iter().any(|k| k == "dir_mode");
     for (key, value) in split_mount_options(&opts) {
         let ckey = canonical(&key);
         match lookup(S3FS_OPTIONS, &ckey) {
@@ -516,6 +523,14 @@ pub fn s3fs_call(
                 &mut bucket_opt,
                 &mut passwd_file,
             )?,
+        }
+    }
+    if keys.iter().any(|k| k == "umask") {
+        if !file_mode_given {
+            s.file_mode = 0o666;
+        }
+        if !dir_mode_given {
+            s.dir_mode = 0o777;
         }
     }
     let (spec, mountpoint) = match positional.as_slice() {
@@ -664,12 +679,10 @@ fn apply_s3fs(
                         })?;
                 }
                 "umask" => {
-                    let mask = crate::config::parse_mode(&need(&value)?).map_err(ctx)?;
-                    // As s3fs: every object's mode is shown masked, the defaults included;
-                    // what is stored (a mode filled in for an object without one) is not.
-                    s.file_mode = 0o666;
-                    s.dir_mode = 0o777;
-                    s.umask = mask;
+                    // As s3fs: every object's mode is shown masked, the defaults included
+                    // (set by the caller); what is stored (a mode filled in for an object
+                    // without one) is not.
+                    s.umask = crate::config::parse_mode(&need(&value)?).map_err(ctx)?;
                 }
                 "dbglevel" => {
                     let v = need(&value)?;
@@ -783,6 +796,29 @@ mod tests {
         }
     }
 
+    /// A file_mode or dir_mode given next to umask is kept whatever the order (before: a
+    /// umask after them set them back to 0666 and 0777, widening 0600 to 0644).
+    #[test]
+    fn s3fs_umask_never_widens_a_mode_given() {
+        for opts in [
+            "umask=0022,file_mode=0600,dir_mode=0700",
+            "file_mode=0600,dir_mode=0700,umask=0022",
+        ] {
+            let (_, _, s) = mount(&["b", "/mnt/x", "-o", opts], Flavor::S3fs).unwrap();
+            assert_eq!(
+                (s.file_mode, s.dir_mode, s.umask),
+                (0o600, 0o700, 0o022),
+                "{opts}"
+            );
+        }
+        let (_, _, s) = mount(
+            &["b", "/mnt/x", "-o", "dir_mode=0700,umask=0027"],
+            Flavor::S3fs,
+        )
+        .unwrap();
+        assert_eq!((s.file_mode, s.dir_mode, s.umask), (0o666, 0o700, 0o027));
+    }
+
     #[test]
     fn s3fs_command_line() {
         let pw = file("other:X:Y\nAK:SK\nbkt:AK2:SK2\n", 0o600);
@@ -812,14 +848,10 @@ mod tests {
         assert_eq!(s.upload_concurrency, 4);
         assert_eq!(s.access_key_id.as_deref(), Some("AK2"));
         assert_eq!(s.secret_access_key.as_deref(), Some("SK2"));
-        assert_eq!(s.notices.len(), 2, "{:?}", s.notices);
+        assert_eq!(s.mp_umask, 0o022);
+        assert_eq!(s.notices.len(), 1, "{:?}", s.notices);
         assert!(
-            s.notices[0].starts_with("notice: -o mp_umask: "),
-            "{:?}",
-            s.notices
-        );
-        assert!(
-            s.notices[1].starts_with("notice: -o del_cache: "),
+            s.notices[0].starts_with("notice: -o del_cache: "),
             "{:?}",
             s.notices
         );

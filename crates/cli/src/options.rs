@@ -203,6 +203,11 @@ pub const OPTIONS: &[OptionSpec] = &[
          stores (as s3fs's -o umask): 0077 keeps a mount shared with allow_other private to \
          its owner",
     ),
+    value("mp_umask", "OCTAL").env().default("0000").help(
+        "Permission bits (octal) cleared from the mount point's own mode (the root \
+         directory), after --umask (as s3fs's -o mp_umask): 0077 lets other users of an \
+         allow_other mount reach nothing through it",
+    ),
     flag("allow_other").env().help(
         "Let other users use the mount (non-root needs user_allow_other in \
          /etc/fuse.conf). Permissions are checked by the kernel against each entry's mode \

@@ -56,6 +56,9 @@ pub struct FsConfig {
     pub dir_mode: u16,
     /// Permission bits cleared from every file and directory shown (s3fs `-o umask`).
     pub umask: u16,
+    /// Permission bits cleared from the mount point's own mode (the root directory), after
+    /// `umask` (s3fs `-o mp_umask`).
+    pub mp_umask: u16,
     pub read_only: bool,
     /// How long attributes learned from the store are trusted.
     pub stat_ttl: Duration,
@@ -95,6 +98,7 @@ impl Default for FsConfig {
             file_mode: 0o644,
             dir_mode: 0o755,
             umask: 0,
+            mp_umask: 0,
             read_only: false,
             stat_ttl: Duration::from_secs(5),
             negative_ttl: Duration::from_secs(5),

@@ -289,6 +289,7 @@ impl Fs {
             file_mode: cfg.file_mode,
             dir_mode: cfg.dir_mode,
             umask: cfg.umask,
+            mp_umask: cfg.mp_umask,
         };
         let metrics = Arc::new(FsMetrics::default());
         let limits = CacheLimits {

@@ -153,6 +153,8 @@ pub struct AttrPolicy {
     pub dir_mode: u16,
     /// Permission bits cleared from every file and directory, whatever mode it stores.
     pub umask: u16,
+    /// Permission bits cleared from the root directory's, after `umask`.
+    pub mp_umask: u16,
 }
 
 impl AttrPolicy {
@@ -168,6 +170,7 @@ impl AttrPolicy {
         let perm = self.stored_perm(kind, meta);
         let perm = match kind {
             FileKind::Symlink => perm,
+            _ if ino == crate::ROOT_INO => perm & !self.umask & !self.mp_umask,
             _ => perm & !self.umask,
         };
         let mtime = meta.mtime.or(last_modified).unwrap_or(UNIX_EPOCH);
@@ -253,10 +256,20 @@ mod tests {
             file_mode: 0o640,
             dir_mode: 0o750,
             umask: 0,
+            mp_umask: 0o077,
         };
         let a = p.attr(5, FileKind::File, 10, &PosixMeta::default(), None);
         assert_eq!((a.perm, a.uid, a.gid), (0o640, 7, 2));
         let d = p.attr(6, FileKind::Dir, 0, &PosixMeta::default(), None);
         assert_eq!(d.perm, 0o750);
+        // The mount point alone gets `mp_umask`.
+        let root = p.attr(
+            crate::ROOT_INO,
+            FileKind::Dir,
+            0,
+            &PosixMeta::default(),
+            None,
+        );
+        assert_eq!(root.perm, 0o700);
     }
 }
