@@ -950,6 +950,30 @@ fn csi_target_paths_with_extra_slashes_publish_and_unpublish() {
         .expect("NodeUnpublishVolume of /a/b/");
     assert!(!fuse_mounted(&target) && !target.exists());
     assert_eq!(state_files(dir.path()), Vec::<PathBuf>::new());
+    // Through a link above it (a kubelet root that is a link): mounted where the link
+    // leads, and unpublished (before: the mount was never seen, its daemon was killed after
+    // 60 s and every unpublish failed on the dead mount it left).
+    let kubelet = dir.path().join("kubelet");
+    std::os::unix::fs::symlink(dir.path(), &kubelet).unwrap();
+    let via = kubelet.join("pod2/t");
+    c.publish(publish_request(&vol, &via, &ctx, false))
+        .expect("NodePublishVolume through a link");
+    let real = dir.path().canonicalize().unwrap().join("pod2/t");
+    assert!(fuse_mounted(&real));
+    std::fs::write(via.join("f"), b"through the link").unwrap();
+    c.unpublish(&vol, &via)
+        .expect("NodeUnpublishVolume through a link");
+    assert!(!fuse_mounted(&real) && !real.exists());
+    assert_eq!(s3().get(&bucket, "v/f").unwrap(), b"through the link");
+    // A link as the target itself is refused.
+    std::fs::create_dir_all(dir.path().join("pod3/real")).unwrap();
+    let link = dir.path().join("pod3/t");
+    std::os::unix::fs::symlink(dir.path().join("pod3/real"), &link).unwrap();
+    let e = c
+        .publish(publish_request(&vol, &link, &ctx, false))
+        .expect_err("a target that is a link");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(!fuse_mounted(&dir.path().join("pod3/real")));
 }
 
 // The node plugin's container: mounts must outlive it (issue 24).

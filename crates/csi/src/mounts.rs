@@ -748,7 +748,9 @@ impl Mounts {
         // A fence on top: the remount that would have stacked on it has not yet.
         remove_fences(target);
         if let Some(t) = mounted_fstype(target) {
-            if !is_fuse(&t) {
+            // Another FUSE file system with no record of this driver's is not its either
+            // (one of bucketfs's may be: a record lost, its dead mount to clear).
+            if !is_fuse(&t) || (rec.is_none() && t != "fuse.bucketfs") {
                 return Err(MountError::Internal(format!(
                     "{} is a {t} mount, not bucketfs",
                     target.display()

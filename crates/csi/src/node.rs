@@ -61,7 +61,36 @@ fn absolute_target(p: &str) -> Result<PathBuf, Status> {
     }
     // One spelling per directory (`/a//b/` is `/a/b`): mountinfo, the daemon's command line
     // and the record's name all use it.
-    Ok(p.components().collect())
+    let lexical: PathBuf = p.components().collect();
+    let (Some(parent), Some(name)) = (lexical.parent(), lexical.file_name()) else {
+        return Ok(lexical);
+    };
+    // The directories above with their links resolved (a kubelet root that is a link,
+    // /var/lib/kubelet -> /data/kubelet): the daemon mounts where they lead and mountinfo
+    // names that place; compared as given, the mount was never seen, the daemon was killed
+    // and its dead mount made every unpublish fail.
+    let target = real_dir(parent).join(name);
+    // The target itself is a directory or a mount point (not looked at: its daemon may
+    // hang); a link there is refused.
+    if crate::mounts::mount_at(&target).is_none()
+        && std::fs::symlink_metadata(&target).is_ok_and(|m| m.file_type().is_symlink())
+    {
+        return Err(Status::invalid_argument(format!(
+            "target path {} is a symbolic link",
+            target.display()
+        )));
+    }
+    Ok(target)
+}
+
+/// Directory `dir` (absolute) with the links of the part that exists resolved; the rest,
+/// to be made, as given.
+fn real_dir(dir: &Path) -> PathBuf {
+    match (dir.canonicalize(), dir.parent(), dir.file_name()) {
+        (Ok(real), _, _) => real,
+        (Err(_), Some(parent), Some(name)) => real_dir(parent).join(name),
+        _ => dir.to_path_buf(),
+    }
 }
 
 fn status(e: MountError) -> Status {
@@ -195,6 +224,19 @@ mod tests {
             assert_eq!(absolute_target(p).unwrap().as_os_str(), "/a/b", "{p}");
         }
         assert!(absolute_target("/a/../b").is_err());
+        // Links above are resolved; a link as the target is refused.
+        let d = tempfile::tempdir().unwrap();
+        let real = d.path().canonicalize().unwrap().join("real");
+        std::fs::create_dir(&real).unwrap();
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let via = link.join("pod/vol");
+        assert_eq!(
+            absolute_target(via.to_str().unwrap()).unwrap(),
+            real.join("pod/vol")
+        );
+        let e = absolute_target(link.to_str().unwrap()).unwrap_err();
+        assert!(e.message().contains("is a symbolic link"), "{e:?}");
         assert!(absolute_target("a/b").is_err());
     }
 }
