@@ -758,18 +758,20 @@ pub fn parse_config_text(text: &str, path: &Path) -> Result<ParsedConfig, String
 }
 
 fn parse_toml(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, String> {
-    // Spanned: the text of a number says how it was written (`0o077` is 63).
-    let table: std::collections::BTreeMap<String, toml::Spanned<toml::Value>> =
-        toml::from_str(text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-            let msg = e.message().replace('\n', " ");
-            match line {
-                Some(l) => format!("config {}: invalid TOML at line {l}: {msg}", path.display()),
-                None => format!("config {}: invalid TOML: {msg}", path.display()),
-            }
-        })?;
+    let table: toml::Table = toml::from_str(text).map_err(|e| {
+        let line = e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+        let msg = e.message().replace('\n', " ");
+        match line {
+            Some(l) => format!("config {}: invalid TOML at line {l}: {msg}", path.display()),
+            None => format!("config {}: invalid TOML: {msg}", path.display()),
+        }
+    })?;
+    // Where each value is written: the text of a number says how (`0o077` is 63). None
+    // where a key is a table (refused below, by name).
+    let spans: Option<std::collections::BTreeMap<String, toml::Spanned<toml::Value>>> =
+        toml::from_str(text).ok();
     let mut out: Vec<(String, Option<String>)> = Vec::new();
     for (k, v) in table {
         let ck = canonical(&k);
@@ -781,8 +783,13 @@ fn parse_toml(text: &str, path: &Path) -> Result<Vec<(String, Option<String>)>, 
                 path.display()
             ));
         }
-        let raw = text.get(v.span()).unwrap_or_default().replace('_', "");
-        let s = match v.into_inner() {
+        let raw = spans
+            .as_ref()
+            .and_then(|s| s.get(&k))
+            .and_then(|v| text.get(v.span()))
+            .unwrap_or_default()
+            .replace('_', "");
+        let s = match v {
             toml::Value::String(s) => s,
             toml::Value::Boolean(b) => b.to_string(),
             // `umask = 0o077`: the octal digits, with their prefix (a mode; a size refuses it).
@@ -983,6 +990,13 @@ mod tests {
         let f = file("umask = 0x12\n", 0o600);
         let e = Settings::default().apply_file(f.path()).unwrap_err();
         assert!(e.contains("umask = 0x12: write numbers in decimal"), "{e}");
+        // A key that is a table is named, as before.
+        let f = file("umask.x = 1\n", 0o600);
+        let e = Settings::default().apply_file(f.path()).unwrap_err();
+        assert!(
+            e.contains("umask: expected a string, number or boolean"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -202,6 +202,7 @@ fn check_own_paths(
 ) -> Result<(), String> {
     for (what, given) in own {
         let p = &resolved(given);
+        check_dirs_above(what, given, p)?;
         if p.starts_with(mountpoint) {
             return Err(format!(
                 "{what} {} is inside the mount point {}: give one outside it",
@@ -263,6 +264,35 @@ fn check_links(what: &str, p: &Path) -> Result<(), String> {
                 p.display(),
                 a.display(),
                 md.uid()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses `real` (where own path `given` leads) when a directory on the way to it (itself
+/// included, if it is one) is another user's than this one's or root's, or every user may
+/// rename in it (writable, not sticky like /tmp): its owner could swap what the daemon made
+/// there for a link into the mount after the checks (its staging files going through
+/// itself: a frozen mount) or anywhere else. Group-writable ones are left to the group.
+fn check_dirs_above(what: &str, given: &Path, real: &Path) -> Result<(), String> {
+    let me = uid();
+    for dir in real.ancestors() {
+        let Ok(md) = std::fs::metadata(dir) else {
+            continue;
+        };
+        if !md.is_dir() {
+            continue;
+        }
+        let mode = md.mode();
+        if (md.uid() != me && md.uid() != 0) || (mode & 0o002 != 0 && mode & 0o1000 == 0) {
+            return Err(format!(
+                "{what} {}: {} on the way belongs to user {} with mode {:o}: give a path only \
+                 this user or root can change",
+                given.display(),
+                dir.display(),
+                md.uid(),
+                mode & 0o7777
             ));
         }
     }

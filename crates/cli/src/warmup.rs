@@ -213,14 +213,20 @@ pub fn run(args: &WarmupArgs) -> i32 {
     let mut errors = Vec::new();
     let mut mounts = BTreeSet::new();
     let mut bytes_in = BTreeMap::new();
+    let mut seen = BTreeSet::new();
     for p in &args.paths {
         let p = bucketfs_fuse::absolute(p);
-        let before = files.len();
         match mount_of(&p) {
             Some(m) => {
-                collect(&p, &mut files, &mut errors);
-                *bytes_in.entry(m.clone()).or_default() +=
-                    files[before..].iter().map(|f| f.1).sum::<u64>();
+                let mut found = Vec::new();
+                collect(&p, &mut found, &mut errors);
+                // A file named twice (a tree and a file in it) is read and counted once.
+                for f in found {
+                    if seen.insert(f.0.clone()) {
+                        *bytes_in.entry(m.clone()).or_default() += f.1;
+                        files.push(f);
+                    }
+                }
                 mounts.insert(m);
             }
             None => {

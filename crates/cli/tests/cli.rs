@@ -223,9 +223,10 @@ fn own_directories_inside_the_mount_point_or_the_source_are_refused() {
 /// The daemon's own paths are checked where they lead: a link to the mount point (or a
 /// dangling one into it) is inside it (before: accepted; the data cache was made in the
 /// mount, through it, and uploaded as the bucket's files, and a cache dir there froze the
-/// mount at the first write, the daemon's staging files going through itself); a link another user owns on
-/// the way is refused (that user chose where the daemon, root, writes, and can repoint it);
-/// nothing is made where any of them leads.
+/// mount at the first write, the daemon's staging files going through itself); a link
+/// another user owns on the way is refused (that user chose where the daemon, root, writes,
+/// and can repoint it), and so is a directory of theirs (they could swap what is made in it
+/// for such a link after the checks); nothing is made where any of them leads.
 #[test]
 fn own_paths_are_checked_where_their_links_lead() {
     use std::os::unix::fs::{lchown, symlink};
@@ -243,6 +244,10 @@ fn own_paths_are_checked_where_their_links_lead() {
     let theirs = d.path().join("theirs");
     symlink(&elsewhere, &theirs).unwrap();
     lchown(&theirs, Some(65534), Some(65534)).unwrap();
+    // A directory of another user, who could swap what is made there for a link later.
+    let their_dir = d.path().join("their-dir");
+    fs::create_dir(&their_dir).unwrap();
+    lchown(&their_dir, Some(65534), Some(65534)).unwrap();
     let cases = [
         ("--data-cache", &to_mp, "data cache", "mount point"),
         ("--cache-dir", &to_mp, "cache dir", "mount point"),
@@ -251,6 +256,18 @@ fn own_paths_are_checked_where_their_links_lead() {
         ("--data-cache", &to_data, "data cache", "source directory"),
         ("--data-cache", &theirs, "data cache", "link of user 65534"),
         ("--log-file", &theirs, "log file", "link of user 65534"),
+        (
+            "--cache-dir",
+            &their_dir.join("cd"),
+            "cache dir",
+            "belongs to user 65534",
+        ),
+        (
+            "--log-file",
+            &their_dir.join("log"),
+            "log file",
+            "belongs to user 65534",
+        ),
     ];
     for (flag, p, what, why) in cases {
         let err = refused_local_mount(&data, &mp, &[flag, p.to_str().unwrap()], flag);
@@ -271,6 +288,11 @@ fn own_paths_are_checked_where_their_links_lead() {
         "made in the source"
     );
     assert!(!elsewhere.exists(), "made where another user's link leads");
+    assert_eq!(
+        fs::read_dir(&their_dir).unwrap().count(),
+        0,
+        "made in their directory"
+    );
 }
 
 #[test]

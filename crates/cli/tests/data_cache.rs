@@ -431,11 +431,23 @@ fn warmup_fills_the_data_cache_ahead_of_a_read() {
     // 3 blocks of a, one each of b and c.
     wait_blocks(cache.path(), 5);
     let m = m.remount();
-    // A second warmup, after the remount, finds everything in the data cache...
+    // A second warmup, after the remount, finds everything in the data cache (a file named
+    // twice, by itself and in its tree, read and counted once)...
     let dir = m.join("d");
-    let out = run(bin(), &["warmup", "-j", "2", dir.to_str().unwrap()]);
+    let a = m.join("d/a");
+    let out = run(
+        bin(),
+        &[
+            "warmup",
+            "-j",
+            "2",
+            dir.to_str().unwrap(),
+            a.to_str().unwrap(),
+        ],
+    );
     let want = format!("{:.1} MB already cached", total as f64 / 1e6);
     assert!(out.contains(&want), "{out}");
+    assert!(out.contains("warmup: 3 files, 2.2 MB"), "{out}");
     // ...and the job that follows sends no GET.
     for (k, v) in &files {
         assert_eq!(read_counted(&m, k, v).0, 0, "{k} read from the cache");

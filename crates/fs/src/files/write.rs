@@ -1074,7 +1074,6 @@ impl WriteState {
             // copy the whole object server-side (fio reopens its files this way).
             return Ok(());
         }
-        self.bytes_changed = true;
         // The part where the old and new sizes meet is sent again: its kept bytes are needed.
         let edge = size.min(old);
         let part = self.cfg.layout.bounds(self.cfg.layout.index_of(edge));
@@ -1108,6 +1107,8 @@ impl WriteState {
             self.touch_parts(old..size);
             self.dirty.insert(old..size);
         }
+        // Only once it is done: a truncate that failed changed nothing.
+        self.bytes_changed = true;
         self.size.store(size, Ordering::Relaxed);
         self.touch();
         Ok(())
