@@ -118,6 +118,13 @@ impl Credentials {
                 "the secret needs both {SECRET_ACCESS_KEY_ID} and {SECRET_SECRET_ACCESS_KEY}, or neither"
             ));
         }
+        // Alone it would be dropped, and the daemon would run as the node's credentials.
+        if c.session_token.is_some() && c.access_key_id.is_none() {
+            return Err(format!(
+                "the secret's {SECRET_SESSION_TOKEN} needs {SECRET_ACCESS_KEY_ID} and \
+                 {SECRET_SECRET_ACCESS_KEY} too"
+            ));
+        }
         Ok(c)
     }
 
@@ -414,5 +421,6 @@ mod tests {
                 .unwrap();
         assert!(!format!("{c:?}").contains("SK"));
         assert!(Credentials::from_secrets(&map(&[("accessKeyID", "AK")])).is_err());
+        assert!(Credentials::from_secrets(&map(&[("sessionToken", "T")])).is_err());
     }
 }
