@@ -1353,9 +1353,11 @@ async fn open_raw_store(
             }
             info!("bucket {bucket} at {endpoint}: access checked");
             let slots = store.request_slots();
-            let metered = MeteredStore::new(Arc::new(store));
+            let store = Arc::new(store);
+            let metered = MeteredStore::new(store.clone());
             let metrics = metered.metrics();
             metrics.watch_request_slots(slots);
+            store.count_inner_requests_in(metrics.clone());
             Ok((Arc::new(metered), metrics, resolved))
         }
     }

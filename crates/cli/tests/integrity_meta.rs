@@ -819,6 +819,10 @@ fn files_written_again_keep_the_headers_another_tool_gave_them() {
         .unwrap();
     f.write_all_at(b"changed", 10 << 20).unwrap();
     close_checked(f).unwrap();
+    // The requests that read the headers and tags kept are counted (before: neither).
+    let req = store_requests(m.path());
+    assert_eq!(req.get("get_tagging").copied(), Some(3), "{req:?}");
+    assert!(req.get("head").copied().unwrap_or(0) >= 3, "{req:?}");
     drop(m);
     assert_eq!(
         s3().get(&b, "append.csv").as_deref(),

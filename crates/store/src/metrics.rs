@@ -22,10 +22,12 @@ pub enum Op {
     Copy,
     Delete,
     List,
+    /// GetObjectTagging: the tags a write over a tagged object gives again.
+    GetTagging,
 }
 
 impl Op {
-    pub const ALL: [Op; 12] = [
+    pub const ALL: [Op; 13] = [
         Op::Head,
         Op::Get,
         Op::Put,
@@ -38,6 +40,7 @@ impl Op {
         Op::Copy,
         Op::Delete,
         Op::List,
+        Op::GetTagging,
     ];
 
     pub fn name(self) -> &'static str {
@@ -54,6 +57,7 @@ impl Op {
             Op::Copy => "copy",
             Op::Delete => "delete",
             Op::List => "list",
+            Op::GetTagging => "get_tagging",
         }
     }
 }
@@ -61,8 +65,8 @@ impl Op {
 /// Counters shared between the wrapper and whoever reports them.
 #[derive(Default, Debug)]
 pub struct StoreMetrics {
-    requests: [AtomicU64; 12],
-    errors: [AtomicU64; 12],
+    requests: [AtomicU64; Op::ALL.len()],
+    errors: [AtomicU64; Op::ALL.len()],
     pub bytes_up: AtomicU64,
     pub bytes_down: AtomicU64,
     /// The S3 store's request bound, reported as gauges (none for other stores).
@@ -91,8 +95,14 @@ impl StoreMetrics {
         self.bytes_down.load(Ordering::Relaxed)
     }
     fn count<T>(&self, op: Op, r: &StoreResult<T>) {
+        self.count_request(op, r.is_ok());
+    }
+
+    /// One request `op` a store sent on its own, within a call this wrapper counted as
+    /// another (the HEAD and GetObjectTagging that read the headers a write keeps).
+    pub fn count_request(&self, op: Op, ok: bool) {
         self.requests[op as usize].fetch_add(1, Ordering::Relaxed);
-        if r.is_err() {
+        if !ok {
             self.errors[op as usize].fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -139,6 +139,9 @@ pub struct S3Store {
     own_uploads: parking_lot::Mutex<HashMap<String, Own>>,
     /// Where the continuation tokens this store was given lead from.
     list_progress: parking_lot::Mutex<ListProgress>,
+    /// Where the requests sent within a call are counted (see
+    /// [`S3Store::count_inner_requests_in`]).
+    inner_requests: std::sync::OnceLock<Arc<crate::metrics::StoreMetrics>>,
 }
 
 /// The last `N` entries put, by key: a map that forgets its oldest insertions first.
@@ -870,7 +873,22 @@ impl S3Store {
             no_tag_writes: AtomicBool::new(false),
             own_uploads: Default::default(),
             list_progress: Default::default(),
+            inner_requests: Default::default(),
         })
+    }
+
+    /// Counts in `m` the requests this store sends within a call (see
+    /// [`crate::metrics::StoreMetrics::count_request`]): the metered wrapper sees only the
+    /// call.
+    pub fn count_inner_requests_in(&self, m: Arc<crate::metrics::StoreMetrics>) {
+        let _ = self.inner_requests.set(m);
+    }
+
+    /// One request of [`Self::count_inner_requests_in`].
+    fn counted<T>(&self, op: crate::metrics::Op, r: &StoreResult<T>) {
+        if let Some(m) = self.inner_requests.get() {
+            m.count_request(op, r.is_ok());
+        }
     }
 
     /// The endpoint requests go to (see the field); `None`: AWS's own.
@@ -915,6 +933,7 @@ impl S3Store {
             return Ok(self.own_headers_at(src, o, dst));
         }
         let mut head = self.head_object(src, etag).await;
+        self.counted(crate::metrics::Op::Head, &head);
         if etag.is_some()
             && matches!(
                 head,
@@ -922,6 +941,7 @@ impl S3Store {
             )
         {
             head = self.head_object(src, None).await;
+            self.counted(crate::metrics::Op::Head, &head);
         }
         match head {
             Ok(h) => {
@@ -990,7 +1010,9 @@ impl S3Store {
                 .send()
                 .await
         };
-        match out.map_err(|e| map_err(key, e)) {
+        let out = out.map_err(|e| map_err(key, e));
+        self.counted(crate::metrics::Op::GetTagging, &out);
+        match out {
             Ok(o) => Ok(encode_tagging(o.tag_set())),
             Err(StoreError::NotFound(_)) => Ok(None),
             Err(e @ (StoreError::AccessDenied(_) | StoreError::Invalid(_))) => {
