@@ -339,10 +339,11 @@ mod tests {
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         let path = dir.path().join("planted.sock");
         let script = format!(
-            "import socket, time, sys\n\
+            "import os, socket, time, sys\n\
              s = socket.socket(socket.AF_UNIX)\n\
-             s.bind(sys.argv[1])\n\
+             s.bind(sys.argv[1] + '.tmp')\n\
              s.listen(4)\n\
+             os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n\
              while True:\n\
              \x20   c, _ = s.accept()\n\
              \x20   if {trickle}:\n\
@@ -358,6 +359,8 @@ mod tests {
             .uid(uid)
             .spawn()
             .unwrap();
+        // The name appears once the server listens (a connect between its bind and its
+        // listen was refused: a flaky test).
         let deadline = Instant::now() + Duration::from_secs(10);
         while !path.exists() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
