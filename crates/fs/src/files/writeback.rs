@@ -999,24 +999,49 @@ impl Slot {
     }
 }
 
+/// How long a mount waits for a write-back directory's lock: the daemon of a mount just
+/// unmounted holds it until it has stored what it was given, after the unmount returned
+/// (a `umount && mount` was refused).
+const LOCK_WAIT: Duration = Duration::from_secs(10);
+
 /// Takes write-back directory `dir`'s lock (held while the file is open).
 fn lock_dir(dir: &Path) -> Result<File, String> {
+    lock_dir_within(dir, LOCK_WAIT)
+}
+
+/// [`lock_dir`], waiting `wait` at most for the process that holds it.
+fn lock_dir_within(dir: &Path, wait: Duration) -> Result<File, String> {
     use std::os::fd::AsRawFd;
+    let path = dir.join("lock");
     let lock = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
+        .read(true)
         .write(true)
         .mode(0o600)
-        .open(dir.join("lock"))
+        .open(&path)
         .map_err(|e| format!("write-back directory {}: {e}", dir.display()))?;
+    let start = Instant::now();
     // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(format!(
-            "write-back directory {} is in use by another bucketfs of the same bucket and \
-             state directory",
-            dir.display()
-        ));
+    while unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if start.elapsed() >= wait {
+            let holder = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|s| s.trim().parse::<u32>().ok())
+                .map_or(String::new(), |pid| format!(" (pid {pid})"));
+            return Err(format!(
+                "write-back directory {} is in use by another bucketfs{holder} of the same \
+                 bucket and state directory: one unmounted a moment ago exits once it has \
+                 stored the files it was given (`bucketfs pending` lists them while it runs); \
+                 mount again then",
+                dir.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
+    // Who holds it, for the message of a mount that finds it held.
+    let _ = lock.set_len(0);
+    let _ = lock.write_all_at(format!("{}\n", std::process::id()).as_bytes(), 0);
     Ok(lock)
 }
 
@@ -4087,6 +4112,28 @@ pub(crate) fn put_etag(body: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A mount finding the lock held waits for its holder (a daemon just unmounted, storing
+    /// what it was given: `umount && mount` was refused at once), then names it.
+    #[test]
+    fn the_lock_is_waited_for_then_its_holder_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = lock_dir(dir.path()).unwrap();
+        let e = lock_dir_within(dir.path(), Duration::from_millis(300)).unwrap_err();
+        assert!(
+            e.contains(&format!(
+                "in use by another bucketfs (pid {})",
+                std::process::id()
+            )),
+            "{e}"
+        );
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(held);
+        });
+        lock_dir_within(dir.path(), Duration::from_secs(10)).unwrap();
+        release.join().unwrap();
+    }
     use std::collections::BTreeSet;
 
     /// A failed fdatasync may have carried the bytes of a writer that took its ticket after
