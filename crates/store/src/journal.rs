@@ -93,9 +93,19 @@ struct JournalInner {
 
 impl JournalInner {
     fn append(&mut self, line: &str, durable: bool) -> io::Result<()> {
-        self.file.write_all(line.as_bytes())?;
-        if durable {
-            self.file.sync_data()?;
+        let r = self
+            .file
+            .write_all(line.as_bytes())
+            .and_then(|()| match durable {
+                true => self.file.sync_data(),
+                false => Ok(()),
+            });
+        if let Err(e) = r {
+            // Not recorded: a part of the line left (a full disk cuts it) would glue the
+            // next line to it, and that record would not parse after a crash.
+            let _ = self.file.set_len(self.len);
+            let _ = self.file.seek(SeekFrom::Start(self.len));
+            return Err(e);
         }
         self.len += line.len() as u64;
         Ok(())
@@ -255,7 +265,12 @@ impl UploadJournal {
 
     /// The error of a store write refused because this journal could not record it.
     pub fn failed(&self, e: io::Error) -> StoreError {
-        StoreError::Other(format!("upload journal {}: {e}", self.path.display()))
+        let what = format!("upload journal {}: {e}", self.path.display());
+        // The state directory's disk is full: ENOSPC, not EIO, for the call that failed.
+        match e.kind() == io::ErrorKind::StorageFull || e.raw_os_error() == Some(libc::EDQUOT) {
+            true => StoreError::NoSpace(what),
+            false => StoreError::Other(what),
+        }
     }
 
     /// Records a temporary object about to be written; durable when this returns, so the
@@ -631,6 +646,17 @@ impl crate::layer::StoreLayer for JournalStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A full state disk is said as such (ENOSPC for the call), not as any store error.
+    #[test]
+    fn a_full_disk_is_no_space() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = UploadJournal::open(dir.path(), "s").unwrap();
+        let full = io::Error::from_raw_os_error(libc::ENOSPC);
+        assert!(matches!(j.failed(full), StoreError::NoSpace(_)));
+        let other = io::Error::from_raw_os_error(libc::EIO);
+        assert!(matches!(j.failed(other), StoreError::Other(_)));
+    }
     use crate::memory::MemoryStore;
 
     #[test]

@@ -1169,7 +1169,13 @@ impl WriteState {
             for r in missing {
                 let piece =
                     data.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
-                self.stage(r.start, piece).await?;
+                // Kept for later reads where the staging disk has room; a full or failing
+                // one costs this read a second GET below, never its bytes (a read that
+                // failed with ENOSPC, a mapping that died of SIGBUS).
+                if let Err(e) = self.stage(r.start, piece).await {
+                    tracing::debug!("{}: bytes read not kept locally: {e:?}", self.key);
+                    break;
+                }
                 self.local.insert(r);
             }
         }
