@@ -571,7 +571,7 @@ fn a_full_state_disk_fails_with_enospc_and_leaves_the_journal_whole() {
 }
 
 fn hex_ok(s: &str) -> bool {
-    !s.is_empty() && s.len() % 2 == 0 && s.bytes().all(|c| c.is_ascii_hexdigit())
+    !s.is_empty() && s.len().is_multiple_of(2) && s.bytes().all(|c| c.is_ascii_hexdigit())
 }
 
 /// One disk under both the server and the mount's staging files fills up while six files are
