@@ -2486,15 +2486,12 @@ impl WriteBack {
     }
 
     /// Waits for entry `seq`, or the entry that replaced it (a later commit of the same
-    /// file, a rename), to be uploaded; its error if its upload failed since. The entry
-    /// waited for goes up next, not after `--upload-delay` (an fsync asking for the bucket
-    /// waited the whole delay).
+    /// file, a rename), to be uploaded; its error if its upload failed since.
     pub async fn wait_uploaded(&self, seq: u64) -> FsResult<()> {
-        let mut hurried = None;
         loop {
             let changed = self.changed.notified();
             {
-                let mut inner = self.inner.lock();
+                let inner = self.inner.lock();
                 let mut s = seq;
                 while let Some(n) = inner.successor.get(&s) {
                     s = *n;
@@ -2508,12 +2505,6 @@ impl WriteBack {
                         } else {
                             FsError::EIO
                         })
-                    }
-                    Some(e) if e.status == Status::Queued && hurried != Some(s) => {
-                        hurried = Some(s);
-                        inner.expedite(s);
-                        drop(inner);
-                        self.work.notify_waiters();
                     }
                     Some(_) => {}
                 }

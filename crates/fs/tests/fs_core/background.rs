@@ -83,31 +83,6 @@ fn writeback_config(state: &tempfile::TempDir, delay: Duration) -> WriteBackConf
     }
 }
 
-/// `--upload-fsync bucket` with a long `--upload-delay`: the fsync waits for the upload,
-/// which goes at once (before: the fsync waited the whole delay).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_fsync_waiting_for_the_bucket_is_not_held_for_the_upload_delay() {
-    use crate::support::ME;
-    let state = tempfile::tempdir().unwrap();
-    let mut wb = writeback_config(&state, Duration::from_secs(600));
-    wb.fsync_waits_upload = true;
-    let e = crate::support::env_with(MemoryStore::new(), move |mut c| {
-        c.writeback = Some(wb);
-        c
-    });
-    let (f, h) =
-        e.fs.create(ROOT_INO, OsStr::new("f"), 0o644, 0, libc::O_WRONLY, ME)
-            .await
-            .unwrap();
-    e.fs.write(f.ino, h.fh, 0, Bytes::from_static(b"stored"))
-        .await
-        .unwrap();
-    let fsync = tokio::time::timeout(Duration::from_secs(30), e.fs.fsync(f.ino, h.fh)).await;
-    assert_eq!(fsync.expect("the fsync waited for the delay"), Ok(()));
-    assert_eq!(object(&e.mem, "f").await, b"stored");
-    e.fs.release(f.ino, h.fh).await.unwrap();
-}
-
 /// A background fs over a metered memory store, its state directory in `state`.
 fn background_env(state: &tempfile::TempDir, delay: Duration) -> crate::support::Env {
     let wb = writeback_config(state, delay);
