@@ -565,6 +565,12 @@ impl Namespace {
                     i.learned_changes += 1;
                     i.fetched = self.stale_instant().or(i.fetched);
                 }
+                if etag.is_some() && i.fetched.is_none() {
+                    // Never stored under its old name (a background upload that landed
+                    // while the rename waited for it): in the bucket now, so an unlink
+                    // deletes it once its state is gone.
+                    i.fetched = Some(Instant::now());
+                }
                 i.etag = etag;
             }
             RenamedObjects::Below(copies) => {

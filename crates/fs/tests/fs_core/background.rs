@@ -1199,3 +1199,87 @@ async fn a_close_that_wrote_nothing_commits_no_half_file() {
     }
     panic!("the writer's close never went up");
 }
+
+/// Holds the answer of a PUT of `key` at its gate: the upload has landed, the mount does not
+/// know it yet.
+struct HoldsPutAnswer {
+    inner: Arc<MemoryStore>,
+    key: String,
+    gate: crate::support::Gate,
+}
+
+#[async_trait::async_trait]
+impl StoreLayer for HoldsPutAnswer {
+    type Inner = MemoryStore;
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+    async fn put_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &bucketfs_store::UserMeta,
+        if_match: Option<&str>,
+        headers_from: Option<bucketfs_store::HeadersFrom<'_>>,
+    ) -> StoreResult<String> {
+        let r = self
+            .inner
+            .put_if(key, body, meta, if_match, headers_from)
+            .await;
+        self.gate.pass(key == self.key).await;
+        r
+    }
+}
+
+/// A file renamed while its upload is in flight (`tmp` then `mv`, as every atomic writer
+/// does), then unlinked: the rename waited for the upload, moved the object, and dropped
+/// the file's state; the inode, never stored under its own name before, did not count as
+/// in the bucket, so the unlink sent no DELETE. It returned 0 and the file came back at the
+/// next listing (git branch -D, rsync --delete, rm -rf: ENOTEMPTY).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_renamed_while_its_upload_lands_is_deleted_by_its_unlink() {
+    let mem = Arc::new(MemoryStore::new());
+    let store = Arc::new(HoldsPutAnswer {
+        inner: mem.clone(),
+        key: "f.tmp".into(),
+        gate: crate::support::Gate::new(true),
+    });
+    let (cache, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut cfg = config(&cache);
+    cfg.writeback = Some(writeback_config(&state, Duration::ZERO));
+    let fs = Fs::new(store.clone(), cfg);
+    // The kernel sends the release after close(2) returned: the rename can come first.
+    let (a, h) = fs
+        .create(
+            ROOT_INO,
+            OsStr::new("f.tmp"),
+            0o644,
+            0,
+            libc::O_WRONLY,
+            crate::support::ME,
+        )
+        .await
+        .unwrap();
+    fs.write(a.ino, h.fh, 0, Bytes::from_static(b"new bytes"))
+        .await
+        .unwrap();
+    fs.flush(a.ino, h.fh).await.unwrap();
+    store.gate.reached().await;
+    let rename = tokio::spawn({
+        let fs = fs.clone();
+        async move {
+            fs.rename(ROOT_INO, OsStr::new("f.tmp"), ROOT_INO, OsStr::new("f"), 0)
+                .await
+        }
+    });
+    // The rename waits for the upload in flight.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store.gate.open();
+    rename.await.unwrap().unwrap();
+    fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(object(&mem, "f").await, b"new bytes");
+    fs.unlink(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
+    assert_eq!(left, 0);
+    assert_eq!(mem.keys(), Vec::<String>::new(), "an unlinked file stayed");
+}
