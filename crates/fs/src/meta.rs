@@ -77,12 +77,26 @@ pub struct PosixMeta {
     pub atime: Option<SystemTime>,
 }
 
+/// Unix seconds with an optional fraction. `SECONDS.DIGITS` (what this mount and s3fs write)
+/// is read exactly: an f64 keeps only about 16 digits, not a nanosecond's 19.
 fn parse_time(s: &str) -> Option<SystemTime> {
-    let f: f64 = s.trim().parse().ok()?;
-    if !f.is_finite() || f < 0.0 {
+    let s = s.trim();
+    let (secs, frac) = s.split_once('.').unwrap_or((s, ""));
+    let digits = |d: &str| d.bytes().all(|b| b.is_ascii_digit());
+    if !secs.is_empty() && secs.len() <= 19 && digits(secs) && digits(frac) {
+        let nanos = frac
+            .bytes()
+            .chain(std::iter::repeat(b'0'))
+            .take(9)
+            .fold(0u32, |n, b| n * 10 + u32::from(b - b'0'));
+        let d = Duration::new(secs.parse().ok()?, nanos);
+        return UNIX_EPOCH.checked_add(d);
+    }
+    let f: f64 = s.parse().ok()?;
+    if f < 0.0 {
         return None;
     }
-    Some(UNIX_EPOCH + Duration::from_secs_f64(f))
+    UNIX_EPOCH.checked_add(Duration::try_from_secs_f64(f).ok()?)
 }
 
 fn format_time(t: SystemTime) -> String {
@@ -244,6 +258,34 @@ mod tests {
         );
         assert_eq!(m.mode, None);
         assert_eq!(format_time(m.mtime.unwrap()), "1700000000.500000000");
+    }
+
+    /// Nanosecond times come back exactly (through an f64 they were off by up to a few
+    /// hundred ns: `tar -d` said "Mod time differs", `test -ot` said older).
+    #[test]
+    fn nanosecond_times_round_trip_exactly() {
+        for s in [
+            "1577836800.123456789",
+            "1577836800.000000001",
+            "4102444800.999999999",
+        ] {
+            let t = parse_time(s).unwrap();
+            assert_eq!(format_time(t), s);
+        }
+        let t = parse_time(" 1700000000.12 ").unwrap();
+        assert_eq!(format_time(t), "1700000000.120000000");
+        // More digits than a nanosecond: cut, not rounded up into the next second.
+        let t = parse_time("1700000000.9999999999").unwrap();
+        assert_eq!(format_time(t), "1700000000.999999999");
+        // Other number forms still read; nonsense and negatives not.
+        assert_eq!(
+            parse_time("1.7e9"),
+            Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000))
+        );
+        // A foreign tool's huge value is no time (it panicked the daemon).
+        for bad in ["-1", "x", "1.2.3", "", "NaN", "inf", "1e300"] {
+            assert_eq!(parse_time(bad), None, "{bad}");
+        }
     }
 
     #[test]
