@@ -294,7 +294,10 @@ impl Reader {
         let data = async move {
             let b = task.await.map_err(|_| FsError::EIO)??;
             if (b.len() as u64) < want {
-                return Err(FsError::EIO);
+                // Not the version of the size it was read as: another client's shorter one
+                // (a store that checks the range before If-Match answers 416, read as the
+                // end). As for a refused GET: the caller reads the new one or says ESTALE.
+                return Err(FsError::ESTALE);
             }
             Ok(b)
         }

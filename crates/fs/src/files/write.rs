@@ -1162,8 +1162,7 @@ impl WriteState {
                 .await
                 .map_err(|e| self.base_err(e))?;
             if n as u64 != span.end - span.start {
-                tracing::warn!("{}: object shorter than expected", self.key);
-                return Err(FsError::EIO);
+                return Err(self.base_shorter());
             }
             let data = buf.freeze(n);
             for r in missing {
@@ -1251,6 +1250,18 @@ impl WriteState {
         FsError::ESTALE
     }
 
+    /// The base object came back shorter than the version it was read as: another
+    /// client's (a store that checks the range before `If-Match` answers 416, read as the
+    /// end of the file).
+    fn base_shorter(&self) -> FsError {
+        tracing::warn!(
+            "{}: replaced by another client with a shorter version since this file was \
+             opened; the bytes it keeps of that version cannot be read (ESTALE)",
+            self.key
+        );
+        FsError::ESTALE
+    }
+
     /// `range` of the base object, which must lie within `base_len`.
     async fn get_base(&self, range: Range<u64>) -> FsResult<Bytes> {
         let data = self
@@ -1259,8 +1270,7 @@ impl WriteState {
             .await
             .map_err(|e| self.base_err(e))?;
         if data.len() as u64 != range.end - range.start {
-            tracing::warn!("{}: object shorter than expected", self.key);
-            return Err(FsError::EIO);
+            return Err(self.base_shorter());
         }
         Ok(data)
     }
@@ -1295,8 +1305,7 @@ impl WriteState {
                         .await
                         .map_err(|e| self.base_err(e))?;
                     if got != n {
-                        tracing::warn!("{}: object shorter than expected", self.key);
-                        return Err(FsError::EIO);
+                        return Err(self.base_shorter());
                     }
                 }
                 Source::Zeros => buf.as_mut()[at..at + n].fill(0),
