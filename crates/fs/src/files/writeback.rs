@@ -624,6 +624,9 @@ struct Inner {
     next_ticket: u64,
     /// When room was last freed (an upload landed, an entry removed).
     freed_at: Option<Instant>,
+    /// When a commit first found no room since then: the commits after it wait only what
+    /// is left of its `space_wait` (each waited a whole one while the store was down).
+    full_since: Option<Instant>,
     /// When a full directory was last logged.
     full_logged: Option<Instant>,
     /// When uploads around a full directory were last logged ([`WriteBack::log_direct`]).
@@ -1896,7 +1899,8 @@ impl WriteBack {
                     inc(&self.metrics.writeback_space_waits);
                 }
                 let stuck = inner.stuck_bytes().saturating_sub(unstuck);
-                let since = inner.freed_at.map_or(started, |t| t.max(started));
+                let full_since = *inner.full_since.get_or_insert(started);
+                let since = inner.freed_at.map_or(full_since, |t| t.max(full_since));
                 let left = (since + self.cfg.space_wait).checked_duration_since(Instant::now());
                 // A file larger than the bound goes alone: it waits for the others, unless
                 // conflicts, which never go by themselves, keep the directory from emptying.
@@ -2322,6 +2326,7 @@ impl WriteBack {
             if let Some(o) = &old {
                 inner.bytes -= o.content.stored();
                 inner.freed_at = Some(now);
+                inner.full_since = None;
             }
             if let Some(r) = slot.replaces {
                 inner.successor.insert(r, slot.seq);
@@ -2415,6 +2420,7 @@ impl WriteBack {
             let e = inner.entries.remove(&seq).expect("present");
             inner.bytes -= e.content.stored();
             inner.freed_at = Some(Instant::now());
+            inner.full_since = None;
             if inner.by_key.get(&e.key) == Some(&seq) {
                 inner.by_key.remove(&e.key);
             }
@@ -3067,6 +3073,7 @@ impl WriteBack {
                     let mut inner = self.inner.lock();
                     inner.running -= 1;
                     inner.freed_at = Some(Instant::now());
+                    inner.full_since = None;
                     if let Some(e) = inner.entries.get_mut(&seq) {
                         e.status = Status::Landed;
                         let stored = e.content.stored();

@@ -1283,3 +1283,63 @@ async fn a_file_renamed_while_its_upload_lands_is_deleted_by_its_unlink() {
     assert_eq!(left, 0);
     assert_eq!(mem.keys(), Vec::<String>::new(), "an unlinked file stayed");
 }
+
+/// The store down (every PUT fails), the write-back directory full: the first close to
+/// find no room waits `space_wait` for an upload to free some, then uploads its file itself
+/// (and gets its error). Closes after it, nothing having landed since, do the same at once:
+/// each waited a `space_wait` of its own (60 s by default: 380 closes, hours).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closes_after_the_first_that_waited_for_room_in_vain_do_not_wait_again() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    use bucketfs_store::StoreError;
+    let (state, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let faulty = Arc::new(FaultStore::new(Arc::new(MemoryStore::new())));
+    faulty.inject(
+        Op::Put,
+        0,
+        None,
+        Fault::Error(StoreError::Other("the store is down".into())),
+    );
+    let mut wb = writeback_config(&state, Duration::ZERO);
+    wb.max_bytes = 1024 * KIB;
+    wb.space_wait = Duration::from_secs(3);
+    let mut cfg = config(&cache);
+    cfg.writeback = Some(wb);
+    let fs = Fs::new(faulty, cfg);
+    let close = |name: &'static str| {
+        let fs = fs.clone();
+        async move {
+            let data = crate::support::random(600 * KIB as usize, 9);
+            let (a, h) = fs
+                .create(
+                    ROOT_INO,
+                    OsStr::new(name),
+                    0o644,
+                    0,
+                    libc::O_WRONLY,
+                    crate::support::ME,
+                )
+                .await
+                .unwrap();
+            crate::support::write_mib(&fs, a.ino, h.fh, 0, &data).await;
+            let started = std::time::Instant::now();
+            let r = fs.flush(a.ino, h.fh).await;
+            let _ = fs.release(a.ino, h.fh).await;
+            (r, started.elapsed())
+        }
+    };
+    let (r, _) = close("a").await;
+    assert_eq!(r, Ok(()), "a fits");
+    let (r, took) = close("b").await;
+    assert!(r.is_err(), "b went to the store itself, which is down");
+    assert!(took >= Duration::from_secs(2), "b waited for room first");
+    for name in ["c", "d"] {
+        let (r, took) = close(name).await;
+        assert!(r.is_err());
+        assert!(
+            took < Duration::from_secs(2),
+            "{name} waited {took:?} again, nothing having landed since b"
+        );
+    }
+}
