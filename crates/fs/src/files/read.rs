@@ -29,6 +29,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
@@ -56,6 +57,11 @@ pub struct ReadConfig {
 
 /// Most bytes one GET of a stream asks for.
 const MAX_STREAM_CHUNK: u64 = 32 * 1024 * 1024;
+
+/// How long a failed fetch stands for the bytes it was fetching: the kernel asks again at
+/// once for pages its readahead failed to get (its own read of them), which would wait for
+/// the store as long again (2T on a hung connection: 4T for one read(2)).
+const FAILED_STANDS: Duration = Duration::from_secs(1);
 
 impl ReadConfig {
     /// Largest chunk of a stream: a sixteenth of the largest window, at least a part, at
@@ -203,6 +209,8 @@ pub struct Reader {
     /// Some bytes went to the caller: from then on a changed object is `ESTALE`, never
     /// another version's bytes.
     served: bool,
+    /// The last fetch that failed: its range, when, and the error (see [`FAILED_STANDS`]).
+    failed: Option<(Range<u64>, Instant, FsError)>,
 }
 
 impl Reader {
@@ -240,6 +248,7 @@ impl Reader {
             rereading,
             high_water: 0,
             served: false,
+            failed: None,
         }
     }
 
@@ -346,6 +355,11 @@ impl Reader {
         let end = (offset + len as u64).min(self.size);
         if offset >= end {
             return Ok(Bytes::new());
+        }
+        if let Some((r, at, e)) = &self.failed {
+            if at.elapsed() < FAILED_STANDS && offset < r.end && r.start < end {
+                return Err(*e);
+            }
         }
         *self.held.last_use.lock() = Instant::now();
         let m = self.cfg.metrics.clone();
@@ -539,6 +553,9 @@ impl Reader {
             let data = match data.await {
                 Ok(d) => d,
                 Err(e) => {
+                    if e != FsError::ESTALE {
+                        self.failed = Some((range.clone(), Instant::now(), e));
+                    }
                     // Forget the failed chunk and everything after it; a retry refetches.
                     let mut q = self.queue();
                     while q

@@ -1184,3 +1184,36 @@ async fn an_early_upload_the_store_removed_is_sent_again_at_close() {
     want.extend_from_slice(&added);
     assert!(object(&mem, "big").await == want);
 }
+
+/// A read whose GET failed (after the store's own retries: up to 2T on a hung connection)
+/// gets `EIO`; the kernel then asks for the same pages again at once (its readahead failed,
+/// it reads the page itself), and that second request waited another 2T: one read(2) took
+/// 4T (120 s with the default T). The failure stands for a second for the bytes it was
+/// fetching; a read after that asks the store again.
+#[tokio::test]
+async fn the_kernels_second_read_of_pages_that_just_failed_fails_at_once() {
+    let mem = Arc::new(MemoryStore::new());
+    let data = random(3 * MIB as usize, 3);
+    put(&mem, "f", &data).await;
+    let (faulty, fs, _cache) = faulty_fs(&mem);
+    let a = fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    faulty.inject(
+        Op::Get,
+        0,
+        Some(1),
+        Fault::Error(StoreError::Other("no byte for 30 s".into())),
+    );
+    assert_eq!(fs.read(a.ino, h.fh, 0, 128 << 10).await, Err(FsError::EIO));
+    // The fault is spent: a GET now would succeed, so only a remembered failure fails.
+    let again = fs.read(a.ino, h.fh, 4096, 4096).await.map(|b| b.len());
+    assert_eq!(
+        again,
+        Err(FsError::EIO),
+        "the same bytes were asked of the store again"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let got = fs.read(a.ino, h.fh, 4096, 4096).await.unwrap();
+    assert!(got[..] == data[4096..8192]);
+    fs.release(a.ino, h.fh).await.unwrap();
+}
