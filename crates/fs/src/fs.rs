@@ -110,6 +110,8 @@ pub struct Fs {
     ns: Namespace,
     /// What each open file's bytes are.
     files: OpenFiles,
+    /// See [`Fs::on_stale_cache`].
+    stale_cache: Mutex<Option<StaleCache>>,
     /// Directory renames and the metadata stores below them, kept apart.
     subtrees: subtrees::Subtrees,
     /// A setattr or an unlink of an inode and the opens for writing of it, kept apart.
@@ -123,7 +125,8 @@ pub struct Fs {
     saved_pages: Option<Arc<PagesInDataCache>>,
 }
 
-pub use crate::namespace::StaleCache;
+/// Called with an inode whose kernel-cached attributes are of an older version.
+pub type StaleCache = Box<dyn Fn(Ino) + Send + Sync>;
 
 /// Times a fresh descriptor learns a newer version before its read gives up with ESTALE
 /// (the object keeps changing under it).
@@ -314,6 +317,7 @@ impl Fs {
             cfg,
             ns,
             files,
+            stale_cache: Mutex::new(None),
             subtrees: Default::default(),
             meta_changes: Default::default(),
             root_read: Default::default(),
@@ -926,7 +930,9 @@ impl Fs {
         if grew {
             // The kernel stops reading at the size it knows (a short read shrinks that by
             // itself): make it ask again before it next reads past it.
-            self.ns.stale_attrs(ino);
+            if let Some(f) = self.stale_cache.lock().as_ref() {
+                f(ino);
+            }
         }
         if got.is_ok() && !direct {
             self.filled_pages(ino, r.etag());
@@ -962,7 +968,7 @@ impl Fs {
     /// Registers what tells the kernel that its cached attributes of an inode are out of
     /// date (a read found the object grew under another client's change).
     pub fn on_stale_cache(&self, f: Option<StaleCache>) {
-        self.ns.on_stale_cache(f);
+        *self.stale_cache.lock() = f;
     }
 
     /// Writes all of `data` at `offset` (at the end if the handle was opened `O_APPEND`) and
@@ -1465,7 +1471,9 @@ impl Fs {
         }
         if ask_store {
             // The kernel keeps the attributes a setattr answered (the size never stored).
-            self.ns.stale_attrs(ino);
+            if let Some(f) = self.stale_cache.lock().as_ref() {
+                f(ino);
+            }
         }
     }
 

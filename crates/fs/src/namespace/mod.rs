@@ -73,12 +73,7 @@ pub struct Namespace {
     /// Open directory listings by handle.
     dirs: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirStream>>>>,
     next_dir_fh: AtomicU64,
-    /// See [`Namespace::on_stale_cache`].
-    stale_cache: Mutex<Option<StaleCache>>,
 }
-
-/// Called with an inode whose kernel-cached attributes are of an older version.
-pub type StaleCache = Box<dyn Fn(Ino) + Send + Sync>;
 
 impl Namespace {
     pub fn new(
@@ -119,21 +114,6 @@ impl Namespace {
             dirs: Mutex::new(HashMap::new()),
             // Apart from file handles' numbers, so that one is never taken for the other.
             next_dir_fh: AtomicU64::new(1 << 62),
-            stale_cache: Mutex::new(None),
-        }
-    }
-
-    /// Registers what tells the kernel that its cached attributes of an inode are out of
-    /// date.
-    pub fn on_stale_cache(&self, f: Option<StaleCache>) {
-        *self.stale_cache.lock() = f;
-    }
-
-    /// Tells the kernel that its attributes of `ino` may be of another version than this
-    /// mount's: its next stat, or read past the size it knows, asks again.
-    pub fn stale_attrs(&self, ino: Ino) {
-        if let Some(f) = self.stale_cache.lock().as_ref() {
-            f(ino);
         }
     }
 
@@ -283,8 +263,7 @@ impl Namespace {
                     (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
                 }
                 i.attr = a;
-                let other = another_version(&i.etag, &f.obj.etag);
-                if other {
+                if another_version(&i.etag, &f.obj.etag) {
                     i.learned_changes += 1;
                     // A symlink another client pointed elsewhere.
                     i.symlink_target = None;
@@ -294,16 +273,7 @@ impl Namespace {
                 i.has_marker = f.has_marker;
                 i.fetched = Some(at);
                 i.lookups += lookups;
-                let attr = i.attr.clone();
-                drop(t);
-                if other {
-                    // The kernel may drop the reply that carries it (one of its attribute
-                    // updates racing it, a short read's among them) and keep the old size
-                    // as valid, while reads now serve this version: a read of a file that
-                    // grew stopped at the old size, the new version cut short.
-                    self.stale_attrs(ino);
-                }
-                return Some(attr);
+                return Some(i.attr.clone());
             }
         }
         let ino = t.ino_for(&path);

@@ -738,28 +738,3 @@ async fn a_file_replaced_by_an_empty_one_reads_empty_on_a_store_checking_ranges_
     );
     fs.release(g.ino, h.fh).await.unwrap();
 }
-
-/// A lookup (a stat, a listing) that learns another client's version of a file tells the
-/// kernel its attributes are stale, besides answering with the new ones: the kernel drops
-/// an answer that races one of its own attribute updates (a short read's among them) and
-/// keeps the old size as valid, while reads now serve the new version. A reader of a file
-/// that grew then stopped at the old size: the new version cut short (a version nobody
-/// wrote), about once in 500,000 reads of a file replaced every 75 ms.
-#[tokio::test]
-async fn a_lookup_learning_another_version_makes_the_kernel_ask_the_size_again() {
-    let e = env();
-    put(&e.mem, "f", &[b'A'; 43]).await;
-    let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
-    let told = Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let t = told.clone();
-    e.fs.on_stale_cache(Some(Box::new(move |ino| t.lock().push(ino))));
-    put(&e.mem, "f", &[b'B'; 5042]).await;
-    e.fs.refresh(a.ino).unwrap();
-    let b = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
-    assert_eq!((b.ino, b.size), (a.ino, 5042));
-    assert_eq!(*told.lock(), vec![a.ino]);
-    // The same version again: nothing to tell.
-    e.fs.refresh(a.ino).unwrap();
-    e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
-    assert_eq!(told.lock().len(), 1);
-}
