@@ -209,7 +209,8 @@ pub struct Reader {
     /// Some bytes went to the caller: from then on a changed object is `ESTALE`, never
     /// another version's bytes.
     served: bool,
-    /// The last fetch that failed: its range, when, and the error (see [`FAILED_STANDS`]).
+    /// The last read whose fetch failed: its range, when, and the error (see
+    /// [`FAILED_STANDS`]).
     failed: Option<(Range<u64>, Instant, FsError)>,
 }
 
@@ -356,11 +357,6 @@ impl Reader {
         if offset >= end {
             return Ok(Bytes::new());
         }
-        if let Some((r, at, e)) = &self.failed {
-            if at.elapsed() < FAILED_STANDS && offset < r.end && r.start < end {
-                return Err(*e);
-            }
-        }
         *self.held.last_use.lock() = Instant::now();
         let m = self.cfg.metrics.clone();
         // Its prefetch was taken for another read while it paused: start small again.
@@ -428,6 +424,11 @@ impl Reader {
                 inc(&m.read_hits);
                 self.served = true;
                 return Ok(b);
+            }
+            if let Some((r, at, e)) = &self.failed {
+                if at.elapsed() < FAILED_STANDS && offset < r.end && r.start < end {
+                    return Err(*e);
+                }
             }
             let align = self.cfg.align();
             let next = if self.small_file() {
@@ -554,7 +555,8 @@ impl Reader {
                 Ok(d) => d,
                 Err(e) => {
                     if e != FsError::ESTALE {
-                        self.failed = Some((range.clone(), Instant::now(), e));
+                        // The bytes asked for, not the whole chunk (up to 32 MiB).
+                        self.failed = Some((offset..end, Instant::now(), e));
                     }
                     // Forget the failed chunk and everything after it; a retry refetches.
                     let mut q = self.queue();
@@ -1127,6 +1129,9 @@ mod tests {
         // The failed chunks are forgotten and their buffers given back before any retry.
         assert!(r.read(MIB, 1 << 20).await.is_err());
         store.clear();
+        // Within FAILED_STANDS the same bytes fail at once; after it they are fetched.
+        assert!(r.read(MIB, 1 << 20).await.is_err());
+        tokio::time::sleep(FAILED_STANDS).await;
         let b = r.read(MIB, 1 << 20).await.unwrap();
         assert_eq!(&b[..], &data[MIB as usize..2 * MIB as usize]);
         drop((r, b));
