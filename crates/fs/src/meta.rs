@@ -282,7 +282,7 @@ mod tests {
             parse_time("1.7e9"),
             Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000))
         );
-        // A foreign tool's huge value is no time (it panicked the daemon).
+        // A foreign tool's huge value is no time (the parse panicked: EIO for the request).
         for bad in ["-1", "x", "1.2.3", "", "NaN", "inf", "1e300"] {
             assert_eq!(parse_time(bad), None, "{bad}");
         }
