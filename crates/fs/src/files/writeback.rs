@@ -624,8 +624,9 @@ struct Inner {
     next_ticket: u64,
     /// When room was last freed (an upload landed, an entry removed).
     freed_at: Option<Instant>,
-    /// When a commit first found no room since then: the commits after it wait only what
-    /// is left of its `space_wait` (each waited a whole one while the store was down).
+    /// When a commit first found no room (a free since then ends it): the commits after it
+    /// wait only what is left of its `space_wait` (each waited a whole one while the store
+    /// was down).
     full_since: Option<Instant>,
     /// When a full directory was last logged.
     full_logged: Option<Instant>,
@@ -1899,6 +1900,12 @@ impl WriteBack {
                     inc(&self.metrics.writeback_space_waits);
                 }
                 let stuck = inner.stuck_bytes().saturating_sub(unstuck);
+                if inner
+                    .full_since
+                    .is_some_and(|f| inner.freed_at.is_some_and(|t| t >= f))
+                {
+                    inner.full_since = None;
+                }
                 let full_since = *inner.full_since.get_or_insert(started);
                 let since = inner.freed_at.map_or(full_since, |t| t.max(full_since));
                 let left = (since + self.cfg.space_wait).checked_duration_since(Instant::now());
@@ -2326,7 +2333,6 @@ impl WriteBack {
             if let Some(o) = &old {
                 inner.bytes -= o.content.stored();
                 inner.freed_at = Some(now);
-                inner.full_since = None;
             }
             if let Some(r) = slot.replaces {
                 inner.successor.insert(r, slot.seq);
@@ -2420,7 +2426,6 @@ impl WriteBack {
             let e = inner.entries.remove(&seq).expect("present");
             inner.bytes -= e.content.stored();
             inner.freed_at = Some(Instant::now());
-            inner.full_since = None;
             if inner.by_key.get(&e.key) == Some(&seq) {
                 inner.by_key.remove(&e.key);
             }
@@ -3073,7 +3078,6 @@ impl WriteBack {
                     let mut inner = self.inner.lock();
                     inner.running -= 1;
                     inner.freed_at = Some(Instant::now());
-                    inner.full_since = None;
                     if let Some(e) = inner.entries.get_mut(&seq) {
                         e.status = Status::Landed;
                         let stored = e.content.stored();

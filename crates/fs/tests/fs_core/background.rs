@@ -1249,21 +1249,8 @@ async fn a_file_renamed_while_its_upload_lands_is_deleted_by_its_unlink() {
     cfg.writeback = Some(writeback_config(&state, Duration::ZERO));
     let fs = Fs::new(store.clone(), cfg);
     // The kernel sends the release after close(2) returned: the rename can come first.
-    let (a, h) = fs
-        .create(
-            ROOT_INO,
-            OsStr::new("f.tmp"),
-            0o644,
-            0,
-            libc::O_WRONLY,
-            crate::support::ME,
-        )
-        .await
-        .unwrap();
-    fs.write(a.ino, h.fh, 0, Bytes::from_static(b"new bytes"))
-        .await
-        .unwrap();
-    fs.flush(a.ino, h.fh).await.unwrap();
+    let (ino, fh) = crate::support::write_open(&fs, "f.tmp", b"new bytes").await;
+    fs.flush(ino, fh).await.unwrap();
     store.gate.reached().await;
     let rename = tokio::spawn({
         let fs = fs.clone();
@@ -1276,7 +1263,7 @@ async fn a_file_renamed_while_its_upload_lands_is_deleted_by_its_unlink() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     store.gate.open();
     rename.await.unwrap().unwrap();
-    fs.release(a.ino, h.fh).await.unwrap();
+    fs.release(ino, fh).await.unwrap();
     assert_eq!(object(&mem, "f").await, b"new bytes");
     fs.unlink(ROOT_INO, OsStr::new("f")).await.unwrap();
     let (left, _) = fs.wait_for_uploads(Duration::from_secs(5), |_, _| {}).await;
@@ -1311,21 +1298,10 @@ async fn closes_after_the_first_that_waited_for_room_in_vain_do_not_wait_again()
         let fs = fs.clone();
         async move {
             let data = crate::support::random(600 * KIB as usize, 9);
-            let (a, h) = fs
-                .create(
-                    ROOT_INO,
-                    OsStr::new(name),
-                    0o644,
-                    0,
-                    libc::O_WRONLY,
-                    crate::support::ME,
-                )
-                .await
-                .unwrap();
-            crate::support::write_mib(&fs, a.ino, h.fh, 0, &data).await;
+            let (ino, fh) = crate::support::write_open(&fs, name, &data).await;
             let started = std::time::Instant::now();
-            let r = fs.flush(a.ino, h.fh).await;
-            let _ = fs.release(a.ino, h.fh).await;
+            let r = fs.flush(ino, fh).await;
+            let _ = fs.release(ino, fh).await;
             (r, started.elapsed())
         }
     };

@@ -668,6 +668,19 @@ struct RangeBeforeIfMatch {
     inner: Arc<bucketfs_store::memory::MemoryStore>,
 }
 
+impl RangeBeforeIfMatch {
+    /// The condition the store checks for `range` of `key`: none past the object's end.
+    async fn checked<'a>(
+        &self,
+        key: &str,
+        range: &std::ops::Range<u64>,
+        if_match: Option<&'a str>,
+    ) -> bucketfs_store::StoreResult<Option<&'a str>> {
+        let len = self.inner.head(key).await?.size;
+        Ok(if_match.filter(|_| range.start < len))
+    }
+}
+
 #[async_trait::async_trait]
 impl bucketfs_store::layer::StoreLayer for RangeBeforeIfMatch {
     type Inner = bucketfs_store::memory::MemoryStore;
@@ -680,8 +693,7 @@ impl bucketfs_store::layer::StoreLayer for RangeBeforeIfMatch {
         range: std::ops::Range<u64>,
         if_match: Option<&str>,
     ) -> bucketfs_store::StoreResult<Bytes> {
-        let len = self.inner.head(key).await?.size;
-        let if_match = if_match.filter(|_| range.start < len);
+        let if_match = self.checked(key, &range, if_match).await?;
         self.inner.get_range(key, range, if_match).await
     }
     async fn get_range_into(
@@ -691,8 +703,7 @@ impl bucketfs_store::layer::StoreLayer for RangeBeforeIfMatch {
         if_match: Option<&str>,
         dst: &mut [u8],
     ) -> bucketfs_store::StoreResult<usize> {
-        let len = self.inner.head(key).await?.size;
-        let if_match = if_match.filter(|_| range.start < len);
+        let if_match = self.checked(key, &range, if_match).await?;
         self.inner.get_range_into(key, range, if_match, dst).await
     }
 }
