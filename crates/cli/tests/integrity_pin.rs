@@ -187,3 +187,64 @@ fn a_rename_racing_another_client_moves_one_whole_version() {
     drop(m);
     s3.remove_bucket(&b);
 }
+
+/// Another client's larger version, learnt by a `fstat`, an `lseek(SEEK_END)` or a `read` of
+/// a descriptor that has read nothing yet, is acted on whole at once: the kernel takes the
+/// reply that carries its size. The mount tells the kernel a little later that its
+/// attributes may be stale (a reply racing one of the kernel's own updates is dropped, which
+/// left the old size valid for T while reads served the new version: the new version cut
+/// short); told inside the request, the kernel dropped that very reply every time, so `fstat`
+/// showed the new size while the kernel kept the old one (an mmap of it faulted with SIGBUS
+/// past the old size), `lseek(SEEK_END)` gave the old size and a read stopped there.
+#[test]
+fn a_descriptor_acts_on_another_clients_larger_version_at_once() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let s3 = s3();
+    let b = s3.new_bucket("pingrow");
+    let m = MountSpec::s3(&b, "").arg("--stat-ttl").arg("1").mount();
+    for how in ["fstat and mmap", "lseek", "read"] {
+        let key = how.replace(' ', "-");
+        s3.put(&b, &key, pattern::bytes(1, 43));
+        let mut f = File::open(m.join(&key)).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 43);
+        let new = pattern::bytes(2, 5042);
+        s3.put(&b, &key, new.clone());
+        std::thread::sleep(std::time::Duration::from_millis(1300));
+        match how {
+            "fstat and mmap" => {
+                let len = f.metadata().unwrap().len() as usize;
+                assert_eq!(len, new.len(), "fstat");
+                // SAFETY: a private read-only mapping of `len` bytes of an open file, read
+                // and unmapped here.
+                let got = unsafe {
+                    let p = libc::mmap(
+                        std::ptr::null_mut(),
+                        len,
+                        libc::PROT_READ,
+                        libc::MAP_PRIVATE,
+                        f.as_raw_fd(),
+                        0,
+                    );
+                    assert_ne!(p, libc::MAP_FAILED, "mmap");
+                    let got = std::slice::from_raw_parts(p as *const u8, len).to_vec();
+                    libc::munmap(p, len);
+                    got
+                };
+                assert!(got == new, "the mapping is not the new version");
+            }
+            "lseek" => assert_eq!(f.seek(SeekFrom::End(0)).unwrap(), new.len() as u64),
+            _ => {
+                let mut buf = vec![0; 10_000];
+                let n = f.read(&mut buf).unwrap();
+                assert!(
+                    buf[..n] == new[..],
+                    "one read gave {n} bytes of {}",
+                    new.len()
+                );
+            }
+        }
+    }
+    drop(m);
+    s3.remove_bucket(&b);
+}

@@ -110,8 +110,6 @@ pub struct Fs {
     ns: Namespace,
     /// What each open file's bytes are.
     files: OpenFiles,
-    /// See [`Fs::on_stale_cache`].
-    stale_cache: Mutex<Option<StaleCache>>,
     /// Directory renames and the metadata stores below them, kept apart.
     subtrees: subtrees::Subtrees,
     /// A setattr or an unlink of an inode and the opens for writing of it, kept apart.
@@ -125,8 +123,7 @@ pub struct Fs {
     saved_pages: Option<Arc<PagesInDataCache>>,
 }
 
-/// Called with an inode whose kernel-cached attributes are of an older version.
-pub type StaleCache = Box<dyn Fn(Ino) + Send + Sync>;
+pub use crate::namespace::StaleCache;
 
 /// Times a fresh descriptor learns a newer version before its read gives up with ESTALE
 /// (the object keeps changing under it).
@@ -317,7 +314,6 @@ impl Fs {
             cfg,
             ns,
             files,
-            stale_cache: Mutex::new(None),
             subtrees: Default::default(),
             meta_changes: Default::default(),
             root_read: Default::default(),
@@ -887,6 +883,7 @@ impl Fs {
             // Reads the version the inode names from its first byte on.
             handle.took_up(learned);
         }
+        let first = slot.is_none();
         let r = slot.get_or_insert_with(|| new_reader(etag.clone(), file_size));
         if served {
             r.mark_served();
@@ -900,6 +897,20 @@ impl Fs {
         if got != Err(FsError::ESTALE) {
             if got.is_ok() && !direct && !(pages_current && r.etag() == etag.as_deref()) {
                 self.filled_pages(ino, r.etag());
+            }
+            let full = got.as_ref().is_ok_and(|b| b.len() == size as usize);
+            if first
+                && full
+                && !direct
+                && offset + u64::from(size) < file_size
+                && self.ns.size_ahead_of_kernel(ino, r.etag())
+            {
+                // The first read of another client's larger version, while the kernel may
+                // hold a smaller size (a reply that told it dropped): it hands the caller
+                // bytes up to that size only, then stops there, the new version cut short.
+                // Told its size is stale, its next read past it asks again. Not for a read
+                // that ends short: the kernel would not take the shrink that brings.
+                self.ns.stale_attrs(ino);
             }
             return got;
         }
@@ -930,9 +941,7 @@ impl Fs {
         if grew {
             // The kernel stops reading at the size it knows (a short read shrinks that by
             // itself): make it ask again before it next reads past it.
-            if let Some(f) = self.stale_cache.lock().as_ref() {
-                f(ino);
-            }
+            self.ns.stale_attrs(ino);
         }
         if got.is_ok() && !direct {
             self.filled_pages(ino, r.etag());
@@ -966,9 +975,9 @@ impl Fs {
     }
 
     /// Registers what tells the kernel that its cached attributes of an inode are out of
-    /// date (a read found the object grew under another client's change).
+    /// date (another client's change made the object larger than the size it may hold).
     pub fn on_stale_cache(&self, f: Option<StaleCache>) {
-        *self.stale_cache.lock() = f;
+        self.ns.on_stale_cache(f);
     }
 
     /// Writes all of `data` at `offset` (at the end if the handle was opened `O_APPEND`) and
@@ -1471,9 +1480,7 @@ impl Fs {
         }
         if ask_store {
             // The kernel keeps the attributes a setattr answered (the size never stored).
-            if let Some(f) = self.stale_cache.lock().as_ref() {
-                f(ino);
-            }
+            self.ns.stale_attrs(ino);
         }
     }
 

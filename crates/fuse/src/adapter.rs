@@ -136,8 +136,8 @@ pub(crate) struct FuseFs {
 
 /// Tells the kernel that its attributes of `ino` are of an older version (see
 /// [`Fs::on_stale_cache`]), so that its next read past the size it knows asks for them.
-/// Called while a read of `ino` waits for its reply: invalidating attributes only locks no
-/// page, so it cannot wait for that read.
+/// Called while a read of `ino` waits for its reply, or from a timer: invalidating
+/// attributes only locks no page, so it cannot wait for that read.
 fn invalidate_attr(notifier: &std::sync::Weak<OnceLock<Notifier>>, ino: u64) {
     let Some(cell) = notifier.upgrade() else {
         return;
@@ -197,7 +197,7 @@ impl FuseFs {
     ) -> Self {
         let notifier: Arc<OnceLock<Notifier>> = Arc::default();
         let weak = Arc::downgrade(&notifier);
-        fs.on_stale_cache(Some(Box::new(move |ino| invalidate_attr(&weak, ino))));
+        fs.on_stale_cache(Some(Arc::new(move |ino| invalidate_attr(&weak, ino))));
         Self {
             fs,
             passthrough,

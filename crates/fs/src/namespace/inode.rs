@@ -124,6 +124,10 @@ pub struct Inode {
     /// Times this mount learnt from the store a version other than the one it knew (another
     /// client's change): a descriptor opened before then reads the version it opened.
     pub learned_changes: u64,
+    /// While the inode names this version (another client's, learnt here), the least size
+    /// the kernel may still hold: that of a version before it, if a reply that told the
+    /// kernel a later one was dropped (see [`super::Namespace::stale_attrs_soon`]).
+    pub kernel_least_size: Option<(String, u64)>,
     pub lookups: u64,
     pub open_handles: u64,
     /// A write state of this mount holds the file's content and attributes (see
@@ -139,6 +143,27 @@ pub struct Inode {
 }
 
 impl Inode {
+    /// Notes that another client's version `etag` of `size` bytes replaces the one `self`
+    /// names (before `attr` and `etag` take it in), and the least size the kernel may hold
+    /// for it (see [`Self::kernel_least_size`]). Not for a file being written here, whose
+    /// size the kernel has from this mount.
+    pub fn learned_version(&mut self, size: u64, etag: &Option<String>) {
+        self.learned_changes += 1;
+        let least = self.least_size_in_kernel();
+        self.kernel_least_size = match (self.writing, etag) {
+            (false, Some(e)) => Some((e.clone(), least.min(size))),
+            _ => None,
+        };
+    }
+
+    /// The least size the kernel may hold for the version `self` names.
+    pub fn least_size_in_kernel(&self) -> u64 {
+        match &self.kernel_least_size {
+            Some((e, least)) if self.etag.as_ref() == Some(e) => self.attr.size.min(*least),
+            _ => self.attr.size,
+        }
+    }
+
     /// An inode just learned from the store (or made here), not referenced by anyone yet.
     pub fn new(
         ino: Ino,
@@ -164,6 +189,7 @@ impl Inode {
             page_drops: 0,
             pages_learned: 0,
             learned_changes: 0,
+            kernel_least_size: None,
             listing: None,
             lookups: 0,
             open_handles: 0,

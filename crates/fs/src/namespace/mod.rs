@@ -73,7 +73,17 @@ pub struct Namespace {
     /// Open directory listings by handle.
     dirs: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirStream>>>>,
     next_dir_fh: AtomicU64,
+    /// See [`Namespace::on_stale_cache`].
+    stale_cache: Mutex<Option<StaleCache>>,
 }
+
+/// Called with an inode whose kernel-cached attributes may be of an older version.
+pub type StaleCache = Arc<dyn Fn(Ino) + Send + Sync>;
+
+/// How long after answering with another client's version the kernel is told its
+/// attributes are stale (see [`Namespace::stale_attrs_soon`]): long after it took in that
+/// answer (microseconds), short against the TTL it would otherwise keep an older size for.
+pub const STALE_ATTRS_DELAY: Duration = Duration::from_millis(50);
 
 impl Namespace {
     pub fn new(
@@ -114,7 +124,54 @@ impl Namespace {
             dirs: Mutex::new(HashMap::new()),
             // Apart from file handles' numbers, so that one is never taken for the other.
             next_dir_fh: AtomicU64::new(1 << 62),
+            stale_cache: Mutex::new(None),
         }
+    }
+
+    /// Registers what tells the kernel that its cached attributes of an inode are out of
+    /// date.
+    pub fn on_stale_cache(&self, f: Option<StaleCache>) {
+        *self.stale_cache.lock() = f;
+    }
+
+    /// Tells the kernel now that its attributes of `ino` may be of another version than this
+    /// mount's: its next stat, or read past the size it knows, asks again. Not inside a lookup
+    /// or getattr (the kernel would drop its reply), nor a read that may end short (its
+    /// shrink of the size, likewise).
+    pub fn stale_attrs(&self, ino: Ino) {
+        let f = self.stale_cache.lock().clone();
+        if let Some(f) = f {
+            f(ino);
+        }
+    }
+
+    /// [`Self::stale_attrs`], [`STALE_ATTRS_DELAY`] from now: after a reply that carries
+    /// another client's version. The kernel drops such a reply when one of its own updates of
+    /// the inode's attributes races it (a short read's among them) and keeps the older size
+    /// valid for the TTL, while reads serve the new version: a reader of a larger one stops at
+    /// the old size (the new version cut short), one of a smaller one whose short read raced
+    /// an update reads zeros up to it, and an `mmap` of `fstat`'s size maps a prefix. Told
+    /// later, the kernel asks again at the next `stat`, or read past the size it holds; told
+    /// inside that request, it would drop the reply every time. Harmless when the kernel took
+    /// the reply: what it would ask again is what it holds.
+    pub fn stale_attrs_soon(&self, ino: Ino) {
+        let f = self.stale_cache.lock().clone();
+        let (Some(f), Ok(rt)) = (f, tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        drop(rt.spawn(async move {
+            tokio::time::sleep(STALE_ATTRS_DELAY).await;
+            f(ino);
+        }));
+    }
+
+    /// Whether the kernel may hold a size of `ino` smaller than that of version `etag`, the
+    /// one it names (see [`Inode::kernel_least_size`]).
+    pub fn size_ahead_of_kernel(&self, ino: Ino, etag: Option<&str>) -> bool {
+        let t = self.table.lock();
+        t.get(ino).is_some_and(|i| {
+            etag.is_some() && i.etag.as_deref() == etag && i.least_size_in_kernel() < i.attr.size
+        })
     }
 
     /// See [`lookup::Lookups::changes_end`].
@@ -262,18 +319,25 @@ impl Namespace {
                     // Changed here since its marker was stored (see `dir_changed`).
                     (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
                 }
-                i.attr = a;
-                if another_version(&i.etag, &f.obj.etag) {
-                    i.learned_changes += 1;
+                let other = another_version(&i.etag, &f.obj.etag);
+                if other {
+                    i.learned_version(a.size, &f.obj.etag);
                     // A symlink another client pointed elsewhere.
                     i.symlink_target = None;
                 }
+                let tell = other && !i.writing;
+                i.attr = a;
                 i.etag = f.obj.etag.clone();
                 i.user = f.obj.user;
                 i.has_marker = f.has_marker;
                 i.fetched = Some(at);
                 i.lookups += lookups;
-                return Some(i.attr.clone());
+                let attr = i.attr.clone();
+                drop(t);
+                if tell {
+                    self.stale_attrs_soon(ino);
+                }
+                return Some(attr);
             }
         }
         let ino = t.ino_for(&path);
@@ -715,10 +779,10 @@ impl Namespace {
         }
         self.lookups.forget(&i.path);
         let grew = obj.size > i.attr.size;
-        i.attr = self.policy.attr_of_object(ino, i.kind, obj);
         if another_version(&i.etag, &obj.etag) {
-            i.learned_changes += 1;
+            i.learned_version(obj.size, &obj.etag);
         }
+        i.attr = self.policy.attr_of_object(ino, i.kind, obj);
         i.etag = obj.etag.clone();
         i.user = obj.user.clone();
         i.fetched = Some(Instant::now());

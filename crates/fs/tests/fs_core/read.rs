@@ -749,3 +749,106 @@ async fn a_file_replaced_by_an_empty_one_reads_empty_on_a_store_checking_ranges_
     );
     fs.release(g.ino, h.fh).await.unwrap();
 }
+
+/// Inodes the kernel was told have stale attributes, in order.
+fn record_stale_attrs(fs: &Fs) -> Arc<parking_lot::Mutex<Vec<u64>>> {
+    let told = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let t = told.clone();
+    fs.on_stale_cache(Some(Arc::new(move |ino| t.lock().push(ino))));
+    told
+}
+
+/// Waits up to 5 s for `n` notices.
+async fn told_at_least(told: &parking_lot::Mutex<Vec<u64>>, n: usize) {
+    for _ in 0..500 {
+        if told.lock().len() >= n {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("{n} notices expected, got {:?}", told.lock());
+}
+
+/// A lookup (a stat, a listing) that learns another client's version of a file tells the
+/// kernel its attributes are stale a little after its reply, not inside it: the kernel drops
+/// a reply that races one of its own attribute updates (a short read's among them) and keeps
+/// the old size valid for the TTL while reads serve the new version, so a reader of a larger
+/// one stopped at the old size (the new version cut short, a version nobody wrote: about once
+/// in 500,000 reads of a file replaced every 75 ms), one of a smaller one read zeros up to
+/// it, and an mmap of fstat's size mapped a prefix. Inside the request the notice makes the
+/// kernel drop that very reply every time (an lseek(SEEK_END) or mmap after it acts on the
+/// old size).
+#[tokio::test]
+async fn a_lookup_learning_another_version_tells_the_kernel_after_its_reply() {
+    let e = env();
+    put(&e.mem, "f", &[b'A'; 43]).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let told = record_stale_attrs(&e.fs);
+    put(&e.mem, "f", &[b'B'; 5042]).await;
+    e.fs.refresh(a.ino).unwrap();
+    let b = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!((b.ino, b.size), (a.ino, 5042));
+    assert!(told.lock().is_empty(), "not inside the lookup's reply");
+    told_at_least(&told, 1).await;
+    // The same version again: nothing to tell.
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(*told.lock(), vec![a.ino]);
+    // A smaller one.
+    put(&e.mem, "f", &[b'C'; 43]).await;
+    e.fs.refresh(a.ino).unwrap();
+    let c = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(c.size, 43);
+    told_at_least(&told, 2).await;
+    assert_eq!(*told.lock(), vec![a.ino, a.ino]);
+}
+
+/// The first read of another client's larger version through a descriptor tells the kernel
+/// its attributes are stale when it ends before the version's end: the kernel may still hold
+/// the smaller size (the reply that told it the new one dropped, see above), hand the caller
+/// bytes up to it and stop there. Told, its next read past that size asks it again and
+/// reads on. Once per descriptor; not for a read that ends short (the kernel would not take
+/// the shrink it brings), nor for a version the kernel was told by the reply that created
+/// its inode.
+#[tokio::test]
+async fn the_first_read_of_a_larger_version_tells_the_kernel_when_it_may_hold_less() {
+    let e = env();
+    put(&e.mem, "f", &[b'A'; 10_000]).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let told = record_stale_attrs(&e.fs);
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap().len(), 4096);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert!(
+        told.lock().is_empty(),
+        "the version its inode was made with"
+    );
+
+    put(&e.mem, "f", &[b'B'; 20_000]).await;
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    told_at_least(&told, 1).await; // the lookup's, after its reply
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(
+        e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap(),
+        vec![b'B'; 4096]
+    );
+    assert_eq!(told.lock().len(), 2, "the first read of the descriptor");
+    e.fs.read(a.ino, h.fh, 4096, 4096).await.unwrap();
+    assert_eq!(told.lock().len(), 2, "once per descriptor");
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    // A first read that ends short, at the version's end.
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(
+        e.fs.read(a.ino, h.fh, 0, 32_768).await.unwrap().len(),
+        20_000
+    );
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(told.lock().len(), 2, "a read ending short");
+    // Another descriptor's first read: the kernel may still hold the smaller size.
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(*told.lock(), vec![a.ino; 3]);
+}
