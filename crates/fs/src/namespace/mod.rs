@@ -74,7 +74,10 @@ pub struct Namespace {
     dirs: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirStream>>>>,
     next_dir_fh: AtomicU64,
     /// See [`Namespace::on_stale_cache`].
-    stale_cache: Mutex<Option<StaleCache>>,
+    stale_cache: Arc<Mutex<Option<StaleCache>>>,
+    /// Inodes [`Namespace::stale_attrs_soon`] tells the kernel of, with when, in that order,
+    /// to the task that tells it (started with the first).
+    stale_soon: Mutex<Option<tokio::sync::mpsc::UnboundedSender<(Instant, Ino)>>>,
 }
 
 /// Called with an inode whose kernel-cached attributes may be of an older version.
@@ -124,7 +127,8 @@ impl Namespace {
             dirs: Mutex::new(HashMap::new()),
             // Apart from file handles' numbers, so that one is never taken for the other.
             next_dir_fh: AtomicU64::new(1 << 62),
-            stale_cache: Mutex::new(None),
+            stale_cache: Arc::default(),
+            stale_soon: Mutex::new(None),
         }
     }
 
@@ -155,14 +159,33 @@ impl Namespace {
     /// inside that request, it would drop the reply every time. Harmless when the kernel took
     /// the reply: what it would ask again is what it holds.
     pub fn stale_attrs_soon(&self, ino: Ino) {
-        let f = self.stale_cache.lock().clone();
-        let (Some(f), Ok(rt)) = (f, tokio::runtime::Handle::try_current()) else {
+        if self.stale_cache.lock().is_none() {
+            return;
+        }
+        let due = Instant::now() + STALE_ATTRS_DELAY;
+        let mut soon = self.stale_soon.lock();
+        if let Some(tx) = soon.as_ref() {
+            if tx.send((due, ino)).is_ok() {
+                return;
+            }
+        }
+        // None yet, or the runtime that ran it ended.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Ino)>();
+        let hook = self.stale_cache.clone();
         drop(rt.spawn(async move {
-            tokio::time::sleep(STALE_ATTRS_DELAY).await;
-            f(ino);
+            while let Some((due, ino)) = rx.recv().await {
+                tokio::time::sleep_until(due.into()).await;
+                let f = hook.lock().clone();
+                if let Some(f) = f {
+                    f(ino);
+                }
+            }
         }));
+        let _ = tx.send((due, ino));
+        *soon = Some(tx);
     }
 
     /// Whether the kernel may hold a size of `ino` smaller than that of version `etag`, the
@@ -325,7 +348,8 @@ impl Namespace {
                     // A symlink another client pointed elsewhere.
                     i.symlink_target = None;
                 }
-                let tell = other && !i.writing;
+                // Not an inode the kernel does not hold (this reply makes it anew).
+                let tell = other && !i.writing && i.lookups > 0;
                 i.attr = a;
                 i.etag = f.obj.etag.clone();
                 i.user = f.obj.user;
