@@ -903,7 +903,7 @@ impl Fs {
                 && full
                 && !direct
                 && offset + u64::from(size) < file_size
-                && self.ns.size_ahead_of_kernel(ino, r.etag())
+                && self.ns.kernel_may_hold_less(ino, r.etag())
             {
                 // The first read of another client's larger version, while the kernel may
                 // hold a smaller size (a reply that told it dropped): it hands the caller

@@ -124,10 +124,10 @@ pub struct Inode {
     /// Times this mount learnt from the store a version other than the one it knew (another
     /// client's change): a descriptor opened before then reads the version it opened.
     pub learned_changes: u64,
-    /// While the inode names this version (another client's, learnt here), the least size
-    /// the kernel may still hold: that of a version before it, if a reply that told the
-    /// kernel a later one was dropped (see [`super::Namespace::stale_attrs_soon`]).
-    pub kernel_least_size: Option<(String, u64)>,
+    /// While the inode names this version (another client's, learnt here at this time), the
+    /// least size the kernel may still hold: that of a version before it, if a reply that
+    /// told the kernel a later one was dropped (see [`super::Namespace::stale_attrs_soon`]).
+    pub kernel_size_floor: Option<(String, u64, Instant)>,
     pub lookups: u64,
     pub open_handles: u64,
     /// A write state of this mount holds the file's content and attributes (see
@@ -145,21 +145,22 @@ pub struct Inode {
 impl Inode {
     /// Notes that another client's version `etag` of `size` bytes replaces the one `self`
     /// names (before `attr` and `etag` take it in), and the least size the kernel may hold
-    /// for it (see [`Self::kernel_least_size`]). Not for a file being written here, whose
-    /// size the kernel has from this mount.
-    pub fn learned_version(&mut self, size: u64, etag: &Option<String>) {
+    /// for it (see [`Self::kernel_size_floor`]); true if that is less than `size`. Not for a
+    /// file being written here, whose size the kernel has from this mount.
+    pub fn learned_version(&mut self, size: u64, etag: &Option<String>) -> bool {
         self.learned_changes += 1;
-        let least = self.least_size_in_kernel();
-        self.kernel_least_size = match (self.writing, etag) {
-            (false, Some(e)) => Some((e.clone(), least.min(size))),
+        let least = self.least_kernel_size();
+        self.kernel_size_floor = match (self.writing, etag) {
+            (false, Some(e)) => Some((e.clone(), least.min(size), Instant::now())),
             _ => None,
         };
+        self.kernel_size_floor.is_some() && least < size
     }
 
     /// The least size the kernel may hold for the version `self` names.
-    pub fn least_size_in_kernel(&self) -> u64 {
-        match &self.kernel_least_size {
-            Some((e, least)) if self.etag.as_ref() == Some(e) => self.attr.size.min(*least),
+    pub fn least_kernel_size(&self) -> u64 {
+        match &self.kernel_size_floor {
+            Some((e, least, _)) if self.etag.as_ref() == Some(e) => self.attr.size.min(*least),
             _ => self.attr.size,
         }
     }
@@ -189,7 +190,7 @@ impl Inode {
             page_drops: 0,
             pages_learned: 0,
             learned_changes: 0,
-            kernel_least_size: None,
+            kernel_size_floor: None,
             listing: None,
             lookups: 0,
             open_handles: 0,

@@ -77,13 +77,13 @@ pub struct Namespace {
     stale_cache: Arc<Mutex<Option<StaleCache>>>,
     /// Inodes [`Namespace::stale_attrs_soon`] tells the kernel of, with when, in that order,
     /// to the task that tells it (started with the first).
-    stale_soon: Mutex<Option<tokio::sync::mpsc::UnboundedSender<(Instant, Ino)>>>,
+    stale_attrs_queue: Mutex<Option<tokio::sync::mpsc::UnboundedSender<(Instant, Ino)>>>,
 }
 
 /// Called with an inode whose kernel-cached attributes may be of an older version.
 pub type StaleCache = Arc<dyn Fn(Ino) + Send + Sync>;
 
-/// How long after answering with another client's version the kernel is told its
+/// How long after answering with another client's larger version the kernel is told its
 /// attributes are stale (see [`Namespace::stale_attrs_soon`]): long after it took in that
 /// answer (microseconds), short against the TTL it would otherwise keep an older size for.
 pub const STALE_ATTRS_DELAY: Duration = Duration::from_millis(50);
@@ -128,7 +128,7 @@ impl Namespace {
             // Apart from file handles' numbers, so that one is never taken for the other.
             next_dir_fh: AtomicU64::new(1 << 62),
             stale_cache: Arc::default(),
-            stale_soon: Mutex::new(None),
+            stale_attrs_queue: Mutex::new(None),
         }
     }
 
@@ -150,21 +150,22 @@ impl Namespace {
     }
 
     /// [`Self::stale_attrs`], [`STALE_ATTRS_DELAY`] from now: after a reply that carries
-    /// another client's version. The kernel drops such a reply when one of its own updates of
-    /// the inode's attributes races it (a short read's among them) and keeps the older size
-    /// valid for the TTL, while reads serve the new version: a reader of a larger one stops at
-    /// the old size (the new version cut short), one of a smaller one whose short read raced
-    /// an update reads zeros up to it, and an `mmap` of `fstat`'s size maps a prefix. Told
-    /// later, the kernel asks again at the next `stat`, or read past the size it holds; told
-    /// inside that request, it would drop the reply every time. Harmless when the kernel took
-    /// the reply: what it would ask again is what it holds.
+    /// another client's version larger than a size the kernel may hold. The kernel drops such
+    /// a reply when one of its own updates of the inode's attributes races it (a short read's
+    /// among them) and keeps the older size valid for the TTL, while reads serve the new
+    /// version: a reader stops at the old size (the new version cut short), and an `mmap` of
+    /// `fstat`'s size maps a prefix. Told later, the kernel asks again at the next `stat`, or
+    /// read past the size it holds; told inside that request, it would drop the reply every
+    /// time. Not for a smaller version: the kernel shrinks its size itself at the short read
+    /// that ends it, and a notice racing that read would make it refuse (the read gets zeros
+    /// up to the old size), as any update of the inode's attributes racing it does.
     pub fn stale_attrs_soon(&self, ino: Ino) {
         if self.stale_cache.lock().is_none() {
             return;
         }
         let due = Instant::now() + STALE_ATTRS_DELAY;
-        let mut soon = self.stale_soon.lock();
-        if let Some(tx) = soon.as_ref() {
+        let mut queue = self.stale_attrs_queue.lock();
+        if let Some(tx) = queue.as_ref() {
             if tx.send((due, ino)).is_ok() {
                 return;
             }
@@ -185,15 +186,21 @@ impl Namespace {
             }
         }));
         let _ = tx.send((due, ino));
-        *soon = Some(tx);
+        *queue = Some(tx);
     }
 
     /// Whether the kernel may hold a size of `ino` smaller than that of version `etag`, the
-    /// one it names (see [`Inode::kernel_least_size`]).
-    pub fn size_ahead_of_kernel(&self, ino: Ino, etag: Option<&str>) -> bool {
+    /// one it names (see [`Inode::kernel_size_floor`]). Not once T passed since it was learnt:
+    /// every size the kernel was told before then has expired.
+    pub fn kernel_may_hold_less(&self, ino: Ino, etag: Option<&str>) -> bool {
         let t = self.table.lock();
         t.get(ino).is_some_and(|i| {
-            etag.is_some() && i.etag.as_deref() == etag && i.least_size_in_kernel() < i.attr.size
+            let recent =
+                matches!(&i.kernel_size_floor, Some((_, _, at)) if at.elapsed() < self.ttl);
+            recent
+                && etag.is_some()
+                && i.etag.as_deref() == etag
+                && i.least_kernel_size() < i.attr.size
         })
     }
 
@@ -342,14 +349,14 @@ impl Namespace {
                     // Changed here since its marker was stored (see `dir_changed`).
                     (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
                 }
-                let other = another_version(&i.etag, &f.obj.etag);
-                if other {
-                    i.learned_version(a.size, &f.obj.etag);
+                let mut larger = false;
+                if another_version(&i.etag, &f.obj.etag) {
+                    larger = i.learned_version(a.size, &f.obj.etag);
                     // A symlink another client pointed elsewhere.
                     i.symlink_target = None;
                 }
                 // Not an inode the kernel does not hold (this reply makes it anew).
-                let tell = other && !i.writing && i.lookups > 0;
+                let tell = larger && i.lookups > 0;
                 i.attr = a;
                 i.etag = f.obj.etag.clone();
                 i.user = f.obj.user;

@@ -1,7 +1,7 @@
 //! Reads: GET sizes, readahead, block reuse and the page cache.
 
 use crate::support::{env, put, random, Gate, MIB};
-use bucketfs_fs::{Fs, FsError, ROOT_INO};
+use bucketfs_fs::{Fs, FsConfig, FsError, ROOT_INO};
 use bucketfs_store::metrics::Op;
 use bucketfs_store::ObjectStore;
 use bytes::Bytes;
@@ -769,17 +769,19 @@ async fn told_at_least(told: &parking_lot::Mutex<Vec<u64>>, n: usize) {
     panic!("{n} notices expected, got {:?}", told.lock());
 }
 
-/// A lookup (a stat, a listing) that learns another client's version of a file tells the
-/// kernel its attributes are stale a little after its reply, not inside it: the kernel drops
-/// a reply that races one of its own attribute updates (a short read's among them) and keeps
-/// the old size valid for the TTL while reads serve the new version, so a reader of a larger
-/// one stopped at the old size (the new version cut short, a version nobody wrote: about once
-/// in 500,000 reads of a file replaced every 75 ms), one of a smaller one read zeros up to
-/// it, and an mmap of fstat's size mapped a prefix. Inside the request the notice makes the
-/// kernel drop that very reply every time (an lseek(SEEK_END) or mmap after it acts on the
-/// old size).
+/// A lookup (a stat, a listing) that learns another client's larger version of a file tells
+/// the kernel its attributes are stale a little after its reply, not inside it: the kernel
+/// drops a reply that races one of its own attribute updates (a short read's among them) and
+/// keeps the old size valid for the TTL while reads serve the new version, so a reader
+/// stopped at the old size (the new version cut short, a version nobody wrote: about once in
+/// 500,000 reads of a file replaced every 75 ms) and an mmap of fstat's size mapped a
+/// prefix. Inside the request the notice makes the kernel drop that very reply every time
+/// (an lseek(SEEK_END) or mmap after it acts on the old size). A smaller version is not told:
+/// the kernel shrinks its size itself at the short read that ends it, which a notice racing
+/// that read would make it refuse (the rest of the page read as zeros). One larger than the
+/// smaller one is, again.
 #[tokio::test]
-async fn a_lookup_learning_another_version_tells_the_kernel_after_its_reply() {
+async fn a_lookup_learning_a_larger_version_tells_the_kernel_after_its_reply() {
     let e = env();
     put(&e.mem, "f", &[b'A'; 43]).await;
     let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
@@ -800,6 +802,12 @@ async fn a_lookup_learning_another_version_tells_the_kernel_after_its_reply() {
     e.fs.refresh(a.ino).unwrap();
     let c = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
     assert_eq!(c.size, 43);
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(told.lock().len(), 1, "a smaller version");
+    // Larger than that one.
+    put(&e.mem, "f", &[b'D'; 100]).await;
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
     told_at_least(&told, 2).await;
     assert_eq!(*told.lock(), vec![a.ino, a.ino]);
 }
@@ -810,10 +818,11 @@ async fn a_lookup_learning_another_version_tells_the_kernel_after_its_reply() {
 /// bytes up to it and stop there. Told, its next read past that size asks it again and
 /// reads on. Once per descriptor; not for a read that ends short (the kernel would not take
 /// the shrink it brings), nor for a version the kernel was told by the reply that created
-/// its inode.
+/// its inode, nor T after the version was learnt.
 #[tokio::test]
 async fn the_first_read_of_a_larger_version_tells_the_kernel_when_it_may_hold_less() {
-    let e = env();
+    const TTL: std::time::Duration = std::time::Duration::from_secs(2);
+    let e = crate::support::env_with(Default::default(), |c| FsConfig { stat_ttl: TTL, ..c });
     put(&e.mem, "f", &[b'A'; 10_000]).await;
     let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
     let told = record_stale_attrs(&e.fs);
@@ -851,4 +860,11 @@ async fn the_first_read_of_a_larger_version_tells_the_kernel_when_it_may_hold_le
     e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap();
     e.fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(*told.lock(), vec![a.ino; 3]);
+    // T after the version was learnt, every size the kernel was told before it has expired:
+    // nothing to tell (before, each open of the file told it again, for good).
+    tokio::time::sleep(TTL).await;
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    e.fs.read(a.ino, h.fh, 0, 4096).await.unwrap();
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    assert_eq!(told.lock().len(), 3, "T after the version was learnt");
 }
