@@ -73,11 +73,32 @@ pub struct Namespace {
     /// Open directory listings by handle.
     dirs: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirStream>>>>,
     next_dir_fh: AtomicU64,
-    /// See [`Namespace::on_stale_cache`].
-    stale_cache: Arc<Mutex<Option<StaleCache>>>,
+    /// What tells the kernel its attributes are stale, and the notices waiting to be sent.
+    stale_attrs: Arc<StaleAttrs>,
     /// Inodes [`Namespace::stale_attrs_soon`] tells the kernel of, with when, in that order,
     /// to the task that tells it (started with the first).
-    stale_attrs_queue: Mutex<Option<tokio::sync::mpsc::UnboundedSender<(Instant, Ino)>>>,
+    stale_attrs_queue: Mutex<Option<tokio::sync::mpsc::UnboundedSender<QueuedNotice>>>,
+}
+
+/// When to tell the kernel its attributes of an inode are stale, and the version learnt.
+type QueuedNotice = (Instant, Ino, Option<String>);
+
+/// See [`Namespace::on_stale_cache`] and [`Namespace::stale_attrs_soon`].
+#[derive(Default)]
+struct StaleAttrs {
+    hook: Mutex<Option<StaleCache>>,
+    /// Per inode, the version a queued notice is for: another one learnt before it is sent
+    /// takes it back (see [`Namespace::stale_attrs_soon`]).
+    queued: Mutex<HashMap<Ino, Option<String>>>,
+}
+
+impl StaleAttrs {
+    fn tell(&self, ino: Ino) {
+        let f = self.hook.lock().clone();
+        if let Some(f) = f {
+            f(ino);
+        }
+    }
 }
 
 /// Called with an inode whose kernel-cached attributes may be of an older version.
@@ -127,7 +148,7 @@ impl Namespace {
             dirs: Mutex::new(HashMap::new()),
             // Apart from file handles' numbers, so that one is never taken for the other.
             next_dir_fh: AtomicU64::new(1 << 62),
-            stale_cache: Arc::default(),
+            stale_attrs: Arc::default(),
             stale_attrs_queue: Mutex::new(None),
         }
     }
@@ -135,7 +156,7 @@ impl Namespace {
     /// Registers what tells the kernel that its cached attributes of an inode are out of
     /// date.
     pub fn on_stale_cache(&self, f: Option<StaleCache>) {
-        *self.stale_cache.lock() = f;
+        *self.stale_attrs.hook.lock() = f;
     }
 
     /// Tells the kernel now that its attributes of `ino` may be of another version than this
@@ -143,10 +164,7 @@ impl Namespace {
     /// or getattr (the kernel would drop its reply), nor a read that may end short (its
     /// shrink of the size, likewise).
     pub fn stale_attrs(&self, ino: Ino) {
-        let f = self.stale_cache.lock().clone();
-        if let Some(f) = f {
-            f(ino);
-        }
+        self.stale_attrs.tell(ino);
     }
 
     /// [`Self::stale_attrs`], [`STALE_ATTRS_DELAY`] from now: after a reply that carries
@@ -158,35 +176,60 @@ impl Namespace {
     /// read past the size it holds; told inside that request, it would drop the reply every
     /// time. Not for a smaller version: the kernel shrinks its size itself at the short read
     /// that ends it, and a notice racing that read would make it refuse (the read gets zeros
-    /// up to the old size), as any update of the inode's attributes racing it does.
-    pub fn stale_attrs_soon(&self, ino: Ino) {
-        if self.stale_cache.lock().is_none() {
-            return;
-        }
-        let due = Instant::now() + STALE_ATTRS_DELAY;
+    /// up to the old size), as any update of the inode's attributes racing it does; nor, so,
+    /// once another version of `etag`'s inode was learnt before it is sent (see
+    /// [`Self::version_learnt`], which marks it queued).
+    fn stale_attrs_soon(&self, ino: Ino, etag: Option<String>) {
+        let notice = (Instant::now() + STALE_ATTRS_DELAY, ino, etag);
         let mut queue = self.stale_attrs_queue.lock();
-        if let Some(tx) = queue.as_ref() {
-            if tx.send((due, ino)).is_ok() {
-                return;
-            }
-        }
+        let notice = match queue.as_ref() {
+            Some(tx) => match tx.send(notice) {
+                Ok(()) => return,
+                Err(e) => e.0,
+            },
+            None => notice,
+        };
         // None yet, or the runtime that ran it ended.
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Ino)>();
-        let hook = self.stale_cache.clone();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<QueuedNotice>();
+        let stale = self.stale_attrs.clone();
         drop(rt.spawn(async move {
-            while let Some((due, ino)) = rx.recv().await {
+            while let Some((due, ino, etag)) = rx.recv().await {
                 tokio::time::sleep_until(due.into()).await;
-                let f = hook.lock().clone();
-                if let Some(f) = f {
-                    f(ino);
+                // Only while the inode names the version it was queued for (a later larger
+                // one has a notice of its own, due after its answer).
+                let still = {
+                    let mut queued = stale.queued.lock();
+                    let still = queued.get(&ino) == Some(&etag);
+                    if still {
+                        queued.remove(&ino);
+                    }
+                    still
+                };
+                if still {
+                    stale.tell(ino);
                 }
             }
         }));
-        let _ = tx.send((due, ino));
+        let _ = tx.send(notice);
         *queue = Some(tx);
+    }
+
+    /// Another client's version of `ino` was learnt (under the table's lock, so that the
+    /// last learnt is the one marked): a notice queued for the one before is not sent;
+    /// `tell`: one is for this version, `etag` (see [`Self::stale_attrs_soon`]).
+    fn version_learnt(&self, ino: Ino, tell: Option<&Option<String>>) {
+        let mut queued = self.stale_attrs.queued.lock();
+        match tell {
+            Some(etag) if self.stale_attrs.hook.lock().is_some() => {
+                queued.insert(ino, etag.clone());
+            }
+            _ => {
+                queued.remove(&ino);
+            }
+        }
     }
 
     /// Whether the kernel may hold a size of `ino` smaller than that of version `etag`, the
@@ -350,7 +393,8 @@ impl Namespace {
                     (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
                 }
                 let mut larger = false;
-                if another_version(&i.etag, &f.obj.etag) {
+                let other = another_version(&i.etag, &f.obj.etag);
+                if other {
                     larger = i.learned_version(a.size, &f.obj.etag);
                     // A symlink another client pointed elsewhere.
                     i.symlink_target = None;
@@ -364,9 +408,12 @@ impl Namespace {
                 i.fetched = Some(at);
                 i.lookups += lookups;
                 let attr = i.attr.clone();
+                if other {
+                    self.version_learnt(ino, tell.then_some(&f.obj.etag));
+                }
                 drop(t);
                 if tell {
-                    self.stale_attrs_soon(ino);
+                    self.stale_attrs_soon(ino, f.obj.etag);
                 }
                 return Some(attr);
             }
@@ -812,6 +859,7 @@ impl Namespace {
         let grew = obj.size > i.attr.size;
         if another_version(&i.etag, &obj.etag) {
             i.learned_version(obj.size, &obj.etag);
+            self.version_learnt(ino, None);
         }
         i.attr = self.policy.attr_of_object(ino, i.kind, obj);
         i.etag = obj.etag.clone();

@@ -810,6 +810,20 @@ async fn a_lookup_learning_a_larger_version_tells_the_kernel_after_its_reply() {
     e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
     told_at_least(&told, 2).await;
     assert_eq!(*told.lock(), vec![a.ino, a.ino]);
+    // A larger one, then at once a smaller one: the notice for the larger is not sent (it
+    // would race the read that ends the smaller one, whose shrink of the size it needs).
+    put(&e.mem, "f", &[b'E'; 5042]).await;
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    put(&e.mem, "f", &[b'F'; 43]).await;
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(
+        told.lock().len(),
+        2,
+        "a larger version's notice after a smaller one"
+    );
 }
 
 /// The first read of another client's larger version through a descriptor tells the kernel
