@@ -13,7 +13,7 @@ use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::ops::Bound;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The names a complete listing of a directory showed, for negative lookups and statahead.
 pub struct DirListing {
@@ -125,8 +125,9 @@ pub struct Inode {
     /// client's change): a descriptor opened before then reads the version it opened.
     pub learned_changes: u64,
     /// While the inode names this version (another client's, learnt here at this time), the
-    /// least size the kernel may still hold: that of a version before it, if a reply that
-    /// told the kernel a later one was dropped (see [`super::Namespace::stale_attrs_soon`]).
+    /// least size the kernel may still hold valid, for T after that time: that of a version
+    /// before it, if a reply that told the kernel a later one was dropped (see
+    /// [`super::Namespace::stale_attrs_soon`]).
     pub kernel_size_floor: Option<(String, u64, Instant)>,
     pub lookups: u64,
     pub open_handles: u64,
@@ -146,10 +147,10 @@ impl Inode {
     /// Notes that another client's version `etag` of `size` bytes replaces the one `self`
     /// names (before `attr` and `etag` take it in), and the least size the kernel may hold
     /// for it (see [`Self::kernel_size_floor`]); true if that is less than `size`. Not for a
-    /// file being written here, whose size the kernel has from this mount.
-    pub fn learned_version(&mut self, size: u64, etag: &Option<String>) -> bool {
+    /// file being written here, whose size the kernel has from this mount. `ttl`: T.
+    pub fn learned_version(&mut self, size: u64, etag: &Option<String>, ttl: Duration) -> bool {
         self.learned_changes += 1;
-        let least = self.least_kernel_size();
+        let least = self.least_kernel_size(ttl);
         self.kernel_size_floor = match (self.writing, etag) {
             (false, Some(e)) => Some((e.clone(), least.min(size), Instant::now())),
             _ => None,
@@ -157,10 +158,13 @@ impl Inode {
         self.kernel_size_floor.is_some() && least < size
     }
 
-    /// The least size the kernel may hold for the version `self` names.
-    pub fn least_kernel_size(&self) -> u64 {
+    /// The least size the kernel may hold valid for the version `self` names: a size it was
+    /// told T (`ttl`) or longer before is no longer valid (it asks again before using it).
+    pub fn least_kernel_size(&self, ttl: Duration) -> u64 {
         match &self.kernel_size_floor {
-            Some((e, least, _)) if self.etag.as_ref() == Some(e) => self.attr.size.min(*least),
+            Some((e, least, at)) if self.etag.as_ref() == Some(e) && at.elapsed() < ttl => {
+                self.attr.size.min(*least)
+            }
             _ => self.attr.size,
         }
     }

@@ -232,18 +232,15 @@ impl Namespace {
         }
     }
 
-    /// Whether the kernel may hold a size of `ino` smaller than that of version `etag`, the
-    /// one it names (see [`Inode::kernel_size_floor`]). Not once T passed since it was learnt:
-    /// every size the kernel was told before then has expired.
+    /// Whether the kernel may hold valid a size of `ino` smaller than that of version `etag`,
+    /// the one it names (see [`Inode::kernel_size_floor`]). Not once T passed since it was
+    /// learnt: every size the kernel was told before then has expired.
     pub fn kernel_may_hold_less(&self, ino: Ino, etag: Option<&str>) -> bool {
         let t = self.table.lock();
         t.get(ino).is_some_and(|i| {
-            let recent =
-                matches!(&i.kernel_size_floor, Some((_, _, at)) if at.elapsed() < self.ttl);
-            recent
-                && etag.is_some()
+            etag.is_some()
                 && i.etag.as_deref() == etag
-                && i.least_kernel_size() < i.attr.size
+                && i.least_kernel_size(self.ttl) < i.attr.size
         })
     }
 
@@ -395,7 +392,7 @@ impl Namespace {
                 let mut larger = false;
                 let other = another_version(&i.etag, &f.obj.etag);
                 if other {
-                    larger = i.learned_version(a.size, &f.obj.etag);
+                    larger = i.learned_version(a.size, &f.obj.etag, self.ttl);
                     // A symlink another client pointed elsewhere.
                     i.symlink_target = None;
                 }
@@ -858,7 +855,7 @@ impl Namespace {
         self.lookups.forget(&i.path);
         let grew = obj.size > i.attr.size;
         if another_version(&i.etag, &obj.etag) {
-            i.learned_version(obj.size, &obj.etag);
+            i.learned_version(obj.size, &obj.etag, self.ttl);
             self.version_learnt(ino, None);
         }
         i.attr = self.policy.attr_of_object(ino, i.kind, obj);

@@ -882,3 +882,38 @@ async fn the_first_read_of_a_larger_version_tells_the_kernel_when_it_may_hold_le
     e.fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(told.lock().len(), 3, "T after the version was learnt");
 }
+
+/// A version learnt T after the kernel was told a larger one is measured against that one
+/// alone: the smaller sizes before it are no longer valid in the kernel (it asks again before
+/// using them). Before, the least of them was kept for the inode's life, so after one growth
+/// every later version above it, a smaller one too, was told, and its first read told again:
+/// the notices a smaller version must not get (they race the short read whose shrink of the
+/// size the kernel needs).
+#[tokio::test]
+async fn a_version_learnt_t_after_a_larger_one_is_measured_against_it_alone() {
+    const TTL: std::time::Duration = std::time::Duration::from_millis(300);
+    let e = crate::support::env_with(Default::default(), |c| FsConfig { stat_ttl: TTL, ..c });
+    put(&e.mem, "f", &[b'A'; 43]).await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let told = record_stale_attrs(&e.fs);
+    put(&e.mem, "f", &[b'B'; 5042]).await;
+    e.fs.refresh(a.ino).unwrap();
+    e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    told_at_least(&told, 1).await;
+    tokio::time::sleep(TTL + std::time::Duration::from_millis(100)).await;
+    put(&e.mem, "f", &[b'C'; 2000]).await;
+    e.fs.refresh(a.ino).unwrap();
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap().size,
+        2000
+    );
+    let h = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(e.fs.read(a.ino, h.fh, 0, 1024).await.unwrap().len(), 1024);
+    e.fs.release(a.ino, h.fh).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(
+        told.lock().len(),
+        1,
+        "a smaller version, T after the larger one"
+    );
+}
