@@ -76,7 +76,8 @@ pub struct Namespace {
     /// What tells the kernel its attributes are stale, and the notices waiting to be sent.
     stale_attrs: Arc<StaleAttrs>,
     /// Inodes [`Namespace::stale_attrs_soon`] tells the kernel of, with when, in that order,
-    /// to the task that tells it (started with the first).
+    /// to the task that tells it (started with the first). Not in [`StaleAttrs`], which that
+    /// task holds: it ends when the namespace goes.
     stale_attrs_queue: Mutex<Option<tokio::sync::mpsc::UnboundedSender<QueuedNotice>>>,
 }
 
