@@ -837,13 +837,14 @@ impl Fs {
         // Taken first: what the inode says is read under it, so a read of this descriptor
         // that waited for another never acts on what was true before that one learnt more.
         let mut slot = reader.lock().await;
-        let (path, etag, file_size, pages_current, learned) = {
+        let (path, etag, file_size, pages_current, learned, kernel_holds_less) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
             // A read of the current version leaves such pages as they are (no lock after it).
             let current = i.pages.holds(i.etag.as_deref());
             let (etag, size) = (i.etag.clone(), i.attr.size);
-            (i.path.clone(), etag, size, current, i.learned_changes)
+            let less = i.kernel_may_hold_less(self.cfg.stat_ttl);
+            (i.path.clone(), etag, size, current, i.learned_changes, less)
         };
         let key = self.ns.key(&path);
         let mut served = false;
@@ -899,11 +900,8 @@ impl Fs {
                 self.filled_pages(ino, r.etag());
             }
             let full = got.as_ref().is_ok_and(|b| b.len() == size as usize);
-            if first
-                && full
-                && !direct
-                && offset + u64::from(size) < file_size
-                && self.ns.kernel_may_hold_less(ino, r.etag())
+            // A first reader reads the version the inode names, whose floor that is.
+            if first && full && !direct && offset + u64::from(size) < file_size && kernel_holds_less
             {
                 // The first read of another client's larger version, while the kernel may
                 // hold a smaller size (a reply that told it dropped): it hands the caller

@@ -158,9 +158,16 @@ impl Inode {
         self.kernel_size_floor.is_some() && least < size
     }
 
+    /// Whether the kernel may hold valid a size smaller than that of the version `self` names
+    /// (see [`Self::kernel_size_floor`]). Not once T (`ttl`) passed since it was learnt: every
+    /// size the kernel was told before then has expired.
+    pub fn kernel_may_hold_less(&self, ttl: Duration) -> bool {
+        self.least_kernel_size(ttl) < self.attr.size
+    }
+
     /// The least size the kernel may hold valid for the version `self` names: a size it was
     /// told T (`ttl`) or longer before is no longer valid (it asks again before using it).
-    pub fn least_kernel_size(&self, ttl: Duration) -> u64 {
+    fn least_kernel_size(&self, ttl: Duration) -> u64 {
         match &self.kernel_size_floor {
             Some((e, least, at)) if self.etag.as_ref() == Some(e) && at.elapsed() < ttl => {
                 self.attr.size.min(*least)

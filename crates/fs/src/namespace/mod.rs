@@ -233,18 +233,6 @@ impl Namespace {
         }
     }
 
-    /// Whether the kernel may hold valid a size of `ino` smaller than that of version `etag`,
-    /// the one it names (see [`Inode::kernel_size_floor`]). Not once T passed since it was
-    /// learnt: every size the kernel was told before then has expired.
-    pub fn kernel_may_hold_less(&self, ino: Ino, etag: Option<&str>) -> bool {
-        let t = self.table.lock();
-        t.get(ino).is_some_and(|i| {
-            etag.is_some()
-                && i.etag.as_deref() == etag
-                && i.least_kernel_size(self.ttl) < i.attr.size
-        })
-    }
-
     /// See [`lookup::Lookups::changes_end`].
     pub fn changes_end(&self) {
         self.lookups.changes_end();
