@@ -291,7 +291,8 @@ pub const OPTIONS: &[OptionSpec] = &[
     value("upload_delay", "SECONDS").env().default("0").help(
         "With --upload background, how long a closed file waits before its upload starts \
          (same formats as --stat-ttl): a file renamed, removed or rewritten meanwhile is \
-         uploaded once, under its last name, or not at all.",
+         uploaded once, under its last name, or not at all; an fsync with --upload-fsync \
+         bucket starts its file's upload at once.",
     ),
     value("writeback_size", "SIZE").env().default("4G").help(
         "Most bytes of files waiting for upload with --upload background (K/M/G); a close \

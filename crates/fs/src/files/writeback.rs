@@ -652,22 +652,26 @@ impl Inner {
     }
 
     /// Entry `seq` goes up next (a close waits for it, see [`WriteBack::direct_cond`]):
-    /// due now, first in the queue; failed (not a conflict), tried again now.
+    /// failed (not a conflict), tried again now; then as [`Self::due_now`].
     fn expedite(&mut self, seq: u64) {
-        let now = Instant::now();
-        self.unpark(seq, now);
-        let Some(e) = self.entries.get_mut(&seq) else {
-            return;
-        };
-        match e.status {
-            Status::Failed if !e.conflict => {
+        if let Some(e) = self.entries.get_mut(&seq) {
+            if e.status == Status::Failed && !e.conflict {
                 e.status = Status::Queued;
                 e.next_try = None;
             }
-            Status::Queued => {}
+        }
+        self.due_now(seq);
+    }
+
+    /// Queued entry `seq` goes up next: due now, first in the queue (which is in order of
+    /// the entries' times).
+    fn due_now(&mut self, seq: u64) {
+        let now = Instant::now();
+        self.unpark(seq, now);
+        match self.entries.get_mut(&seq) {
+            Some(e) if e.status == Status::Queued => e.not_before = now,
             _ => return,
         }
-        e.not_before = now;
         self.ready.retain(|s| *s != seq);
         self.ready.push_front(seq);
     }
@@ -2497,8 +2501,19 @@ impl WriteBack {
     }
 
     /// Waits for entry `seq`, or the entry that replaced it (a later commit of the same
-    /// file, a rename), to be uploaded; its error if its upload failed since.
+    /// file, a rename), to be uploaded; its error if its upload failed since. One still
+    /// waiting for `--upload-delay` goes up now: the delay gathers a file's rewrites, and
+    /// whoever waits here wants the version it has.
     pub async fn wait_uploaded(&self, seq: u64) -> FsResult<()> {
+        {
+            let mut inner = self.inner.lock();
+            let mut s = seq;
+            while let Some(n) = inner.successor.get(&s) {
+                s = *n;
+            }
+            inner.due_now(s);
+        }
+        self.work.notify_waiters();
         loop {
             let changed = self.changed.notified();
             {

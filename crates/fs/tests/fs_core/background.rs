@@ -165,6 +165,34 @@ async fn fsyncs_of_an_open_file_store_only_their_changes_and_upload_once_at_clos
     );
 }
 
+/// With fsync to the bucket, an fsync uploads the version it waits for at once: the upload
+/// delay gathers rewrites of a file, and whoever fsyncs wants the version it has (before, the
+/// fsync took the whole delay). Other files still wait for their delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsync_to_the_bucket_does_not_wait_for_the_upload_delay() {
+    let state = tempfile::tempdir().unwrap();
+    let mut wb = writeback_config(&state, Duration::from_secs(3600));
+    wb.fsync_waits_upload = true;
+    let e = crate::support::env_with(MemoryStore::new(), move |mut c| {
+        c.writeback = Some(wb);
+        c
+    });
+    let (other, oh) = create_and_write(&e, "other", b"closed, not fsync'd").await;
+    e.fs.flush(other, oh).await.unwrap();
+    e.fs.release(other, oh).await.unwrap();
+    let (ino, fh) = create_and_write(&e, "f", b"fsync'd").await;
+    tokio::time::timeout(Duration::from_secs(30), e.fs.fsync(ino, fh))
+        .await
+        .expect("the fsync waited for the upload delay")
+        .unwrap();
+    assert_eq!(object(&e.mem, "f").await, b"fsync'd");
+    assert!(
+        e.mem.head("other").await.is_err(),
+        "a file no one waits for went up before its delay"
+    );
+    e.fs.release(ino, fh).await.unwrap();
+}
+
 /// Creates `name` and writes `data` in 1 MiB writes; returns (ino, fh), still open.
 async fn create_and_write(e: &crate::support::Env, name: &str, data: &[u8]) -> (u64, u64) {
     let (a, h) =
