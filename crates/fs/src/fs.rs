@@ -837,14 +837,14 @@ impl Fs {
         // Taken first: what the inode says is read under it, so a read of this descriptor
         // that waited for another never acts on what was true before that one learnt more.
         let mut slot = reader.lock().await;
-        let (path, etag, file_size, pages_current, learned, kernel_holds_less) = {
+        let (path, etag, file_size, pages_current, learned, kernel_sizes) = {
             let t = self.ns.table();
             let i = t.get(ino).ok_or(FsError::ENOENT)?;
             // A read of the current version leaves such pages as they are (no lock after it).
             let current = i.pages.holds(i.etag.as_deref());
             let (etag, size) = (i.etag.clone(), i.attr.size);
-            let less = i.kernel_may_hold_less(self.cfg.stat_ttl);
-            (i.path.clone(), etag, size, current, i.learned_changes, less)
+            let held = i.kernel_may_hold_other_sizes(self.cfg.stat_ttl);
+            (i.path.clone(), etag, size, current, i.learned_changes, held)
         };
         let key = self.ns.key(&path);
         let mut served = false;
@@ -899,16 +899,17 @@ impl Fs {
             if got.is_ok() && !direct && !(pages_current && r.etag() == etag.as_deref()) {
                 self.filled_pages(ino, r.etag());
             }
-            let full = got.as_ref().is_ok_and(|b| b.len() == size as usize);
-            // A first reader reads the version the inode names, whose floor that is.
-            if first && full && !direct && offset + u64::from(size) < file_size && kernel_holds_less
-            {
+            // A first reader reads the version the inode names, whose sizes those are.
+            let (may_hold_less, may_hold_more) = kernel_sizes;
+            // A full reply never shrinks the kernel's size; a short one (the version's end)
+            // does, if it holds more, and a notice racing it would make it refuse.
+            let shrinks = |b: &Bytes| b.len() < size as usize && may_hold_more;
+            if first && !direct && may_hold_less && got.as_ref().is_ok_and(|b| !shrinks(b)) {
                 // The first read of another client's larger version, while the kernel may
                 // hold a smaller size (a reply that told it dropped): it hands the caller
                 // bytes up to that size only, then stops there, the new version cut short.
-                // Told its size is stale, its next read past it asks again. Not for a read
-                // that ends short: the kernel would not take the shrink that brings.
-                self.ns.stale_attrs(ino);
+                // Told its size is stale, its next read past it asks again.
+                self.ns.stale_attrs_of(ino, r.etag());
             }
             return got;
         }

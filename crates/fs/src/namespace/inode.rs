@@ -124,11 +124,9 @@ pub struct Inode {
     /// Times this mount learnt from the store a version other than the one it knew (another
     /// client's change): a descriptor opened before then reads the version it opened.
     pub learned_changes: u64,
-    /// While the inode names this version (another client's, learnt here at this time), the
-    /// least size the kernel may still hold valid, for T after that time: that of a version
-    /// before it, if a reply that told the kernel a later one was dropped (see
-    /// [`super::Namespace::stale_attrs_soon`]).
-    pub kernel_size_floor: Option<(String, u64, Instant)>,
+    /// The sizes the kernel may still hold valid while the inode names another client's
+    /// version learnt here (see [`KernelSizes`]).
+    pub kernel_sizes: Option<KernelSizes>,
     pub lookups: u64,
     pub open_handles: u64,
     /// A write state of this mount holds the file's content and attributes (see
@@ -143,36 +141,56 @@ pub struct Inode {
     pub hidden: bool,
 }
 
+/// The sizes the kernel may still hold valid for another client's version `etag`, learnt
+/// here at `learnt`, for T after that: those of the versions learnt within T before it, and
+/// of the one before them. The kernel drops a reply that told it a later version when one of
+/// its own updates of the inode's attributes races it (see
+/// [`super::Namespace::stale_attrs_soon`]), so it may still hold any of them.
+pub struct KernelSizes {
+    pub etag: String,
+    pub least: u64,
+    pub most: u64,
+    pub learnt: Instant,
+}
+
 impl Inode {
     /// Notes that another client's version `etag` of `size` bytes replaces the one `self`
-    /// names (before `attr` and `etag` take it in), and the least size the kernel may hold
-    /// for it (see [`Self::kernel_size_floor`]); true if that is less than `size`. Not for a
-    /// file being written here, whose size the kernel has from this mount. `ttl`: T.
+    /// names (before `attr` and `etag` take it in), and the sizes the kernel may hold for it
+    /// (see [`KernelSizes`]); true if one of them is less than `size`. Not for a file being
+    /// written here, whose size the kernel has from this mount. `ttl`: T.
     pub fn learned_version(&mut self, size: u64, etag: &Option<String>, ttl: Duration) -> bool {
         self.learned_changes += 1;
-        let least = self.least_kernel_size(ttl);
-        self.kernel_size_floor = match (self.writing, etag) {
-            (false, Some(e)) => Some((e.clone(), least.min(size), Instant::now())),
+        let (least, most) = self.kernel_size_range(ttl);
+        self.kernel_sizes = match (self.writing, etag) {
+            (false, Some(e)) => Some(KernelSizes {
+                etag: e.clone(),
+                least: least.min(size),
+                most: most.max(size),
+                learnt: Instant::now(),
+            }),
             _ => None,
         };
-        self.kernel_size_floor.is_some() && least < size
+        self.kernel_sizes.is_some() && least < size
     }
 
-    /// Whether the kernel may hold valid a size smaller than that of the version `self` names
-    /// (see [`Self::kernel_size_floor`]). Not once T (`ttl`) passed since it was learnt: every
-    /// size the kernel was told before then has expired.
-    pub fn kernel_may_hold_less(&self, ttl: Duration) -> bool {
-        self.least_kernel_size(ttl) < self.attr.size
+    /// Whether the kernel may hold valid a size smaller (`.0`) or larger (`.1`) than that of
+    /// the version `self` names (see [`KernelSizes`]). Neither once T (`ttl`) passed since it
+    /// was learnt: every size the kernel was told before then has expired.
+    pub fn kernel_may_hold_other_sizes(&self, ttl: Duration) -> (bool, bool) {
+        let (least, most) = self.kernel_size_range(ttl);
+        (least < self.attr.size, most > self.attr.size)
     }
 
-    /// The least size the kernel may hold valid for the version `self` names: a size it was
-    /// told T (`ttl`) or longer before is no longer valid (it asks again before using it).
-    fn least_kernel_size(&self, ttl: Duration) -> u64 {
-        match &self.kernel_size_floor {
-            Some((e, least, at)) if self.etag.as_ref() == Some(e) && at.elapsed() < ttl => {
-                self.attr.size.min(*least)
+    /// The least and the most size the kernel may hold valid for the version `self` names: a
+    /// size it was told T (`ttl`) or longer before is no longer valid (it asks again before
+    /// using it).
+    fn kernel_size_range(&self, ttl: Duration) -> (u64, u64) {
+        let size = self.attr.size;
+        match &self.kernel_sizes {
+            Some(k) if self.etag.as_ref() == Some(&k.etag) && k.learnt.elapsed() < ttl => {
+                (size.min(k.least), size.max(k.most))
             }
-            _ => self.attr.size,
+            _ => (size, size),
         }
     }
 
@@ -201,7 +219,7 @@ impl Inode {
             page_drops: 0,
             pages_learned: 0,
             learned_changes: 0,
-            kernel_size_floor: None,
+            kernel_sizes: None,
             listing: None,
             lookups: 0,
             open_handles: 0,

@@ -162,10 +162,19 @@ impl Namespace {
 
     /// Tells the kernel now that its attributes of `ino` may be of another version than this
     /// mount's: its next stat, or read past the size it knows, asks again. Not inside a lookup
-    /// or getattr (the kernel would drop its reply), nor a read that may end short (its
-    /// shrink of the size, likewise).
+    /// or getattr (the kernel would drop its reply), nor a read whose short reply shrinks the
+    /// size the kernel holds (likewise, its shrink).
     pub fn stale_attrs(&self, ino: Ino) {
         self.stale_attrs.tell(ino);
+    }
+
+    /// [`Self::stale_attrs`], while `ino` names version `etag` (a notice for a version
+    /// learnt since would race the reads of that one).
+    pub fn stale_attrs_of(&self, ino: Ino, etag: Option<&str>) {
+        let names = self.with(ino, |i| i.etag.as_deref() == etag);
+        if names == Some(true) {
+            self.stale_attrs(ino);
+        }
     }
 
     /// [`Self::stale_attrs`], [`STALE_ATTRS_DELAY`] from now: after a reply that carries
