@@ -150,8 +150,8 @@ struct Tail {
     buf: TailBuf,
 }
 
-/// The tail's memory: a small buffer growing with a file that may turn out small, then a
-/// whole-part buffer from the budget's pool, reused from part to part.
+/// The tail's memory: a buffer of the budget's pool growing with a file that may turn out
+/// small, then one of a whole part for each part.
 enum TailBuf {
     /// Bytes staging could not take back as a tail ([`Self::thawed`]), in memory `mem`.
     Thawed {

@@ -2505,22 +2505,22 @@ impl WriteBack {
     /// waiting for `--upload-delay` goes up now: the delay gathers a file's rewrites, and
     /// whoever waits here wants the version it has.
     pub async fn wait_uploaded(&self, seq: u64) -> FsResult<()> {
-        {
-            let mut inner = self.inner.lock();
-            let mut s = seq;
-            while let Some(n) = inner.successor.get(&s) {
-                s = *n;
-            }
-            inner.due_now(s);
-        }
-        self.work.notify_waiters();
         loop {
             let changed = self.changed.notified();
             {
-                let inner = self.inner.lock();
+                let mut inner = self.inner.lock();
                 let mut s = seq;
                 while let Some(n) = inner.successor.get(&s) {
                     s = *n;
+                }
+                // Each time: a version that replaced it (a close, a rename) is queued anew.
+                if inner
+                    .entries
+                    .get(&s)
+                    .is_some_and(|e| e.not_before > Instant::now())
+                {
+                    inner.due_now(s);
+                    self.work.notify_waiters();
                 }
                 match inner.entries.get(&s) {
                     None => return Ok(()),
@@ -2535,7 +2535,9 @@ impl WriteBack {
                     Some(_) => {}
                 }
             }
-            changed.await;
+            // Looked at again each second too: the version replacing it is made due above
+            // even if nothing said it changed.
+            let _ = tokio::time::timeout(Duration::from_secs(1), changed).await;
         }
     }
 

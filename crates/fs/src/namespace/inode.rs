@@ -182,8 +182,8 @@ impl Inode {
     }
 
     /// The least and the most size the kernel may hold valid for the version `self` names: a
-    /// size it was told T (`ttl`) or longer before is no longer valid (it asks again before
-    /// using it).
+    /// size it was told T (`ttl`) or longer before has expired (a stat, a lookup or a read
+    /// past it asks again; a read within it does not, which is left).
     fn kernel_size_range(&self, ttl: Duration) -> (u64, u64) {
         let size = self.attr.size;
         match &self.kernel_sizes {

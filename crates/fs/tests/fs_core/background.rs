@@ -193,6 +193,72 @@ async fn fsync_to_the_bucket_does_not_wait_for_the_upload_delay() {
     e.fs.release(ino, fh).await.unwrap();
 }
 
+/// With fsync to the bucket, a version that replaces the one an fsync waits for before it
+/// goes up (another descriptor's close, while every upload slot is taken) goes up without
+/// its delay too: the fsync waits for it (before, for the whole delay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsync_to_the_bucket_does_not_wait_for_the_delay_of_a_version_replacing_its_own() {
+    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::metrics::Op;
+    let (state, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mem = Arc::new(MemoryStore::new());
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    // The first two uploads take both slots (concurrency 2) for two seconds.
+    faulty.inject(Op::Put, 0, Some(2), Fault::Delay(Duration::from_secs(2)));
+    let mut cfg = config(&cache);
+    let mut wb = writeback_config(&state, Duration::from_secs(3600));
+    wb.fsync_waits_upload = true;
+    cfg.writeback = Some(wb);
+    let fs = Fs::new(faulty, cfg);
+    let create = |name: &'static str, body: &'static [u8]| {
+        let fs = fs.clone();
+        async move {
+            let (a, h) = fs
+                .create(
+                    ROOT_INO,
+                    OsStr::new(name),
+                    0o644,
+                    0,
+                    libc::O_WRONLY,
+                    crate::support::ME,
+                )
+                .await
+                .unwrap();
+            fs.write(a.ino, h.fh, 0, Bytes::from_static(body))
+                .await
+                .unwrap();
+            (a.ino, h.fh)
+        }
+    };
+    let fsync = |(ino, fh): (u64, u64)| {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.fsync(ino, fh).await })
+    };
+    let busy = [
+        fsync(create("x1", b"x1").await),
+        fsync(create("x2", b"x2").await),
+    ];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (ino, fh) = create("f", b"v1").await;
+    let waiting = fsync((ino, fh));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let h2 = fs.open(ino, libc::O_WRONLY).await.unwrap();
+    fs.write(ino, h2.fh, 0, Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    fs.flush(ino, h2.fh).await.unwrap();
+    fs.release(ino, h2.fh).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the fsync waited for the delay of the version replacing its own")
+        .unwrap()
+        .unwrap();
+    assert_eq!(object(&mem, "f").await, b"v2");
+    for b in busy {
+        b.await.unwrap().unwrap();
+    }
+}
+
 /// Creates `name` and writes `data` in 1 MiB writes; returns (ino, fh), still open.
 async fn create_and_write(e: &crate::support::Env, name: &str, data: &[u8]) -> (u64, u64) {
     let (a, h) =
