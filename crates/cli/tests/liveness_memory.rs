@@ -295,9 +295,7 @@ fn small_file_writers_closing_at_once_stay_within_the_memory_bound() {
     for t in threads {
         t.join().unwrap();
     }
-    let (_, hwm) = m.rss_kib();
-    let peak_mib = hwm / 1024;
-    let bound = budget_mib + overhead_mib(budget_mib);
+    let (peak_mib, bound) = peak_and_bound(&m, budget_mib);
     eprintln!("{writers} writers x 1 MiB closing at once at --max-memory {budget_mib}M: peak RSS {peak_mib} MiB, bound {bound} MiB");
     for i in 0..writers {
         let got = s3.get(&b, &format!("s{i}")).expect("stored");
@@ -344,9 +342,7 @@ fn appends_to_existing_files_stay_within_the_memory_bound() {
     for t in threads {
         t.join().unwrap();
     }
-    let (_, hwm) = m.rss_kib();
-    let peak_mib = hwm / 1024;
-    let bound = budget_mib + overhead_mib(budget_mib);
+    let (peak_mib, bound) = peak_and_bound(&m, budget_mib);
     eprintln!("{files} appends to 6 MiB objects at --max-memory {budget_mib}M: peak RSS {peak_mib} MiB, bound {bound} MiB");
     for i in 0..files {
         let got = s3.get(&b, &format!("a{i}")).expect("stored");
@@ -435,6 +431,13 @@ fn writers_stay_within_the_memory_bound_in(
         peak_mib <= bound,
         "peak RSS {peak_mib} MiB over the budget {budget_mib} MiB + {overhead} MiB overhead"
     );
+}
+
+/// The daemon's peak RSS so far and the bound it must stay within at `--max-memory
+/// budget_mib`M, in MiB.
+fn peak_and_bound(m: &Mount, budget_mib: u64) -> (u64, u64) {
+    let (_, hwm) = m.rss_kib();
+    (hwm / 1024, budget_mib + overhead_mib(budget_mib))
 }
 
 /// What the daemon may hold beyond `--max-memory`, in MiB, as docs/reliability.md ("Memory")

@@ -162,7 +162,7 @@ enum TailBuf {
     },
     /// A buffer of the budget's pool (none yet: empty), holding its own reservation. Not the
     /// allocator's: glibc keeps freed buffers of this size in its heap, outside the budget
-    /// (300 writers of 1 MiB files closing at once left the daemon at 375 MiB with
+    /// (300 writers of 1 MiB files closing at once left the daemon at 373 MiB with
     /// `--max-memory 256M`).
     Pooled { buf: Option<PoolBuf>, filled: usize },
 }
