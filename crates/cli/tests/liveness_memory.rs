@@ -265,6 +265,49 @@ fn many_small_file_writers_stay_within_the_memory_bound() {
     writers_stay_within_the_memory_bound(64, 6, 64);
 }
 
+/// 2,000 files written 4 KiB each and kept open: each holds a 64 KiB buffer of the budget
+/// for its first bytes, but only the pages written are resident (the pool faults a fresh
+/// buffer's pages in at once only for a whole part: 135 MiB more for these otherwise).
+#[test]
+fn writers_holding_small_files_open_keep_only_what_they_wrote_resident() {
+    const FILES: u64 = 2000;
+    raise_nofile(FILES + 256);
+    let s3 = s3();
+    let b = s3.new_bucket("heldwriters");
+    let m = MountSpec::s3(&b, "")
+        .arg("--max-memory")
+        .arg("256M")
+        .watchdog(Duration::from_secs(300))
+        .mount();
+    let (before, _) = m.rss_kib();
+    let files: Vec<File> = (0..FILES)
+        .map(|i| {
+            let mut f = File::create(m.join(format!("h{i}"))).unwrap();
+            pattern::write(&mut f, 500 + i, 4096).unwrap();
+            f
+        })
+        .collect();
+    let (held, _) = m.rss_kib();
+    let per_file = (held.saturating_sub(before)) / FILES;
+    eprintln!(
+        "{FILES} writers holding 4 KiB each: RSS {} -> {} MiB ({per_file} KiB each)",
+        before / 1024,
+        held / 1024
+    );
+    for f in files {
+        close_checked(f).unwrap();
+    }
+    for i in [0, FILES / 2, FILES - 1] {
+        let got = s3.get(&b, &format!("h{i}")).expect("stored");
+        pattern::check_slice(&got, 500 + i, 4096).unwrap();
+    }
+    drop(m);
+    assert!(
+        per_file <= 16,
+        "{per_file} KiB resident per writer holding 4 KiB (at most 16 expected)"
+    );
+}
+
 /// 300 writers of 1 MiB files close at once at 256M. A file's first MiB is held in memory
 /// from its first write (64 KiB, doubling); those buffers came from the allocator, and glibc
 /// kept them after the closes: the daemon peaked at 373 MiB (release build), over the bound.

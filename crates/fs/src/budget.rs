@@ -509,12 +509,13 @@ impl MemoryBudget {
         Some(r)
     }
 
-    /// A pool buffer for `len` bytes held as long as a file stays open (a writer's whole
-    /// part), on the terms of [`MemoryBudget::try_reserve_lasting`]. Reusing kept buffers
-    /// spares a fresh mapping's page faults and zeroing on every part.
-    pub fn try_buffer_lasting(&self, len: u64) -> Option<PoolBuf> {
+    /// A pool buffer for `len` bytes held as long as a file stays open (a writer's tail),
+    /// on the terms of [`MemoryBudget::try_reserve_lasting`]. Reusing kept buffers spares a
+    /// fresh mapping's page faults and zeroing on every part; `populate`: see
+    /// [`Pool::take_as`].
+    pub fn try_buffer_lasting(&self, len: u64, populate: bool) -> Option<PoolBuf> {
         let mem = self.try_reserve_lasting_untrimmed(len)?;
-        Some(self.pool.take(len as usize, mem))
+        Some(self.pool.take_as(len as usize, mem, populate))
     }
 
     fn try_reserve_lasting_untrimmed(&self, bytes: u64) -> Option<Reservation> {

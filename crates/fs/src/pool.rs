@@ -44,7 +44,8 @@ unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
 impl Region {
-    fn new(len: usize) -> Region {
+    /// `populate`: fault its pages in now (see below); otherwise they fault in as written.
+    fn new(len: usize, populate: bool) -> Region {
         // SAFETY: a fresh anonymous mapping; no existing memory is touched.
         let p = unsafe {
             libc::mmap(
@@ -64,9 +65,11 @@ impl Region {
         // in with one call rather than one fault per 4 KiB page as the copy reaches them (on
         // a cold concurrent read those faults were a fifth of the daemon's CPU). Kernels
         // before 5.14 refuse it, and the pages then fault in as they are touched.
-        // SAFETY: advice on the mapping made above, which nothing else refers to yet.
-        unsafe {
-            libc::madvise(p, len, libc::MADV_POPULATE_WRITE);
+        if populate {
+            // SAFETY: advice on the mapping made above, which nothing else refers to yet.
+            unsafe {
+                libc::madvise(p, len, libc::MADV_POPULATE_WRITE);
+            }
         }
         Region {
             ptr: NonNull::new(p.cast()).expect("mmap returned a non-null address"),
@@ -173,6 +176,13 @@ impl Pool {
 
     /// A buffer for `len` bytes whose memory `mem` holds: a kept one of its size, or a new one.
     pub fn take(self: &Arc<Self>, len: usize, mem: Reservation) -> PoolBuf {
+        self.take_as(len, mem, true)
+    }
+
+    /// [`Self::take`]; `populate`: a fresh buffer's pages are faulted in at once, for one
+    /// about to be written whole (otherwise they fault in as written: the start of a small
+    /// file being written, which may stay a few bytes).
+    pub fn take_as(self: &Arc<Self>, len: usize, mem: Reservation, populate: bool) -> PoolBuf {
         let size = len.div_ceil(STEP).max(1) * STEP;
         let kept = {
             let mut idle = self.idle.lock();
@@ -187,7 +197,7 @@ impl Pool {
         };
         let region = kept.unwrap_or_else(|| {
             self.fresh.fetch_add(1, Ordering::Relaxed);
-            Region::new(size)
+            Region::new(size, populate)
         });
         // Only now, with the kept buffer this memory pays for out of the pool.
         self.trim();

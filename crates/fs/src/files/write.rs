@@ -237,15 +237,16 @@ impl Tail {
         let len = self.buf.as_slice().len();
         let need = len + data.len();
         if need as u64 > self.buf.capacity() {
-            // Past its first part a file is big: take the whole part at once.
-            let target = if need as u64 > TAIL_STEP_MAX || self.start > 0 {
-                self.part_end - self.start
-            } else {
-                (need as u64)
+            // Past its first part a file is big: take the whole part at once (its pages
+            // faulted in at once: it will be written whole, unless it is the last).
+            let whole = need as u64 > TAIL_STEP_MAX || self.start > 0;
+            let target = match whole {
+                true => self.part_end - self.start,
+                false => (need as u64)
                     .next_power_of_two()
-                    .clamp(64 * 1024, TAIL_STEP_MAX)
+                    .clamp(64 * 1024, TAIL_STEP_MAX),
             };
-            let Some(mut bigger) = budget.try_buffer_lasting(target) else {
+            let Some(mut bigger) = budget.try_buffer_lasting(target, whole) else {
                 return false;
             };
             bigger.as_mut_slice()[..len].copy_from_slice(self.buf.as_slice());

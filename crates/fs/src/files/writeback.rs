@@ -4851,7 +4851,7 @@ mod tests {
         let budget = MemoryBudget::new(64 << 20, Arc::default());
         let wb = budgeted_wb(dir.path(), fault.clone(), &budget, 32);
         let _early = budget
-            .try_buffer_lasting(32 << 20)
+            .try_buffer_lasting(32 << 20, true)
             .expect("half the budget");
         let body = vec![7u8; 24 << 20];
         for i in 0..4 {
