@@ -3,7 +3,7 @@
 //! Every buffer that holds file data for longer than one request takes a [`Reservation`]
 //! first. Readers ask with [`MemoryBudget::try_buffer`] for read-ahead, so when the budget is
 //! full their windows simply stop growing. Writers' in-memory part buffers can live as long as
-//! a file is open, so they only take memory with [`MemoryBudget::try_reserve_lasting`], which
+//! a file is open, so they only take memory with [`MemoryBudget::try_buffer_lasting`], which
 //! keeps them within half the budget (a writer that gets none stages on disk).
 //!
 //! Nothing a handle holds can starve the others. What readers fetched ahead of their readers
@@ -91,7 +91,7 @@ pub struct MemoryBudget {
     overdraft_units: u64,
     /// Readers whose prefetch can be taken back.
     holders: Mutex<Holders>,
-    /// Bytes held in [`MemoryBudget::try_reserve_lasting`] reservations.
+    /// Bytes held in [`MemoryBudget::try_buffer_lasting`] reservations.
     lasting: Arc<AtomicU64>,
     metrics: Arc<FsMetrics>,
     cache: Mutex<BlockCache>,
@@ -499,18 +499,10 @@ impl MemoryBudget {
         Some(self.wrap(permit, bytes))
     }
 
-    /// Takes `bytes` for memory that may be held for as long as a file stays open (a writer's
-    /// part buffer), if they are free now and such memory stays within half the budget. The
-    /// other half is only ever held for the length of a request, so whoever waits in
-    /// [`MemoryBudget::reserve`] is always served eventually.
-    pub fn try_reserve_lasting(&self, bytes: u64) -> Option<Reservation> {
-        let r = self.try_reserve_lasting_untrimmed(bytes)?;
-        self.pool.trim();
-        Some(r)
-    }
-
     /// A pool buffer for `len` bytes held as long as a file stays open (a writer's tail),
-    /// on the terms of [`MemoryBudget::try_reserve_lasting`]. Reusing kept buffers spares a
+    /// if they are free now and such memory stays within half the budget. The other half is
+    /// only ever held for the length of a request, so whoever waits in
+    /// [`MemoryBudget::reserve`] is always served eventually. Reusing kept buffers spares a
     /// fresh mapping's page faults and zeroing on every part; `populate`: see
     /// [`Pool::take_as`].
     pub fn try_buffer_lasting(&self, len: u64, populate: bool) -> Option<PoolBuf> {
@@ -636,21 +628,21 @@ mod tests {
     fn lasting_reservations_stay_within_half_the_budget() {
         let m = Arc::new(FsMetrics::default());
         let b = MemoryBudget::new(1 << 20, m);
-        let a = b.try_reserve_lasting(256 * 1024).unwrap();
-        let c = b.try_reserve_lasting(256 * 1024).unwrap();
+        let a = b.try_buffer_lasting(256 * 1024, false).unwrap();
+        let c = b.try_buffer_lasting(256 * 1024, false).unwrap();
         // Half the budget is lasting now: no more, although the other half is free.
-        assert!(b.try_reserve_lasting(64 * 1024).is_none());
+        assert!(b.try_buffer_lasting(64 * 1024, false).is_none());
         assert_eq!(b.available(), 512 * 1024);
         let short = b.try_reserve(512 * 1024).unwrap();
         // Lasting room, but no free memory: refused, and the refusal holds nothing.
         drop(a);
         let _busy = b.try_reserve(256 * 1024).unwrap();
-        assert!(b.try_reserve_lasting(64 * 1024).is_none());
+        assert!(b.try_buffer_lasting(64 * 1024, false).is_none());
         drop((short, _busy));
-        let d = b.try_reserve_lasting(256 * 1024).unwrap();
+        let d = b.try_buffer_lasting(256 * 1024, false).unwrap();
         drop((c, d));
         assert_eq!(b.available(), 1 << 20);
-        assert!(b.try_reserve_lasting(512 * 1024).is_some());
+        assert!(b.try_buffer_lasting(512 * 1024, false).is_some());
     }
 
     /// Reserved plus pooled memory, which must never exceed the budget.
