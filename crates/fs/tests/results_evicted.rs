@@ -72,23 +72,7 @@ async fn landed_and_forgotten() -> (
         store: "memory".to_string(),
     });
     let fs = Fs::new(mem.clone(), cfg);
-    let create = |name: &'static str| {
-        let fs = fs.clone();
-        async move {
-            let (a, h) = fs
-                .create(
-                    ROOT_INO,
-                    OsStr::new(name),
-                    0o644,
-                    0,
-                    libc::O_RDWR,
-                    support::ME,
-                )
-                .await
-                .unwrap();
-            (a.ino, h.fh)
-        }
-    };
+    let create = |name| support::create_written(&fs, name, libc::O_RDWR, &[]);
     let (f, fh) = create("f").await;
     fs.write(f, fh, 0, Bytes::from_static(b"v1")).await.unwrap();
     fs.fsync(f, fh).await.unwrap(); // in the bucket when it returns

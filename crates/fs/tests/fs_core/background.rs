@@ -210,26 +210,7 @@ async fn fsync_to_the_bucket_does_not_wait_for_the_delay_of_a_version_replacing_
     wb.fsync_waits_upload = true;
     cfg.writeback = Some(wb);
     let fs = Fs::new(faulty, cfg);
-    let create = |name: &'static str, body: &'static [u8]| {
-        let fs = fs.clone();
-        async move {
-            let (a, h) = fs
-                .create(
-                    ROOT_INO,
-                    OsStr::new(name),
-                    0o644,
-                    0,
-                    libc::O_WRONLY,
-                    crate::support::ME,
-                )
-                .await
-                .unwrap();
-            fs.write(a.ino, h.fh, 0, Bytes::from_static(body))
-                .await
-                .unwrap();
-            (a.ino, h.fh)
-        }
-    };
+    let create = |name, body| crate::support::create_written(&fs, name, libc::O_WRONLY, body);
     let fsync = |(ino, fh): (u64, u64)| {
         let fs = fs.clone();
         tokio::spawn(async move { fs.fsync(ino, fh).await })
@@ -259,21 +240,9 @@ async fn fsync_to_the_bucket_does_not_wait_for_the_delay_of_a_version_replacing_
     }
 }
 
-/// Creates `name` and writes `data` in 1 MiB writes; returns (ino, fh), still open.
+/// Creates `name` write-only and writes `data` in 1 MiB writes; returns (ino, fh), still open.
 async fn create_and_write(e: &crate::support::Env, name: &str, data: &[u8]) -> (u64, u64) {
-    let (a, h) =
-        e.fs.create(
-            ROOT_INO,
-            OsStr::new(name),
-            0o644,
-            0,
-            libc::O_WRONLY,
-            crate::support::ME,
-        )
-        .await
-        .unwrap();
-    crate::support::write_mib(&e.fs, a.ino, h.fh, 0, data).await;
-    (a.ino, h.fh)
+    crate::support::create_written(&e.fs, name, libc::O_WRONLY, data).await
 }
 
 /// Closes (flush, release) and waits for every upload.

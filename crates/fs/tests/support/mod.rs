@@ -72,6 +72,17 @@ pub async fn write_mib(fs: &Fs, ino: u64, fh: u64, at: u64, data: &[u8]) {
     }
 }
 
+/// Creates `name` in the root (0644, opened with `flags`) and writes `data` in 1 MiB writes;
+/// returns (ino, fh), still open.
+pub async fn create_written(fs: &Fs, name: &str, flags: i32, data: &[u8]) -> (u64, u64) {
+    let (a, h) = fs
+        .create(ROOT_INO, OsStr::new(name), 0o644, 0, flags, ME)
+        .await
+        .unwrap();
+    write_mib(fs, a.ino, h.fh, 0, data).await;
+    (a.ino, h.fh)
+}
+
 /// The fs over a fault-injecting wrapper of `mem`, and its cache dir (keep it alive).
 pub fn faulty_fs(mem: &Arc<MemoryStore>) -> (Arc<FaultStore>, Arc<Fs>, tempfile::TempDir) {
     let faulty = Arc::new(FaultStore::new(mem.clone()));
