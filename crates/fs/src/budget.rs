@@ -154,6 +154,9 @@ impl BlockCache {
 pub struct Reservation {
     _permit: Option<OwnedSemaphorePermit>,
     bytes: u64,
+    /// The memory its permits stand for (whole units), which `bucketfs_buffer_bytes` counts:
+    /// a 1 KiB body holds a 64 KiB unit of the budget.
+    held: u64,
     metrics: Arc<FsMetrics>,
     /// The lasting-bytes counter this reservation counts in, if any.
     lasting: Option<Arc<AtomicU64>>,
@@ -170,7 +173,7 @@ impl Drop for Reservation {
     fn drop(&mut self) {
         self.metrics
             .buffer_bytes
-            .fetch_sub(self.bytes, Ordering::Relaxed);
+            .fetch_sub(self.held, Ordering::Relaxed);
         if let Some(l) = &self.lasting {
             l.fetch_sub(self.bytes, Ordering::Relaxed);
         }
@@ -209,12 +212,12 @@ impl MemoryBudget {
     }
 
     fn wrap(&self, permit: OwnedSemaphorePermit, bytes: u64) -> Reservation {
-        self.metrics
-            .buffer_bytes
-            .fetch_add(bytes, Ordering::Relaxed);
+        let held = permit.num_permits() as u64 * UNIT;
+        self.metrics.buffer_bytes.fetch_add(held, Ordering::Relaxed);
         Reservation {
             _permit: Some(permit),
             bytes,
+            held,
             metrics: self.metrics.clone(),
             lasting: None,
         }
@@ -957,6 +960,19 @@ mod tests {
         // Bigger than the whole budget: takes all of it rather than waiting forever.
         let all = b.reserve(10 << 20).await;
         assert_eq!(b.available(), 0);
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 1 << 20);
         drop(all);
+    }
+
+    #[test]
+    fn the_buffer_gauge_counts_the_units_held_not_the_bytes_asked() {
+        let m = Arc::new(FsMetrics::default());
+        let b = MemoryBudget::new(4 << 20, m.clone());
+        // Small files' bodies: 1 KiB each, a whole unit of the budget each.
+        let held: Vec<_> = (0..16).map(|_| b.try_buffer(1024).unwrap()).collect();
+        assert_eq!(b.available(), (4 << 20) - 16 * UNIT);
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 16 * UNIT);
+        drop(held);
+        assert_eq!(FsMetrics::get(&m.buffer_bytes), 0);
     }
 }

@@ -482,7 +482,11 @@ async fn a_rewrite_whose_early_upload_vanished_is_uploaded_anew() {
             .await
             .unwrap();
     let data = crate::support::random(20 << 20, 61);
-    crate::support::write_mib(&e.fs, a.ino, h.fh, 0, &data).await;
+    // The first whole part starts the upload's creation in the background; the next parts go
+    // up early once it is made (a loaded machine may take a while to run that task).
+    crate::support::write_mib(&e.fs, a.ino, h.fh, 0, &data[..9 << 20]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    crate::support::write_mib(&e.fs, a.ino, h.fh, 9 << 20, &data[9 << 20..]).await;
     e.fs.flush(a.ino, h.fh).await.unwrap();
     e.fs.release(a.ino, h.fh).await.unwrap();
     let open = e.mem.list_multipart_uploads("").await.unwrap();
