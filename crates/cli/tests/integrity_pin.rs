@@ -248,3 +248,75 @@ fn a_descriptor_acts_on_another_clients_larger_version_at_once() {
     drop(m);
     s3.remove_bucket(&b);
 }
+
+/// A descriptor partway through a version another client then replaced (same size, so only
+/// the ETag tells), while a newer open reads the new version in full: the old descriptor reads
+/// on with `ESTALE`, never the new version's bytes after the old one's. Before, the newer
+/// open filled the kernel's page cache, which both descriptors share, and the old one was
+/// served those pages without a word to the daemon (1 MiB of the old version, then the new).
+#[test]
+fn a_descriptor_partway_through_a_version_never_reads_a_newer_opens_pages() {
+    use std::io::Read;
+    let s3 = s3();
+    let b = s3.new_bucket("pinmix");
+    let m = MountSpec::s3(&b, "").arg("--stat-ttl").arg("1").mount();
+    let (old, new) = (pattern::bytes(1, 3 * MIB), pattern::bytes(2, 3 * MIB));
+    s3.put(&b, "k", old.clone());
+    let mut a = File::open(m.join("k")).unwrap();
+    let mut head = vec![0; MIB];
+    a.read_exact(&mut head).unwrap();
+    assert!(head == old[..MIB], "the first MiB is not the old version");
+    s3.put(&b, "k", new.clone());
+    std::thread::sleep(std::time::Duration::from_millis(1300));
+    assert!(
+        fs::read(m.join("k")).unwrap() == new,
+        "a new open reads the new version"
+    );
+    let mut rest = Vec::new();
+    match a.read_to_end(&mut rest) {
+        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => {}
+        Err(e) => panic!("the old descriptor failed with {e}, not ESTALE"),
+        Ok(n) => assert!(
+            rest == old[MIB..],
+            "the old descriptor read {n} more bytes: not the rest of its version (the new \
+             version's: {})",
+            rest == new[MIB..]
+        ),
+    }
+    // Opens while the old descriptor stays open are served through the daemon; a shared
+    // mapping of one still works (the page cache serves it).
+    let c = File::open(m.join("k")).unwrap();
+    assert!(
+        map_shared(&c, new.len()) == new,
+        "the mapping is not the new version"
+    );
+    drop((a, c));
+    drop(m);
+    s3.remove_bucket(&b);
+}
+
+/// The first `len` bytes of `f` through a shared read-only mapping.
+fn map_shared(f: &File, len: usize) -> Vec<u8> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a shared read-only mapping of `len` bytes of an open file, copied out and
+    // unmapped here.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        );
+        assert_ne!(
+            p,
+            libc::MAP_FAILED,
+            "mmap: {}",
+            std::io::Error::last_os_error()
+        );
+        let got = std::slice::from_raw_parts(p as *const u8, len).to_vec();
+        libc::munmap(p, len);
+        got
+    }
+}

@@ -380,3 +380,52 @@ fn two_mounts_share_the_whole_copies() {
     assert_eq!(passthrough_opens(&addr_c), 1);
     drop(a);
 }
+
+/// The cache's copy damaged while a descriptor reads it through the kernel (here: cut short,
+/// then written to in place): a new open is not handed it (the kernel reopens the copy for
+/// each descriptor it shares and reads it with no check). It waits for the old descriptor to
+/// close and then reads the right bytes through the daemon, or, while that one stays open,
+/// fails with `ETXTBSY` after 1 s. Before, it shared the copy: the file read as its first
+/// 1,000 bytes, or with another's 4 bytes at its start.
+#[test]
+fn a_copy_damaged_while_open_is_not_shared_with_another_open() {
+    let b = s3().new_bucket("pt-shared");
+    let data = pattern::bytes(37, (3 * MIB + 5) as usize);
+    s3().put(&b, "f", data.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let (m, addr) = mount_cached(&b, cache.path(), &[]);
+    assert!(read_file(&m.join("f")) == data);
+    wait_whole(cache.path(), 1);
+    for (round, damage) in ["cut short", "written to"].into_iter().enumerate() {
+        let opens = passthrough_opens(&addr);
+        let first = std::fs::File::open(m.join("f")).unwrap();
+        assert_eq!(passthrough_opens(&addr), opens + 1, "{damage}");
+        let obj = whole_files(cache.path()).remove(0);
+        let mut f = std::fs::OpenOptions::new().write(true).open(&obj).unwrap();
+        match damage {
+            "cut short" => f.set_len(1000).unwrap(),
+            _ => f.write_all(b"XXXX").unwrap(),
+        }
+        drop(f);
+        let again = std::fs::File::open(m.join("f"));
+        assert_eq!(
+            again.as_ref().map_err(|e| e.raw_os_error()).err(),
+            Some(Some(libc::ETXTBSY)),
+            "{damage}: a second open while the first stays open"
+        );
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(first);
+        });
+        assert!(cat(&m.join("f")) == data, "{damage}: damaged bytes served");
+        closer.join().unwrap();
+        let corrupt = metric(&addr, "bucketfs_data_cache_corrupt_total");
+        assert!(
+            corrupt > 2 * round as u64,
+            "{damage}: {corrupt} found corrupt"
+        );
+        // Fetched again whole for the next round.
+        wait_whole(cache.path(), 1);
+        assert!(cat(&m.join("f")) == data, "{damage}");
+    }
+}

@@ -9,7 +9,7 @@
 use crate::config::FsConfig;
 use crate::error::{log_store_err, FsError, FsResult};
 use crate::files::write::{Appended, Base, Stored, WriteState};
-use crate::files::{FileHandle, OpenFiles, OpenWrite};
+use crate::files::{FileHandle, LocalCopy, OpenFiles, OpenWrite};
 use crate::meta::{Attr, AttrPolicy, FileKind, Ino, PosixMeta};
 use crate::metrics::FsMetrics;
 use crate::namespace::inode::{DirListing, Inode, KernelPages};
@@ -55,6 +55,9 @@ pub struct OpenReply {
     pub fh: u64,
     /// The kernel may keep its page cache for this file (content unchanged since last open).
     pub keep_cache: bool,
+    /// The kernel must read and write this descriptor through the daemon, not its page cache
+    /// (`FOPEN_DIRECT_IO`): another descriptor partway through an older version shares it.
+    pub uncached: bool,
     /// A local file holding exactly this version's bytes (the data cache's whole copy), for
     /// the kernel to read itself (passthrough). Every open of the inode gets the same one
     /// while any of them is open; report the outcome with [`Fs::passed_through`].

@@ -14,7 +14,7 @@
 //! its opens uses it, so the ids are kept per inode ([`Backings`]) until the last handle
 //! that uses one is released.
 
-use bucketfs_fs::{Attr, Caller, FileKind, Fs, FsError, Now, SetAttr};
+use bucketfs_fs::{Attr, Caller, FileKind, Fs, FsError, Now, OpenReply, SetAttr};
 use fuser::{
     BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     InitFlags, IoctlFlags, KernelConfig, LockOwner, Notifier, OpenFlags, RenameFlags, ReplyAttr,
@@ -371,13 +371,13 @@ fn has_cap_sys_admin() -> bool {
 /// How the kernel treats an opened file. A write-only descriptor bypasses the page cache
 /// (it cannot be mmapped, and nothing reads through it): each write reaches the daemon
 /// without first being copied into cache pages, and the cache is not filled with data the
-/// writer will not read back.
-fn open_flags(flags: i32, keep_cache: bool) -> FopenFlags {
+/// writer will not read back. So does one the daemon serves `uncached`.
+fn open_flags(flags: i32, o: &OpenReply) -> FopenFlags {
     let mut f = FopenFlags::empty();
-    if keep_cache {
+    if o.keep_cache {
         f |= FopenFlags::FOPEN_KEEP_CACHE;
     }
-    if flags & libc::O_ACCMODE == libc::O_WRONLY {
+    if o.uncached || flags & libc::O_ACCMODE == libc::O_WRONLY {
         f |= FopenFlags::FOPEN_DIRECT_IO;
     }
     f
@@ -401,12 +401,15 @@ impl Filesystem for FuseFs {
         // Atomic O_TRUNC: the open gets O_TRUNC, so the truncation counts as a change of its
         // descriptor (without it the kernel sends a SETATTR with no file handle, and `: > f`
         // of a file another process has open for writing was stored only at that one's close).
+        // Shared mappings of a descriptor served `uncached` (see `open_flags`) work as they do
+        // for any other (through the page cache) rather than failing with ENODEV.
         for flag in [
             InitFlags::FUSE_ASYNC_READ,
             InitFlags::FUSE_ATOMIC_O_TRUNC,
             InitFlags::FUSE_PARALLEL_DIROPS,
             InitFlags::FUSE_DO_READDIRPLUS,
             InitFlags::FUSE_READDIRPLUS_AUTO,
+            InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
         ] {
             if config.capabilities().contains(flag) {
                 let _ = config.add_capabilities(flag);
@@ -605,7 +608,7 @@ impl Filesystem for FuseFs {
                     if let Some(p) = opener {
                         writers.lock().unwrap().insert(o.fh, p);
                     }
-                    let mut f = open_flags(flags.0, o.keep_cache);
+                    let mut f = open_flags(flags.0, &o);
                     if !writable {
                         // The close of a descriptor that cannot write has nothing to store
                         // (`create` always does): no FLUSH, whose round trip each close
@@ -934,7 +937,7 @@ impl Filesystem for FuseFs {
                     if let Some(p) = opener {
                         writers.lock().unwrap().insert(o.fh, p);
                     }
-                    let f = open_flags(flags, o.keep_cache);
+                    let f = open_flags(flags, &o);
                     reply.created(
                         &fs.entry_ttl(&a),
                         &file_attr(&a),

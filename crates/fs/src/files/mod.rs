@@ -65,6 +65,9 @@ pub struct FileHandle {
     pub write: Option<Arc<OpenWrite>>,
     /// Handed to the kernel with a local copy (passthrough): its reads never come here.
     pub through: bool,
+    /// The kernel reads it through the daemon, not the inode's page cache (see
+    /// [`OpenFiles::reads_older_pages`]).
+    pub uncached: bool,
     /// This descriptor changed the file (wrote, truncated or created it) since a publish
     /// through it last stored the file. Set and cleared under the write state's lock.
     pub changed: Arc<AtomicBool>,
@@ -107,8 +110,35 @@ impl FileHandle {
 struct Through {
     etag: String,
     file: Arc<std::fs::File>,
+    /// The copy as its first open found it checked (see [`OpenFiles::sound_shared_copy`]).
+    seal: CopySeal,
     handles: u64,
+    /// Found changed since: said once.
+    damaged: bool,
 }
+
+/// What tells a local copy changed since it was checked: a write, a truncation or a
+/// replacement of the file changes its size, inode or ctime.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct CopySeal {
+    len: u64,
+    ino: u64,
+    ctime: (i64, i64),
+}
+
+impl CopySeal {
+    pub fn of(md: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        CopySeal {
+            len: md.len(),
+            ino: md.ino(),
+            ctime: (md.ctime(), md.ctime_nsec()),
+        }
+    }
+}
+
+/// A checked local copy an open may hand the kernel: its version, the file and its seal.
+pub type LocalCopy = (String, std::fs::File, CopySeal);
 
 /// An open that must wait: the inode is open for passthrough and this open cannot share it.
 #[derive(Debug)]
@@ -220,37 +250,90 @@ impl OpenFiles {
         self.passthrough.load(Ordering::Relaxed)
     }
 
-    /// The data cache's checked whole copy of `key` version `etag` (`size` bytes), if any.
+    /// The data cache's checked whole copy of `key` version `etag` (`size` bytes), if any,
+    /// with its seal.
     pub async fn local_copy(
         &self,
         key: ObjectKey,
         etag: String,
         size: u64,
-    ) -> Option<std::fs::File> {
+    ) -> Option<(std::fs::File, CopySeal)> {
         let cache = self.rcfg.data_cache.clone()?;
         cache
             // After a reboot, the first open reads the whole copy to check it.
-            .read_disk(size, move |cache| cache.local_copy(&key, &etag, size))
+            .read_disk(size, move |cache| {
+                let f = cache.local_copy(&key, &etag, size)?;
+                let seal = CopySeal::of(&f.metadata().ok()?);
+                Some((f, seal))
+            })
             .await
             .flatten()
     }
 
+    /// The local copy `ino`'s passthrough handles share, for another open to share too, if
+    /// it is still as its first open checked it (nothing wrote, truncated or replaced it
+    /// since) and its disk still opens it: the kernel opens it anew for each descriptor, and
+    /// reads it with no check of ours. `None` otherwise (said once per copy, and counted):
+    /// the open then waits for those handles to close, as one that cannot share does, and
+    /// the next open checks the cache's copy in full.
+    pub async fn sound_shared_copy(&self, ino: Ino) -> Option<Arc<std::fs::File>> {
+        use std::os::fd::AsRawFd;
+        let (file, seal) = {
+            let th = self.through.lock();
+            let t = th.get(&ino).filter(|t| !t.damaged)?;
+            (t.file.clone(), t.seal)
+        };
+        let cache = self.rcfg.data_cache.clone()?;
+        let f = file.clone();
+        let now = cache
+            .read_disk(0, move |_| {
+                let again = std::fs::File::open(format!("/proc/self/fd/{}", f.as_raw_fd()))?;
+                again.metadata().map(|md| CopySeal::of(&md))
+            })
+            .await;
+        if matches!(now, Some(Ok(n)) if n == seal) {
+            return Some(file);
+        }
+        let mut th = self.through.lock();
+        if let Some(t) = th.get_mut(&ino).filter(|t| Arc::ptr_eq(&t.file, &file)) {
+            if !std::mem::replace(&mut t.damaged, true) {
+                drop(th);
+                self.wcfg
+                    .metrics
+                    .data_cache_corrupt
+                    .fetch_add(1, Ordering::Relaxed);
+                let why = match now {
+                    Some(Ok(_)) => "changed since it was checked".to_string(),
+                    Some(Err(e)) => format!("cannot be opened again ({e})"),
+                    None => "on a disk too slow to answer".to_string(),
+                };
+                tracing::warn!(
+                    "data cache: the local copy that inode {ino}'s open descriptors read \
+                     (passthrough) {why}: other opens wait for them to close"
+                );
+            }
+        }
+        None
+    }
+
     /// How a new open of `ino` (version `etag`, `others` handles open already) is served:
     /// `Some(file)` through that local copy, `None` by the daemon. `shareable`: a read-only
-    /// open that may share the inode's copy; `local`: the copy found for it, if it may start
-    /// one (`(etag, file)`). `Busy` while the inode is open for passthrough and this open
-    /// cannot share it (the kernel would refuse it).
+    /// open that may share the inode's copy, if it is `checked` (see
+    /// [`Self::sound_shared_copy`]); `local`: the copy found for it, if it may start one.
+    /// `Busy` while the inode is open for passthrough and this open cannot share it (the
+    /// kernel would refuse it).
     pub fn choose_through(
         &self,
         ino: Ino,
         etag: Option<&str>,
         others: u64,
-        shareable: bool,
-        local: &mut Option<(String, std::fs::File)>,
+        (shareable, checked): (bool, Option<&Arc<std::fs::File>>),
+        local: &mut Option<LocalCopy>,
     ) -> Result<Option<Arc<std::fs::File>>, Busy> {
         let mut th = self.through.lock();
         if let Some(t) = th.get_mut(&ino) {
-            if shareable && Some(t.etag.as_str()) == etag {
+            let sound = checked.is_some_and(|c| Arc::ptr_eq(c, &t.file));
+            if shareable && sound && Some(t.etag.as_str()) == etag {
                 t.handles += 1;
                 return Ok(Some(t.file.clone()));
             }
@@ -259,14 +342,16 @@ impl OpenFiles {
         match local.take() {
             // Not while the inode is being written here (a writer's close, a truncate): its
             // copy was found before, and is of the version they replace.
-            Some((e, f)) if shareable && others == 0 && Some(e.as_str()) == etag => {
+            Some((e, f, seal)) if shareable && others == 0 && Some(e.as_str()) == etag => {
                 let file = Arc::new(f);
                 th.insert(
                     ino,
                     Through {
                         etag: e,
                         file: file.clone(),
+                        seal,
                         handles: 1,
+                        damaged: false,
                     },
                 );
                 Ok(Some(file))
@@ -448,6 +533,25 @@ impl OpenFiles {
         fh
     }
 
+    /// Whether a descriptor of `ino` may be handed the kernel's cached pages while it reads a
+    /// version older than the inode's (another client's change learnt since its open: its
+    /// `learned_changes` is not `learned`). A new open's pages would then go on with the new
+    /// version where it left the old: the open is made uncached while such a descriptor stays
+    /// open, so its next read reaches the daemon (`ESTALE`). Not a descriptor the kernel
+    /// reads through the daemon or a local copy, nor a writer's (its reads come from the
+    /// write state, which the daemon checks the same way) or a write-only one's.
+    pub fn reads_older_pages(&self, ino: Ino, learned: u64) -> bool {
+        self.handles.lock().values().any(|h| {
+            h.ino == ino
+                && h.learned() != learned
+                && !h.through
+                && !h.uncached
+                && h.write.is_none()
+                && h.flags & libc::O_DIRECT == 0
+                && h.flags & libc::O_ACCMODE != libc::O_WRONLY
+        })
+    }
+
     /// The open file `fh`, which must be a handle of `ino`.
     pub fn handle(&self, ino: Ino, fh: u64) -> FsResult<FileHandle> {
         match self.handles.lock().get(&fh) {
@@ -567,13 +671,17 @@ mod tests {
             Arc::default(),
         )
         .unwrap();
-        let copy = || Some(("\"E\"".to_string(), tempfile::tempfile().unwrap()));
+        let copy = || {
+            let f = tempfile::tempfile().unwrap();
+            let seal = CopySeal::of(&f.metadata().unwrap());
+            Some(("\"E\"".to_string(), f, seal))
+        };
         let mut local = copy();
-        let r = files.choose_through(7, Some("\"E\""), 0, false, &mut local);
+        let r = files.choose_through(7, Some("\"E\""), 0, (false, None), &mut local);
         assert!(matches!(r, Ok(None)), "handed out while being written");
         assert!(!files.is_through(7));
         let mut local = copy();
-        let r = files.choose_through(7, Some("\"E\""), 0, true, &mut local);
+        let r = files.choose_through(7, Some("\"E\""), 0, (true, None), &mut local);
         assert!(matches!(r, Ok(Some(_))), "an idle inode's copy was refused");
     }
 }

@@ -3,15 +3,19 @@ use super::*;
 /// Times (20 ms apart) an open waits for the passthrough handles of its inode to close.
 const THROUGH_WAITS: u32 = 50;
 
-/// What [`Fs::open_registered`] gives an open: the write state, whether the kernel keeps its
-/// pages, the local copy read through, and the inode's `learned_changes` and `page_drops`.
-type OpenedInode = (
-    Option<Arc<OpenWrite>>,
-    bool,
-    Option<Arc<std::fs::File>>,
-    u64,
-    u64,
-);
+/// What [`Fs::open_registered`] gives an open.
+struct OpenedInode {
+    write: Option<Arc<OpenWrite>>,
+    /// The kernel keeps its pages.
+    keep_cache: bool,
+    /// The kernel reads this descriptor through the daemon, not its pages.
+    uncached: bool,
+    /// The local copy read through.
+    local: Option<Arc<std::fs::File>>,
+    /// The inode's `learned_changes` and `page_drops`.
+    learned_changes: u64,
+    page_drops: u64,
+}
 
 impl Fs {
     /// `flags` are the open(2) flags.
@@ -67,7 +71,7 @@ impl Fs {
                     .files
                     .local_copy(key, etag.clone(), size)
                     .await
-                    .map(|f| (etag, f));
+                    .map(|(f, seal)| (etag, f, seal));
             }
         }
         // A writer's state is made, and an O_TRUNC applied, where no rename of the file or
@@ -91,10 +95,28 @@ impl Fs {
         // While the inode is open for passthrough, an open that cannot share it waits for
         // those handles to close (the kernel tells us a little after the close itself).
         let mut waits = 0;
-        let (write, keep_cache, local, learned_changes, page_drops) = loop {
-            match self.open_registered(ino, writable, shareable, &mut local)? {
+        let mut checked = None;
+        let OpenedInode {
+            write,
+            keep_cache,
+            uncached,
+            local,
+            learned_changes,
+            page_drops,
+        } = loop {
+            match self.open_registered(ino, writable, (shareable, checked.as_ref()), &mut local)? {
                 Some(r) => break r,
-                None => self.wait_through(ino, &mut waits).await?,
+                None if shareable && checked.is_none() => {
+                    // Open for passthrough: shared if its copy is still sound, else waited for.
+                    checked = self.files.sound_shared_copy(ino).await;
+                    if checked.is_none() {
+                        self.wait_through(ino, &mut waits).await?;
+                    }
+                }
+                None => {
+                    checked = None;
+                    self.wait_through(ino, &mut waits).await?
+                }
             }
         };
         let trunc = write.clone().filter(|_| flags & libc::O_TRUNC != 0);
@@ -106,6 +128,7 @@ impl Fs {
             page_drops,
             write,
             through: local.is_some(),
+            uncached,
             changed: Arc::default(),
         });
         if let Some(w) = trunc {
@@ -131,6 +154,7 @@ impl Fs {
         Ok(OpenReply {
             fh,
             keep_cache,
+            uncached,
             local,
         })
     }
@@ -164,8 +188,8 @@ impl Fs {
         &self,
         ino: Ino,
         writable: bool,
-        shareable: bool,
-        local: &mut Option<(String, std::fs::File)>,
+        (shareable, checked): (bool, Option<&Arc<std::fs::File>>),
+        local: &mut Option<LocalCopy>,
     ) -> FsResult<Option<OpenedInode>> {
         let mut t = self.ns.table();
         let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
@@ -182,10 +206,13 @@ impl Fs {
             return Err(FsError::ESTALE);
         }
         let shareable = shareable && !i.writing;
-        let Ok(through) =
-            self.files
-                .choose_through(ino, i.etag.as_deref(), i.open_handles, shareable, local)
-        else {
+        let Ok(through) = self.files.choose_through(
+            ino,
+            i.etag.as_deref(),
+            i.open_handles,
+            (shareable, checked),
+            local,
+        ) else {
             return Ok(None);
         };
         let write = writable.then(|| {
@@ -207,6 +234,12 @@ impl Fs {
             && i.etag.is_some()
             && i.pages.only_of(i.etag.as_deref())
             && i.pages_learned == i.learned_changes;
+        // Not while a descriptor reading an older version may be handed the pages this one
+        // fills (see `reads_older_pages`); the pages it was handed are dropped below.
+        let uncached = through.is_none()
+            && i.open_handles > 1
+            && i.learned_changes > 0
+            && self.files.reads_older_pages(ino, i.learned_changes);
         // A passthrough open fills no page of this inode: what the kernel holds is unchanged.
         // Any other open but a kept one drops the kernel's pages; a writer's fill them with
         // what it writes.
@@ -221,13 +254,14 @@ impl Fs {
             };
             i.pages_learned = i.learned_changes;
         }
-        Ok(Some((
+        Ok(Some(OpenedInode {
             write,
-            keep,
-            through,
-            i.learned_changes,
-            i.page_drops,
-        )))
+            keep_cache: keep,
+            uncached,
+            local: through,
+            learned_changes: i.learned_changes,
+            page_drops: i.page_drops,
+        }))
     }
 
     /// Creates and opens a regular file; the lookup count of the new inode goes up by one.
@@ -297,6 +331,7 @@ impl Fs {
             page_drops,
             write: Some(w),
             through: false,
+            uncached: false,
             // An empty file is still a file: its close stores it.
             changed: Arc::new(AtomicBool::new(true)),
         });
@@ -305,6 +340,7 @@ impl Fs {
             OpenReply {
                 fh,
                 keep_cache: false,
+                uncached: false,
                 local: None,
             },
         ))

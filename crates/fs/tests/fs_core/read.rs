@@ -221,6 +221,43 @@ async fn pages_a_writer_fills_keep_a_descriptor_from_reading_another_version() {
     }
 }
 
+/// A descriptor that read part of a version, once another client's version is learnt: an
+/// open meanwhile is served uncached (the kernel would hand the old descriptor the pages it
+/// fills, the new version after the old one's bytes), and drops the pages the old one may
+/// read; its next read reaches the daemon, `ESTALE`. Not once the old descriptor closed, nor
+/// while only descriptors of the version the inode names are open.
+#[tokio::test]
+async fn an_open_while_a_descriptor_reads_an_older_version_is_served_uncached() {
+    let e = crate::support::env_with(bucketfs_store::memory::MemoryStore::new(), |c| {
+        bucketfs_fs::FsConfig {
+            stat_ttl: std::time::Duration::ZERO,
+            ..c
+        }
+    });
+    put(&e.mem, "k", b"v1v1").await;
+    let a = e.fs.lookup(ROOT_INO, OsStr::new("k")).await.unwrap();
+    let old = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(&e.fs.read(a.ino, old.fh, 0, 2).await.unwrap()[..], b"v1");
+    let same = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!same.uncached, "the inode names the version both read");
+    e.fs.release(a.ino, same.fh).await.unwrap();
+    put(&e.mem, "k", b"v2v2").await;
+    for flags in [libc::O_RDONLY, libc::O_RDWR] {
+        let new = e.fs.open(a.ino, flags).await.unwrap(); // learns v2
+        assert!(new.uncached && !new.keep_cache, "flags {flags}");
+        assert_eq!(&e.fs.read(a.ino, new.fh, 0, 4).await.unwrap()[..], b"v2v2");
+        e.fs.flush(a.ino, new.fh).await.unwrap();
+        e.fs.release(a.ino, new.fh).await.unwrap();
+    }
+    let r = e.fs.read(a.ino, old.fh, 2, 2).await;
+    assert_eq!(r, Err(FsError(libc::ESTALE)), "the old descriptor read on");
+    e.fs.release(a.ino, old.fh).await.unwrap();
+    let next = e.fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    assert!(!next.uncached, "no descriptor of the old version is open");
+    assert_eq!(&e.fs.read(a.ino, next.fh, 0, 4).await.unwrap()[..], b"v2v2");
+    e.fs.release(a.ino, next.fh).await.unwrap();
+}
+
 /// Another client's version learnt after a descriptor opened (a `stat`, another open): the
 /// descriptor, unread, reads it if no page of the version before can have reached it
 /// (another open in between dropped none), and gets `ESTALE` when the kernel kept such pages
