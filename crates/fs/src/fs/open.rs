@@ -3,7 +3,17 @@ use super::*;
 /// Times (20 ms apart) an open waits for the passthrough handles of its inode to close.
 const THROUGH_WAITS: u32 = 50;
 
-/// What [`Fs::open_registered`] gives an open.
+/// What [`Fs::open_registered`] makes of an open.
+enum Registered {
+    Opened(OpenedInode),
+    /// The inode is open for passthrough and this open cannot share it (see
+    /// [`OpenFiles::choose_through`]).
+    Busy,
+    /// An unlink of it or a rename over it is under way (see `Inode::removing`).
+    Removing,
+}
+
+/// What an open of an inode takes from it.
 struct OpenedInode {
     write: Option<Arc<OpenWrite>>,
     /// The kernel keeps its pages.
@@ -105,15 +115,18 @@ impl Fs {
             page_drops,
         } = loop {
             match self.open_registered(ino, writable, (shareable, checked.as_ref()), &mut local)? {
-                Some(r) => break r,
-                None if shareable && checked.is_none() => {
+                Registered::Opened(r) => break r,
+                // Whether it keeps this file for its descriptors depends on when the open
+                // counts: after it, the file is gone (ESTALE) or still there.
+                Registered::Removing => tokio::time::sleep(Duration::from_millis(5)).await,
+                Registered::Busy if shareable && checked.is_none() => {
                     // Open for passthrough: shared if its copy is still sound, else waited for.
                     checked = self.files.sound_shared_copy(ino).await;
                     if checked.is_none() {
                         self.wait_through(ino, &mut waits).await?;
                     }
                 }
-                None => {
+                Registered::Busy => {
                     checked = None;
                     self.wait_through(ino, &mut waits).await?
                 }
@@ -183,14 +196,14 @@ impl Fs {
 
     /// The inode's side of an open, under the table's lock: its write state, whether the
     /// kernel keeps its pages, the local copy it reads through, and what a reader checks
-    /// (see [`FileHandle`]). `None`: busy (see [`OpenFiles::choose_through`]).
+    /// (see [`FileHandle`]).
     fn open_registered(
         &self,
         ino: Ino,
         writable: bool,
         (shareable, checked): (bool, Option<&Arc<std::fs::File>>),
         local: &mut Option<LocalCopy>,
-    ) -> FsResult<Option<OpenedInode>> {
+    ) -> FsResult<Registered> {
         let mut t = self.ns.table();
         let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
         match i.kind {
@@ -198,11 +211,15 @@ impl Fs {
             FileKind::Symlink => return Err(FsError::ELOOP),
             FileKind::File => {}
         }
-        if writable && i.unlinked && !i.hidden && self.files.write_of(ino).is_none() {
-            // Looked up before an unlink or a rename over it: a state made now would publish
-            // under a name that is no longer this file's (bringing it back, or over the file
-            // renamed there). The kernel looks the name up again. (One kept as a hidden copy
-            // for its descriptors has that copy's name: a reopen through /proc works.)
+        if i.removing > 0 {
+            return Ok(Registered::Removing);
+        }
+        if i.unlinked && !i.hidden && self.files.write_of(ino).is_none() {
+            // Looked up before an unlink or a rename over it: its name's object is gone or
+            // another file's (a reader would read that one, a writer's state publish over
+            // it). The kernel looks the name up again (the file renamed there is opened, or
+            // ENOENT). One kept as a hidden copy for its descriptors has that copy's name,
+            // and one kept in a write state has its bytes: a reopen through /proc works.
             return Err(FsError::ESTALE);
         }
         let shareable = shareable && !i.writing;
@@ -213,7 +230,7 @@ impl Fs {
             (shareable, checked),
             local,
         ) else {
-            return Ok(None);
+            return Ok(Registered::Busy);
         };
         let write = writable.then(|| {
             // Under the table's lock: a last writer's release retires the state under it.
@@ -254,7 +271,7 @@ impl Fs {
             };
             i.pages_learned = i.learned_changes;
         }
-        Ok(Some(OpenedInode {
+        Ok(Registered::Opened(OpenedInode {
             write,
             keep_cache: keep,
             uncached,

@@ -51,14 +51,16 @@ impl Fs {
         if ino != expected {
             return Ok(Unlinked::Replaced);
         }
-        let (kind, path, in_store, open) = {
-            let t = self.ns.table();
-            let i = t.get(ino).ok_or(FsError::ENOENT)?;
+        // The descriptors counted are those it keeps the file for: later opens wait.
+        let (kind, path, in_store, open, _removing) = {
+            let mut t = self.ns.table();
+            let i = t.get_mut(ino).ok_or(FsError::ENOENT)?;
             (
                 i.kind,
                 i.path.clone(),
                 i.fetched.is_some(),
                 i.open_handles > 0,
+                Removing::hold(&self.ns, i),
             )
         };
         let write = self.files.write_of(ino);
@@ -426,5 +428,27 @@ impl Fs {
             i.has_marker = true;
             self.ns.markers.start(key, UserMeta::new());
         }
+    }
+}
+
+/// Opens of a file wait while it is held (see `Inode::removing`): an unlink of it or a rename
+/// over it counted its open descriptors.
+pub(super) struct Removing<'a> {
+    ns: &'a Namespace,
+    ino: Ino,
+}
+
+impl<'a> Removing<'a> {
+    /// Holds `i` (locked in `ns`'s table, where its open descriptors were just counted).
+    pub(super) fn hold(ns: &'a Namespace, i: &mut Inode) -> Self {
+        i.removing += 1;
+        Removing { ns, ino: i.ino }
+    }
+}
+
+impl Drop for Removing<'_> {
+    fn drop(&mut self) {
+        self.ns
+            .with(self.ino, |i| i.removing = i.removing.saturating_sub(1));
     }
 }

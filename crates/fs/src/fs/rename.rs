@@ -1,3 +1,4 @@
+use super::remove::Removing;
 use super::*;
 use crate::files::writeback::{Cond, Holding, Moved, WriteBack};
 use crate::namespace::{Copied, Copies, RenamedObjects};
@@ -146,10 +147,15 @@ impl Fs {
         let new_path = new_parent_path.join(&new_name_s);
         self.ns.check_key_len(&new_path)?;
         let mut replaced = None;
+        // The descriptors of a file replaced counted are those it keeps the file for.
+        let mut _removing = None;
         if let Some(t) = target {
             let (tkind, tpath, open, in_store) = {
-                let tb = self.ns.table();
-                let i = tb.get(t).ok_or(FsError::ENOENT)?;
+                let mut tb = self.ns.table();
+                let i = tb.get_mut(t).ok_or(FsError::ENOENT)?;
+                if i.kind == FileKind::File {
+                    _removing = Some(Removing::hold(&self.ns, i));
+                }
                 (
                     i.kind,
                     i.path.clone(),

@@ -139,6 +139,9 @@ pub struct Inode {
     /// Unlinked while open: `path` is now a hidden one (see [`crate::namespace::names::UNLINKED_DIR`])
     /// whose object the last close deletes.
     pub hidden: bool,
+    /// An unlink of the file, or a rename over it, that counted its open descriptors (those
+    /// it keeps the file's bytes for) is under way: opens wait for it to end.
+    pub removing: u32,
 }
 
 /// The sizes the kernel may still hold valid for another client's version `etag`, learnt
@@ -226,6 +229,7 @@ impl Inode {
             writing: false,
             unlinked: false,
             hidden: false,
+            removing: 0,
         }
     }
 }
