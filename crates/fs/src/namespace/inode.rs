@@ -451,11 +451,12 @@ const ORIGIN_OVERHEAD: usize = 96;
 /// had when this mount first numbered it. For almost every file that is the path itself, so
 /// nothing is stored and a file the kernel forgot gets its number back at the next lookup.
 /// Stored are only the exceptions: a path renamed here keeps the origin it had (and, being a
-/// prefix, so do the paths below a renamed directory), and a path whose origin belongs to
-/// another file still known (a renamed one, or an inode still held under that number) starts
-/// a fresh one, `"\0#<number>"` (no name holds NUL). An exception is dropped when its path is
-/// deleted; past [`MAX_ORIGIN_BYTES`] the oldest is dropped (that path's number changes after
-/// its next forget; numbers stay unique).
+/// prefix, so do the paths below a renamed directory) unless its new parent's origin joined
+/// with its name gives that anyway (see [`Origins::derived`]: not always its own path), and
+/// a path whose origin belongs to another file still known (a renamed one, or an inode still
+/// held under that number) starts a fresh one, `"\0#<number>"` (no name holds NUL). An
+/// exception is dropped when its path is deleted; past [`MAX_ORIGIN_BYTES`] the oldest is
+/// dropped (that path's number changes after its next forget; numbers stay unique).
 #[derive(Default)]
 struct Origins {
     /// Path -> its origin and when it was stored.
@@ -528,7 +529,10 @@ impl Origins {
 
     fn set(&mut self, path: String, origin: String) {
         self.remove(&path);
-        if origin == path {
+        // Not kept when a lookup derives it anyway. Not merely when it is the path itself:
+        // below a directory whose origin is not its own path (made fresh where a renamed one
+        // was), a file moved back to the path it was first numbered at derives another one.
+        if self.derived(&path).as_deref() == Some(origin.as_str()) {
             return;
         }
         self.seq += 1;
@@ -542,6 +546,30 @@ impl Origins {
             };
             self.remove(&oldest);
         }
+    }
+
+    /// The origin [`Self::origin`] gives `path` while nothing is stored for `path` itself:
+    /// its parent's origin joined with its name. None where that walk would start a fresh
+    /// origin (an origin on the way is held by another path), which only a stored one
+    /// avoids. Changes nothing.
+    fn derived(&self, path: &str) -> Option<String> {
+        let mut origin = String::new();
+        let mut end = 0;
+        for name in path.split('/') {
+            end += name.len();
+            let at = &path[..end];
+            match self.of.get(at).filter(|_| end < path.len()) {
+                Some((o, _)) => origin.clone_from(o),
+                None => {
+                    origin = join(&origin, name);
+                    if self.held.contains_key(&origin) {
+                        return None;
+                    }
+                }
+            }
+            end += 1;
+        }
+        Some(origin)
     }
 
     fn remove(&mut self, path: &str) {

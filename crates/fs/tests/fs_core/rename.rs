@@ -822,3 +822,68 @@ async fn a_rename_waiting_for_this_mounts_own_store_keeps_its_readers_reading() 
         fs.release(a.ino, h.fh).await.unwrap();
     }
 }
+
+/// `mv dir dir.bak; mkdir dir; mv dir.bak/file dir/`: the file is back at the path it was
+/// first numbered at, below a directory numbered afresh. It keeps its number after the kernel
+/// forgets it (drop_caches; before: a hash of the new directory's origin and its name), and a
+/// file made anew at `dir.bak/file` while it is forgotten takes another (before: the moved
+/// file's).
+#[tokio::test]
+async fn a_file_moved_into_a_directory_made_where_its_own_was_keeps_its_number() {
+    let e = env();
+    let dir =
+        e.fs.mkdir(ROOT_INO, OsStr::new("dir"), 0o755, 0, ME)
+            .await
+            .unwrap()
+            .ino;
+    let file = write_file_in(&e.fs, dir, "file", b"1").await;
+    e.fs.rename(
+        ROOT_INO,
+        OsStr::new("dir"),
+        ROOT_INO,
+        OsStr::new("dir.bak"),
+        0,
+    )
+    .await
+    .unwrap();
+    let new_dir =
+        e.fs.mkdir(ROOT_INO, OsStr::new("dir"), 0o755, 0, ME)
+            .await
+            .unwrap()
+            .ino;
+    assert_ne!(new_dir, dir, "the new dir took the renamed one's number");
+    e.fs.rename(dir, OsStr::new("file"), new_dir, OsStr::new("file"), 0)
+        .await
+        .unwrap();
+    let moved = e.fs.lookup(new_dir, OsStr::new("file")).await.unwrap();
+    assert_eq!(moved.ino, file);
+    // drop_caches: the kernel forgets every inode (create's lookup and this one for the file,
+    // mkdir's for each directory).
+    let base = e.fs.inode_count();
+    e.fs.forget(file, 2);
+    e.fs.forget(new_dir, 1);
+    e.fs.forget(dir, 1);
+    assert_eq!(e.fs.inode_count(), base - 3, "all forgotten");
+    let d = e.fs.lookup(ROOT_INO, OsStr::new("dir")).await.unwrap().ino;
+    assert_eq!(d, new_dir);
+    let again = e.fs.lookup(d, OsStr::new("file")).await.unwrap().ino;
+    assert_eq!(again, file, "the moved file changed number after a forget");
+    e.fs.forget(again, 1);
+    // Forgotten again: a new file where the moved one was takes a number of its own.
+    let bak =
+        e.fs.lookup(ROOT_INO, OsStr::new("dir.bak"))
+            .await
+            .unwrap()
+            .ino;
+    assert_eq!(bak, dir);
+    let other = write_file_in(&e.fs, bak, "file", b"2").await;
+    assert_ne!(
+        other, file,
+        "a new dir.bak/file took the moved file's number"
+    );
+    let again = e.fs.lookup(d, OsStr::new("file")).await.unwrap().ino;
+    assert_eq!(again, file);
+    for ino in [again, d, other, bak] {
+        e.fs.forget(ino, 1);
+    }
+}
