@@ -113,6 +113,14 @@ type BigDirs = Arc<Mutex<HashSet<String>>>;
 /// Big directories remembered at most (forgotten all at once beyond).
 const BIG_DIRS: usize = 4096;
 
+/// How long a probe's failure (`EIO`: the store did not answer, 2T on a hung connection)
+/// stands for its path: the kernel, whose revalidation of a cached entry failed, drops the
+/// entry and looks the name up again at once, which waited for the store as long again (4T
+/// for one stat(2)). As `FAILED_STANDS` of the read path (`files::read`).
+const FAILED_STANDS: Duration = Duration::from_secs(1);
+/// Failed paths remembered at most (the expired ones dropped beyond, then all at once).
+const FAILED_KEPT: usize = 1024;
+
 /// Where a probe keeps the full first page its LIST fetched.
 struct Keep {
     pages: KeptPages,
@@ -200,6 +208,8 @@ pub struct Lookups {
     disk: OnceLock<Arc<dyn ListingDisk>>,
     /// Until when (Unix seconds) the disk was last told that this mount changes things.
     changing_until: AtomicU64,
+    /// Paths whose probe failed with `EIO`, and when (see [`FAILED_STANDS`]).
+    failed: Mutex<HashMap<MountPath, Instant>>,
 }
 
 impl Lookups {
@@ -219,6 +229,7 @@ impl Lookups {
             page_fetches: Mutex::new(HashMap::new()),
             disk: OnceLock::new(),
             changing_until: AtomicU64::new(0),
+            failed: Mutex::new(HashMap::new()),
         })
     }
 
@@ -390,6 +401,7 @@ impl Lookups {
     pub fn forget(&self, path: &MountPath) {
         self.changes.fetch_add(1, Ordering::SeqCst);
         self.cache.lock().remove(path);
+        self.failed.lock().remove(path);
         // A probe under way may have been answered before the change: not cached, not joined.
         if let Some((.., forgotten)) = self.inflight.lock().remove(path) {
             forgotten.store(true, Ordering::SeqCst);
@@ -401,6 +413,7 @@ impl Lookups {
         self.changes.fetch_add(1, Ordering::SeqCst);
         let below = |p: &MountPath| p == dir || p.is_below(dir);
         self.cache.lock().retain(|p, _| !below(p));
+        self.failed.lock().retain(|p, _| !below(p));
         self.inflight
             .lock()
             .retain(|p, e| forgotten_unless(!below(p), e));
@@ -411,6 +424,7 @@ impl Lookups {
         self.changes.fetch_add(1, Ordering::SeqCst);
         let kept = |p: &MountPath| p != a && !p.is_below(a) && p != b && !p.is_below(b);
         self.cache.lock().retain(|p, _| kept(p));
+        self.failed.lock().retain(|p, _| kept(p));
         self.inflight
             .lock()
             .retain(|p, e| forgotten_unless(kept(p), e));
@@ -706,6 +720,12 @@ impl Lookups {
             // the TTL, the next epoch's open): a file costs a HEAD, not a HEAD and a LIST.
             None => self.last_kind(path),
         };
+        // A probe of it failed just now: the kernel's lookup again after its revalidation
+        // failed (or a getattr of it) fails at once instead of waiting for the store as long
+        // again. Only a probe's own failure sets the time: asking again does not extend it.
+        if self.failed_lately(path) {
+            return (Err(FsError::EIO), false, true);
+        }
         let (probe, started, paged, forgotten) = {
             let mut inflight = self.inflight.lock();
             match inflight.get(path) {
@@ -738,13 +758,40 @@ impl Lookups {
             Ok(_) => {}
             // Unless this mount changed something meanwhile (a create the probe may predate).
             Err(FsError::ENOENT) if started == self.epoch() => self.put(path, None, true),
-            Err(_) if current => self.forget(path),
+            Err(e) if current => {
+                self.forget(path);
+                if *e == FsError::EIO {
+                    self.failed_now(path);
+                }
+            }
             // A newer probe's, or its cache entry, stay.
             Err(_) => {}
         }
         // Not "not current": a joiner finds the entry gone because the first waiter took it.
         let unchanged = !forgotten.load(Ordering::SeqCst);
         (result.map(|f| (f, false)), paged, unchanged)
+    }
+
+    /// Whether a probe of `path` failed with `EIO` less than [`FAILED_STANDS`] ago.
+    fn failed_lately(&self, path: &MountPath) -> bool {
+        self.failed
+            .lock()
+            .get(path)
+            .is_some_and(|at| at.elapsed() < FAILED_STANDS)
+    }
+
+    /// A probe of `path` failed with `EIO` now (see [`FAILED_STANDS`]).
+    fn failed_now(&self, path: &MountPath) {
+        let mut failed = self.failed.lock();
+        if failed.len() >= FAILED_KEPT {
+            failed.retain(|_, at| at.elapsed() < FAILED_STANDS);
+            // A burst of failures (an outage, where calls fail at once anyway): forgetting
+            // them only costs a wait, never a wrong answer.
+            if failed.len() >= FAILED_KEPT {
+                failed.clear();
+            }
+        }
+        failed.insert(path.clone(), Instant::now());
     }
 
     /// Stats `paths` in the background (those not cached yet), a bounded number at a time.

@@ -1220,3 +1220,55 @@ async fn the_kernels_second_read_of_pages_that_just_failed_fails_at_once() {
     assert!(got[..] == data[4096..8192]);
     fs.release(a.ino, h.fh).await.unwrap();
 }
+
+/// A lookup whose probe failed (a LIST on a hung connection: up to 2T after the store's own
+/// retries) gets `EIO`; the kernel, whose revalidation of the cached entry that was, drops
+/// the entry and looks the name up again at once, and that second lookup waited another 2T:
+/// one stat(2) took 4T (20 s at `--retry-timeout 5`). The failure stands for a second for
+/// that name, for lookups and getattr alike; other names, and a lookup after that second,
+/// ask the store.
+#[tokio::test]
+async fn the_kernels_second_lookup_of_a_name_that_just_failed_fails_at_once() {
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "ok11/f", b"f").await;
+    put(&mem, "ok12/f", b"f").await;
+    let faulty = Arc::new(FaultStore::new(mem.clone()));
+    let cache = tempfile::tempdir().unwrap();
+    let ttl = Duration::from_secs(1);
+    let cfg = FsConfig {
+        stat_ttl: ttl,
+        negative_ttl: ttl,
+        ..config(&cache)
+    };
+    let fs = Fs::new(faulty.clone(), cfg);
+    let d = fs.lookup(ROOT_INO, OsStr::new("ok11")).await.unwrap();
+    let f = fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
+    // The entries expire: the kernel's revalidation asks the store.
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    let hung = || Fault::Error(StoreError::Other("no byte for 30 s".into()));
+    faulty.inject(Op::List, 0, Some(1), hung());
+    assert_eq!(
+        fs.lookup(ROOT_INO, OsStr::new("ok11")).await,
+        Err(FsError::EIO)
+    );
+    // The fault is spent: a LIST now would succeed, so only a remembered failure fails.
+    assert_eq!(
+        fs.lookup(ROOT_INO, OsStr::new("ok11")).await,
+        Err(FsError::EIO),
+        "the same name was asked of the store again"
+    );
+    // A file's getattr (its HEAD hung), asked again.
+    faulty.inject(Op::Head, 0, Some(1), hung());
+    assert_eq!(fs.getattr(f.ino).await, Err(FsError::EIO));
+    assert_eq!(
+        fs.getattr(f.ino).await,
+        Err(FsError::EIO),
+        "the same file was asked of the store again"
+    );
+    // Other names are asked.
+    assert!(fs.lookup(ROOT_INO, OsStr::new("ok12")).await.is_ok());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let again = fs.lookup(ROOT_INO, OsStr::new("ok11")).await.unwrap();
+    assert_eq!(again.ino, d.ino);
+    assert_eq!(fs.getattr(f.ino).await.unwrap().size, 1);
+}
