@@ -157,6 +157,17 @@ pub struct KernelSizes {
 }
 
 impl Inode {
+    /// Attributes `a` of the object as the store has it now keep the ctime this inode shows
+    /// while it is the same version (ETag): after a change made here that is the time of the
+    /// change, which the object's `Last-Modified` (set by the store a moment later) would
+    /// replace once T passed, with no change to the file. GNU tar compares a file's ctime
+    /// before and after reading it: such a jump was "file changed as we read it" (exit 1).
+    pub fn keep_ctime(&self, etag: &Option<String>, a: &mut Attr) {
+        if self.etag.is_some() && self.etag == *etag {
+            a.ctime = self.attr.ctime;
+        }
+    }
+
     /// Notes that another client's version `etag` of `size` bytes replaces the one `self`
     /// names (before `attr` and `etag` take it in), and the sizes the kernel may hold for it
     /// (see [`KernelSizes`]); true if one of them is less than `size`. Not for a file being

@@ -387,6 +387,7 @@ impl Namespace {
                     // Changed here since its marker was stored (see `dir_changed`).
                     (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
                 }
+                i.keep_ctime(&f.obj.etag, &mut a);
                 let mut larger = false;
                 let other = another_version(&i.etag, &f.obj.etag);
                 if other {
@@ -856,7 +857,9 @@ impl Namespace {
             i.learned_version(obj.size, &obj.etag, self.ttl);
             self.version_learnt(ino, None);
         }
-        i.attr = self.policy.attr_of_object(ino, i.kind, obj);
+        let mut a = self.policy.attr_of_object(ino, i.kind, obj);
+        i.keep_ctime(&obj.etag, &mut a);
+        i.attr = a;
         i.etag = obj.etag.clone();
         i.user = obj.user.clone();
         i.fetched = Some(Instant::now());

@@ -850,3 +850,37 @@ async fn umask_is_shown_and_never_stored() {
     let m = e.mem.head("plain").await.unwrap();
     assert_eq!(m.user["mode"], (libc::S_IFREG | 0o644).to_string());
 }
+
+/// A file written here shows one ctime until it changes: the time of the change, not the
+/// object's `Last-Modified` once its stat is asked of the store again (the store sets that a
+/// moment later). GNU tar compares ctime before and after reading a file: a file written less
+/// than T before a `tar` that read it for longer was "changed as we read it" (exit 1). The
+/// same after a chmod; another version does take the store's.
+#[tokio::test]
+async fn a_files_ctime_stays_until_it_changes() {
+    let e = crate::support::env_with(MemoryStore::new(), |c| FsConfig {
+        stat_ttl: std::time::Duration::ZERO,
+        ..c
+    });
+    let ino = write_file(&e.fs, "f", b"hello").await;
+    let ctime = e.fs.getattr(ino).await.unwrap().ctime;
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let looked = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(looked.ctime, ctime, "a lookup asking the store");
+    assert_eq!(e.fs.getattr(ino).await.unwrap().ctime, ctime, "a getattr");
+    let set = SetAttr {
+        mode: Some(0o600),
+        ..SetAttr::default()
+    };
+    let chmod = e.fs.setattr(ino, None, set).await.unwrap().ctime;
+    assert!(chmod > ctime);
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let looked = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(looked.ctime, chmod, "after the chmod");
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    put(&e.mem, "f", b"theirs").await;
+    let theirs = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(theirs.size, 6);
+    assert!(theirs.ctime > chmod, "another client's version");
+    e.fs.forget(ino, 2);
+}
