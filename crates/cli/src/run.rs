@@ -407,8 +407,32 @@ fn mountpoint_metadata(mp: &Path) -> Result<std::io::Result<std::fs::Metadata>, 
     mountpoint_answer(mp, |p| std::fs::metadata(p))
 }
 
+/// Whether `mp` is a FUSE mount whose daemon is gone: its `stat` fails with `ENOTCONN`, or,
+/// since the kernel answers a `stat` from attributes it cached (for up to the dead daemon's
+/// TTL), its `statfs`, which the kernel always asks the daemon.
+fn dead_fuse_mount(mp: &Path) -> Result<bool, String> {
+    let fuse = bucketfs_fuse::mount_info(mp).is_some_and(|m| m.fstype.starts_with("fuse"));
+    if !fuse {
+        return Ok(false);
+    }
+    mountpoint_answer(mp, |p| {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(c) = std::ffi::CString::new(p.as_os_str().as_bytes()) else {
+            return false;
+        };
+        // SAFETY: statvfs(2) of a NUL-terminated path into a zeroed struct it fills.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+        r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOTCONN)
+    })
+}
+
 fn check_mountpoint(mp: &Path, nonempty: bool, allow_stacking: bool) -> Result<(), String> {
     let md = match mountpoint_metadata(mp)? {
+        Ok(_) if dead_fuse_mount(mp)? => Err(std::io::Error::from_raw_os_error(libc::ENOTCONN)),
+        r => r,
+    };
+    let md = match md {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             // A FUSE daemon died without unmounting: clear the corpse and go on.
             bucketfs_fuse::unmount_path(mp, true).map_err(|ue| {
