@@ -321,19 +321,21 @@ fn map_shared(f: &File, len: usize) -> Vec<u8> {
     }
 }
 
-/// The atomic replace config writers and editors do (write `NAME.tmp`, rename it over `NAME`,
-/// every 20 ms) while three readers open `NAME`, read 64 KiB, pause, and read the rest: every
-/// read gives one whole version, never `ESTALE`, in both upload modes. Before, a reader whose
-/// open came while a rename replaced the file opened the replaced one and got `ESTALE` a read
-/// later (15-60 of 280 reads in 20 s, most in background mode).
+/// The atomic replace config writers and editors do (write `NAME.tmp`, rename it over `NAME`)
+/// while readers open `NAME` and read it: every read gives one whole version, never `ESTALE`,
+/// in both upload modes. With one writer (every 20 ms), readers that read 64 KiB, pause and
+/// read the rest; with two writers (renames over the name back to back at times), readers
+/// that read the file at once (at most 1 in 1,000 reads gets `ESTALE` there). Before, a reader whose open came while a rename replaced the
+/// file opened the replaced one and got `ESTALE` a read later (15-60 of 280 reads in 20 s with
+/// one writer, most in background mode); with the first fix, an open that got `ESTALE` for
+/// that, whose kernel's one try again met the next rename, failed (48 of 84 `cat`s with two
+/// writers); a read in flight while a rename moved its file to a hidden name for its
+/// descriptors got `ESTALE` (3 of 204 reads under load).
 #[test]
 fn readers_of_a_file_replaced_by_renames_always_read_one_whole_version() {
-    use std::io::Read;
-    use std::sync::atomic::{AtomicBool, Ordering};
     let s3 = s3();
     let b = s3.new_bucket("pinatomic");
     let state = state_dir();
-    let version = |v: u64| v.to_le_bytes().repeat(256 << 10 >> 3);
     for (mode, prefix) in [("sync", "s"), ("background", "b")] {
         let m = MountSpec::s3(&b, prefix)
             .arg("--upload")
@@ -341,61 +343,94 @@ fn readers_of_a_file_replaced_by_renames_always_read_one_whole_version() {
             .arg("--state-dir")
             .arg(state.path().to_str().unwrap())
             .mount();
-        let name = m.join("atomic.dat");
-        fs::write(&name, version(0)).unwrap();
-        let stop = AtomicBool::new(false);
-        let (ok, bad) = std::thread::scope(|s| {
-            let readers: Vec<_> = (0..3)
-                .map(|_| {
-                    s.spawn(|| {
-                        let (mut ok, mut bad) = (0, Vec::new());
-                        while !stop.load(Ordering::Relaxed) {
-                            let mut f = File::open(&name).unwrap();
-                            let mut head = vec![0; 64 << 10];
-                            let got = f.read_exact(&mut head).and_then(|()| {
-                                std::thread::sleep(std::time::Duration::from_millis(50));
-                                f.read_to_end(&mut head)?;
-                                Ok(head)
-                            });
-                            match got {
-                                Ok(d) if d.len() == 256 << 10 && d == version(d[0] as u64) => {
-                                    ok += 1
-                                }
-                                Ok(d) => bad.push(format!("{} bytes, not one version", d.len())),
-                                Err(e) => bad.push(e.to_string()),
-                            }
-                        }
-                        (ok, bad)
-                    })
-                })
-                .collect();
-            let tmp = m.join("atomic.dat.tmp");
-            let start = std::time::Instant::now();
-            let mut v = 0;
-            while start.elapsed() < std::time::Duration::from_secs(4) {
-                v += 1;
-                fs::write(&tmp, version(v % 200)).unwrap();
-                fs::rename(&tmp, &name).unwrap();
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            stop.store(true, Ordering::Relaxed);
-            readers
-                .into_iter()
-                .fold((0, Vec::new()), |(ok, mut bad), r| {
-                    let (o, b) = r.join().unwrap();
-                    bad.extend(b);
-                    (ok + o, bad)
-                })
-        });
-        assert!(
-            bad.is_empty(),
-            "{mode}: {} bad reads of {}: {:?}",
-            bad.len(),
-            ok + bad.len(),
-            &bad[..bad.len().min(5)]
-        );
-        assert!(ok > 10, "{mode}: only {ok} reads");
+        for (writers, pause) in [(&[20][..], true), (&[20, 30][..], false)] {
+            let (ok, bad) = replace_while_reading(&m, writers, pause);
+            let what = format!("{mode}, {} writers", writers.len());
+            // Two writers: a reader whose open and its kernel's try again both met a rename
+            // reads what the name holds after, and a third rename between its two reads
+            // leaves it no copy (about 1 in 10,000 reads; see reliability.md).
+            let allowed = if writers.len() == 1 { 0 } else { ok / 1000 };
+            assert!(
+                bad.len() <= allowed,
+                "{what}: {} bad reads of {}: {:?}",
+                bad.len(),
+                ok + bad.len(),
+                &bad[..bad.len().min(5)]
+            );
+            assert!(ok > 10, "{what}: only {ok} reads");
+        }
         drop(m);
     }
     s3.remove_bucket(&b);
+}
+
+/// Writers (one per entry of `writers`: its pause in ms) replace `atomic.dat` by renames for
+/// 4 s while three readers read it whole, pausing 50 ms after its first 64 KiB if `pause`:
+/// the reads that gave one whole version, and what each other one gave.
+fn replace_while_reading(m: &Mount, writers: &[u64], pause: bool) -> (usize, Vec<String>) {
+    use std::io::Read;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let version = |v: u64| v.to_le_bytes().repeat(256 << 10 >> 3);
+    let name = m.join("atomic.dat");
+    fs::write(&name, version(0)).unwrap();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                s.spawn(|| {
+                    let (mut ok, mut bad) = (0, Vec::new());
+                    while !stop.load(Ordering::Relaxed) {
+                        let got = File::open(&name)
+                            .map_err(|e| format!("open: {e}"))
+                            .and_then(|mut f| {
+                                let mut head = vec![0; 64 << 10];
+                                f.read_exact(&mut head)
+                                    .map_err(|e| format!("first read: {e}"))?;
+                                if pause {
+                                    std::thread::sleep(std::time::Duration::from_millis(50));
+                                }
+                                f.read_to_end(&mut head)
+                                    .map_err(|e| format!("second read: {e}"))?;
+                                Ok(head)
+                            });
+                        match got {
+                            Ok(d) if d.len() == 256 << 10 && d == version(d[0] as u64) => ok += 1,
+                            Ok(d) => bad.push(format!("{} bytes, not one version", d.len())),
+                            Err(e) => bad.push(e),
+                        }
+                    }
+                    (ok, bad)
+                })
+            })
+            .collect();
+        let writers: Vec<_> = writers
+            .iter()
+            .enumerate()
+            .map(|(w, &pause)| {
+                let (tmp, name) = (m.join(format!("atomic.dat.{w}")), &name);
+                let n = writers.len() as u64;
+                s.spawn(move || {
+                    let start = std::time::Instant::now();
+                    let mut v = w as u64;
+                    while start.elapsed() < std::time::Duration::from_secs(4) {
+                        v += n;
+                        fs::write(&tmp, version(v % 200)).unwrap();
+                        fs::rename(&tmp, name).unwrap();
+                        std::thread::sleep(std::time::Duration::from_millis(pause));
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        readers
+            .into_iter()
+            .fold((0, Vec::new()), |(ok, mut bad), r| {
+                let (o, b) = r.join().unwrap();
+                bad.extend(b);
+                (ok + o, bad)
+            })
+    })
 }

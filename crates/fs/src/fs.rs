@@ -803,6 +803,35 @@ impl Fs {
 
     /// Reads up to `size` bytes at `offset`; shorter only at end of file.
     pub async fn read(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
+        let mut tries = 0;
+        loop {
+            let path = self.ns.table().get(ino).map(|i| i.path.clone());
+            let got = self.read_once(ino, fh, offset, size).await;
+            if got != Err(FsError::ESTALE) || tries == 2 || !self.moved_away(ino, path).await {
+                return got;
+            }
+            tries += 1;
+        }
+    }
+
+    /// Whether file `ino`, at `path` when a read of it began, was moved since (an unlink of
+    /// it or a rename over it keeping its bytes for its descriptors under a hidden name,
+    /// waited for if under way): the read, refused at the old name, goes there. Before, a
+    /// read in flight across that move got `ESTALE` (`412` at the old name).
+    async fn moved_away(&self, ino: Ino, path: Option<MountPath>) -> bool {
+        loop {
+            let (removing, now) = match self.ns.table().get(ino) {
+                Some(i) => (i.removing > 0, Some(i.path.clone())),
+                None => return false,
+            };
+            if !removing {
+                return now != path;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn read_once(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
         let handle = self.files.handle(ino, fh)?;
         let (reader, direct) = (handle.reader.clone(), handle.flags & libc::O_DIRECT != 0);
         if let Some(w) = self.files.write_of(ino) {
@@ -921,6 +950,17 @@ impl Fs {
         // kernel cannot have handed it bytes of another version either: with O_DIRECT, or
         // while the pages it may have been handed since its open are all of the new
         // version. Any other gets ESTALE, and the next open starts from the new one.
+        // Moved (or being moved) to a hidden name for its descriptors by an unlink or a rename
+        // over it here: not another version to take up, but the same file elsewhere (`read`
+        // reads it there).
+        let moving = self
+            .ns
+            .table()
+            .get(ino)
+            .is_none_or(|i| i.removing > 0 || self.ns.key(&i.path) != key);
+        if moving {
+            return Err(FsError::ESTALE);
+        }
         let unread = !r.has_served();
         let mut tries = 0;
         let mut grew = false;

@@ -127,6 +127,8 @@ pub(crate) struct FuseFs {
     done: watch::Sender<bool>,
     /// Handles open for writing and the task (thread) that opened each.
     writers: Arc<Mutex<HashMap<u64, u32>>>,
+    /// Threads whose open got `ESTALE` just now (see [`StaleOpens`]).
+    stale_opens: Arc<Mutex<StaleOpens>>,
     /// The session's notifier, set once the session runs; owned here so that it goes (with
     /// its /dev/fuse descriptor) when the session ends.
     notifier: Arc<OnceLock<Notifier>>,
@@ -206,6 +208,7 @@ impl FuseFs {
             rt,
             done,
             writers: Arc::default(),
+            stale_opens: Arc::default(),
             notifier,
             mount_id: Arc::default(),
         }
@@ -349,6 +352,31 @@ impl FuseFs {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(op, e)),
         }
+    }
+}
+
+/// Threads (task ids) whose open got `ESTALE` (its file removed by an unlink or a rename
+/// over it while the open came), and when: the kernel looks the name up again and tries the
+/// open once more, from the same thread, at once; that try is [`Fs::open_retried`].
+#[derive(Default)]
+struct StaleOpens(HashMap<u32, std::time::Instant>);
+
+impl StaleOpens {
+    /// How soon after the first the kernel's second try comes (at once: its lookup and open).
+    const WITHIN: Duration = Duration::from_secs(1);
+
+    fn note(&mut self, pid: u32) {
+        if self.0.len() >= 1024 {
+            self.0.retain(|_, at| at.elapsed() < Self::WITHIN);
+        }
+        self.0.insert(pid, std::time::Instant::now());
+    }
+
+    /// Whether `pid`'s open got `ESTALE` within [`Self::WITHIN`] (forgotten now).
+    fn took(&mut self, pid: u32) -> bool {
+        self.0
+            .remove(&pid)
+            .is_some_and(|at| at.elapsed() < Self::WITHIN)
     }
 }
 
@@ -602,8 +630,19 @@ impl Filesystem for FuseFs {
         let opener = (writable && req.pid() != 0).then(|| req.pid());
         let writers = self.writers.clone();
         let (backings, refused) = (self.backings.clone(), self.refused.clone());
+        let stale_opens = self.stale_opens.clone();
+        let pid = req.pid();
         self.serve(async move {
-            match fs.open(ino.0, flags.0).await {
+            // The kernel's one try again of this thread's open that got ESTALE just now.
+            let retried = pid != 0 && stale_opens.lock().unwrap().took(pid);
+            let opened = match retried {
+                true => fs.open_retried(ino.0, flags.0).await,
+                false => fs.open(ino.0, flags.0).await,
+            };
+            if opened.as_ref().is_err_and(|e| *e == FsError::ESTALE) && pid != 0 {
+                stale_opens.lock().unwrap().note(pid);
+            }
+            match opened {
                 Ok(o) => {
                     if let Some(p) = opener {
                         writers.lock().unwrap().insert(o.fh, p);

@@ -33,10 +33,19 @@ impl Fs {
         self.open_as(ino, flags, true).await
     }
 
+    /// [`Fs::open`] after the kernel's own try again of one that got `ESTALE` (the file an
+    /// unlink or a rename over it removed): if its second file is removed too (two renames
+    /// over one name back to back), a read-only open no longer fails but reads what its name
+    /// holds now, as one that came just before the removal would (the kernel tries once
+    /// more only; the program would see the error).
+    pub async fn open_retried(&self, ino: Ino, flags: i32) -> FsResult<OpenReply> {
+        self.open_handle(ino, flags, true, false).await
+    }
+
     /// [`Fs::open`]; `through`: the reply may hand the kernel a local copy (not for `create`,
     /// whose reply cannot).
     async fn open_as(&self, ino: Ino, flags: i32, through: bool) -> FsResult<OpenReply> {
-        let r = self.open_handle(ino, flags, through).await?;
+        let r = self.open_handle(ino, flags, through, true).await?;
         if flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE == libc::O_RDONLY {
             // Linux truncates for O_RDONLY|O_TRUNC too; with atomic O_TRUNC the kernel leaves
             // that to the open (a writable one truncates through its own state).
@@ -52,8 +61,16 @@ impl Fs {
         Ok(r)
     }
 
-    /// [`Fs::open_as`] without the truncation an `O_RDONLY|O_TRUNC` open makes.
-    async fn open_handle(&self, ino: Ino, flags: i32, through: bool) -> FsResult<OpenReply> {
+    /// [`Fs::open_as`] without the truncation an `O_RDONLY|O_TRUNC` open makes. `removed_stale`:
+    /// `ESTALE` for a read-only open of a file an unlink or a rename over it removed with no
+    /// copy kept (see [`Fs::open_retried`]).
+    async fn open_handle(
+        &self,
+        ino: Ino,
+        flags: i32,
+        through: bool,
+        removed_stale: bool,
+    ) -> FsResult<OpenReply> {
         let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
         if writable || flags & libc::O_TRUNC != 0 {
             self.check_writable()?;
@@ -114,7 +131,9 @@ impl Fs {
             learned_changes,
             page_drops,
         } = loop {
-            match self.open_registered(ino, writable, (shareable, checked.as_ref()), &mut local)? {
+            let stale = writer || removed_stale;
+            let share = (shareable, checked.as_ref());
+            match self.open_registered(ino, (writable, stale), share, &mut local)? {
                 Registered::Opened(r) => break r,
                 // Whether it keeps this file for its descriptors depends on when the open
                 // counts: after it, the file is gone (ESTALE) or still there.
@@ -200,7 +219,7 @@ impl Fs {
     fn open_registered(
         &self,
         ino: Ino,
-        writable: bool,
+        (writable, removed_stale): (bool, bool),
         (shareable, checked): (bool, Option<&Arc<std::fs::File>>),
         local: &mut Option<LocalCopy>,
     ) -> FsResult<Registered> {
@@ -214,7 +233,7 @@ impl Fs {
         if i.removing > 0 {
             return Ok(Registered::Removing);
         }
-        if i.unlinked && !i.hidden && self.files.write_of(ino).is_none() {
+        if removed_stale && i.unlinked && !i.hidden && self.files.write_of(ino).is_none() {
             // Looked up before an unlink or a rename over it: its name's object is gone or
             // another file's (a reader would read that one, a writer's state publish over
             // it). The kernel looks the name up again (the file renamed there is opened, or

@@ -286,6 +286,11 @@ async fn an_open_racing_a_rename_over_its_file_waits_and_gets_estale() {
     assert!(rename.is_finished(), "the open did not wait for the rename");
     assert_eq!(r.map(|h| h.fh).err(), Some(FsError(libc::ESTALE)));
     rename.await.unwrap().unwrap();
+    // The kernel's one try again, if it meets the removal of the next file too, opens what
+    // the name holds now.
+    let h = fs.open_retried(a.ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(&fs.read(a.ino, h.fh, 0, 10).await.unwrap()[..], b"new");
+    fs.release(a.ino, h.fh).await.unwrap();
     let b = fs.lookup(ROOT_INO, OsStr::new("cfg")).await.unwrap();
     assert_ne!(b.ino, a.ino);
     let h = fs.open(b.ino, libc::O_RDONLY).await.unwrap();
@@ -308,6 +313,44 @@ async fn an_open_racing_a_rename_over_its_file_waits_and_gets_estale() {
     assert!(unlink.is_finished(), "the open did not wait for the unlink");
     assert_eq!(r.map(|h| h.fh).err(), Some(FsError(libc::ESTALE)));
     unlink.await.unwrap().unwrap();
+}
+
+/// A read in flight while a rename over its file moves the file to a hidden name for its
+/// descriptors (its GET sent to the old name after the new file took it): read again from the
+/// hidden copy, the old bytes. Before, `ESTALE` (the GET's If-Match refused at the old name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_in_flight_across_a_rename_over_its_file_reads_the_kept_copy() {
+    use bucketfs_store::fault::Fault;
+    use bucketfs_store::metrics::Op;
+    use std::time::Duration;
+    let mem = Arc::new(MemoryStore::new());
+    put(&mem, "cfg", b"old").await;
+    let (faulty, fs, _cache) = crate::support::faulty_fs(&mem);
+    let a = fs.lookup(ROOT_INO, OsStr::new("cfg")).await.unwrap();
+    let h = fs.open(a.ino, libc::O_RDONLY).await.unwrap();
+    write_file(&fs, "cfg.tmp", b"new").await;
+    faulty.inject(
+        Op::Get,
+        0,
+        Some(1),
+        Fault::Delay(Duration::from_millis(500)),
+    );
+    let read = tokio::spawn({
+        let fs = fs.clone();
+        async move { fs.read(a.ino, h.fh, 0, 10).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fs.rename(
+        ROOT_INO,
+        OsStr::new("cfg.tmp"),
+        ROOT_INO,
+        OsStr::new("cfg"),
+        0,
+    )
+    .await
+    .unwrap();
+    assert_eq!(&read.await.unwrap().unwrap()[..], b"old");
+    fs.release(a.ino, h.fh).await.unwrap();
 }
 
 /// Another client replaces a file of a directory while the directory is renamed here, after
