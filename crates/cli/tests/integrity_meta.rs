@@ -975,3 +975,34 @@ fn background_chmod_of_a_file_open_for_writing_survives_a_crash() {
     assert_eq!(s3().get(&b, "plain").as_deref(), Some(&b"p"[..]));
     assert_eq!(stored_mode(&b, "plain") & 0o7777, 0o640);
 }
+
+/// `tar` of a file truncated here a moment before (its new size still being stored while tar
+/// reads it): tar compares the file's ctime before and after reading it, and this mount shows
+/// the ctime of the truncate throughout, not the time its upload ended once the stat TTL
+/// passed (before: "file changed as we read it", exit 1).
+#[test]
+fn tar_of_a_file_truncated_just_before_sees_it_unchanged() {
+    let s3 = s3();
+    let b = s3.new_bucket("metatar");
+    let m = MountSpec::s3(&b, "").arg("--stat-ttl").arg("1").mount();
+    let img = m.join("img");
+    fs::write(&img, b"hello").unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let f = OpenOptions::new().write(true).open(&img).unwrap();
+    f.set_len(100 << 20).unwrap();
+    drop(f);
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg("set -o pipefail; tar cf - img | cat > /dev/null")
+        .current_dir(m.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && out.stderr.is_empty(),
+        "tar: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(m);
+    s3.remove_bucket(&b);
+}

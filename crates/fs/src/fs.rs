@@ -1049,11 +1049,12 @@ impl Fs {
         Ok(took as u32)
     }
 
-    /// The file's content changed here: its mtime is now, and the kernel's pages may hold
-    /// what was written.
+    /// The file's content changed here: its mtime and ctime are now, and the kernel's pages
+    /// may hold what was written.
     fn wrote(&self, ino: Ino) {
         self.ns.with(ino, |i| {
             i.attr.mtime = now();
+            i.attr.ctime = i.attr.mtime;
             i.pages = KernelPages::Unknown;
         });
     }

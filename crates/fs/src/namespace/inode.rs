@@ -157,13 +157,15 @@ pub struct KernelSizes {
 }
 
 impl Inode {
-    /// Attributes `a` of the object as the store has it now keep the ctime this inode shows
-    /// while it is the same version (ETag): after a change made here that is the time of the
-    /// change, which the object's `Last-Modified` (set by the store a moment later) would
-    /// replace once T passed, with no change to the file. GNU tar compares a file's ctime
-    /// before and after reading it: such a jump was "file changed as we read it" (exit 1).
-    pub fn keep_ctime(&self, etag: &Option<String>, a: &mut Attr) {
-        if self.etag.is_some() && self.etag == *etag {
+    /// Attributes `a` of the object as the store has it now (ETag `etag`, user metadata
+    /// `user`) keep the ctime this inode shows while it is the same version with the same
+    /// metadata: after a change made here that is the time of the change, which the object's
+    /// `Last-Modified` (set by the store a moment later) would replace once T passed, with no
+    /// change to the file. GNU tar compares a file's ctime before and after reading it: such
+    /// a jump was "file changed as we read it" (exit 1). Another client's chmod keeps the
+    /// ETag on some stores, not the metadata: its ctime is the store's.
+    pub fn keep_ctime(&self, etag: &Option<String>, user: &UserMeta, a: &mut Attr) {
+        if self.etag.is_some() && self.etag == *etag && self.user == *user {
             a.ctime = self.attr.ctime;
         }
     }

@@ -387,7 +387,7 @@ impl Namespace {
                     // Changed here since its marker was stored (see `dir_changed`).
                     (a.mtime, a.ctime) = (i.attr.mtime, i.attr.ctime.max(a.ctime));
                 }
-                i.keep_ctime(&f.obj.etag, &mut a);
+                i.keep_ctime(&f.obj.etag, &f.obj.user, &mut a);
                 let mut larger = false;
                 let other = another_version(&i.etag, &f.obj.etag);
                 if other {
@@ -826,9 +826,15 @@ impl Namespace {
             let Some(i) = t.get_mut(ino) else { return };
             self.lookups.forget(&i.path);
             let pm = PosixMeta::from_user(&user);
+            // The ctime of the change made here that this stores (a write, a truncate, a
+            // chmod: each set it when made), not when the store took it: the kernel may
+            // have been told it already (a truncate's reply), and tar takes a ctime that
+            // moves while it reads a file for a change.
+            let ctime = i.attr.ctime;
             i.attr = self
                 .policy
                 .attr(ino, i.kind, size, &pm, Some(SystemTime::now()));
+            i.attr.ctime = ctime;
             i.etag = etag;
             i.user = user;
             i.fetched = Some(Instant::now());
@@ -858,7 +864,7 @@ impl Namespace {
             self.version_learnt(ino, None);
         }
         let mut a = self.policy.attr_of_object(ino, i.kind, obj);
-        i.keep_ctime(&obj.etag, &mut a);
+        i.keep_ctime(&obj.etag, &obj.user, &mut a);
         i.attr = a;
         i.etag = obj.etag.clone();
         i.user = obj.user.clone();

@@ -877,10 +877,26 @@ async fn a_files_ctime_stays_until_it_changes() {
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     let looked = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
     assert_eq!(looked.ctime, chmod, "after the chmod");
+    // Another client's copy of the same bytes with other metadata (a chmod elsewhere keeps
+    // the ETag on some stores): the store's ctime.
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    put(&e.mem, "f", b"hello").await;
+    let theirs = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(theirs.size, 5);
+    assert!(theirs.ctime > chmod, "another client's metadata");
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     put(&e.mem, "f", b"theirs").await;
-    let theirs = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
-    assert_eq!(theirs.size, 6);
-    assert!(theirs.ctime > chmod, "another client's version");
-    e.fs.forget(ino, 2);
+    let theirs2 = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!(theirs2.size, 6);
+    assert!(theirs2.ctime > theirs.ctime, "another client's version");
+    // A truncate here: the ctime it replied with stays once it is stored.
+    let set = SetAttr {
+        size: Some(2),
+        ..SetAttr::default()
+    };
+    let cut = e.fs.setattr(ino, None, set).await.unwrap().ctime;
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let looked = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    assert_eq!((looked.size, looked.ctime), (2, cut), "after the truncate");
+    e.fs.forget(ino, 4);
 }
