@@ -321,6 +321,10 @@ impl Fs {
             }
             st.mark_changed();
         }
+        if change.is_some() || resized {
+            // The time of the change, which its store keeps (see `Namespace::stored`).
+            self.ns.with(ino, |i| i.attr.ctime = now());
+        }
         if publish && st.has_changes_to_publish() {
             self.persist(ino, st, false).await?;
         } else if change.is_some() || resized {
