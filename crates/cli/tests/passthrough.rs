@@ -429,3 +429,34 @@ fn a_copy_damaged_while_open_is_not_shared_with_another_open() {
         assert!(cat(&m.join("f")) == data, "{damage}");
     }
 }
+
+/// The cache's copy evicted (unlinked) while a descriptor reads it through the kernel: its
+/// bytes are intact, so a new open still shares it (the unlink changed its ctime, not its size
+/// or mtime). An earlier build of the check above took it for damaged: `ETXTBSY`.
+#[test]
+fn a_copy_evicted_while_open_is_still_shared() {
+    let b = s3().new_bucket("pt-evicted");
+    let files: Vec<_> = (0..4)
+        .map(|i| pattern::bytes(40 + i, (3 * MIB) as usize))
+        .collect();
+    for (i, f) in files.iter().enumerate() {
+        s3().put(&b, &format!("f{i}"), f.clone());
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let (m, addr) = mount_cached(&b, cache.path(), &["--data-cache-size", "8M"]);
+    assert!(read_file(&m.join("f0")) == files[0]);
+    wait_whole(cache.path(), 1);
+    let opens = passthrough_opens(&addr);
+    let first = std::fs::File::open(m.join("f0")).unwrap();
+    assert_eq!(passthrough_opens(&addr), opens + 1);
+    let copy = whole_files(cache.path()).remove(0);
+    for (i, f) in files.iter().enumerate().skip(1) {
+        assert!(cat(&m.join(format!("f{i}"))) == *f);
+    }
+    wait_for("the first copy evicted", Duration::from_secs(20), || {
+        !copy.exists()
+    });
+    assert!(cat(&m.join("f0")) == files[0], "the second open");
+    assert_eq!(metric(&addr, "bucketfs_data_cache_corrupt_total"), 0);
+    drop(first);
+}

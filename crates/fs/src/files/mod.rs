@@ -124,6 +124,8 @@ pub struct CopySeal {
     len: u64,
     ino: u64,
     ctime: (i64, i64),
+    mtime: (i64, i64),
+    links: u64,
 }
 
 impl CopySeal {
@@ -133,7 +135,17 @@ impl CopySeal {
             len: md.len(),
             ino: md.ino(),
             ctime: (md.ctime(), md.ctime_nsec()),
+            mtime: (md.mtime(), md.mtime_nsec()),
+            links: md.nlink(),
         }
+    }
+
+    /// Whether the copy sealed `self` still holds the bytes it held, as `now` finds it. Its
+    /// eviction from the cache (an unlink: the last link gone) changes its ctime, not its
+    /// bytes: then its size and mtime say.
+    fn holds(&self, now: &CopySeal) -> bool {
+        (self.len, self.ino) == (now.len, now.ino)
+            && (self.ctime == now.ctime || (now.links == 0 && self.mtime == now.mtime))
     }
 }
 
@@ -291,7 +303,7 @@ impl OpenFiles {
                 again.metadata().map(|md| CopySeal::of(&md))
             })
             .await;
-        if matches!(now, Some(Ok(n)) if n == seal) {
+        if matches!(&now, Some(Ok(n)) if seal.holds(n)) {
             return Some(file);
         }
         let mut th = self.through.lock();
