@@ -416,14 +416,7 @@ fn dead_fuse_mount(mp: &Path) -> Result<bool, String> {
         return Ok(false);
     }
     mountpoint_answer(mp, |p| {
-        use std::os::unix::ffi::OsStrExt;
-        let Ok(c) = std::ffi::CString::new(p.as_os_str().as_bytes()) else {
-            return false;
-        };
-        // SAFETY: statvfs(2) of a NUL-terminated path into a zeroed struct it fills.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-        r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOTCONN)
+        bucketfs_fs::statvfs(p).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN))
     })
 }
 

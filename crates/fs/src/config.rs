@@ -17,27 +17,32 @@ impl MinFree {
     /// Whether the disk holding `dir` has `more` bytes free above the floor. A disk that
     /// cannot be asked counts as having room: the write itself then says.
     pub fn room_for(self, dir: &Path, more: u64) -> bool {
-        use std::os::unix::ffi::OsStrExt;
-        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        let Ok(st) = statvfs(dir) else {
             return true;
         };
-        // SAFETY: statvfs only fills the struct it is given.
-        let st = unsafe {
-            let mut st: libc::statvfs = std::mem::zeroed();
-            if libc::statvfs(c.as_ptr(), &mut st) != 0 {
-                return true;
-            }
-            st
-        };
         let (free, size) = (
-            st.f_bavail as u64 * st.f_frsize as u64,
-            st.f_blocks as u64 * st.f_frsize as u64,
+            st.f_bavail * st.f_frsize,
+            st.f_blocks * st.f_frsize,
         );
         let floor = match self {
             MinFree::Bytes(b) => b,
             MinFree::Percent(p) => size / 100 * u64::from(p),
         };
         free >= floor.saturating_add(more)
+    }
+}
+
+/// statvfs(2) of `path`.
+pub fn statvfs(path: &Path) -> std::io::Result<libc::statvfs> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    // SAFETY: statvfs only fills the struct it is given.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(st)
     }
 }
 

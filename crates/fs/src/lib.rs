@@ -22,7 +22,7 @@ mod testpoint;
 
 pub use bucketfs_store::liveness::within_operation;
 pub use budget::default_budget;
-pub use config::{DataCacheConfig, FsConfig, MinFree, WriteBackConfig};
+pub use config::{statvfs, DataCacheConfig, FsConfig, MinFree, WriteBackConfig};
 pub use error::{FsError, FsResult};
 pub use files::cache::prepare_dir as prepare_data_cache_dir;
 pub use files::writeback::{PendingFile, WriteBack, STORE_FILE as WRITEBACK_STORE_FILE};

@@ -5,7 +5,7 @@ use crate::support::{
     Env, ME,
 };
 use bucketfs_fs::{FileKind, Fs, FsConfig, FsError, SetAttr, ROOT_INO};
-use bucketfs_store::fault::{Fault, FaultStore};
+use bucketfs_store::fault::Fault;
 use bucketfs_store::memory::MemoryStore;
 use bucketfs_store::metrics::Op;
 use bucketfs_store::ObjectStore;
@@ -1790,15 +1790,12 @@ async fn an_empty_page_settles_no_file_a_directory_may_follow() {
 async fn a_listing_read_while_its_directory_is_renamed_is_not_kept() {
     let mem = Arc::new(MemoryStore::new());
     put(&mem, "p/f", b"f").await;
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
     let ttl = Duration::from_secs(1);
-    let cfg = FsConfig {
+    let (faulty, fs, _cache) = crate::support::faulty_fs_with(&mem, |c| FsConfig {
         stat_ttl: ttl,
         negative_ttl: ttl,
-        ..config(&cache)
-    };
-    let fs = Fs::new(faulty.clone(), cfg);
+        ..c
+    });
     let p = fs.lookup(ROOT_INO, OsStr::new("p")).await.unwrap();
     assert_eq!(list(&fs, p.ino).await, [".", "..", "f"]);
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;

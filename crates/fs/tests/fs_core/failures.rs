@@ -1232,15 +1232,12 @@ async fn the_kernels_second_lookup_of_a_name_that_just_failed_fails_at_once() {
     let mem = Arc::new(MemoryStore::new());
     put(&mem, "ok11/f", b"f").await;
     put(&mem, "ok12/f", b"f").await;
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
     let ttl = Duration::from_secs(1);
-    let cfg = FsConfig {
+    let (faulty, fs, _cache) = crate::support::faulty_fs_with(&mem, |c| FsConfig {
         stat_ttl: ttl,
         negative_ttl: ttl,
-        ..config(&cache)
-    };
-    let fs = Fs::new(faulty.clone(), cfg);
+        ..c
+    });
     let d = fs.lookup(ROOT_INO, OsStr::new("ok11")).await.unwrap();
     let f = fs.lookup(d.ino, OsStr::new("f")).await.unwrap();
     // The entries expire: the kernel's revalidation asks the store.

@@ -769,18 +769,15 @@ async fn a_lookup_answered_after_a_change_here_keeps_the_change() {
 /// other version's.
 #[tokio::test]
 async fn a_rename_copying_the_version_before_one_learnt_meanwhile_stops_its_readers() {
-    use bucketfs_store::fault::{Fault, FaultStore};
+    use bucketfs_store::fault::Fault;
     use bucketfs_store::metrics::Op;
     use std::time::Duration;
     let mem = Arc::new(MemoryStore::new());
     put(&mem, "a", b"v1v1").await;
-    let faulty = Arc::new(FaultStore::new(mem.clone()));
-    let cache = tempfile::tempdir().unwrap();
-    let cfg = FsConfig {
+    let (faulty, fs, _cache) = crate::support::faulty_fs_with(&mem, |c| FsConfig {
         stat_ttl: Duration::ZERO,
-        ..config(&cache)
-    };
-    let fs = Fs::new(faulty.clone(), cfg);
+        ..c
+    });
     let a = fs.lookup(ROOT_INO, OsStr::new("a")).await.unwrap();
     faulty.inject(
         Op::Copy,

@@ -85,9 +85,17 @@ pub async fn create_written(fs: &Fs, name: &str, flags: i32, data: &[u8]) -> (u6
 
 /// The fs over a fault-injecting wrapper of `mem`, and its cache dir (keep it alive).
 pub fn faulty_fs(mem: &Arc<MemoryStore>) -> (Arc<FaultStore>, Arc<Fs>, tempfile::TempDir) {
+    faulty_fs_with(mem, |c| c)
+}
+
+/// [`faulty_fs`] with its configuration changed by `tune`.
+pub fn faulty_fs_with(
+    mem: &Arc<MemoryStore>,
+    tune: impl FnOnce(FsConfig) -> FsConfig,
+) -> (Arc<FaultStore>, Arc<Fs>, tempfile::TempDir) {
     let faulty = Arc::new(FaultStore::new(mem.clone()));
     let cache = tempfile::tempdir().unwrap();
-    let fs = Fs::new(faulty.clone(), config(&cache));
+    let fs = Fs::new(faulty.clone(), tune(config(&cache)));
     (faulty, fs, cache)
 }
 
