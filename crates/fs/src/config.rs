@@ -20,10 +20,7 @@ impl MinFree {
         let Ok(st) = statvfs(dir) else {
             return true;
         };
-        let (free, size) = (
-            st.f_bavail * st.f_frsize,
-            st.f_blocks * st.f_frsize,
-        );
+        let (free, size) = (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize);
         let floor = match self {
             MinFree::Bytes(b) => b,
             MinFree::Percent(p) => size / 100 * u64::from(p),
