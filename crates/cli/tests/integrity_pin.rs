@@ -63,6 +63,41 @@ fn an_append_racing_another_client_fails_at_close() {
     s3.remove_bucket(&b);
 }
 
+/// Another client deletes a file this mount has open for a partial rewrite: the close is
+/// refused (`ESTALE`), and a program that makes the file again at once (`>` in a shell,
+/// `open(O_CREAT|O_TRUNC)`) makes it. Before, that open failed with `ENOENT` for the
+/// kernel's cached name, until the release of the refused descriptor was done: the
+/// attributes it asked for by inode were `ENOENT`, now `ESTALE`, which has it look up again.
+#[test]
+fn a_file_made_again_right_after_a_close_refused_for_its_deletion_is_made() {
+    use std::os::unix::fs::FileExt;
+    let s3 = s3();
+    let b = s3.new_bucket("pinremake");
+    let m = Mount::s3(&b);
+    for i in 0..5 {
+        let name = format!("f{i}");
+        write_file(&m.join(&name), b"hello");
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(m.join(&name))
+            .unwrap();
+        f.write_at(b"J", 1).unwrap();
+        s3.delete(&b, &name);
+        assert_estale(close_checked(f), &m);
+        let made = File::create(m.join(&name)).and_then(|mut f| f.write_all(b"new").map(|()| f));
+        match made.and_then(close_checked) {
+            Ok(()) => assert_eq!(s3.get(&b, &name).unwrap(), b"new"),
+            Err(e) => panic!(
+                "{name}: made again after the refused close: {e}; log:\n{}",
+                m.log()
+            ),
+        }
+    }
+    drop(m);
+    s3.remove_bucket(&b);
+}
+
 #[test]
 fn a_pwrite_of_one_part_racing_another_client_fails_at_close() {
     let s3 = s3();

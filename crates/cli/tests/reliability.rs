@@ -590,6 +590,69 @@ fn a_full_state_disk_fails_with_enospc_and_leaves_the_journal_whole() {
     drop(m);
 }
 
+/// A write over bytes already staged, which the full cache disk cuts midway: the bytes the
+/// staging file took replaced the old ones, so the write is a short one of that count (or
+/// fails with nothing changed), and the file and the bucket hold exactly that. Before, the
+/// write failed with `ENOSPC` while its first 512 KiB had replaced the old bytes, and the
+/// `fsync` that followed stored them.
+#[test]
+fn a_write_the_full_cache_disk_cuts_is_a_short_write_of_what_it_took() {
+    use std::os::unix::fs::FileExt;
+    const MIB: u64 = 1 << 20;
+    let disk = SmallDisk::new(48).expect("this test mounts a tmpfs (run as root)");
+    let b = s3().new_bucket("cache-cut");
+    let m = MountSpec::s3(&b, "")
+        .arg("--cache-dir")
+        .arg(disk.path().to_str().unwrap())
+        .mount();
+    let f = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(m.join("f"))
+        .unwrap();
+    f.set_len(400 * MIB).unwrap();
+    // 1 MiB of 'a' in the middle of each 8 MiB until the cache disk is full.
+    let a = vec![b'a'; MIB as usize];
+    let mut parts = 0;
+    while parts < 50 && f.write_at(&a, parts * 8 * MIB + 4 * MIB).is_ok() {
+        parts += 1;
+    }
+    assert!(parts < 50, "the 48 MiB cache disk never filled");
+    // Half over staged 'a's (no new space needed), half over a hole.
+    let at = 4 * MIB + MIB / 2;
+    let z = vec![b'Z'; MIB as usize];
+    let took = match f.write_at(&z, at) {
+        Ok(n) => n,
+        Err(e) => {
+            assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+            0
+        }
+    };
+    let mut want = vec![b'a'; MIB as usize / 2];
+    want.extend(vec![0u8; MIB as usize / 2]);
+    want[..took].fill(b'Z');
+    let mut got = vec![0u8; MIB as usize];
+    f.read_exact_at(&mut got, at).unwrap();
+    let zs = |v: &[u8]| v.iter().filter(|&&c| c == b'Z').count();
+    assert!(
+        got == want,
+        "the write returned {took}; the file holds {} 'Z's there",
+        zs(&got)
+    );
+    f.sync_all().unwrap();
+    drop(f);
+    let stored = s3().get(&b, "f").unwrap();
+    let stored = &stored[at as usize..(at + MIB) as usize];
+    assert!(
+        stored == want.as_slice(),
+        "the write returned {took}; the bucket holds {} 'Z's there",
+        zs(stored)
+    );
+    drop(m);
+}
+
 fn hex_ok(s: &str) -> bool {
     !s.is_empty() && s.len().is_multiple_of(2) && s.bytes().all(|c| c.is_ascii_hexdigit())
 }

@@ -505,8 +505,18 @@ impl Fs {
             return Ok(self.live(a));
         }
         let (parent, name) = self.ns.place(ino)?;
-        self.ns.resolve(parent, OsStr::new(&name), 0).await?;
-        Ok(self.live(self.ns.attr(ino)?))
+        let found = async {
+            self.ns.resolve(parent, OsStr::new(&name), 0).await?;
+            self.ns.attr(ino)
+        };
+        match found.await {
+            // The kernel asks by inode for a name it still holds: the file is gone (another
+            // client deleted it, a close here was refused) and the handle is stale. `ESTALE`
+            // has `stat` and `open` look the name up again at once (`ENOENT`; an `O_CREAT`
+            // open then makes the file), where `ENOENT` failed them for the name's TTL.
+            Err(e) if e == FsError::ENOENT => Err(FsError::ESTALE),
+            r => r.map(|a| self.live(a)),
+        }
     }
 
     /// [`Fs::getattr`] through open descriptor `fh` (the kernel's size check before a read
@@ -515,7 +525,7 @@ impl Fs {
     /// open file does on a local disk.
     pub async fn getattr_open(&self, ino: Ino, fh: u64) -> FsResult<Attr> {
         match self.getattr(ino).await {
-            Err(e) if e == FsError::ENOENT && self.files.handle(ino, fh).is_ok() => {
+            Err(e) if e == FsError::ESTALE && self.files.handle(ino, fh).is_ok() => {
                 Ok(self.live(self.ns.attr(ino)?))
             }
             r => r,

@@ -648,8 +648,9 @@ impl WriteState {
                 if let Err(e) = self.spill_tail().await {
                     return short(at, e);
                 }
+                let rest = data.len() as u64;
                 return match self.write_staging(at, data).await {
-                    (0, Err(e)) => short(at, e),
+                    (took, Err(e)) if took < rest => short(at + took, e),
                     (_, r) => r.map(|()| len),
                 };
             };
@@ -1046,30 +1047,48 @@ impl WriteState {
 
     /// Writes `data` at `offset` of the staging file.
     async fn stage(&mut self, offset: u64, data: Bytes) -> FsResult<()> {
-        self.unshare().await?;
-        let staging = self.staging().await?;
-        inc_by(&self.cfg.metrics.staged_bytes, data.len() as u64);
+        self.stage_counted(offset, data).await.1
+    }
+
+    /// [`Self::stage`], also returning how many of the bytes the staging file took: a disk
+    /// that fills up midway takes the first ones.
+    async fn stage_counted(&mut self, offset: u64, data: Bytes) -> (u64, FsResult<()>) {
+        if let Err(e) = self.unshare().await {
+            return (0, Err(e));
+        }
+        let staging = match self.staging().await {
+            Ok(f) => f,
+            Err(e) => return (0, Err(e)),
+        };
         // Background mode: what is staged is committed (fsync'd) at close, in place when the
         // file is bigger than a record.
         let len = data.len() as u64;
         let flush = self.cfg.writeback.is_some()
             && len >= FLUSH_MIN
             && offset + len > crate::files::writeback::RECORD_MAX;
-        write_at(&staging, offset, data, flush).await
+        let (took, r) = write_at(&staging, offset, data, flush).await;
+        inc_by(&self.cfg.metrics.staged_bytes, took);
+        (took, r)
     }
 
     /// Writes `data` at `offset` through the staging file; returns how many bytes the file
-    /// took (all, or none when the disk refused them) and how the step ended.
+    /// took (all, or the first ones when the disk refused the rest) and how the step ended.
     async fn write_staging(&mut self, offset: u64, data: Bytes) -> (u64, FsResult<()>) {
-        let r = offset..offset + data.len() as u64;
         self.settle_spills().await;
-        if let Err(e) = self.stage(offset, data).await {
-            return (0, Err(e));
+        let (took, staged) = self.stage_counted(offset, data).await;
+        // Bytes the disk took replaced what was there: they are the file's now, and the
+        // write a short one (failing it as a whole left them in the file unsaid, and a
+        // close stored them).
+        let r = offset..offset + took;
+        if took > 0 {
+            self.local.insert(r.clone());
+            self.uploaded_only.remove(r.clone());
+            self.wrote(r.clone());
         }
-        self.local.insert(r.clone());
-        self.uploaded_only.remove(r.clone());
-        self.wrote(r.clone());
-        (r.end - r.start, self.stream_full_parts(r).await)
+        if let Err(e) = staged {
+            return (took, Err(e));
+        }
+        (took, self.stream_full_parts(r).await)
     }
 
     /// Sets the size (truncate/extend).
@@ -1487,19 +1506,35 @@ fn write_part_blocking(
 }
 
 /// Writes `data` to the staging file at `offset`: in place on a FUSE thread (see
-/// [`crate::inline::local_io`]; a page-cache write), else on the blocking pool.
-async fn write_at(staging: &Arc<File>, offset: u64, data: Bytes, flush: bool) -> FsResult<()> {
+/// [`crate::inline::local_io`]; a page-cache write), else on the blocking pool. Returns how
+/// many bytes the file took (the first ones, when the disk fills up midway) and the error.
+async fn write_at(
+    staging: &Arc<File>,
+    offset: u64,
+    data: Bytes,
+    flush: bool,
+) -> (u64, FsResult<()>) {
     let staging = staging.clone();
-    crate::inline::local_io(move || {
-        staging.write_all_at(&data, offset)?;
+    let done = crate::inline::local_io(move || {
+        let mut took = 0;
+        while took < data.len() {
+            match staging.write_at(&data[took..], offset + took as u64) {
+                Ok(0) => return (took, Err(std::io::ErrorKind::WriteZero.into())),
+                Ok(n) => took += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return (took, Err(e)),
+            }
+        }
         if flush {
             start_writeback(&staging, offset, data.len() as u64);
         }
-        Ok(())
+        (took, Ok(()))
     })
-    .await
-    .ok_or(FsError::EIO)?
-    .map_err(io_err)
+    .await;
+    match done {
+        Some((took, r)) => (took as u64, r.map_err(io_err)),
+        None => (0, Err(FsError::EIO)),
+    }
 }
 
 /// Starts writing bytes `len` at `offset` of `file` to disk, without waiting for it

@@ -784,3 +784,26 @@ async fn a_read_only_create_finding_the_file_truncates_it() {
     e.fs.release(a.ino, h.fh).await.unwrap();
     assert_eq!(object(&e.mem, "f").await, b"");
 }
+
+/// The kernel asks by inode for the attributes of a file another client deleted (its name
+/// still cached: after a refused close, or a `stat` within T): `ESTALE`, so that `stat` and
+/// `open` look the name up again (`ENOENT`, or an `O_CREAT` open makes it), not `ENOENT`,
+/// which failed an `open(O_CREAT)` of the name.
+#[tokio::test]
+async fn the_attributes_of_a_file_deleted_elsewhere_are_stale() {
+    let e = env();
+    put(&e.mem, "f", b"0123456789").await;
+    let f = e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap();
+    let h = e.fs.open(f.ino, libc::O_RDWR).await.unwrap();
+    e.fs.write(f.ino, h.fh, 1, Bytes::from_static(b"J"))
+        .await
+        .unwrap();
+    e.mem.delete("f").await.unwrap();
+    assert_eq!(e.fs.flush(f.ino, h.fh).await, Err(FsError::ESTALE));
+    e.fs.release(f.ino, h.fh).await.unwrap_or_default();
+    assert_eq!(e.fs.getattr(f.ino).await.unwrap_err(), FsError::ESTALE);
+    assert_eq!(
+        e.fs.lookup(ROOT_INO, OsStr::new("f")).await.unwrap_err(),
+        FsError::ENOENT
+    );
+}
