@@ -300,7 +300,7 @@ pub const OPTIONS: &[OptionSpec] = &[
     ),
     value("max_memory", "SIZE")
         .env()
-        .default_text("an eighth of RAM or of the cgroup memory limit, 256M to 4G")
+        .default_text("an eighth of RAM or of the cgroup memory limit, 256M to 4G, at most half of that memory less 64M")
         .help(
             "Memory for prefetched data and upload buffers of all files together (K/M/G). \
              When it is full, read-ahead shrinks and writers wait; the daemon does not grow \

@@ -550,7 +550,8 @@ impl MemoryBudget {
 }
 
 /// A default budget from the memory this process may use: an eighth of RAM, or of its
-/// cgroup's limit when lower (a container's), between 256 MiB and 4 GiB.
+/// cgroup's limit when lower (a container's), between 256 MiB and 4 GiB (see
+/// [`budget_within`]).
 pub fn default_budget() -> u64 {
     let total = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -564,7 +565,17 @@ pub fn default_budget() -> u64 {
         .unwrap_or(2 << 30);
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
     let limit = cgroup_limit(&own, Path::new("/sys/fs/cgroup")).unwrap_or(u64::MAX);
-    (total.min(limit) / 8).clamp(256 << 20, 4 << 30)
+    budget_within(total.min(limit))
+}
+
+/// The default budget of a process that may use `memory`: an eighth of it, 256 MiB to 4 GiB,
+/// but never more than half of what the overhead beside the budget (up to 64 MiB) leaves,
+/// nor less than 32 MiB. In a container of 330 MiB a 256 MiB budget left too little room,
+/// and the kernel killed the daemon (the mount died) under 128 readers.
+fn budget_within(memory: u64) -> u64 {
+    const MIB: u64 = 1 << 20;
+    let eighth = (memory / 8).clamp(256 * MIB, 4096 * MIB);
+    eighth.min((memory.saturating_sub(64 * MIB) / 2).max(32 * MIB))
 }
 
 /// The tightest memory limit on a process whose `/proc/self/cgroup` says `own`, with the
@@ -606,6 +617,17 @@ mod tests {
 
     /// A container's memory limit (cgroup v2, set on an ancestor too) sizes the default
     /// budget, not the machine's RAM; "max" and unreadable files limit nothing; v1 too.
+    #[test]
+    fn the_default_budget_leaves_room_in_a_small_container() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(budget_within(64 << 30), 4096 * MIB);
+        assert_eq!(budget_within(16 << 30), 2048 * MIB);
+        assert_eq!(budget_within(1 << 30), 256 * MIB);
+        assert_eq!(budget_within(512 * MIB), 224 * MIB);
+        assert_eq!(budget_within(330 * MIB), 133 * MIB);
+        assert_eq!(budget_within(100 * MIB), 32 * MIB);
+    }
+
     #[test]
     fn the_tightest_cgroup_memory_limit_is_found() {
         let root = tempfile::tempdir().unwrap();
