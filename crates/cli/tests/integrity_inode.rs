@@ -95,6 +95,37 @@ fn st_ino_survives_forget_and_rename() {
     assert!(m.daemon_alive(), "{}", m.log());
 }
 
+/// A symlink listed once directories are listed without metadata (after a walk that stats
+/// no files, such as `find`): such a listing cannot tell it from a file. Its number stays
+/// the same across `drop_caches`, and `d_ino` is `st_ino`. Before, its next lookup gave it a
+/// fresh number (2, 7, ...) while the kernel still held the listed file's.
+#[test]
+fn a_symlink_keeps_its_number_after_a_listing_without_metadata() {
+    let s3 = s3();
+    let b = s3.new_bucket("ino-symlink");
+    for i in 0..100 {
+        s3.put(&b, &format!("g/file{i:03}"), "");
+    }
+    let m = MountSpec::s3(&b, "").arg("--stat-ttl").arg("1").mount();
+    fs::create_dir(m.join("f")).unwrap();
+    std::os::unix::fs::symlink("tgt", m.join("f/a")).unwrap();
+    let first = fs::symlink_metadata(m.join("f/a")).unwrap().ino();
+    for round in 0..2 {
+        drop_caches();
+        std::thread::sleep(Duration::from_millis(1500));
+        // 100 files listed, none stat'ed: the next listings come without metadata.
+        let found = Command::new("find").arg(m.join("g")).output().unwrap();
+        assert!(found.status.success());
+        assert_eq!(
+            numbers(&m.join("f")).get("a"),
+            Some(&first),
+            "round {round}"
+        );
+    }
+    drop(m);
+    s3.remove_bucket(&b);
+}
+
 /// One source tree for tar: directories with modes tar sets last (0755, 0750, 0711),
 /// files, and symlinks: relative ones (made at once), and absolute or `..` ones, which GNU
 /// tar extracts as empty mode-000 placeholders and turns into symlinks at the end, after

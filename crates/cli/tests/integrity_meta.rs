@@ -90,6 +90,59 @@ fn moves_times(what: &str, path: &Path, f: impl FnOnce()) {
 /// closed, its times set, opened read-only and `fchmod`ed to 0664, closed, and renamed into
 /// place. A chmod/utimens arriving while the last close was still being released was lost
 /// (5-7 of 1,000 kept mode 0600 in the bucket while stat showed 0664 until remount).
+/// Objects another tool wrote (no `x-amz-meta-mtime`: their mtime is their Last-Modified)
+/// keep their mtime through `mv` of the file and of a directory above it, and through a
+/// remount. Before, the copy's Last-Modified became the file's mtime: the time of the `mv`.
+/// The mtime is in whole seconds whether a listing or a `HEAD` answered (before, a listing
+/// showed milliseconds a `HEAD` had not).
+#[test]
+fn mv_keeps_the_mtime_of_objects_other_tools_wrote() {
+    let s3 = s3();
+    let b = s3.new_bucket("mvmtime");
+    s3.put(&b, "src/f1", "one");
+    s3.put(&b, "src/sub/f2", "two");
+    s3.put(&b, "g", "three");
+    let spec = || MountSpec::s3(&b, "").arg("--stat-ttl").arg("1");
+    let m = spec().mount();
+    let mtime = |p: &str| fs::symlink_metadata(m.join(p)).unwrap().modified().unwrap();
+    let before = [mtime("src/f1"), mtime("src/sub/f2"), mtime("g")];
+    for t in before {
+        assert_eq!(secs(t).fract(), 0.0, "{t:?} is not in whole seconds");
+    }
+    // An `ls` (a listing) shows the same times as the stats (HEADs) did.
+    std::thread::sleep(Duration::from_millis(1500));
+    Command::new("ls")
+        .arg("-lR")
+        .arg(m.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        [mtime("src/f1"), mtime("src/sub/f2"), mtime("g")],
+        before,
+        "after ls"
+    );
+    std::thread::sleep(Duration::from_millis(1100));
+    fs::rename(m.join("src"), m.join("dst")).unwrap();
+    fs::rename(m.join("g"), m.join("g2")).unwrap();
+    let after = || [mtime("dst/f1"), mtime("dst/sub/f2"), mtime("g2")];
+    assert_eq!(after(), before, "right after the renames");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(after(), before, "after T");
+    for k in ["dst/f1", "dst/sub/f2", "g2"] {
+        assert!(stored_mtime(&b, k) > 0.0);
+    }
+    drop(m);
+    let m = spec().mount();
+    let mtime = |p: &str| fs::symlink_metadata(m.join(p)).unwrap().modified().unwrap();
+    assert_eq!(
+        [mtime("dst/f1"), mtime("dst/sub/f2"), mtime("g2")],
+        before,
+        "after a remount"
+    );
+    drop(m);
+    s3.remove_bucket(&b);
+}
+
 #[test]
 fn rsync_like_loop_keeps_every_mode_and_mtime() {
     const WORKERS: usize = 4;

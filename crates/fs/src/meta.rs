@@ -99,6 +99,14 @@ fn parse_time(s: &str) -> Option<SystemTime> {
     UNIX_EPOCH.checked_add(Duration::try_from_secs_f64(f).ok()?)
 }
 
+/// An object's Last-Modified as a time of its file: in whole seconds, as a `HEAD` gives it (a
+/// listing gives milliseconds), so that the mtime of an object another tool wrote does not
+/// move by itself when the next answer about it comes from the other request.
+pub fn whole_seconds(t: SystemTime) -> SystemTime {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    UNIX_EPOCH + std::time::Duration::from_secs(d.as_secs())
+}
+
 fn format_time(t: SystemTime) -> String {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     if d.subsec_nanos() == 0 {
@@ -187,7 +195,10 @@ impl AttrPolicy {
             _ if ino == crate::ROOT_INO => perm & !self.umask & !self.mp_umask,
             _ => perm & !self.umask,
         };
-        let mtime = meta.mtime.or(last_modified).unwrap_or(UNIX_EPOCH);
+        let mtime = meta
+            .mtime
+            .or(last_modified.map(whole_seconds))
+            .unwrap_or(UNIX_EPOCH);
         Attr {
             ino,
             kind,

@@ -282,11 +282,13 @@ impl Fs {
             }
             None => None,
         };
+        let user = self.ns.with(src.0, |i| i.user.clone());
         let moved = self
             .move_object(
                 path,
                 new_path,
                 version,
+                user.as_ref(),
                 guard.as_deref_mut(),
                 &mut replaced_held,
             )
@@ -344,6 +346,7 @@ impl Fs {
         path: &MountPath,
         new_path: &MountPath,
         version: (u64, Option<String>),
+        user: Option<&UserMeta>,
         st: Option<&mut WriteState>,
         replaced: &mut Held,
     ) -> FsResult<Option<String>> {
@@ -353,7 +356,7 @@ impl Fs {
             // The copy has an ETag of its own (a multipart source's never carries over):
             // readers pin it with If-Match.
             let copied = self
-                .copy_object(&src, &dst, size, None, etag.as_deref())
+                .copy_moving(&src, &dst, size, etag.as_deref(), user)
                 .await?;
             replaced.discard(&dst).await;
             testpoint::reached("rename.copied").await;
@@ -506,7 +509,8 @@ impl Fs {
                 // The state reads its base from the copy, pinned to the copy's own ETag. With
                 // no base (rewritten from empty), the version the HEAD saw.
                 let from = pin.as_deref().or(o.etag.as_deref());
-                Some(self.copy_object(src, dst, o.size, None, from).await?)
+                let listed = o.user_complete.then_some(&o.user);
+                Some(self.copy_moving(src, dst, o.size, from, listed).await?)
             }
             None => {
                 // The name's old object (a file replaced) is gone; this one comes at close.
@@ -841,8 +845,9 @@ impl Fs {
                 let to = format!("{dst}{}", &o.key[src.len()..]);
                 // Each object as listed: its size and version go together.
                 async move {
+                    let listed = o.user_complete.then_some(&o.user);
                     let etag = self
-                        .copy_object(&o.key, &to, o.size, None, o.etag.as_deref())
+                        .copy_moving(&o.key, &to, o.size, o.etag.as_deref(), listed)
                         .await?;
                     let (from, size) = (o.etag.clone(), o.size);
                     Ok((to, Copied { from, size, etag }))
@@ -915,11 +920,49 @@ impl Fs {
                 .map_err(|e| log_store_err(&format!("mkdir {dst}"), e))?;
             return Ok(None);
         };
+        let listed = o.user_complete.then_some(&o.user);
         let etag = self
-            .copy_object(&o.key, dst, o.size, None, o.etag.as_deref())
+            .copy_moving(&o.key, dst, o.size, o.etag.as_deref(), listed)
             .await?;
         let (from, size) = (o.etag.clone(), o.size);
         Ok(Some((dst.to_string(), Copied { from, size, etag })))
+    }
+
+    /// The copy a rename makes of `src` (version `etag`) at `dst`: the object's mtime goes
+    /// with it. One another tool wrote has no `mtime` of its own (its mtime is its
+    /// Last-Modified, which the copy's replaces): the copy gets it, beside the object's
+    /// other metadata, so `mv` keeps the file's mtime as on a local disk (before: the time
+    /// of the rename). `user`: the object's user metadata where known whole; else a `HEAD`
+    /// asks, unless it names an `mtime`.
+    async fn copy_moving(
+        &self,
+        src: &str,
+        dst: &str,
+        size: u64,
+        etag: Option<&str>,
+        user: Option<&UserMeta>,
+    ) -> FsResult<String> {
+        let has_mtime = |u: &UserMeta| u.contains_key(crate::meta::META_MTIME);
+        let meta = match user {
+            Some(u) if has_mtime(u) => None,
+            _ => match self.store.head(src).await {
+                // Another version than the one to move: the pinned copy refuses it.
+                Ok(h) if etag.is_some() && h.etag.as_deref() != etag => None,
+                Ok(h) if has_mtime(&h.user) => None,
+                Ok(h) => h.last_modified.map(|t| {
+                    let mut u = h.user;
+                    crate::meta::PosixMeta {
+                        mtime: Some(crate::meta::whole_seconds(t)),
+                        ..Default::default()
+                    }
+                    .write_into(&mut u);
+                    u
+                }),
+                Err(StoreError::NotFound(_)) if etag.is_some() => return Err(FsError::ESTALE),
+                Err(e) => return Err(log_store_err(&format!("stat {src}"), e)),
+            },
+        };
+        self.copy_object(src, dst, size, meta.as_ref(), etag).await
     }
 }
 

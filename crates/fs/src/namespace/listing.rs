@@ -744,6 +744,6 @@ impl Namespace {
 
 /// Whether a listing without user metadata may have shown `known`, a symlink, as `listed`:
 /// it tells symlinks from files by their mode only.
-fn listed_as_file(known: FileKind, listed: FileKind) -> bool {
+pub(super) fn listed_as_file(known: FileKind, listed: FileKind) -> bool {
     known == FileKind::Symlink && listed == FileKind::File
 }

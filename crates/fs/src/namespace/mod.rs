@@ -381,6 +381,17 @@ impl Namespace {
         }
         if let Some(ino) = t.child(parent, name) {
             let i = t.get_mut(ino).expect("child in table");
+            let same_object = match &i.etag {
+                Some(e) => f.obj.etag.as_ref() == Some(e),
+                None => !i.writing && i.open_handles == 0,
+            };
+            if listing::listed_as_file(f.kind, i.kind) && same_object {
+                // A listing without metadata took this symlink for a file: the same object,
+                // so the same inode and number (a new number for it, while the kernel still
+                // held the file's, changed its st_ino and d_ino after a drop_caches).
+                i.kind = f.kind;
+                i.symlink_target = None;
+            }
             if i.kind == f.kind {
                 let mut a = self.policy.attr_of_object(ino, f.kind, &f.obj);
                 if f.kind == FileKind::Dir && i.attr.mtime > a.mtime {
