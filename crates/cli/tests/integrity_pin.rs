@@ -98,6 +98,38 @@ fn a_file_made_again_right_after_a_close_refused_for_its_deletion_is_made() {
     s3.remove_bucket(&b);
 }
 
+/// A file another client deleted keeps its attributes for the descriptors open here
+/// (`fstat`, as on a local disk; `tail --follow=descriptor` stats its descriptor), while a
+/// `stat` of its name gets `ENOENT` once the mount learnt of the delete.
+#[test]
+fn fstat_of_a_file_deleted_elsewhere_works_while_it_is_open() {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let s3 = s3();
+    let b = s3.new_bucket("pinfstat");
+    s3.put(&b, "f", "0123456789");
+    let m = MountSpec::s3(&b, "").arg("--stat-ttl").arg("1").mount();
+    let mut f = File::open(m.join("f")).unwrap();
+    let mut head = [0u8; 3];
+    f.read_exact(&mut head).unwrap();
+    s3.delete(&b, "f");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let md = f
+        .metadata()
+        .unwrap_or_else(|e| panic!("fstat: {e}; log:\n{}", m.log()));
+    assert_eq!(md.size(), 10);
+    match fs::metadata(m.join("f")) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+        other => panic!("stat of the deleted name: {other:?}"),
+    }
+    let mut rest = Vec::new();
+    f.read_to_end(&mut rest).unwrap();
+    assert_eq!(rest, b"3456789");
+    drop(f);
+    drop(m);
+    s3.remove_bucket(&b);
+}
+
 #[test]
 fn a_pwrite_of_one_part_racing_another_client_fails_at_close() {
     let s3 = s3();

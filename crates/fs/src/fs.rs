@@ -510,25 +510,17 @@ impl Fs {
             self.ns.attr(ino)
         };
         match found.await {
-            // The kernel asks by inode for a name it still holds: the file is gone (another
-            // client deleted it, a close here was refused) and the handle is stale. `ESTALE`
-            // has `stat` and `open` look the name up again at once (`ENOENT`; an `O_CREAT`
-            // open then makes the file), where `ENOENT` failed them for the name's TTL.
-            Err(e) if e == FsError::ENOENT => Err(FsError::ESTALE),
+            // The kernel asks by inode for a name it still holds, and the file is gone
+            // (another client deleted it). Open here, it keeps its attributes for its
+            // descriptors (`fstat`, the kernel's size check before a read), as an open file
+            // does on a local disk. Else the handle is stale: `ESTALE` has `stat` and `open`
+            // look the name up again at once (`ENOENT`; an `O_CREAT` open then makes the
+            // file), where `ENOENT` failed them for the name's TTL.
+            Err(e) if e == FsError::ENOENT => match self.ns.with(ino, |i| i.open_handles > 0) {
+                Some(true) => Ok(self.live(self.ns.attr(ino)?)),
+                _ => Err(FsError::ESTALE),
+            },
             r => r.map(|a| self.live(a)),
-        }
-    }
-
-    /// [`Fs::getattr`] through open descriptor `fh` (the kernel's size check before a read
-    /// past the size it knows, `lseek(SEEK_END)`; not `fstat`, which asks by inode): a file
-    /// another client deleted since the open keeps its attributes for its descriptors, as an
-    /// open file does on a local disk.
-    pub async fn getattr_open(&self, ino: Ino, fh: u64) -> FsResult<Attr> {
-        match self.getattr(ino).await {
-            Err(e) if e == FsError::ESTALE && self.files.handle(ino, fh).is_ok() => {
-                Ok(self.live(self.ns.attr(ino)?))
-            }
-            r => r,
         }
     }
 

@@ -473,14 +473,10 @@ impl Filesystem for FuseFs {
     // `batch_forget` keeps fuser's default (one `forget` per node): fuser 0.18 does not export
     // the `ForgetOne` type its signature names.
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let fs = self.fs.clone();
         self.serve(async move {
-            let got = match fh {
-                Some(fh) => fs.getattr_open(ino.0, fh.0).await,
-                None => fs.getattr(ino.0).await,
-            };
-            match got {
+            match fs.getattr(ino.0).await {
                 Ok(a) => reply.attr(&fs.attr_ttl(&a), &file_attr(&a)),
                 Err(e) => reply.error(errno("getattr", e)),
             }
